@@ -353,6 +353,14 @@ class KVCachePolicySpec(_Model):
             _rule("!(has(self.engine) && self.engine == 'trtllm' && self.backend == 'kvtier')",
                   "engine trtllm does not support backend kvtier (its plug-ins load into vLLM)",
                   field_path=".backend"),
+            _rule("!(has(self.engine) && self.engine == 'trtllm') || self.tiers.all(t, t.evictionPolicy == 'lru')",
+                  "engine trtllm has one eviction policy for offloaded blocks: set evictionPolicy lru",
+                  field_path=".tiers"),
+            _rule("!(has(self.engine) && self.engine == 'trtllm') || self.gpu.kvCacheDtype in ['auto', 'fp8']",
+                  "engine trtllm supports gpu.kvCacheDtype auto or fp8", field_path=".gpu.kvCacheDtype"),
+            _rule("!(has(self.engine) && self.engine == 'trtllm') || "
+                  "self.tiers.filter(t, t.medium == 'filesystem').size() <= 1",
+                  "engine trtllm supports one filesystem tier (disk_cache_path)", field_path=".tiers"),
             _rule("!(has(self.engine) && self.engine == 'trtllm') || "
                   "self.blockSize in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]",
                   message_expression="'TensorRT-LLM tokens_per_block must be a power of 2, not ' + "
