@@ -71,6 +71,7 @@ class Plan:
     status: dict[str, Any]
     events: list[Event] = field(default_factory=list)
     invalid: bool = False
+    context: Optional[tuple[Any, ...]] = None  # what the status was computed from, for with_failures()
 
 
 def config_map_name(policy_name: str) -> str:
@@ -226,6 +227,14 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
         files = render(policy, enabled_tiers=on, config_map_name=config_map_name(name)).files
     config_map = config_map_body(policy_obj, files) if files is not None else None
 
+    status, events = _summarize(policy_obj, states, on, engine, targets, ws, now)
+    return Plan(config_map, targets, status, events, context=(states, on, engine, ws))
+
+
+def _summarize(policy_obj: dict[str, Any], states: list[dict[str, Any]], on: list[str], engine: Optional[str],
+               targets: list[TargetPlan], ws: list[Workload], now: str) -> tuple[dict[str, Any], list[Event]]:
+    meta, old = policy_obj["metadata"], policy_obj.get("status") or {}
+    generation = meta.get("generation")
     selected = [t for t in targets if t.state != RELEASED]
     conds = _conditions(selected, ws, meta.get("namespace", ""))
     status: dict[str, Any] = {
@@ -236,7 +245,20 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
         "tiers": states,
         "targets": [t.status() for t in selected],
     }
-    return Plan(config_map, targets, status, _events(old.get("conditions") or [], status["conditions"], targets, old))
+    return status, _events(old.get("conditions") or [], status["conditions"], targets, old)
+
+
+def with_failures(result: Plan, policy_obj: dict[str, Any], failures: dict[str, str], now: str) -> Plan:
+    """The plan after some writes were refused (e.g. a field another manager owns): those targets become
+    errors with the server's words, and conditions and events are recomputed from that."""
+    if not failures or result.context is None:
+        return result
+    for t in result.targets:
+        if t.ref in failures:
+            t.state, t.message, t.config_hash = ERROR, failures[t.ref], None
+    states, on, engine, ws = result.context
+    status, events = _summarize(policy_obj, states, on, engine, result.targets, ws, now)
+    return Plan(result.config_map, result.targets, status, events, context=result.context)
 
 
 def _conditions(targets: list[TargetPlan], workloads: list[Workload], namespace: str) -> list[Cond]:
