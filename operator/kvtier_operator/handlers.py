@@ -73,6 +73,7 @@ class Operator:
         # Hooks for tests and the benchmark: called after every reconcile with (key, outcome).
         self.on_reconciled: list[Callable[[Key, Outcome], None]] = []
         self.slo_hook: Optional[Callable[..., Any]] = None
+        self.tier_states_fn: Optional[rc.TierStatesFn] = None  # set when the SLO guard is wired in
 
     # ----------------------------------------------------------------------------------------- triggers
 
@@ -157,7 +158,7 @@ class Operator:
         others_objs = [{"metadata": {"name": o["name"]}, "spec": {"selector": o.get("selector")}} for o in others]
         now = now_rfc3339()
         plan = rc.plan(policy, workloads, others_objs, now=now, node_allocatable=self.node_allocatable(),
-                       cleanup_image=self.settings.cleanup_image)
+                       cleanup_image=self.settings.cleanup_image, tier_states_fn=self.tier_states_fn)
         outcome = Outcome(policy)
         # The ConfigMap first, so pods rolled by the new hash read the new files.
         if plan.config_map is not None:

@@ -6,7 +6,7 @@ No I/O here: ``handlers`` reads the cluster, calls ``plan`` and performs what it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from .api import v1alpha1 as api
 from .api.validation import PolicyInvalid, parse_policy
@@ -25,6 +25,13 @@ from .workload import (
     with_config_args,
     without_config_args,
 )
+
+TierStatesFn = Callable[[api.KVCachePolicySpec, dict[str, Any], str], list[dict[str, Any]]]
+
+
+def _default_tier_states(spec: api.KVCachePolicySpec, policy_obj: dict[str, Any], now: str) -> list[dict[str, Any]]:
+    return tier_states(spec, (policy_obj.get("status") or {}).get("tiers") or [], now)
+
 
 # Target states (status.targets[].state).
 APPLIED = "Applied"
@@ -167,11 +174,13 @@ def _target(policy: api.KVCachePolicy, w: Workload, enabled_tiers: list[str], *,
 
 
 def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_policies: Iterable[dict[str, Any]],
-         *, now: str, node_allocatable: Optional[int] = None, cleanup_image: str = "busybox:1.37.0") -> Plan:
+         *, now: str, node_allocatable: Optional[int] = None, cleanup_image: str = "busybox:1.37.0",
+         tier_states_fn: Optional[TierStatesFn] = None) -> Plan:
     """Everything one reconcile of ``policy_obj`` must write.
 
     ``workloads``: Deployments and StatefulSets of the namespace that match the selector or carry our policy
-    label. ``other_policies``: the namespace's other live policies (for conflicts).
+    label. ``other_policies``: the namespace's other live policies (for conflicts). ``tier_states_fn``: where
+    tier states come from when the SLO guard is wired in (default: seeded from the spec, kept from status).
     """
     meta = policy_obj["metadata"]
     name, generation = meta["name"], meta.get("generation")
@@ -189,7 +198,7 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
                     invalid=True)
 
     spec = policy.spec
-    states = tier_states(spec, old.get("tiers") or [], now)
+    states = (tier_states_fn or _default_tier_states)(spec, policy_obj, now)
     on = enabled(states)
     others = [p for p in other_policies if p["metadata"]["name"] != name]
     targets: list[TargetPlan] = []

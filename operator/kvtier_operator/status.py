@@ -33,20 +33,20 @@ def merge_conditions(old: Iterable[dict[str, Any]], new: Iterable[Cond], generat
     Conditions of types this reconcile does not compute (e.g. ``SLOUnknown`` from the SLO guard) are kept as they
     are, so the two writers do not erase each other.
     """
+    old = list(old)
     previous = {c.get("type"): c for c in old}
-    out: list[dict[str, Any]] = []
-    computed = set()
+    computed: dict[str, dict[str, Any]] = {}
     for c in new:
-        computed.add(c.type)
         before = previous.get(c.type)
         since = before.get("lastTransitionTime") if before and before.get("status") == c.status else None
         entry = {"type": c.type, "status": c.status, "reason": c.reason, "message": c.message,
                  "lastTransitionTime": since or now}
         if generation is not None:
             entry["observedGeneration"] = generation
-        out.append(entry)
-    out += [c for t, c in previous.items() if t not in computed]
-    return out
+        computed[c.type] = entry
+    # Keep the stored order (two writers each recomputing their own types must not reorder the list).
+    out = [computed.pop(c.get("type"), c) for c in old]
+    return out + list(computed.values())
 
 
 def transitions(old: Iterable[dict[str, Any]], new: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -191,7 +191,9 @@ def test_condition_transition_time_moves_only_on_a_flip():
     assert flipped[0]["lastTransitionTime"] == LATER
     kept = merge_conditions([{"type": "SLOUnknown", "status": "True", "reason": "x", "lastTransitionTime": NOW}],
                             [Cond("Ready", "True", "Applied")], 1, NOW)
-    assert [c["type"] for c in kept] == ["Ready", "SLOUnknown"]
+    assert [c["type"] for c in kept] == ["SLOUnknown", "Ready"]
+    reordered = merge_conditions(kept, [Cond("Ready", "True", "Applied")], 1, LATER)
+    assert [c["type"] for c in reordered] == ["SLOUnknown", "Ready"] and reordered == kept
 
 
 def test_named_container_missing_is_an_error():
