@@ -20,7 +20,7 @@ class Settings:
 
     namespaces: tuple[str, ...] = ()  # empty: all namespaces
     standalone: bool = False
-    peering_name: str = "kvtier"
+    peering_name: Optional[str] = None  # None: kopf's default peering if its CRDs exist, else standalone
     liveness_endpoint: Optional[str] = "http://0.0.0.0:8080/healthz"
     metrics_port: Optional[int] = 9090  # 0 picks a free port; None disables
     metrics_host: str = "0.0.0.0"
@@ -56,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--standalone", action="store_true", default=None,
                       help="run without peering (exactly one replica; env KVTIER_STANDALONE)")
     mode.add_argument("--peering", dest="peering_name",
-                      help="kopf peering object name (env KVTIER_PEERING, default kvtier); needs the "
-                           "KopfPeering CRDs; only the highest-priority replica acts")
+                      help="kopf peering object name (env KVTIER_PEERING); makes peering mandatory (needs the "
+                           "KopfPeering CRDs); only the highest-priority replica acts. Default: kopf's default "
+                           "peering when its CRDs exist, else standalone")
     p.add_argument("--liveness", dest="liveness_endpoint",
                    help="liveness URL to serve (env KVTIER_LIVENESS, default http://0.0.0.0:8080/healthz; "
                         "'off' disables)")
