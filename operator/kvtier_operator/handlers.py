@@ -74,6 +74,7 @@ class Operator:
         self.on_reconciled: list[Callable[[Key, Outcome], None]] = []
         self.slo_hook: Optional[Callable[..., Any]] = None
         self.tier_states_fn: Optional[rc.TierStatesFn] = None  # set when the SLO guard is wired in
+        self.slo_source: Optional[Callable[[str, str], Any]] = None  # test seam: measurements instead of Prometheus
 
     # ----------------------------------------------------------------------------------------- triggers
 

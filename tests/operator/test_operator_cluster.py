@@ -45,6 +45,20 @@ def get_policy(kube, namespace: str, name: str) -> Optional[dict[str, Any]]:
     return kube.get(policy_path(namespace, name))
 
 
+def update_policy(kube, namespace: str, name: str, mutate) -> dict[str, Any]:
+    """Read-modify-write of the policy's spec/metadata, retried when the operator's status write races it."""
+    for _ in range(20):
+        pol = get_policy(kube, namespace, name)
+        mutate(pol)
+        try:
+            return kube.request("PUT", policy_path(namespace, name), body=pol)
+        except ApiError as err:
+            if err.status != 409:
+                raise
+            time.sleep(0.1)
+    raise AssertionError("could not update the policy")
+
+
 def get_workload(kube, namespace: str, name: str, kind: str = "Deployment") -> dict[str, Any]:
     return kube.get(workload_path(kind, namespace, name))
 
@@ -131,8 +145,7 @@ def test_apply_update_delete(kube, namespace, run_operator):
 
     # Update: a bigger cpu tier re-renders and re-applies (new hash, new ConfigMap content).
     first_hash = template_hash(wl)
-    pol["spec"]["tiers"][0]["size"] = "32Gi"
-    kube.request("PUT", policy_path(namespace, "llm"), body=pol)
+    update_policy(kube, namespace, "llm", lambda p: p["spec"]["tiers"][0].update(size="32Gi"))
     wait_for(lambda: template_hash(get_workload(kube, namespace, "llm")) not in (None, first_hash), 30,
              what="new config hash after the policy update")
     pol, wl = wait_applied(kube, namespace, "llm", "llm")
@@ -278,8 +291,7 @@ def test_invalid_policy_for_its_target_is_a_condition_not_a_crash(kube, namespac
     wait_applied(kube, namespace, "llm", "llm")  # the operator keeps working for everyone else
     assert runner.error is None
     # Fixing the policy applies it.
-    pol["spec"]["backend"] = "native"
-    kube.request("PUT", policy_path(namespace, "trt"), body=pol)
+    update_policy(kube, namespace, "trt", lambda p: p["spec"].update(backend="native"))
     wait_for(lambda: cond(get_policy(kube, namespace, "trt"), "Ready").get("status") == "True", 30,
              what="fixed policy Ready")
 
@@ -330,9 +342,8 @@ def test_409_mid_reconcile_is_retried(kube, namespace, run_operator):
         # write carries the resourceVersion it planned from, so the server answers 409 Conflict.
         if path.endswith("/status") and not injected.is_set():
             injected.set()
-            pol = get_policy(kube, namespace, "llm")
-            pol["metadata"].setdefault("labels", {})["touched"] = "yes"
-            kube.request("PUT", policy_path(namespace, "llm"), body=pol)
+            update_policy(kube, namespace, "llm", lambda p: p["metadata"].setdefault("labels", {}).update(
+                touched="yes"))
 
     runner.op.kube.before_write = race
     create_policy(kube, make_policy("llm", namespace))
