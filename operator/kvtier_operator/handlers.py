@@ -226,7 +226,7 @@ class Operator:
         def login(**_: Any) -> kopf.ConnectionInfo:
             return connection_info(op.kube)
 
-        @kopf.index(*POLICY, id="kvtier-policies", registry=registry)
+        @kopf.index(*POLICY, id="kvtier_policies", registry=registry)  # the id is the kwarg name
         def kvtier_policies(namespace: str, name: str, spec: Any, meta: Any, **_: Any) -> dict[str, Any]:
             return {namespace: {"name": name, "selector": dict(spec).get("selector"),
                                 "deleting": bool(meta.get("deletionTimestamp"))}}

@@ -34,7 +34,8 @@ class ApiError(Exception):
     def field_conflict(self) -> bool:
         """Server-side apply refused because another manager owns a field we set (needs a person, not a retry)."""
         causes = (self.body.get("details") or {}).get("causes") or []
-        return self.status == 409 and any(c.get("type") == "FieldManagerConflict" for c in causes)
+        # StatusCause serialises its type under "reason".
+        return self.status == 409 and any(c.get("reason") == "FieldManagerConflict" for c in causes)
 
     @property
     def transient(self) -> bool:

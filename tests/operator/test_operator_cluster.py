@@ -13,112 +13,13 @@ from typing import Any, Optional
 
 import pytest
 
-from kvtier_operator.kube import ApiError, config_map_path, policy_path, workload_path
-from kvtier_operator.settings import CONFIG_HASH_ANNOTATION, FIELD_MANAGER, POLICY_LABEL
-
-from operator_builders import TRTLLM_IMAGE, deployment, nvme_tier
-from plugins.operator import wait_for
+from kvtier_operator.kube import config_map_path, policy_path, workload_path
+from kvtier_operator.settings import FIELD_MANAGER, POLICY_LABEL
+from plugins.operator import (GITOPS, TRTLLM_IMAGE, assert_owns_only_injected, cond, create_policy, deployment,
+                              get_policy, get_workload, make_policy, manager_entry, nvme_tier, template_hash,
+                              update_policy, user_apply, wait_applied, wait_for)
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.slow]
-GITOPS = "argocd-controller"
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-
-def make_policy(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
-    body = {"selector": {"matchLabels": {"app": name}}, "tiers": [{"name": "cpu", "medium": "cpu", "size": "16Gi"}]}
-    body.update(spec)
-    return {"apiVersion": "kvtier.io/v1alpha1", "kind": "KVCachePolicy",
-            "metadata": {"name": name, "namespace": namespace}, "spec": body}
-
-
-def user_apply(kube, manifest: dict[str, Any], manager: str = GITOPS) -> dict[str, Any]:
-    meta = manifest["metadata"]
-    return kube.apply(workload_path(manifest["kind"], meta["namespace"], meta["name"]), manifest, manager=manager)
-
-
-def create_policy(kube, policy: dict[str, Any]) -> dict[str, Any]:
-    return kube.create(policy_path(policy["metadata"]["namespace"]), policy)
-
-
-def get_policy(kube, namespace: str, name: str) -> Optional[dict[str, Any]]:
-    return kube.get(policy_path(namespace, name))
-
-
-def update_policy(kube, namespace: str, name: str, mutate) -> dict[str, Any]:
-    """Read-modify-write of the policy's spec/metadata, retried when the operator's status write races it."""
-    for _ in range(20):
-        pol = get_policy(kube, namespace, name)
-        mutate(pol)
-        try:
-            return kube.request("PUT", policy_path(namespace, name), body=pol)
-        except ApiError as err:
-            if err.status != 409:
-                raise
-            time.sleep(0.1)
-    raise AssertionError("could not update the policy")
-
-
-def get_workload(kube, namespace: str, name: str, kind: str = "Deployment") -> dict[str, Any]:
-    return kube.get(workload_path(kind, namespace, name))
-
-
-def cond(policy: Optional[dict[str, Any]], type_: str) -> dict[str, Any]:
-    for c in ((policy or {}).get("status") or {}).get("conditions") or []:
-        if c["type"] == type_:
-            return c
-    return {}
-
-
-def template_hash(obj: dict[str, Any]) -> Optional[str]:
-    return ((obj["spec"]["template"].get("metadata") or {}).get("annotations") or {}).get(CONFIG_HASH_ANNOTATION)
-
-
-def wait_applied(kube, namespace: str, name: str, workload: str, timeout: float = 30) -> tuple[dict, dict]:
-    """Until the policy is Ready and the workload carries the hash its status reports."""
-    def check():
-        pol = get_policy(kube, namespace, name)
-        if cond(pol, "Ready").get("status") != "True":
-            return None
-        want = pol["status"]["targets"][0]["configHash"]
-        wl = get_workload(kube, namespace, workload)
-        return (pol, wl) if template_hash(wl) == want else None
-    return wait_for(check, timeout, what=f"policy {name} applied to {workload}")
-
-
-def manager_entry(obj: dict[str, Any], manager: str) -> Optional[dict[str, Any]]:
-    return next((m for m in obj["metadata"].get("managedFields") or [] if m["manager"] == manager
-                 and not m.get("subresource")), None)
-
-
-def leaf_paths(fields: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
-    out = []
-    for key, child in fields.items():
-        if key == ".":
-            continue
-        if child:
-            out += leaf_paths(child, prefix + (key,))
-        else:
-            out.append(prefix + (key,))
-    return out
-
-
-def assert_owns_only_injected(obj: dict[str, Any]) -> None:
-    entry = manager_entry(obj, FIELD_MANAGER)
-    assert entry is not None and entry["operation"] == "Apply"
-    for path in leaf_paths(entry["fieldsV1"]):
-        text = "/".join(path)
-        allowed = (
-            text == "f:metadata/f:labels/f:kvtier.io/policy"
-            or text == "f:spec/f:template/f:metadata/f:annotations/f:kvtier.io/config-hash"
-            or text.startswith('f:spec/f:template/f:spec/f:volumes/k:{"name":"kvtier-')
-            or text.startswith('f:spec/f:template/f:spec/f:initContainers/k:{"name":"kvtier-shm-cleanup"}')
-            or text == 'f:spec/f:template/f:spec/f:containers/k:{"name":"vllm"}/f:name'
-            or text.startswith('f:spec/f:template/f:spec/f:containers/k:{"name":"vllm"}/f:volumeMounts/')
-            or text.startswith('f:spec/f:template/f:spec/f:containers/k:{"name":"vllm"}/f:env/')
-        )
-        assert allowed, f"{FIELD_MANAGER} owns {text}, which it did not inject"
-        assert "f:args" not in path and "f:image" not in path and "f:resources" not in path
 
 
 # ---------------------------------------------------------------------------------------------- flows

@@ -13,10 +13,8 @@ slo = pytest.importorskip("kvtier_operator.slo")
 
 from kvtier_operator.kube import policy_path  # noqa: E402
 
-from operator_builders import deployment, nvme_tier  # noqa: E402
-from plugins.operator import wait_for  # noqa: E402
-from test_operator_cluster import cond, get_policy, get_workload, make_policy, template_hash, user_apply, \
-    wait_applied  # noqa: E402
+from plugins.operator import (cond, deployment, get_policy, get_workload, make_policy, nvme_tier,  # noqa: E402
+                              template_hash, user_apply, wait_applied, wait_for)
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.slow]
 

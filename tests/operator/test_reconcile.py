@@ -9,7 +9,7 @@ from kvtier_operator.settings import CONFIG_HASH_ANNOTATION, POLICY_LABEL
 from kvtier_operator.status import condition, merge_conditions, Cond, status_patch
 from kvtier_operator.workload import has_config_args, without_config_args
 
-from operator_builders import TRTLLM_IMAGE, deployment, nvme_tier, observed, policy
+from plugins.operator import TRTLLM_IMAGE, deployment, nvme_tier, observed, policy
 
 NOW = "2026-11-29T08:00:00Z"
 LATER = "2026-11-29T09:00:00Z"

@@ -43,6 +43,11 @@ def _rule(rule: str, message: str | None = None, *, message_expression: str | No
     return out
 
 
+def _cel_string(text: str) -> str:
+    """``text`` escaped for a single-quoted CEL string literal (a regex's ``\\.`` must reach CEL as ``\\\\.``)."""
+    return text.replace("\\", "\\\\").replace("'", "\\'")
+
+
 def _cel(*rules: dict[str, str]) -> dict[str, Any]:
     return {"x-kubernetes-validations": list(rules)}
 
@@ -333,6 +338,7 @@ class KVCachePolicySpec(_Model):
                   "u.medium == 'filesystem' && has(u.path) && u.path == t.path).size() == 1)",
                   "filesystem tiers need distinct paths", field_path=".tiers"),
             _rule("!has(self.offload.chunkTokens) || self.offload.chunkTokens % self.blockSize == 0",
+                  "offload.chunkTokens must be a multiple of spec.blockSize",
                   message_expression="string(self.offload.chunkTokens) + ' is not a multiple of spec.blockSize ('"
                                      " + string(self.blockSize) + ')'",
                   field_path=".offload.chunkTokens"),
@@ -363,12 +369,13 @@ class KVCachePolicySpec(_Model):
                   "engine trtllm supports one filesystem tier (disk_cache_path)", field_path=".tiers"),
             _rule("!(has(self.engine) && self.engine == 'trtllm') || "
                   "self.blockSize in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]",
+                  "TensorRT-LLM tokens_per_block (spec.blockSize) must be a power of 2",
                   message_expression="'TensorRT-LLM tokens_per_block must be a power of 2, not ' + "
                                      "string(self.blockSize)",
                   field_path=".blockSize"),
             _rule("!(has(self.engine) && self.engine == 'trtllm' && "
                   "self.tiers.exists(t, t.medium == 'filesystem')) || "
-                  f"(has(self.engineVersion) && self.engineVersion.matches('{TRTLLM_DISK_CACHE_VERSION}'))",
+                  f"(has(self.engineVersion) && self.engineVersion.matches('{_cel_string(TRTLLM_DISK_CACHE_VERSION)}'))",
                   "a filesystem tier with engine trtllm needs spec.engineVersion 1.3 or later (disk_cache_*)",
                   field_path=".engineVersion"),
             _rule("!(self.backend == 'native' && self.offload.storeThreshold >= 2 && "
