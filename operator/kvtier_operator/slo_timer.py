@@ -211,15 +211,18 @@ def register_slo(registry: kopf.OperatorRegistry, op: Operator) -> None:
     async def slo_guard(name: str, namespace: str, stopped: kopf.DaemonStopped, logger: logging.Logger,
                         **_: Any) -> None:
         key = (namespace, name)
+        interval, delay = 30.0, op.settings.backoff_initial
         while not stopped:
-            interval = 30.0
             try:
                 async with op.lock(key):
                     result = await asyncio.to_thread(guard_tick_sync, op, namespace, name)
-            except Exception as err:  # noqa: BLE001 - an evaluation failure waits for the next interval
+                delay = op.settings.backoff_initial
+            except Exception as err:  # noqa: BLE001 - retried soon (a 409 is routine), never a crash loop
                 op.metrics.errors.labels("slo-" + _reason(err)).inc()
-                logger.warning("SLO evaluation of %s/%s failed: %s", namespace, name, err)
-                result = None
+                logger.info("SLO evaluation of %s/%s failed (%s); retrying in %.1fs", namespace, name, err, delay)
+                await stopped.wait(min(delay, interval))
+                delay = min(delay * 2, op.settings.backoff_max)
+                continue
             if result is not None:
                 interval = result.interval
                 if result.verdict:
