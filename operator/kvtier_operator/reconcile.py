@@ -5,6 +5,8 @@ No I/O here: ``handlers`` reads the cluster, calls ``plan`` and performs what it
 """
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
@@ -25,6 +27,33 @@ from .workload import (
     with_config_args,
     without_config_args,
 )
+
+def _no_rule(rule: dict[str, Any]) -> bool:
+    return False
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_cached(doc_json: str, server_validated: bool) -> api.KVCachePolicy:
+    # Objects read from the API server passed the CRD's CEL rules at admission; re-running them in Python
+    # would cost ~0.1 s a reconcile. Raw objects (tests, files) get every rule.
+    return parse_policy(json.loads(doc_json), cel_rules=_no_rule if server_validated else None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _with_engine_cached(doc_json: str, engine: str) -> api.KVCachePolicy:
+    # The server saw no engine; once detected, the rules that depend on it are checked here (once per spec).
+    # Only rules that name this engine can fail because of it: the engine rules are all written
+    # "!(has(self.engine) && self.engine == '<engine>' && ...) || ...".
+    doc = json.loads(doc_json)
+    doc["spec"]["engine"] = engine
+    return parse_policy(doc, cel_rules=lambda rule: "self.engine" in rule["rule"] and f"'{engine}'" in rule["rule"])
+
+
+def _doc_json(policy_obj: dict[str, Any]) -> str:
+    doc = {"apiVersion": policy_obj.get("apiVersion", api.API_VERSION), "kind": policy_obj.get("kind", api.KIND),
+           "metadata": {"name": policy_obj["metadata"]["name"]}, "spec": policy_obj.get("spec")}
+    return json.dumps(doc, sort_keys=True)
+
 
 TierStatesFn = Callable[[api.KVCachePolicySpec, dict[str, Any], str], list[dict[str, Any]]]
 
@@ -149,10 +178,18 @@ def _target(policy: api.KVCachePolicy, w: Workload, enabled_tiers: list[str], *,
         return TargetPlan(w.kind, w.name, ERROR, f"{w.ref}: spec.container {spec.container!r} not found "
                                                  f"(containers: {names})"), None
     try:
+        if spec.engine is None:
+            # Validate with the detected engine here (cached) so render() need not re-parse the policy.
+            engine = detect_engine(facts_of(container))
+            policy = _with_engine_cached(_doc_json(policy.model_dump(by_alias=True, exclude_none=True,
+                                                                     mode="json")), engine)
         rendered = render(policy, facts_of(container), enabled_tiers=enabled_tiers,
                           config_map_name=config_map_name(name))
     except RenderError as err:
         return TargetPlan(w.kind, w.name, ERROR, f"{w.ref}: {err}"), None
+    except PolicyInvalid as err:
+        problems = "; ".join(str(p) for p in err.problems)
+        return TargetPlan(w.kind, w.name, ERROR, f"{w.ref}: {problems}"), None
     memory = plan_memory(w, container, rendered, node_allocatable)
     if memory.refused:
         return TargetPlan(w.kind, w.name, REFUSED, f"{w.ref}: {memory.refused}"), rendered
@@ -175,19 +212,20 @@ def _target(policy: api.KVCachePolicy, w: Workload, enabled_tiers: list[str], *,
 
 def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_policies: Iterable[dict[str, Any]],
          *, now: str, node_allocatable: Optional[int] = None, cleanup_image: str = "busybox:1.37.0",
-         tier_states_fn: Optional[TierStatesFn] = None) -> Plan:
+         tier_states_fn: Optional[TierStatesFn] = None, server_validated: bool = False) -> Plan:
     """Everything one reconcile of ``policy_obj`` must write.
 
     ``workloads``: Deployments and StatefulSets of the namespace that match the selector or carry our policy
     label. ``other_policies``: the namespace's other live policies (for conflicts). ``tier_states_fn``: where
     tier states come from when the SLO guard is wired in (default: seeded from the spec, kept from status).
+    ``server_validated``: the object comes from the API server, which already ran the CRD's CEL rules.
     """
     meta = policy_obj["metadata"]
     name, generation = meta["name"], meta.get("generation")
     old = policy_obj.get("status") or {}
     ws = _unique(workloads)
     try:
-        policy = parse_policy(policy_obj)
+        policy = _parse_cached(_doc_json(policy_obj), server_validated)
     except PolicyInvalid as err:
         problems = "; ".join(str(p) for p in err.problems)
         conds = [Cond("Ready", "False", "InvalidPolicy", problems), Cond("Degraded", "True", "InvalidPolicy", problems),
