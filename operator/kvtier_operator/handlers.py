@@ -30,6 +30,8 @@ log = logging.getLogger("kvtier.operator")
 POLICY = ("kvtier.io", "v1alpha1", "kvcachepolicies")
 REENABLE_ANNOTATION = f"{PREFIX}/reenable"
 Key = tuple[str, str]
+CONFIG_MAP_TTL = 30.0
+STATUS_ONLY_DELAY = 0.5  # coalesces the controller's status updates after a rollout
 
 
 @dataclass
@@ -68,6 +70,9 @@ class Operator:
         self.locks: dict[Key, asyncio.Lock] = {}
         self.seen: dict[Key, tuple[Any, ...]] = {}
         self.own_writes: dict[tuple[str, str, str], str] = {}  # (ns, kind, name) -> resourceVersion we produced
+        self.applied_config_maps: dict[tuple[str, str], tuple[float, str]] = {}
+        self.workload_seen: dict[tuple[str, str, str], tuple[Any, ...]] = {}
+        self.delayed: set[Key] = set()
         self._nodes: tuple[float, Optional[int]] = (0.0, None)
         self._nodes_readable = settings.read_nodes
         # Hooks for tests and the benchmark: called after every reconcile with (key, outcome).
@@ -80,6 +85,18 @@ class Operator:
 
     def trigger(self, key: Key) -> None:
         self.triggers.setdefault(key, asyncio.Event()).set()
+
+    def trigger_later(self, key: Key, delay: float) -> None:
+        """One deferred wake-up per policy: a burst of status updates costs one reconcile."""
+        if key in self.delayed:
+            return
+        self.delayed.add(key)
+
+        def fire() -> None:
+            self.delayed.discard(key)
+            self.trigger(key)
+
+        asyncio.get_running_loop().call_later(delay, fire)
 
     def lock(self, key: Key) -> asyncio.Lock:
         return self.locks.setdefault(key, asyncio.Lock())
@@ -173,8 +190,15 @@ class Operator:
         outcome = Outcome(policy)
         # The ConfigMap first, so pods rolled by the new hash read the new files.
         if plan.config_map is not None:
-            self.kube.apply(config_map_path(namespace, plan.config_map["metadata"]["name"]), plan.config_map)
-            self.metrics.api_writes.labels("configmap").inc()
+            cm_key = (namespace, plan.config_map["metadata"]["name"])
+            body = json.dumps(plan.config_map, sort_keys=True)
+            at, last = self.applied_config_maps.get(cm_key, (0.0, ""))
+            # The same ConfigMap applied moments ago is not re-sent (bursts of events); after the TTL it is,
+            # so a deleted or edited ConfigMap heals on the next reconcile.
+            if last != body or time.monotonic() - at > CONFIG_MAP_TTL:
+                self.kube.apply(config_map_path(namespace, cm_key[1]), plan.config_map)
+                self.metrics.api_writes.labels("configmap").inc()
+                self.applied_config_maps[cm_key] = (time.monotonic(), body)
         failures: dict[str, str] = {}
         for t in plan.targets:
             self._write_workload(namespace, t, failures, outcome)
@@ -306,14 +330,24 @@ class Operator:
             async def workload_event(type: str, name: str, namespace: str, body: Any, meta: Any,
                                      kvtier_policies: kopf.Index, **_: Any) -> None:
                 kind = body.get("kind") or ""
-                if type != "DELETED" and op.own_writes.get((namespace, kind, name)) == meta.get("resourceVersion"):
+                wkey = (namespace, kind, name)
+                if type != "DELETED" and op.own_writes.get(wkey) == meta.get("resourceVersion"):
                     return  # the echo of our own apply
                 labels = dict(meta.get("labels") or {})
+                seen = (meta.get("generation"), json.dumps(labels, sort_keys=True))
+                status_only = type != "DELETED" and op.workload_seen.get(wkey) == seen
+                if type == "DELETED":
+                    op.workload_seen.pop(wkey, None)
+                else:
+                    op.workload_seen[wkey] = seen
                 wanted = {p["name"] for p in kvtier_policies.get(namespace, []) if matches(p["selector"], labels)}
                 if labels.get(POLICY_LABEL):
                     wanted.add(labels[POLICY_LABEL])
                 for policy_name in wanted:
-                    op.trigger((namespace, policy_name))
+                    if status_only:
+                        op.trigger_later((namespace, policy_name), STATUS_ONLY_DELAY)
+                    else:
+                        op.trigger((namespace, policy_name))
 
         @kopf.daemon(*POLICY, id="reconcile", cancellation_timeout=30, registry=registry)
         async def reconcile_loop(name: str, namespace: str, stopped: kopf.DaemonStopped, logger: logging.Logger,

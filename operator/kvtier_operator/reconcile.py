@@ -19,6 +19,7 @@ from .status import Cond, merge_conditions, transitions
 from .tiers import enabled, tier_states
 from .workload import (
     Workload,
+    already_applied,
     apply_patch,
     args_update,
     facts_of,
@@ -88,6 +89,7 @@ class TargetPlan:
     apply: Optional[dict[str, Any]] = None  # server-side apply body (None: leave the workload alone)
     args_update: Optional[dict[str, Any]] = None  # managed args: strategic-merge patch with resourceVersion
     remove: bool = False  # release everything FIELD_MANAGER owns on it
+    unchanged: bool = False  # the workload already carries exactly this: nothing to write
 
     @property
     def ref(self) -> str:
@@ -198,6 +200,8 @@ def _target(policy: api.KVCachePolicy, w: Workload, enabled_tiers: list[str], *,
                                                f"{','.join(rendered.tiers) or 'none'})", config_hash=digest)
     plan.apply = apply_patch(w, container["name"], rendered, policy=name, config_hash=digest,
                              cleanup_image=cleanup_image, memory_limit=memory.apply_limit)
+    if already_applied(w, plan.apply):
+        plan.apply, plan.unchanged = None, True
     if not has_config_args(container, rendered.config_args):
         wanted = " ".join(rendered.config_args)
         if spec.injection.args == "managed":
@@ -254,7 +258,7 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
             continue
         t, rendered = _target(policy, w, on, node_allocatable=node_allocatable, cleanup_image=cleanup_image)
         targets.append(t)
-        if rendered is not None and t.apply is not None:
+        if rendered is not None and (t.apply is not None or t.unchanged):
             rendered_by_target[t.ref] = rendered
 
     # One ConfigMap per policy: every target must read the same files (same engine).
@@ -267,7 +271,7 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
         if files is None:
             files, engine = r.files, r.engine
         elif r.files != files:
-            t.state, t.apply, t.args_update, t.config_hash = ERROR, None, None, None
+            t.state, t.apply, t.args_update, t.config_hash, t.unchanged = ERROR, None, None, None, False
             t.message = (f"{t.ref}: runs engine {r.engine}, other targets run {engine}; one policy configures one "
                          f"engine: set spec.engine or split the selector")
     if files is None and spec.engine:

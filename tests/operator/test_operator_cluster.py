@@ -22,6 +22,16 @@ from plugins.operator import (GITOPS, TRTLLM_IMAGE, assert_owns_only_injected, c
 pytestmark = [pytest.mark.controlplane, pytest.mark.slow]
 
 
+def quiet_for(runner, seconds: float) -> bool:
+    """True when the operator sent no write during ``seconds``."""
+    def writes() -> float:
+        return sum(runner.op.metrics.value("kvtier_operator_api_writes_total", {"kind": k})
+                   for k in ("workload", "workload-args", "workload-release", "configmap", "status"))
+    before = writes()
+    time.sleep(seconds)
+    return writes() == before
+
+
 def unchanged_by_us(now: dict, before: dict) -> bool:
     """Same spec (generation, template) and the operator's managedFields entry untouched (same time)."""
     return (now["metadata"]["generation"] == before["metadata"]["generation"]
@@ -218,7 +228,10 @@ def test_restart_changes_nothing_that_is_right(kube, namespace, run_operator):
     create_policy(kube, make_policy("db", namespace))
     wait_applied(kube, namespace, "llm", "llm")
     wait_for(lambda: cond(get_policy(kube, namespace, "db"), "Ready").get("status") == "True", 30, what="db Ready")
-    time.sleep(1)
+    # Let the first operator finish reacting (e.g. Progressing after the controller's rollout), then stop it
+    # and take the state it left.
+    wait_for(lambda: quiet_for(first, 2.0), 30, what="first operator idle")
+    first.stop()
     objects = {
         "deployment": get_workload(kube, namespace, "llm"),
         "statefulset": get_workload(kube, namespace, "db", "StatefulSet"),
@@ -226,11 +239,9 @@ def test_restart_changes_nothing_that_is_right(kube, namespace, run_operator):
         "policy-db": get_policy(kube, namespace, "db"),
         "configmap": kube.get(config_map_path(namespace, "kvtier-llm")),
     }
-    first.stop()
 
-    second = run_operator()
     seen: list = []
-    second.op.on_reconciled.append(lambda key, outcome: seen.append(key))
+    second = run_operator(hooks=[lambda key, outcome: seen.append(key)])
     wait_for(lambda: {(namespace, "llm"), (namespace, "db")} <= set(seen), 30, what="both policies reconciled")
     time.sleep(1)
     now = {
@@ -241,7 +252,8 @@ def test_restart_changes_nothing_that_is_right(kube, namespace, run_operator):
         "configmap": kube.get(config_map_path(namespace, "kvtier-llm")),
     }
     for key in ("policy-llm", "policy-db", "configmap"):  # objects nothing but us and the test writes
-        assert now[key]["metadata"]["resourceVersion"] == objects[key]["metadata"]["resourceVersion"], key
+        assert now[key]["metadata"]["resourceVersion"] == objects[key]["metadata"]["resourceVersion"], (
+            key, json.dumps(objects[key], sort_keys=True), json.dumps(now[key], sort_keys=True))
     for key in ("deployment", "statefulset"):  # the controller-manager may still write their .status
         assert unchanged_by_us(now[key], objects[key]), key
     assert template_hash(now["deployment"]) == template_hash(objects["deployment"])
@@ -321,3 +333,72 @@ def test_workload_deleted_before_policy_is_not_an_error(kube, namespace, run_ope
              what="NoTargets after the workload is gone")
     kube.delete(policy_path(namespace, "llm"))
     wait_for(lambda: get_policy(kube, namespace, "llm") is None, 30, what="policy gone")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_events_liveness_and_metrics(kube, namespace, run_operator):
+    import urllib.request
+
+    user_apply(kube, deployment("llm", namespace))
+    user_apply(kube, deployment("big", namespace, memory_limit="20Gi"))
+    port = _free_port()
+    runner = run_operator(liveness_endpoint=f"http://127.0.0.1:{port}/healthz")
+    metrics_port = runner.op.metrics.serve(0, "127.0.0.1")
+    try:
+        create_policy(kube, make_policy("llm", namespace))
+        create_policy(kube, make_policy("big", namespace))
+        wait_applied(kube, namespace, "llm", "llm")
+
+        def reasons():
+            return {(e.get("type"), e.get("reason")) for e in kube.list(f"/api/v1/namespaces/{namespace}/events")
+                    if (e.get("involvedObject") or {}).get("kind") == "KVCachePolicy"}
+        wait_for(lambda: {("Normal", "Applied"), ("Normal", "ConfigApplied"), ("Warning", "Refused")} <= reasons(),
+                 20, what="Applied, ConfigApplied and Refused events")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+            assert r.status == 200
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        assert 'kvtier_operator_reconciles_total{result="ok"}' in text
+        assert f'kvtier_operator_applied_targets{{namespace="{namespace}",policy="llm"}} 1.0' in text
+        assert "kvtier_operator_reconcile_duration_seconds_bucket" in text
+    finally:
+        runner.op.metrics.close()
+
+
+def test_kvtier_operator_command_runs_and_stops_on_sigterm(kube, namespace, controlplane):
+    """The real entry point (`kvtier operator`, kopf.run with its signal handling) as a process."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    user_apply(kube, deployment("llm", namespace))
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "operator"), str(root / "runtime")]),
+           "KVTIER_NAMESPACES": namespace, "KVTIER_STANDALONE": "true", "KVTIER_METRICS_PORT": str(port),
+           "KVTIER_METRICS_HOST": "127.0.0.1", "KVTIER_LIVENESS": "off", "KVTIER_READ_NODES": "false",
+           "KUBECONFIG": str(controlplane.kubeconfig)}
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier_operator.cli", "operator"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        create_policy(kube, make_policy("llm", namespace))
+        wait_applied(kube, namespace, "llm", "llm", timeout=60)
+        kube.delete(policy_path(namespace, "llm"))
+        wait_for(lambda: get_policy(kube, namespace, "llm") is None, 30, what="policy released by the process")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+    assert proc.returncode == 0, out[-3000:]
