@@ -57,6 +57,9 @@ def test_apply_update_delete(kube, namespace, run_operator):
     assert pod["initContainers"][0]["name"] == "kvtier-shm-cleanup"
     assert pod["containers"][0]["args"] == manifest["spec"]["template"]["spec"]["containers"][0]["args"]
     assert_owns_only_injected(wl)
+    # kopf never handled the workload itself: no kopf annotations, no finalizer on it (no drift for GitOps).
+    assert not any("kopf" in k or k.startswith("kvtier.io/") for k in wl["metadata"].get("annotations") or {})
+    assert not wl["metadata"].get("finalizers")
     cm = kube.get(config_map_path(namespace, "kvtier-llm"))
     assert cm["metadata"]["ownerReferences"][0]["uid"] == pol["metadata"]["uid"]
     assert "kv_connector_extra_config" in cm["data"]["engine.yaml"]
