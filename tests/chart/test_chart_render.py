@@ -157,6 +157,7 @@ def test_ports_and_namespaces_follow_the_values(helm):
     assert [a for a in container["args"] if a.startswith("--namespace")] == [
         "--namespace=serving", "--namespace=staging"]
     assert "--all-namespaces" not in container["args"] and "--peering=kvtier" in container["args"]
+    assert {p["metadata"]["name"] for p in kinds(docs, "KopfPeering")} == {"kvtier"}
     service = one(docs, "Service")
     assert service["spec"]["ports"] == [{"name": "metrics", "port": 9191, "targetPort": "metrics", "protocol": "TCP"}]
 
@@ -240,14 +241,15 @@ def test_watched_namespaces_get_roles_not_cluster_rights(helm):
     assert operator_roles == {ns: {**OPERATOR_NAMESPACED, **peering} for ns in ("serving", "staging")}
     peerings = kinds(docs, "KopfPeering")
     assert sorted(p["metadata"]["namespace"] for p in peerings) == ["serving", "staging"]
-    assert all(p["metadata"]["annotations"]["helm.sh/hook"] == "post-install,post-upgrade" for p in peerings)
 
 
 def test_cluster_wide_peering(helm):
-    docs = helm.template({"peering": {"enabled": True}, "replicaCount": 3})
-    (cluster,), _ = _operator_roles(docs)
+    docs = helm.template({"peering": {"enabled": True}, "replicaCount": 3}, release="blue")
+    (cluster,), _ = _operator_roles(docs, release="blue")
     assert _grants(cluster["rules"])[("kopf.dev", "clusterkopfpeerings")] == {"get", "list", "watch", "patch"}
-    assert one(docs, "ClusterKopfPeering")["metadata"]["name"] == "kvtier"
+    # Named after the release, so two releases in one cluster never share a peering object.
+    assert one(docs, "ClusterKopfPeering")["metadata"]["name"] == "blue-kvtier"
+    assert "--peering=blue-kvtier" in one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     crds = {c["metadata"]["name"] for c in kinds(docs, "CustomResourceDefinition")}
     assert {"clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"} <= crds
     deployment = one(docs, "Deployment")
@@ -287,7 +289,8 @@ def test_chart_crd_copy_is_identical_to_crds_dir():
 
 
 def test_rendered_crd_is_crds_dir_plus_keep_annotation_and_labels(helm):
-    rendered = {c["metadata"]["name"]: c for c in kinds(helm.template(), "CustomResourceDefinition")}
+    rendered = {c["metadata"]["name"]: c for c in kinds(helm.template(), "CustomResourceDefinition")
+                if c["spec"]["group"] == "kvtier.io"}
     for path in (ROOT / "crds").glob("*.yaml"):
         source = yaml.safe_load(path.read_text())
         crd = rendered.pop(source["metadata"]["name"])
@@ -298,7 +301,9 @@ def test_rendered_crd_is_crds_dir_plus_keep_annotation_and_labels(helm):
 
 
 def test_crds_can_be_left_out(helm):
-    assert not kinds(helm.template({"crds": {"enabled": False}}), "CustomResourceDefinition")
+    crds = kinds(helm.template({"crds": {"enabled": False}}), "CustomResourceDefinition")
+    assert {c["spec"]["group"] for c in crds} == {"kopf.dev"}  # Helm's crds/ directory: --skip-crds omits them
+    assert not kinds(helm.template({"crds": {"enabled": False}}, include_crds=False), "CustomResourceDefinition")
 
 
 # ---------------------------------------------------------------------------------------------- monitoring

@@ -44,8 +44,11 @@ class Helm:
         return result
 
     def template_text(self, values: Optional[Mapping[str, Any]] = None, *, release: str = "kvtier",
-                      namespace: str = "kvtier-system", extra: Iterable[str] = ()) -> str:
+                      namespace: str = "kvtier-system", include_crds: bool = True, extra: Iterable[str] = ()) -> str:
+        # --include-crds: what `helm install` creates, the chart's crds/ directory included.
         args = ["template", release, str(self.chart), "--namespace", namespace, *extra]
+        if include_crds:
+            args.append("--include-crds")
         if values:
             # JSON is YAML; helm reads the values file, validates it against values.schema.json, and merges it.
             fd, path = tempfile.mkstemp(suffix=".json", dir=self.env["HELM_CACHE_HOME"])

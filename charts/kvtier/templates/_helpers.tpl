@@ -31,6 +31,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: kvtier
 {{- end }}
 
+{{- define "kvtier.peeringName" -}}
+{{- default (include "kvtier.fullname" .) .Values.peering.name }}
+{{- end }}
+
 {{- define "kvtier.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "kvtier.fullname" .) .Values.serviceAccount.name }}
