@@ -76,21 +76,23 @@ def test_kubernetes_validate_catches_a_bad_manifest(helm):
 # ---------------------------------------------------------------------------------------------- values schema
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"imagee": {}}, "additional properties 'imagee' not allowed"),
-    ({"image": {"tagg": "x"}}, "additional properties 'tagg' not allowed"),
-    ({"operator": {"logLevel": "TRACE"}}, "/operator/logLevel"),
-    ({"securityContext": {"readOnlyRootFilesystem": False}}, "/securityContext/readOnlyRootFilesystem"),
-    ({"podSecurityContext": {"runAsNonRoot": False}}, "/podSecurityContext/runAsNonRoot"),
-    ({"image": {"digest": "sha256:abc"}}, "/image/digest"),
-    ({"slo": {"authSecrets": ["Not_A_Namespace"]}}, "/slo/authSecrets/0"),
-    ({"metrics": {"port": 70000}}, "/metrics/port"),
-    ({"replicaCount": "2"}, "/replicaCount"),
+@pytest.mark.parametrize("values, field", [
+    ({"imagee": {}}, "imagee"),
+    ({"image": {"tagg": "x"}}, "tagg"),
+    ({"operator": {"logLevel": "TRACE"}}, "operator/logLevel"),
+    ({"securityContext": {"readOnlyRootFilesystem": False}}, "securityContext/readOnlyRootFilesystem"),
+    ({"podSecurityContext": {"runAsNonRoot": False}}, "podSecurityContext/runAsNonRoot"),
+    ({"image": {"digest": "sha256:abc"}}, "image/digest"),
+    ({"slo": {"authSecrets": ["Not_A_Namespace"]}}, "slo/authSecrets/0"),
+    ({"metrics": {"port": 70000}}, "metrics/port"),
+    ({"replicaCount": "2"}, "replicaCount"),
 ])
-def test_values_schema_rejects_bad_values_naming_the_field(helm, values, message):
+def test_values_schema_rejects_bad_values_naming_the_field(helm, values, field):
     with pytest.raises(AssertionError) as err:
         helm.template(values)
-    assert "schema" in str(err.value) and message in str(err.value)
+    text = str(err.value)
+    # Helm 4 writes the field as /a/b, Helm 3 as a.b (or a.0); both name it.
+    assert "schema" in text and (field in text or field.replace("/", ".") in text), text
 
 
 @pytest.mark.parametrize("values, message", [
