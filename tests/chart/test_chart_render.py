@@ -79,7 +79,7 @@ def test_kubernetes_validate_catches_a_bad_manifest(helm):
 @pytest.mark.parametrize("values, field", [
     ({"imagee": {}}, "imagee"),
     ({"image": {"tagg": "x"}}, "tagg"),
-    ({"operator": {"logLevel": "TRACE"}}, "operator/logLevel"),
+    ({"operator": {"verbose": "yes"}}, "operator/verbose"),
     ({"securityContext": {"readOnlyRootFilesystem": False}}, "securityContext/readOnlyRootFilesystem"),
     ({"podSecurityContext": {"runAsNonRoot": False}}, "podSecurityContext/runAsNonRoot"),
     ({"image": {"digest": "sha256:abc"}}, "image/digest"),
@@ -144,10 +144,10 @@ def test_operator_pod_is_non_root_read_only_with_resources_and_probes(helm):
     assert container["command"] == ["kvtier", "operator"]
     # A read-only root still needs a writable /tmp.
     assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"} and "--standalone" in container["args"]
-    assert "--all-namespaces" in container["args"]
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    # Exactly the flags `kvtier operator` defines (a flag it does not know would crash-loop the pod).
+    assert container["args"] == ["--liveness=http://0.0.0.0:8080/healthz", "--standalone", "--metrics-port=9090"]
     env = {e["name"]: e for e in container["env"]}
-    assert env["KVTIER_INIT_IMAGE"]["value"] == "ghcr.io/kvtier/kvtier-runtime:0.1.0"
     assert env["POD_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
 
 
@@ -158,7 +158,7 @@ def test_ports_and_namespaces_follow_the_values(helm):
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"health": 8181, "metrics": 9191}
     assert [a for a in container["args"] if a.startswith("--namespace")] == [
         "--namespace=serving", "--namespace=staging"]
-    assert "--all-namespaces" not in container["args"] and "--peering=kvtier" in container["args"]
+    assert "--peering=kvtier" in container["args"]
     assert {p["metadata"]["name"] for p in kinds(docs, "KopfPeering")} == {"kvtier"}
     service = one(docs, "Service")
     assert service["spec"]["ports"] == [{"name": "metrics", "port": 9191, "targetPort": "metrics", "protocol": "TCP"}]
@@ -350,3 +350,22 @@ def test_notes_tell_the_user_the_config_argument(helm):
     assert "--config /etc/kvtier/engine.yaml" in notes
     assert "--extra_llm_api_options /etc/kvtier/engine.yaml" in notes
     assert "cannot read Secrets" in notes
+
+
+# ---------------------------------------------------------------------------------------------- the operator's CLI
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_rendered_args_parse_with_the_operators_own_flags(helm, name):
+    settings = pytest.importorskip("kvtier_operator.settings", reason="the operator's settings (branch operator)")
+    values = ALL[name]
+    container = one(helm.template(values), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["kvtier", "operator"]
+    parsed = settings.from_args(container["args"], env={})
+    assert parsed.namespaces == tuple(values.get("operator", {}).get("watchNamespaces", ()))
+    assert parsed.standalone == (not values.get("peering", {}).get("enabled", False))
+    assert parsed.peering_name == (None if parsed.standalone else "kvtier")
+    assert parsed.liveness_endpoint == "http://0.0.0.0:8080/healthz"
+    assert parsed.metrics_port == (None if values.get("metrics", {}).get("enabled") is False else 9090)
+    init = values.get("initImage")
+    assert parsed.cleanup_image == (f"{init['repository']}:{init['tag']}" if init else settings.DEFAULT_CLEANUP_IMAGE)

@@ -15,7 +15,8 @@ EVERYTHING_ON: dict[str, Any] = {
     "image": {"digest": "sha256:" + "a" * 64},
     "podAnnotations": {"example.com/a": "b"},
     "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
-    "operator": {"extraEnv": [{"name": "EXTRA", "value": "1"}], "logLevel": "DEBUG"},
+    "operator": {"extraEnv": [{"name": "EXTRA", "value": "1"}], "verbose": True},
+    "initImage": {"repository": "registry.example.com/kvtier-runtime", "tag": "0.1.0"},
 }
 
 NAMESPACED: dict[str, Any] = {
