@@ -3,10 +3,10 @@ Prometheus) is checked against.
 
 Reconcile with the exporters when they change:
 - runtime: ``runtime/kvtier_runtime/metrics.py`` (prometheus_client; a Counter ``x`` is exported as ``x_total``);
-- operator: the operator's metrics module (``kvtier_operator_*``) -- the names below are the ones the dashboard
-  needs; the operator must export them under exactly these names and labels (``namespace``, ``policy``, ``tier``,
-  ``metric``);
-- vLLM 0.33 (``vllm:`` names, which a Prometheus 2.x scrape may store as ``vllm_``; see the engine notes).
+- operator: ``operator/kvtier_operator/metrics.py`` (class ``Metrics``);
+- vLLM 0.33 (``vllm:`` names, which a Prometheus 2.x scrape may store as ``vllm_``; see the engine notes) and
+  TensorRT-LLM (``trtllm_``), as the SLO guard and the PrometheusRule query them.
+tests/chart/test_dashboard.py checks these lists against the real exporters whenever those modules are importable.
 Values: the Prometheus type, which fixes the series suffixes a query may use.
 """
 from __future__ import annotations
@@ -30,10 +30,11 @@ RUNTIME = {
 OPERATOR = {
     "kvtier_operator_reconciles": "counter",
     "kvtier_operator_reconcile_errors": "counter",
-    "kvtier_operator_tier_enabled": "gauge",
+    "kvtier_operator_reconcile_duration_seconds": "histogram",
+    "kvtier_operator_applied_targets": "gauge",
+    "kvtier_operator_api_writes": "counter",
     "kvtier_operator_tier_rollbacks": "counter",
-    "kvtier_operator_tier_reenables": "counter",
-    "kvtier_operator_slo_threshold_seconds": "gauge",
+    "kvtier_operator_slo_evaluations": "counter",
 }
 
 # Without the ``vllm:`` prefix; queries match either spelling with ``{__name__=~"vllm[:_]<name>"}``.
@@ -51,6 +52,17 @@ VLLM = {
     "prompt_tokens_cached_by_source": "counter",
 }
 
+# Without the ``trtllm_`` prefix; matched as ``{__name__=~"trtllm[:_]<name>"}`` like vLLM's.
+TRTLLM = {
+    "time_to_first_token_seconds": "histogram",
+    "time_per_output_token_seconds": "histogram",
+    "e2e_request_latency_seconds": "histogram",
+    "kv_cache_hit_rate": "gauge",
+    "kv_cache_host_utilization": "gauge",
+    "kv_cache_onboard_bytes": "counter",
+    "kv_cache_offload_bytes": "counter",
+}
+
 _SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
 
 
@@ -61,4 +73,5 @@ def series_names(families: dict[str, str], prefixes: tuple[str, ...] = ("",)) ->
 
 
 def allowed_series() -> set[str]:
-    return series_names(RUNTIME) | series_names(OPERATOR) | series_names(VLLM, ("vllm:", "vllm_"))
+    return (series_names(RUNTIME) | series_names(OPERATOR) | series_names(VLLM, ("vllm:", "vllm_"))
+            | series_names(TRTLLM, ("trtllm:", "trtllm_")))

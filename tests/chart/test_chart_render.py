@@ -317,6 +317,8 @@ def test_service_monitor_scrapes_the_metrics_service(helm):
     assert monitor["metadata"]["labels"]["release"] == "prom"
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert [e["port"] for e in monitor["spec"]["endpoints"]] == [p["name"] for p in service["spec"]["ports"]]
+    # The operator's series carry the policy's namespace label; it must survive the scrape.
+    assert all(e["honorLabels"] is True for e in monitor["spec"]["endpoints"])
     assert service["spec"]["selector"].items() <= one(docs, "Deployment")["spec"]["template"]["metadata"][
         "labels"].items()
 

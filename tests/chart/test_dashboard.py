@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from chart.exported_metrics import allowed_series
+from chart.exported_metrics import OPERATOR, RUNTIME, allowed_series
 from chart.promql_names import UncheckableName, metric_names
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "charts" / "kvtier" / "files" / "grafana-dashboard.json"
@@ -62,11 +62,17 @@ def test_required_panels_exist(dashboard, words, metric):
     assert any(metric in metric_names(t["expr"]) for p in matching for t in p["targets"])
 
 
-@pytest.mark.parametrize("words", ["p99 time to first token", "p99 inter-token latency"])
-def test_latency_panels_show_the_threshold(dashboard, words):
+@pytest.mark.parametrize("words, variable, default", [("p99 time to first token", "ttft_budget", "2"),
+                                                      ("p99 inter-token latency", "itl_budget", "0.15")])
+def test_latency_panels_show_the_threshold(dashboard, words, variable, default):
+    # The operator exports no per-policy threshold, so the budget is a dashboard variable whose default is the
+    # PrometheusRule's alert threshold.
     (panel,) = [p for p in _panels(dashboard) if words in p["title"].lower()]
-    names = set().union(*(metric_names(t["expr"]) for t in panel["targets"]))
-    assert "kvtier_operator_slo_threshold_seconds" in names
+    assert f"vector(${variable})" in [t["expr"] for t in panel["targets"]]
+    (var,) = [v for v in dashboard["templating"]["list"] if v["name"] == variable]
+    assert var["query"] == default
+    rules = (DASHBOARD.parent / "prometheus-rules.yaml").read_text()
+    assert f"> {default}\n" in rules
     assert panel["fieldConfig"]["defaults"]["unit"] == "s"
 
 
@@ -83,3 +89,25 @@ def test_panels_have_unique_ids_and_datasource_variable(dashboard):
     for panel in _panels(dashboard):
         if panel["type"] != "row":
             assert panel["datasource"]["uid"] == "${datasource}"
+
+
+# ---------------------------------------------------------------------------------------------- the real exporters
+
+
+def _families(registry) -> dict[str, str]:
+    return {m.name: m.type for m in registry.collect()}
+
+
+def test_operator_list_is_what_the_operator_exports():
+    module = pytest.importorskip("kvtier_operator.metrics", reason="the operator's metrics (branch operator)")
+    exported = _families(module.Metrics().registry)
+    # prometheus_client names a counter family without its _total suffix.
+    assert {name: kind for name, kind in exported.items()} == OPERATOR
+
+
+def test_runtime_list_is_what_the_runtime_exports():
+    module = pytest.importorskip("kvtier_runtime.metrics", reason="the runtime's metrics (branch store)")
+    from prometheus_client.metrics import MetricWrapperBase
+
+    exported = {m._name: m._type for m in vars(module).values() if isinstance(m, MetricWrapperBase)}
+    assert exported == RUNTIME
