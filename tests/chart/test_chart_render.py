@@ -371,3 +371,14 @@ def test_rendered_args_parse_with_the_operators_own_flags(helm, name):
     assert parsed.metrics_port == (None if values.get("metrics", {}).get("enabled") is False else 9090)
     init = values.get("initImage")
     assert parsed.cleanup_image == (f"{init['repository']}:{init['tag']}" if init else settings.DEFAULT_CLEANUP_IMAGE)
+
+
+def test_packaged_chart_renders_the_same(helm, tmp_path):
+    # .helmignore must keep everything the templates read (crds-source/, files/, crds/).
+    helm.run("package", str(CHART), "--destination", str(tmp_path))
+    (archive,) = tmp_path.glob("kvtier-*.tgz")
+    packaged = helm.run("template", "kvtier", str(archive), "--namespace", "kvtier-system", "--include-crds",
+                        "--set", "grafana.dashboard.enabled=true,metrics.prometheusRule.enabled=true").stdout
+    source = helm.template_text({"grafana": {"dashboard": {"enabled": True}},
+                                 "metrics": {"prometheusRule": {"enabled": True}}})
+    assert packaged == source
