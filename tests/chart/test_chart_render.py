@@ -9,7 +9,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from chart.values_sets import ALL, DEFAULTS, EVERYTHING_ON, MINIMAL, NAMESPACED
+from chart.values_sets import ALL, EVERYTHING_ON, MINIMAL, NAMESPACED
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvtier"
