@@ -455,7 +455,8 @@ class HistoryEntry(_Model):
 
     time: str = Field(description="When (RFC 3339).")
     tier: str = Field(description="Tier changed.")
-    action: Literal["Disabled", "Enabled", "WouldDisable", "WouldEnable"] = Field(description="What happened.")
+    action: str = Field(description="What happened: Disabled, Reenabled, StageEnabled, BaselineRecorded, "
+                                    "WouldDisable (dry run), ProbationFailed, ...", max_length=64)
     reason: str = Field("", description="Why.")
     metric: Optional[str] = Field(None, description="Metric that decided it (ttftP99, itlP99).")
     value: Optional[float] = Field(None, description="Measured value, seconds.")
