@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1.7
 # vLLM with kvtier's plug-ins (backend: kvtier): kvtier_runtime's cache policies and filesystem tier load into
 # vLLM by module path (kvtier_runtime.engines.vllm_adapter). The same image runs the init container the operator
-# injects, which deletes stale /dev/shm/vllm_offload_*.mmap files with the image's own find.
+# injects (`sh -c "rm -f /dev/shm/vllm_offload_*.mmap"`): the vLLM base image has sh and rm.
 # Build from the repository root:
 #   docker build -f images/runtime.Dockerfile -t ghcr.io/kvtier/kvtier-runtime:0.1.0 .
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
