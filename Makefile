@@ -17,3 +17,4 @@ demo: setup
 
 crd: setup
 	$(VENV)/bin/kvtier crd > crds/kvtier.io_kvcachepolicies.yaml
+	tools/sync-chart-crds.sh

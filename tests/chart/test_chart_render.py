@@ -43,7 +43,7 @@ def test_helm_lint_strict(helm, name, tmp_path):
 @pytest.mark.parametrize("name", sorted(ALL))
 def test_every_rendered_manifest_is_valid_kubernetes(helm, name):
     docs = helm.template(ALL[name])
-    problems, known_defects, checked = [], [], 0
+    problems, checked = [], 0
     for doc in docs:
         if (doc["apiVersion"], doc["kind"]) in NON_CORE:
             continue
@@ -52,17 +52,9 @@ def test_every_rendered_manifest_is_valid_kubernetes(helm, name):
         try:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
         except kubernetes_validate.ValidationError as err:
-            if doc["kind"] == "CustomResourceDefinition" and list(err.path)[-1:] == ["exclusiveMinimum"]:
-                # Known defect on main, reported to the lead: api/crd.py copies pydantic's numeric
-                # exclusiveMinimum (JSON Schema 2019) into the CRD, where Kubernetes wants a boolean next to
-                # `minimum`; a real API server refuses that CRD. Only this exact error is tolerated.
-                known_defects.append(f"{where}: numeric exclusiveMinimum at {list(err.path)}")
-            else:
-                problems.append(f"{where}: {err.message} at {list(err.path)}")
+            problems.append(f"{where}: {err.message} at {list(err.path)}")
     assert problems == []
     assert checked >= 4  # ServiceAccount, ClusterRole, ClusterRoleBinding, Deployment at the least
-    if known_defects:
-        pytest.xfail("; ".join(known_defects))
 
 
 def test_kubernetes_validate_catches_a_bad_manifest(helm):
