@@ -291,11 +291,18 @@ def assess(settings: SLOSettings, measurements: Measurements, baseline: dict[str
     return Assessment("ok", "WithinSLO", values, limits)
 
 
-def _finite_or_none(reading: Reading) -> float | None:
-    # Status is JSON for the API server: NaN is not representable, +Inf is stored as a string-free large marker.
-    if reading.value is None or math.isnan(reading.value):
+INF_MARKER = 1e308
+
+
+def _json_number(value: float | None) -> float | None:
+    """Status is JSON for the API server: NaN becomes None, +Inf (a p99 above every bucket) becomes 1e308."""
+    if value is None or math.isnan(value):
         return None
-    return reading.value if math.isfinite(reading.value) else float("1e308")
+    return value if math.isfinite(value) else INF_MARKER
+
+
+def _finite_or_none(reading: Reading) -> float | None:
+    return _json_number(reading.value)
 
 
 # ---------------------------------------------------------------------------------------------- evaluate
@@ -438,7 +445,8 @@ class _Guard:
         return self.since(self.st["lastRollback"]) < max(self.s.cooldown_s, self.s.window_s)
 
     def disable(self, tier: str, reason: str, breach: tuple[str, float | None, float | None], message: str) -> None:
-        metric, value, threshold = breach
+        metric, raw_value, threshold = breach
+        value = _json_number(raw_value)
         st = self.st
         st["disabled"][tier] = {
             "since": format_time(self.now), "reason": reason, "metric": metric, "value": value,
@@ -450,7 +458,7 @@ class _Guard:
         st["counts"]["rollbacks"] += 1
         self.history("Disabled", tier, reason=reason, metric=metric, value=value, threshold=threshold)
         prefix = "dry run, would disable" if self.s.dry_run else "disabled"
-        self.actions.append(DisableTier(tier, reason, f"{prefix} tier {tier}: {message}", metric, value, threshold,
+        self.actions.append(DisableTier(tier, reason, f"{prefix} tier {tier}: {message}", metric, raw_value, threshold,
                                         dry_run=self.s.dry_run))
 
     def probation(self, a: Assessment) -> None:
@@ -502,14 +510,18 @@ class _Guard:
             return
         if a.verdict != "ok" or st["consecutiveBreaches"] > 0:
             return
-        waiting = [t for t in self.s.tiers if t in st["disabled"] and not st["disabled"][t].get("probationFailed")
-                   and self.since(st["disabled"][t]["since"]) >= self.s.reenable_after_s
-                   # dry run changes nothing real: it only undoes its own simulated rollbacks
-                   and (not self.s.dry_run or st["disabled"][t].get("dryRun"))]
-        if not waiting:
+        disabled = [t for t in self.s.tiers if t in st["disabled"]]
+        if not disabled:
             return
-        tier = waiting[0]   # hottest first: rollbacks removed the coldest first, this restores the order
-        entry = st["disabled"].pop(tier)
+        # Hottest first: rollbacks removed the coldest first, and a colder tier without the hotter one in front
+        # of it is not a configuration the engines accept (vLLM's secondary tiers sit behind the CPU tier).
+        tier = disabled[0]
+        entry = st["disabled"][tier]
+        if entry.get("probationFailed") or self.since(entry["since"]) < self.s.reenable_after_s:
+            return
+        if self.s.dry_run and not entry.get("dryRun"):
+            return   # dry run changes nothing real: it only undoes its own simulated rollbacks
+        st["disabled"].pop(tier)
         st["probation"][tier] = {"since": format_time(self.now),
                                  "until": format_time(self.now + self.s.probation_s),
                                  "dryRun": bool(entry.get("dryRun"))}
@@ -577,7 +589,7 @@ def conditions(settings: SLOSettings, st: dict[str, Any]) -> list[SetCondition]:
     """The SLO conditions after this evaluation (full set, every time; the operator diffs them)."""
     out: list[SetCondition] = []
     if st["verdict"] == "error":
-        out.append(SetCondition("SLOUnknown", "True", "QueryError",
+        out.append(SetCondition("SLOUnknown", "True", st["reason"] or "QueryError",
                                 f"{st['consecutiveErrors']} evaluation(s) in a row failed: {st['lastError']}"))
     else:
         out.append(SetCondition("SLOUnknown", "False", st["reason"] or "Evaluated", "the last evaluation had data"
