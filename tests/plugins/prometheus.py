@@ -156,23 +156,46 @@ class PrometheusProcess:
         raise AssertionError(f"{promql!r} did not satisfy the predicate within {timeout} s (last {last!r})")
 
 
-@pytest.fixture
-def prometheus_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., PrometheusProcess]]:
-    """Start Prometheus servers with custom options (rule files, web config); all stopped at teardown."""
-    if shutil.which("prometheus") is None:
-        pytest.skip(f"prometheus is not installed: {INSTALL_HINT}")
-    started: list[PrometheusProcess] = []
+class Started:
+    """Starts Prometheus servers and synthetic engines and stops every one of them on ``close()``, so a
+    fixture of any scope can own a set of them."""
 
-    def start(**kwargs: Any) -> PrometheusProcess:
-        proc = PrometheusProcess(Path(tempfile.mkdtemp(dir=tmp_path_factory.getbasetemp(), prefix="prom-")),
-                                 **kwargs)
-        started.append(proc)
+    def __init__(self, base: Path):
+        self.base = base
+        self.servers: list[PrometheusProcess] = []
+        self.engines: list[Any] = []
+        self._client = _load_synthetic_client()
+
+    def prometheus(self, **kwargs: Any) -> PrometheusProcess:
+        proc = PrometheusProcess(Path(tempfile.mkdtemp(dir=self.base, prefix="prom-")), **kwargs)
+        self.servers.append(proc)
         proc.start()
         return proc
 
-    yield start
-    for proc in started:
-        proc.stop()
+    def engine(self, **kwargs: Any) -> Any:
+        engine = self._client.SyntheticEngine(**kwargs)
+        self.engines.append(engine)
+        return engine
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.stop()
+        for proc in self.servers:
+            proc.stop()
+
+
+def require_prometheus() -> None:
+    if shutil.which("prometheus") is None:
+        pytest.skip(f"prometheus is not installed: {INSTALL_HINT}")
+
+
+@pytest.fixture
+def prometheus_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., PrometheusProcess]]:
+    """Start Prometheus servers with custom options (rule files, web config); all stopped at teardown."""
+    require_prometheus()
+    started = Started(tmp_path_factory.getbasetemp())
+    yield started.prometheus
+    started.close()
 
 
 @pytest.fixture
@@ -182,16 +205,8 @@ def prometheus(prometheus_factory: Callable[..., PrometheusProcess]) -> Promethe
 
 
 @pytest.fixture
-def synthetic_engine() -> Iterator[Callable[..., Any]]:
+def synthetic_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Any]]:
     """Start synthetic engine processes (``e2e/synthetic_engine``); all stopped at teardown."""
-    module = _load_synthetic_client()
-    started: list[Any] = []
-
-    def start(**kwargs: Any) -> Any:
-        engine = module.SyntheticEngine(**kwargs)
-        started.append(engine)
-        return engine
-
-    yield start
-    for engine in started:
-        engine.stop()
+    started = Started(tmp_path_factory.getbasetemp())
+    yield started.engine
+    started.close()
