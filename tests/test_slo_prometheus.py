@@ -72,7 +72,9 @@ def sustained_breach(ctx: Ctx) -> dict[str, Any]:
     loop.run_until(lambda l: l.enabled != ["host"], timeout=25)
     assert loop.enabled == [] and [a.tier for a in disables(loop)] == ["nvme", "host"]
     gap = loop.records[-1].monotonic - t_first
-    assert gap >= 4 + 5 * 0.9, f"second tier went {gap:.1f}s after the first: cooldown + a fresh streak expected"
+    # Evaluations less than max(cooldown 4 s, window 3 s) after the rollback are not counted; the one at +4 s
+    # starts a fresh streak of 5, so the earliest next rollback is at +8 s.
+    assert gap >= 4 + 4 * 1 - 0.3, f"second tier went {gap:.1f}s after the first: cooldown + a fresh streak expected"
     history = [(h["event"], h["tier"]) for h in loop.state["history"]]
     assert history == [("Disabled", "nvme"), ("Disabled", "host")]
     return {"first_disable_s": first, "gap_s": gap}
@@ -111,8 +113,7 @@ def prometheus_outage(ctx: Ctx) -> dict[str, Any]:
     # Prometheus is back and the breach goes on: the held counter completes the streak.
     loop.run_until(lambda l: l.enabled == ["host"], timeout=20)
     assert loop.records[-1].conditions["SLOUnknown"].status == "False"
-    after_restart = [r for r in loop.records[len(loop.records) - 10:] if r.verdict == "breach"]
-    return {"held": held, "errors": len(records), "breaches_after": len(after_restart)}
+    return {"held": held, "errors": len(records)}
 
 
 def low_traffic(ctx: Ctx) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import requests
 from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
+from urllib3.exceptions import NewConnectionError, TimeoutError as TimeoutError_
 from urllib3.util.retry import Retry
 
 from .measurements import Measurements, Reading
@@ -86,6 +87,12 @@ class PrometheusSource:
         except requests.exceptions.Timeout:
             return Reading.failed(f"timed out after {self.config.timeout_s:g}s waiting for {self.config.url}", promql)
         except requests.exceptions.ConnectionError as exc:
+            # With retries exhausted urllib3 wraps a read timeout in MaxRetryError -> ConnectionError.
+            reason = getattr(exc.args[0], "reason", None) if exc.args else None
+            # (NewConnectionError subclasses ConnectTimeoutError in urllib3 2.x, but "refused" is not a timeout.)
+            if isinstance(reason, TimeoutError_) and not isinstance(reason, NewConnectionError):
+                return Reading.failed(f"timed out after {self.config.timeout_s:g}s waiting for {self.config.url}",
+                                      promql)
             return Reading.failed(f"cannot reach {self.config.url}: {_short(str(exc))}", promql)
         except (requests.exceptions.RequestException, ValueError, KeyError) as exc:
             return Reading.failed(f"bad answer from {self.config.url}: {_short(str(exc))}", promql)
