@@ -1,6 +1,8 @@
 """Parsing spec.slo / spec.rollout into SLOSettings, and PromQL building; every rejection names its field."""
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
 from kvtier_operator.slo import SLOSettings, SLOSpecError, Scope, build_queries, parse_duration
@@ -57,6 +59,7 @@ def test_all_problems_are_reported_at_once():
 
 
 def test_durations():
+    assert parse_duration(timedelta(minutes=5)) == 300
     assert parse_duration("1h30m") == 5400 and parse_duration("150ms") == 0.15 and parse_duration(2) == 2.0
     assert promql_duration(300) == "5m" and promql_duration(2.5) == "2500ms" and promql_duration(3600) == "1h"
     with pytest.raises(ValueError):

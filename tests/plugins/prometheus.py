@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -58,6 +59,7 @@ class PrometheusProcess:
         self.port = free_port()
         self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.targets: dict[str, dict[str, Any]] = {}
+        self._targets_lock = threading.Lock()   # engines may be added from several threads
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = workdir / "prometheus.log"
         self.targets_file.write_text("[]")
@@ -76,12 +78,15 @@ class PrometheusProcess:
     # -- targets
     def add_target(self, address: str, *, namespace: str = "default", pod: str = "engine-0",
                    metrics_path: str = "/metrics", **labels: str) -> None:
-        self.targets[address] = {"namespace": namespace, "pod": pod, "__metrics_path__": metrics_path, **labels}
-        self._write_targets()
+        with self._targets_lock:
+            self.targets[address] = {"namespace": namespace, "pod": pod, "__metrics_path__": metrics_path,
+                                     **labels}
+            self._write_targets()
 
     def remove_target(self, address: str) -> None:
-        self.targets.pop(address, None)
-        self._write_targets()
+        with self._targets_lock:
+            self.targets.pop(address, None)
+            self._write_targets()
 
     def _write_targets(self) -> None:
         groups = [{"targets": [addr], "labels": labels} for addr, labels in self.targets.items()]

@@ -5,8 +5,12 @@ operator's timer, because an unreachable Prometheus must surface as ``SLOUnknown
 """
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 import requests
 from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
@@ -15,6 +19,7 @@ from urllib3.util.retry import Retry
 
 from .measurements import Measurements, Reading
 from .queries import QuerySet
+from .settings import PrometheusSettings
 
 
 @dataclass(frozen=True)
@@ -127,3 +132,45 @@ def _scalar(result: object, promql: str) -> Reading:
 
 def _short(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def resolve_client_config(settings: PrometheusSettings, read_secret: Callable[[str, str], str],
+                          ca_dir: str | os.PathLike[str]) -> PrometheusClientConfig:
+    """Turn ``spec.slo.prometheus`` into a connectable config. ``read_secret(name, key)`` returns one key of a
+    Secret in the policy's namespace (the operator passes a Kubernetes reader); the CA bundle is written under
+    ``ca_dir`` because requests verifies against a file. Raises ValueError naming the field on a missing key."""
+    token = basic = ca_file = None
+    if settings.bearer_token_secret is not None:
+        ref = settings.bearer_token_secret
+        token = _secret(read_secret, ref.name, ref.key, "spec.slo.prometheus.bearerTokenSecret").strip()
+    if settings.basic_auth_secret is not None:
+        name = settings.basic_auth_secret
+        basic = (_secret(read_secret, name, "username", "spec.slo.prometheus.basicAuthSecret"),
+                 _secret(read_secret, name, "password", "spec.slo.prometheus.basicAuthSecret"))
+    if settings.ca_secret is not None:
+        ref = settings.ca_secret
+        pem = _secret(read_secret, ref.name, ref.key, "spec.slo.prometheus.caSecret")
+        if "-----BEGIN CERTIFICATE-----" not in pem:
+            raise ValueError(f"spec.slo.prometheus.caSecret: key {ref.key!r} of Secret {ref.name!r} is not a PEM "
+                             "certificate bundle")
+        digest = hashlib.sha256(pem.encode()).hexdigest()[:16]
+        path = Path(ca_dir) / f"prometheus-ca-{digest}.pem"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(pem)
+            tmp.replace(path)
+        ca_file = str(path)
+    return PrometheusClientConfig(url=settings.url, timeout_s=settings.timeout_s, bearer_token=token or None,
+                                  basic_auth=basic, ca_file=ca_file,
+                                  insecure_skip_verify=settings.insecure_skip_verify)
+
+
+def _secret(read_secret: Callable[[str, str], str], name: str, key: str, path: str) -> str:
+    try:
+        value = read_secret(name, key)
+    except KeyError:
+        raise ValueError(f"{path}: Secret {name!r} has no key {key!r}") from None
+    if not value:
+        raise ValueError(f"{path}: key {key!r} of Secret {name!r} is empty")
+    return value

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Mapping
 
 # Same grammar as the CRD's duration pattern (Go-style, as Prometheus and kubectl users write them).
@@ -35,6 +36,8 @@ def parse_duration(value: Any) -> float:
     """Seconds in a Go-style duration (``150ms``, ``2s``, ``5m``, ``1h30m``); a bare number is seconds."""
     if isinstance(value, bool):
         raise ValueError(f"{value!r} is not a duration (e.g. 150ms, 2s, 5m, 1h)")
+    if isinstance(value, timedelta):   # API models may hand over parsed durations
+        value = value.total_seconds()
     if isinstance(value, (int, float)):
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{value!r} is not a non-negative number of seconds")
