@@ -177,15 +177,17 @@ def test_secrets_resolve_into_a_client_config(tmp_path, tls_prometheus):
     secrets = {("prom-basic", "username"): TEST_USER, ("prom-basic", "password"): TEST_PASSWORD,
                ("prom-ca", "ca.crt"): ca.read_text()}
     spec = {"tiers": [], "slo": {"ttftP99": "1s", "prometheus": {
-        "url": prom.url, "basicAuthSecret": {"name": "prom-basic"}, "caSecret": {"name": "prom-ca", "key": "ca.crt"}}}}
+        "url": prom.url, "caBundle": {"name": "prom-ca", "key": "ca.crt"},
+        "auth": {"username": {"name": "prom-basic", "key": "username"},
+                 "password": {"name": "prom-basic", "key": "password"}}}}}
     settings = SLOSettings.from_spec(spec).prometheus
     config = resolve_client_config(settings, lambda name, key: secrets[(name, key)], tmp_path / "ca")
     with PrometheusSource(config) as source:
         assert source.query_scalar("vector(3)").value == 3.0
     del secrets[("prom-basic", "password")]
-    with pytest.raises(ValueError, match="spec.slo.prometheus.basicAuthSecret: Secret 'prom-basic' has no key"):
+    with pytest.raises(ValueError, match="spec.slo.prometheus.auth.password: Secret 'prom-basic' has no key"):
         resolve_client_config(settings, lambda name, key: secrets[(name, key)], tmp_path / "ca")
     secrets[("prom-basic", "password")] = TEST_PASSWORD
     secrets[("prom-ca", "ca.crt")] = "not a certificate"
-    with pytest.raises(ValueError, match="spec.slo.prometheus.caSecret: key 'ca.crt' .* is not a PEM"):
+    with pytest.raises(ValueError, match="spec.slo.prometheus.caBundle: key 'ca.crt' .* is not a PEM"):
         resolve_client_config(settings, lambda name, key: secrets[(name, key)], tmp_path / "ca")

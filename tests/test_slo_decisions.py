@@ -5,6 +5,7 @@ Prometheus scraping a synthetic engine.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any
@@ -77,7 +78,7 @@ def test_three_consecutive_breaches_disable_the_newest_tier_only():
     assert [(a.tier, a.metric, a.value, a.threshold, a.dry_run) for a in acts] == [("nvme", "ttftP99", 3.0, 2.0, False)]
     assert d.enabled == ["host"]
     entry = d.state["history"][-1]
-    assert entry["event"] == "Disabled" and entry["tier"] == "nvme" and entry["metric"] == "ttftP99"
+    assert entry["action"] == "Disabled" and entry["tier"] == "nvme" and entry["metric"] == "ttftP99"
     assert entry["value"] == 3.0 and entry["threshold"] == 2.0 and entry["time"].endswith("Z")
     assert d.conditions["TierRolledBack"].status == "True"
 
@@ -176,7 +177,7 @@ def test_dry_run_records_but_changes_nothing():
     assert [(a.tier, a.dry_run) for a in acts] == [("nvme", True)]
     assert d.enabled == ["host", "nvme"]
     assert [t["state"] for t in tier_states(d.settings, d.state)] == ["Enabled", "Enabled"]
-    assert d.state["history"][-1]["dryRun"] is True
+    assert d.state["history"][-1]["action"] == "WouldDisable"
     d.run(SLOW, 20)
     acts = d.run(SLOW, 3)
     assert [(a.tier, a.dry_run) for a in acts] == [("host", True)]   # what it would do next, faithfully
@@ -324,8 +325,8 @@ def test_restart_mid_breach_keeps_counting():
 
 
 def test_history_is_bounded():
-    d = driver(historyLimit=3, cooldown="0s", window="1s", reenable={"mode": "auto", "after": "1s",
-                                                                     "probation": "1s"})
+    d = driver(cooldown="0s", window="1s", reenable={"mode": "auto", "after": "1s", "probation": "1s"})
+    d.settings = dataclasses.replace(d.settings, history_limit=3)
     for _ in range(10):
         d.run(SLOW, 3)
         d.run(OK, 3)

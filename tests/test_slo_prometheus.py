@@ -75,7 +75,7 @@ def sustained_breach(ctx: Ctx) -> dict[str, Any]:
     # Evaluations less than max(cooldown 4 s, window 3 s) after the rollback are not counted; the one at +4 s
     # starts a fresh streak of 5, so the earliest next rollback is at +8 s.
     assert gap >= 4 + 4 * 1 - 0.3, f"second tier went {gap:.1f}s after the first: cooldown + a fresh streak expected"
-    history = [(h["event"], h["tier"]) for h in loop.state["history"]]
+    history = [(h["action"], h["tier"]) for h in loop.state["history"]]
     assert history == [("Disabled", "nvme"), ("Disabled", "host")]
     return {"first_disable_s": first, "gap_s": gap}
 
@@ -144,7 +144,7 @@ def recovery_auto_reenable(ctx: Ctx) -> dict[str, Any]:
     assert (enable.tier, enable.reason) == ("nvme", "AutoReenable")
     assert loop.tiers[1]["reason"] == "Probation"
     loop.run_until(lambda l: not l.state["probation"], timeout=15)
-    assert [h["event"] for h in loop.state["history"]] == ["Disabled", "Reenabled", "ProbationPassed"]
+    assert [h["action"] for h in loop.state["history"]] == ["Disabled", "Reenabled", "ProbationPassed"]
     assert len(disables(loop)) == 1
     return {}
 
@@ -160,6 +160,7 @@ def probation_breach(ctx: Ctx) -> dict[str, Any]:
     took = loop.run_until(lambda l: l.enabled == ["host"], timeout=10)
     last = disables(loop)[-1]
     assert (last.tier, last.reason) == ("nvme", "ProbationBreach")
+    assert loop.state["history"][-1]["action"] == "ProbationFailed"
     assert took < 5, f"a probation breach must act on the first breach, took {took:.1f}s"
     assert loop.state["autoReenableBlocked"] is True
     ctx.engine.set(**FAST)
@@ -241,6 +242,7 @@ def _outcome(outcomes: dict[str, Any], name: str) -> dict[str, Any]:
     result = outcomes[name]
     if isinstance(result, BaseException):
         raise result
+    print(f"{name}: {result}")   # margins, visible with -s
     return result
 
 

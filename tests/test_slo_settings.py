@@ -23,7 +23,7 @@ def test_issue_example_parses_to_seconds():
                                     "reenable": {"mode": "auto", "after": "1h"}, "dryRun": False},
                                    {"strategy": "staged", "stageObservation": "30m"}))
     assert (s.ttft_p99_s, s.itl_p99_s, s.window_s, s.interval_s, s.cooldown_s) == (2, 0.15, 300, 30, 900)
-    assert (s.reenable_mode, s.reenable_after_s, s.probation_s) == ("auto", 3600, 3600)
+    assert (s.reenable_mode, s.reenable_after_s, s.probation_s) == ("auto", 3600, 1800)
     assert (s.rollout_strategy, s.stage_observation_s, s.tiers) == ("staged", 1800, ("host", "nvme"))
     assert s.prometheus.url == "http://prometheus.monitoring:9090"
 
@@ -40,7 +40,11 @@ def test_issue_example_parses_to_seconds():
     ({"prometheus": None}, None, "spec.slo.prometheus.url: required"),
     ({"ttftP99": None}, None, "spec.slo: at least one of ttftP99, itlP99"),
     ({"ttftP99MaxRatio": 1.2}, None, "spec.slo.ttftP99MaxRatio: needs spec.rollout.strategy: staged"),
-    ({"ttftP99MaxRatio": 0.5}, {"strategy": "staged"}, "spec.slo.ttftP99MaxRatio: 0.5 must be a number >= 1"),
+    ({"ttftP99MaxRatio": 1}, {"strategy": "staged"}, "spec.slo.ttftP99MaxRatio: 1 must be a number > 1"),
+    ({"prometheus": {"url": "http://p:9090", "auth": {"username": {"name": "s", "key": "u"}}}}, None,
+     "spec.slo.prometheus.auth: username and password go together"),
+    ({"prometheus": {"url": "http://p:9090", "auth": {"bearerToken": {"name": "s"}}}}, None,
+     "spec.slo.prometheus.auth.bearerToken: must be an object with name and key"),
     ({"queries": {"p50": "up"}}, None, "spec.slo.queries.p50: unknown"),
     ({}, {"strategy": "canary"}, "spec.rollout.strategy: 'canary' is not one of immediate, staged"),
     ({}, {"stageObservation": "forever"}, "spec.rollout.stageObservation: 'forever' is not a duration"),
@@ -92,3 +96,14 @@ def test_bad_scope_and_engine_are_errors():
         build_queries("sglang", Scope(), 60)
     with pytest.raises(ValueError, match="not a Prometheus label name"):
         build_queries("vllm", Scope(extra_labels={"bad-label": "x"}), 60)
+
+
+def test_scope_for_prefers_model_name_and_never_widens_to_the_namespace():
+    from kvtier_operator.slo import scope_for
+
+    spec_ = spec({"modelName": "llama-70b"})
+    assert scope_for(SLOSettings.from_spec(spec_), "llm", ["a"]).matchers() == [
+        'namespace="llm"', 'model_name="llama-70b"']
+    plain = SLOSettings.from_spec(spec())
+    assert scope_for(plain, "llm", ["b", "a", "a"]).matchers() == ['namespace="llm"', 'pod=~"a|b"']
+    assert scope_for(plain, "llm", []).matchers() == ['namespace="llm"', 'pod=~"$^"']

@@ -16,7 +16,7 @@ from .decisions import (
     thresholds,
     tier_states,
 )
-from .guard import queries_for, tick
+from .guard import queries_for, scope_for, tick
 from .measurements import Measurements, Reading
 from .queries import QuerySet, Scope, build_queries
 from .settings import PrometheusSettings, SecretKeyRef, SLOSettings, SLOSpecError, parse_duration
@@ -25,5 +25,5 @@ __all__ = [
     "AcknowledgeReenable", "Action", "Decision", "DisableTier", "EnableTier", "Measurements",
     "PrometheusSettings", "QuerySet", "Reading", "RecordEvent", "SLOSettings", "SLOSpecError", "Scope",
     "SecretKeyRef", "SetCondition", "action_to_dict", "assess", "build_queries", "enabled_tiers", "evaluate",
-    "initial_state", "parse_duration", "queries_for", "thresholds", "tick", "tier_states",
+    "initial_state", "parse_duration", "queries_for", "scope_for", "thresholds", "tick", "tier_states",
 ]

@@ -19,7 +19,7 @@ from urllib3.util.retry import Retry
 
 from .measurements import Measurements, Reading
 from .queries import QuerySet
-from .settings import PrometheusSettings
+from .settings import PrometheusSettings, SecretKeyRef
 
 
 @dataclass(frozen=True)
@@ -137,40 +137,38 @@ def _short(text: str, limit: int = 300) -> str:
 def resolve_client_config(settings: PrometheusSettings, read_secret: Callable[[str, str], str],
                           ca_dir: str | os.PathLike[str]) -> PrometheusClientConfig:
     """Turn ``spec.slo.prometheus`` into a connectable config. ``read_secret(name, key)`` returns one key of a
-    Secret in the policy's namespace (the operator passes a Kubernetes reader); the CA bundle is written under
-    ``ca_dir`` because requests verifies against a file. Raises ValueError naming the field on a missing key."""
+    Secret in the policy's namespace, decoded (the operator passes a Kubernetes reader; KeyError when the key
+    is missing). The CA bundle is written under ``ca_dir`` because requests verifies against a file.
+    Raises ValueError naming the field."""
     token = basic = ca_file = None
-    if settings.bearer_token_secret is not None:
-        ref = settings.bearer_token_secret
-        token = _secret(read_secret, ref.name, ref.key, "spec.slo.prometheus.bearerTokenSecret").strip()
-    if settings.basic_auth_secret is not None:
-        name = settings.basic_auth_secret
-        basic = (_secret(read_secret, name, "username", "spec.slo.prometheus.basicAuthSecret"),
-                 _secret(read_secret, name, "password", "spec.slo.prometheus.basicAuthSecret"))
-    if settings.ca_secret is not None:
-        ref = settings.ca_secret
-        pem = _secret(read_secret, ref.name, ref.key, "spec.slo.prometheus.caSecret")
+    if settings.bearer_token is not None:
+        token = _secret(read_secret, settings.bearer_token, "spec.slo.prometheus.auth.bearerToken").strip()
+    if settings.username is not None and settings.password is not None:
+        basic = (_secret(read_secret, settings.username, "spec.slo.prometheus.auth.username"),
+                 _secret(read_secret, settings.password, "spec.slo.prometheus.auth.password"))
+    if settings.ca_bundle is not None:
+        ref = settings.ca_bundle
+        pem = _secret(read_secret, ref, "spec.slo.prometheus.caBundle")
         if "-----BEGIN CERTIFICATE-----" not in pem:
-            raise ValueError(f"spec.slo.prometheus.caSecret: key {ref.key!r} of Secret {ref.name!r} is not a PEM "
+            raise ValueError(f"spec.slo.prometheus.caBundle: key {ref.key!r} of Secret {ref.name!r} is not a PEM "
                              "certificate bundle")
         digest = hashlib.sha256(pem.encode()).hexdigest()[:16]
         path = Path(ca_dir) / f"prometheus-ca-{digest}.pem"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(pem)
             tmp.replace(path)
         ca_file = str(path)
     return PrometheusClientConfig(url=settings.url, timeout_s=settings.timeout_s, bearer_token=token or None,
-                                  basic_auth=basic, ca_file=ca_file,
-                                  insecure_skip_verify=settings.insecure_skip_verify)
+                                  basic_auth=basic, ca_file=ca_file)
 
 
-def _secret(read_secret: Callable[[str, str], str], name: str, key: str, path: str) -> str:
+def _secret(read_secret: Callable[[str, str], str], ref: SecretKeyRef, path: str) -> str:
     try:
-        value = read_secret(name, key)
+        value = read_secret(ref.name, ref.key)
     except KeyError:
-        raise ValueError(f"{path}: Secret {name!r} has no key {key!r}") from None
+        raise ValueError(f"{path}: Secret {ref.name!r} has no key {ref.key!r}") from None
     if not value:
-        raise ValueError(f"{path}: key {key!r} of Secret {name!r} is empty")
+        raise ValueError(f"{path}: key {ref.key!r} of Secret {ref.name!r} is empty")
     return value

@@ -144,6 +144,7 @@ def initial_state() -> dict[str, Any]:
         "disabled": {},          # tier -> {since, reason, metric, value, threshold, dryRun, probationFailed}
         "probation": {},         # tier -> {since, until}
         "autoReenableBlocked": False,
+        "gpuOnlyBreachReported": False,
         "baseline": None,        # {"ttftP99", "itlP99", "samples", "recordedAt"}
         "rollout": None,         # {"strategy", "rolled": [...], "stageStart", "stageOk", "samples": {...}}
         "history": [],
@@ -366,11 +367,17 @@ class _Guard:
         self.s, self.st, self.now, self.actions = settings, st, now, actions
 
     # -- bookkeeping
-    def history(self, event: str, tier: str | None = None, **fields: Any) -> None:
-        entry = {"time": format_time(self.now), "event": event, "tier": tier}
-        entry.update({k: v for k, v in fields.items() if v is not None})
-        if self.s.dry_run and event in ("Disabled", "Reenabled", "ProbationFailed"):
-            entry["dryRun"] = True
+    def history(self, action: str, tier: str, reason: str = "", metric: str | None = None,
+                value: float | None = None, threshold: float | None = None, dry_run: bool = False) -> None:
+        """One ``status.history`` entry (the API's HistoryEntry: time, tier, action, reason, metric, value,
+        threshold; nothing else, the model forbids extra keys)."""
+        if dry_run:
+            action = {"Disabled": "WouldDisable", "ProbationFailed": "WouldDisable",
+                      "Reenabled": "WouldReenable"}.get(action, action)
+        entry: dict[str, Any] = {"time": format_time(self.now), "tier": tier, "action": action, "reason": reason}
+        for key, val in (("metric", metric), ("value", value), ("threshold", threshold)):
+            if val is not None:
+                entry[key] = val
         self.st["history"].append(entry)
 
     def since(self, key_time: str | None) -> float:
@@ -396,7 +403,7 @@ class _Guard:
     def manual_reenable(self, tiers: list[str], reason: str, message: str, acknowledge: bool = True) -> None:
         for tier in tiers:
             entry = self.st["disabled"].pop(tier)
-            self.history("Reenabled", tier, reason=reason)
+            self.history("Reenabled", tier, reason=reason, dry_run=bool(entry.get("dryRun")))
             self.actions.append(EnableTier(tier, reason, f"{tier}: {message}", dry_run=bool(entry.get("dryRun"))))
             if acknowledge:
                 self.actions.append(AcknowledgeReenable(tier, "Reenabled"))
@@ -429,6 +436,7 @@ class _Guard:
                 st["consecutiveBreaches"] += 1
         elif a.verdict == "ok":
             st["consecutiveBreaches"] = 0
+            st["gpuOnlyBreachReported"] = False
         # error / noData / lowTraffic (with onNoData: hold): the counter holds.
 
     def effective_breach(self, a: Assessment) -> tuple[str, float | None, float | None] | None:
@@ -456,7 +464,8 @@ class _Guard:
         st["lastRollback"] = format_time(self.now)
         st["consecutiveBreaches"] = 0
         st["counts"]["rollbacks"] += 1
-        self.history("Disabled", tier, reason=reason, metric=metric, value=value, threshold=threshold)
+        self.history("ProbationFailed" if reason == "ProbationBreach" else "Disabled", tier, reason=reason,
+                     metric=metric, value=value, threshold=threshold, dry_run=self.s.dry_run)
         prefix = "dry run, would disable" if self.s.dry_run else "disabled"
         self.actions.append(DisableTier(tier, reason, f"{prefix} tier {tier}: {message}", metric, raw_value, threshold,
                                         dry_run=self.s.dry_run))
@@ -476,7 +485,7 @@ class _Guard:
                                                 f"the annotation kvtier.io/reenable={tier} or change the spec"))
             elif self.since(st["probation"][tier]["since"]) >= self.s.probation_s:
                 st["probation"].pop(tier)
-                self.history("ProbationPassed", tier)
+                self.history("ProbationPassed", tier, reason="HeldSLO")
                 self.actions.append(RecordEvent("Normal", "ProbationPassed",
                                                 f"tier {tier} held the SLO for its probation period"))
 
@@ -494,8 +503,8 @@ class _Guard:
         metric, value, threshold = breach
         if tier is None:
             st["reason"] = "NothingToDisable"
-            if not any(h.get("event") == "NothingToDisable" for h in st["history"][-1:]):
-                self.history("NothingToDisable", None, metric=metric, value=value, threshold=threshold)
+            if not st.get("gpuOnlyBreachReported"):
+                st["gpuOnlyBreachReported"] = True   # one Event per episode, not one per interval
                 self.actions.append(RecordEvent("Warning", "SLOBreachedGPUOnly",
                                                 f"{metric} {_fmt(value, metric)} > {_fmt(threshold, metric)} with no offload tier "
                                                 "enabled: the SLO is not met by the GPU-only configuration"))
@@ -525,7 +534,7 @@ class _Guard:
         st["probation"][tier] = {"since": format_time(self.now),
                                  "until": format_time(self.now + self.s.probation_s),
                                  "dryRun": bool(entry.get("dryRun"))}
-        self.history("Reenabled", tier, reason="AutoReenable")
+        self.history("Reenabled", tier, reason="AutoReenable", dry_run=bool(entry.get("dryRun")))
         self.actions.append(EnableTier(tier, "AutoReenable",
                                        f"tier {tier} re-enabled after {_dur(self.s.reenable_after_s)}; on probation "
                                        f"for {_dur(self.s.probation_s)}", dry_run=bool(entry.get("dryRun"))))
@@ -569,7 +578,6 @@ class _Guard:
             }
             ro["samples"] = {"ttftP99": [], "itlP99": []}
             b = self.st["baseline"]
-            self.history("BaselineRecorded", None, ttftP99=b["ttftP99"], itlP99=b["itlP99"])
             self.actions.append(RecordEvent("Normal", "BaselineRecorded",
                                             f"baseline p99 TTFT {_fmt(b['ttftP99'])}, ITL {_fmt(b['itlP99'])} "
                                             f"over {b['samples']} evaluations"))
@@ -579,7 +587,7 @@ class _Guard:
         ro["rolled"].append(tier)
         ro["stageStart"] = format_time(self.now)
         ro["stageOk"] = 0
-        self.history("StageEnabled", tier, stage=stage + 1)
+        self.history("StageEnabled", tier, reason=f"stage {stage + 1} of {len(self.s.tiers)}")
         self.actions.append(EnableTier(tier, "StagedRollout",
                                        f"stage {stage} held the SLO for {_dur(self.s.stage_observation_s)}; "
                                        f"enabling tier {tier} (stage {stage + 1} of {len(self.s.tiers)})"))

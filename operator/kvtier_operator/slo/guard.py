@@ -15,6 +15,18 @@ class MeasurementSource(Protocol):
     def measure(self, queries: QuerySet) -> Measurements: ...
 
 
+def scope_for(settings: SLOSettings, namespace: str, pods: Iterable[str]) -> Scope:
+    """The policy's targets as PromQL matchers: ``spec.slo.modelName`` when set (the engine's ``model_name``
+    label), else the names of the target workloads' pods, always within the policy's namespace."""
+    if settings.model_name:
+        return Scope(namespace=namespace, model_name=settings.model_name)
+    names = sorted(set(pods))
+    if not names:
+        # No pods yet: match nothing rather than every pod in the namespace (no data, so no verdict).
+        return Scope(namespace=namespace, pod_regex="$^")
+    return Scope(namespace=namespace, pods=names)
+
+
 def queries_for(settings: SLOSettings, scope: Scope, engine: str | None = None) -> QuerySet:
     """The policy's three queries; ``engine`` (detected from the container) wins over ``spec.engine``."""
     chosen = engine or settings.engine or "vllm"

@@ -56,15 +56,15 @@ class SecretKeyRef:
 
 @dataclass(frozen=True)
 class PrometheusSettings:
-    """Where the guard reads metrics. Secrets are references; the operator resolves them before connecting."""
+    """Where the guard reads metrics (``spec.slo.prometheus``). Secrets are references; the operator reads them
+    and :func:`kvtier_operator.slo.client.resolve_client_config` turns them into a connectable config."""
 
     url: str
-    timeout_s: float = 5.0
-    bearer_token_secret: SecretKeyRef | None = None
-    # A Secret with keys ``username`` and ``password`` (kubernetes.io/basic-auth).
-    basic_auth_secret: str | None = None
-    ca_secret: SecretKeyRef | None = None
-    insecure_skip_verify: bool = False
+    timeout_s: float = 10.0
+    bearer_token: SecretKeyRef | None = None
+    username: SecretKeyRef | None = None
+    password: SecretKeyRef | None = None
+    ca_bundle: SecretKeyRef | None = None
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,7 @@ class SLOSettings:
     tiers: tuple[str, ...]
     prometheus: PrometheusSettings | None = None
     engine: str | None = None
+    model_name: str | None = None
     ttft_p99_s: float | None = None
     itl_p99_s: float | None = None
     ttft_p99_max_ratio: float | None = None
@@ -82,16 +83,17 @@ class SLOSettings:
     interval_s: float = 30.0
     consecutive_breaches: int = 3
     on_no_data: str = "hold"
-    min_request_rate: float = 0.0
+    min_request_rate: float = 0.2
     cooldown_s: float = 900.0
     reenable_mode: str = "manual"
     reenable_after_s: float = 3600.0
-    probation_s: float = 3600.0
+    probation_s: float = 1800.0
     dry_run: bool = False
     rollout_strategy: str = "immediate"
     stage_observation_s: float = 1800.0
     queries: Mapping[str, str] = field(default_factory=dict)
-    history_limit: int = 20
+    # status.history holds at most 50 entries (API: HistoryEntry list, max_length 50).
+    history_limit: int = 50
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> "SLOSettings":
@@ -128,6 +130,7 @@ class SLOSettings:
             tiers=tiers,
             prometheus=p.prometheus(slo.get("prometheus")),
             engine=engine,
+            model_name=p.string(slo, "modelName"),
             ttft_p99_s=p.duration(slo, "ttftP99", "spec.slo.ttftP99", None, positive=True),
             itl_p99_s=p.duration(slo, "itlP99", "spec.slo.itlP99", None, positive=True),
             ttft_p99_max_ratio=p.ratio(slo, "ttftP99MaxRatio"),
@@ -136,19 +139,17 @@ class SLOSettings:
             interval_s=p.duration(slo, "interval", "spec.slo.interval", 30.0, positive=True),
             consecutive_breaches=p.integer(slo, "consecutiveBreaches", 3, minimum=1),
             on_no_data=p.enum(slo, "onNoData", ON_NO_DATA, "hold"),
-            min_request_rate=p.number(slo, "minRequestRate", 0.0),
+            min_request_rate=p.number(slo, "minRequestRate", 0.2),
             cooldown_s=p.duration(slo, "cooldown", "spec.slo.cooldown", 900.0),
             reenable_mode=p.enum(reenable, "mode", REENABLE_MODES, "manual", path="spec.slo.reenable.mode"),
             reenable_after_s=after,
-            # Probation defaults to the wait before re-enabling: a tier earns back as much trust as it lost.
-            probation_s=p.duration(reenable, "probation", "spec.slo.reenable.probation", after, positive=True),
+            probation_s=p.duration(reenable, "probation", "spec.slo.reenable.probation", 1800.0, positive=True),
             dry_run=p.boolean(slo, "dryRun", False),
             rollout_strategy=p.enum(rollout, "strategy", ROLLOUT_STRATEGIES, "immediate",
                                     path="spec.rollout.strategy"),
             stage_observation_s=p.duration(rollout, "stageObservation", "spec.rollout.stageObservation",
                                            1800.0, positive=True),
             queries=p.queries(slo.get("queries")),
-            history_limit=p.integer(slo, "historyLimit", 20, minimum=1),
         )
         if all(values[k] is None for k in ("ttft_p99_s", "itl_p99_s", "ttft_p99_max_ratio", "itl_p99_max_ratio")):
             problems.append("spec.slo: at least one of ttftP99, itlP99, ttftP99MaxRatio, itlP99MaxRatio is required")
@@ -188,8 +189,9 @@ class _Parser:
         raw = slo.get(key)
         if raw is None:
             return None
-        if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw) or raw < 1:
-            self.problems.append(f"spec.slo.{key}: {raw!r} must be a number >= 1 (a multiple of the baseline p99)")
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not (1 < raw <= 100):
+            self.problems.append(f"spec.slo.{key}: {raw!r} must be a number > 1 and <= 100 (a multiple of the "
+                                 "baseline p99)")
             return None
         return float(raw)
 
@@ -250,6 +252,15 @@ class _Parser:
                 names.append(name)
         return tuple(names)
 
+    def string(self, obj: Mapping[str, Any], key: str) -> str | None:
+        raw = obj.get(key)
+        if raw is None:
+            return None
+        if not isinstance(raw, str) or not raw:
+            self.problems.append(f"spec.slo.{key}: {raw!r} must be a non-empty string")
+            return None
+        return raw
+
     def prometheus(self, raw: Any) -> PrometheusSettings | None:
         if raw is None:
             self.problems.append("spec.slo.prometheus.url: required")
@@ -261,14 +272,22 @@ class _Parser:
         if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url):
             self.problems.append(f"spec.slo.prometheus.url: {url!r} must be an http:// or https:// URL")
             return None
-        timeout = self.duration(raw, "timeout", "spec.slo.prometheus.timeout", 5.0, positive=True)
+        timeout = self.duration(raw, "timeout", "spec.slo.prometheus.timeout", 10.0, positive=True)
+        auth = raw.get("auth") or {}
+        if not isinstance(auth, Mapping):
+            self.problems.append(f"spec.slo.prometheus.auth: must be an object, got {type(auth).__name__}")
+            auth = {}
+        refs = {k: self.key_ref(auth.get(k), f"spec.slo.prometheus.auth.{k}")
+                for k in ("bearerToken", "username", "password")}
+        if refs["bearerToken"] and (refs["username"] or refs["password"]):
+            self.problems.append("spec.slo.prometheus.auth: set bearerToken, or username and password, not both")
+        if bool(refs["username"]) != bool(refs["password"]):
+            self.problems.append("spec.slo.prometheus.auth: username and password go together")
         return PrometheusSettings(
             url=url.rstrip("/"),
-            timeout_s=timeout if timeout is not None else 5.0,
-            bearer_token_secret=self.key_ref(raw.get("bearerTokenSecret"), "spec.slo.prometheus.bearerTokenSecret"),
-            basic_auth_secret=self.secret_name(raw.get("basicAuthSecret"), "spec.slo.prometheus.basicAuthSecret"),
-            ca_secret=self.key_ref(raw.get("caSecret"), "spec.slo.prometheus.caSecret"),
-            insecure_skip_verify=bool(raw.get("insecureSkipVerify", False)),
+            timeout_s=timeout if timeout is not None else 10.0,
+            bearer_token=refs["bearerToken"], username=refs["username"], password=refs["password"],
+            ca_bundle=self.key_ref(raw.get("caBundle"), "spec.slo.prometheus.caBundle"),
         )
 
     def key_ref(self, raw: Any, path: str) -> SecretKeyRef | None:
@@ -278,14 +297,6 @@ class _Parser:
             self.problems.append(f"{path}: must be an object with name and key")
             return None
         return SecretKeyRef(name=str(raw["name"]), key=str(raw["key"]))
-
-    def secret_name(self, raw: Any, path: str) -> str | None:
-        if raw is None:
-            return None
-        if not isinstance(raw, Mapping) or not raw.get("name"):
-            self.problems.append(f"{path}: must be an object with name (a Secret holding username and password)")
-            return None
-        return str(raw["name"])
 
     def queries(self, raw: Any) -> dict[str, str]:
         if raw is None:
