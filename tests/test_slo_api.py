@@ -66,3 +66,33 @@ def test_status_written_by_the_guard_fits_the_status_models():
         HistoryEntry.model_validate(entry)
     for tier in tier_states(s, state):
         TierStatus.model_validate(tier)
+
+
+def test_status_fields_validate_against_the_status_model_and_keep_transition_times():
+    from kvtier_operator.api.v1alpha1 import KVCachePolicyStatus
+    from kvtier_operator.slo import status_fields
+
+    spec = json.loads(json.dumps(POLICY["spec"]))
+    spec["tiers"].append({"name": "spare", "medium": "filesystem", "size": "1Ti", "path": "/mnt/spare",
+                          "volume": {"emptyDir": {}}, "enabled": False})
+    spec["rollout"] = {"strategy": "immediate"}
+    del spec["slo"]["ttftP99MaxRatio"]
+    s = SLOSettings.from_spec(spec)
+    assert s.tiers == ("host", "nvme") and s.spec_disabled_tiers == ("spare",)
+    ready = {"type": "Ready", "status": "True", "reason": "Applied", "message": "",
+             "lastTransitionTime": "2026-01-01T00:00:00.000Z"}
+    conditions, state = [ready], None
+    transitions = {}
+    for i, m in enumerate([Measurements.of(0.5, 0.05, 5.0)] * 2 + [Measurements.of(3.0, 0.05, 5.0)] * 3):
+        decision = evaluate(s, state, m, 1000.0 + i * 30, generation=4)
+        fields = status_fields(s, decision, conditions, 1000.0 + i * 30, generation=4)
+        state, conditions = decision.state, fields["conditions"]
+        transitions[i] = {c["type"]: c["lastTransitionTime"] for c in conditions}
+    KVCachePolicyStatus.model_validate(json.loads(json.dumps(fields)))
+    assert fields["activeTiers"] == "host" and fields["sloState"] == "Breaching"
+    assert [(t["name"], t["state"], t["reason"]) for t in fields["tiers"]] == [
+        ("host", "Enabled", "Enabled"), ("nvme", "Disabled", "SLOBreach"), ("spare", "Disabled", "DisabledInSpec")]
+    assert transitions[4]["Ready"] == ready["lastTransitionTime"]           # foreign condition untouched
+    assert transitions[1]["SLOUnknown"] == transitions[0]["SLOUnknown"]     # no flip, no new time
+    assert transitions[2]["SLOBreached"] != transitions[1]["SLOBreached"]   # False -> True
+    assert transitions[4]["TierRolledBack"] != transitions[3]["TierRolledBack"]

@@ -223,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="0 picks a free port (see --port-file)")
     ap.add_argument("--port-file", type=Path, help="write the bound port here once serving")
-    ap.add_argument("--config", type=Path, help="rendered engine config (YAML); must parse")
+    ap.add_argument("--config", "--extra_llm_api_options", "--extra-llm-api-options", dest="config", type=Path,
+                    help="rendered engine config (vLLM --config / TensorRT-LLM --extra_llm_api_options YAML); "
+                         "must parse")
     ap.add_argument("--exposition", choices=("negotiate", "classic"), default="negotiate",
                     help="classic ignores Accept and keeps 'vllm:' names (text format 0.0.4)")
     ap.add_argument("--seed", type=int)

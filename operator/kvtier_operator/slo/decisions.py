@@ -197,7 +197,8 @@ def enabled_tiers(settings: SLOSettings, state: dict[str, Any] | None) -> list[s
 
 
 def tier_states(settings: SLOSettings, state: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """``status.tiers[]`` entries: name, state (Enabled|Disabled|Pending), reason, since."""
+    """``status.tiers[]`` entries: name, state (Enabled|Disabled|Pending), reason, since. Tiers declared with
+    ``enabled: false`` come last, as Disabled/DisabledInSpec."""
     st = state or {}
     disabled = st.get("disabled") or {}
     probation = st.get("probation") or {}
@@ -213,6 +214,8 @@ def tier_states(settings: SLOSettings, state: dict[str, Any] | None) -> list[dic
             out.append({"name": tier, "state": "Enabled", "reason": reason, "since": since})
         else:
             out.append({"name": tier, "state": "Pending", "reason": "StagedRollout", "since": None})
+    out += [{"name": t, "state": "Disabled", "reason": "DisabledInSpec", "since": None}
+            for t in settings.spec_disabled_tiers]
     return out
 
 

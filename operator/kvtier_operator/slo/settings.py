@@ -71,6 +71,7 @@ class PrometheusSettings:
 class SLOSettings:
     """Everything the pure decision engine needs, in seconds and plain types."""
 
+    # Tiers the guard manages: declared and enabled in the spec, hottest first.
     tiers: tuple[str, ...]
     prometheus: PrometheusSettings | None = None
     engine: str | None = None
@@ -92,6 +93,8 @@ class SLOSettings:
     rollout_strategy: str = "immediate"
     stage_observation_s: float = 1800.0
     queries: Mapping[str, str] = field(default_factory=dict)
+    # Declared with ``enabled: false``: never rendered, never touched by the guard, shown as Disabled.
+    spec_disabled_tiers: tuple[str, ...] = ()
     # status.history holds at most 50 entries (API: HistoryEntry list, max_length 50).
     history_limit: int = 50
 
@@ -115,7 +118,9 @@ class SLOSettings:
             rollout = {}
 
         p = _Parser(problems)
-        tiers = p.tier_names(spec.get("tiers", []))
+        declared = p.tier_names(spec.get("tiers", []))
+        off = {t.get("name") for t in spec.get("tiers") or [] if isinstance(t, Mapping) and t.get("enabled") is False}
+        tiers = tuple(t for t in declared if t not in off)
         engine = spec.get("engine")
         if engine is not None and engine not in ENGINES:
             problems.append(f"spec.engine: {engine!r} is not one of {', '.join(ENGINES)}")
@@ -150,6 +155,7 @@ class SLOSettings:
             stage_observation_s=p.duration(rollout, "stageObservation", "spec.rollout.stageObservation",
                                            1800.0, positive=True),
             queries=p.queries(slo.get("queries")),
+            spec_disabled_tiers=tuple(t for t in declared if t in off),
         )
         if all(values[k] is None for k in ("ttft_p99_s", "itl_p99_s", "ttft_p99_max_ratio", "itl_p99_max_ratio")):
             problems.append("spec.slo: at least one of ttftP99, itlP99, ttftP99MaxRatio, itlP99MaxRatio is required")
