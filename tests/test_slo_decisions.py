@@ -352,3 +352,36 @@ def test_evaluate_does_not_mutate_its_input():
     before = json.dumps(state, sort_keys=True)
     evaluate(settings, state, SLOW, 1.0)
     assert json.dumps(state, sort_keys=True) == before
+
+
+def test_staged_policy_renders_gpu_only_before_its_first_evaluation():
+    settings = SLOSettings.from_spec(spec(rollout={"strategy": "staged"}))
+    assert enabled_tiers(settings, None) == []
+    assert [t["state"] for t in tier_states(settings, None)] == ["Pending", "Pending"]
+    assert enabled_tiers(SLOSettings.from_spec(spec()), None) == ["host", "nvme"]
+
+
+def test_switching_a_running_policy_to_staged_keeps_its_tiers():
+    d = driver()
+    d.run(OK, 3)
+    d.settings = SLOSettings.from_spec(spec(rollout={"strategy": "staged", "stageObservation": "10s"}))
+    d.step(OK)
+    assert d.enabled == ["host", "nvme"]
+
+
+def test_a_corrupted_status_is_repaired_not_a_crash():
+    d = driver()
+    d.run(SLOW, 3)
+    assert d.enabled == ["host"]
+    d.state.update({"consecutiveBreaches": "two", "counts": {"evaluations": -1}, "lastRollback": "yesterday",
+                    "probation": {"nvme": "soon"}, "baseline": "fast", "history": ["junk", {"action": "x"}],
+                    "rollout": {"strategy": "immediate", "rolled": "all"}})
+    d.state["disabled"]["nvme"]["since"] = 12
+    d.step(OK)
+    assert d.enabled == ["host"], "a rolled-back tier must stay rolled back through a repair"
+    assert d.state["consecutiveBreaches"] == 0 and d.state["counts"]["evaluations"] == 1
+    assert d.state["probation"] == {} and d.state["baseline"] is None
+    assert d.state["history"] == [{"action": "x"}]
+    d.state["disabled"] = {"nvme": "broken"}
+    d.step(OK)
+    assert d.enabled == ["host"] and d.state["disabled"]["nvme"]["reason"] == "Restored"

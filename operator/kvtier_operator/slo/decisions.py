@@ -166,6 +166,7 @@ def _load(settings: SLOSettings, state: dict[str, Any] | None, now: float) -> di
                 st[key] = {**value, **st[key]}
         if not isinstance(st.get("history"), list):
             st["history"] = []
+    _repair(st, now)
     tiers = set(settings.tiers)
     st["disabled"] = {t: v for t, v in st["disabled"].items() if t in tiers}
     st["probation"] = {t: v for t, v in st["probation"].items() if t in tiers}
@@ -176,10 +177,8 @@ def _load(settings: SLOSettings, state: dict[str, Any] | None, now: float) -> di
     ro = st.get("rollout")
     if settings.rollout_strategy == "staged":
         if not isinstance(ro, dict) or ro.get("strategy") != "staged":
-            # A policy that was already running all tiers keeps them: staging only governs what is not rolled.
-            already = list(ro.get("rolled", [])) if isinstance(ro, dict) else []
-            ro = {"strategy": "staged", "rolled": already, "stageStart": format_time(now), "stageOk": 0,
-                  "samples": {"ttftP99": [], "itlP99": []}}
+            ro = {"strategy": "staged", "rolled": sorted(_rolled(settings, st)), "stageStart": format_time(now),
+                  "stageOk": 0, "samples": {"ttftP99": [], "itlP99": []}}
         ro["rolled"] = [t for t in settings.tiers if t in ro.get("rolled", [])]
     else:
         ro = {"strategy": "immediate", "rolled": list(settings.tiers)}
@@ -187,12 +186,69 @@ def _load(settings: SLOSettings, state: dict[str, Any] | None, now: float) -> di
     return st
 
 
+def _rolled(settings: SLOSettings, st: dict[str, Any]) -> set[str]:
+    """Tiers the rollout has reached. Staged with no record yet: none (GPU-only first, also for the very first
+    render, before any evaluation). A policy switched from immediate to staged keeps what it was running."""
+    ro = st.get("rollout")
+    if settings.rollout_strategy != "staged":
+        return set(settings.tiers)
+    if isinstance(ro, dict) and isinstance(ro.get("rolled"), list):
+        return {t for t in ro["rolled"] if isinstance(t, str)}
+    return set()
+
+
+def _is_time(value: Any) -> bool:
+    try:
+        return isinstance(value, str) and parse_time(value) is not None
+    except ValueError:
+        return False
+
+
+def _repair(st: dict[str, Any], now: float) -> None:
+    """Make a hand-edited or half-written status.slo safe to use instead of crashing the timer. Rolled-back
+    tiers stay rolled back (with a fresh time if theirs is unreadable); anything else unreadable is reset."""
+    for key in ("consecutiveBreaches", "consecutiveErrors"):
+        if isinstance(st.get(key), bool) or not isinstance(st.get(key), int) or st[key] < 0:
+            st[key] = 0
+    st["counts"] = {k: v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+                    for k, v in st["counts"].items()}
+    for key in ("lastRollback", "lastEvaluation"):
+        if st.get(key) is not None and not _is_time(st[key]):
+            st[key] = format_time(now) if key == "lastRollback" else None
+    disabled = {}
+    for tier, entry in st["disabled"].items():
+        entry = dict(entry) if isinstance(entry, dict) else {"reason": "Restored"}
+        if not _is_time(entry.get("since")):
+            entry["since"] = format_time(now)
+        disabled[tier] = entry
+    st["disabled"] = disabled
+    st["probation"] = {t: e for t, e in st["probation"].items() if isinstance(e, dict) and _is_time(e.get("since"))}
+    st["autoReenableBlocked"] = bool(st.get("autoReenableBlocked"))
+    baseline = st.get("baseline")
+    if baseline is not None and not (isinstance(baseline, dict) and all(
+            isinstance(baseline.get(m), (int, float, type(None))) for m in METRICS)):
+        st["baseline"] = None
+    ro = st.get("rollout")
+    if isinstance(ro, dict):
+        if ro.get("strategy") == "staged" and not _is_time(ro.get("stageStart")):
+            ro["stageStart"] = format_time(now)
+        if not isinstance(ro.get("stageOk"), int):
+            ro["stageOk"] = 0
+        samples = ro.get("samples")
+        if not isinstance(samples, dict):
+            ro["samples"] = samples = {}
+        for m in METRICS:
+            if not isinstance(samples.get(m), list):
+                samples[m] = []
+            samples[m] = [v for v in samples[m] if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    st["history"] = [h for h in st["history"] if isinstance(h, dict)]
+
+
 def enabled_tiers(settings: SLOSettings, state: dict[str, Any] | None) -> list[str]:
     """Tiers the renderer must include, hottest first (spec order minus Disabled and staged-Pending tiers)."""
     st = state or {}
-    disabled = {t for t, v in (st.get("disabled") or {}).items() if not v.get("dryRun")}
-    ro = st.get("rollout")
-    rolled = set(settings.tiers) if not ro or settings.rollout_strategy != "staged" else set(ro.get("rolled", []))
+    disabled = {t for t, v in (st.get("disabled") or {}).items() if not (isinstance(v, dict) and v.get("dryRun"))}
+    rolled = _rolled(settings, st)
     return [t for t in settings.tiers if t in rolled and t not in disabled]
 
 
