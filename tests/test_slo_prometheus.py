@@ -68,13 +68,13 @@ def sustained_breach(ctx: Ctx) -> dict[str, Any]:
     assert loop.enabled == ["host"], loop.tiers
     [d] = disables(loop)
     assert (d.tier, d.metric, d.threshold) == ("nvme", "ttftP99", 1.0) and d.value > 2.5
-    t_first = loop.records[-1].monotonic
+    t_first = loop.records[-1].wall   # evaluation times: what cooldown and streaks are measured in
     loop.run_until(lambda l: l.enabled != ["host"], timeout=25)
     assert loop.enabled == [] and [a.tier for a in disables(loop)] == ["nvme", "host"]
-    gap = loop.records[-1].monotonic - t_first
+    gap = loop.records[-1].wall - t_first
     # Evaluations less than max(cooldown 4 s, window 3 s) after the rollback are not counted; the one at +4 s
     # starts a fresh streak of 5, so the earliest next rollback is at +8 s.
-    assert gap >= 4 + 4 * 1 - 0.3, f"second tier went {gap:.1f}s after the first: cooldown + a fresh streak expected"
+    assert gap >= 4 + 4 * 1 - 0.1, f"second tier went {gap:.1f}s after the first: cooldown + a fresh streak expected"
     history = [(h["action"], h["tier"]) for h in loop.state["history"]]
     assert history == [("Disabled", "nvme"), ("Disabled", "host")]
     return {"first_disable_s": first, "gap_s": gap}
@@ -136,10 +136,10 @@ def recovery_auto_reenable(ctx: Ctx) -> dict[str, Any]:
     warm(loop)
     ctx.engine.set(**SLOW_TTFT)
     loop.run_until(lambda l: l.enabled == ["host"], timeout=20)
-    t_disabled = loop.records[-1].monotonic
+    t_disabled = loop.records[-1].wall
     ctx.engine.set(**FAST)
     loop.run_until(lambda l: l.enabled == ["host", "nvme"], timeout=25)
-    assert loop.records[-1].monotonic - t_disabled >= 3.9
+    assert loop.records[-1].wall - t_disabled >= 4
     [enable] = loop.actions("EnableTier")
     assert (enable.tier, enable.reason) == ("nvme", "AutoReenable")
     assert loop.tiers[1]["reason"] == "Probation"
@@ -176,9 +176,9 @@ def staged_rollout(ctx: Ctx) -> dict[str, Any]:
     loop.tick()
     assert loop.enabled == [] and [t["state"] for t in loop.tiers] == ["Pending", "Pending"]
     loop.run_until(lambda l: l.enabled == ["host", "nvme"], timeout=40)
-    enables = [(r.monotonic, a.tier) for r in loop.records for a in r.actions if a.kind == "EnableTier"]
+    enables = [(r.wall, a.tier) for r in loop.records for a in r.actions if a.kind == "EnableTier"]
     assert [t for _, t in enables] == ["host", "nvme"]
-    assert enables[1][0] - enables[0][0] >= 3.9, "each stage must hold a full observation period"
+    assert enables[1][0] - enables[0][0] >= 4, "each stage must hold a full observation period"
     baseline = loop.state["baseline"]["ttftP99"]
     assert 0.04 < baseline < 0.1, baseline
     # 500 ms is within the absolute 1 s budget but 8x the GPU-only baseline (ratio 5): a relative breach.

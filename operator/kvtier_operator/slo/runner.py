@@ -18,8 +18,8 @@ from .settings import SLOSettings
 
 @dataclass
 class TickRecord:
-    wall: float
-    monotonic: float
+    wall: float        # the evaluation's "now" (what the decision engine compared its timers with)
+    monotonic: float   # when the decision was available (after the queries)
     verdict: str
     reason: str
     values: dict[str, Any]
@@ -40,13 +40,14 @@ class GuardLoop:
     _next: float | None = None
 
     def tick(self, reenable_requests: Iterable[str] = (), generation: int | None = None) -> TickRecord:
-        decision = tick(self.settings, self.state, self.source, self.scope, self.clock(), engine=self.engine,
+        now = self.clock()
+        decision = tick(self.settings, self.state, self.source, self.scope, now, engine=self.engine,
                         reenable_requests=reenable_requests, generation=generation)
         # Round-trip through JSON exactly as status storage would, so nothing non-serialisable survives.
         self.state = json.loads(json.dumps(decision.state, allow_nan=False))
         st = self.state
         record = TickRecord(
-            wall=self.clock(), monotonic=time.monotonic(), verdict=st["verdict"], reason=st["reason"],
+            wall=now, monotonic=time.monotonic(), verdict=st["verdict"], reason=st["reason"],
             values={k: st["last"].get(k) for k in ("ttftP99", "itlP99", "requestRate")},
             consecutive_breaches=st["consecutiveBreaches"],
             actions=[a for a in decision.actions if not isinstance(a, SetCondition)],
