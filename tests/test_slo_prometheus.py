@@ -81,8 +81,8 @@ def sustained_breach(ctx: Ctx) -> dict[str, Any]:
 
 
 def transient_spike(ctx: Ctx) -> dict[str, Any]:
-    # A spike keeps p99-over-window high for about window + spike + one scrape (~4.5 s here), so a guard that
-    # must ignore it needs consecutiveBreaches x interval above that: 6 x 1 s.
+    # A spike of length S keeps p99-over-window high for at most about window + S (rate() sees it while two
+    # scrapes straddling it are inside the window): 3.5 s here, so 6 x 1 s ignores it whatever the alignment.
     loop = ctx.loop(consecutiveBreaches=6)
     warm(loop)
     ctx.engine.set(**SLOW_TTFT)
