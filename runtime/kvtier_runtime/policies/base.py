@@ -78,6 +78,8 @@ class EvictionPolicy:
     """
 
     name: ClassVar[str] = "base"
+    # Whether the ordering reads ``ctx``; callers on a hot path (trace replay) skip building contexts otherwise.
+    uses_context: ClassVar[bool] = False
 
     def __init__(self, capacity_bytes: int, admission: AdmissionFilter | None = None) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:

@@ -26,6 +26,7 @@ from .ghost import GhostList
 
 class Prefix2QPolicy(EvictionPolicy):
     name = "prefix2q"
+    uses_context = True
     history_factor = 4
 
     def __init__(self, capacity_bytes: int, admission=None) -> None:
