@@ -1,0 +1,80 @@
+"""Replay speed and prefix hit ratios per policy against OPT at 5% and 10% of the trace's distinct blocks.
+
+    python bench/replay.py [--trace ../shared/traces/mooncake-synthetic.jsonl]
+
+Speed is block accesses per second on one core through kvtier_runtime.replay.replay_single (the runtime's own
+policy classes), next to an inline OrderedDict LRU over the same accesses measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import time
+from collections import OrderedDict
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "runtime"))
+
+from kvtier_runtime import config  # noqa: E402
+from kvtier_runtime.replay.engine import PolicySpec, capacity_blocks, replay_single  # noqa: E402
+from kvtier_runtime.replay.metrics import flatten, prefix_hit_count  # noqa: E402
+from kvtier_runtime.replay.opt import opt_hits  # noqa: E402
+from kvtier_runtime.replay.trace import load_trace  # noqa: E402
+
+SPECS = ["lru", "arc", "s3fifo", "prefix2q", "lru+doorkeeper", "s3fifo+doorkeeper", "s3fifo+threshold",
+         "prefix2q+threshold"]
+
+
+def default_trace() -> pathlib.Path:
+    base = pathlib.Path(os.environ.get("KVTIER_TRACE_DIR") or ROOT.parent / "shared" / "traces")
+    return base / "mooncake-synthetic.jsonl"
+
+
+def reference_lru(keys: list[int], capacity: int) -> float:
+    od: OrderedDict[int, None] = OrderedDict()
+    start = time.perf_counter()
+    for k in keys:
+        if k in od:
+            od.move_to_end(k)
+        else:
+            if len(od) >= capacity:
+                od.popitem(last=False)
+            od[k] = None
+    return len(keys) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", default=str(default_trace()))
+    ap.add_argument("--repeat", type=int, default=3, help="speed: best of N runs (the machine may be shared)")
+    args = ap.parse_args()
+    trace = load_trace(args.trace)
+    keys, lengths = flatten(trace.requests)
+    n = len(keys)
+    caps = [capacity_blocks(p, trace.n_distinct) for p in ("5%", "10%")]
+    opt = {c: prefix_hit_count(opt_hits(keys, c), lengths) / n for c in caps}
+    ref = max(reference_lru(keys, caps[0]) for _ in range(args.repeat))
+    print(f"trace: {pathlib.Path(args.trace).name}, {n} block accesses, {trace.n_distinct} distinct blocks; "
+          f"capacities {caps[0]} (5%) and {caps[1]} (10%) blocks; default policy {config.DEFAULT_EVICTION_POLICY}")
+    print(f"{'policy':<20} {'accesses/s':>11} {'vs raw LRU':>10} "
+          f"{'prefix@5%':>10} {'of OPT':>7} {'prefix@10%':>11} {'of OPT':>7}")
+    print(f"{'OPT (Belady)':<20} {'':>11} {'':>10} {opt[caps[0]]:>10.4f} {'100%':>7} {opt[caps[1]]:>11.4f} {'100%':>7}")
+    print(f"{'(raw OrderedDict LRU)':<20} {ref:>11,.0f} {1.0:>10.2f}")
+    for text in SPECS:
+        spec = PolicySpec.parse(text)
+        ratios, rates = [], []
+        for c in caps:
+            for _ in range(args.repeat if c == caps[0] else 1):
+                start = time.perf_counter()
+                hits, _ = replay_single(trace.requests, spec.build(c))
+                rates.append(n / (time.perf_counter() - start))
+            ratios.append(prefix_hit_count(hits, lengths) / n)
+        rate = max(rates)
+        print(f"{text:<20} {rate:>11,.0f} {rate / ref:>10.2f} {ratios[0]:>10.4f} {ratios[0] / opt[caps[0]]:>7.1%} "
+              f"{ratios[1]:>11.4f} {ratios[1] / opt[caps[1]]:>7.1%}")
+
+
+if __name__ == "__main__":
+    main()
