@@ -45,10 +45,58 @@ def reference_lru(keys: list[int], capacity: int) -> float:
     return len(keys) / (time.perf_counter() - start)
 
 
+def oracle_bounds(keys: list[int], capacity: int) -> dict[str, list[bool]]:
+    """Hit flags of two NON-deployable policies that peek at the future, to size what online policies can reach.
+
+    * ``oracle-admission`` -- LRU that stores only blocks that will be accessed again (perfect admission);
+    * ``oracle-popularity`` -- keeps the blocks with the most accesses over the WHOLE trace, LRU among equals.
+    """
+    import heapq
+    from collections import Counter
+
+    from kvtier_runtime.replay.opt import NEVER, next_uses
+
+    nxt = next_uses(keys)
+    out: dict[str, list[bool]] = {}
+    od: OrderedDict[int, None] = OrderedDict()
+    hits = []
+    for i, k in enumerate(keys):
+        if k in od:
+            od.move_to_end(k)
+            hits.append(True)
+            continue
+        hits.append(False)
+        if nxt[i] == NEVER:
+            continue
+        if len(od) >= capacity:
+            od.popitem(last=False)
+        od[k] = None
+    out["oracle-admission"] = hits
+    total = Counter(keys)
+    prio: dict[int, tuple[int, int]] = {}
+    heap: list[tuple[tuple[int, int], int]] = []
+    hits = []
+    for i, k in enumerate(keys):
+        p = (total[k], i)
+        hit = k in prio
+        hits.append(hit)
+        if not hit and len(prio) >= capacity:
+            while heap[0][0] != prio.get(heap[0][1]):
+                heapq.heappop(heap)
+            if p < heap[0][0]:
+                continue  # less popular than every cached block: not stored
+            del prio[heapq.heappop(heap)[1]]
+        prio[k] = p
+        heapq.heappush(heap, (p, k))
+    out["oracle-popularity"] = hits
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default=str(default_trace()))
     ap.add_argument("--repeat", type=int, default=3, help="speed: best of N runs (the machine may be shared)")
+    ap.add_argument("--oracles", action="store_true", help="also print two future-knowledge bounds (not policies)")
     args = ap.parse_args()
     trace = load_trace(args.trace)
     keys, lengths = flatten(trace.requests)
@@ -74,6 +122,12 @@ def main() -> None:
         rate = max(rates)
         print(f"{text:<20} {rate:>11,.0f} {rate / ref:>10.2f} {ratios[0]:>10.4f} {ratios[0] / opt[caps[0]]:>7.1%} "
               f"{ratios[1]:>11.4f} {ratios[1] / opt[caps[1]]:>7.1%}")
+    if args.oracles:
+        per_cap = [oracle_bounds(keys, c) for c in caps]
+        for name in per_cap[0]:
+            r = [prefix_hit_count(pc[name], lengths) / n for pc in per_cap]
+            print(f"{name:<20} {'':>11} {'':>10} {r[0]:>10.4f} {r[0] / opt[caps[0]]:>7.1%} "
+                  f"{r[1]:>11.4f} {r[1] / opt[caps[1]]:>7.1%}")
 
 
 if __name__ == "__main__":

@@ -134,7 +134,9 @@ def test_analyze_reports_reuse_and_recommendations(capsys, tmp_path) -> None:
     # 60 fresh question blocks are never reused; the document blocks all are.
     assert d["never_reused_fraction"] == pytest.approx(60 / d["distinct_blocks"])
     assert {"p50", "p90"} <= set(d["reuse_distance_blocks"]) and d["reuse_time_ms"]["p50"] > 0
-    assert d["top_prefixes"][0]["accesses"] >= d["top_prefixes"][-1]["accesses"]
+    tops = d["top_prefixes"]
+    assert tops[0]["reused_tokens"] >= tops[-1]["reused_tokens"]
+    assert len({t["block_id"] // 10 for t in tops}) == len(tops), "one row per document, not per block"
     assert d["recommended_capacity_blocks"] >= 1 and d["recommended_chunk_tokens"] % 16 == 0
     assert d["transfer_slower_than_recompute"] is False
 

@@ -67,16 +67,27 @@ def quantiles(values: Sequence[float]) -> dict[str, float]:
 
 
 def top_prefixes(trace: Trace, block_tokens: int, n: int = 10) -> list[dict]:
-    """The most accessed blocks, deepest first among equals: each names a shared prefix of depth+1 blocks."""
+    """The prefixes whose reuse is worth the most tokens: (accesses - 1) x prefix length.
+
+    A block is reported only where its prefix ends, i.e. not when its child block has the same access count
+    (then the child names the same, longer reused prefix), so one long document is one row, not seventy.
+    """
     counts: Counter[int] = Counter()
     depth: dict[int, int] = {}
     for req in trace.requests:
         for pos, k in enumerate(req):
             counts[k] += 1
             depth.setdefault(k, pos)
-    ranked = sorted(counts, key=lambda k: (-counts[k], -depth[k], k))[:n]
+    subsumed: set[int] = set()
+    for req in trace.requests:
+        for parent, child in zip(req, req[1:]):
+            if counts[child] == counts[parent]:
+                subsumed.add(parent)
+    candidates = [k for k in counts if counts[k] > 1 and k not in subsumed]
+    ranked = sorted(candidates, key=lambda k: (-(counts[k] - 1) * (depth[k] + 1), k))[:n]
     return [{"block_id": k, "prefix_blocks": depth[k] + 1, "prefix_tokens": (depth[k] + 1) * block_tokens,
-             "accesses": counts[k]} for k in ranked]
+             "accesses": counts[k], "reused_tokens": (counts[k] - 1) * (depth[k] + 1) * block_tokens}
+            for k in ranked]
 
 
 def chunk_requests(requests: Sequence[Sequence[int]], k: int) -> list[list[int]]:
@@ -190,11 +201,11 @@ def format_analysis(a: dict) -> str:
         "reuse distance (distinct blocks between uses; an LRU cache of C blocks hits below C): "
         + ", ".join(f"{k} {v}" for k, v in a["reuse_distance_blocks"].items()),
         "reuse time (ms): " + ", ".join(f"{k} {v:g}" for k, v in a["reuse_time_ms"].items()),
-        "most reused prefixes:",
+        "most reused prefixes (by reusable tokens):",
     ]
     for p in a["top_prefixes"]:
-        lines.append(f"  block {p['block_id']}: {p['prefix_blocks']} blocks ({p['prefix_tokens']} tokens), "
-                     f"{p['accesses']} accesses")
+        lines.append(f"  ends at block {p['block_id']}: {p['prefix_blocks']} blocks ({p['prefix_tokens']} tokens), "
+                     f"{p['accesses']} accesses, {p['reused_tokens']} tokens reusable")
     lines.append("capacity curve: " + ", ".join(
         f"{c['capacity_blocks']} blocks -> {c['prefix_hit_ratio']:.4f}" for c in a["capacity_curve"]))
     cap = f"recommended capacity: {a['recommended_capacity_blocks']} blocks"
