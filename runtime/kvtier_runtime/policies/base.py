@@ -6,14 +6,12 @@ test suite (tests/test_policies_contract.py) checks them all.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, ClassVar, Collection, Hashable, Iterable
+from typing import Callable, ClassVar, Collection, Hashable, Iterable, NamedTuple
 
 Key = Hashable
 
 
-@dataclass(frozen=True, slots=True)
-class AccessContext:
+class AccessContext(NamedTuple):
     """Optional request context of one block access.
 
     ``request_id`` names the request, ``position`` is the block's index in the request's prefix (0 = the first

@@ -14,10 +14,15 @@ Within a class, order is by request then position: with an :class:`AccessContext
 requests go first and, inside one request, its tail before its head -- a block is only reusable if all blocks
 before it are cached, so losing a head block wastes the whole rest of that prefix. Without a context, access
 order is used.
+
+Implementation: one OrderedDict per class (oldest first). Every access moves the key to the end, so the current
+request's keys sit at the end of their class in head-to-tail order; when the next request starts they are
+re-ranked tail-first. An eviction that reaches the current request's keys takes them from the end (its tail).
+All operations are O(1) amortised.
 """
 from __future__ import annotations
 
-import heapq
+from collections import OrderedDict
 from typing import Callable, Hashable
 
 from .base import AccessContext, EvictionPolicy, Key
@@ -31,78 +36,95 @@ class Prefix2QPolicy(EvictionPolicy):
 
     def __init__(self, capacity_bytes: int, admission=None) -> None:
         super().__init__(capacity_bytes, admission)
-        self._prio: dict[Key, tuple[int, int, int]] = {}  # current (class, request sequence, -position)
-        self._heap: list[tuple[tuple[int, int, int], int, Key]] = []  # lazily deleted: stale if prio differs
+        self._once: OrderedDict[Key, None] = OrderedDict()  # class 1, oldest first
+        self._again: OrderedDict[Key, None] = OrderedDict()  # class 2, oldest first
         self._history = GhostList(self.history_factor * capacity_bytes)
-        self._clock = 0
         self._request: Hashable = None
-        self._request_seq = 0
-        self._tiebreak = 0
+        self._current: dict[Key, None] = {}  # keys accessed by the current request, in access order
 
-    def _rank(self, key: Key, cls: int, ctx: AccessContext | None) -> tuple[int, int, int]:
-        self._clock += 1
+    def _enter(self, key: Key, ctx: AccessContext | None) -> None:
+        """Track request boundaries: at a new request, re-rank the previous one's keys tail-first."""
         if ctx is None or ctx.request_id is None:
-            return (cls, self._clock, 0)
+            if self._current:
+                self._flush()
+            return
         if ctx.request_id != self._request:
+            if self._current:
+                self._flush()
             self._request = ctx.request_id
-            self._request_seq = self._clock
-        return (cls, self._request_seq, -ctx.position)
+        self._current[key] = None
 
-    def _push(self, key: Key, prio: tuple[int, int, int]) -> None:
-        self._prio[key] = prio
-        self._tiebreak += 1
-        heapq.heappush(self._heap, (prio, self._tiebreak, key))
-        if len(self._heap) > 4 * len(self._prio) + 64:  # compact: drop stale entries
-            self._heap = [e for e in self._heap if self._prio.get(e[2]) == e[0]]
-            heapq.heapify(self._heap)
-
-    def _remember(self, key: Key, size: int) -> bool:
-        """Record an access in the history; whether the key was remembered already."""
-        seen = key in self._history
-        self._history.add(key, size)
-        return seen
+    def _flush(self) -> None:
+        once, again = self._once, self._again
+        for key in reversed(self._current):  # tail first ends up oldest
+            if key in again:
+                again.move_to_end(key)
+            elif key in once:
+                once.move_to_end(key)
+        self._current = {}
 
     def peek_victim(self) -> Key | None:
-        for prio, _, key in sorted(self._heap):
-            if self._prio.get(key) == prio and key not in self._pins:
-                return key
+        for order in (self._once, self._again):
+            victim = self._find(order, self._pins.__contains__)
+            if victim is not None:
+                return victim
         return None
 
+    def touch(self, key: Key, ctx: AccessContext | None = None) -> bool:
+        if key not in self._sizes:
+            return False
+        if self.admission is not None:
+            self.admission.record_access(key)
+        self._order_touch(key, ctx)
+        return True
+
     def _order_insert(self, key: Key, size: int, ctx: AccessContext | None) -> None:
-        cls = 2 if self._remember(key, size) else 1
-        self._push(key, self._rank(key, cls, ctx))
+        self._enter(key, ctx)
+        seen = key in self._history
+        self._history.add(key, size)
+        (self._again if seen else self._once)[key] = None
 
     def _order_touch(self, key: Key, ctx: AccessContext | None) -> None:
-        self._remember(key, self._sizes[key])
-        self._push(key, self._rank(key, 2, ctx))
+        self._enter(key, ctx)
+        self._history.add(key, self._sizes[key])
+        if key in self._once:
+            del self._once[key]
+            self._again[key] = None
+        else:
+            self._again.move_to_end(key)
 
     def _order_remove(self, key: Key) -> None:
-        del self._prio[key]  # its heap entries are now stale
+        if key in self._once:
+            del self._once[key]
+        else:
+            del self._again[key]
+        self._current.pop(key, None)
+
+    def _find(self, order: OrderedDict, blocked: Callable[[Key], bool]) -> Key | None:
+        current = self._current
+        for key in order:
+            if blocked(key):
+                continue
+            if key in current:
+                # Only the current request's keys are left (they are the newest): take its tail first.
+                for tail in reversed(order):
+                    if not blocked(tail):
+                        return tail
+            return key
+        return None
 
     def _pop_victim(self, blocked: Callable[[Key], bool]) -> Key:
-        heap, prio = self._heap, self._prio
-        skipped = []
-        try:
-            while heap:
-                entry = heapq.heappop(heap)
-                key = entry[2]
-                if prio.get(key) != entry[0]:
-                    continue  # stale
-                if blocked(key):
-                    skipped.append(entry)
-                    continue
-                del prio[key]
-                return key
-        finally:
-            for entry in skipped:
-                heapq.heappush(heap, entry)
+        for order in (self._once, self._again):
+            victim = self._find(order, blocked)
+            if victim is not None:
+                del order[victim]
+                self._current.pop(victim, None)
+                return victim
         raise AssertionError("no evictable entry although the base class counted enough evictable bytes")
 
     def _order_clear(self) -> None:
-        self._prio.clear()
-        self._heap.clear()
+        self._once.clear()
+        self._again.clear()
         self._history.clear()
-        self._clock = 0
         self._request = None
-        self._request_seq = 0
-        self._tiebreak = 0
+        self._current = {}
