@@ -98,11 +98,19 @@ def test_missing_trace_option_and_file(capsys, tmp_path) -> None:
     assert "cannot read" in capsys.readouterr().err
 
 
-def test_argparse_errors_exit_2(capsys) -> None:
+@pytest.mark.parametrize(("argv", "option"), [
+    (["--block-tokens", "-5"], "--block-tokens"),
+    (["--bandwidth", "nan"], "--bandwidth"),
+    (["--prefill-tokens-per-s", "0"], "--prefill-tokens-per-s"),
+    (["--transfer-latency-us", "-1"], "--transfer-latency-us"),
+    (["--model-kv-bytes-per-token", "1.5"], "--model-kv-bytes-per-token"),
+    (["summarize"], "invalid choice"),
+])
+def test_argparse_errors_exit_2(capsys, argv, option) -> None:
     with pytest.raises(SystemExit) as exc:
-        main(["--block-tokens", "-5", "--trace", "x"])
+        main(["--trace", "x"] + argv)
     assert exc.value.code == 2
-    assert "--block-tokens" in capsys.readouterr().err
+    assert option in capsys.readouterr().err
 
 
 def test_list_policies_names_them_all(capsys) -> None:

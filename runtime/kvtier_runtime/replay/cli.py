@@ -27,8 +27,20 @@ def _positive_float(name: str):
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name}: {text!r} is not a number") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{name}: {text!r} must be > 0")
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"{name}: {text!r} must be a finite number > 0")
+        return value
+    return parse
+
+
+def _non_negative_float(name: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: {text!r} is not a number") from None
+        if not value >= 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{name}: {text!r} must be a finite number >= 0")
         return value
     return parse
 
@@ -54,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", metavar="FILE", help="Mooncake-format JSONL trace (timestamp, input_length, "
                                                        "output_length, hash_ids)")
     parser.add_argument("--skip-bad", action="store_true", help="skip malformed lines (counted) instead of failing")
-    parser.add_argument("--block-tokens", type=_positive_int("--block-tokens"), default=512,
+    parser.add_argument("--block-tokens", type=_positive_int("--block-tokens"), default=512, metavar="N",
                         help="tokens per hash id (512 for Mooncake traces)")
     parser.add_argument("--policy", action="append", metavar="NAME[+ADMISSION]",
                         help=f"eviction policy, optionally with an admission filter, e.g. s3fifo+doorkeeper; once "
@@ -75,7 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="link bandwidth of a tier in GB/s; once for all tiers or once per tier")
     parser.add_argument("--prefill-tokens-per-s", type=_positive_float("--prefill-tokens-per-s"), metavar="TOKENS",
                         help="prefill throughput, to turn hits into prefill time saved")
-    parser.add_argument("--transfer-latency-us", type=float, default=50.0, metavar="US",
+    parser.add_argument("--transfer-latency-us", type=_non_negative_float("--transfer-latency-us"), default=50.0,
+                        metavar="US",
                         help="fixed cost per transfer for 'analyze' chunk sizing (default 50)")
     parser.add_argument("--budget-gib", type=_positive_float("--budget-gib"), metavar="GIB",
                         help="'analyze': largest tier capacity to recommend, in GiB (needs --model-kv-bytes-per-token)")
