@@ -46,6 +46,8 @@ class FilesystemTierConfig:
     codec: str = "none"
     eviction_policy: str = DEFAULT_EVICTION_POLICY
     admission: str = "none"
+    # With admission "threshold": a block is stored on its Nth offer.
+    admission_threshold: int = 2
     n_read_threads: int = 16
     n_write_threads: int = 16
     # Blocks whose measured codec error exceeds the codec's budget are stored with a wider codec.
@@ -56,6 +58,7 @@ class FilesystemTierConfig:
         if not isinstance(self.root_dir, str) or not self.root_dir.startswith("/"):
             raise ConfigError(f"root_dir: {self.root_dir!r} must be an absolute path")
         _positive_int("capacity_bytes", self.capacity_bytes)
+        _positive_int("admission_threshold", self.admission_threshold)
         _positive_int("n_read_threads", self.n_read_threads)
         _positive_int("n_write_threads", self.n_write_threads)
         _one_of("codec", self.codec, CODECS)

@@ -176,11 +176,13 @@ class TierSpec(_Model):
     enabled: bool = Field(True, description="Set false to declare a tier without using it. The SLO guard "
                                             "disables tiers in status, never here.")
     eviction_policy: Literal[EVICTION_POLICIES] = Field(  # type: ignore[valid-type]
-        "lru", description="Eviction policy: lru or arc with backend native; lru with lmcache; lru, arc or "
-                           "s3fifo with backend kvtier.")
+        "lru", description="Eviction policy: lru or arc with backend native; lru with lmcache; lru, arc, "
+                           "s3fifo or prefix2q (prefix-aware, the best measured on real traces, see "
+                           "docs/replay.md) with backend kvtier.")
     admission: Literal[ADMISSION_POLICIES] = Field(  # type: ignore[valid-type]
-        "none", description="Admission filter in front of eviction (backend kvtier only): none, or doorkeeper "
-                            "(store a block only once it is seen again).")
+        "none", description="Admission filter in front of eviction (backend kvtier only): none; doorkeeper "
+                            "(store a block only once it is seen again, TinyLFU style); threshold (store after "
+                            "spec.offload.storeThreshold offers).")
     path: Optional[str] = Field(None, description="Mount path of a filesystem tier in the serving container.",
                                 pattern=ABS_PATH_PATTERN, max_length=4096)
     volume: Optional[VolumeSource] = Field(None, description="Volume that backs a filesystem tier.")
@@ -349,7 +351,7 @@ class KVCachePolicySpec(_Model):
             _rule("self.backend == 'kvtier' || self.tiers.all(t, t.admission == 'none')",
                   "admission filters need backend kvtier", field_path=".backend"),
             _rule("self.backend != 'native' || self.tiers.all(t, t.evictionPolicy in ['lru', 'arc'])",
-                  "backend native supports evictionPolicy lru or arc; s3fifo needs backend kvtier",
+                  "backend native supports evictionPolicy lru or arc; s3fifo and prefix2q need backend kvtier",
                   field_path=".backend"),
             _rule("self.backend != 'lmcache' || self.tiers.all(t, t.evictionPolicy == 'lru')",
                   "backend lmcache supports evictionPolicy lru only", field_path=".backend"),
