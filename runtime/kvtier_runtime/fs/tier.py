@@ -108,6 +108,7 @@ class FilesystemTier:
         dtype: torch.dtype,
         *,
         name: str = "fs",
+        peer: str = "host",
         file_ops: FileOps | None = None,
         direct_io: bool | None = None,
         on_complete: Callable[[JobResult], None] | None = None,
@@ -118,6 +119,8 @@ class FilesystemTier:
     ) -> None:
         self.config = config
         self.name = name
+        # The tier blocks come from and go to, for the promotion/demotion metrics (vLLM's CPU tier by default).
+        self.peer = peer
         self.block_shape = tuple(int(d) for d in block_shape)
         self.dtype = dtype
         self._dtype_name = _torch_dtype_name(dtype)
@@ -142,6 +145,9 @@ class FilesystemTier:
         self._lock = threading.Lock()
         self._index: dict[bytes, _Entry] = {}
         self._doomed: set[bytes] = set()
+        # Keys whose file failed to read while someone else had them pinned: gone from the index, their
+        # accounting and file are dropped at the last unpin.
+        self._bad: set[bytes] = set()
         self._policy = get_policy(config.eviction_policy, config.capacity_bytes, admission=config.admission)
         self._jobs: dict[int, _Job] = {}
         self._finished: OrderedDict[int, JobResult] = OrderedDict()
@@ -236,7 +242,7 @@ class FilesystemTier:
                     continue
                 if backoff:
                     reason = "backoff"
-                elif key in self._doomed:
+                elif key in self._doomed or key in self._bad:
                     reason = "busy"
                 elif tuple(block.shape) != self.block_shape or block.dtype != self.dtype:
                     reason = "mismatch"
@@ -333,7 +339,17 @@ class FilesystemTier:
 
     def unpin(self, key: bytes) -> None:
         with self._lock:
-            self._policy.unpin(key)
+            doomed = self._unpin_locked(key)
+        self._unlink_doomed(doomed)
+        self._update_occupancy()
+
+    def _unpin_locked(self, key: bytes) -> list[bytes]:
+        self._policy.unpin(key)
+        if key in self._bad and not self._policy.is_pinned(key):
+            self._bad.discard(key)
+            self._policy.remove(key)
+            return self._doom_locked([key])
+        return []
 
     def drain(self, timeout: float | None = 60) -> None:
         """Wait until every submitted job finished (results stay available to get_finished)."""
@@ -432,9 +448,9 @@ class FilesystemTier:
         if ok:
             self._consecutive_failures = 0
             metrics.FS_BACKOFF.labels(self.name).set(0)
-            metrics.DEMOTIONS.labels("engine", self.name).inc()
-            metrics.BYTES_MOVED.labels("engine", self.name).inc(block.numel() * block.element_size())
-            metrics.TRANSFER_SECONDS.labels("engine", self.name).observe(time.perf_counter() - started)
+            metrics.DEMOTIONS.labels(self.peer, self.name).inc()
+            metrics.BYTES_MOVED.labels(self.peer, self.name).inc(block.numel() * block.element_size())
+            metrics.TRANSFER_SECONDS.labels(self.peer, self.name).observe(time.perf_counter() - started)
         else:
             metrics.FS_ERRORS.labels(self.name, kind).inc()
             if kind in ("enospc", "eio"):
@@ -480,23 +496,26 @@ class FilesystemTier:
             kind = "corrupt"
         except Exception:
             kind = "other"
-        doomed: list[bytes] = []
         with self._lock:
-            self._policy.unpin(key)
+            doomed = self._unpin_locked(key)
             if kind:
                 job.errors[i] = kind
-                # A block that failed to read is never served again: forget it and delete the file.
-                if key in self._index and not self._policy.is_pinned(key):
-                    self._policy.remove(key)
-                    doomed = self._doom_locked([key])
+                # A block that failed to read is never served again: forget it and delete the file (at once,
+                # or at the last unpin if another transfer still holds it).
+                if self._index.pop(key, None) is not None:
+                    if self._policy.is_pinned(key):
+                        self._bad.add(key)
+                    else:
+                        self._policy.remove(key)
+                        doomed += self._doom_locked([key])
+        self._unlink_doomed(doomed)
         if kind:
             metrics.FS_ERRORS.labels(self.name, kind).inc()
-            self._unlink_doomed(doomed)
             self._update_occupancy()
         else:
-            metrics.PROMOTIONS.labels(self.name, "engine").inc()
-            metrics.BYTES_MOVED.labels(self.name, "engine").inc(out.numel() * out.element_size())
-            metrics.TRANSFER_SECONDS.labels(self.name, "engine").observe(time.perf_counter() - started)
+            metrics.PROMOTIONS.labels(self.name, self.peer).inc()
+            metrics.BYTES_MOVED.labels(self.name, self.peer).inc(out.numel() * out.element_size())
+            metrics.TRANSFER_SECONDS.labels(self.name, self.peer).observe(time.perf_counter() - started)
         self._settle(job, i, not kind)
 
     def _read_block(self, key: bytes, out: torch.Tensor) -> None:
