@@ -441,3 +441,30 @@ def test_buffered_fallback_when_o_direct_is_refused(fs_tier_factory) -> None:
     assert _store(tier, keys).success
     outs = [_sentinel() for _ in keys]
     assert tier.load(keys, outs).success and all(torch.equal(o, block_for(k)) for o, k in zip(outs, keys))
+
+
+def test_a_lossy_codec_stores_smaller_files_within_its_error_budget(fs_tier_factory) -> None:
+    tier = fs_tier_factory(codec="int8")
+    key = key_of(1)
+    assert _store(tier, [key]).success
+    assert os.path.getsize(tier.block_path(key)) < block_file_bytes(SHAPE, "none") / 2
+    out = _sentinel()
+    assert tier.load([key], [out]).success
+    ref = block_for(key)
+    assert (torch.linalg.norm(out - ref) / torch.linalg.norm(ref)).item() <= 0.03
+
+
+def test_codec_fallback_to_a_wider_encoding_is_accounted_at_its_real_size(fs_tier_factory) -> None:
+    from kvtier_runtime.codecs import get_codec
+
+    strict = get_codec("int8", fallback=True, error_budget=1e-9)  # every block falls back to "none"
+    tier = fs_tier_factory(capacity_blocks=3, codec="int8", codec_obj=strict)
+    keys = [key_of(i) for i in range(5)]
+    for k in keys:
+        assert _store(tier, [k]).success
+    files = _files(tier)
+    assert all(os.path.getsize(f) == block_file_bytes(SHAPE, "none") for f in files)
+    assert tier.used_bytes == sum(os.path.getsize(f) for f in files) <= tier.capacity_bytes
+    outs = [_sentinel() for _ in tier.keys()]
+    assert tier.load(tier.keys(), outs).success
+    assert all(torch.equal(o, block_for(k)) for o, k in zip(outs, tier.keys()))

@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from .. import metrics
-from ..codecs import CodecError, decode, get_codec
+from ..codecs import Codec, CodecError, decode, get_codec, peek_header
 from ..config import FilesystemTierConfig
 from ..policies import AccessContext, get_policy
 from .fileio import AlignedBuffer, FileOps, probe_o_direct, read_whole, write_atomic
@@ -116,7 +116,9 @@ class FilesystemTier:
         backoff_base_s: float = 1.0,
         backoff_max_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        codec: Codec | None = None,
     ) -> None:
+        """``codec`` overrides the codec named by the config (e.g. one with another error budget)."""
         self.config = config
         self.name = name
         # The tier blocks come from and go to, for the promotion/demotion metrics (vLLM's CPU tier by default).
@@ -124,7 +126,7 @@ class FilesystemTier:
         self.block_shape = tuple(int(d) for d in block_shape)
         self.dtype = dtype
         self._dtype_name = _torch_dtype_name(dtype)
-        self._codec = get_codec(config.codec)
+        self._codec = codec or get_codec(config.codec, fallback=config.codec_fallback)
         self._ops = file_ops or FileOps()
         self._on_complete = on_complete
         self._backoff_after = backoff_after
@@ -135,10 +137,8 @@ class FilesystemTier:
         self.root = os.path.join(os.path.realpath(config.root_dir), NAMESPACE)
         os.makedirs(self.root, exist_ok=True)
         self.direct_io = probe_o_direct(self.root, self._ops) if direct_io is None else direct_io
-        # Staging buffers hold a whole file. A codec with fallback may emit the uncompressed size, so size them
-        # for the larger of the two.
-        none_bytes = get_codec("none").encoded_nbytes(self.block_shape, dtype)
-        self._max_payload = max(self._codec.encoded_nbytes(self.block_shape, dtype), none_bytes)
+        # Staging buffers hold a whole file; a codec with fallback may emit its wider fallback encoding.
+        self._max_payload = self._codec.max_encoded_nbytes(self.block_shape, dtype)
         self._buffer_bytes = file_bytes_for(self._max_payload)
         self._local = threading.local()
 
@@ -468,7 +468,8 @@ class FilesystemTier:
             tensor[end:total].zero_()
         crc = checksum(buf.mv[HEADER_BYTES:end])
         header = pack_header(
-            codec=self._codec.name, dtype=self._dtype_name, shape=self.block_shape,
+            # the codec actually used (after any fallback), from the blob's own header
+            codec=peek_header(tensor[HEADER_BYTES:end]).codec, dtype=self._dtype_name, shape=self.block_shape,
             payload_len=nbytes, payload_crc=crc, key=key,
         )
         buf.mv[:HEADER_BYTES] = header
