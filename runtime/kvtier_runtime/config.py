@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 # Names of the runtime's policies and codecs as a KVCachePolicy spells them.
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "arc", "s3fifo")
-ADMISSION_POLICIES: tuple[str, ...] = ("none", "doorkeeper")
+ADMISSION_POLICIES: tuple[str, ...] = ("none", "doorkeeper", "threshold")
 CODECS: tuple[str, ...] = ("none", "fp8", "fp8_e5m2", "int8", "int4")
 DEFAULT_EVICTION_POLICY = "s3fifo"
 
