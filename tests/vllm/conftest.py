@@ -8,11 +8,15 @@ from __future__ import annotations
 import itertools
 import os
 import pathlib
+import sys
 import uuid
 
 import pytest
 
 _HERE = pathlib.Path(__file__).parent
+# The shared driver (vllm_driver.py) sits beside the tests; it imports vllm, so it cannot be a tests/plugins module.
+if str(_HERE) not in sys.path:
+    sys.path.insert(0, str(_HERE))
 
 try:
     import vllm.v1.kv_offload.tiering.spec  # noqa: F401  (the deepest module the tests import)

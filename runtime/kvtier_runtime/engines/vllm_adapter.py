@@ -395,6 +395,8 @@ class KvtierFilesystemTier(SecondaryTierManager):
     def shutdown(self) -> None:
         self.tier.drain(timeout=None)
         self.tier.close()
+        # Release the rows' export of the primary mmap, or vLLM cannot unmap /dev/shm/vllm_offload_*.mmap.
+        self._rows = torch.empty(0, self._rows.shape[1] if self._rows.dim() == 2 else 0, dtype=self._view_dtype)
 
     # ---- metrics (vLLM's hook; the runtime's own kvtier_runtime_* metrics are updated by the tier itself) ----
     @classmethod
