@@ -31,12 +31,6 @@ except Exception as exc:  # ImportError, or a vLLM that fails while importing
         ) from exc
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if _HERE in pathlib.Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.vllm)
-
-
 def pytest_report_header(config: pytest.Config) -> str:
     if VLLM_IMPORT_ERROR is None:
         import vllm

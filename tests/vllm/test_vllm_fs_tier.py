@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33.0 is not installed here; see .ci/vllm-env")
 
 import torch  # noqa: E402

@@ -12,6 +12,7 @@ import os
 
 import pytest
 
+pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33.0 is not installed here; see .ci/vllm-env")
 
 import yaml  # noqa: E402

@@ -80,6 +80,9 @@ class KvtierCachePolicy(CachePolicy):
 
     eviction: ClassVar[str] = "lru"
     admission: ClassVar[str] = "none"
+    # Only these policies read the request context (request id, position); for the others building one per
+    # access is pure overhead on vLLM's scheduler thread.
+    CONTEXT_AWARE: ClassVar[frozenset[str]] = frozenset({"prefix2q"})
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
@@ -88,6 +91,7 @@ class KvtierCachePolicy(CachePolicy):
         )
         self._chunks: dict[OffloadKey, ChunkStatus] = {}
         self._probation: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._uses_context = self.eviction in self.CONTEXT_AWARE
 
     # ---- lookups ------------------------------------------------------------------------------------------
     def get(self, key: OffloadKey) -> ChunkStatus | None:
@@ -106,13 +110,15 @@ class KvtierCachePolicy(CachePolicy):
             self._chunks[key] = chunk
             self._sync_pin(key)
             return
-        ctx = _access_context(key, req_context)
+        ctx = _access_context(key, req_context) if self._uses_context else None
         self._chunks[key] = chunk
-        if self.policy.admit(key, 1, ctx):
+        policy = self.policy
+        if policy.admission is None or policy.admit(key, 1, ctx):
             self._enter_policy(key, ctx)
+            if chunk.ref_cnt != 0:  # -1: vLLM inserts before the GPU->CPU copy is done
+                policy.pin(key)
         else:
             self._probation[key] = None
-        self._sync_pin(key)
 
     def remove(self, key: OffloadKey) -> None:
         del self._chunks[key]
@@ -145,7 +151,7 @@ class KvtierCachePolicy(CachePolicy):
         chunk = self._chunks.get(key)
         if chunk is None or not chunk.is_ready:
             return  # a chunk whose store is still in flight was not reused
-        ctx = _access_context(key, req_context)
+        ctx = _access_context(key, req_context) if self._uses_context else None
         if key in self._probation:
             del self._probation[key]  # reused while on probation: the filter's second chance
             self._enter_policy(key, ctx)
@@ -203,8 +209,9 @@ class KvtierCachePolicy(CachePolicy):
         return out
 
     def mark_evictable(self, key: OffloadKey) -> None:
-        if key in self.policy and self.policy.is_pinned(key):
-            self.policy.unpin(key)
+        policy = self.policy
+        if policy.is_pinned(key):  # False for probation chunks: their ref_cnt is read directly
+            policy.unpin(key)
 
     def mark_non_evictable(self, key: OffloadKey) -> None:
         if key in self.policy and not self.policy.is_pinned(key):
