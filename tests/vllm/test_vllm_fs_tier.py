@@ -365,3 +365,57 @@ def test_metrics_reach_vllm_through_its_definitions_hook(tmp_path, sched_factory
     # The runtime's own metrics (prometheus_client default registry) count the same writes.
     demoted = REGISTRY.get_sample_value("kvtier_runtime_demotions_total", {"src": "host", "dst": sched.tiers[0].tier.name})
     assert demoted == 8
+
+
+def test_a_disk_fault_fails_the_store_and_a_partial_load_names_what_loaded(tmp_path, engine_id):
+    buf, view = cpu_view(4)
+    buf[: 2 * ROW] = os.urandom(2 * ROW)
+    tier = SecondaryTierFactory.create_secondary_tier(tier_dict(tmp_path), view, spec_for(engine_id, tmp_path))
+    try:
+        ctx = ReqContext(req_id="r")
+        tier.submit_store(TransferJob(1, [key(1), key(2)], np.array([0, 1], dtype=np.int32), False, ctx))
+        tier.drain_jobs()
+        assert [r.success for r in tier.get_finished_jobs()] == [True]
+
+        ops = tier.tier._ops
+        original = ops.write
+
+        def full_disk(fd, data):
+            raise OSError(28, "No space left on device")
+
+        ops.write = full_disk
+        tier.submit_store(TransferJob(2, [key(3)], np.array([0], dtype=np.int32), False, ctx))
+        tier.drain_jobs()
+        (failed,) = tier.get_finished_jobs()
+        assert (failed.job_id, failed.success) == (2, False)  # vLLM's back-pressure detector sees a failed store
+        assert tier.lookup(key(3), ctx) is LookupResult.MISS
+        ops.write = original
+
+        flip_one_byte(pathlib.Path(tier.tier.block_path(tier.tier_key(key(2)))), offset_from_end=ROW // 2)
+        buf[2 * ROW :] = bytes(2 * ROW)
+        tier.submit_load(TransferJob(3, [key(1), key(2)], np.array([2, 3], dtype=np.int32), True, ctx))
+        tier.drain_jobs()
+        (partial,) = tier.get_finished_jobs()
+        assert (partial.job_id, partial.success, tuple(partial.successful_keys)) == (3, False, (key(1),))
+        assert buf[2 * ROW : 3 * ROW] == buf[:ROW]
+        assert tier.lookup(key(2), ctx) is LookupResult.MISS  # never served again
+        stats = tier.get_stats().reduce()
+        assert stats[f"{METRIC_FAILED_CHUNKS}:{(str(tmp_path), 'enospc')}"] == 1
+        assert stats[f"{METRIC_FAILED_CHUNKS}:{(str(tmp_path), 'corrupt')}"] == 1
+    finally:
+        tier.shutdown()
+
+
+def test_reset_cache_drains_the_tier_and_keeps_its_blocks(tmp_path, sched_factory):
+    """vLLM's reset_cache (sleep, weight update) calls drain_jobs and must find no transfer in flight after it."""
+    sched = sched_factory(extra_config(tmp_path, cpu_chunks=8))
+    payloads = {key(i): os.urandom(ROW) for i in range(6)}
+    ctx = sched.context()
+    sched.store(ctx, list(payloads), payloads)  # cascades submitted, not yet collected
+    sched.finish(ctx)
+    with sched.manager.lock:
+        sched.manager.reset_cache()
+        assert not sched.manager.has_pending_work()
+        sched.manager.on_reset_flushed()
+    assert len(sched.tiers[0].tier) == 6
+    assert read_back(sched, list(payloads)) == payloads  # the CPU tier is empty: all six come from disk
