@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -192,7 +191,7 @@ def controlplane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPl
         kubeconfig = Path(reuse)
         if not kubeconfig.is_file():
             raise ControlPlaneError(f"{KUBECONFIG_ENV}={reuse}: no such file")
-        cp = ControlPlane(kubeconfig=kubeconfig, bin_dir=_kubectl_dir_on_path())
+        cp = ControlPlane(kubeconfig=kubeconfig)  # kubectl: ours, built on first use (not whatever is on PATH)
         apply_manifests(cp, manifest_documents(CRDS_DIR))
         yield cp
         return
@@ -205,11 +204,6 @@ def controlplane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPl
         yield cp
     finally:
         stop(state_dir)
-
-
-def _kubectl_dir_on_path() -> Path | None:
-    found = shutil.which("kubectl")
-    return Path(found).parent if found else None
 
 
 def namespace_name_hint(node_name: str) -> str:
