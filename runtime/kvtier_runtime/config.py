@@ -1,0 +1,89 @@
+"""The one contract shared by the operator and the runtime (torch-free, kopf-free).
+
+The operator renders engine configuration that names the runtime's plug-ins; the runtime parses the keyword
+arguments the engine passes back. Both sides import the names and the parser from here, so a renamed class or
+key breaks a test instead of a deployment.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+# Names of the runtime's policies and codecs as a KVCachePolicy spells them.
+EVICTION_POLICIES: tuple[str, ...] = ("lru", "arc", "s3fifo")
+ADMISSION_POLICIES: tuple[str, ...] = ("none", "doorkeeper")
+CODECS: tuple[str, ...] = ("none", "fp8", "fp8_e5m2", "int8", "int4")
+DEFAULT_EVICTION_POLICY = "s3fifo"
+
+# vLLM loads out-of-tree pieces by class name + module path (CachePolicyFactory, SecondaryTierFactory).
+# All vLLM imports live in this one adapter module.
+VLLM_ADAPTER_MODULE = "kvtier_runtime.engines.vllm_adapter"
+VLLM_SECONDARY_TIER_CLASS = "KvtierFilesystemTier"
+
+
+def vllm_cache_policy_class(eviction: str, admission: str = "none") -> str:
+    """Class name of the vLLM ``CachePolicy`` for an eviction/admission pair, e.g. ``KvtierS3FIFOCachePolicy``."""
+    if eviction not in EVICTION_POLICIES:
+        raise ValueError(f"evictionPolicy: {eviction!r} is not one of {', '.join(EVICTION_POLICIES)}")
+    if admission not in ADMISSION_POLICIES:
+        raise ValueError(f"admission: {admission!r} is not one of {', '.join(ADMISSION_POLICIES)}")
+    stem = {"lru": "LRU", "arc": "ARC", "s3fifo": "S3FIFO"}[eviction]
+    suffix = "" if admission == "none" else admission.capitalize()
+    return f"Kvtier{stem}{suffix}CachePolicy"
+
+
+class ConfigError(ValueError):
+    """A runtime configuration value broke a rule; the message names the key and the rule."""
+
+
+@dataclass(frozen=True)
+class FilesystemTierConfig:
+    """Keyword arguments of kvtier's filesystem tier, as rendered into a vLLM ``secondary_tiers`` entry."""
+
+    root_dir: str
+    capacity_bytes: int
+    codec: str = "none"
+    eviction_policy: str = DEFAULT_EVICTION_POLICY
+    admission: str = "none"
+    n_read_threads: int = 16
+    n_write_threads: int = 16
+    # Blocks whose measured codec error exceeds the codec's budget are stored with a wider codec.
+    codec_fallback: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.root_dir, str) or not self.root_dir.startswith("/"):
+            raise ConfigError(f"root_dir: {self.root_dir!r} must be an absolute path")
+        _positive_int("capacity_bytes", self.capacity_bytes)
+        _positive_int("n_read_threads", self.n_read_threads)
+        _positive_int("n_write_threads", self.n_write_threads)
+        _one_of("codec", self.codec, CODECS)
+        _one_of("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
+        _one_of("admission", self.admission, ADMISSION_POLICIES)
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, Any]) -> "FilesystemTierConfig":
+        """Parse the tier dict's keys; keys this version does not know are kept in ``extra``, not lost."""
+        known = {f.name for f in fields(cls)} - {"extra"}
+        missing = [k for k in ("root_dir", "capacity_bytes") if k not in kwargs]
+        if missing:
+            raise ConfigError(f"{missing[0]}: required")
+        return cls(
+            **{k: v for k, v in kwargs.items() if k in known},
+            extra={k: v for k, v in kwargs.items() if k not in known},
+        )
+
+    def to_kwargs(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        out.update(self.extra)
+        return out
+
+
+def _positive_int(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{key}: {value!r} must be a positive integer")
+
+
+def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
