@@ -38,6 +38,8 @@ class MemoryTier:
         self.slab = torch.empty((self.n_slots, *self.block_shape), dtype=dtype, device=self.device,
                                 pin_memory=bool(pin_memory) and self.device.type == "cpu")
         self.pinned_memory = bool(pin_memory) and self.device.type == "cpu"
+        # One view per slot, made once: indexing the slab per transfer costs more than the bookkeeping around it.
+        self._views = list(self.slab.unbind(0))
         self.policy = get_policy(eviction_policy, self.n_slots * self.block_nbytes, admission=admission)
         self._free = list(range(self.n_slots - 1, -1, -1))
         self._slot_of: dict[bytes, int] = {}
@@ -60,10 +62,10 @@ class MemoryTier:
         return list(self._slot_of)
 
     def view(self, key: bytes) -> torch.Tensor:
-        return self.slab[self._slot_of[key]]
+        return self._views[self._slot_of[key]]
 
     def slot_view(self, slot: int) -> torch.Tensor:
-        return self.slab[slot]
+        return self._views[slot]
 
     def touch(self, key: bytes, ctx: AccessContext | None = None) -> bool:
         return self.policy.touch(key, ctx)

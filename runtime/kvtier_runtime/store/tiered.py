@@ -251,8 +251,9 @@ class TieredStore:
         slot, victims = got
         tier.pin(key)
         plan.reserved.append((level, key))
+        if victims:
+            metrics.EVICTIONS.labels(tier.name).inc(len(victims))
         for vkey, vslot in victims:
-            metrics.EVICTIONS.labels(tier.name).inc()
             below = level + 1
             if below < len(self._tiers) and self._modes[below] == "back" and not self._holds(below, vkey):
                 self._place(below, vkey, tier.slot_view(vslot), tier.name, plan, None)
