@@ -260,13 +260,15 @@ def test_device_tier_on_cuda_round_trips(tmp_path) -> None:
     cfg = FilesystemTierConfig(root_dir=str(tmp_path / "fs"), capacity_bytes=64 * block_file_bytes(),
                                eviction_policy="lru")
     with FilesystemTier(cfg, SHAPE, torch.float32) as fs, TieredStore(
-            SHAPE, torch.float32, device="cuda", device_capacity_bytes=2 * NB, host_capacity_bytes=2 * NB,
+            SHAPE, torch.float32, device="cuda", device_capacity_bytes=2 * NB, host_capacity_bytes=4 * NB,
             fs=fs) as store:
-        assert store.tier("host").pinned_memory
-        keys = [key_of(i) for i in range(6)]
+        assert store.tier("host").pinned_memory and store.tier("device").slab.is_cuda
+        keys = [key_of(i) for i in range(8)]
         blocks = [block_for(k).cuda() for k in keys]
         assert store.put(keys, blocks).result(60).success
-        outs = [torch.empty(SHAPE, device="cuda") for _ in keys]
-        res = store.load(keys, outs).result(60)
-        assert res.hits == 6
-        assert all(torch.equal(o.cpu(), block_for(k)) for o, k in zip(outs, keys))
+        assert set(fs.keys()) == set(keys[:2])  # device -> host (D2H) -> fs demotions happened
+        for batch in (keys[:2], keys[6:], keys[2:4]):  # from fs (via host), from device, from host
+            outs = [torch.empty(SHAPE, device="cuda") for _ in batch]
+            res = store.load(batch, outs).result(60)
+            assert res.hits == len(batch), res
+            assert all(torch.equal(o.cpu(), block_for(k)) for o, k in zip(outs, batch))
