@@ -3,9 +3,10 @@ preallocated memory, measured in the same run (target: ratio >= 0.9).
 
     python bench/host_tier.py [--blocks 128] [--rounds 9] [--chunk 32] [--threads 1]
 
-"store" = TieredStore.put(...).result() into a host-only store whose capacity equals the working set, with
-fresh keys every round, so every block after the first round also evicts one (steady state, policy work
-included). "load" = TieredStore.load(keys, outs).result() of resident keys into preallocated outputs.
+"put" = TieredStore.put(...) into a host-only store whose capacity holds two rounds, with fresh keys every
+round, so every block after the first rounds also evicts one (steady state, policy work included); "put_sync"
+the same in the calling thread. "load"/"load_sync" = TieredStore.load of resident keys into preallocated
+outputs.
 "raw" = ``dst[i].copy_(src[i])`` over the same blocks into a preallocated slab, the floor any store pays.
 Raw and store alternate every round so drift (other processes on a shared machine) hits both alike; the ratio
 column is the median over rounds of each round's raw/store time ratio, the GB/s columns are medians. Store calls
@@ -50,35 +51,48 @@ def main() -> None:
     raw_dst = torch.empty((n, *BLOCK_SHAPE), dtype=DTYPE)
     raw_dst.fill_(0)  # fault the pages in before timing, as the store's slab is at first use below
     outs = [torch.zeros(BLOCK_SHAPE, dtype=DTYPE) for _ in range(n)]
-    store = TieredStore(BLOCK_SHAPE, DTYPE, host_capacity_bytes=total, device="cpu")
+    # Capacity for one round of put and one of put_sync, so every later round evicts (steady state).
+    store = TieredStore(BLOCK_SHAPE, DTYPE, host_capacity_bytes=2 * total, device="cpu")
     store.tier("host").slab.fill_(0)
 
     # The machine is shared: raw and store alternate every round so drift hits both alike, and the ratio is the
-    # median over rounds of each round's raw/store time ratio. The store's calls are submitted back to back (each
-    # --chunk blocks) and then awaited, as an engine does: the worker thread's wake-up latency overlaps copies.
+    # median over rounds of each round's raw/store time ratio. put/load submit --chunk-block calls back to back
+    # and then await them, as an engine does (the worker thread's wake-up is paid per call); put_sync/load_sync
+    # run the same plans in the calling thread, which isolates the store's own cost from thread scheduling.
     c = args.chunk
-    sums: dict[str, list[float]] = {k: [] for k in ("raw", "put", "raw_back", "load")}
+    names = ("raw", "put", "put_sync", "raw_back", "load", "load_sync")
+    sums: dict[str, list[float]] = {k: [] for k in names}
     for r in range(args.rounds + 1):  # round 0 warms up and is dropped
         keys = [f"r{r}-b{i}".encode() for i in range(n)]
+        keys2 = [f"s{r}-b{i}".encode() for i in range(n)]
+        acc: dict[str, float] = {}
         t = time.perf_counter()
         for i in range(n):
             raw_dst[i].copy_(src[i])
-        raw = time.perf_counter() - t
+        acc["raw"] = time.perf_counter() - t
         t = time.perf_counter()
         futs = [store.put(keys[lo:lo + c], src[lo:lo + c]) for lo in range(0, n, c)]
         assert all(f.result().success for f in futs)
-        put = time.perf_counter() - t
+        acc["put"] = time.perf_counter() - t
+        t = time.perf_counter()
+        for lo in range(0, n, c):
+            assert store.put_sync(keys2[lo:lo + c], src[lo:lo + c]).success
+        acc["put_sync"] = time.perf_counter() - t
         t = time.perf_counter()
         for i in range(n):
             outs[i].copy_(raw_dst[i])
-        raw_back = time.perf_counter() - t
+        acc["raw_back"] = time.perf_counter() - t
         t = time.perf_counter()
-        futs = [store.load(keys[lo:lo + c], outs[lo:lo + c]) for lo in range(0, n, c)]
-        assert all(f.result().hits == len(keys[lo:lo + c]) for f, lo in zip(futs, range(0, n, c)))
-        load = time.perf_counter() - t
+        futs = [store.load(keys2[lo:lo + c], outs[lo:lo + c]) for lo in range(0, n, c)]
+        assert all(f.result().hits == len(keys2[lo:lo + c]) for f, lo in zip(futs, range(0, n, c)))
+        acc["load"] = time.perf_counter() - t
+        t = time.perf_counter()
+        for lo in range(0, n, c):
+            assert store.load_sync(keys2[lo:lo + c], outs[lo:lo + c]).hits == len(keys2[lo:lo + c])
+        acc["load_sync"] = time.perf_counter() - t
         if r:
-            for k, v in (("raw", raw), ("put", put), ("raw_back", raw_back), ("load", load)):
-                sums[k].append(v)
+            for k in names:
+                sums[k].append(acc[k])
     assert all(torch.equal(o, s) for o, s in zip(outs, src)), "load returned other bytes"
     store.close()
 
@@ -86,7 +100,8 @@ def main() -> None:
           f"torch threads={args.threads}")
     print(f"| operation | raw copy_ GB/s | host tier GB/s | ratio | target |")
     print(f"|---|---|---|---|---|")
-    for name, rk, tk in (("store (put)", "raw", "put"), ("load", "raw_back", "load")):
+    for name, rk, tk in (("store: put (async, awaited)", "raw", "put"), ("store: put_sync", "raw", "put_sync"),
+                         ("load (async, awaited)", "raw_back", "load"), ("load_sync", "raw_back", "load_sync")):
         ratio = statistics.median(a / b for a, b in zip(sums[rk], sums[tk]))
         r_s, t_s = statistics.median(sums[rk]), statistics.median(sums[tk])
         print(f"| {name} | {_gbps(total, r_s):.2f} | {_gbps(total, t_s):.2f} | {ratio:.3f} | "

@@ -82,7 +82,8 @@ class MemoryTier:
         if evicted is None:
             return None
         victims = [(k, self._slot_of.pop(k)) for k in evicted]
-        self._free.extend(slot for _, slot in victims)
+        for _, slot in victims:
+            self._free.append(slot)
         slot = self._free.pop()
         self._slot_of[key] = slot
         return slot, victims
