@@ -236,10 +236,17 @@ def test_concurrent_puts_and_loads_are_consistent(make_store) -> None:
         try:
             for _ in range(40):
                 batch = rnd.sample(keys, 3)
-                if rnd.random() < 0.5:
+                op = rnd.random()
+                if op < 0.25:
                     _put(store, batch)
-                else:
+                elif op < 0.5:  # plans run in this thread, concurrently with the worker's
+                    store.put_sync(batch, [block_for(k) for k in batch])
+                elif op < 0.75:
                     _load(store, batch)  # asserts every hit is exact
+                else:
+                    outs = [torch.full(SHAPE, -1.0) for _ in batch]
+                    res = store.load_sync(batch, outs)
+                    assert all(torch.equal(o, block_for(k)) for o, k in zip(outs[: res.hits], batch))
         except BaseException as exc:
             errors.append(exc)
 

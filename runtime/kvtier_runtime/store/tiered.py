@@ -6,8 +6,9 @@ takes the slot of an evicted one, the evicted block's demotion (which reads that
 runs before the write into the slot. All blocks reserved by a plan are pinned until it finished, so a plan never
 evicts what it is moving.
 
-Operations run on one worker thread and return futures (``put`` and ``load`` are asynchronous); ``lookup``,
-``pin`` and ``unpin`` are synchronous and cheap. With CUDA, device copies go on a side stream and a plan's
+Operations run on one worker thread and return futures (``put`` and ``load`` are asynchronous); ``put_sync``
+and ``load_sync`` run a plan in the caller's thread. Plans never interleave (one plan lock). ``lookup``, ``pin``
+and ``unpin`` are synchronous and cheap, and see only blocks whose bytes have arrived. With CUDA, device copies go on a side stream and a plan's
 future completes only after that stream is synchronised.
 """
 from __future__ import annotations
@@ -130,7 +131,11 @@ class TieredStore:
             self._modes.append("top" if not self._modes else write.get("fs", "back"))
         self.block_nbytes = _nbytes(self.block_shape, dtype)
         self.cost_model = cost_model
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # guards tier metadata (lookups and pins come from any thread)
+        # One plan runs at a time (worker or a *_sync caller): plans interleaving their reservations and
+        # multi-level copies would need per-slot ownership to stay correct, and a batch is already the unit of
+        # parallel work (the filesystem tier runs its I/O on its own pools).
+        self._plan_lock = threading.Lock()
         # per key, one tuple of tier levels per pin() call, so unpin() undoes exactly the latest call
         self._user_pins: dict[bytes, list[tuple[int, ...]]] = defaultdict(list)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvtier-store")
@@ -157,7 +162,7 @@ class TieredStore:
         tier = self._tiers[level]
         if isinstance(tier, FilesystemTier):
             return tier.state(key) is KeyState.HIT
-        return key in tier
+        return tier.is_ready(key)
 
     # ---- synchronous, cheap -----------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes], ctx: AccessContext | None = None) -> dict[str, int]:
@@ -170,7 +175,7 @@ class TieredStore:
                     continue
                 n = 0
                 for key in keys:
-                    if key not in tier:
+                    if not tier.is_ready(key):
                         break
                     n += 1
                 metrics.LOOKUPS.labels(tier.name).inc(min(len(keys), n + 1))
@@ -228,11 +233,10 @@ class TieredStore:
 
     def put_sync(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],
                  ctx: AccessContext | None = None) -> PutResult:
-        """``put`` run in the calling thread (for callers that already own a transfer thread). Safe alongside
-        the worker: every plan pins what it reserves or reads, so concurrent plans never touch each other's
-        slots."""
+        """``put`` run in the calling thread (for callers that already own a transfer thread); it waits for a
+        plan the worker is running, so plans never interleave."""
         self._check_blocks(keys, blocks)
-        return self._put([bytes(k) for k in keys], list(blocks), ctx)
+        return self._put([bytes(k) for k in keys], list(blocks), ctx)  # takes the plan lock
 
     def load_sync(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor] | None = None,
                   ctx: AccessContext | None = None) -> LoadResult:
@@ -335,8 +339,11 @@ class TieredStore:
             for level, key in plan.reserved:
                 tier = self._tiers[level]
                 tier.unpin(key)
-                if key in failed and not tier.is_pinned(key):  # its slot never received valid bytes
-                    tier.remove(key)
+                if key in failed:
+                    if not tier.is_pinned(key):  # its slot never received valid bytes
+                        tier.remove(key)
+                else:
+                    tier.mark_ready(key)
             for key in plan.pinned_fs:
                 fs = self._tiers[-1]
                 fs.unpin(key)
@@ -359,6 +366,10 @@ class TieredStore:
         return _Plan()
 
     def _put(self, keys: list[bytes], blocks: list[torch.Tensor], ctx: AccessContext | None) -> PutResult:
+        with self._plan_lock:
+            return self._put_locked(keys, blocks, ctx)
+
+    def _put_locked(self, keys: list[bytes], blocks: list[torch.Tensor], ctx: AccessContext | None) -> PutResult:
         plan = _Plan()
         failed: dict[bytes, str] = {}
         placed: list[bool] = []
@@ -381,18 +392,27 @@ class TieredStore:
             ok_t = tuple(p and any(self._holds(lv, k) for lv in range(len(self._tiers))) for k, p in zip(keys, placed))
         return PutResult(tuple(keys), ok_t)
 
-    def _hold_source(self, plan: _Plan, level: int, key: bytes, ctx: AccessContext | None) -> None:
-        """Pin ``key`` where it is read from, for the life of ``plan``."""
+    def _hold_source(self, plan: _Plan, level: int, key: bytes, ctx: AccessContext | None) -> bool:
+        """Pin ``key`` where it is read from, for the life of ``plan``; False if it is no longer there."""
         tier = self._tiers[level]
         if isinstance(tier, FilesystemTier):
             if tier.pin(key):
                 plan.pinned_fs.append(key)
-        else:
-            tier.touch(key, ctx)
-            tier.pin(key)
-            plan.reserved.append((level, key))
+                return True
+            return False
+        if not tier.is_ready(key):
+            return False
+        tier.touch(key, ctx)
+        tier.pin(key)
+        plan.reserved.append((level, key))
+        return True
 
     def _load(self, keys: list[bytes], outs: list[torch.Tensor] | None, ctx: AccessContext | None) -> LoadResult:
+        with self._plan_lock:
+            return self._load_locked(keys, outs, ctx)
+
+    def _load_locked(self, keys: list[bytes], outs: list[torch.Tensor] | None,
+                     ctx: AccessContext | None) -> LoadResult:
         # Pin the whole leading run where it is now, so promoting one key never pushes a later key of the same
         # request down (or out) before it is read.
         held: list[tuple[int, bytes]] = []
@@ -432,10 +452,17 @@ class TieredStore:
                         stopped = "skipped"
                         break
                 self._hold_source(plan, level, key, ctx)
-            reached = level
+            reached, lost = level, False
             for up in range(level - 1, -1, -1):
                 below = self._tiers[up + 1]
+                upper = self._tiers[up]
                 with self._lock:
+                    if isinstance(upper, MemoryTier) and key in upper:
+                        if not upper.is_ready(key):
+                            break  # another plan is filling it there: read from where it is ready
+                        self._hold_source(plan, up, key, ctx)  # appeared meanwhile: hold it for our read
+                        reached = up
+                        continue
                     src = _FROM_FS if isinstance(below, FilesystemTier) else below.view(key)
                     done = self._place(up, key, src, below.name, plan, ctx, index=i)
                 if not done and len(plan.reserved) > 1:
@@ -444,13 +471,18 @@ class TieredStore:
                     if key in failed:
                         break
                     with self._lock:
-                        self._hold_source(plan, up + 1, key, ctx)
+                        if not self._hold_source(plan, up + 1, key, ctx):
+                            lost = True  # evicted by another plan between the two flushes
+                            break
                         src = _FROM_FS if isinstance(below, FilesystemTier) else below.view(key)
                         done = self._place(up, key, src, below.name, plan, ctx, index=i)
                 if not done:
                     break
                 reached = up
             if key in failed:
+                break
+            if lost:
+                stopped = "miss"
                 break
             if isinstance(self._tiers[reached], FilesystemTier):
                 # No memory tier can take it (all held by this request): read it straight into a CPU output.
