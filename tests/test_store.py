@@ -279,3 +279,44 @@ def test_device_tier_on_cuda_round_trips(tmp_path) -> None:
             res = store.load(batch, outs).result(60)
             assert res.hits == len(batch), res
             assert all(torch.equal(o.cpu(), block_for(k)) for o, k in zip(outs, batch))
+
+
+def test_metrics_are_all_named_kvtier_runtime(make_store) -> None:
+    from prometheus_client import REGISTRY, generate_latest
+
+    store = make_store(device=2, host=2)
+    keys = [key_of(i) for i in range(6)]
+    for k in keys:
+        _put(store, [k])
+    _load(store, keys[:2])
+    store.lookup(keys)
+    text = generate_latest(REGISTRY).decode()
+    ours = {line.split()[2].removesuffix("_total") for line in text.splitlines()
+            if line.startswith("# TYPE kvtier_runtime")}
+    expected = {"kvtier_runtime_lookups", "kvtier_runtime_hits", "kvtier_runtime_promotions",
+                "kvtier_runtime_demotions", "kvtier_runtime_bytes_moved", "kvtier_runtime_transfer_seconds",
+                "kvtier_runtime_occupancy_bytes", "kvtier_runtime_capacity_bytes", "kvtier_runtime_evictions",
+                "kvtier_runtime_promotions_skipped", "kvtier_runtime_fs_errors", "kvtier_runtime_fs_backoff",
+                "kvtier_runtime_stores_rejected"}
+    assert expected <= ours
+    from kvtier_runtime import metrics
+
+    for obj in vars(metrics).values():
+        if hasattr(obj, "_name") and hasattr(obj, "_type"):
+            assert obj._name.startswith("kvtier_runtime_"), obj._name
+    assert metric_value("kvtier_runtime_demotions_total", src="host", dst="fs") >= 1
+    assert metric_value("kvtier_runtime_bytes_moved_total", src="device", dst="host") >= NB
+
+
+def test_runtime_store_imports_neither_kopf_nor_kubernetes() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, kvtier_runtime.store, kvtier_runtime.fs.tier, kvtier_runtime.metrics; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('kopf', 'kubernetes')]; "
+            "assert not bad, bad")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+    light = subprocess.run([sys.executable, "-c", "import sys, kvtier_runtime.fs, kvtier_runtime.fs.format; "
+                            "print('torch' in sys.modules)"], capture_output=True, text=True, env=env, check=True)
+    assert light.stdout.strip() == "False", "the fs package and its format module must not import torch"
