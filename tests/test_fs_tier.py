@@ -468,3 +468,16 @@ def test_codec_fallback_to_a_wider_encoding_is_accounted_at_its_real_size(fs_tie
     outs = [_sentinel() for _ in tier.keys()]
     assert tier.load(tier.keys(), outs).success
     assert all(torch.equal(o, block_for(k)) for o, k in zip(outs, tier.keys()))
+
+
+def test_lookups_do_not_reorder_eviction_but_loads_do(fs_tier_factory) -> None:
+    tier = fs_tier_factory(capacity_blocks=2)  # LRU
+    a, b, c, d = (key_of(i) for i in range(4))
+    _store(tier, [a, b])
+    for _ in range(5):
+        assert tier.lookup([a]).hits == 1
+    _store(tier, [c])
+    assert set(tier.keys()) == {b, c}, "a waiting request's repeated lookups are not accesses"
+    assert tier.load([b], [_sentinel()]).success
+    _store(tier, [d])
+    assert set(tier.keys()) == {b, d}, "a load is an access"

@@ -200,7 +200,9 @@ class FilesystemTier:
         return KeyState.HIT if entry.state == "ready" else KeyState.PENDING
 
     def lookup(self, keys: Sequence[bytes], ctx: AccessContext | None = None) -> LookupRun:
-        """Longest run of leading keys that are ready; touches them in the eviction order."""
+        """Longest run of leading keys that are ready. Does not touch the eviction order: an engine asks again
+        every scheduling step while a request waits, which would inflate frequency-based policies; the load
+        that follows a hit is what counts as an access."""
         hits, pending = 0, False
         with self._lock:
             for key in keys:
@@ -208,7 +210,6 @@ class FilesystemTier:
                 if entry is None or entry.state != "ready":
                     pending = entry is not None
                     break
-                self._policy.touch(key, ctx)
                 hits += 1
         metrics.LOOKUPS.labels(self.name).inc(min(len(keys), hits + 1))
         metrics.HITS.labels(self.name).inc(hits)
