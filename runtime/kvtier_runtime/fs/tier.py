@@ -454,10 +454,21 @@ class FilesystemTier:
             metrics.TRANSFER_SECONDS.labels(self.peer, self.name).observe(time.perf_counter() - started)
         else:
             metrics.FS_ERRORS.labels(self.name, kind).inc()
+            if kind == "enospc":
+                self._make_real_room(file_bytes_for(self._codec.encoded_nbytes(self.block_shape, self.dtype)))
             if kind in ("enospc", "eio"):
                 self._record_io_failure()
         self._update_occupancy()
         self._settle(job, i, ok)
+
+    def _make_real_room(self, nbytes: int) -> None:
+        """The disk is fuller than our accounting (capacity set above the free space, or other tenants): free
+        two blocks' worth of our own coldest blocks so the tier keeps working at the disk's real size instead
+        of failing every store."""
+        with self._lock:
+            evicted = self._policy.evict(min(2 * nbytes, self._policy.used_bytes - self._policy.pinned_bytes))
+            doomed = self._doom_locked(evicted or [])
+        self._unlink_doomed(doomed)
 
     def _write_block(self, key: bytes, block: torch.Tensor) -> int:
         buf, tensor = self._staging()
