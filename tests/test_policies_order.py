@@ -94,3 +94,30 @@ def test_registry_names_match_the_config_contract() -> None:
     assert set(config.EVICTION_POLICIES) <= set(POLICIES)
     assert config.DEFAULT_EVICTION_POLICY in POLICIES
     assert set(config.ADMISSION_POLICIES) == set(ADMISSIONS)
+
+
+def test_prefix2q_evicts_first_timers_before_blocks_seen_again() -> None:
+    from kvtier_runtime.policies import AccessContext
+
+    p = get_policy("prefix2q", 4)
+    fill(p, [1, 2])
+    p.touch(1)
+    p.touch(2)  # class 2
+    fill(p, [3, 4])  # class 1, newer
+    assert p.insert(5, 1) == [3]
+    assert p.insert(6, 1) == [4]
+    assert p.remove(5) and p.remove(6)
+    # 3 left the cache but the history remembers it: back in, it ranks with the reused blocks.
+    p.insert(3, 1)
+    p.insert(7, 1)
+    assert p.insert(8, 1, AccessContext("r", 0, 1)) == [7]
+
+
+def test_prefix2q_drops_a_requests_tail_before_its_head() -> None:
+    from kvtier_runtime.policies import AccessContext
+
+    p = get_policy("prefix2q", 4)
+    for pos, key in enumerate([10, 11, 12, 13]):
+        p.insert(key, 1, AccessContext("a", pos, 4))
+    assert p.insert(20, 1, AccessContext("b", 0, 1)) == [13]
+    assert p.evict(2) == [12, 11]

@@ -11,12 +11,14 @@ from .admission import DoorkeeperAdmission, ThresholdAdmission
 from .arc import ARCPolicy
 from .base import AccessContext, AdmissionFilter, EvictionPolicy, Key, PinnedEntryError
 from .lru import LRUPolicy
+from .prefix2q import Prefix2QPolicy
 from .s3fifo import S3FIFOPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     LRUPolicy.name: LRUPolicy,
     ARCPolicy.name: ARCPolicy,
     S3FIFOPolicy.name: S3FIFOPolicy,
+    Prefix2QPolicy.name: Prefix2QPolicy,
 }
 
 # "none" means no filter: every offer is admitted.
@@ -57,6 +59,7 @@ __all__ = [
     "Key",
     "LRUPolicy",
     "PinnedEntryError",
+    "Prefix2QPolicy",
     "S3FIFOPolicy",
     "ThresholdAdmission",
     "get_admission",

@@ -6,14 +6,12 @@ test suite (tests/test_policies_contract.py) checks them all.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, ClassVar, Collection, Hashable, Iterable
+from typing import Callable, ClassVar, Collection, Hashable, Iterable, NamedTuple
 
 Key = Hashable
 
 
-@dataclass(frozen=True, slots=True)
-class AccessContext:
+class AccessContext(NamedTuple):
     """Optional request context of one block access.
 
     ``request_id`` names the request, ``position`` is the block's index in the request's prefix (0 = the first
@@ -78,6 +76,8 @@ class EvictionPolicy:
     """
 
     name: ClassVar[str] = "base"
+    # Whether the ordering reads ``ctx``; callers on a hot path (trace replay) skip building contexts otherwise.
+    uses_context: ClassVar[bool] = False
 
     def __init__(self, capacity_bytes: int, admission: AdmissionFilter | None = None) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:

@@ -29,6 +29,27 @@ class LRUPolicy(EvictionPolicy):
         self._order.move_to_end(key)
         return True
 
+    def insert(self, key: Key, size: int, ctx: AccessContext | None = None) -> list[Key] | None:
+        # Hot path of trace replay: with nothing pinned, LRU's victims are simply the oldest entries, so the
+        # base class's general path (blocked-key checks, hooks) is skipped. Same result, fewer calls.
+        sizes = self._sizes
+        if self._pins or key in sizes or type(size) is not int or size <= 0 or size > self.capacity_bytes:
+            return super().insert(key, size, ctx)
+        need = self._used + size - self.capacity_bytes
+        evicted: list[Key] = []
+        if need > 0:
+            popitem = self._order.popitem
+            freed = 0
+            while freed < need:
+                victim = popitem(last=False)[0]
+                freed += sizes.pop(victim)
+                evicted.append(victim)
+            self._used -= freed
+        sizes[key] = size
+        self._used += size
+        self._order[key] = None
+        return evicted
+
     def _order_insert(self, key: Key, size: int, ctx: AccessContext | None) -> None:
         self._order[key] = None
 
