@@ -486,3 +486,27 @@ def test_lookups_do_not_reorder_eviction_but_loads_do(fs_tier_factory) -> None:
     assert tier.load([b], [_sentinel()]).success
     _store(tier, [d])
     assert set(tier.keys()) == {b, d}, "a load is an access"
+
+
+def test_a_waited_job_is_not_stolen_by_a_concurrent_poller(fs_tier_factory) -> None:
+    tier = fs_tier_factory()
+    stop = threading.Event()
+    polled: list = []
+
+    def poll() -> None:
+        while not stop.is_set():
+            polled.extend(tier.get_finished())
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        for i in range(20):
+            assert tier.store([key_of(i)], [block_for(key_of(i))]).success  # wait() gets every result
+        job = tier.submit_store([key_of(99)], [block_for(key_of(99))])
+        deadline = time.monotonic() + 10
+        while not any(r.job_id == job for r in polled) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        poller.join()
+    assert [r.job_id for r in polled] == [job], "the poller sees exactly the job nobody waited for"

@@ -151,6 +151,8 @@ class FilesystemTier:
         self._policy = get_policy(config.eviction_policy, config.capacity_bytes, admission=config.admission)
         self._jobs: dict[int, _Job] = {}
         self._finished: OrderedDict[int, JobResult] = OrderedDict()
+        # Jobs someone is blocked on in wait(): their results go to the waiter, never to get_finished().
+        self._claimed: dict[int, JobResult | None] = {}
         self._job_ids = itertools.count(1)
         self._tmp_ids = itertools.count(1)
         self._made_dirs: set[str] = set()
@@ -304,13 +306,23 @@ class FilesystemTier:
     def wait(self, job_id: int, timeout: float | None = None) -> JobResult:
         """Block until ``job_id`` finished and take its result (it is then not returned by get_finished)."""
         with self._lock:
+            if job_id in self._finished:
+                return self._finished.pop(job_id)
             job = self._jobs.get(job_id)
-            if job is None and job_id not in self._finished:
+            if job is None or job_id in self._claimed:
                 raise KeyError(f"job_id: {job_id} is unknown or its result was already taken")
-        if job is not None and not job.done.wait(timeout):
+            self._claimed[job_id] = None
+        if not job.done.wait(timeout):
+            with self._lock:  # give the result back to get_finished() when it arrives
+                if self._claimed.get(job_id) is None:
+                    del self._claimed[job_id]
+                else:
+                    self._finished[job_id] = self._claimed.pop(job_id)  # type: ignore[assignment]
             raise TimeoutError(f"job {job_id} did not finish within {timeout}s")
         with self._lock:
-            return self._finished.pop(job_id)
+            result = self._claimed.pop(job_id)
+        assert result is not None
+        return result
 
     # ---- blocking conveniences --------------------------------------------------------------------------
     def store(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor], timeout: float | None = 60) -> JobResult:
@@ -401,7 +413,10 @@ class FilesystemTier:
             return None
         result = JobResult(job.job_id, job.kind, job.keys, tuple(job.ok), dict(job.errors))
         del self._jobs[job.job_id]
-        self._finished[job.job_id] = result
+        if job.job_id in self._claimed:
+            self._claimed[job.job_id] = result
+        else:
+            self._finished[job.job_id] = result
         job.done.set()
         return result
 
