@@ -510,3 +510,14 @@ def test_a_waited_job_is_not_stolen_by_a_concurrent_poller(fs_tier_factory) -> N
         stop.set()
         poller.join()
     assert [r.job_id for r in polled] == [job], "the poller sees exactly the job nobody waited for"
+
+
+def test_a_fanout_directory_removed_behind_the_tier_is_recreated(fs_tier_factory) -> None:
+    import shutil
+
+    tier = fs_tier_factory()
+    a = key_of(1)
+    _store(tier, [a])
+    shutil.rmtree(os.path.dirname(os.path.dirname(tier.block_path(a))))
+    tier.remove(a)  # the file is already gone; forgetting it must not fail either
+    assert _store(tier, [a]).success and os.path.exists(tier.block_path(a))

@@ -233,6 +233,7 @@ class FilesystemTier:
             raise ValueError(f"blocks: {len(blocks)} blocks for {len(keys)} keys")
         for key in keys:
             block_relpath(key)  # rejects non-bytes or empty keys with a ValueError naming the key
+        keys = [bytes(k) for k in keys]
         job = self._new_job("store", keys)
         size = file_bytes_for(self._codec.encoded_nbytes(self.block_shape, self.dtype))
         work: list[tuple[int, bytes, torch.Tensor, list[bytes]]] = []
@@ -276,6 +277,7 @@ class FilesystemTier:
         """Queue reads of ``keys`` into ``outs`` (CPU tensors of the tier's shape and dtype)."""
         if len(keys) != len(outs):
             raise ValueError(f"outs: {len(outs)} tensors for {len(keys)} keys")
+        keys = [bytes(k) for k in keys]
         job = self._new_job("load", keys)
         work: list[tuple[int, bytes, torch.Tensor]] = []
         with self._lock:
@@ -506,7 +508,11 @@ class FilesystemTier:
             os.makedirs(directory, exist_ok=True)
             self._made_dirs.add(directory)
         tmp = f"{final}{TMP_MARK}{os.getpid()}.{next(self._tmp_ids)}"
-        write_atomic(self._ops, tmp, final, buf.mv[:total], self.direct_io)
+        try:
+            write_atomic(self._ops, tmp, final, buf.mv[:total], self.direct_io)
+        except FileNotFoundError:  # the fan-out directory was removed behind our back: recreate it once
+            os.makedirs(directory, exist_ok=True)
+            write_atomic(self._ops, tmp, final, buf.mv[:total], self.direct_io)
         return nbytes
 
     def _read_task(self, job: _Job, i: int, key: bytes, out: torch.Tensor) -> None:
