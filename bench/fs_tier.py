@@ -117,12 +117,13 @@ def main() -> None:
     print(f"filesystem tier, {n} x 2 MiB blocks ({total / 2**20:.0f} MiB on disk incl. 4 KiB headers) per round, "
           f"median of {args.rounds} rounds, O_DIRECT={'on' if direct else 'off (unsupported here)'}, "
           f"CRC32 on, {args.threads} tier threads per pool, raw = 1 sequential stream")
-    print("| operation | raw O_DIRECT GB/s | fs tier GB/s | ratio | target |")
-    print("|---|---|---|---|---|")
+    print("| operation | raw O_DIRECT GB/s | fs tier GB/s | ratio | ratio p25-p75 | target |")
+    print("|---|---|---|---|---|---|")
     for name, rk, tk in (("write (store)", "raw_w", "tier_w"), ("read (load)", "raw_r", "tier_r")):
-        ratio = statistics.median(a / b for a, b in zip(res[rk], res[tk]))
+        ratios = [a / b for a, b in zip(res[rk], res[tk])]
+        ratio, (q1, _, q3) = statistics.median(ratios), statistics.quantiles(ratios, n=4)
         print(f"| {name} | {total / statistics.median(res[rk]) / 1e9:.2f} | "
-              f"{total / statistics.median(res[tk]) / 1e9:.2f} | {ratio:.3f} | "
+              f"{total / statistics.median(res[tk]) / 1e9:.2f} | {ratio:.3f} | {q1:.2f}-{q3:.2f} | "
               f"{'>= 0.85 ok' if ratio >= 0.85 else '>= 0.85 MISSED'} |")
 
 
