@@ -8,8 +8,8 @@ evicts what it is moving.
 
 Operations run on one worker thread and return futures (``put`` and ``load`` are asynchronous); ``put_sync``
 and ``load_sync`` run a plan in the caller's thread. Plans never interleave (one plan lock). ``lookup``, ``pin``
-and ``unpin`` are synchronous and cheap, and see only blocks whose bytes have arrived. With CUDA, device copies go on a side stream and a plan's
-future completes only after that stream is synchronised.
+and ``unpin`` are synchronous and cheap, and see only blocks whose bytes have arrived. With CUDA, device copies
+go on a side stream and a plan's future completes only after that stream is synchronised.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ class LoadResult:
     stopped: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Transfer:
     level: int  # destination level; -1 = the caller's output tensor
     key: bytes
@@ -64,7 +64,6 @@ class _Transfer:
     dst: torch.Tensor | None  # None for a filesystem destination
     src_name: str
     dst_name: str
-    index: int = -1  # position in a load's key list (for cutting the run at a failure)
 
 
 @dataclass
@@ -256,13 +255,13 @@ class TieredStore:
 
     # ---- planning ---------------------------------------------------------------------------------------
     def _place(self, level: int, key: bytes, src: object, src_name: str, plan: _Plan,
-               ctx: AccessContext | None, index: int = -1) -> bool:
+               ctx: AccessContext | None) -> bool:
         """Plan a copy of ``key`` from ``src`` into tier ``level`` (reserving room, planning demotions of the
         blocks that room costs). False if the tier declined (admission, or everything pinned)."""
         tier = self._tiers[level]
         if isinstance(tier, FilesystemTier):
             if tier.state(key) is KeyState.MISS:
-                plan.transfers.append(_Transfer(level, key, src, None, src_name, tier.name, index))
+                plan.transfers.append(_Transfer(level, key, src, None, src_name, tier.name))
             return True
         if key in tier:
             tier.touch(key, ctx)
@@ -279,7 +278,7 @@ class TieredStore:
             below = level + 1
             if below < len(self._tiers) and self._modes[below] == "back" and not self._holds(below, vkey):
                 self._place(below, vkey, tier.slot_view(vslot), tier.name, plan, None)
-        plan.transfers.append(_Transfer(level, key, src, tier.slot_view(slot), src_name, tier.name, index))
+        plan.transfers.append(_Transfer(level, key, src, tier.slot_view(slot), src_name, tier.name))
         return True
 
     # ---- execution --------------------------------------------------------------------------------------
@@ -464,7 +463,7 @@ class TieredStore:
                         reached = up
                         continue
                     src = _FROM_FS if isinstance(below, FilesystemTier) else below.view(key)
-                    done = self._place(up, key, src, below.name, plan, ctx, index=i)
+                    done = self._place(up, key, src, below.name, plan, ctx)
                 if not done and len(plan.reserved) > 1:
                     # Upper tier full of this batch's blocks: finish them (and this key's lower hops) first.
                     plan = self._flush(plan, failed)
@@ -475,7 +474,7 @@ class TieredStore:
                             lost = True  # evicted by another plan between the two flushes
                             break
                         src = _FROM_FS if isinstance(below, FilesystemTier) else below.view(key)
-                        done = self._place(up, key, src, below.name, plan, ctx, index=i)
+                        done = self._place(up, key, src, below.name, plan, ctx)
                 if not done:
                     break
                 reached = up
@@ -489,13 +488,13 @@ class TieredStore:
                 if outs is None or outs[i].device.type != "cpu":
                     stopped = "no-room"
                     break
-                plan.transfers.append(_Transfer(-1, key, _FROM_FS, outs[i], self._tiers[reached].name, ENGINE, i))
+                plan.transfers.append(_Transfer(-1, key, _FROM_FS, outs[i], self._tiers[reached].name, ENGINE))
                 sources.append(src_tier.name)
                 continue
             if outs is not None:
                 with self._lock:
                     view = self._tiers[reached].view(key)
-                plan.transfers.append(_Transfer(-1, key, view, outs[i], self._tiers[reached].name, ENGINE, i))
+                plan.transfers.append(_Transfer(-1, key, view, outs[i], self._tiers[reached].name, ENGINE))
             sources.append(src_tier.name)
         self._flush(plan, failed)
         hits = len(sources)
