@@ -236,10 +236,17 @@ def test_concurrent_puts_and_loads_are_consistent(make_store) -> None:
         try:
             for _ in range(40):
                 batch = rnd.sample(keys, 3)
-                if rnd.random() < 0.5:
+                op = rnd.random()
+                if op < 0.25:
                     _put(store, batch)
-                else:
+                elif op < 0.5:  # plans run in this thread, concurrently with the worker's
+                    store.put_sync(batch, [block_for(k) for k in batch])
+                elif op < 0.75:
                     _load(store, batch)  # asserts every hit is exact
+                else:
+                    outs = [torch.full(SHAPE, -1.0) for _ in batch]
+                    res = store.load_sync(batch, outs)
+                    assert all(torch.equal(o, block_for(k)) for o, k in zip(outs[: res.hits], batch))
         except BaseException as exc:
             errors.append(exc)
 
@@ -260,13 +267,56 @@ def test_device_tier_on_cuda_round_trips(tmp_path) -> None:
     cfg = FilesystemTierConfig(root_dir=str(tmp_path / "fs"), capacity_bytes=64 * block_file_bytes(),
                                eviction_policy="lru")
     with FilesystemTier(cfg, SHAPE, torch.float32) as fs, TieredStore(
-            SHAPE, torch.float32, device="cuda", device_capacity_bytes=2 * NB, host_capacity_bytes=2 * NB,
+            SHAPE, torch.float32, device="cuda", device_capacity_bytes=2 * NB, host_capacity_bytes=4 * NB,
             fs=fs) as store:
-        assert store.tier("host").pinned_memory
-        keys = [key_of(i) for i in range(6)]
+        assert store.tier("host").pinned_memory and store.tier("device").slab.is_cuda
+        keys = [key_of(i) for i in range(8)]
         blocks = [block_for(k).cuda() for k in keys]
         assert store.put(keys, blocks).result(60).success
-        outs = [torch.empty(SHAPE, device="cuda") for _ in keys]
-        res = store.load(keys, outs).result(60)
-        assert res.hits == 6
-        assert all(torch.equal(o.cpu(), block_for(k)) for o, k in zip(outs, keys))
+        assert set(fs.keys()) == set(keys[:2])  # device -> host (D2H) -> fs demotions happened
+        for batch in (keys[:2], keys[6:], keys[2:4]):  # from fs (via host), from device, from host
+            outs = [torch.empty(SHAPE, device="cuda") for _ in batch]
+            res = store.load(batch, outs).result(60)
+            assert res.hits == len(batch), res
+            assert all(torch.equal(o.cpu(), block_for(k)) for o, k in zip(outs, batch))
+
+
+def test_metrics_are_all_named_kvtier_runtime(make_store) -> None:
+    from prometheus_client import REGISTRY, generate_latest
+
+    store = make_store(device=2, host=2)
+    keys = [key_of(i) for i in range(6)]
+    for k in keys:
+        _put(store, [k])
+    _load(store, keys[:2])
+    store.lookup(keys)
+    text = generate_latest(REGISTRY).decode()
+    ours = {line.split()[2].removesuffix("_total") for line in text.splitlines()
+            if line.startswith("# TYPE kvtier_runtime")}
+    expected = {"kvtier_runtime_lookups", "kvtier_runtime_hits", "kvtier_runtime_promotions",
+                "kvtier_runtime_demotions", "kvtier_runtime_bytes_moved", "kvtier_runtime_transfer_seconds",
+                "kvtier_runtime_occupancy_bytes", "kvtier_runtime_capacity_bytes", "kvtier_runtime_evictions",
+                "kvtier_runtime_promotions_skipped", "kvtier_runtime_fs_errors", "kvtier_runtime_fs_backoff",
+                "kvtier_runtime_stores_rejected"}
+    assert expected <= ours
+    from kvtier_runtime import metrics
+
+    for obj in vars(metrics).values():
+        if hasattr(obj, "_name") and hasattr(obj, "_type"):
+            assert obj._name.startswith("kvtier_runtime_"), obj._name
+    assert metric_value("kvtier_runtime_demotions_total", src="host", dst="fs") >= 1
+    assert metric_value("kvtier_runtime_bytes_moved_total", src="device", dst="host") >= NB
+
+
+def test_runtime_store_imports_neither_kopf_nor_kubernetes() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, kvtier_runtime.store, kvtier_runtime.fs.tier, kvtier_runtime.metrics; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('kopf', 'kubernetes')]; "
+            "assert not bad, bad")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+    light = subprocess.run([sys.executable, "-c", "import sys, kvtier_runtime.fs, kvtier_runtime.fs.format; "
+                            "print('torch' in sys.modules)"], capture_output=True, text=True, env=env, check=True)
+    assert light.stdout.strip() == "False", "the fs package and its format module must not import torch"

@@ -16,7 +16,10 @@ PROMOTIONS = Counter("kvtier_runtime_promotions", "Blocks copied to a faster tie
 DEMOTIONS = Counter("kvtier_runtime_demotions", "Blocks copied to a slower tier", ["src", "dst"])
 BYTES_MOVED = Counter("kvtier_runtime_bytes_moved", "Bytes copied between tiers (or the engine)", ["src", "dst"])
 TRANSFER_SECONDS = Histogram(
-    "kvtier_runtime_transfer_seconds", "Duration of one block transfer", ["src", "dst"], buckets=_TRANSFER_BUCKETS
+    "kvtier_runtime_transfer_seconds",
+    "Duration of one transfer: a batch of blocks copied together between two memory tiers, or one block file",
+    ["src", "dst"],
+    buckets=_TRANSFER_BUCKETS,
 )
 OCCUPANCY_BYTES = Gauge("kvtier_runtime_occupancy_bytes", "Bytes held (or reserved) in a tier", ["tier"])
 CAPACITY_BYTES = Gauge("kvtier_runtime_capacity_bytes", "Configured capacity of a tier", ["tier"])

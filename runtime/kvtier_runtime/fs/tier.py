@@ -151,6 +151,8 @@ class FilesystemTier:
         self._policy = get_policy(config.eviction_policy, config.capacity_bytes, admission=config.admission)
         self._jobs: dict[int, _Job] = {}
         self._finished: OrderedDict[int, JobResult] = OrderedDict()
+        # Jobs someone is blocked on in wait(): their results go to the waiter, never to get_finished().
+        self._claimed: dict[int, JobResult | None] = {}
         self._job_ids = itertools.count(1)
         self._tmp_ids = itertools.count(1)
         self._made_dirs: set[str] = set()
@@ -200,7 +202,9 @@ class FilesystemTier:
         return KeyState.HIT if entry.state == "ready" else KeyState.PENDING
 
     def lookup(self, keys: Sequence[bytes], ctx: AccessContext | None = None) -> LookupRun:
-        """Longest run of leading keys that are ready; touches them in the eviction order."""
+        """Longest run of leading keys that are ready. Does not touch the eviction order: an engine asks again
+        every scheduling step while a request waits, which would inflate frequency-based policies; the load
+        that follows a hit is what counts as an access."""
         hits, pending = 0, False
         with self._lock:
             for key in keys:
@@ -208,7 +212,6 @@ class FilesystemTier:
                 if entry is None or entry.state != "ready":
                     pending = entry is not None
                     break
-                self._policy.touch(key, ctx)
                 hits += 1
         metrics.LOOKUPS.labels(self.name).inc(min(len(keys), hits + 1))
         metrics.HITS.labels(self.name).inc(hits)
@@ -230,6 +233,7 @@ class FilesystemTier:
             raise ValueError(f"blocks: {len(blocks)} blocks for {len(keys)} keys")
         for key in keys:
             block_relpath(key)  # rejects non-bytes or empty keys with a ValueError naming the key
+        keys = [bytes(k) for k in keys]
         job = self._new_job("store", keys)
         size = file_bytes_for(self._codec.encoded_nbytes(self.block_shape, self.dtype))
         work: list[tuple[int, bytes, torch.Tensor, list[bytes]]] = []
@@ -273,6 +277,7 @@ class FilesystemTier:
         """Queue reads of ``keys`` into ``outs`` (CPU tensors of the tier's shape and dtype)."""
         if len(keys) != len(outs):
             raise ValueError(f"outs: {len(outs)} tensors for {len(keys)} keys")
+        keys = [bytes(k) for k in keys]
         job = self._new_job("load", keys)
         work: list[tuple[int, bytes, torch.Tensor]] = []
         with self._lock:
@@ -303,13 +308,23 @@ class FilesystemTier:
     def wait(self, job_id: int, timeout: float | None = None) -> JobResult:
         """Block until ``job_id`` finished and take its result (it is then not returned by get_finished)."""
         with self._lock:
+            if job_id in self._finished:
+                return self._finished.pop(job_id)
             job = self._jobs.get(job_id)
-            if job is None and job_id not in self._finished:
+            if job is None or job_id in self._claimed:
                 raise KeyError(f"job_id: {job_id} is unknown or its result was already taken")
-        if job is not None and not job.done.wait(timeout):
+            self._claimed[job_id] = None
+        if not job.done.wait(timeout):
+            with self._lock:  # give the result back to get_finished() when it arrives
+                if self._claimed.get(job_id) is None:
+                    del self._claimed[job_id]
+                else:
+                    self._finished[job_id] = self._claimed.pop(job_id)  # type: ignore[assignment]
             raise TimeoutError(f"job {job_id} did not finish within {timeout}s")
         with self._lock:
-            return self._finished.pop(job_id)
+            result = self._claimed.pop(job_id)
+        assert result is not None
+        return result
 
     # ---- blocking conveniences --------------------------------------------------------------------------
     def store(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor], timeout: float | None = 60) -> JobResult:
@@ -400,7 +415,10 @@ class FilesystemTier:
             return None
         result = JobResult(job.job_id, job.kind, job.keys, tuple(job.ok), dict(job.errors))
         del self._jobs[job.job_id]
-        self._finished[job.job_id] = result
+        if job.job_id in self._claimed:
+            self._claimed[job.job_id] = result
+        else:
+            self._finished[job.job_id] = result
         job.done.set()
         return result
 
@@ -453,10 +471,21 @@ class FilesystemTier:
             metrics.TRANSFER_SECONDS.labels(self.peer, self.name).observe(time.perf_counter() - started)
         else:
             metrics.FS_ERRORS.labels(self.name, kind).inc()
+            if kind == "enospc":
+                self._make_real_room(file_bytes_for(self._codec.encoded_nbytes(self.block_shape, self.dtype)))
             if kind in ("enospc", "eio"):
                 self._record_io_failure()
         self._update_occupancy()
         self._settle(job, i, ok)
+
+    def _make_real_room(self, nbytes: int) -> None:
+        """The disk is fuller than our accounting (capacity set above the free space, or other tenants): free
+        two blocks' worth of our own coldest blocks so the tier keeps working at the disk's real size instead
+        of failing every store."""
+        with self._lock:
+            evicted = self._policy.evict(min(2 * nbytes, self._policy.used_bytes - self._policy.pinned_bytes))
+            doomed = self._doom_locked(evicted or [])
+        self._unlink_doomed(doomed)
 
     def _write_block(self, key: bytes, block: torch.Tensor) -> int:
         buf, tensor = self._staging()
@@ -479,7 +508,11 @@ class FilesystemTier:
             os.makedirs(directory, exist_ok=True)
             self._made_dirs.add(directory)
         tmp = f"{final}{TMP_MARK}{os.getpid()}.{next(self._tmp_ids)}"
-        write_atomic(self._ops, tmp, final, buf.mv[:total], self.direct_io)
+        try:
+            write_atomic(self._ops, tmp, final, buf.mv[:total], self.direct_io)
+        except FileNotFoundError:  # the fan-out directory was removed behind our back: recreate it once
+            os.makedirs(directory, exist_ok=True)
+            write_atomic(self._ops, tmp, final, buf.mv[:total], self.direct_io)
         return nbytes
 
     def _read_task(self, job: _Job, i: int, key: bytes, out: torch.Tensor) -> None:

@@ -38,9 +38,13 @@ class MemoryTier:
         self.slab = torch.empty((self.n_slots, *self.block_shape), dtype=dtype, device=self.device,
                                 pin_memory=bool(pin_memory) and self.device.type == "cpu")
         self.pinned_memory = bool(pin_memory) and self.device.type == "cpu"
+        # One view per slot, made once: indexing the slab per transfer costs more than the bookkeeping around it.
+        self._views = list(self.slab.unbind(0))
         self.policy = get_policy(eviction_policy, self.n_slots * self.block_nbytes, admission=admission)
         self._free = list(range(self.n_slots - 1, -1, -1))
         self._slot_of: dict[bytes, int] = {}
+        # Reserved slots whose bytes have not arrived yet: present for placement, absent for reading.
+        self._pending: set[bytes] = set()
 
     @property
     def capacity_bytes(self) -> int:
@@ -57,13 +61,20 @@ class MemoryTier:
         return len(self._slot_of)
 
     def keys(self) -> list[bytes]:
-        return list(self._slot_of)
+        return [k for k in self._slot_of if k not in self._pending]
+
+    def is_ready(self, key: bytes) -> bool:
+        """Held and filled (a reserved slot becomes ready when the plan that reserved it has copied into it)."""
+        return key in self._slot_of and key not in self._pending
+
+    def mark_ready(self, key: bytes) -> None:
+        self._pending.discard(key)
 
     def view(self, key: bytes) -> torch.Tensor:
-        return self.slab[self._slot_of[key]]
+        return self._views[self._slot_of[key]]
 
     def slot_view(self, slot: int) -> torch.Tensor:
-        return self.slab[slot]
+        return self._views[slot]
 
     def touch(self, key: bytes, ctx: AccessContext | None = None) -> bool:
         return self.policy.touch(key, ctx)
@@ -80,9 +91,12 @@ class MemoryTier:
         if evicted is None:
             return None
         victims = [(k, self._slot_of.pop(k)) for k in evicted]
-        self._free.extend(slot for _, slot in victims)
+        for k, slot in victims:
+            self._pending.discard(k)
+            self._free.append(slot)
         slot = self._free.pop()
         self._slot_of[key] = slot
+        self._pending.add(key)
         return slot, victims
 
     def remove(self, key: bytes) -> bool:
@@ -91,6 +105,7 @@ class MemoryTier:
             return False
         self.policy.remove(key)
         del self._slot_of[key]
+        self._pending.discard(key)
         self._free.append(slot)
         return True
 

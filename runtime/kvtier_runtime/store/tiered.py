@@ -6,9 +6,10 @@ takes the slot of an evicted one, the evicted block's demotion (which reads that
 runs before the write into the slot. All blocks reserved by a plan are pinned until it finished, so a plan never
 evicts what it is moving.
 
-Operations run on one worker thread and return futures (``put`` and ``load`` are asynchronous); ``lookup``,
-``pin`` and ``unpin`` are synchronous and cheap. With CUDA, device copies go on a side stream and a plan's
-future completes only after that stream is synchronised.
+Operations run on one worker thread and return futures (``put`` and ``load`` are asynchronous); ``put_sync``
+and ``load_sync`` run a plan in the caller's thread. Plans never interleave (one plan lock). ``lookup``, ``pin``
+and ``unpin`` are synchronous and cheap, and see only blocks whose bytes have arrived. With CUDA, device copies
+go on a side stream and a plan's future completes only after that stream is synchronised.
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ class LoadResult:
     stopped: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Transfer:
     level: int  # destination level; -1 = the caller's output tensor
     key: bytes
@@ -63,7 +64,6 @@ class _Transfer:
     dst: torch.Tensor | None  # None for a filesystem destination
     src_name: str
     dst_name: str
-    index: int = -1  # position in a load's key list (for cutting the run at a failure)
 
 
 @dataclass
@@ -130,7 +130,11 @@ class TieredStore:
             self._modes.append("top" if not self._modes else write.get("fs", "back"))
         self.block_nbytes = _nbytes(self.block_shape, dtype)
         self.cost_model = cost_model
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # guards tier metadata (lookups and pins come from any thread)
+        # One plan runs at a time (worker or a *_sync caller): plans interleaving their reservations and
+        # multi-level copies would need per-slot ownership to stay correct, and a batch is already the unit of
+        # parallel work (the filesystem tier runs its I/O on its own pools).
+        self._plan_lock = threading.Lock()
         # per key, one tuple of tier levels per pin() call, so unpin() undoes exactly the latest call
         self._user_pins: dict[bytes, list[tuple[int, ...]]] = defaultdict(list)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvtier-store")
@@ -157,7 +161,7 @@ class TieredStore:
         tier = self._tiers[level]
         if isinstance(tier, FilesystemTier):
             return tier.state(key) is KeyState.HIT
-        return key in tier
+        return tier.is_ready(key)
 
     # ---- synchronous, cheap -----------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes], ctx: AccessContext | None = None) -> dict[str, int]:
@@ -170,7 +174,7 @@ class TieredStore:
                     continue
                 n = 0
                 for key in keys:
-                    if key not in tier:
+                    if not tier.is_ready(key):
                         break
                     n += 1
                 metrics.LOOKUPS.labels(tier.name).inc(min(len(keys), n + 1))
@@ -206,13 +210,16 @@ class TieredStore:
             ctx: AccessContext | None = None) -> "Future[PutResult]":
         """Store blocks (they must stay unchanged until the future is done) in the top tier and every
         write-through tier; evicted blocks move down to write-back tiers."""
+        self._check_blocks(keys, blocks)
+        return self._worker.submit(self._put, [bytes(k) for k in keys], list(blocks), ctx)
+
+    def _check_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> None:
         if len(keys) != len(blocks):
             raise ValueError(f"blocks: {len(blocks)} blocks for {len(keys)} keys")
         for b in blocks:
             if tuple(b.shape) != self.block_shape or b.dtype != self.dtype:
                 raise ValueError(f"blocks: a {b.dtype}{list(b.shape)} block, the store holds "
                                  f"{self.dtype}{list(self.block_shape)}")
-        return self._worker.submit(self._put, [bytes(k) for k in keys], list(blocks), ctx)
 
     def load(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor] | None = None,
              ctx: AccessContext | None = None) -> "Future[LoadResult]":
@@ -222,6 +229,20 @@ class TieredStore:
         if outs is not None and len(outs) != len(keys):
             raise ValueError(f"outs: {len(outs)} tensors for {len(keys)} keys")
         return self._worker.submit(self._load, [bytes(k) for k in keys], None if outs is None else list(outs), ctx)
+
+    def put_sync(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],
+                 ctx: AccessContext | None = None) -> PutResult:
+        """``put`` run in the calling thread (for callers that already own a transfer thread); it waits for a
+        plan the worker is running, so plans never interleave."""
+        self._check_blocks(keys, blocks)
+        return self._put([bytes(k) for k in keys], list(blocks), ctx)  # takes the plan lock
+
+    def load_sync(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor] | None = None,
+                  ctx: AccessContext | None = None) -> LoadResult:
+        """``load`` run in the calling thread (see put_sync)."""
+        if outs is not None and len(outs) != len(keys):
+            raise ValueError(f"outs: {len(outs)} tensors for {len(keys)} keys")
+        return self._load([bytes(k) for k in keys], None if outs is None else list(outs), ctx)
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
@@ -234,13 +255,13 @@ class TieredStore:
 
     # ---- planning ---------------------------------------------------------------------------------------
     def _place(self, level: int, key: bytes, src: object, src_name: str, plan: _Plan,
-               ctx: AccessContext | None, index: int = -1) -> bool:
+               ctx: AccessContext | None) -> bool:
         """Plan a copy of ``key`` from ``src`` into tier ``level`` (reserving room, planning demotions of the
         blocks that room costs). False if the tier declined (admission, or everything pinned)."""
         tier = self._tiers[level]
         if isinstance(tier, FilesystemTier):
             if tier.state(key) is KeyState.MISS:
-                plan.transfers.append(_Transfer(level, key, src, None, src_name, tier.name, index))
+                plan.transfers.append(_Transfer(level, key, src, None, src_name, tier.name))
             return True
         if key in tier:
             tier.touch(key, ctx)
@@ -251,12 +272,13 @@ class TieredStore:
         slot, victims = got
         tier.pin(key)
         plan.reserved.append((level, key))
+        if victims:
+            metrics.EVICTIONS.labels(tier.name).inc(len(victims))
         for vkey, vslot in victims:
-            metrics.EVICTIONS.labels(tier.name).inc()
             below = level + 1
             if below < len(self._tiers) and self._modes[below] == "back" and not self._holds(below, vkey):
                 self._place(below, vkey, tier.slot_view(vslot), tier.name, plan, None)
-        plan.transfers.append(_Transfer(level, key, src, tier.slot_view(slot), src_name, tier.name, index))
+        plan.transfers.append(_Transfer(level, key, src, tier.slot_view(slot), src_name, tier.name))
         return True
 
     # ---- execution --------------------------------------------------------------------------------------
@@ -302,24 +324,25 @@ class TieredStore:
         return failed
 
     def _record(self, moved: Mapping[tuple[str, str], int], seconds: float) -> None:
-        total = sum(moved.values())
+        # One histogram observation per batch: observing per block costs more than a 2 MiB copy's bookkeeping.
         order = {name: i for i, name in enumerate(self.tier_names)}
         for (src, dst), n in moved.items():
             up = src != ENGINE and (dst == ENGINE or order.get(src, 0) > order.get(dst, 0))
             if src != ENGINE and dst != ENGINE:
                 (metrics.PROMOTIONS if up else metrics.DEMOTIONS).labels(src, dst).inc(n)
             metrics.BYTES_MOVED.labels(src, dst).inc(n * self.block_nbytes)
-            hist = metrics.TRANSFER_SECONDS.labels(src, dst)
-            for _ in range(n):
-                hist.observe(seconds / total)
+            metrics.TRANSFER_SECONDS.labels(src, dst).observe(seconds)  # the pass these copies shared
 
     def _release(self, plan: _Plan, failed: Mapping[bytes, str]) -> None:
         with self._lock:
             for level, key in plan.reserved:
                 tier = self._tiers[level]
                 tier.unpin(key)
-                if key in failed and not tier.is_pinned(key):  # its slot never received valid bytes
-                    tier.remove(key)
+                if key in failed:
+                    if not tier.is_pinned(key):  # its slot never received valid bytes
+                        tier.remove(key)
+                else:
+                    tier.mark_ready(key)
             for key in plan.pinned_fs:
                 fs = self._tiers[-1]
                 fs.unpin(key)
@@ -342,6 +365,10 @@ class TieredStore:
         return _Plan()
 
     def _put(self, keys: list[bytes], blocks: list[torch.Tensor], ctx: AccessContext | None) -> PutResult:
+        with self._plan_lock:
+            return self._put_locked(keys, blocks, ctx)
+
+    def _put_locked(self, keys: list[bytes], blocks: list[torch.Tensor], ctx: AccessContext | None) -> PutResult:
         plan = _Plan()
         failed: dict[bytes, str] = {}
         placed: list[bool] = []
@@ -364,18 +391,27 @@ class TieredStore:
             ok_t = tuple(p and any(self._holds(lv, k) for lv in range(len(self._tiers))) for k, p in zip(keys, placed))
         return PutResult(tuple(keys), ok_t)
 
-    def _hold_source(self, plan: _Plan, level: int, key: bytes, ctx: AccessContext | None) -> None:
-        """Pin ``key`` where it is read from, for the life of ``plan``."""
+    def _hold_source(self, plan: _Plan, level: int, key: bytes, ctx: AccessContext | None) -> bool:
+        """Pin ``key`` where it is read from, for the life of ``plan``; False if it is no longer there."""
         tier = self._tiers[level]
         if isinstance(tier, FilesystemTier):
             if tier.pin(key):
                 plan.pinned_fs.append(key)
-        else:
-            tier.touch(key, ctx)
-            tier.pin(key)
-            plan.reserved.append((level, key))
+                return True
+            return False
+        if not tier.is_ready(key):
+            return False
+        tier.touch(key, ctx)
+        tier.pin(key)
+        plan.reserved.append((level, key))
+        return True
 
     def _load(self, keys: list[bytes], outs: list[torch.Tensor] | None, ctx: AccessContext | None) -> LoadResult:
+        with self._plan_lock:
+            return self._load_locked(keys, outs, ctx)
+
+    def _load_locked(self, keys: list[bytes], outs: list[torch.Tensor] | None,
+                     ctx: AccessContext | None) -> LoadResult:
         # Pin the whole leading run where it is now, so promoting one key never pushes a later key of the same
         # request down (or out) before it is read.
         held: list[tuple[int, bytes]] = []
@@ -415,38 +451,50 @@ class TieredStore:
                         stopped = "skipped"
                         break
                 self._hold_source(plan, level, key, ctx)
-            reached = level
+            reached, lost = level, False
             for up in range(level - 1, -1, -1):
                 below = self._tiers[up + 1]
+                upper = self._tiers[up]
                 with self._lock:
+                    if isinstance(upper, MemoryTier) and key in upper:
+                        if not upper.is_ready(key):
+                            break  # another plan is filling it there: read from where it is ready
+                        self._hold_source(plan, up, key, ctx)  # appeared meanwhile: hold it for our read
+                        reached = up
+                        continue
                     src = _FROM_FS if isinstance(below, FilesystemTier) else below.view(key)
-                    done = self._place(up, key, src, below.name, plan, ctx, index=i)
+                    done = self._place(up, key, src, below.name, plan, ctx)
                 if not done and len(plan.reserved) > 1:
                     # Upper tier full of this batch's blocks: finish them (and this key's lower hops) first.
                     plan = self._flush(plan, failed)
                     if key in failed:
                         break
                     with self._lock:
-                        self._hold_source(plan, up + 1, key, ctx)
+                        if not self._hold_source(plan, up + 1, key, ctx):
+                            lost = True  # evicted by another plan between the two flushes
+                            break
                         src = _FROM_FS if isinstance(below, FilesystemTier) else below.view(key)
-                        done = self._place(up, key, src, below.name, plan, ctx, index=i)
+                        done = self._place(up, key, src, below.name, plan, ctx)
                 if not done:
                     break
                 reached = up
             if key in failed:
+                break
+            if lost:
+                stopped = "miss"
                 break
             if isinstance(self._tiers[reached], FilesystemTier):
                 # No memory tier can take it (all held by this request): read it straight into a CPU output.
                 if outs is None or outs[i].device.type != "cpu":
                     stopped = "no-room"
                     break
-                plan.transfers.append(_Transfer(-1, key, _FROM_FS, outs[i], self._tiers[reached].name, ENGINE, i))
+                plan.transfers.append(_Transfer(-1, key, _FROM_FS, outs[i], self._tiers[reached].name, ENGINE))
                 sources.append(src_tier.name)
                 continue
             if outs is not None:
                 with self._lock:
                     view = self._tiers[reached].view(key)
-                plan.transfers.append(_Transfer(-1, key, view, outs[i], self._tiers[reached].name, ENGINE, i))
+                plan.transfers.append(_Transfer(-1, key, view, outs[i], self._tiers[reached].name, ENGINE))
             sources.append(src_tier.name)
         self._flush(plan, failed)
         hits = len(sources)
