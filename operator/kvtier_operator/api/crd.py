@@ -53,20 +53,17 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             continue  # structural schemas prune unknown fields; a boolean here is not allowed
         else:
             out[key] = value
-    for bound, exclusive in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
-        # JSON Schema 2020 writes an exclusive bound as a number; OpenAPI v3 (the API server) wants the bound
-        # plus a boolean, and rejects the CRD otherwise.
-        if isinstance(out.get(exclusive), (int, float)) and not isinstance(out.get(exclusive), bool):
-            out[bound] = out[exclusive]
-            out[exclusive] = True
+    for bound, flag in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+        # JSON Schema 2020 writes exclusive bounds as numbers; OpenAPI v3.0 (the API server) as booleans.
+        if isinstance(out.get(flag), (int, float)) and not isinstance(out.get(flag), bool):
+            out[bound] = out[flag]
+            out[flag] = True
     if out.get("x-kubernetes-int-or-string"):
-        # int-or-string nodes carry no type; the pattern constrains only the string form.
-        # The only anyOf a structural schema allows with types in it is exactly [integer, string]; the value
-        # constraints stay on the node itself, where each applies only to its own type (pattern and maxLength to
-        # the string form, minimum to the integer form).
+        # The one anyOf a structural schema allows; value validations stay on the node (as controller-gen
+        # emits for resource.Quantity), where the pattern applies to the string form only.
         out.pop("type", None)
-        out["minimum"] = 1
         out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+        out["minimum"] = 1  # applies to the integer form: quantities here are positive
     if out.get("x-kubernetes-preserve-unknown-fields"):
         out.pop("additionalProperties", None)
         out["type"] = "object"
@@ -77,46 +74,11 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _complete_defaults(node: dict[str, Any]) -> None:
-    """Spell out nested defaults inside object defaults (``default: {}`` -> every sub-default).
-
-    The API server validates a default against the schema's CEL rules without defaulting inside it, so a rule
-    on ``offload`` that reads ``self.storeThreshold`` rejects a bare ``{}`` default.
-    """
-    for child in node.get("properties", {}).values():
-        _complete_defaults(child)
-    if "items" in node:
-        _complete_defaults(node["items"])
-    default = node.get("default")
-    if isinstance(default, dict) and "properties" in node:
-        for name, child in node["properties"].items():
-            if name not in default and "default" in child:
-                default[name] = copy.deepcopy(child["default"])
-
-
-def _strip_message_expressions(node: dict[str, Any]) -> None:
-    """Drop ``messageExpression`` where a static ``message`` exists.
-
-    kube-apiserver 1.37 estimates any ``string(<int>)`` in a messageExpression as over its cost budget and
-    rejects the CRD, so the server gets the static message; ``kvtier validate`` keeps the one with the numbers.
-    """
-    for rule in node.get("x-kubernetes-validations") or []:
-        if "messageExpression" in rule and "message" in rule:
-            del rule["messageExpression"]
-    for child in node.get("properties", {}).values():
-        _strip_message_expressions(child)
-    if "items" in node:
-        _strip_message_expressions(node["items"])
-
-
-def openapi_schema(for_server: bool = False) -> dict[str, Any]:
-    """The ``openAPIV3Schema`` of the CRD's single version (``for_server``: as the API server accepts it)."""
+def openapi_schema() -> dict[str, Any]:
+    """The ``openAPIV3Schema`` of the CRD's single version."""
     raw = api.KVCachePolicy.model_json_schema(by_alias=True, mode="validation")
     defs = raw.get("$defs", {})
     schema = _structural(raw, defs)
-    _complete_defaults(schema)
-    if for_server:
-        _strip_message_expressions(schema)
     props = schema["properties"]
     props["metadata"] = {"type": "object"}
     props["apiVersion"] = {"type": "string", "description": "APIVersion of this object (kvtier.io/v1alpha1)."}
@@ -162,7 +124,7 @@ def crd() -> dict[str, Any]:
                     "storage": True,
                     "subresources": {"status": {}},
                     "additionalPrinterColumns": PRINTER_COLUMNS,
-                    "schema": {"openAPIV3Schema": openapi_schema(for_server=True)},
+                    "schema": {"openAPIV3Schema": openapi_schema()},
                 }
             ],
         },

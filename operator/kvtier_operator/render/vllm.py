@@ -67,6 +67,7 @@ def _secondary_tier(spec: api.KVCachePolicySpec, tier: api.TierSpec) -> dict[str
             codec=tier.compression,
             eviction_policy=tier.eviction_policy,
             admission=tier.admission,
+            admission_threshold=max(2, spec.offload.store_threshold),
             n_read_threads=tier.read_threads,
             n_write_threads=tier.write_threads,
         ).to_kwargs()
