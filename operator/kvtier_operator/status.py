@@ -57,9 +57,28 @@ def transitions(old: Iterable[dict[str, Any]], new: Iterable[dict[str, Any]]) ->
             or (previous.get(c["type"]) or {}).get("reason") != c["reason"]]
 
 
+def merge_diff(old: Any, new: Any) -> Any:
+    """The JSON merge patch (RFC 7386) turning ``old`` into ``new``: keys that disappear are sent as null.
+
+    Sending a whole nested object is not enough: a merge patch merges it into the stored one, so a key the new
+    value lacks (a tier no longer in ``slo.disabled``) would survive.
+    """
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return new
+    out: dict[str, Any] = {k: None for k in old if k not in new}
+    for k, v in new.items():
+        if k not in old:
+            out[k] = v
+        elif old[k] != v:
+            out[k] = merge_diff(old[k], v)
+    return out
+
+
 def status_patch(old: dict[str, Any], new: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """Merge patch of the fields in ``new`` that differ from ``old``; None when nothing changed."""
-    changed = {k: v for k, v in new.items() if old.get(k) != v}
+    """Merge patch of the fields in ``new`` that differ from ``old``; None when nothing changed.
+
+    Only the keys of ``new`` are considered (each writer owns its own status fields)."""
+    changed = {k: merge_diff(old.get(k), v) for k, v in new.items() if old.get(k) != v}
     return changed or None
 
 

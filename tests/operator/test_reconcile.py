@@ -240,3 +240,11 @@ def test_a_workload_already_carrying_the_configuration_is_not_written_again():
     # A mount removed by someone else is put back.
     pod["containers"][0]["volumeMounts"] = pod["containers"][0]["volumeMounts"][1:]
     assert rc.plan(policy(), [stored], [], now=NOW).targets[0].apply is not None
+
+
+def test_status_patch_nulls_keys_that_disappear():
+    old = {"slo": {"disabled": {"nvme": {"since": "t"}}, "verdict": "breach"}, "engine": "vllm"}
+    new = {"slo": {"disabled": {}, "verdict": "ok"}, "engine": "vllm"}
+    assert status_patch(old, new) == {"slo": {"disabled": {"nvme": None}, "verdict": "ok"}}
+    assert status_patch(old, {"engine": None}) == {"engine": None}
+    assert status_patch(new, new) is None
