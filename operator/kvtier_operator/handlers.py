@@ -230,7 +230,7 @@ class Operator:
             except ApiError as err:
                 if err.status != 409:
                     raise
-                self.metrics.status_conflicts.inc()
+                self.metrics.errors.labels("StatusConflict").inc()  # re-sent at once, not a retry
                 fresh = self.kube.get(policy_path(namespace, name))
                 if fresh is None or fresh["metadata"].get("generation") != policy["metadata"].get("generation"):
                     raise

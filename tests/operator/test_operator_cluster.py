@@ -281,7 +281,7 @@ def test_409_mid_reconcile_is_retried(kube, namespace, run_operator):
     pol, _ = wait_applied(kube, namespace, "llm", "llm")
     assert injected.is_set()
     # A label does not change the plan: the status write is re-sent against the fresh object at once.
-    assert runner.op.metrics.value("kvtier_operator_status_conflicts_total") >= 1
+    assert runner.op.metrics.value("kvtier_operator_reconcile_errors_total", {"reason": "StatusConflict"}) >= 1
     assert pol["metadata"]["labels"]["touched"] == "yes"
     assert cond(pol, "Ready")["status"] == "True"
 
