@@ -5,6 +5,7 @@ import asyncio
 import concurrent.futures
 import importlib.util
 import logging
+import sys
 import threading
 from typing import Optional, Sequence
 
@@ -56,7 +57,7 @@ async def run(op: Operator, registry: kopf.OperatorRegistry, *, stop_flag: Optio
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    settings = from_args(list(argv or []))
+    settings = from_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.DEBUG if settings.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     op, registry = build(settings)
