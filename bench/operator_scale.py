@@ -115,6 +115,9 @@ def run_size(kubeconfig: str, n: int, timeout: float) -> dict:
         time.sleep(0.05)
     end = max(seen.values()) if seen else time.monotonic()
     reconciles = runner.op.metrics.value("kvtier_operator_reconciles_total", {"result": "ok"})
+    writes = {k: runner.op.metrics.value("kvtier_operator_api_writes_total", {"kind": k})
+              for k in ("workload", "configmap", "status")}
+    retries = runner.op.metrics.value("kvtier_operator_reconciles_total", {"result": "retry"})
     done.set()
     runner.stop()
     runner.op.kube.close()
@@ -130,6 +133,7 @@ def run_size(kubeconfig: str, n: int, timeout: float) -> dict:
     return {"n": n, "done": len(seen), "create_s": create_s, "p50": pct(latencies, 0.5) if latencies else None,
             "p99": pct(latencies, 0.99) if latencies else None, "max": max(latencies) if latencies else None,
             "reconciles": reconciles, "reconciles_per_s": reconciles / max(end - start, 1e-9),
+            "retries": retries, "writes": writes,
             "reference": reference}
 
 
@@ -167,6 +171,10 @@ def main() -> int:
         ratio = f"{r['p50'] / r['reference']:8.1f}" if r["p50"] is not None else "     n/a"
         print(f"{r['n']:>5} {r['done']:>5} {r['create_s']:9.2f} {fmt(r['p50'])} {fmt(r['p99'])} {fmt(r['max'])} "
               f"{r['reconciles_per_s']:7.1f} {r['reference']:11.4f} {ratio}")
+    print()
+    for r in rows:
+        print(f"N={r['n']}: {r['reconciles']:.0f} reconciles ({r['reconciles'] / r['n']:.1f} per policy), "
+              f"{r['retries']:.0f} retried; writes: " + ", ".join(f"{k} {v:.0f}" for k, v in r["writes"].items()))
     return 0 if all(r["done"] == r["n"] for r in rows) else 1
 
 
