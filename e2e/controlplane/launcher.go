@@ -30,6 +30,8 @@ const (
 	serviceAccountIssuer  = "https://kubernetes.default.svc.cluster.local"
 	adminUser             = "kvtier-admin"
 	readyTimeout          = 180 * time.Second
+	// apiserverDrain bounds the API server's graceful shutdown; `run stop` allows 30s for the whole stop.
+	apiserverDrain = 10 * time.Second
 )
 
 // controllers are the kube-controller-manager loops that a cluster without nodes still needs for the objects
@@ -111,7 +113,12 @@ func up(dir string, ownerPID int, withKCM bool) error {
 	if err != nil {
 		return fmt.Errorf("etcd: %w", err)
 	}
-	defer etcd.Close()
+	stopped := false
+	defer func() {
+		if !stopped {
+			closeEtcd(etcd, 5*time.Second)
+		}
+	}()
 
 	admin, err := writePKI(l)
 	if err != nil {
@@ -136,7 +143,7 @@ func up(dir string, ownerPID int, withKCM bool) error {
 	if err := waitReady(ctx, server, admin, apiserverDone); err != nil {
 		return err
 	}
-	var kcm *exec.Cmd
+	var kcm *child
 	if withKCM {
 		if kcm, err = startControllerManager(l); err != nil {
 			_ = syscall.Kill(os.Getpid(), syscall.SIGTERM)
@@ -149,11 +156,39 @@ func up(dir string, ownerPID int, withKCM bool) error {
 	}
 	fmt.Printf("kvtier-controlplane: ready at %s; kubeconfig %s\n", server, l.kubeconfig())
 
-	err = <-apiserverDone
+	select {
+	case err = <-apiserverDone: // it failed by itself
+	case <-ctx.Done():
+		_ = os.Remove(l.ready())
+		// The controller manager goes first: the API server's graceful shutdown waits for open connections,
+		// and the controller manager's watches would hold it for the full request timeout (60s).
+		kcm.stop(5 * time.Second)
+		select {
+		case err = <-apiserverDone:
+		case <-time.After(apiserverDrain):
+			fmt.Fprintf(os.Stderr, "kvtier-controlplane: API server still draining after %s (a client kept a watch open); exiting anyway\n", apiserverDrain)
+		}
+	}
 	_ = os.Remove(l.ready())
-	stopChild(kcm, 15*time.Second)
+	kcm.stop(5 * time.Second)
+	stopped = true
+	closeEtcd(etcd, 5*time.Second)
 	fmt.Println("kvtier-controlplane: stopped")
 	return err
+}
+
+// closeEtcd stops etcd, giving up after timeout: its graceful stop waits for clients that may never leave.
+func closeEtcd(e *embed.Etcd, timeout time.Duration) {
+	done := make(chan struct{})
+	go func() {
+		e.Close()
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(timeout):
+		fmt.Fprintf(os.Stderr, "kvtier-controlplane: etcd did not close within %s; exiting anyway\n", timeout)
+	}
 }
 
 // freePorts asks the kernel for three distinct free loopback ports. They are released before use, so another
@@ -249,6 +284,9 @@ func apiserverArgs(l layout, p ports) []string {
 		"--service-account-signing-key-file=" + l.pki("sa.key"),
 		"--authorization-mode=RBAC",
 		"--service-cluster-ip-range=" + serviceClusterIPRange,
+		// The endpoint reconciler refuses a loopback advertise address, and nothing in-cluster dials the
+		// "kubernetes" Service here (there are no nodes), so it has nothing to maintain.
+		"--endpoint-reconciler-type=none",
 		"--profiling=false",
 	}
 }
@@ -265,10 +303,16 @@ func controllerManagerArgs(l layout) []string {
 	}
 }
 
+// child is a process this launcher started; done closes once it has been reaped.
+type child struct {
+	cmd  *exec.Cmd
+	done chan struct{}
+}
+
 // startControllerManager runs kube-controller-manager as a child process of this binary: it registers the
 // same process-global metrics as the API server, so it cannot share the process. Pdeathsig and the owner
 // watch both end it when this process ends, however this process ends.
-func startControllerManager(l layout) (*exec.Cmd, error) {
+func startControllerManager(l layout) (*child, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
@@ -289,26 +333,32 @@ func startControllerManager(l layout) (*exec.Cmd, error) {
 		logFile.Close()
 		return nil, err
 	}
+	c := &child{cmd: cmd, done: make(chan struct{})}
 	go func() {
 		_ = cmd.Wait()
 		logFile.Close()
+		close(c.done)
 	}()
-	return cmd, nil
+	return c, nil
 }
 
-func stopChild(cmd *exec.Cmd, grace time.Duration) {
-	if cmd == nil || cmd.Process == nil {
+// stop asks the child to exit and kills it if it has not after grace. A nil child is a no-op.
+func (c *child) stop(grace time.Duration) {
+	if c == nil {
 		return
 	}
-	_ = cmd.Process.Signal(syscall.SIGTERM)
-	deadline := time.Now().Add(grace)
-	for time.Now().Before(deadline) {
-		if cmd.ProcessState != nil || syscall.Kill(cmd.Process.Pid, 0) != nil {
-			return
-		}
-		time.Sleep(100 * time.Millisecond)
+	select {
+	case <-c.done:
+		return
+	default:
 	}
-	_ = cmd.Process.Kill()
+	_ = c.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-c.done:
+	case <-time.After(grace):
+		_ = c.cmd.Process.Kill()
+		<-c.done
+	}
 }
 
 // waitReady polls /readyz as the admin until it answers 200, the API server exits, or the run is cancelled.

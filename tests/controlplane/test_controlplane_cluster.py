@@ -31,16 +31,16 @@ def eventually(probe: Callable[[], T | None], timeout_s: float, what: str) -> T:
         time.sleep(0.2)
 
 
-def test_kubectl_talks_to_a_v1_37_api_server(controlplane: ControlPlane) -> None:
-    version = json.loads(controlplane.kubectl("version", "-o", "json").stdout)
+def test_kubectl_talks_to_a_v1_37_api_server(bare_controlplane: ControlPlane) -> None:
+    version = json.loads(bare_controlplane.kubectl("version", "-o", "json").stdout)
     assert version["serverVersion"]["gitVersion"].startswith("v1.37."), version
     assert version["clientVersion"]["gitVersion"].startswith("v1.37."), version
-    names = controlplane.kubectl("get", "namespaces", "-o", "name").stdout.split()
+    names = bare_controlplane.kubectl("get", "namespaces", "-o", "name").stdout.split()
     assert "namespace/kube-system" in names
 
 
-def test_deployment_produces_an_owned_replicaset(controlplane: ControlPlane, namespace: str) -> None:
-    controlplane.apply(
+def test_deployment_produces_an_owned_replicaset(bare_controlplane: ControlPlane, namespace: str) -> None:
+    bare_controlplane.apply(
         {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
@@ -55,7 +55,7 @@ def test_deployment_produces_an_owned_replicaset(controlplane: ControlPlane, nam
             },
         }
     )
-    with controlplane.api_client() as api:
+    with bare_controlplane.api_client() as api:
         apps, core = client.AppsV1Api(api), client.CoreV1Api(api)
         replicasets = eventually(
             lambda: apps.list_namespaced_replica_set(namespace).items or None, 60, "ReplicaSet for Deployment web"
@@ -71,8 +71,8 @@ def test_deployment_produces_an_owned_replicaset(controlplane: ControlPlane, nam
         assert {p.status.phase for p in pods} == {"Pending"}
 
 
-def test_namespaces_get_their_default_service_account(controlplane: ControlPlane, namespace: str) -> None:
-    with controlplane.api_client() as api:
+def test_namespaces_get_their_default_service_account(bare_controlplane: ControlPlane, namespace: str) -> None:
+    with bare_controlplane.api_client() as api:
         core = client.CoreV1Api(api)
 
         def default_sa() -> client.V1ServiceAccount | None:

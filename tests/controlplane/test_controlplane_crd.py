@@ -74,13 +74,13 @@ WIDGET_CRD: dict[str, Any] = {
 
 
 @pytest.fixture(scope="module")
-def widget_crd(controlplane: ControlPlane) -> None:
-    apply_manifests(controlplane, [WIDGET_CRD])
+def widget_crd(bare_controlplane: ControlPlane) -> None:
+    apply_manifests(bare_controlplane, [WIDGET_CRD])
 
 
 @pytest.fixture
-def widgets(controlplane: ControlPlane, widget_crd: None) -> Iterator[client.CustomObjectsApi]:
-    with controlplane.api_client() as api:
+def widgets(bare_controlplane: ControlPlane, widget_crd: None) -> Iterator[client.CustomObjectsApi]:
+    with bare_controlplane.api_client() as api:
         yield client.CustomObjectsApi(api)
 
 

@@ -19,9 +19,9 @@ SA = "operator"
 
 
 @pytest.fixture
-def operator_sa(controlplane: ControlPlane, namespace: str) -> Iterator[str]:
+def operator_sa(bare_controlplane: ControlPlane, namespace: str) -> Iterator[str]:
     """A ServiceAccount bound to a namespaced Role with what an operator patching Deployments needs."""
-    with controlplane.api_client() as api:
+    with bare_controlplane.api_client() as api:
         core, rbac = client.CoreV1Api(api), client.RbacAuthorizationV1Api(api)
         core.create_namespaced_service_account(namespace, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name=SA)))
         rbac.create_namespaced_role(
@@ -51,9 +51,9 @@ def operator_sa(controlplane: ControlPlane, namespace: str) -> Iterator[str]:
 
 
 def test_impersonated_service_account_gets_what_its_role_grants(
-    controlplane: ControlPlane, namespace: str, operator_sa: str
+    bare_controlplane: ControlPlane, namespace: str, operator_sa: str
 ) -> None:
-    with controlplane.api_client(impersonate=operator_sa) as api:
+    with bare_controlplane.api_client(impersonate=operator_sa) as api:
         apps, core = client.AppsV1Api(api), client.CoreV1Api(api)
         assert apps.list_namespaced_deployment(namespace).items == []
         for forbidden in (
@@ -68,24 +68,24 @@ def test_impersonated_service_account_gets_what_its_role_grants(
             assert operator_sa in caught.value.body
 
 
-def test_kubectl_as_reports_the_same_permissions(controlplane: ControlPlane, namespace: str, operator_sa: str) -> None:
+def test_kubectl_as_reports_the_same_permissions(bare_controlplane: ControlPlane, namespace: str, operator_sa: str) -> None:
     def can_i(*what: str) -> bool:
-        proc = controlplane.kubectl("auth", "can-i", *what, "-n", namespace, f"--as={operator_sa}", check=False)
+        proc = bare_controlplane.kubectl("auth", "can-i", *what, "-n", namespace, f"--as={operator_sa}", check=False)
         assert proc.stdout.strip() in ("yes", "no"), proc.stderr
         return proc.stdout.strip() == "yes"
 
     assert can_i("patch", "deployments.apps")
     assert not can_i("get", "secrets")
     assert not can_i("delete", "deployments.apps")
-    denied = controlplane.kubectl("get", "secrets", "-n", namespace, f"--as={operator_sa}", check=False)
+    denied = bare_controlplane.kubectl("get", "secrets", "-n", namespace, f"--as={operator_sa}", check=False)
     assert denied.returncode != 0
     assert "Forbidden" in denied.stderr
 
 
 def test_service_account_token_authenticates_and_is_authorized(
-    controlplane: ControlPlane, namespace: str, operator_sa: str
+    bare_controlplane: ControlPlane, namespace: str, operator_sa: str
 ) -> None:
-    with controlplane.api_client() as admin:
+    with bare_controlplane.api_client() as admin:
         token = (
             client.CoreV1Api(admin)
             .create_namespaced_service_account_token(
@@ -106,8 +106,8 @@ def test_service_account_token_authenticates_and_is_authorized(
         assert caught.value.status == 403
 
 
-def test_unknown_credentials_are_refused(controlplane: ControlPlane) -> None:
-    with controlplane.api_client() as admin:
+def test_unknown_credentials_are_refused(bare_controlplane: ControlPlane) -> None:
+    with bare_controlplane.api_client() as admin:
         host, ca = admin.configuration.host, admin.configuration.ssl_ca_cert
     forged = client.Configuration(
         host=host, api_key={"authorization": "not-a-token"}, api_key_prefix={"authorization": "Bearer"}

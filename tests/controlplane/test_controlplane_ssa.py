@@ -73,10 +73,10 @@ def managers(deployment: dict[str, Any]) -> set[str]:
     return {entry["manager"] for entry in deployment["metadata"]["managedFields"] if entry["operation"] == "Apply"}
 
 
-def test_conflict_on_an_atomic_list_is_409(controlplane: ControlPlane, namespace: str) -> None:
-    controlplane.apply(gitops_deployment(namespace, ["--port", "8000"]), field_manager=GITOPS)
+def test_conflict_on_an_atomic_list_is_409(bare_controlplane: ControlPlane, namespace: str) -> None:
+    bare_controlplane.apply(gitops_deployment(namespace, ["--port", "8000"]), field_manager=GITOPS)
     with pytest.raises(DynamicApiError) as caught:
-        controlplane.apply(kvtier_patch(namespace, args=["--port", "8000", "--kv-offload"]), field_manager=KVTIER)
+        bare_controlplane.apply(kvtier_patch(namespace, args=["--port", "8000", "--kv-offload"]), field_manager=KVTIER)
     assert caught.value.status == 409
     status = json.loads(caught.value.body)
     assert status["reason"] == "Conflict"
@@ -84,21 +84,21 @@ def test_conflict_on_an_atomic_list_is_409(controlplane: ControlPlane, namespace
     assert fields == ['.spec.template.spec.containers[name="engine"].args'], fields
     assert GITOPS in status["message"]
     # Nothing changed, and forcing is what it would take.
-    stored = controlplane.apply(
+    stored = bare_controlplane.apply(
         kvtier_patch(namespace, args=["--port", "8000", "--kv-offload"]), field_manager=KVTIER, force=True
     )
     assert container(stored)["args"] == ["--port", "8000", "--kv-offload"]
 
 
-def test_applying_the_same_atomic_value_shares_ownership(controlplane: ControlPlane, namespace: str) -> None:
-    controlplane.apply(gitops_deployment(namespace, ["--port", "8000"]), field_manager=GITOPS)
-    stored = controlplane.apply(kvtier_patch(namespace, args=["--port", "8000"]), field_manager=KVTIER)
+def test_applying_the_same_atomic_value_shares_ownership(bare_controlplane: ControlPlane, namespace: str) -> None:
+    bare_controlplane.apply(gitops_deployment(namespace, ["--port", "8000"]), field_manager=GITOPS)
+    stored = bare_controlplane.apply(kvtier_patch(namespace, args=["--port", "8000"]), field_manager=KVTIER)
     assert managers(stored) == {GITOPS, KVTIER}
 
 
-def test_map_keyed_list_items_are_co_owned(controlplane: ControlPlane, namespace: str) -> None:
-    controlplane.apply(gitops_deployment(namespace, ["--port", "8000"]), field_manager=GITOPS)
-    merged = controlplane.apply(kvtier_items(namespace), field_manager=KVTIER)
+def test_map_keyed_list_items_are_co_owned(bare_controlplane: ControlPlane, namespace: str) -> None:
+    bare_controlplane.apply(gitops_deployment(namespace, ["--port", "8000"]), field_manager=GITOPS)
+    merged = bare_controlplane.apply(kvtier_items(namespace), field_manager=KVTIER)
     spec = merged["spec"]["template"]["spec"]
     assert [v["name"] for v in spec["volumes"]] == ["models", "kv-spill"]
     assert [e["name"] for e in container(merged)["env"]] == ["FROM_GIT", "KVTIER_POLICY"]
@@ -108,12 +108,12 @@ def test_map_keyed_list_items_are_co_owned(controlplane: ControlPlane, namespace
 
     # The GitOps tool syncs again from Git (which never mentions kvtier's items) with a new args value: no
     # conflict, and kvtier's items survive because the GitOps manager never owned them.
-    resynced = controlplane.apply(gitops_deployment(namespace, ["--port", "9000"]), field_manager=GITOPS)
+    resynced = bare_controlplane.apply(gitops_deployment(namespace, ["--port", "9000"]), field_manager=GITOPS)
     assert container(resynced)["args"] == ["--port", "9000"]
     assert [v["name"] for v in resynced["spec"]["template"]["spec"]["volumes"]] == ["models", "kv-spill"]
     assert [e["name"] for e in container(resynced)["env"]] == ["FROM_GIT", "KVTIER_POLICY"]
 
     # When kvtier withdraws its items (applies without them), only its own items go.
-    withdrawn = controlplane.apply(kvtier_patch(namespace), field_manager=KVTIER)
+    withdrawn = bare_controlplane.apply(kvtier_patch(namespace), field_manager=KVTIER)
     assert [v["name"] for v in withdrawn["spec"]["template"]["spec"]["volumes"]] == ["models"]
     assert [e["name"] for e in container(withdrawn)["env"]] == ["FROM_GIT"]

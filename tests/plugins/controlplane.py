@@ -1,9 +1,9 @@
 """A real Kubernetes control plane for tests: kube-apiserver (etcd embedded), kube-controller-manager, kubectl.
 
 The binaries are built from the k8s.io/kubernetes Go modules by `e2e/controlplane/run` and cached outside the
-tree; one server starts per test session (the `controlplane` fixture), with every manifest in `crds/` applied
-and Established before the first test, and stops at the end of the session even after failures. If pytest dies
-without tearing down, the server notices that its owner (this pytest process) is gone and stops itself.
+tree. One server starts per test session (`bare_controlplane`); `controlplane` is that server with every
+manifest in `crds/` applied and Established. It stops at the end of the session even after failures; if
+pytest dies without tearing down, the server notices that its owner (this pytest process) is gone and stops.
 
 `KVTIER_CONTROLPLANE_KUBECONFIG=<path>` reuses an already running server instead (fast local iteration: start
 one with `e2e/controlplane/run start DIR` and point at DIR/kubeconfig); it is then neither started nor stopped.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -28,6 +27,7 @@ import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
+from kubernetes.dynamic.exceptions import DynamicApiError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RUN = REPO_ROOT / "e2e" / "controlplane" / "run"
@@ -172,11 +172,15 @@ def wait_established(cp: ControlPlane, names: Sequence[str], timeout_s: float = 
                 time.sleep(0.2)
 
 
-def apply_manifests(cp: ControlPlane, documents: Sequence[dict[str, Any]]) -> None:
+def apply_manifests(cp: ControlPlane, documents: Sequence[dict[str, Any]], source: str = "a test") -> None:
     """Apply `documents` (forcing: the test run owns these objects) and wait for their CRDs to be Established."""
     crds = []
     for document in documents:
-        cp.apply(document, force=True)
+        try:
+            cp.apply(document, force=True)
+        except (ApiException, DynamicApiError) as exc:
+            what = f"{document['kind']} {document.get('metadata', {}).get('name')}"
+            raise ControlPlaneError(f"the API server refused {what} (from {source}): HTTP {exc.status}: {exc.body}") from exc
         if document["kind"] == "CustomResourceDefinition":
             crds.append(document["metadata"]["name"])
     wait_established(cp, crds)
@@ -186,30 +190,30 @@ def apply_manifests(cp: ControlPlane, documents: Sequence[dict[str, Any]]) -> No
 
 
 @pytest.fixture(scope="session")
-def controlplane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+def bare_controlplane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """The session's API server before crds/ is applied. Tests of the server itself use it, so that a CRD the
+    server refuses fails the tests that need that CRD, not every test."""
     reuse = os.environ.get(KUBECONFIG_ENV)
     if reuse:
         kubeconfig = Path(reuse)
         if not kubeconfig.is_file():
             raise ControlPlaneError(f"{KUBECONFIG_ENV}={reuse}: no such file")
-        cp = ControlPlane(kubeconfig=kubeconfig, bin_dir=_kubectl_dir_on_path())
-        apply_manifests(cp, manifest_documents(CRDS_DIR))
-        yield cp
+        yield ControlPlane(kubeconfig=kubeconfig)  # kubectl: ours, built on first use (not whatever is on PATH)
         return
     bin_dir = build()
     state_dir = tmp_path_factory.mktemp("controlplane")
     kubeconfig = start(state_dir, owner_pid=os.getpid())
     try:
-        cp = ControlPlane(kubeconfig=kubeconfig, bin_dir=bin_dir, state_dir=state_dir)
-        apply_manifests(cp, manifest_documents(CRDS_DIR))
-        yield cp
+        yield ControlPlane(kubeconfig=kubeconfig, bin_dir=bin_dir, state_dir=state_dir)
     finally:
         stop(state_dir)
 
 
-def _kubectl_dir_on_path() -> Path | None:
-    found = shutil.which("kubectl")
-    return Path(found).parent if found else None
+@pytest.fixture(scope="session")
+def controlplane(bare_controlplane: ControlPlane) -> ControlPlane:
+    """The session's API server with every manifest in crds/ applied and every CRD Established."""
+    apply_manifests(bare_controlplane, manifest_documents(CRDS_DIR), source="crds/")
+    return bare_controlplane
 
 
 def namespace_name_hint(node_name: str) -> str:
@@ -218,9 +222,9 @@ def namespace_name_hint(node_name: str) -> str:
 
 
 @pytest.fixture
-def namespace(controlplane: ControlPlane, request: pytest.FixtureRequest) -> Iterator[str]:
+def namespace(bare_controlplane: ControlPlane, request: pytest.FixtureRequest) -> Iterator[str]:
     """A fresh namespace for one test, deleted afterwards (the namespace controller empties it)."""
-    with controlplane.api_client() as api:
+    with bare_controlplane.api_client() as api:
         core = client.CoreV1Api(api)
         created = core.create_namespace(
             client.V1Namespace(

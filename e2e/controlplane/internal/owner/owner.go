@@ -16,7 +16,7 @@ import (
 const Env = "KVTIER_CONTROLPLANE_OWNER"
 
 // Grace is how long a graceful shutdown may take after the owner died before the process exits anyway.
-const Grace = 20 * time.Second
+const Grace = 30 * time.Second
 
 // Owner identifies one process incarnation: a PID plus its kernel start time.
 type Owner struct {
