@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""How fast the operator configures many workloads: N policies, each with its own target Deployment.
+
+For each N: create N Deployments (server-side apply as a GitOps tool would), start the operator, create the N
+policies back to back, and watch the Deployments until each carries its ``kvtier.io/config-hash``. Prints, per N:
+latency from a policy's creation to its workload carrying the hash (p50/p99/max), reconciles per second, and the
+reference measured in the same run: the latency of one direct server-side apply of the same patch (the floor any
+operator pays), with the ratio p50 / reference.
+
+    python bench/operator_scale.py --sizes 10,100,500             # starts a control plane (e2e/controlplane/run)
+    python bench/operator_scale.py --kubeconfig KUBECONFIG ...      # or uses a running one (CRDs applied)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "runtime")]
+
+from kubernetes import client, config, watch  # noqa: E402
+
+from kvtier_operator.kube import Kube, policy_path, workload_path  # noqa: E402
+from kvtier_operator.main import OperatorThread  # noqa: E402
+from kvtier_operator.settings import CONFIG_HASH_ANNOTATION, Settings  # noqa: E402
+
+
+def deployment(name: str, ns: str) -> dict:
+    labels = {"app": name}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": ns,
+                                                                       "labels": labels},
+            "spec": {"replicas": 1, "selector": {"matchLabels": labels},
+                     "template": {"metadata": {"labels": labels}, "spec": {"containers": [{
+                         "name": "vllm", "image": "vllm/vllm-openai:v0.33.0",
+                         "args": ["--model", "m", "--config", "/etc/kvtier/engine.yaml"],
+                         "resources": {"requests": {"memory": "8Gi"}, "limits": {"memory": "64Gi"}}}]}}}}
+
+
+def policy(name: str, ns: str) -> dict:
+    return {"apiVersion": "kvtier.io/v1alpha1", "kind": "KVCachePolicy", "metadata": {"name": name, "namespace": ns},
+            "spec": {"selector": {"matchLabels": {"app": name}},
+                     "tiers": [{"name": "cpu", "medium": "cpu", "size": "16Gi"}]}}
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
+
+
+def reference_apply_latency(kube: Kube, ns: str, samples: int = 30) -> float:
+    """p50 of a direct server-side apply of a volume+annotation patch to a Deployment (the floor)."""
+    name = "reference"
+    kube.apply(workload_path("Deployment", ns, name), deployment(name, ns), manager="bench-user")
+    times = []
+    for i in range(samples):
+        patch = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": ns},
+                 "spec": {"template": {"metadata": {"annotations": {CONFIG_HASH_ANNOTATION: f"h{i}"}},
+                                       "spec": {"containers": [{"name": "vllm", "volumeMounts": [
+                                           {"name": "x", "mountPath": "/x"}]}],
+                                                "volumes": [{"name": "x", "emptyDir": {}}]}}}}
+        t0 = time.perf_counter()
+        kube.apply(workload_path("Deployment", ns, name), patch, manager="bench-reference")
+        times.append(time.perf_counter() - t0)
+    kube.delete(workload_path("Deployment", ns, name))
+    return statistics.median(times)
+
+
+def run_size(kubeconfig: str, n: int, timeout: float) -> dict:
+    kube = Kube(kubeconfig)
+    ns = f"bench-{n}-{uuid.uuid4().hex[:6]}"
+    kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+    reference = reference_apply_latency(kube, ns)
+    for i in range(n):
+        kube.apply(workload_path("Deployment", ns, f"w{i}"), deployment(f"w{i}", ns), manager="bench-user")
+
+    seen: dict[str, float] = {}
+    done = threading.Event()
+    api = config.new_client_from_config(config_file=kubeconfig)
+    apps = client.AppsV1Api(api)
+
+    def watcher() -> None:
+        w = watch.Watch()
+        for event in w.stream(apps.list_namespaced_deployment, ns, timeout_seconds=int(timeout) + 30):
+            obj = event["object"]
+            ann = (obj.spec.template.metadata.annotations or {}) if obj.spec.template.metadata else {}
+            if CONFIG_HASH_ANNOTATION in ann and obj.metadata.name not in seen:
+                seen[obj.metadata.name] = time.monotonic()
+                if len(seen) >= n:
+                    w.stop()
+            if done.is_set():
+                w.stop()
+
+    thread = threading.Thread(target=watcher, daemon=True)
+    thread.start()
+    runner = OperatorThread(Settings(namespaces=(ns,), standalone=True, liveness_endpoint=None, metrics_port=None,
+                                     read_nodes=False, kubeconfig=kubeconfig), Kube(kubeconfig)).start()
+    time.sleep(0.5)
+    created: dict[str, float] = {}
+    start = time.monotonic()
+    for i in range(n):
+        created[f"w{i}"] = time.monotonic()
+        kube.create(policy_path(ns), policy(f"w{i}", ns))
+    create_s = time.monotonic() - start
+    deadline = time.monotonic() + timeout
+    while len(seen) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    end = max(seen.values()) if seen else time.monotonic()
+    reconciles = runner.op.metrics.value("kvtier_operator_reconciles_total", {"result": "ok"})
+    done.set()
+    runner.stop()
+    runner.op.kube.close()
+    latencies = [seen[k] - created[k] for k in seen]
+    kube.delete(f"/api/v1/namespaces/{ns}")
+    kube.close()
+    return {"n": n, "done": len(seen), "create_s": create_s, "p50": pct(latencies, 0.5) if latencies else None,
+            "p99": pct(latencies, 0.99) if latencies else None, "max": max(latencies) if latencies else None,
+            "reconciles": reconciles, "reconciles_per_s": reconciles / max(end - start, 1e-9),
+            "reference": reference}
+
+
+def start_controlplane() -> tuple[str, Path]:
+    state = Path(tempfile.mkdtemp(prefix="kvtier-bench-cp-"))
+    run = ROOT / "e2e" / "controlplane" / "run"
+    out = subprocess.run([str(run), "start", str(state)], capture_output=True, text=True, check=True)
+    kubeconfig = out.stdout.strip().splitlines()[-1]
+    subprocess.run([str(run), "kubectl", str(state), "apply", "--server-side", "-f", str(ROOT / "crds")],
+                   check=True, capture_output=True)
+    subprocess.run([str(run), "kubectl", str(state), "wait", "--for=condition=Established", "--timeout=60s",
+                    "crd/kvcachepolicies.kvtier.io"], check=True, capture_output=True)
+    return kubeconfig, state
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="10,100,500")
+    parser.add_argument("--kubeconfig", default=os.environ.get("KVTIER_CONTROLPLANE_KUBECONFIG"))
+    parser.add_argument("--timeout", type=float, default=300.0, help="per size, seconds")
+    args = parser.parse_args()
+    state = None
+    kubeconfig = args.kubeconfig
+    if not kubeconfig:
+        kubeconfig, state = start_controlplane()
+    try:
+        rows = [run_size(kubeconfig, int(n), args.timeout) for n in args.sizes.split(",")]
+    finally:
+        if state is not None:
+            subprocess.run([str(ROOT / "e2e" / "controlplane" / "run"), "stop", str(state)], capture_output=True)
+    print(f"{'N':>5} {'done':>5} {'create s':>9} {'p50 s':>7} {'p99 s':>7} {'max s':>7} {'rec/s':>7} "
+          f"{'ref apply s':>11} {'p50/ref':>8}")
+    for r in rows:
+        fmt = (lambda v: f"{v:7.3f}" if v is not None else "    n/a")
+        ratio = f"{r['p50'] / r['reference']:8.1f}" if r["p50"] is not None else "     n/a"
+        print(f"{r['n']:>5} {r['done']:>5} {r['create_s']:9.2f} {fmt(r['p50'])} {fmt(r['p99'])} {fmt(r['max'])} "
+              f"{r['reconciles_per_s']:7.1f} {r['reference']:11.4f} {ratio}")
+    return 0 if all(r["done"] == r["n"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

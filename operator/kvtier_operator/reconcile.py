@@ -1,0 +1,349 @@
+"""The reconcile, as a pure function: a policy and what was observed in, everything to write out.
+
+No I/O here: ``handlers`` reads the cluster, calls ``plan`` and performs what it returns, so every decision
+(conflicts, refusals, missing arguments, removals, conditions, events) is unit-tested without a cluster.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+from .api import v1alpha1 as api
+from .api.validation import PolicyInvalid, parse_policy
+from .render import CONFIG_DIR, CONFIG_FILE, RenderedConfig, RenderError, detect_engine, render
+from .selectors import matches
+from .settings import FIELD_MANAGER, POLICY_LABEL
+from .status import Cond, merge_conditions, transitions
+from .tiers import enabled, tier_states
+from .workload import (
+    Workload,
+    apply_patch,
+    args_update,
+    facts_of,
+    has_config_args,
+    plan_memory,
+    with_config_args,
+    without_config_args,
+)
+
+TierStatesFn = Callable[[api.KVCachePolicySpec, dict[str, Any], str], list[dict[str, Any]]]
+
+
+def _default_tier_states(spec: api.KVCachePolicySpec, policy_obj: dict[str, Any], now: str) -> list[dict[str, Any]]:
+    return tier_states(spec, (policy_obj.get("status") or {}).get("tiers") or [], now)
+
+
+# Target states (status.targets[].state).
+APPLIED = "Applied"
+MISSING_ARG = "MissingConfigArgument"
+CONFLICT = "Conflict"
+REFUSED = "Refused"
+ERROR = "Error"
+RELEASED = "Released"
+
+
+@dataclass
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass
+class TargetPlan:
+    kind: str
+    name: str
+    state: str
+    message: str = ""
+    config_hash: Optional[str] = None
+    apply: Optional[dict[str, Any]] = None  # server-side apply body (None: leave the workload alone)
+    args_update: Optional[dict[str, Any]] = None  # managed args: strategic-merge patch with resourceVersion
+    remove: bool = False  # release everything FIELD_MANAGER owns on it
+
+    @property
+    def ref(self) -> str:
+        return f"{self.kind}/{self.name}"
+
+    def status(self) -> dict[str, Any]:
+        out = {"kind": self.kind, "name": self.name, "state": self.state, "message": self.message}
+        if self.config_hash:
+            out["configHash"] = self.config_hash
+        return out
+
+
+@dataclass
+class Plan:
+    config_map: Optional[dict[str, Any]]
+    targets: list[TargetPlan]
+    status: dict[str, Any]
+    events: list[Event] = field(default_factory=list)
+    invalid: bool = False
+    context: Optional[tuple[Any, ...]] = None  # what the status was computed from, for with_failures()
+
+
+def config_map_name(policy_name: str) -> str:
+    return f"kvtier-{policy_name}"
+
+
+def _owner_reference(policy_obj: dict[str, Any]) -> dict[str, Any]:
+    meta = policy_obj["metadata"]
+    return {"apiVersion": api.API_VERSION, "kind": api.KIND, "name": meta["name"], "uid": meta["uid"],
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def config_map_body(policy_obj: dict[str, Any], files: dict[str, str]) -> dict[str, Any]:
+    meta = policy_obj["metadata"]
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": config_map_name(meta["name"]),
+            "namespace": meta["namespace"],
+            "labels": {"app.kubernetes.io/managed-by": FIELD_MANAGER, POLICY_LABEL: meta["name"]},
+            "ownerReferences": [_owner_reference(policy_obj)],
+        },
+        "data": dict(files),
+    }
+
+
+def _unique(workloads: Iterable[dict[str, Any]]) -> list[Workload]:
+    seen: dict[tuple[str, str], Workload] = {}
+    for obj in workloads:
+        w = Workload(obj)
+        seen.setdefault((w.kind, w.name), w)
+    return sorted(seen.values(), key=lambda w: (w.kind, w.name))
+
+
+def _selector_of(policy_obj: dict[str, Any]) -> Optional[dict[str, Any]]:
+    return (policy_obj.get("spec") or {}).get("selector")
+
+
+def _config_args_for(spec: api.KVCachePolicySpec, container: dict[str, Any]) -> list[str]:
+    """The argument that points the engine at our file, for the declared or detected engine."""
+    engine = spec.engine
+    if engine is None:
+        try:
+            engine = detect_engine(facts_of(container))
+        except RenderError:
+            engine = "vllm"
+    return ["--extra_llm_api_options" if engine == "trtllm" else "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"]
+
+
+def _release(w: Workload, spec: Optional[api.KVCachePolicySpec], reason: str) -> TargetPlan:
+    t = TargetPlan(w.kind, w.name, RELEASED, reason, remove=True)
+    if spec is not None and spec.injection.args == "managed":
+        # Managed args were ours: take back exactly the argument we added.
+        c = w.container(spec.container)
+        config_args = _config_args_for(spec, c) if c is not None else None
+        if c is not None and config_args and config_args[0] in (c.get("args") or []):
+            t.args_update = args_update(w, c["name"], without_config_args(list(c.get("args") or []), config_args))
+    return t
+
+
+def _target(policy: api.KVCachePolicy, w: Workload, enabled_tiers: list[str], *, node_allocatable: Optional[int],
+            cleanup_image: str) -> tuple[TargetPlan, Optional[RenderedConfig]]:
+    spec, name = policy.spec, policy.metadata["name"]
+    container = w.container(spec.container)
+    if container is None:
+        names = ", ".join(c.get("name", "?") for c in w.containers) or "none"
+        return TargetPlan(w.kind, w.name, ERROR, f"{w.ref}: spec.container {spec.container!r} not found "
+                                                 f"(containers: {names})"), None
+    try:
+        rendered = render(policy, facts_of(container), enabled_tiers=enabled_tiers,
+                          config_map_name=config_map_name(name))
+    except RenderError as err:
+        return TargetPlan(w.kind, w.name, ERROR, f"{w.ref}: {err}"), None
+    memory = plan_memory(w, container, rendered, node_allocatable)
+    if memory.refused:
+        return TargetPlan(w.kind, w.name, REFUSED, f"{w.ref}: {memory.refused}"), rendered
+    digest = rendered.config_hash()
+    plan = TargetPlan(w.kind, w.name, APPLIED, f"{w.ref}: configuration {digest} (tiers: "
+                                               f"{','.join(rendered.tiers) or 'none'})", config_hash=digest)
+    plan.apply = apply_patch(w, container["name"], rendered, policy=name, config_hash=digest,
+                             cleanup_image=cleanup_image, memory_limit=memory.apply_limit)
+    if not has_config_args(container, rendered.config_args):
+        wanted = " ".join(rendered.config_args)
+        if spec.injection.args == "managed":
+            plan.args_update = args_update(w, container["name"],
+                                           with_config_args(list(container.get("args") or []), rendered.config_args))
+        else:
+            plan.state = MISSING_ARG
+            plan.message = (f"{w.ref}: add the argument \"{wanted}\" to the args of container "
+                            f"{container['name']!r} (or set spec.injection.args: managed)")
+    return plan, rendered
+
+
+def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_policies: Iterable[dict[str, Any]],
+         *, now: str, node_allocatable: Optional[int] = None, cleanup_image: str = "busybox:1.37.0",
+         tier_states_fn: Optional[TierStatesFn] = None) -> Plan:
+    """Everything one reconcile of ``policy_obj`` must write.
+
+    ``workloads``: Deployments and StatefulSets of the namespace that match the selector or carry our policy
+    label. ``other_policies``: the namespace's other live policies (for conflicts). ``tier_states_fn``: where
+    tier states come from when the SLO guard is wired in (default: seeded from the spec, kept from status).
+    """
+    meta = policy_obj["metadata"]
+    name, generation = meta["name"], meta.get("generation")
+    old = policy_obj.get("status") or {}
+    ws = _unique(workloads)
+    try:
+        policy = parse_policy(policy_obj)
+    except PolicyInvalid as err:
+        problems = "; ".join(str(p) for p in err.problems)
+        conds = [Cond("Ready", "False", "InvalidPolicy", problems), Cond("Degraded", "True", "InvalidPolicy", problems),
+                 Cond("Progressing", "False", "InvalidPolicy", "nothing is applied until the policy is fixed")]
+        status = {"observedGeneration": generation,
+                  "conditions": merge_conditions(old.get("conditions") or [], conds, generation, now)}
+        return Plan(None, [], status, _events(old.get("conditions") or [], status["conditions"], [], old),
+                    invalid=True)
+
+    spec = policy.spec
+    states = (tier_states_fn or _default_tier_states)(spec, policy_obj, now)
+    on = enabled(states)
+    others = [p for p in other_policies if p["metadata"]["name"] != name]
+    targets: list[TargetPlan] = []
+    rendered_by_target: dict[str, RenderedConfig] = {}
+    for w in ws:
+        if not matches(spec.selector.model_dump(by_alias=True, exclude_none=True), w.labels):
+            if w.applied_by == name:
+                targets.append(_release(w, spec, f"{w.ref} no longer matches the selector"))
+            continue
+        rivals = sorted(p["metadata"]["name"] for p in others if matches(_selector_of(p), w.labels))
+        if rivals:
+            targets.append(TargetPlan(w.kind, w.name, CONFLICT,
+                                      f"{w.ref} is also selected by KVCachePolicy {', '.join(rivals)}; no policy "
+                                      f"changes it until only one selects it"))
+            continue
+        t, rendered = _target(policy, w, on, node_allocatable=node_allocatable, cleanup_image=cleanup_image)
+        targets.append(t)
+        if rendered is not None and t.apply is not None:
+            rendered_by_target[t.ref] = rendered
+
+    # One ConfigMap per policy: every target must read the same files (same engine).
+    files: Optional[dict[str, str]] = None
+    engine: Optional[str] = spec.engine
+    for t in targets:
+        r = rendered_by_target.get(t.ref)
+        if r is None:
+            continue
+        if files is None:
+            files, engine = r.files, r.engine
+        elif r.files != files:
+            t.state, t.apply, t.args_update, t.config_hash = ERROR, None, None, None
+            t.message = (f"{t.ref}: runs engine {r.engine}, other targets run {engine}; one policy configures one "
+                         f"engine: set spec.engine or split the selector")
+    if files is None and spec.engine:
+        files = render(policy, enabled_tiers=on, config_map_name=config_map_name(name)).files
+    config_map = config_map_body(policy_obj, files) if files is not None else None
+
+    status, events = _summarize(policy_obj, states, on, engine, targets, ws, now)
+    return Plan(config_map, targets, status, events, context=(states, on, engine, ws))
+
+
+def _summarize(policy_obj: dict[str, Any], states: list[dict[str, Any]], on: list[str], engine: Optional[str],
+               targets: list[TargetPlan], ws: list[Workload], now: str) -> tuple[dict[str, Any], list[Event]]:
+    meta, old = policy_obj["metadata"], policy_obj.get("status") or {}
+    generation = meta.get("generation")
+    selected = [t for t in targets if t.state != RELEASED]
+    conds = _conditions(selected, ws, meta.get("namespace", ""))
+    status: dict[str, Any] = {
+        "observedGeneration": generation,
+        "conditions": merge_conditions(old.get("conditions") or [], conds, generation, now),
+        "engine": engine,
+        "activeTiers": ",".join(on) or "none",
+        "tiers": states,
+        "targets": [t.status() for t in selected],
+    }
+    return status, _events(old.get("conditions") or [], status["conditions"], targets, old)
+
+
+def with_failures(result: Plan, policy_obj: dict[str, Any], failures: dict[str, str], now: str) -> Plan:
+    """The plan after some writes were refused (e.g. a field another manager owns): those targets become
+    errors with the server's words, and conditions and events are recomputed from that."""
+    if not failures or result.context is None:
+        return result
+    for t in result.targets:
+        if t.ref in failures:
+            t.state, t.message, t.config_hash = ERROR, failures[t.ref], None
+    states, on, engine, ws = result.context
+    status, events = _summarize(policy_obj, states, on, engine, result.targets, ws, now)
+    return Plan(result.config_map, result.targets, status, events, context=result.context)
+
+
+def _conditions(targets: list[TargetPlan], workloads: list[Workload], namespace: str) -> list[Cond]:
+    def msgs(states: set[str]) -> str:
+        return "; ".join(t.message for t in targets if t.state in states)
+
+    by_ref = {w.ref: w for w in workloads}
+    conflicts = [t for t in targets if t.state == CONFLICT]
+    refused = [t for t in targets if t.state == REFUSED]
+    errors = [t for t in targets if t.state == ERROR]
+    missing = [t for t in targets if t.state == MISSING_ARG]
+    applied = [t for t in targets if t.state == APPLIED]
+    out: list[Cond] = []
+    if not targets:
+        out.append(Cond("Ready", "False", "NoTargets",
+                        f"no Deployment or StatefulSet in namespace {namespace} matches spec.selector"))
+    elif len(applied) == len(targets):
+        out.append(Cond("Ready", "True", "Applied", f"applied to {len(applied)} workload(s): " + msgs({APPLIED})))
+    else:
+        first = (conflicts or refused or errors or missing)[0].state
+        out.append(Cond("Ready", "False", first, msgs({CONFLICT, REFUSED, ERROR, MISSING_ARG})))
+    if refused or errors or missing:
+        reason = (refused or errors or missing)[0].state
+        out.append(Cond("Degraded", "True", reason, msgs({REFUSED, ERROR, MISSING_ARG})))
+    else:
+        out.append(Cond("Degraded", "False", "AsExpected", ""))
+    if conflicts:
+        out.append(Cond("Conflict", "True", "SelectedByAnotherPolicy", msgs({CONFLICT})))
+    else:
+        out.append(Cond("Conflict", "False", "NoConflict", ""))
+    rolling = []
+    for t in targets:
+        if t.config_hash is None:
+            continue
+        w = by_ref.get(t.ref)
+        if w is None or w.config_hash != t.config_hash or not w.rolled_out():
+            rolling.append(t.ref)
+    if rolling:
+        out.append(Cond("Progressing", "True", "RollingOut", "waiting for the new pod template on: " +
+                        ", ".join(rolling)))
+    else:
+        out.append(Cond("Progressing", "False", "RolledOut" if targets else "NoTargets", ""))
+    return out
+
+
+_BAD_WHEN_TRUE = {"Degraded", "Conflict"}
+
+
+def _events(old_conds: list[dict[str, Any]], new_conds: list[dict[str, Any]], targets: list[TargetPlan],
+            old_status: dict[str, Any]) -> list[Event]:
+    """Events for user-visible transitions: Ready flips, problems appearing or clearing, new config hashes."""
+    previous = {c.get("type"): c for c in old_conds}
+    events: list[Event] = []
+    for c in transitions(old_conds, new_conds):
+        before = previous.get(c["type"])
+        if c["type"] == "Ready":
+            events.append(Event("Normal" if c["status"] == "True" else "Warning", c["reason"], c["message"]))
+        elif c["type"] in _BAD_WHEN_TRUE and c["status"] == "True":
+            events.append(Event("Warning", c["reason"], c["message"]))
+        elif c["type"] in _BAD_WHEN_TRUE and before is not None and before.get("status") == "True":
+            events.append(Event("Normal", "Resolved", f"{c['type']} cleared: {before.get('reason')}"))
+    old_hashes = {(t.get("kind"), t.get("name")): t.get("configHash") for t in old_status.get("targets") or []}
+    for t in targets:
+        if t.config_hash and old_hashes.get((t.kind, t.name)) != t.config_hash:
+            events.append(Event("Normal", "ConfigApplied", t.message))
+        if t.state == RELEASED:
+            events.append(Event("Normal", "Released", t.message))
+    return events
+
+
+def release_plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]]) -> list[TargetPlan]:
+    """What deleting the policy undoes: every workload that carries its label is released."""
+    name = policy_obj["metadata"]["name"]
+    try:
+        spec: Optional[api.KVCachePolicySpec] = parse_policy(policy_obj).spec
+    except PolicyInvalid:
+        spec = None
+    return [_release(w, spec, f"policy {name} deleted")
+            for w in _unique(workloads) if w.applied_by == name]

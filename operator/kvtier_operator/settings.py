@@ -1,0 +1,113 @@
+"""Operator settings: command-line flags, each with an environment variable for in-cluster use."""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+FIELD_MANAGER = "kvtier-operator"
+PREFIX = "kvtier.io"
+FINALIZER = f"{PREFIX}/finalizer"
+POLICY_LABEL = f"{PREFIX}/policy"
+CONFIG_HASH_ANNOTATION = f"{PREFIX}/config-hash"
+DEFAULT_CLEANUP_IMAGE = "busybox:1.37.0"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything an operator process can be told; defaults suit one replica in a cluster."""
+
+    namespaces: tuple[str, ...] = ()  # empty: all namespaces
+    standalone: bool = False
+    peering_name: Optional[str] = None  # None: kopf's default peering if its CRDs exist, else standalone
+    liveness_endpoint: Optional[str] = "http://0.0.0.0:8080/healthz"
+    metrics_port: Optional[int] = 9090  # 0 picks a free port; None disables
+    metrics_host: str = "0.0.0.0"
+    resync_seconds: float = 300.0
+    backoff_initial: float = 0.5
+    backoff_max: float = 30.0
+    cleanup_image: str = DEFAULT_CLEANUP_IMAGE
+    read_nodes: bool = True  # headroom against node allocatable when nodes are readable
+    kubeconfig: Optional[str] = None
+    verbose: bool = False
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+_ENV = "KVTIER_"
+
+
+def _env_bool(value: Optional[str], default: bool) -> bool:
+    if value is None or value == "":
+        return default
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{value!r} is not a boolean (true/false)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvtier operator", description="Run the kvtier operator (kopf).")
+    p.add_argument("--namespace", "-n", action="append", dest="namespaces",
+                   help="watch this namespace (repeatable; env KVTIER_NAMESPACES, comma separated); "
+                        "default: all namespaces")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--standalone", action="store_true", default=None,
+                      help="run without peering (exactly one replica; env KVTIER_STANDALONE)")
+    mode.add_argument("--peering", dest="peering_name",
+                      help="kopf peering object name (env KVTIER_PEERING); makes peering mandatory (needs the "
+                           "KopfPeering CRDs); only the highest-priority replica acts. Default: kopf's default "
+                           "peering when its CRDs exist, else standalone")
+    p.add_argument("--liveness", dest="liveness_endpoint",
+                   help="liveness URL to serve (env KVTIER_LIVENESS, default http://0.0.0.0:8080/healthz; "
+                        "'off' disables)")
+    p.add_argument("--metrics-port", type=int, help="Prometheus metrics port (env KVTIER_METRICS_PORT, "
+                                                    "default 9090; 0 picks a free one; -1 disables)")
+    p.add_argument("--metrics-host", help="metrics bind address (env KVTIER_METRICS_HOST, default 0.0.0.0)")
+    p.add_argument("--resync", type=float, dest="resync_seconds",
+                   help="seconds between full re-reconciles of each policy (env KVTIER_RESYNC, default 300)")
+    p.add_argument("--backoff-max", type=float, help="longest retry delay after API errors, seconds "
+                                                     "(env KVTIER_BACKOFF_MAX, default 30)")
+    p.add_argument("--cleanup-image", help="image of the init container that removes stale /dev/shm files "
+                                           "(env KVTIER_CLEANUP_IMAGE, default busybox:1.37.0)")
+    p.add_argument("--no-read-nodes", dest="read_nodes", action="store_false", default=None,
+                   help="do not read nodes for headroom checks (env KVTIER_READ_NODES=false)")
+    p.add_argument("--kubeconfig", help="kubeconfig file (env KUBECONFIG; default in-cluster credentials)")
+    p.add_argument("--verbose", "-v", action="store_true", default=None, help="debug logging")
+    return p
+
+
+def from_args(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> Settings:
+    """Settings from flags, falling back to KVTIER_* environment variables, then defaults."""
+    args = build_parser().parse_args(list(argv))
+    d = Settings()
+
+    def pick(flag, name, convert=str, default=None):
+        if flag is not None:
+            return flag
+        raw = env.get(_ENV + name)
+        if raw is None or raw == "":
+            return default
+        try:
+            return convert(raw)
+        except ValueError as err:
+            raise SystemExit(f"kvtier operator: {_ENV}{name}: {err}") from None
+
+    namespaces = args.namespaces or [n for n in env.get(_ENV + "NAMESPACES", "").split(",") if n.strip()]
+    liveness = pick(args.liveness_endpoint, "LIVENESS", default=d.liveness_endpoint)
+    metrics_port = pick(args.metrics_port, "METRICS_PORT", int, d.metrics_port)
+    return Settings(
+        namespaces=tuple(n.strip() for n in namespaces),
+        standalone=bool(pick(args.standalone, "STANDALONE", lambda v: _env_bool(v, False), False)),
+        peering_name=pick(args.peering_name, "PEERING", default=d.peering_name),
+        liveness_endpoint=None if liveness in (None, "", "off") else liveness,
+        metrics_port=None if metrics_port is None or metrics_port < 0 else metrics_port,
+        metrics_host=pick(args.metrics_host, "METRICS_HOST", default=d.metrics_host),
+        resync_seconds=pick(args.resync_seconds, "RESYNC", float, d.resync_seconds),
+        backoff_max=pick(args.backoff_max, "BACKOFF_MAX", float, d.backoff_max),
+        cleanup_image=pick(args.cleanup_image, "CLEANUP_IMAGE", default=d.cleanup_image),
+        read_nodes=bool(pick(args.read_nodes, "READ_NODES", lambda v: _env_bool(v, True), True)),
+        kubeconfig=args.kubeconfig or env.get("KUBECONFIG") or None,
+        verbose=bool(pick(args.verbose, "VERBOSE", lambda v: _env_bool(v, False), False)),
+    )

@@ -1,0 +1,236 @@
+"""The SLO guard (``kvtier_operator.slo``) wired into the operator.
+
+One kopf daemon per policy with ``spec.slo`` evaluates every ``spec.slo.interval`` (kopf timers have one interval
+per handler, a daemon can read it from each object's spec). Each evaluation reads the stored guard state from
+``status.slo``, runs ``slo.tick`` against Prometheus, and writes back in one status write: the new state, the tier
+states it implies, the SLO conditions, ``sloState`` and ``history``. A tier change wakes the policy's reconcile,
+which renders only Enabled tiers (``guarded_tier_states``). Rollbacks are Warning Events and count in
+``kvtier_operator_tier_rollbacks_total``. Evaluation and reconcile share the policy's lock, and every status write
+is guarded by the resourceVersion it was computed from.
+
+Importing this module fails when the ``slo`` package is absent; ``main`` then runs without the guard.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import logging
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import kopf
+
+from . import slo
+from .api import v1alpha1 as api
+from .handlers import POLICY, REENABLE_ANNOTATION, Operator, _reason
+from .kube import Kube, policy_path
+from .reconcile import Event
+from .slo.client import PrometheusClientConfig, PrometheusSource
+from .status import Cond, merge_conditions, now_rfc3339, status_patch
+from .tiers import SPEC_DISABLED, enabled, tier_states
+
+log = logging.getLogger("kvtier.slo")
+HISTORY_LIMIT = 50
+SLO_STATE = {"ok": "OK", "breach": "Breaching", "error": "Unknown", "noData": "NoData", "lowTraffic": "NoData"}
+
+
+def guarded_tier_states(spec: api.KVCachePolicySpec, policy_obj: dict[str, Any], now: str) -> list[dict[str, Any]]:
+    """Tier states for the reconcile: the spec's seeding, overridden by the guard's state once it has one."""
+    status = policy_obj.get("status") or {}
+    base = tier_states(spec, status.get("tiers") or [], now)
+    if spec.slo is None or not status.get("slo"):
+        return base
+    try:
+        settings = slo.SLOSettings.from_spec(policy_obj.get("spec") or {})
+    except slo.SLOSpecError:
+        return base
+    guard = {t["name"]: t for t in slo.tier_states(settings, status["slo"])}
+    return [_combine(b, guard.get(b["name"]), now) for b in base]
+
+
+def _combine(base: dict[str, Any], guard: Optional[dict[str, Any]], now: str) -> dict[str, Any]:
+    if guard is None or base.get("reason") == SPEC_DISABLED:
+        return base
+    entry = {"name": base["name"], "state": guard["state"], "reason": guard.get("reason") or guard["state"]}
+    same = base.get("state") == entry["state"] and base.get("reason") == entry["reason"]
+    entry["since"] = guard.get("since") or (base.get("since") if same else None) or now
+    return entry
+
+
+# ---------------------------------------------------------------------------------------------- secrets
+
+def _secret_value(kube: Kube, namespace: str, name: str, key: str) -> str:
+    secret = kube.get(f"/api/v1/namespaces/{namespace}/secrets/{name}")
+    if secret is None:
+        raise ValueError(f"Secret {namespace}/{name} not found")
+    raw = (secret.get("data") or {}).get(key)
+    if raw is None:
+        raise ValueError(f"Secret {namespace}/{name} has no key {key!r}")
+    return base64.b64decode(raw).decode()
+
+
+def _ca_file(pem: str) -> str:
+    digest = hashlib.sha256(pem.encode()).hexdigest()[:16]
+    path = os.path.join(tempfile.gettempdir(), f"kvtier-ca-{digest}.pem")
+    if not os.path.exists(path):
+        with open(path, "w") as fh:
+            fh.write(pem)
+    return path
+
+
+def client_config(kube: Kube, namespace: str, prom: "slo.PrometheusSettings") -> PrometheusClientConfig:
+    token = basic = ca = None
+    if prom.bearer_token_secret:
+        token = _secret_value(kube, namespace, prom.bearer_token_secret.name, prom.bearer_token_secret.key).strip()
+    if prom.basic_auth_secret:
+        basic = (_secret_value(kube, namespace, prom.basic_auth_secret, "username"),
+                 _secret_value(kube, namespace, prom.basic_auth_secret, "password"))
+    if prom.ca_secret:
+        ca = _ca_file(_secret_value(kube, namespace, prom.ca_secret.name, prom.ca_secret.key))
+    return PrometheusClientConfig(url=prom.url, timeout_s=prom.timeout_s, bearer_token=token, basic_auth=basic,
+                                  ca_file=ca, insecure_skip_verify=prom.insecure_skip_verify)
+
+
+def scope_for(namespace: str, status: dict[str, Any], spec: dict[str, Any]) -> "slo.Scope":
+    """The target pods: Deployment pods are ``<name>-<hash>-<id>``, StatefulSet pods ``<name>-<ordinal>``."""
+    model = (spec.get("slo") or {}).get("modelName")
+    names = sorted({t["name"] for t in status.get("targets") or [] if t.get("state") in ("Applied",
+                                                                                       "MissingConfigArgument")})
+    regex = "(" + "|".join(re.escape(n) for n in names) + ")-.+" if names and not model else None
+    return slo.Scope(namespace=namespace, pod_regex=regex, model_name=model)
+
+
+# ---------------------------------------------------------------------------------------------- one tick
+
+@dataclass
+class TickResult:
+    interval: float
+    tiers_changed: bool = False
+    events: list[Event] = field(default_factory=list)
+    body: Optional[dict[str, Any]] = None
+    rollbacks: list[str] = field(default_factory=list)
+    verdict: Optional[str] = None
+
+
+def _history(action: Any, now: str) -> Optional[dict[str, Any]]:
+    if isinstance(action, slo.DisableTier):
+        kind = "WouldDisable" if action.dry_run else "Disabled"
+    elif isinstance(action, slo.EnableTier):
+        kind = "WouldEnable" if action.dry_run else "Enabled"
+    else:
+        return None
+    entry = {"time": now, "tier": action.tier, "action": kind, "reason": action.reason}
+    for key in ("metric", "value", "threshold"):
+        value = getattr(action, key, None)
+        if value is not None:
+            entry[key] = value
+    return entry
+
+
+def guard_tick_sync(op: Operator, namespace: str, name: str, source: Optional[Any] = None) -> Optional[TickResult]:
+    pol = op.kube.get(policy_path(namespace, name))
+    if pol is None or pol["metadata"].get("deletionTimestamp"):
+        return None
+    spec, status = pol.get("spec") or {}, pol.get("status") or {}
+    if not spec.get("slo"):
+        return None
+    settings = slo.SLOSettings.from_spec(spec)
+    result = TickResult(interval=settings.interval_s, body=pol)
+    reenable = [t.strip() for t in (pol["metadata"].get("annotations") or {}).get(REENABLE_ANNOTATION, "").split(",")
+                if t.strip()]
+    if source is None and getattr(op, "slo_source", None) is not None:
+        source = op.slo_source(namespace, name)  # injected by tests: a scripted measurement source
+    own_source = source is None
+    if own_source:
+        if settings.prometheus is None:
+            return result
+        source = PrometheusSource(client_config(op.kube, namespace, settings.prometheus))
+    try:
+        decision = slo.tick(settings, status.get("slo"), source, scope_for(namespace, status, spec), time.time(),
+                            engine=status.get("engine"), reenable_requests=reenable,
+                            generation=pol["metadata"].get("generation"))
+    finally:
+        if own_source:
+            source.close()
+    now = now_rfc3339()
+    state = decision.state
+    result.verdict = state.get("verdict")
+    generation = pol["metadata"].get("generation")
+    conds = [Cond(a.type, a.status, a.reason, a.message) for a in decision.actions if isinstance(a, slo.SetCondition)]
+    history = list(status.get("history") or [])
+    acknowledged = []
+    for a in decision.actions:
+        entry = _history(a, now)
+        if entry:
+            history.append(entry)
+        if isinstance(a, slo.DisableTier):
+            if a.dry_run:
+                result.events.append(Event("Normal", "WouldDisableTier", a.message))
+            else:
+                result.events.append(Event("Warning", "TierDisabled", a.message))
+                result.rollbacks.append(a.tier)
+        elif isinstance(a, slo.EnableTier):
+            result.events.append(Event("Normal", "WouldEnableTier" if a.dry_run else "TierEnabled", a.message))
+        elif isinstance(a, slo.RecordEvent):
+            result.events.append(Event(a.type, a.reason, a.message))
+        elif isinstance(a, slo.AcknowledgeReenable):
+            acknowledged.append(a.tier)
+    parsed = api.KVCachePolicySpec.model_validate(spec)
+    old_tiers = status.get("tiers") or []
+    new_tiers = guarded_tier_states(parsed, {"spec": spec, "status": {**status, "slo": state}}, now)
+    result.tiers_changed = enabled(new_tiers) != enabled(old_tiers)
+    new = {
+        "slo": state,
+        "sloState": SLO_STATE.get(state.get("verdict") or "", "Unknown"),
+        "tiers": new_tiers,
+        "conditions": merge_conditions(status.get("conditions") or [], conds, generation, now),
+        "history": history[-HISTORY_LIMIT:],
+    }
+    patch = status_patch(status, new)
+    if patch:
+        op.kube.patch(policy_path(namespace, name, status=True),
+                      {"metadata": {"resourceVersion": pol["metadata"]["resourceVersion"]}, "status": patch})
+        op.metrics.api_writes.labels("status").inc()
+    if acknowledged:
+        left = [t for t in reenable if t not in acknowledged and t != "*"]
+        op.kube.patch(policy_path(namespace, name),
+                      {"metadata": {"annotations": {REENABLE_ANNOTATION: ",".join(left) if left else None}}})
+    return result
+
+
+def register_slo(registry: kopf.OperatorRegistry, op: Operator) -> None:
+    op.tier_states_fn = guarded_tier_states
+
+    @kopf.daemon(*POLICY, id="slo-guard", when=lambda spec, **_: bool(spec.get("slo")), cancellation_timeout=10,
+                 registry=registry)
+    async def slo_guard(name: str, namespace: str, stopped: kopf.DaemonStopped, logger: logging.Logger,
+                        **_: Any) -> None:
+        key = (namespace, name)
+        interval, delay = 30.0, op.settings.backoff_initial
+        while not stopped:
+            try:
+                async with op.lock(key):
+                    result = await asyncio.to_thread(guard_tick_sync, op, namespace, name)
+                delay = op.settings.backoff_initial
+            except Exception as err:  # noqa: BLE001 - retried soon (a 409 is routine), never a crash loop
+                op.metrics.errors.labels("slo-" + _reason(err)).inc()
+                logger.info("SLO evaluation of %s/%s failed (%s); retrying in %.1fs", namespace, name, err, delay)
+                await stopped.wait(min(delay, interval))
+                delay = min(delay * 2, op.settings.backoff_max)
+                continue
+            if result is not None:
+                interval = result.interval
+                if result.verdict:
+                    op.metrics.slo_evaluations.labels(result.verdict).inc()
+                for tier in result.rollbacks:
+                    op.metrics.rollbacks.labels(namespace, name, tier).inc()
+                for ev in result.events:
+                    kopf.event(result.body, type=ev.type, reason=ev.reason, message=ev.message[:1000])
+                if result.tiers_changed:
+                    op.trigger(key)
+            await stopped.wait(interval)

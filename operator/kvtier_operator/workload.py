@@ -1,0 +1,248 @@
+"""What the operator writes into a Deployment or StatefulSet, and what it reads from one.
+
+Everything applied goes through server-side apply under ``FIELD_MANAGER`` without force, and holds only items of
+map-keyed lists (volumes and initContainers by name, volumeMounts by mountPath, env by name, containers by name)
+and map keys (annotations, labels). Such items can be co-owned with the user's manager (Argo CD, Flux, kubectl),
+so applying them never conflicts with a GitOps tool that re-applies the user's manifest.
+
+Two fields are scalars or atomic lists that the user usually owns: the container's ``args`` and
+``resources.limits.memory``. The operator applies ``limits.memory`` only when no other manager owns it; when
+another one does, the user's limit must already fit the cpu tier (else the target is refused and the condition
+gives the number to write). ``args`` is written only with ``spec.injection.args: managed``, as a
+resourceVersion-guarded strategic-merge update (an Update never conflicts; it is for clusters without GitOps).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+from .api.units import format_quantity, parse_quantity
+from .render import RenderedConfig, TargetFacts
+from .render.model import SHM_VOLUME
+from .settings import CONFIG_HASH_ANNOTATION, FIELD_MANAGER, POLICY_LABEL
+
+KINDS = {"Deployment": "deployments", "StatefulSet": "statefulsets"}
+CLEANUP_CONTAINER = "kvtier-shm-cleanup"
+CLEANUP_SCRIPT = "rm -f /dev/shm/vllm_offload_*.mmap"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The parts of a Deployment or StatefulSet the operator reasons about."""
+
+    obj: dict[str, Any]
+
+    @property
+    def kind(self) -> str:
+        return self.obj["kind"]
+
+    @property
+    def name(self) -> str:
+        return self.obj["metadata"]["name"]
+
+    @property
+    def namespace(self) -> str:
+        return self.obj["metadata"].get("namespace", "")
+
+    @property
+    def ref(self) -> str:
+        return f"{self.kind}/{self.name}"
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return self.obj["metadata"].get("labels") or {}
+
+    @property
+    def applied_by(self) -> Optional[str]:
+        """Policy whose configuration the workload carries (our label), if any."""
+        return self.labels.get(POLICY_LABEL)
+
+    @property
+    def containers(self) -> list[dict[str, Any]]:
+        return self.obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers") or []
+
+    def container(self, name: Optional[str]) -> Optional[dict[str, Any]]:
+        if not self.containers:
+            return None
+        if name is None:
+            return self.containers[0]
+        return next((c for c in self.containers if c.get("name") == name), None)
+
+    @property
+    def config_hash(self) -> Optional[str]:
+        template_meta = self.obj.get("spec", {}).get("template", {}).get("metadata") or {}
+        return (template_meta.get("annotations") or {}).get(CONFIG_HASH_ANNOTATION)
+
+    def rolled_out(self) -> bool:
+        """Whether the controller has caught up with the current pod template (no rollout in progress)."""
+        meta, status = self.obj["metadata"], self.obj.get("status") or {}
+        if status.get("observedGeneration", 0) < meta.get("generation", 0):
+            return False
+        replicas = self.obj.get("spec", {}).get("replicas", 1)
+        return status.get("updatedReplicas", 0) >= replicas
+
+    def field_owners(self, path: Iterable[str]) -> set[str]:
+        """Managers owning ``path`` (fieldsV1 keys, e.g. ``f:spec``, ``k:{"name":"vllm"}``)."""
+        path = list(path)
+        owners = set()
+        for entry in self.obj["metadata"].get("managedFields") or []:
+            if entry.get("subresource"):
+                continue
+            node = entry.get("fieldsV1") or {}
+            for key in path:
+                node = _child(node, key)
+                if node is None:
+                    break
+            else:
+                owners.add(entry.get("manager", ""))
+        return owners
+
+
+def _child(node: dict[str, Any], key: str) -> Optional[dict[str, Any]]:
+    if key in node:
+        return node[key]
+    if key.startswith("k:"):
+        # Keys of keyed list items are JSON objects; compare them parsed, not as text.
+        want = json.loads(key[2:])
+        for k, v in node.items():
+            if k.startswith("k:") and json.loads(k[2:]) == want:
+                return v
+    return None
+
+
+def container_path(container: str, *rest: str) -> list[str]:
+    return ["f:spec", "f:template", "f:spec", "f:containers", "k:" + json.dumps({"name": container},
+                                                                                 separators=(",", ":")), *rest]
+
+
+def facts_of(container: dict[str, Any]) -> TargetFacts:
+    return TargetFacts(container_name=container.get("name", ""), image=container.get("image", ""),
+                       command=tuple(container.get("command") or ()), args=tuple(container.get("args") or ()))
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+
+
+def _normalized(words: list[str]) -> list[str]:
+    out: list[str] = []
+    for w in words:
+        if w.startswith("--") and "=" in w:
+            out += w.split("=", 1)
+        else:
+            out.append(w)
+    return out
+
+
+def has_config_args(container: dict[str, Any], config_args: list[str]) -> bool:
+    """Whether command+args pass ``config_args`` (``--config X`` or ``--config=X``)."""
+    words = _normalized(list(container.get("command") or []) + list(container.get("args") or []))
+    n = len(config_args)
+    return any(words[i:i + n] == config_args for i in range(len(words) - n + 1))
+
+
+def with_config_args(args: list[str], config_args: list[str]) -> list[str]:
+    return list(args) + list(config_args)
+
+
+def without_config_args(args: list[str], config_args: list[str]) -> list[str]:
+    n, out, i = len(config_args), [], 0
+    while i < len(args):
+        if args[i:i + n] == config_args:
+            i += n
+            continue
+        out.append(args[i])
+        i += 1
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Outcome of the headroom check: refuse (with the reason), or the limit to apply (None: leave it)."""
+
+    refused: Optional[str] = None
+    apply_limit: Optional[str] = None
+
+
+def plan_memory(workload: Workload, container: dict[str, Any], rendered: RenderedConfig,
+                node_allocatable: Optional[int]) -> MemoryPlan:
+    increase = int(rendered.resources.get("memoryLimitIncreaseBytes", 0))
+    if not increase:
+        return MemoryPlan()
+    cpu = int(rendered.resources.get("cpuTierBytes", 0))
+    resources = container.get("resources") or {}
+    request_raw = (resources.get("requests") or {}).get("memory")
+    limit_raw = (resources.get("limits") or {}).get("memory")
+    request = parse_quantity(request_raw) if request_raw is not None else 0
+    need = request + increase
+    name = container.get("name", "")
+    sums = (f"memory request {format_quantity(request)} + cpu tier {format_quantity(cpu)} + headroom "
+            f"{format_quantity(increase - cpu)} = {format_quantity(need)}")
+    if limit_raw is None:
+        # No limit: adding one would only constrain the pod. The node is the bound, when we can see nodes.
+        if node_allocatable is not None and need > node_allocatable:
+            return MemoryPlan(refused=f"container {name!r} needs {sums}, more than the largest node's allocatable "
+                                      f"memory {format_quantity(node_allocatable)}; shrink the cpu tier")
+        return MemoryPlan()
+    limit = parse_quantity(limit_raw)
+    owners = workload.field_owners(container_path(name, "f:resources", "f:limits", "f:memory"))
+    others = owners - {FIELD_MANAGER}
+    if others:
+        if need > limit:
+            return MemoryPlan(refused=(
+                f"container {name!r} needs {sums}, but its memory limit is {format_quantity(limit)} (owned by "
+                f"{', '.join(sorted(others))}); set resources.limits.memory to at least {format_quantity(need)} in "
+                f"the workload's manifest, or shrink the cpu tier"))
+        return MemoryPlan()
+    if node_allocatable is not None and need > node_allocatable:
+        return MemoryPlan(refused=f"container {name!r} needs {sums}, more than the largest node's allocatable "
+                                  f"memory {format_quantity(node_allocatable)}; shrink the cpu tier")
+    # Nobody else owns the limit: we keep it sized for the tier (never below a limit nobody claims).
+    return MemoryPlan(apply_limit=format_quantity(need if FIELD_MANAGER in owners else max(need, limit)))
+
+
+# ---------------------------------------------------------------------------------------------- patches
+
+
+def apply_patch(workload: Workload, container: str, rendered: RenderedConfig, *, policy: str, config_hash: str,
+                cleanup_image: str, memory_limit: Optional[str] = None) -> dict[str, Any]:
+    """The complete set of fields the operator owns on ``workload`` (server-side apply body)."""
+    env = [{"name": k, "value": v} for k, v in sorted(rendered.env.items())]
+    main: dict[str, Any] = {"name": container, "volumeMounts": rendered.volume_mounts}
+    if env:
+        main["env"] = env
+    if memory_limit is not None:
+        main["resources"] = {"limits": {"memory": memory_limit}}
+    pod_spec: dict[str, Any] = {"containers": [main], "volumes": rendered.volumes}
+    if any(v["name"] == SHM_VOLUME for v in rendered.volumes):
+        # vLLM's cpu tier is an mmap in /dev/shm; a file left by a crashed engine would be reused half-written.
+        pod_spec["initContainers"] = [{
+            "name": CLEANUP_CONTAINER,
+            "image": cleanup_image,
+            "command": ["sh", "-c", CLEANUP_SCRIPT],
+            "volumeMounts": [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}],
+        }]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": workload.kind,
+        "metadata": {"name": workload.name, "namespace": workload.namespace, "labels": {POLICY_LABEL: policy}},
+        "spec": {"template": {"metadata": {"annotations": {CONFIG_HASH_ANNOTATION: config_hash}},
+                              "spec": pod_spec}},
+    }
+
+
+def removal_patch(workload: Workload) -> dict[str, Any]:
+    """Applying this as ``FIELD_MANAGER`` releases every field the operator owns; unshared ones disappear."""
+    return {"apiVersion": "apps/v1", "kind": workload.kind,
+            "metadata": {"name": workload.name, "namespace": workload.namespace}}
+
+
+def args_update(workload: Workload, container: str, args: list[str]) -> dict[str, Any]:
+    """Strategic-merge patch replacing one container's args, guarded by the observed resourceVersion."""
+    return {
+        "metadata": {"resourceVersion": workload.obj["metadata"]["resourceVersion"]},
+        "spec": {"template": {"spec": {"containers": [{"name": container, "args": args}]}}},
+    }

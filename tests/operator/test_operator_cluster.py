@@ -1,0 +1,284 @@
+"""The operator against the real kube-apiserver: apply, GitOps coexistence, conflicts, refusals, restarts, 409s.
+
+Users' manifests are applied with server-side apply as ``argocd-controller``, exactly as Argo CD's SSA sync does,
+so field ownership on the server is what it is in a GitOps cluster.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from typing import Any, Optional
+
+import pytest
+
+from kvtier_operator.kube import config_map_path, policy_path, workload_path
+from kvtier_operator.settings import FIELD_MANAGER, POLICY_LABEL
+from plugins.operator import (GITOPS, TRTLLM_IMAGE, assert_owns_only_injected, cond, create_policy, deployment,
+                              get_policy, get_workload, make_policy, manager_entry, nvme_tier, template_hash,
+                              update_policy, user_apply, wait_applied, wait_for)
+
+pytestmark = [pytest.mark.controlplane, pytest.mark.slow]
+
+
+# ---------------------------------------------------------------------------------------------- flows
+
+def test_apply_update_delete(kube, namespace, run_operator):
+    manifest = deployment("llm", namespace)
+    before = user_apply(kube, manifest)
+    run_operator()
+    create_policy(kube, make_policy("llm", namespace, tiers=[{"name": "cpu", "medium": "cpu", "size": "16Gi"},
+                                                              nvme_tier()]))
+    pol, wl = wait_applied(kube, namespace, "llm", "llm")
+    assert pol["status"]["observedGeneration"] == pol["metadata"]["generation"]
+    assert pol["status"]["activeTiers"] == "cpu,nvme"
+    assert "kvtier.io/finalizer" in pol["metadata"]["finalizers"]
+    assert not any(k.startswith("kopf.zalando.org") for k in pol["metadata"].get("annotations") or {})
+    pod = wl["spec"]["template"]["spec"]
+    assert {v["name"] for v in pod["volumes"]} == {"kvtier-config", "kvtier-shm", "kvtier-tier-nvme"}
+    assert pod["initContainers"][0]["name"] == "kvtier-shm-cleanup"
+    assert pod["containers"][0]["args"] == manifest["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert_owns_only_injected(wl)
+    cm = kube.get(config_map_path(namespace, "kvtier-llm"))
+    assert cm["metadata"]["ownerReferences"][0]["uid"] == pol["metadata"]["uid"]
+    assert "kv_connector_extra_config" in cm["data"]["engine.yaml"]
+
+    # Update: a bigger cpu tier re-renders and re-applies (new hash, new ConfigMap content).
+    first_hash = template_hash(wl)
+    update_policy(kube, namespace, "llm", lambda p: p["spec"]["tiers"][0].update(size="32Gi"))
+    wait_for(lambda: template_hash(get_workload(kube, namespace, "llm")) not in (None, first_hash), 30,
+             what="new config hash after the policy update")
+    pol, wl = wait_applied(kube, namespace, "llm", "llm")
+    assert str(32 * 2**30) in kube.get(config_map_path(namespace, "kvtier-llm"))["data"]["engine.yaml"]
+    shm = next(v for v in wl["spec"]["template"]["spec"]["volumes"] if v["name"] == "kvtier-shm")
+    assert shm["emptyDir"]["sizeLimit"] == str(33 * 2**30)
+
+    # Delete: everything the operator applied goes; the workload is as its owner wrote it.
+    kube.delete(policy_path(namespace, "llm"))
+    wait_for(lambda: get_policy(kube, namespace, "llm") is None, 30, what="policy gone (finalizer released)")
+    wl = get_workload(kube, namespace, "llm")
+    assert manager_entry(wl, FIELD_MANAGER) is None
+    assert wl["spec"]["template"]["spec"] == before["spec"]["template"]["spec"]
+    assert POLICY_LABEL not in wl["metadata"]["labels"] and template_hash(wl) is None
+    assert kube.get(config_map_path(namespace, "kvtier-llm")) is None
+
+
+def test_gitops_reapply_causes_no_conflict_and_no_drift_loop(kube, namespace, run_operator):
+    manifest = deployment("llm", namespace)
+    user_apply(kube, manifest)
+    runner = run_operator()
+    create_policy(kube, make_policy("llm", namespace))
+    _, wl = wait_applied(kube, namespace, "llm", "llm")
+    generation, hash_ = wl["metadata"]["generation"], template_hash(wl)
+    writes = runner.op.metrics.value("kvtier_operator_api_writes_total", {"kind": "workload"})
+
+    # Argo CD syncs the unchanged manifest: no 409, nothing changes, nobody re-applies.
+    for _ in range(3):
+        user_apply(kube, manifest)
+    # The user changes their image in Git and Argo CD syncs it: our fields stay, still no conflict.
+    changed = copy.deepcopy(manifest)
+    changed["spec"]["template"]["spec"]["containers"][0]["image"] = "vllm/vllm-openai:v0.33.1"
+    user_apply(kube, changed)
+    time.sleep(3)  # time for any reaction to the user's writes to happen
+    wl = get_workload(kube, namespace, "llm")
+    assert wl["metadata"]["generation"] == generation + 1  # the user's image change, and nothing else
+    assert template_hash(wl) == hash_
+    assert wl["spec"]["template"]["spec"]["containers"][0]["image"].endswith("v0.33.1")
+    assert_owns_only_injected(wl)
+    gitops = manager_entry(wl, GITOPS)
+    assert "f:args" in json.dumps(gitops["fieldsV1"])  # the user still owns their args
+    # The operator may re-apply (a no-op server-side) but never changes the object again.
+    time.sleep(2)
+    assert get_workload(kube, namespace, "llm")["metadata"]["resourceVersion"] == wl["metadata"]["resourceVersion"]
+    assert runner.op.metrics.value("kvtier_operator_api_writes_total", {"kind": "workload"}) - writes <= 2
+
+
+def test_conflicting_policies_both_report_and_neither_applies(kube, namespace, run_operator):
+    user_apply(kube, deployment("llm", namespace, labels={"app": "llm", "team": "a"}))
+    run_operator()
+    create_policy(kube, make_policy("one", namespace, selector={"matchLabels": {"app": "llm"}}))
+    create_policy(kube, make_policy("two", namespace, selector={"matchLabels": {"team": "a"}}))
+
+    def both_conflict():
+        return all(cond(get_policy(kube, namespace, n), "Conflict").get("status") == "True" for n in ("one", "two"))
+    wait_for(both_conflict, 30, what="Conflict on both policies")
+    assert "two" in cond(get_policy(kube, namespace, "one"), "Conflict")["message"]
+    assert "one" in cond(get_policy(kube, namespace, "two"), "Conflict")["message"]
+    time.sleep(1)
+    wl = get_workload(kube, namespace, "llm")
+    # The race between the two creations may have let "one" apply before "two" existed; after that, neither
+    # changes it. Conflicting policies started together must leave it untouched:
+    if manager_entry(wl, FIELD_MANAGER) is None:
+        assert template_hash(wl) is None
+    # Removing one policy resolves the conflict; the other applies.
+    kube.delete(policy_path(namespace, "two"))
+    pol, _ = wait_applied(kube, namespace, "one", "llm")
+    assert cond(pol, "Conflict")["status"] == "False"
+
+
+def test_conflict_when_second_policy_arrives_leaves_workload_as_is(kube, namespace, run_operator):
+    user_apply(kube, deployment("llm", namespace, labels={"app": "llm", "team": "a"}))
+    run_operator()
+    create_policy(kube, make_policy("one", namespace, selector={"matchLabels": {"app": "llm"}}))
+    _, wl = wait_applied(kube, namespace, "one", "llm")
+    create_policy(kube, make_policy("two", namespace, selector={"matchLabels": {"team": "a"}},
+                                    tiers=[{"name": "cpu", "medium": "cpu", "size": "8Gi"}]))
+    wait_for(lambda: cond(get_policy(kube, namespace, "one"), "Conflict").get("status") == "True", 30,
+             what="policy one sees the conflict")
+    wait_for(lambda: cond(get_policy(kube, namespace, "two"), "Conflict").get("status") == "True", 30,
+             what="policy two sees the conflict")
+    time.sleep(1)
+    assert get_workload(kube, namespace, "llm")["metadata"]["resourceVersion"] == wl["metadata"]["resourceVersion"]
+
+
+def test_missing_config_argument_is_named_exactly(kube, namespace, run_operator):
+    user_apply(kube, deployment("llm", namespace, args=["--model", "Qwen/Qwen3-8B"]))
+    run_operator()
+    create_policy(kube, make_policy("llm", namespace))
+    pol = wait_for(lambda: (p := get_policy(kube, namespace, "llm")) and
+                   cond(p, "Degraded").get("reason") == "MissingConfigArgument" and p, 30,
+                   what="MissingConfigArgument")
+    assert 'add the argument "--config /etc/kvtier/engine.yaml"' in cond(pol, "Degraded")["message"]
+    assert cond(pol, "Ready")["status"] == "False"
+    # The user adds it in Git; the policy becomes Ready without the operator touching args.
+    user_apply(kube, deployment("llm", namespace))
+    wait_applied(kube, namespace, "llm", "llm")
+
+
+def test_managed_args_takes_over_and_gives_back(kube, namespace, run_operator):
+    # A cluster without GitOps: the user created the workload with a plain create (an Update, not an Apply).
+    manifest = deployment("llm", namespace, args=["--model", "Qwen/Qwen3-8B"])
+    kube.create(workload_path("Deployment", namespace), manifest)
+    run_operator()
+    create_policy(kube, make_policy("llm", namespace, injection={"args": "managed"}))
+    _, wl = wait_applied(kube, namespace, "llm", "llm")
+    assert wl["spec"]["template"]["spec"]["containers"][0]["args"] == [
+        "--model", "Qwen/Qwen3-8B", "--config", "/etc/kvtier/engine.yaml"]
+    kube.delete(policy_path(namespace, "llm"))
+    wait_for(lambda: get_policy(kube, namespace, "llm") is None, 30, what="policy gone")
+    assert get_workload(kube, namespace, "llm")["spec"]["template"]["spec"]["containers"][0]["args"] == [
+        "--model", "Qwen/Qwen3-8B"]
+
+
+def test_headroom_refusal_explains_the_numbers(kube, namespace, run_operator):
+    user_apply(kube, deployment("llm", namespace, memory_request="8Gi", memory_limit="20Gi"))
+    run_operator()
+    create_policy(kube, make_policy("llm", namespace))
+    pol = wait_for(lambda: (p := get_policy(kube, namespace, "llm")) and
+                   cond(p, "Degraded").get("reason") == "Refused" and p, 30, what="Refused")
+    message = cond(pol, "Degraded")["message"]
+    for text in ("memory request 8Gi", "cpu tier 16Gi", "headroom 1Gi", "= 25Gi", "memory limit is 20Gi",
+                 GITOPS, "at least 25Gi"):
+        assert text in message
+    wl = get_workload(kube, namespace, "llm")
+    assert manager_entry(wl, FIELD_MANAGER) is None and template_hash(wl) is None
+    # Raising the limit in Git lets the policy through.
+    user_apply(kube, deployment("llm", namespace, memory_request="8Gi", memory_limit="32Gi"))
+    wait_applied(kube, namespace, "llm", "llm")
+
+
+def test_invalid_policy_for_its_target_is_a_condition_not_a_crash(kube, namespace, run_operator):
+    user_apply(kube, deployment("trt", namespace, image=TRTLLM_IMAGE,
+                                args=["--extra_llm_api_options", "/etc/kvtier/engine.yaml"]))
+    user_apply(kube, deployment("llm", namespace))
+    runner = run_operator()
+    # Valid for the API server (engine unset), invalid once the engine is detected: LMCache is vLLM-only.
+    create_policy(kube, make_policy("trt", namespace, backend="lmcache"))
+    create_policy(kube, make_policy("llm", namespace))
+    pol = wait_for(lambda: (p := get_policy(kube, namespace, "trt")) and
+                   cond(p, "Degraded").get("status") == "True" and p, 30, what="Degraded on the invalid policy")
+    assert "lmcache" in cond(pol, "Degraded")["message"]
+    wait_applied(kube, namespace, "llm", "llm")  # the operator keeps working for everyone else
+    assert runner.error is None
+    # Fixing the policy applies it.
+    update_policy(kube, namespace, "trt", lambda p: p["spec"].update(backend="native"))
+    wait_for(lambda: cond(get_policy(kube, namespace, "trt"), "Ready").get("status") == "True", 30,
+             what="fixed policy Ready")
+
+
+def test_restart_changes_nothing_that_is_right(kube, namespace, run_operator):
+    user_apply(kube, deployment("llm", namespace))
+    user_apply(kube, deployment("db", namespace, kind="StatefulSet"))
+    first = run_operator()
+    create_policy(kube, make_policy("llm", namespace))
+    create_policy(kube, make_policy("db", namespace))
+    wait_applied(kube, namespace, "llm", "llm")
+    wait_for(lambda: cond(get_policy(kube, namespace, "db"), "Ready").get("status") == "True", 30, what="db Ready")
+    time.sleep(1)
+    objects = {
+        "deployment": get_workload(kube, namespace, "llm"),
+        "statefulset": get_workload(kube, namespace, "db", "StatefulSet"),
+        "policy-llm": get_policy(kube, namespace, "llm"),
+        "policy-db": get_policy(kube, namespace, "db"),
+        "configmap": kube.get(config_map_path(namespace, "kvtier-llm")),
+    }
+    first.stop()
+
+    second = run_operator()
+    seen: list = []
+    second.op.on_reconciled.append(lambda key, outcome: seen.append(key))
+    wait_for(lambda: {(namespace, "llm"), (namespace, "db")} <= set(seen), 30, what="both policies reconciled")
+    time.sleep(1)
+    now = {
+        "deployment": get_workload(kube, namespace, "llm"),
+        "statefulset": get_workload(kube, namespace, "db", "StatefulSet"),
+        "policy-llm": get_policy(kube, namespace, "llm"),
+        "policy-db": get_policy(kube, namespace, "db"),
+        "configmap": kube.get(config_map_path(namespace, "kvtier-llm")),
+    }
+    for key, obj in objects.items():
+        assert now[key]["metadata"]["resourceVersion"] == obj["metadata"]["resourceVersion"], key
+    assert template_hash(now["deployment"]) == template_hash(objects["deployment"])
+    assert second.op.metrics.value("kvtier_operator_api_writes_total", {"kind": "status"}) == 0
+
+
+def test_409_mid_reconcile_is_retried(kube, namespace, run_operator):
+    user_apply(kube, deployment("llm", namespace))
+    runner = run_operator()
+    injected = threading.Event()
+
+    def race(method: str, path: str) -> None:
+        # Just before the operator writes the policy's status, someone else changes the policy: the status
+        # write carries the resourceVersion it planned from, so the server answers 409 Conflict.
+        if path.endswith("/status") and not injected.is_set():
+            injected.set()
+            update_policy(kube, namespace, "llm", lambda p: p["metadata"].setdefault("labels", {}).update(
+                touched="yes"))
+
+    runner.op.kube.before_write = race
+    create_policy(kube, make_policy("llm", namespace))
+    pol, _ = wait_applied(kube, namespace, "llm", "llm")
+    assert injected.is_set()
+    assert runner.op.metrics.value("kvtier_operator_reconcile_errors_total", {"reason": "Conflict"}) >= 1
+    assert pol["metadata"]["labels"]["touched"] == "yes"
+    assert cond(pol, "Ready")["status"] == "True"
+
+
+def test_field_owned_by_another_manager_becomes_a_condition(kube, namespace, run_operator):
+    # Someone else owns an env var the operator needs with another value: apply without force gets a 409,
+    # which must become a condition (never a forced write, never a retry storm).
+    manifest = deployment("llm", namespace)
+    manifest["spec"]["template"]["spec"]["containers"][0]["env"] = [
+        {"name": "LMCACHE_CONFIG_FILE", "value": "/somewhere/else.yaml"}]
+    user_apply(kube, manifest)
+    run_operator()
+    create_policy(kube, make_policy("llm", namespace, backend="lmcache"))
+    pol = wait_for(lambda: (p := get_policy(kube, namespace, "llm")) and
+                   cond(p, "Degraded").get("status") == "True" and p, 30, what="Degraded on a field conflict")
+    assert "never forces" in cond(pol, "Degraded")["message"]
+    assert "LMCACHE_CONFIG_FILE" in cond(pol, "Degraded")["message"] or "env" in cond(pol, "Degraded")["message"]
+    env = get_workload(kube, namespace, "llm")["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert env == [{"name": "LMCACHE_CONFIG_FILE", "value": "/somewhere/else.yaml"}]
+
+
+def test_workload_deleted_before_policy_is_not_an_error(kube, namespace, run_operator):
+    user_apply(kube, deployment("llm", namespace))
+    run_operator()
+    create_policy(kube, make_policy("llm", namespace))
+    wait_applied(kube, namespace, "llm", "llm")
+    kube.delete(workload_path("Deployment", namespace, "llm"))
+    wait_for(lambda: cond(get_policy(kube, namespace, "llm"), "Ready").get("reason") == "NoTargets", 30,
+             what="NoTargets after the workload is gone")
+    kube.delete(policy_path(namespace, "llm"))
+    wait_for(lambda: get_policy(kube, namespace, "llm") is None, 30, what="policy gone")

@@ -1,0 +1,37 @@
+"""Operator settings: flags win over KVTIER_* environment variables, which win over defaults."""
+from __future__ import annotations
+
+import pytest
+
+from kvtier_operator.settings import Settings, from_args
+
+
+def test_defaults():
+    s = from_args([], env={})
+    assert s == Settings()
+    assert s.namespaces == () and not s.standalone and s.metrics_port == 9090
+
+
+def test_environment():
+    s = from_args([], env={"KVTIER_NAMESPACES": "a, b", "KVTIER_STANDALONE": "true", "KVTIER_METRICS_PORT": "-1",
+                           "KVTIER_LIVENESS": "off", "KVTIER_RESYNC": "12.5", "KVTIER_READ_NODES": "false"})
+    assert s.namespaces == ("a", "b") and s.standalone and s.metrics_port is None
+    assert s.liveness_endpoint is None and s.resync_seconds == 12.5 and not s.read_nodes
+
+
+def test_flags_win_over_environment():
+    s = from_args(["-n", "x", "--metrics-port", "0", "--peering", "p", "--cleanup-image", "img:1"],
+                  env={"KVTIER_NAMESPACES": "a", "KVTIER_METRICS_PORT": "9999"})
+    assert s.namespaces == ("x",) and s.metrics_port == 0 and s.peering_name == "p" and s.cleanup_image == "img:1"
+
+
+def test_bad_environment_value_names_the_variable():
+    with pytest.raises(SystemExit, match="KVTIER_RESYNC"):
+        from_args([], env={"KVTIER_RESYNC": "soon"})
+    with pytest.raises(SystemExit, match="KVTIER_STANDALONE"):
+        from_args([], env={"KVTIER_STANDALONE": "maybe"})
+
+
+def test_standalone_and_peering_are_exclusive():
+    with pytest.raises(SystemExit):
+        from_args(["--standalone", "--peering", "p"], env={})
