@@ -8,6 +8,7 @@ stops on success, failure and Ctrl-C.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -100,9 +101,18 @@ class LocalEnvironment:
                  f"(kubeconfig {self.kubeconfig}); no kubelet: pods are stand-ins, see below")
 
     def _stop_controlplane(self) -> None:
-        if self.controlplane_dir is not None and (self.controlplane_dir / "controlplane.pid").exists():
+        if self.controlplane_dir is None:
+            return
+        if (self.controlplane_dir / "controlplane.pid").exists():
             subprocess.run([str(self.run_script), "stop", str(self.controlplane_dir)], capture_output=True,
                            text=True, timeout=120)
+        # Keep the logs; drop the database and the keys of a server that no longer exists.
+        for name in ("etcd", "pki", "kubeconfig"):
+            path = self.controlplane_dir / name
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            elif path.exists():
+                path.unlink()
 
     def _crd(self) -> None:
         assert self.kube is not None

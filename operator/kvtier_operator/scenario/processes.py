@@ -27,6 +27,7 @@ class Supervisor:
     def __init__(self) -> None:
         self._undo: list[tuple[str, Callable[[], None]]] = []
         self.errors: list[str] = []
+        self.started: list[Started] = []
 
     def start(self, name: str, cmd: Sequence[str], log_path: Path, *, env: Optional[dict[str, str]] = None,
               cwd: Optional[Path] = None, grace_s: float = 10.0) -> Started:
@@ -35,6 +36,7 @@ class Supervisor:
             proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, cwd=cwd, start_new_session=True)
         started = Started(name, proc, log_path, grace_s)
+        self.started.append(started)
         self.on_close(name, lambda: stop_process(started))
         return started
 

@@ -59,6 +59,8 @@ class Prometheus:
         cmd = [self.binary, f"--config.file={self.workdir / 'prometheus.yml'}",
                f"--storage.tsdb.path={self.workdir / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}",
                "--storage.tsdb.retention.time=1h", "--log.level=warn"]
+        # Registered first, so it runs after the process stopped: the TSDB is of no use afterwards.
+        self.supervisor.on_close("prometheus data", lambda: shutil.rmtree(self.workdir / "data", ignore_errors=True))
         self.process = self.supervisor.start("prometheus", cmd, self.log_path, cwd=self.workdir)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -18,7 +18,7 @@ from ..render import CONFIG_FILE
 from ..settings import CONFIG_HASH_ANNOTATION
 from . import manifests, observe
 from .local import LocalEnvironment, LocalOptions
-from .processes import ScenarioError, tail, wait_until
+from .processes import ScenarioError, Supervisor, tail, wait_until
 from .report import Reporter
 
 REENABLE_ANNOTATION = "kvtier.io/reenable"
@@ -299,11 +299,9 @@ class ScenarioFailed(ScenarioError):
         self.diagnostics = diagnostics
 
 
-def run_local(options: LocalOptions, reporter: Reporter) -> Timings:
+def run_local(options: LocalOptions, reporter: Reporter, supervisor: Optional["Supervisor"] = None) -> Timings:
     """Set up the local provider, run the scenario, and stop everything it started (also on Ctrl-C)."""
-    from .processes import Supervisor
-
-    supervisor = Supervisor()
+    supervisor = supervisor or Supervisor()
     env = LocalEnvironment(options, supervisor, reporter.note)
     scenario = Scenario(env, reporter)
     try:
