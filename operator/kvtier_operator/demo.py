@@ -48,7 +48,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            kubeconfig=Path(args.kubeconfig) if args.kubeconfig else None)
     reporter = Reporter(color=False if args.no_color else None, consecutive=3)
     print("kvtier demo: a KVCachePolicy applied to a vLLM Deployment, an SLO breach, the newest tier rolled back,")
-    print("recovery and re-enable, on a local control plane. Takes about two minutes; Ctrl-C stops it cleanly.")
+    print("recovery and re-enable, on a local control plane. About a minute once the control plane is built;\n"
+          "Ctrl-C stops it cleanly.")
     print(f"Logs and state: {options.workdir}")
     started = time.monotonic()
     try:
