@@ -44,10 +44,11 @@ def deployment(name: str, ns: str) -> dict:
                          "resources": {"requests": {"memory": "8Gi"}, "limits": {"memory": "64Gi"}}}]}}}}
 
 
-def policy(name: str, ns: str) -> dict:
+def policy(name: str, ns: str, i: int) -> dict:
+    # Every policy has its own size, so no two specs are alike (no cache hits flatter the figures).
     return {"apiVersion": "kvtier.io/v1alpha1", "kind": "KVCachePolicy", "metadata": {"name": name, "namespace": ns},
             "spec": {"selector": {"matchLabels": {"app": name}},
-                     "tiers": [{"name": "cpu", "medium": "cpu", "size": "16Gi"}]}}
+                     "tiers": [{"name": "cpu", "medium": "cpu", "size": f"{16384 + i}Mi"}]}}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -107,7 +108,7 @@ def run_size(kubeconfig: str, n: int, timeout: float) -> dict:
     start = time.monotonic()
     for i in range(n):
         created[f"w{i}"] = time.monotonic()
-        kube.create(policy_path(ns), policy(f"w{i}", ns))
+        kube.create(policy_path(ns), policy(f"w{i}", ns, i))
     create_s = time.monotonic() - start
     deadline = time.monotonic() + timeout
     while len(seen) < n and time.monotonic() < deadline:
@@ -118,6 +119,12 @@ def run_size(kubeconfig: str, n: int, timeout: float) -> dict:
     runner.stop()
     runner.op.kube.close()
     latencies = [seen[k] - created[k] for k in seen]
+    # Leave nothing behind: release the finalizers (the operator is stopped) and drop the namespace.
+    for i in range(n):
+        try:
+            kube.patch(policy_path(ns, f"w{i}"), {"metadata": {"finalizers": None}})
+        except Exception:  # noqa: BLE001 - best effort cleanup
+            pass
     kube.delete(f"/api/v1/namespaces/{ns}")
     kube.close()
     return {"n": n, "done": len(seen), "create_s": create_s, "p50": pct(latencies, 0.5) if latencies else None,

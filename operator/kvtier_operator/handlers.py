@@ -30,6 +30,8 @@ log = logging.getLogger("kvtier.operator")
 POLICY = ("kvtier.io", "v1alpha1", "kvcachepolicies")
 REENABLE_ANNOTATION = f"{PREFIX}/reenable"
 Key = tuple[str, str]
+CONFIG_MAP_TTL = 30.0
+STATUS_ONLY_DELAY = 0.5  # coalesces the controller's status updates after a rollout
 
 
 @dataclass
@@ -68,6 +70,9 @@ class Operator:
         self.locks: dict[Key, asyncio.Lock] = {}
         self.seen: dict[Key, tuple[Any, ...]] = {}
         self.own_writes: dict[tuple[str, str, str], str] = {}  # (ns, kind, name) -> resourceVersion we produced
+        self.applied_config_maps: dict[tuple[str, str], tuple[float, str]] = {}
+        self.workload_seen: dict[tuple[str, str, str], tuple[Any, ...]] = {}
+        self.delayed: set[Key] = set()
         self._nodes: tuple[float, Optional[int]] = (0.0, None)
         self._nodes_readable = settings.read_nodes
         # Hooks for tests and the benchmark: called after every reconcile with (key, outcome).
@@ -80,6 +85,18 @@ class Operator:
 
     def trigger(self, key: Key) -> None:
         self.triggers.setdefault(key, asyncio.Event()).set()
+
+    def trigger_later(self, key: Key, delay: float) -> None:
+        """One deferred wake-up per policy: a burst of status updates costs one reconcile."""
+        if key in self.delayed:
+            return
+        self.delayed.add(key)
+
+        def fire() -> None:
+            self.delayed.discard(key)
+            self.trigger(key)
+
+        asyncio.get_running_loop().call_later(delay, fire)
 
     def lock(self, key: Key) -> asyncio.Lock:
         return self.locks.setdefault(key, asyncio.Lock())
@@ -111,13 +128,21 @@ class Operator:
         self._nodes = (time.monotonic(), value)
         return value
 
-    def observe_workloads(self, namespace: str, name: str, selector: Optional[dict[str, Any]]) -> list[dict]:
+    def observe_workloads(self, namespace: str, name: str, selector: Optional[dict[str, Any]],
+                          hints: Optional[dict[str, tuple[bool, bool]]] = None) -> list[dict]:
+        """Workloads matching the selector or carrying our label, read in full from the API server.
+
+        ``hints`` (kind -> (some match the selector, some carry our label only)), from the workload indexes,
+        skip the lists that cannot return anything; without hints every list is made.
+        """
         out: list[dict[str, Any]] = []
         query = to_query(selector) if selector else ""
         for kind in KINDS:
-            if query:
+            by_selector, by_label = (hints or {}).get(kind, (True, True))
+            if query and by_selector:
                 out += self.kube.list(workload_path(kind, namespace), query)
-            out += self.kube.list(workload_path(kind, namespace), f"{POLICY_LABEL}={name}")
+            if by_label:
+                out += self.kube.list(workload_path(kind, namespace), f"{POLICY_LABEL}={name}")
         return out
 
     def _write_workload(self, namespace: str, t: rc.TargetPlan, failures: dict[str, str],
@@ -148,39 +173,69 @@ class Operator:
             else:
                 raise
 
-    def reconcile_sync(self, namespace: str, name: str, others: list[dict[str, Any]]) -> Outcome:
+    def reconcile_sync(self, namespace: str, name: str, others: list[dict[str, Any]],
+                       hints: Optional[dict[str, tuple[bool, bool]]] = None) -> Outcome:
         policy = self.kube.get(policy_path(namespace, name))
         if policy is None or policy["metadata"].get("deletionTimestamp"):
             return Outcome(None)
         policy.setdefault("apiVersion", "kvtier.io/v1alpha1")
         policy.setdefault("kind", "KVCachePolicy")
         selector = (policy.get("spec") or {}).get("selector")
-        workloads = self.observe_workloads(namespace, name, selector)
+        workloads = self.observe_workloads(namespace, name, selector, hints)
         others_objs = [{"metadata": {"name": o["name"]}, "spec": {"selector": o.get("selector")}} for o in others]
         now = now_rfc3339()
         plan = rc.plan(policy, workloads, others_objs, now=now, node_allocatable=self.node_allocatable(),
-                       cleanup_image=self.settings.cleanup_image, tier_states_fn=self.tier_states_fn)
+                       cleanup_image=self.settings.cleanup_image, tier_states_fn=self.tier_states_fn,
+                       server_validated=True)
         outcome = Outcome(policy)
         # The ConfigMap first, so pods rolled by the new hash read the new files.
         if plan.config_map is not None:
-            self.kube.apply(config_map_path(namespace, plan.config_map["metadata"]["name"]), plan.config_map)
-            self.metrics.api_writes.labels("configmap").inc()
+            cm_key = (namespace, plan.config_map["metadata"]["name"])
+            body = json.dumps(plan.config_map, sort_keys=True)
+            at, last = self.applied_config_maps.get(cm_key, (0.0, ""))
+            # The same ConfigMap applied moments ago is not re-sent (bursts of events); after the TTL it is,
+            # so a deleted or edited ConfigMap heals on the next reconcile.
+            if last != body or time.monotonic() - at > CONFIG_MAP_TTL:
+                self.kube.apply(config_map_path(namespace, cm_key[1]), plan.config_map)
+                self.metrics.api_writes.labels("configmap").inc()
+                self.applied_config_maps[cm_key] = (time.monotonic(), body)
         failures: dict[str, str] = {}
         for t in plan.targets:
             self._write_workload(namespace, t, failures, outcome)
         plan = rc.with_failures(plan, policy, failures, now)
-        patch = status_patch(policy.get("status") or {}, plan.status)
-        if patch is not None:
-            # Guarded by the resourceVersion we planned from: a concurrent change is a 409, and we plan again.
-            self.kube.patch(policy_path(namespace, name, status=True),
-                            {"metadata": {"resourceVersion": policy["metadata"]["resourceVersion"]},
-                             "status": patch})
-            self.metrics.api_writes.labels("status").inc()
-            outcome.status_written = True
+        outcome.status_written = self._write_status(namespace, name, policy, plan.status)
         outcome.events = plan.events
         applied = sum(1 for t in plan.targets if t.state in (rc.APPLIED, rc.MISSING_ARG) and t.ref not in failures)
         self.metrics.applied_targets.labels(namespace, name).set(applied)
         return outcome
+
+    def _write_status(self, namespace: str, name: str, policy: dict[str, Any], status: dict[str, Any]) -> bool:
+        """One merge patch of what changed, guarded by the resourceVersion the plan was computed from.
+
+        A 409 caused by a change that left the generation alone (kopf adding its finalizer, a label) does not
+        invalidate the plan: the patch is recomputed against the fresh status and sent again at once. A new
+        generation raises the 409, and the caller plans again from the new spec.
+        """
+        current = policy
+        for _ in range(3):
+            patch = status_patch(current.get("status") or {}, status)
+            if patch is None:
+                return False
+            try:
+                self.kube.patch(policy_path(namespace, name, status=True),
+                                {"metadata": {"resourceVersion": current["metadata"]["resourceVersion"]},
+                                 "status": patch})
+                self.metrics.api_writes.labels("status").inc()
+                return True
+            except ApiError as err:
+                if err.status != 409:
+                    raise
+                self.metrics.status_conflicts.inc()
+                fresh = self.kube.get(policy_path(namespace, name))
+                if fresh is None or fresh["metadata"].get("generation") != policy["metadata"].get("generation"):
+                    raise
+                current = fresh
+        raise ApiError(409, {"reason": "Conflict", "message": "status kept changing under the operator"})
 
     def release_sync(self, namespace: str, name: str, body: dict[str, Any]) -> int:
         """Undo everything applied for a deleted policy; returns how many workloads were released."""
@@ -205,11 +260,12 @@ class Operator:
 
     # ----------------------------------------------------------------------------------------- async side
 
-    async def run_reconcile(self, namespace: str, name: str, others: list[dict[str, Any]]) -> Outcome:
+    async def run_reconcile(self, namespace: str, name: str, others: list[dict[str, Any]],
+                            hints: Optional[dict[str, tuple[bool, bool]]] = None) -> Outcome:
         key = (namespace, name)
         started = time.monotonic()
         async with self.lock(key):
-            outcome = await asyncio.to_thread(self.reconcile_sync, namespace, name, others)
+            outcome = await asyncio.to_thread(self.reconcile_sync, namespace, name, others, hints)
         self.metrics.duration.observe(time.monotonic() - started)
         self.metrics.reconciles.labels("ok").inc()
         if outcome.body is not None:
@@ -231,44 +287,74 @@ class Operator:
             return {namespace: {"name": name, "selector": dict(spec).get("selector"),
                                 "deleting": bool(meta.get("deletionTimestamp"))}}
 
+        # Workload labels, indexed (kopf fills indexes before any daemon starts): they route events to the
+        # policies concerned and tell a reconcile which lists can return something. Indexing writes nothing.
+        @kopf.index("apps", "v1", "deployments", id="kvtier_deployments", registry=registry)
+        def kvtier_deployments(namespace: str, name: str, labels: Any, **_: Any) -> dict[str, Any]:
+            return {namespace: {"name": name, "labels": dict(labels)}}
+
+        @kopf.index("apps", "v1", "statefulsets", id="kvtier_statefulsets", registry=registry)
+        def kvtier_statefulsets(namespace: str, name: str, labels: Any, **_: Any) -> dict[str, Any]:
+            return {namespace: {"name": name, "labels": dict(labels)}}
+
         @kopf.on.event(*POLICY, id="policy-event", registry=registry)
         async def policy_event(type: str, name: str, namespace: str, meta: Any, spec: Any,
-                               kvtier_policies: kopf.Index, **_: Any) -> None:
+                               kvtier_policies: kopf.Index, kvtier_deployments: kopf.Index,
+                               kvtier_statefulsets: kopf.Index, **_: Any) -> None:
             key = (namespace, name)
+            workloads = op._workload_labels(namespace, kvtier_deployments, kvtier_statefulsets)
+            before = op.seen.get(key)
             if type == "DELETED":
                 op.forget(key)
-                op._wake_namespace(namespace, kvtier_policies, exclude=name)
+                if before is not None:
+                    op._wake_neighbours(namespace, name, json.loads(before[2]), None, kvtier_policies, workloads)
+                else:  # never seen (e.g. deleted while the operator was down): wake the namespace
+                    for p in kvtier_policies.get(namespace, []):
+                        op.trigger((namespace, p["name"]))
                 return
-            selector = json.dumps(dict(spec).get("selector"), sort_keys=True)
+            selector = dict(spec).get("selector")
             fingerprint = (meta.get("generation"), (meta.get("annotations") or {}).get(REENABLE_ANNOTATION),
-                           selector, bool(meta.get("deletionTimestamp")))
-            before = op.seen.get(key)
+                           json.dumps(selector, sort_keys=True), bool(meta.get("deletionTimestamp")))
             if before == fingerprint:
                 return  # our own status write, kopf's finalizer, a label: nothing to re-render
             op.seen[key] = fingerprint
             op.trigger(key)
             if before is None or before[2:] != fingerprint[2:]:
-                # A new, re-targeted or deleting policy changes who conflicts with whom.
-                op._wake_namespace(namespace, kvtier_policies, exclude=name)
+                # A new, re-targeted or deleting policy changes who conflicts with whom, on the workloads it
+                # selects (or selected): wake the other policies selecting those.
+                old_selector = json.loads(before[2]) if before is not None else None
+                op._wake_neighbours(namespace, name, old_selector, selector, kvtier_policies, workloads)
 
         for plural in ("deployments", "statefulsets"):
             @kopf.on.event("apps", "v1", plural, id=f"{plural}-event", registry=registry)
             async def workload_event(type: str, name: str, namespace: str, body: Any, meta: Any,
                                      kvtier_policies: kopf.Index, **_: Any) -> None:
                 kind = body.get("kind") or ""
-                if type != "DELETED" and op.own_writes.get((namespace, kind, name)) == meta.get("resourceVersion"):
+                wkey = (namespace, kind, name)
+                if type != "DELETED" and op.own_writes.get(wkey) == meta.get("resourceVersion"):
                     return  # the echo of our own apply
                 labels = dict(meta.get("labels") or {})
+                seen = (meta.get("generation"), json.dumps(labels, sort_keys=True))
+                status_only = type != "DELETED" and op.workload_seen.get(wkey) == seen
+                if type == "DELETED":
+                    op.workload_seen.pop(wkey, None)
+                else:
+                    op.workload_seen[wkey] = seen
                 wanted = {p["name"] for p in kvtier_policies.get(namespace, []) if matches(p["selector"], labels)}
                 if labels.get(POLICY_LABEL):
                     wanted.add(labels[POLICY_LABEL])
                 for policy_name in wanted:
-                    op.trigger((namespace, policy_name))
+                    if status_only:
+                        op.trigger_later((namespace, policy_name), STATUS_ONLY_DELAY)
+                    else:
+                        op.trigger((namespace, policy_name))
 
         @kopf.daemon(*POLICY, id="reconcile", cancellation_timeout=30, registry=registry)
         async def reconcile_loop(name: str, namespace: str, stopped: kopf.DaemonStopped, logger: logging.Logger,
-                                 kvtier_policies: kopf.Index, **_: Any) -> None:
-            await op.policy_loop(namespace, name, stopped, logger, kvtier_policies)
+                                 kvtier_policies: kopf.Index, kvtier_deployments: kopf.Index,
+                                 kvtier_statefulsets: kopf.Index, **_: Any) -> None:
+            indexes = {"Deployment": kvtier_deployments, "StatefulSet": kvtier_statefulsets}
+            await op.policy_loop(namespace, name, stopped, logger, kvtier_policies, indexes)
 
         @kopf.on.delete(*POLICY, id="release", registry=registry)
         async def release(name: str, namespace: str, body: Any, logger: logging.Logger, **_: Any) -> None:
@@ -282,18 +368,44 @@ class Operator:
                     op.metrics.errors.labels(_reason(err)).inc()
                     raise kopf.TemporaryError(f"releasing workloads failed: {err}", delay=op.settings.backoff_initial)
             logger.info("released %d workload(s)", count)
-            op.forget(key)
+            op.triggers.pop(key, None)  # what it selected is forgotten on the DELETED event
 
         if self.slo_hook is not None:
             self.slo_hook(registry, self)
 
-    def _wake_namespace(self, namespace: str, index: kopf.Index, exclude: str) -> None:
-        for p in index.get(namespace, []):
-            if p["name"] != exclude:
+    @staticmethod
+    def _workload_labels(namespace: str, deployments: kopf.Index,
+                         statefulsets: kopf.Index) -> list[dict[str, str]]:
+        return [w["labels"] for index in (deployments, statefulsets) for w in index.get(namespace, [])]
+
+    def _wake_neighbours(self, namespace: str, name: str, old_selector: Optional[dict[str, Any]],
+                         new_selector: Optional[dict[str, Any]], policies: kopf.Index,
+                         workloads: list[dict[str, str]]) -> None:
+        """Wake the other policies that select a workload this policy selects or selected."""
+        touched = [labels for labels in workloads
+                   if matches(old_selector, labels) or matches(new_selector, labels)
+                   or labels.get(POLICY_LABEL) == name]
+        if not touched:
+            return
+        for p in policies.get(namespace, []):
+            if p["name"] != name and any(matches(p["selector"], labels) or labels.get(POLICY_LABEL) == p["name"]
+                                         for labels in touched):
                 self.trigger((namespace, p["name"]))
 
+    @staticmethod
+    def _hints(name: str, selector: Optional[dict[str, Any]],
+               indexes: dict[str, kopf.Index], namespace: str) -> dict[str, tuple[bool, bool]]:
+        hints = {}
+        for kind, index in indexes.items():
+            items = list(index.get(namespace, []))
+            by_selector = any(matches(selector, w["labels"]) for w in items)
+            by_label = any(w["labels"].get(POLICY_LABEL) == name and not matches(selector, w["labels"])
+                           for w in items)
+            hints[kind] = (by_selector, by_label)
+        return hints
+
     async def policy_loop(self, namespace: str, name: str, stopped: kopf.DaemonStopped, logger: logging.Logger,
-                          index: kopf.Index) -> None:
+                          index: kopf.Index, workload_indexes: Optional[dict[str, kopf.Index]] = None) -> None:
         key = (namespace, name)
         self.trigger(key)  # reconcile once on start (operator start or new policy)
         delay = self.settings.backoff_initial
@@ -313,8 +425,11 @@ class Operator:
                     break
                 event.clear()
                 others = [dict(p) for p in index.get(namespace, []) if p["name"] != name]
+                mine = next((p for p in index.get(namespace, []) if p["name"] == name), None)
+                hints = (self._hints(name, mine["selector"], workload_indexes, namespace)
+                         if workload_indexes and mine else None)
                 try:
-                    await self.run_reconcile(namespace, name, others)
+                    await self.run_reconcile(namespace, name, others, hints)
                     delay = self.settings.backoff_initial
                 except Exception as err:  # noqa: BLE001 - retried with backoff; never a crash loop
                     reason = _reason(err)

@@ -21,6 +21,9 @@ class Metrics:
                                      registry=r)
         self.api_writes = Counter("kvtier_operator_api_writes_total", "Writes sent to the API server, by kind.",
                                   ["kind"], registry=r)
+        self.status_conflicts = Counter("kvtier_operator_status_conflicts_total",
+                                        "Status writes answered 409 by a change that kept the generation; "
+                                        "re-sent at once.", registry=r)
         self.rollbacks = Counter("kvtier_operator_tier_rollbacks_total",
                                  "Tiers disabled by the SLO guard.", ["namespace", "policy", "tier"], registry=r)
         self.slo_evaluations = Counter("kvtier_operator_slo_evaluations_total",

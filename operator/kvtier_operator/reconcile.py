@@ -5,6 +5,8 @@ No I/O here: ``handlers`` reads the cluster, calls ``plan`` and performs what it
 """
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
@@ -17,6 +19,7 @@ from .status import Cond, merge_conditions, transitions
 from .tiers import enabled, tier_states
 from .workload import (
     Workload,
+    already_applied,
     apply_patch,
     args_update,
     facts_of,
@@ -25,6 +28,33 @@ from .workload import (
     with_config_args,
     without_config_args,
 )
+
+def _no_rule(rule: dict[str, Any]) -> bool:
+    return False
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_cached(doc_json: str, server_validated: bool) -> api.KVCachePolicy:
+    # Objects read from the API server passed the CRD's CEL rules at admission; re-running them in Python
+    # would cost ~0.1 s a reconcile. Raw objects (tests, files) get every rule.
+    return parse_policy(json.loads(doc_json), cel_rules=_no_rule if server_validated else None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _with_engine_cached(doc_json: str, engine: str) -> api.KVCachePolicy:
+    # The server saw no engine; once detected, the rules that depend on it are checked here (once per spec).
+    # Only rules that name this engine can fail because of it: the engine rules are all written
+    # "!(has(self.engine) && self.engine == '<engine>' && ...) || ...".
+    doc = json.loads(doc_json)
+    doc["spec"]["engine"] = engine
+    return parse_policy(doc, cel_rules=lambda rule: "self.engine" in rule["rule"] and f"'{engine}'" in rule["rule"])
+
+
+def _doc_json(policy_obj: dict[str, Any]) -> str:
+    doc = {"apiVersion": policy_obj.get("apiVersion", api.API_VERSION), "kind": policy_obj.get("kind", api.KIND),
+           "metadata": {"name": policy_obj["metadata"]["name"]}, "spec": policy_obj.get("spec")}
+    return json.dumps(doc, sort_keys=True)
+
 
 TierStatesFn = Callable[[api.KVCachePolicySpec, dict[str, Any], str], list[dict[str, Any]]]
 
@@ -59,6 +89,7 @@ class TargetPlan:
     apply: Optional[dict[str, Any]] = None  # server-side apply body (None: leave the workload alone)
     args_update: Optional[dict[str, Any]] = None  # managed args: strategic-merge patch with resourceVersion
     remove: bool = False  # release everything FIELD_MANAGER owns on it
+    unchanged: bool = False  # the workload already carries exactly this: nothing to write
 
     @property
     def ref(self) -> str:
@@ -149,10 +180,18 @@ def _target(policy: api.KVCachePolicy, w: Workload, enabled_tiers: list[str], *,
         return TargetPlan(w.kind, w.name, ERROR, f"{w.ref}: spec.container {spec.container!r} not found "
                                                  f"(containers: {names})"), None
     try:
+        if spec.engine is None:
+            # Validate with the detected engine here (cached) so render() need not re-parse the policy.
+            engine = detect_engine(facts_of(container))
+            policy = _with_engine_cached(_doc_json(policy.model_dump(by_alias=True, exclude_none=True,
+                                                                     mode="json")), engine)
         rendered = render(policy, facts_of(container), enabled_tiers=enabled_tiers,
                           config_map_name=config_map_name(name))
     except RenderError as err:
         return TargetPlan(w.kind, w.name, ERROR, f"{w.ref}: {err}"), None
+    except PolicyInvalid as err:
+        problems = "; ".join(str(p) for p in err.problems)
+        return TargetPlan(w.kind, w.name, ERROR, f"{w.ref}: {problems}"), None
     memory = plan_memory(w, container, rendered, node_allocatable)
     if memory.refused:
         return TargetPlan(w.kind, w.name, REFUSED, f"{w.ref}: {memory.refused}"), rendered
@@ -161,6 +200,8 @@ def _target(policy: api.KVCachePolicy, w: Workload, enabled_tiers: list[str], *,
                                                f"{','.join(rendered.tiers) or 'none'})", config_hash=digest)
     plan.apply = apply_patch(w, container["name"], rendered, policy=name, config_hash=digest,
                              cleanup_image=cleanup_image, memory_limit=memory.apply_limit)
+    if already_applied(w, plan.apply):
+        plan.apply, plan.unchanged = None, True
     if not has_config_args(container, rendered.config_args):
         wanted = " ".join(rendered.config_args)
         if spec.injection.args == "managed":
@@ -175,19 +216,20 @@ def _target(policy: api.KVCachePolicy, w: Workload, enabled_tiers: list[str], *,
 
 def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_policies: Iterable[dict[str, Any]],
          *, now: str, node_allocatable: Optional[int] = None, cleanup_image: str = "busybox:1.37.0",
-         tier_states_fn: Optional[TierStatesFn] = None) -> Plan:
+         tier_states_fn: Optional[TierStatesFn] = None, server_validated: bool = False) -> Plan:
     """Everything one reconcile of ``policy_obj`` must write.
 
     ``workloads``: Deployments and StatefulSets of the namespace that match the selector or carry our policy
     label. ``other_policies``: the namespace's other live policies (for conflicts). ``tier_states_fn``: where
     tier states come from when the SLO guard is wired in (default: seeded from the spec, kept from status).
+    ``server_validated``: the object comes from the API server, which already ran the CRD's CEL rules.
     """
     meta = policy_obj["metadata"]
     name, generation = meta["name"], meta.get("generation")
     old = policy_obj.get("status") or {}
     ws = _unique(workloads)
     try:
-        policy = parse_policy(policy_obj)
+        policy = _parse_cached(_doc_json(policy_obj), server_validated)
     except PolicyInvalid as err:
         problems = "; ".join(str(p) for p in err.problems)
         conds = [Cond("Ready", "False", "InvalidPolicy", problems), Cond("Degraded", "True", "InvalidPolicy", problems),
@@ -216,7 +258,7 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
             continue
         t, rendered = _target(policy, w, on, node_allocatable=node_allocatable, cleanup_image=cleanup_image)
         targets.append(t)
-        if rendered is not None and t.apply is not None:
+        if rendered is not None and (t.apply is not None or t.unchanged):
             rendered_by_target[t.ref] = rendered
 
     # One ConfigMap per policy: every target must read the same files (same engine).
@@ -229,7 +271,7 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
         if files is None:
             files, engine = r.files, r.engine
         elif r.files != files:
-            t.state, t.apply, t.args_update, t.config_hash = ERROR, None, None, None
+            t.state, t.apply, t.args_update, t.config_hash, t.unchanged = ERROR, None, None, None, False
             t.message = (f"{t.ref}: runs engine {r.engine}, other targets run {engine}; one policy configures one "
                          f"engine: set spec.engine or split the selector")
     if files is None and spec.engine:

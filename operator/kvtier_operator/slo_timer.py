@@ -104,21 +104,6 @@ class TickResult:
     verdict: Optional[str] = None
 
 
-def _history(action: Any, now: str) -> Optional[dict[str, Any]]:
-    if isinstance(action, slo.DisableTier):
-        kind = "WouldDisable" if action.dry_run else "Disabled"
-    elif isinstance(action, slo.EnableTier):
-        kind = "WouldEnable" if action.dry_run else "Enabled"
-    else:
-        return None
-    entry = {"time": now, "tier": action.tier, "action": kind, "reason": action.reason}
-    for key in ("metric", "value", "threshold"):
-        value = getattr(action, key, None)
-        if value is not None:
-            entry[key] = value
-    return entry
-
-
 def guard_tick_sync(op: Operator, namespace: str, name: str, source: Optional[Any] = None) -> Optional[TickResult]:
     pol = op.kube.get(policy_path(namespace, name))
     if pol is None or pol["metadata"].get("deletionTimestamp"):
@@ -149,12 +134,8 @@ def guard_tick_sync(op: Operator, namespace: str, name: str, source: Optional[An
     result.verdict = state.get("verdict")
     generation = pol["metadata"].get("generation")
     conds = [Cond(a.type, a.status, a.reason, a.message) for a in decision.actions if isinstance(a, slo.SetCondition)]
-    history = list(status.get("history") or [])
     acknowledged = []
     for a in decision.actions:
-        entry = _history(a, now)
-        if entry:
-            history.append(entry)
         if isinstance(a, slo.DisableTier):
             if a.dry_run:
                 result.events.append(Event("Normal", "WouldDisableTier", a.message))
@@ -176,7 +157,8 @@ def guard_tick_sync(op: Operator, namespace: str, name: str, source: Optional[An
         "sloState": SLO_STATE.get(state.get("verdict") or "", "Unknown"),
         "tiers": new_tiers,
         "conditions": merge_conditions(status.get("conditions") or [], conds, generation, now),
-        "history": history[-HISTORY_LIMIT:],
+        # The guard keeps its history in the API's HistoryEntry shape; status.history mirrors it (bounded).
+        "history": list(state.get("history") or [])[-HISTORY_LIMIT:],
     }
     patch = status_patch(status, new)
     if patch:

@@ -57,35 +57,29 @@ def transitions(old: Iterable[dict[str, Any]], new: Iterable[dict[str, Any]]) ->
             or (previous.get(c["type"]) or {}).get("reason") != c["reason"]]
 
 
+def merge_diff(old: Any, new: Any) -> Any:
+    """The JSON merge patch (RFC 7386) turning ``old`` into ``new``: keys that disappear are sent as null.
+
+    Sending a whole nested object is not enough: a merge patch merges it into the stored one, so a key the new
+    value lacks (a tier no longer in ``slo.disabled``) would survive.
+    """
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return new
+    out: dict[str, Any] = {k: None for k in old if k not in new}
+    for k, v in new.items():
+        if k not in old:
+            out[k] = v
+        elif old[k] != v:
+            out[k] = merge_diff(old[k], v)
+    return out
+
+
 def status_patch(old: dict[str, Any], new: dict[str, Any]) -> Optional[dict[str, Any]]:
     """Merge patch of the fields in ``new`` that differ from ``old``; None when nothing changed.
 
-    Top-level fields absent from ``new`` are left alone (the reconcile and the SLO guard each write their own).
-    Within a field, a key that ``new`` no longer has is sent as null: a JSON merge patch merges objects, so
-    without it a tier removed from ``slo.disabled`` would stay there and a re-enabled tier would stay off.
-    """
-    changed = {k: _merge_diff(old.get(k), v) for k, v in new.items() if not _same(old.get(k), v)}
+    Only the keys of ``new`` are considered (each writer owns its own status fields)."""
+    changed = {k: merge_diff(old.get(k), v) for k, v in new.items() if old.get(k) != v}
     return changed or None
-
-
-def _same(old: Any, new: Any) -> bool:
-    """Equal as stored: a null and a missing key read back alike."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        return all(_same(old.get(k), new.get(k)) for k in set(old) | set(new))
-    return old == new
-
-
-def _merge_diff(old: Any, new: Any) -> Any:
-    if not (isinstance(old, dict) and isinstance(new, dict)):
-        return new
-    out: dict[str, Any] = {}
-    for key in set(old) | set(new):
-        if key not in new or new[key] is None:
-            if old.get(key) is not None:
-                out[key] = None
-        elif not _same(old.get(key), new[key]):
-            out[key] = _merge_diff(old.get(key), new[key])
-    return out
 
 
 def condition(status: dict[str, Any], type_: str) -> Optional[dict[str, Any]]:

@@ -234,6 +234,41 @@ def apply_patch(workload: Workload, container: str, rendered: RenderedConfig, *,
     }
 
 
+_MERGE_KEYS = ("name", "mountPath")
+_QUANTITY_KEYS = {"sizeLimit", "memory"}
+
+
+def _contains(have: Any, want: Any, key: str = "") -> bool:
+    """Whether ``have`` already holds everything in ``want`` (lists matched by their merge key)."""
+    if isinstance(want, dict):
+        return isinstance(have, dict) and all(k in have and _contains(have[k], v, k) for k, v in want.items())
+    if isinstance(want, list):
+        if not isinstance(have, list):
+            return False
+        for item in want:
+            merge_key = next((k for k in _MERGE_KEYS if isinstance(item, dict) and k in item), None)
+            if merge_key is None:
+                return have == want
+            match = next((h for h in have if isinstance(h, dict) and h.get(merge_key) == item[merge_key]), None)
+            if match is None or not _contains(match, item):
+                return False
+        return True
+    if key in _QUANTITY_KEYS and have != want:
+        try:  # the server stores quantities canonically (18253611008 -> 17Gi)
+            return parse_quantity(str(have)) == parse_quantity(str(want))
+        except ValueError:
+            return False
+    return have == want
+
+
+def already_applied(workload: Workload, body: dict[str, Any]) -> bool:
+    """True when the workload already carries ``body`` and the operator's apply entry exists: applying again
+    would be a no-op, so the write is skipped (a changed or removed item makes this False, and it is re-applied)."""
+    ours = any(m.get("manager") == FIELD_MANAGER and m.get("operation") == "Apply" and not m.get("subresource")
+               for m in workload.obj["metadata"].get("managedFields") or [])
+    return ours and _contains(workload.obj, {"metadata": body["metadata"], "spec": body["spec"]})
+
+
 def removal_patch(workload: Workload) -> dict[str, Any]:
     """Applying this as ``FIELD_MANAGER`` releases every field the operator owns; unshared ones disappear."""
     return {"apiVersion": "apps/v1", "kind": workload.kind,

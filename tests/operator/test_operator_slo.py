@@ -67,3 +67,16 @@ def test_sustained_breach_disables_the_newest_tier_and_rerenders(kube, namespace
                                    {"namespace": namespace, "policy": "llm", "tier": "nvme"}) == 1
     events = kube.list(f"/api/v1/namespaces/{namespace}/events")
     assert any(e.get("reason") == "TierDisabled" and e.get("type") == "Warning" for e in events)
+
+    # A person re-enables the tier with the annotation: the guard acknowledges it (drops the annotation), the
+    # tier is Enabled again and the workload is re-rendered with it.
+    source.ttft = 0.5
+    kube.patch(policy_path(namespace, "llm"), {"metadata": {"annotations": {"kvtier.io/reenable": "nvme"}}})
+    wait_for(lambda: (p := get_policy(kube, namespace, "llm")) and
+             "kvtier.io/reenable" not in (p["metadata"].get("annotations") or {}) and
+             p["status"]["activeTiers"] == "cpu,nvme", 20, what="nvme re-enabled, annotation acknowledged")
+    assert get_policy(kube, namespace, "llm")["status"]["slo"]["disabled"] == {}
+    wait_for(lambda: "kvtier-tier-nvme" in {v["name"] for v in get_workload(kube, namespace, "llm")
+                                            ["spec"]["template"]["spec"]["volumes"]}, 20, what="nvme mounted again")
+    assert any(h["action"] == "Reenabled" and h["tier"] == "nvme"
+               for h in get_policy(kube, namespace, "llm")["status"]["history"])

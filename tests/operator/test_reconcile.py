@@ -216,3 +216,35 @@ def test_selector_matching(labels, expected):
     assert matches(sel, labels) is expected
     assert to_query(sel) == "app=llm,tier in (gold,silver),!canary"
     assert matches({}, labels) is False
+
+
+def test_a_workload_already_carrying_the_configuration_is_not_written_again():
+    first = rc.plan(policy(), [observed(deployment())], [], now=NOW).targets[0]
+    # The workload as the server returns it after our apply: our items merged in, quantities canonical,
+    # and an Apply entry for our manager.
+    stored = observed(deployment())
+    body = first.apply
+    stored["metadata"]["labels"].update(body["metadata"]["labels"])
+    stored["spec"]["template"]["metadata"]["annotations"] = dict(body["spec"]["template"]["metadata"]["annotations"])
+    pod, ours = stored["spec"]["template"]["spec"], body["spec"]["template"]["spec"]
+    pod["volumes"] = [dict(v) for v in ours["volumes"]]
+    next(v for v in pod["volumes"] if v["name"] == "kvtier-shm")["emptyDir"] = {"medium": "Memory",
+                                                                               "sizeLimit": "17Gi"}
+    pod["initContainers"] = ours["initContainers"]
+    pod["containers"][0]["volumeMounts"] = ours["containers"][0]["volumeMounts"]
+    stored["metadata"]["managedFields"].append({"manager": "kvtier-operator", "operation": "Apply",
+                                                "fieldsType": "FieldsV1", "fieldsV1": {}})
+    again = rc.plan(policy(), [stored], [], now=NOW).targets[0]
+    assert again.apply is None and again.unchanged and again.state == rc.APPLIED
+    assert again.config_hash == first.config_hash
+    # A mount removed by someone else is put back.
+    pod["containers"][0]["volumeMounts"] = pod["containers"][0]["volumeMounts"][1:]
+    assert rc.plan(policy(), [stored], [], now=NOW).targets[0].apply is not None
+
+
+def test_status_patch_nulls_keys_that_disappear():
+    old = {"slo": {"disabled": {"nvme": {"since": "t"}}, "verdict": "breach"}, "engine": "vllm"}
+    new = {"slo": {"disabled": {}, "verdict": "ok"}, "engine": "vllm"}
+    assert status_patch(old, new) == {"slo": {"disabled": {"nvme": None}, "verdict": "ok"}}
+    assert status_patch(old, {"engine": None}) == {"engine": None}
+    assert status_patch(new, new) is None

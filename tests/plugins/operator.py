@@ -224,23 +224,34 @@ def namespace(kube) -> Iterator[str]:
 
 @pytest.fixture
 def run_operator(kube, namespace, controlplane):
-    """``run_operator(**settings)`` -> a started OperatorThread watching the test's namespace."""
+    """``run_operator(hooks=(), **settings)`` -> a started OperatorThread watching the test's namespace."""
     from kvtier_operator.kube import Kube
     from kvtier_operator.main import OperatorThread
     from kvtier_operator.settings import Settings
 
     started: list[OperatorThread] = []
 
-    def start(**overrides: Any) -> OperatorThread:
+    def start(hooks: Any = (), **overrides: Any) -> OperatorThread:
         values: dict[str, Any] = dict(namespaces=(namespace,), standalone=True, liveness_endpoint=None,
                                       metrics_port=None, resync_seconds=60.0, backoff_initial=0.2, backoff_max=2.0,
                                       read_nodes=False, kubeconfig=str(controlplane.kubeconfig))
         values.update(overrides)
         runner = OperatorThread(Settings(**values), Kube(str(controlplane.kubeconfig)))
+        runner.op.on_reconciled.extend(hooks)  # attached before the first reconcile can happen
         started.append(runner)
         return runner.start()
 
     yield start
+    # Delete the test's policies while an operator still runs, so their finalizers are released and the
+    # namespace can go; then stop every operator started.
+    running = [r for r in started if r._thread.is_alive()]
+    if running:
+        for pol in kube.list(policy_path(namespace)):
+            kube.delete(policy_path(namespace, pol["metadata"]["name"]))
+        try:
+            wait_for(lambda: not kube.list(policy_path(namespace)), 20, what="policies released at teardown")
+        except AssertionError:
+            pass  # a test that broke the operator: the namespace is left for inspection
     for runner in started:
         try:
             runner.stop()
