@@ -18,7 +18,7 @@ test: setup
 	KVTIER_REQUIRE_VLLM=1 $(CURDIR)/.venv-vllm/bin/python -m pytest -p no:cacheprovider -ra tests/vllm
 
 demo: setup
-	$(VENV)/bin/kvtier demo
+	$(VENV)/bin/kvtier demo --repo $(CURDIR) $(DEMO_ARGS)
 
 crd: setup
 	$(VENV)/bin/kvtier crd > crds/kvtier.io_kvcachepolicies.yaml

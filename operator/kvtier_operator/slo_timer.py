@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
 import logging
 import os
 import re
@@ -30,7 +29,7 @@ from .api import v1alpha1 as api
 from .handlers import POLICY, REENABLE_ANNOTATION, Operator, _reason
 from .kube import Kube, policy_path
 from .reconcile import Event
-from .slo.client import PrometheusClientConfig, PrometheusSource
+from .slo.client import PrometheusClientConfig, PrometheusSource, resolve_client_config
 from .status import Cond, merge_conditions, now_rfc3339, status_patch
 from .tiers import SPEC_DISABLED, enabled, tier_states
 
@@ -64,37 +63,25 @@ def _combine(base: dict[str, Any], guard: Optional[dict[str, Any]], now: str) ->
 
 # ---------------------------------------------------------------------------------------------- secrets
 
-def _secret_value(kube: Kube, namespace: str, name: str, key: str) -> str:
-    secret = kube.get(f"/api/v1/namespaces/{namespace}/secrets/{name}")
-    if secret is None:
-        raise ValueError(f"Secret {namespace}/{name} not found")
-    raw = (secret.get("data") or {}).get(key)
-    if raw is None:
-        raise ValueError(f"Secret {namespace}/{name} has no key {key!r}")
-    return base64.b64decode(raw).decode()
-
-
-def _ca_file(pem: str) -> str:
-    digest = hashlib.sha256(pem.encode()).hexdigest()[:16]
-    path = os.path.join(tempfile.gettempdir(), f"kvtier-ca-{digest}.pem")
-    if not os.path.exists(path):
-        with open(path, "w") as fh:
-            fh.write(pem)
-    return path
-
-
 def client_config(kube: Kube, namespace: str, prom: "slo.PrometheusSettings") -> PrometheusClientConfig:
-    token = basic = ca = None
-    if prom.bearer_token_secret:
-        token = _secret_value(kube, namespace, prom.bearer_token_secret.name, prom.bearer_token_secret.key).strip()
-    if prom.basic_auth_secret:
-        basic = (_secret_value(kube, namespace, prom.basic_auth_secret, "username"),
-                 _secret_value(kube, namespace, prom.basic_auth_secret, "password"))
-    if prom.ca_secret:
-        ca = _ca_file(_secret_value(kube, namespace, prom.ca_secret.name, prom.ca_secret.key))
-    return PrometheusClientConfig(url=prom.url, timeout_s=prom.timeout_s, bearer_token=token, basic_auth=basic,
-                                  ca_file=ca, insecure_skip_verify=prom.insecure_skip_verify)
+    """``spec.slo.prometheus`` as a connectable config, its Secrets read from the policy's namespace.
 
+    The slo package owns the field rules (``resolve_client_config``); this only supplies the Secret reader.
+    """
+    def read_secret(name: str, key: str) -> str:
+        secret = kube.get(f"/api/v1/namespaces/{namespace}/secrets/{name}")
+        if secret is None:
+            raise ValueError(f"spec.slo.prometheus.auth: Secret {namespace}/{name} not found")
+        raw = (secret.get("data") or {}).get(key)
+        if raw is None:
+            raise KeyError(key)
+        return base64.b64decode(raw).decode()
+
+    # requests verifies TLS against a file; /tmp is writable in the chart's pod.
+    return resolve_client_config(prom, read_secret, os.path.join(tempfile.gettempdir(), "kvtier-ca"))
+
+
+# ---------------------------------------------------------------------------------------------- scope
 
 def scope_for(namespace: str, status: dict[str, Any], spec: dict[str, Any]) -> "slo.Scope":
     """The target pods: Deployment pods are ``<name>-<hash>-<id>``, StatefulSet pods ``<name>-<ordinal>``."""

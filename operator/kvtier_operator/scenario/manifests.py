@@ -1,0 +1,81 @@
+"""What the scenario applies: a vLLM serving Deployment as a user writes it, and the policy that targets it.
+
+The SLO settings are short so the scenario takes a minute rather than an hour: one evaluation every 2 s over a
+6 s window, three breaches in a row to roll back. Production values are minutes (examples/).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+USER_FIELD_MANAGER = "kubectl-client-side-apply"  # the user's own writes, as kubectl would make them
+TTFT_BUDGET = "500ms"
+ITL_BUDGET = "100ms"
+
+
+@dataclass(frozen=True)
+class Names:
+    namespace: str = "kvtier-demo"
+    workload: str = "llama-demo"
+    policy: str = "llama-demo"
+    cpu_tier: str = "host"
+    fs_tier: str = "nvme"
+    fs_path: str = "/mnt/kvcache"
+
+
+def namespace(names: Names) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": names.namespace}}
+
+
+def deployment(names: Names) -> dict[str, Any]:
+    """The user's manifest: it names the config file once and nothing else about KV-cache tiering."""
+    labels = {"app": names.workload}
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": names.workload, "namespace": names.namespace, "labels": labels},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": {"containers": [{
+                "name": "vllm",
+                "image": "vllm/vllm-openai:v0.33.0",
+                "command": ["vllm", "serve"],
+                "args": ["meta-llama/Llama-3.1-8B-Instruct", "--port=8000", "--config", "/etc/kvtier/engine.yaml"],
+                "resources": {"requests": {"memory": "8Gi"}, "limits": {"memory": "16Gi"}},
+            }]}},
+        },
+    }
+
+
+def policy(names: Names, prometheus_url: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvtier.io/v1alpha1", "kind": "KVCachePolicy",
+        "metadata": {"name": names.policy, "namespace": names.namespace},
+        "spec": {
+            "selector": {"matchLabels": {"app": names.workload}},
+            "engine": "vllm",
+            "blockSize": 16,
+            "backend": "native",
+            "tiers": [
+                {"name": names.cpu_tier, "medium": "cpu", "size": "4Gi"},
+                {"name": names.fs_tier, "medium": "filesystem", "size": "20Gi", "path": names.fs_path,
+                 "volume": {"emptyDir": {}}},
+            ],
+            "slo": {
+                "prometheus": {"url": prometheus_url, "timeout": "3s"},
+                "ttftP99": TTFT_BUDGET,
+                "itlP99": ITL_BUDGET,
+                "interval": "2s",
+                "window": "6s",
+                "consecutiveBreaches": 3,
+                # Long enough that the recovery below happens inside it: nothing else is rolled back meanwhile.
+                "cooldown": "45s",
+                "minRequestRate": 0.5,
+            },
+        },
+    }
+
+
+# Synthetic engine knobs: healthy (well inside the budgets) and degraded (p99 TTFT ~2 s, ITL ~250 ms).
+HEALTHY = {"rate": 8.0, "ttft": 0.08, "itl": 0.02, "jitter": 0.2}
+DEGRADED = {"ttft": 2.0, "itl": 0.25}

@@ -1,0 +1,123 @@
+"""The end-to-end scenario on the local provider, as CI runs it, and ``kvtier demo`` as a newcomer runs it.
+
+Real parts: kube-apiserver + etcd + kube-controller-manager (e2e/controlplane), Prometheus (Debian's binary),
+the operator as a process. Stand-in: the pods, which no kubelet runs here; they are synthetic engine processes
+fed the rendered engine.yaml through the Deployment's own volume and mount (kvtier_operator.scenario.kubelet).
+A failure prints the operator log, events, policy status and pod logs.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from kvtier_operator.scenario.local import LocalOptions
+from kvtier_operator.scenario.manifests import Names
+from kvtier_operator.scenario.processes import Supervisor
+from kvtier_operator.scenario.report import Reporter
+from kvtier_operator.scenario.steps import ScenarioFailed, run_local
+from plugins.prometheus import require_prometheus
+
+pytestmark = [pytest.mark.controlplane, pytest.mark.prometheus, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Live processes whose command line contains ``text`` (the scenario's work directory)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z":
+            found.append(f"{pid}: {cmdline[:200]}")
+    return found
+
+
+def test_local_scenario_rolls_back_the_newest_tier_and_re_enables_it(controlplane, tmp_path):
+    require_prometheus()
+    names = Names(namespace=f"e2e-{uuid.uuid4().hex[:6]}")
+    supervisor = Supervisor()
+    options = LocalOptions(repo=REPO, workdir=tmp_path, kubeconfig=controlplane.kubeconfig, names=names, seed=7)
+    try:
+        timings = run_local(options, Reporter(sys.stdout, color=False, consecutive=3), supervisor)
+    except ScenarioFailed as err:
+        pytest.fail(f"{err}\n{err.diagnostics}", pytrace=False)
+    print(f"timings: {timings}")
+    # Three evaluations 2 s apart once the 6 s window shows the breach; generous for a loaded 2-core machine.
+    assert 3.5 < timings.breach_to_disable < 30
+    assert timings.reenable < 20
+    # Everything it started has stopped: the operator, Prometheus, every pod (including the rolled ones).
+    assert len(supervisor.started) >= 5  # operator, prometheus, and three pods (start, rollback, re-enable)
+    assert [s.name for s in supervisor.started if s.process.poll() is None] == []
+    assert supervisor.errors == []
+    with controlplane.api_client() as api:
+        from kubernetes import client
+        phase = None
+        try:
+            phase = client.CoreV1Api(api).read_namespace(names.namespace).status.phase
+        except client.ApiException as err:
+            assert err.status == 404
+        assert phase in (None, "Terminating"), "the scenario deletes its namespace"
+
+
+def run_demo(workdir: Path, interrupt_at: str | None = None, timeout: float = 240) -> tuple[int, str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO / "runtime")]),
+           "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier_operator.cli", "demo", "--workdir", str(workdir),
+                             "--no-color", "--namespace", "demo"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if interrupt_at and line.startswith(interrupt_at):
+                proc.send_signal(signal.SIGINT)  # what Ctrl-C in a terminal sends
+                interrupt_at = None
+            if time.monotonic() > deadline:
+                break
+        rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return rc, "".join(lines)
+
+
+def test_kvtier_demo_runs_the_scenario_with_its_own_control_plane_and_leaves_nothing_running(tmp_path):
+    require_prometheus()
+    started = time.monotonic()
+    rc, out = run_demo(tmp_path / "demo")
+    print(out)
+    print(f"kvtier demo took {time.monotonic() - started:.1f}s")
+    assert rc == 0, out
+    for step in range(1, 8):
+        assert f"[{step}/7]" in out
+    assert "event Warning TierDisabled: disabled tier nvme" in out
+    assert "nvme is back" in out and "Every process it started has stopped" in out
+    assert "Traceback" not in out
+    assert processes_mentioning(str(tmp_path / "demo")) == []
+    assert (tmp_path / "demo" / "operator.log").stat().st_size > 0
+    assert not (tmp_path / "demo" / "controlplane" / "etcd").exists()
+
+
+def test_ctrl_c_stops_every_process_the_demo_started(tmp_path):
+    require_prometheus()
+    rc, out = run_demo(tmp_path / "demo", interrupt_at="[5/7]")
+    print(out)
+    assert rc == 130, out
+    assert "interrupted; every process it started was stopped" in out
+    assert "Traceback" not in out
+    assert processes_mentioning(str(tmp_path / "demo")) == []

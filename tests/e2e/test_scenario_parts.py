@@ -1,0 +1,121 @@
+"""The scenario's pure parts: following --config to a ConfigMap key as a kubelet would, picking the current
+ReplicaSet, reading tiers out of a rendered config, and the agreement check that fails the scenario."""
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import yaml
+
+from kvtier_operator.api.validation import parse_policy
+from kvtier_operator.render import render
+from kvtier_operator.scenario import manifests, observe
+from kvtier_operator.scenario.kubelet import PodFailed, config_source, current_replica_set, pod_name
+from kvtier_operator.scenario.repo import RepoNotFound, find_repo
+
+NAMES = manifests.Names()
+
+
+def template(args=None, mounts=None, volumes=None):
+    c = {"name": "vllm", "args": args if args is not None else ["m", "--config", "/etc/kvtier/engine.yaml"],
+         "volumeMounts": mounts if mounts is not None else [{"name": "kvtier-config", "mountPath": "/etc/kvtier"}]}
+    return {"metadata": {"annotations": {"kvtier.io/config-hash": "abc"}},
+            "spec": {"containers": [c], "volumes": volumes if volumes is not None else [
+                {"name": "kvtier-config", "configMap": {"name": "kvtier-p"}}]}}
+
+
+def test_config_path_is_followed_through_the_mount_to_the_configmap_key():
+    src = config_source(template())
+    assert (src.config_map, src.key, src.mount_path, src.flag) == ("kvtier-p", "engine.yaml", "/etc/kvtier", "--config")
+
+
+def test_inline_flag_items_and_trtllm_flag():
+    t = template(args=["--extra_llm_api_options=/etc/kvtier/x/e.yaml"],
+                 volumes=[{"name": "kvtier-config", "configMap": {"name": "cm", "items": [
+                     {"key": "engine.yaml", "path": "x/e.yaml"}]}}])
+    src = config_source(t)
+    assert (src.key, src.flag) == ("engine.yaml", "--extra_llm_api_options")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"args": ["m"]}, "no container passes --config"),
+    ({"mounts": []}, "is on no volumeMount"),
+    ({"volumes": [{"name": "kvtier-config", "emptyDir": {}}]}, "not a ConfigMap volume"),
+    ({"args": ["--config"]}, "has no path"),
+])
+def test_a_pod_that_could_not_read_its_config_fails_with_the_reason(kwargs, message):
+    with pytest.raises(PodFailed, match=message):
+        config_source(template(**kwargs))
+
+
+def test_current_replica_set_is_the_one_of_the_deployments_revision():
+    dep = {"metadata": {"uid": "u1", "annotations": {"deployment.kubernetes.io/revision": "2"}}}
+    def rs(name, uid, rev):
+        return {"metadata": {"name": name, "ownerReferences": [{"uid": uid}],
+                             "annotations": {"deployment.kubernetes.io/revision": rev}}}
+    assert current_replica_set(dep, [rs("a", "u1", "1"), rs("b", "u2", "2"), rs("c", "u1", "2")])["metadata"][
+        "name"] == "c"
+    assert current_replica_set({"metadata": {"uid": "u1"}}, [rs("c", "u1", "2")]) is None
+
+
+def test_pod_names_look_like_kubernetes_ones():
+    name = pod_name("llama-demo-5997446f85", random.Random(1))
+    assert name.startswith("llama-demo-5997446f85-") and len(name.rsplit("-", 1)[1]) == 5
+
+
+def rendered_config(enabled):
+    pol = parse_policy(manifests.policy(NAMES, "http://prometheus:9090"))
+    return yaml.safe_load(render(pol, enabled_tiers=enabled).files["engine.yaml"])
+
+
+def test_tiers_are_read_back_from_the_real_renders():
+    tiers = manifests.policy(NAMES, "http://p:9090")["spec"]["tiers"]
+    assert observe.tiers_in_config(rendered_config(None), tiers) == ["host", "nvme"]
+    assert observe.tiers_in_config(rendered_config(["host"]), tiers) == ["host"]
+    assert observe.tiers_in_config(rendered_config([]), tiers) == []
+
+
+def snapshot(enabled, rendered, pods, workload_hash="h1", status_hash="h1", mounts=("/etc/kvtier", "/mnt/kvcache")):
+    pol = manifests.policy(NAMES, "http://p:9090")
+    pol["status"] = {"tiers": [{"name": t, "state": "Enabled" if t in enabled else "Disabled"}
+                               for t in ("host", "nvme")],
+                     "targets": [{"name": "llama-demo", "configHash": status_hash}]}
+    wl = copy.deepcopy(manifests.deployment(NAMES))
+    wl["spec"]["template"]["metadata"]["annotations"] = {"kvtier.io/config-hash": workload_hash}
+    wl["spec"]["template"]["spec"]["containers"][0]["volumeMounts"] = [{"name": f"v{i}", "mountPath": m}
+                                                                       for i, m in enumerate(mounts)]
+    cm = {"data": {"engine.yaml": yaml.safe_dump(rendered_config(rendered))}}
+    return observe.Snapshot(0.0, pol, cm, wl, {p: rendered_config(t) for p, t in pods.items()})
+
+
+def test_agreement_holds_when_every_part_carries_the_same_tiers():
+    assert snapshot(["host", "nvme"], None, {"pod-a": None}).agreement() == []
+    assert snapshot(["host"], ["host"], {"pod-b": ["host"]}, mounts=("/etc/kvtier",)).agreement() == []
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    (dict(enabled=["host"], rendered=None, pods={"p": ["host"]}, mounts=("/etc/kvtier",)), "ConfigMap renders"),
+    (dict(enabled=["host"], rendered=["host"], pods={"p": None}, mounts=("/etc/kvtier",)), "pod p loaded"),
+    (dict(enabled=["host"], rendered=["host"], pods={"p": ["host"]}), "still mounted"),
+    (dict(enabled=["host", "nvme"], rendered=None, pods={"p": None}, workload_hash="old"), "config-hash"),
+    (dict(enabled=["host", "nvme"], rendered=None, pods={}), "no pod is running"),
+])
+def test_each_disagreement_is_named(kwargs, fragment):
+    problems = snapshot(**kwargs).agreement()
+    assert any(fragment in p for p in problems), problems
+
+
+def test_the_table_marks_values_over_their_threshold():
+    s = snapshot(["host", "nvme"], None, {"llama-demo-x-abcde": None})
+    s.policy["status"].update({"sloState": "Breaching", "slo": {"consecutiveBreaches": 2, "last": {
+        "ttftP99": 2.5, "itlP99": 0.02, "thresholds": {"ttftP99": 0.5, "itlP99": 0.1}}}})
+    row = observe.row(s, 3)
+    assert "2.50s/500ms !" in row and "20ms/100ms " in row and "2/3" in row and "host+nvme" in row
+
+
+def test_repo_is_found_from_the_package_or_refused_with_the_way_out(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVTIER_REPO", raising=False)
+    assert (find_repo() / "e2e" / "controlplane" / "run").is_file()
+    with pytest.raises(RepoNotFound, match="--repo"):
+        find_repo(str(tmp_path))
