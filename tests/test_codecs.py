@@ -238,11 +238,37 @@ def test_fp8_saturates_instead_of_producing_nan_or_inf(name, fmax):
     assert torch.isfinite(y).all()
     # The kernel itself clamps: scaled values past the format's max (e5m2 would cast 1e6 to inf, e4m3 to NaN
     # or saturation depending on the backend) come out as +-fmax.
-    big = torch.tensor([[1e6, -1e6, 1e9, 0.5]])
+    big = torch.tensor([[1e6, -1e6, 1e9, 0.5]]) * codec.pre_scale
     out_codes = torch.empty(1, 4, dtype=torch.uint8)
-    codec._quantize(big, torch.ones(1, 1), out_codes)
+    codec._quantize(big, out_codes)
     decoded = out_codes.view(codec.fp8_dtype).float()
     assert decoded.tolist() == [[fmax, -fmax, fmax, 0.5]]
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8_e5m2"])
+def test_fp8_bit_level_encode_and_decode_agree_with_torch_casts(name):
+    """The codecs round and widen fp8 in int16 lanes (faster than torch's casts on CPU); the codes must be the
+    ones torch's cast produces except near ties: rounding goes through fp16 first, so a value within an fp16
+    rounding of an fp8 midpoint rounds away from zero, at most an fp16 ulp worse than torch's choice."""
+    codec = get_codec(name)
+    fmax = codec.qmax
+    g = torch.Generator().manual_seed(7)
+    a = torch.cat([torch.randn(1 << 16, generator=g) * fmax / 4, torch.rand(4096, generator=g) * 2 ** -8,
+                   torch.tensor([fmax, -fmax, 0.0, -0.0])]).clamp(-fmax, fmax).view(1, -1)
+    ours = torch.empty(a.shape, dtype=torch.uint8)
+    codec._quantize((a * codec.pre_scale).clone(), ours)
+    ref = a.to(codec.fp8_dtype)
+    ours_v, ref_v = ours.view(codec.fp8_dtype).float(), ref.float()
+    differ = ours_v != ref_v
+    assert differ.float().mean() < 1e-2
+    assert (ours_v[differ].abs() > ref_v[differ].abs()).all()   # away from zero
+    av = a[differ]
+    fp16_rounding = torch.maximum(av.abs() * 2.0 ** -10, torch.tensor(2.0 ** -24 / codec.pre_scale))
+    assert ((ours_v[differ] - av).abs() <= (ref_v[differ] - av).abs() + fp16_rounding).all()
+    # decode: bit tricks vs torch's fp8 -> float cast, with scale 1
+    back = torch.empty(a.shape)
+    codec._dequantize(ref.view(torch.uint8), torch.ones(1, 1), back)
+    assert torch.equal(back, ref_v)
 
 
 # ---- fallback and metrics ------------------------------------------------------------------------------------
@@ -314,13 +340,19 @@ def test_scratch_is_reused_not_regrown_across_calls():
     dst = torch.empty_like(x)
     codec.encode(x, out)
     decode(out, out=dst)
-    held = codec._scratch.nbytes()
+    from kvtier_runtime.codecs.registry import _decoder
+
+    held = codec._scratch.nbytes() + _decoder("int4")._scratch.nbytes()
     for _ in range(3):
         codec.encode(x, out)
         decode(out, out=dst)
-    assert codec._scratch.nbytes() == held
-    # chunked: scratch is bounded by the chunk size, not the block (this block is 512 KiB of fp16)
-    assert held < x.numel() * 4 / 2
+    assert codec._scratch.nbytes() + _decoder("int4")._scratch.nbytes() == held
+    # chunked: scratch is bounded by the chunk size, not the block: a block 4x larger needs no more
+    x4 = kv_normal((4 * 256, 8, 128), torch.float16)
+    out4 = torch.empty(codec.encoded_nbytes(x4.shape, x4.dtype), dtype=torch.uint8)
+    codec.encode(x4, out4)
+    decode(out4, out=torch.empty_like(x4))
+    assert codec._scratch.nbytes() + _decoder("int4")._scratch.nbytes() == held
 
 
 RUNTIME_SRC = str(pathlib.Path(__file__).resolve().parents[1] / "runtime")

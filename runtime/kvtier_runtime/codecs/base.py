@@ -10,9 +10,16 @@ from .header import DTYPE_IDS, HEADER_NBYTES, MAX_NDIM, CodecError, CodecHeader
 from .metrics import STATS
 from .scratch import ScratchPool
 
-# Elements per chunk: large enough that per-op dispatch overhead is small against the arithmetic, small
-# enough that a chunk's fp32 scratch (4 x this) stays in a core's L2 cache.
-CHUNK_ELEMS = 1 << 16
+# Elements per chunk. CPU: eager torch pays ~1-5 us per op and a chunk takes ~15 ops, so chunks must be large;
+# 2^18 measured as fast as 2^20 (bench/codecs.py --chunk-elems) and keeps a thread's scratch near 5 MiB, within
+# L3. 2^16 was 1.5x slower (docs/performance-codecs.md).
+# CUDA: kernel launches, not caches, dominate, so a chunk is a whole block of any realistic size.
+CHUNK_ELEMS = 1 << 18
+CUDA_CHUNK_ELEMS = 1 << 24
+
+
+def chunk_elems(device: torch.device) -> int:
+    return CHUNK_ELEMS if device.type == "cpu" else CUDA_CHUNK_ELEMS
 
 
 def numel_of(shape: Sequence[int]) -> int:
