@@ -35,6 +35,7 @@ VARIANTS = {  # label -> get_codec kwargs
     "int8": ("int8", {}),
     "int8/chan": ("int8", {"scales": "channel"}),
     "int4": ("int4", {}),
+    "int4/chan": ("int4", {"scales": "channel"}),
     "int4+fallback": ("int4", {"fallback": True}),
     "fp8+fallback": ("fp8", {"fallback": True}),
 }
@@ -149,15 +150,22 @@ def throughput(args: argparse.Namespace) -> None:
 
 # ---- accuracy ------------------------------------------------------------------------------------------------
 
-def encode_decode_blocks(x: torch.Tensor, codec, block_tokens: int) -> torch.Tensor:
-    """Encode ``x`` [tokens, heads, dim] block by block (as a tier stores it) and decode it back."""
+def encode_decode_blocks(x: torch.Tensor, codec, block_tokens: int, flat_heads: bool) -> tuple[torch.Tensor, int]:
+    """Encode ``x`` [tokens, heads, dim] block by block (as a tier stores it), decode it back; return the
+    decoded tensor and the encoded bytes. ``flat_heads`` views each block as [tokens, heads * dim], so per-channel
+    scales are per head and channel."""
     y = torch.empty_like(x)
-    buf = torch.empty(codec.max_encoded_nbytes((block_tokens, *x.shape[1:]), x.dtype), dtype=torch.uint8)
+    blk_shape = (block_tokens, x.shape[1] * x.shape[2]) if flat_heads else (block_tokens, *x.shape[1:])
+    buf = torch.empty(codec.max_encoded_nbytes(blk_shape, x.dtype), dtype=torch.uint8)
+    total = 0
     for t0 in range(0, x.shape[0], block_tokens):
-        blk = x[t0:t0 + block_tokens]
+        blk, dst = x[t0:t0 + block_tokens], y[t0:t0 + block_tokens]
+        if flat_heads:
+            blk, dst = blk.reshape(blk.shape[0], -1), dst.view(dst.shape[0], -1)
         n = codec.encode(blk, buf)
-        decode(buf[:n], out=y[t0:t0 + block_tokens])
-    return y
+        decode(buf[:n], out=dst)
+        total += n
+    return y, total
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -171,31 +179,45 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / a.double().norm()).item()
 
 
+# label -> (K codec, K options, V codec, V options); "/chan" K codecs scale per head and channel.
+ACCURACY_VARIANTS: dict[str, tuple[str, dict, str, dict]] = {
+    "fp8": ("fp8", {}, "fp8", {}),
+    "fp8_e5m2": ("fp8_e5m2", {}, "fp8_e5m2", {}),
+    "int8": ("int8", {}, "int8", {}),
+    "int8 K/chan": ("int8", {"scales": "channel"}, "int8", {}),
+    "int4": ("int4", {}, "int4", {}),
+    "int4 K/chan": ("int4", {"scales": "channel"}, "int4", {}),
+}
+
+
 def accuracy(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     contexts = [int(c) for c in args.contexts.split(",")]
     heads, head_dim, n_q, block_tokens = 8, 128, 32, 16
-    variants = [v for v in args.codecs.split(",")] if args.codecs else [
-        "fp8", "fp8_e5m2", "int8", "int8/chan", "int4"]
+    variants = args.codecs.split(",") if args.codecs else list(ACCURACY_VARIANTS)
     dtype = DTYPES[args.dtype]
     print(f"# {args.dtype} K/V [tokens, {heads} heads, {head_dim}], encoded in blocks of {block_tokens} tokens; "
-          f"{n_q} random queries per head; attention = softmax(QK^T/sqrt(d))V in fp32")
-    print("# K err / V err / attn err: relative L2 error; attn cos: mean (min) cosine similarity of output rows")
-    print("| data | codec | tokens | K err | V err | attn err | attn cos mean (min) |")
-    print("|------|-------|-------:|------:|------:|---------:|--------------------:|")
+          f"{n_q} random normal queries per head; attention = softmax(QK^T/sqrt(d))V in fp32")
+    print("# K err / V err / attn err: relative L2 error; attn cos: mean (min) cosine similarity of output rows;"
+          " ratio: K+V bytes / encoded bytes (headers included)")
+    print("| data | codec | tokens | ratio | K err | V err | attn err | attn cos mean (min) |")
+    print("|------|-------|-------:|------:|------:|------:|---------:|--------------------:|")
     for kind, make_k in (("normal", normal_kv), ("outlier K", outlier_kv)):
-        for v_name in variants:
-            codec = get_codec(VARIANTS[v_name][0], **VARIANTS[v_name][1])
+        for label in variants:
+            k_name, k_opts, v_name, v_opts = ACCURACY_VARIANTS[label]
+            k_codec, v_codec = get_codec(k_name, **k_opts), get_codec(v_name, **v_opts)
             for t in contexts:
                 gen = torch.Generator().manual_seed(t)
                 k = make_k((t, heads, head_dim), gen).to(dtype)
                 v = normal_kv((t, heads, head_dim), gen).to(dtype)
                 q = torch.randn((heads, n_q, head_dim), generator=gen).to(dtype)
-                k2, v2 = encode_decode_blocks(k, codec, block_tokens), encode_decode_blocks(v, codec, block_tokens)
+                k2, nk = encode_decode_blocks(k, k_codec, block_tokens, k_codec.per_channel)
+                v2, nv = encode_decode_blocks(v, v_codec, block_tokens, v_codec.per_channel)
                 o, o2 = attention(q, k, v), attention(q, k2, v2)
                 cos = torch.nn.functional.cosine_similarity(o.double(), o2.double(), dim=-1)
-                print(f"| {kind} | {v_name} | {t} | {rel(k, k2):.4f} | {rel(v, v2):.4f} | {rel(o, o2):.4f} | "
-                      f"{cos.mean().item():.5f} ({cos.min().item():.5f}) |", flush=True)
+                ratio = (k.numel() + v.numel()) * k.element_size() / (nk + nv)
+                print(f"| {kind} | {label} | {t} | {ratio:.2f} | {rel(k, k2):.4f} | {rel(v, v2):.4f} | "
+                      f"{rel(o, o2):.4f} | {cos.mean().item():.5f} ({cos.min().item():.5f}) |", flush=True)
     print("# error budgets (relative L2 per block): " + ", ".join(f"{n} {b}" for n, b in ERROR_BUDGETS.items()))
 
 
@@ -204,7 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--accuracy", action="store_true", help="K/V and attention error table instead of speed")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
-    p.add_argument("--codecs", help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--codecs", help=f"comma list of {', '.join(VARIANTS)} (speed) or "
+                                    f"{', '.join(ACCURACY_VARIANTS)} (--accuracy)")
     p.add_argument("--block-mib", type=float, default=2.0)
     p.add_argument("--working-set-mib", type=float, default=256.0)
     p.add_argument("--hot", action="store_true", help="reuse one block (cache-resident) instead of a cold set")

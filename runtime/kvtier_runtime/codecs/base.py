@@ -15,7 +15,7 @@ from .scratch import ScratchPool
 # L3. 2^16 was 1.5x slower (docs/performance-codecs.md).
 # CUDA: kernel launches, not caches, dominate, so a chunk is a whole block of any realistic size.
 CHUNK_ELEMS = 1 << 18
-CUDA_CHUNK_ELEMS = 1 << 24
+CUDA_CHUNK_ELEMS = 1 << 22
 
 
 def chunk_elems(device: torch.device) -> int:
@@ -101,7 +101,11 @@ class Codec:
             raise CodecError("out: must be a 1-D torch.uint8 tensor")
         if out.device != src.device:
             raise CodecError(f"out: on {out.device}, src is on {src.device}; both must be on one device")
+        self._check_src_shape(tuple(src.shape))
         return self._encode_as(src, out, self.name)
+
+    def _check_src_shape(self, shape: tuple[int, ...]) -> None:
+        """Reject shapes this codec's options cannot lay out (before anything is written)."""
 
     def _encode_as(self, src: torch.Tensor, out: torch.Tensor, requested: str) -> int:
         shape = tuple(src.shape)

@@ -329,6 +329,17 @@ class Int4Codec(ScaledCodec):
         # Groups have an even size, so only the last, shorter group can end in half a byte.
         return (numel + 1) // 2
 
+    def _check_src_shape(self, shape: tuple[int, ...]) -> None:
+        if self.per_channel and (shape[-1] if shape else 1) % 2:
+            raise CodecError(f"src: shape {shape}: int4 with scales='channel' needs an even last dimension")
+
+    def check_header(self, header: CodecHeader) -> None:
+        super().check_header(header)
+        if header.per_channel and header.numel and (header.shape[-1] if header.shape else 1) % 2:
+            raise CodecError("header.shape: int4 with per-channel scales needs an even last dimension")
+        if not header.per_channel and header.group_size % 2:
+            raise CodecError(f"header.group_size: {header.group_size} must be even for int4")
+
     def _codes_view(self, data, first, k, width):  # type: ignore[override]
         start = first // 2
         nbytes = (width + 1) // 2

@@ -31,7 +31,9 @@ def get_codec(name: str, *, group_size: int | None = None, scales: str = "group"
     """A codec by its ``KVCachePolicy`` name.
 
     ``group_size``: elements sharing one scale (fp8/int8 default 128, int4 default 32; int4 needs an even
-    size). ``scales``: ``"group"`` or, for int8 only, ``"channel"`` (one scale per index of the last dim).
+    size). ``scales``: ``"group"`` or ``"channel"``: one scale per index of the last dim over the whole block,
+    which keeps K's outlier channels from inflating every group they sit in (view a [tokens, heads, dim] block
+    as [tokens, heads * dim] for a scale per head and channel; int4 needs an even last dim).
     ``fallback``: measure each block's relative error on encode and store blocks over ``error_budget`` with
     the wider codec of ``FALLBACK_TO`` (``out`` must then hold ``max_encoded_nbytes``).
     ``error_budget``: override the codec's documented budget (relative L2 error per block) for fallback.
@@ -51,8 +53,6 @@ def get_codec(name: str, *, group_size: int | None = None, scales: str = "group"
         codec: Codec = cls(fallback=fallback)
     else:
         per_channel = scales == "channel"
-        if per_channel and name != "int8":
-            raise CodecError(f"scales: 'channel' is only supported by int8, not {name!r}")
         if per_channel:
             if group_size is not None:
                 raise CodecError("group_size: must be unset with scales='channel'")
@@ -74,8 +74,12 @@ def get_codec(name: str, *, group_size: int | None = None, scales: str = "group"
         codec.error_budget = float(error_budget)
     if fallback and name in FALLBACK_TO:
         wider = FALLBACK_TO[name]
-        wider_group = codec.group_size if (wider == "int8" and codec.group_size) else None
-        codec.fallback_codec = get_codec(wider, group_size=wider_group, fallback=True)
+        if wider == "none":
+            codec.fallback_codec = get_codec(wider, fallback=True)
+        elif codec.per_channel:
+            codec.fallback_codec = get_codec(wider, scales="channel", fallback=True)
+        else:
+            codec.fallback_codec = get_codec(wider, group_size=codec.group_size, fallback=True)
     return codec
 
 
