@@ -1,14 +1,16 @@
 """Codec speed and accuracy, as ratios against references measured in the same run.
 
-    python bench/codecs.py                      # throughput table (2 threads, 2 MiB fp16 blocks, 256 MiB cold set)
+    python bench/codecs.py                      # throughput table (2 threads, 2 MiB fp16 blocks, 128 MiB cold set)
     python bench/codecs.py --hot                # same, one block reused (cache-resident; an upper bound)
     python bench/codecs.py --accuracy           # K/V and attention error, 1k..32k tokens, normal + outlier data
+    python bench/codecs.py --compile-probe      # eager codecs vs the same math through torch.compile (CPU)
 
 Throughput: GB/s of *input* bytes for encode and decode, against ``dst.copy_(src)`` of the same bytes into
 preallocated memory over the same blocks; ``rt/copy`` is the encode+decode round trip (bytes / (t_enc + t_dec))
 as a fraction of the copy rate, the figure the targets (fp8 >= 0.25, int4 >= 0.1) apply to. Passes over all
-blocks are interleaved (copy, then each codec) and the median pass is reported, so a noisy neighbour slows
-every column alike. ``alloc/call`` is what torch's CPU allocator handed out during one steady-state
+blocks are interleaved (copy, then each codec) and the fastest pass of each column is reported (``--stat
+median`` for the median): on a shared machine the fastest pass is the one least disturbed by neighbours, and
+the copy reference gets the same treatment. ``alloc/call`` is what torch's CPU allocator handed out during one steady-state
 encode + decode, from the profiler (0 means everything came from the codec's reused scratch).
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "runtime"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from kvtier_runtime.codecs import CODEC_CLASSES, ERROR_BUDGETS, decode, get_codec  # noqa: E402
 from kvtier_runtime.codecs import base as codec_base  # noqa: E402
@@ -31,6 +34,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 VARIANTS = {  # label -> get_codec kwargs
     "none": ("none", {}),
     "fp8": ("fp8", {}),
+    "fp8+compile": ("fp8", {"compile": True}),
     "fp8_e5m2": ("fp8_e5m2", {}),
     "int8": ("int8", {}),
     "int8/chan": ("int8", {"scales": "channel"}),
@@ -85,6 +89,8 @@ def throughput(args: argparse.Namespace) -> None:
     dst = [torch.empty_like(s) for s in src]
     variants = [v for v in args.codecs.split(",")] if args.codecs else list(VARIANTS)
     codecs = {v: get_codec(VARIANTS[v][0], **VARIANTS[v][1]) for v in variants}
+    for c in codecs.values():   # compile cost stays out of the timed passes, as in the runtime
+        c.warmup(shape, dtype) if hasattr(c, "warmup") else None
     outs = {v: [torch.empty(c.max_encoded_nbytes(shape, dtype), dtype=torch.uint8) for _ in range(n_blocks)]
             for v, c in codecs.items()}
     nbytes = {v: c.encode(src[0], outs[v][0]) for v, c in codecs.items()}
@@ -125,10 +131,11 @@ def throughput(args: argparse.Namespace) -> None:
             t_enc[v].append(timed(enc_pass, v))
             t_dec[v].append(timed(dec_pass, v))
     total = block_bytes * n_blocks * reps
-    copy_rate = total / statistics.median(t_copy) / 1e9
+    stat = min if args.stat == "min" else statistics.median
+    copy_rate = total / stat(t_copy) / 1e9
     print(f"# {args.dtype} blocks of {shape} ({block_bytes / 2**20:.2f} MiB), {n_blocks} distinct blocks "
           f"({'hot: one block' if args.hot else f'{n_blocks * block_bytes / 2**20:.0f} MiB cold set'}), "
-          f"{args.threads} threads, chunk {codec_base.CHUNK_ELEMS} elems, median of {args.repeats} passes")
+          f"{args.threads} threads, chunk {codec_base.CHUNK_ELEMS} elems, {args.stat} of {args.repeats} passes")
     print(f"# raw copy_: {copy_rate:.2f} GB/s")
     print(f"| {'codec':14s} | ratio | enc GB/s | dec GB/s | enc/copy | dec/copy | rt/copy | target | "
           f"rel err | alloc/call |")
@@ -136,8 +143,8 @@ def throughput(args: argparse.Namespace) -> None:
           f"--------:|-----------:|")
     targets = {"fp8": 0.25, "int4": 0.1}
     for v in variants:
-        enc = total / statistics.median(t_enc[v]) / 1e9
-        dec = total / statistics.median(t_dec[v]) / 1e9
+        enc = total / stat(t_enc[v]) / 1e9
+        dec = total / stat(t_dec[v]) / 1e9
         rt = 1 / (1 / enc + 1 / dec)
         y = decode(outs[v][0])
         err = ((y.double() - src[0].double()).norm() / src[0].double().norm()).item()
@@ -221,23 +228,72 @@ def accuracy(args: argparse.Namespace) -> None:
     print("# error budgets (relative L2 per block): " + ", ".join(f"{n} {b}" for n, b in ERROR_BUDGETS.items()))
 
 
+def compile_probe(args: argparse.Namespace) -> None:
+    """Is torch.compile worth it on CPU? The eager codecs against the same math written as plain torch functions
+    (bench/gpu_codecs.py) and compiled by inductor, on one cache-resident block; compile time printed apart."""
+    import gpu_codecs as ref
+
+    torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    tokens = max(1, int(args.block_mib * 2**20) // (8 * 128 * torch.empty((), dtype=dtype).element_size()))
+    x = torch.randn((tokens, 8, 128)).to(dtype)
+    dst = torch.empty_like(x)
+    nbytes = x.numel() * x.element_size()
+
+    def best(fn, reps: int = 20) -> float:
+        fn()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return min(ts)
+
+    print(f"# {args.dtype} block {tuple(x.shape)}, {args.threads} threads, fastest of 20 calls, GB/s of input bytes")
+    print("| kernel | compile s | enc GB/s | dec GB/s |")
+    print("|--------|----------:|---------:|---------:|")
+    for kind, group, code_bytes in (("fp8", 128, 1.0), ("int4", 32, 0.5)):
+        codec = get_codec(kind)
+        out = torch.empty(codec.encoded_nbytes(x.shape, dtype), dtype=torch.uint8)
+        te, td = best(lambda: codec.encode(x, out)), best(lambda: decode(out, out=dst))
+        print(f"| {kind} eager codec | - | {nbytes / te / 1e9:.2f} | {nbytes / td / 1e9:.2f} |", flush=True)
+        codes = torch.empty(int(x.numel() * code_bytes), dtype=torch.uint8)
+        scales = torch.empty(math.ceil(x.numel() / group))
+        enc = torch.compile(getattr(ref, f"{kind}_encode_ref"), dynamic=False)
+        dec = torch.compile(getattr(ref, f"{kind}_decode_ref"), dynamic=False)
+        t0 = time.perf_counter()
+        enc(x, codes, scales)
+        dec(codes, scales, dst)
+        compile_s = time.perf_counter() - t0
+        te, td = best(lambda: enc(x, codes, scales)), best(lambda: dec(codes, scales, dst))
+        print(f"| {kind} torch.compile | {compile_s:.1f} | {nbytes / te / 1e9:.2f} | {nbytes / td / 1e9:.2f} |",
+              flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--accuracy", action="store_true", help="K/V and attention error table instead of speed")
+    p.add_argument("--compile-probe", action="store_true", help="eager codecs vs torch.compile'd kernels (CPU)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
     p.add_argument("--codecs", help=f"comma list of {', '.join(VARIANTS)} (speed) or "
                                     f"{', '.join(ACCURACY_VARIANTS)} (--accuracy)")
     p.add_argument("--block-mib", type=float, default=2.0)
-    p.add_argument("--working-set-mib", type=float, default=256.0)
+    p.add_argument("--working-set-mib", type=float, default=128.0)
     p.add_argument("--hot", action="store_true", help="reuse one block (cache-resident) instead of a cold set")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--stat", choices=["min", "median"], default="min")
     p.add_argument("--min-block-ops", type=int, default=16, help="blocks per timed pass, at least")
     p.add_argument("--chunk-elems", type=int, default=0, help="override the codecs' CPU chunk size")
     p.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768")
     args = p.parse_args(argv)
     assert set(CODEC_CLASSES) <= {v[0] for v in VARIANTS.values()}
-    accuracy(args) if args.accuracy else throughput(args)
+    if args.accuracy:
+        accuracy(args)
+    elif args.compile_probe:
+        compile_probe(args)
+    else:
+        throughput(args)
 
 
 if __name__ == "__main__":

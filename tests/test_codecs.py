@@ -387,3 +387,37 @@ def test_codecs_package_does_not_import_kubernetes_or_kopf():
     code = ("import sys, kvtier_runtime.codecs; "
             "assert not {'kopf', 'kubernetes'} & set(sys.modules), sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": RUNTIME_SRC})
+
+
+# ---- torch.compile'd fp8 encoding ----------------------------------------------------------------------------
+
+def test_compile_option_is_validated_and_only_used_where_it_pays():
+    with pytest.raises(CodecError, match="compile: 'yes' must be a bool"):
+        get_codec("fp8", compile="yes")
+    assert get_codec("int4", compile=True).compiled_kernels is None
+    assert get_codec("fp8", scales="channel", compile=True).compiled_kernels is None
+    assert get_codec("fp8", compile=True).compiled_kernels is not None
+
+
+@pytest.mark.slow
+def test_compiled_fp8_encoding_compiles_off_the_hot_path_and_writes_the_same_format():
+    import time
+
+    x = kv_normal((8, 8, 128), torch.bfloat16)   # one chunk of 64 groups of 128
+    codec, eager = get_codec("fp8", compile=True), get_codec("fp8")
+    out = torch.empty(codec.encoded_nbytes(x.shape, x.dtype), dtype=torch.uint8)
+    ref = torch.empty_like(out)
+    eager.encode(x, ref)
+    t0 = time.perf_counter()
+    codec.encode(x, out)          # queues the compile, encodes eagerly meanwhile
+    assert time.perf_counter() - t0 < 2.0 and codec.compiled_kernels.calls == 0
+    assert torch.equal(out, ref)
+    deadline = time.monotonic() + 300
+    while codec.compiled_kernels.calls == 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        codec.encode(x, out)
+    assert codec.compiled_kernels.failed is None and codec.compiled_kernels.calls > 0
+    y = decode(out)
+    assert rel_err(x, y) <= ERROR_BUDGETS["fp8"]
+    # torch's cast rounds ties to even, the eager bit path away from zero: nearly every byte agrees
+    assert (out == ref).float().mean() > 0.99

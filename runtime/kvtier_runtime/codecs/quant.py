@@ -143,8 +143,18 @@ class ScaledCodec(Codec):
             chan_scale, chan_inv = self._channel_scales(flat, shape)
             scale_bytes.copy_(chan_scale.view(torch.uint8))
             chan_scale, chan_inv = chan_scale.view(1, -1), chan_inv.view(1, -1)
+        compiled = self._compiled if (self.compiled_kernels and acc is None and chan_inv is None) else None
         for first, k, width, s0 in self._chunks(numel, shape, self.group_size, self.per_channel, dev):
-            xf = self._as_f32(flat[first:first + k * width].view(k, width))
+            xc = flat[first:first + k * width].view(k, width)
+            if compiled is not None:
+                kern = compiled.get((xc.dtype, k, width, dev), lambda: self._example(xc.dtype, k, width, dev))
+                if kern is not None:
+                    scale = self._buf("scale", (k, 1), F32, dev)
+                    kern(xc, self._codes_view(data, first, k, width), scale)
+                    scale_bytes[4 * s0:4 * (s0 + k)].view(k, 4).copy_(scale.view(torch.uint8))
+                    compiled.calls += 1
+                    continue
+            xf = self._as_f32(xc)
             a = self._buf("a", (k, width), F32, dev)
             if chan_inv is None:
                 torch.abs(xf, out=a)
@@ -176,6 +186,29 @@ class ScaledCodec(Codec):
         if norm_sq == 0.0:
             return 0.0 if err_sq == 0.0 else math.inf
         return math.sqrt(err_sq / norm_sq)
+
+    # ---- optional compiled kernels (fp8 only, see compiled.py) ------------------------------------------------
+    compiled_kernels = None
+
+    @property
+    def _compiled(self):
+        return self.compiled_kernels
+
+    def _example(self, dtype: torch.dtype, k: int, width: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
+        return (torch.randn(k, width, device=dev).to(dtype), torch.empty(k, width, dtype=torch.uint8, device=dev),
+                torch.empty(k, 1, device=dev))
+
+    def warmup(self, shape: Sequence[int], dtype: torch.dtype, device: str | torch.device = "cpu") -> bool:
+        """Compile, now, the kernels a block of ``shape`` needs (a no-op without ``compile=True``); True when
+        every chunk of such a block will run compiled."""
+        if self.compiled_kernels is None or self.per_channel:
+            return False
+        dev = torch.device(device)
+        ok = True
+        for _, k, width, _ in self._chunks(numel_of(shape), shape, self.group_size, False, dev):
+            ok &= self.compiled_kernels.compile_now((dtype, k, width, dev),
+                                                    lambda: self._example(dtype, k, width, dev))
+        return ok
 
     def _channel_scales(self, flat: torch.Tensor, shape: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         width = shape[-1] if shape else 1
@@ -305,7 +338,8 @@ class Int8Codec(ScaledCodec):
     default_group_size = 128
 
     def _quantize(self, a, codes):  # type: ignore[override]
-        a.round_().clamp_(-self.qmax, self.qmax)
+        # No clamp: |a| <= 127 * (1 + 2^-20) by construction of the scales (_SHRINK), which rounds to 127.
+        a.round_()
         codes.view(torch.int8).copy_(a)
 
     def _dequantize(self, codes, scale, dst):  # type: ignore[override]
@@ -348,7 +382,7 @@ class Int4Codec(ScaledCodec):
     def _quantize(self, a, codes):  # type: ignore[override]
         k, w = a.shape
         dev = a.device
-        a.round_().clamp_(-self.qmax, self.qmax)
+        a.round_()   # |a| <= 7 * (1 + 2^-20) by construction of the scales: rounds into [-7, 7], no clamp
         we = w + (w & 1)
         q = self._buf("q8", (k, we), torch.int8, dev)
         if we != w:
