@@ -4,6 +4,7 @@
     python bench/codecs.py --hot                # same, one block reused (cache-resident; an upper bound)
     python bench/codecs.py --accuracy           # K/V and attention error, 1k..32k tokens, normal + outlier data
     python bench/codecs.py --compile-probe      # eager codecs vs the same math through torch.compile (CPU)
+    python bench/codecs.py --budgets            # worst/mean block error per codec: evidence for the budgets
 
 Throughput: GB/s of *input* bytes for encode and decode, against ``dst.copy_(src)`` of the same bytes into
 preallocated memory over the same blocks; ``rt/copy`` is the encode+decode round trip (bytes / (t_enc + t_dec))
@@ -228,6 +229,35 @@ def accuracy(args: argparse.Namespace) -> None:
     print("# error budgets (relative L2 per block): " + ", ".join(f"{n} {b}" for n, b in ERROR_BUDGETS.items()))
 
 
+def budgets(args: argparse.Namespace) -> None:
+    """Worst and mean block error per codec over dtypes, shapes and seeds: the evidence for ERROR_BUDGETS."""
+    torch.set_num_threads(args.threads)
+    shapes = [(64, 8, 128), (16, 8, 64), (3, 7, 5)]
+    rows = [("fp8", {}), ("fp8_e5m2", {}), ("int8", {}), ("int8", {"scales": "channel"}), ("int4", {}),
+            ("int4", {"group_size": 64}), ("int4", {"scales": "channel"})]
+    print(f"# relative L2 error per block; {len(DTYPES)} dtypes x {len(shapes)} shapes {shapes} x 4 seeds")
+    print("| codec | options | normal max | normal mean | outlier max | outlier mean | budget |")
+    print("|-------|---------|-----------:|------------:|------------:|-------------:|-------:|")
+    for name, opts in rows:
+        codec = get_codec(name, **opts)
+        cells = []
+        for make in (normal_kv, outlier_kv):
+            errs = []
+            for dtype in DTYPES.values():
+                for seed in range(4):
+                    for shape in shapes:
+                        gen = torch.Generator().manual_seed(seed)
+                        x = make(shape, gen).to(dtype)
+                        if codec.per_channel and name == "int4" and shape[-1] % 2:
+                            continue
+                        out = torch.empty(codec.encoded_nbytes(shape, dtype), dtype=torch.uint8)
+                        codec.encode(x, out)
+                        errs.append(rel(x, decode(out)))
+            cells += [max(errs), sum(errs) / len(errs)]
+        print(f"| {name} | {opts or ''} | " + " | ".join(f"{c:.4f}" for c in cells) +
+              f" | {ERROR_BUDGETS[name]} |")
+
+
 def compile_probe(args: argparse.Namespace) -> None:
     """Is torch.compile worth it on CPU? The eager codecs against the same math written as plain torch functions
     (bench/gpu_codecs.py) and compiled by inductor, on one cache-resident block; compile time printed apart."""
@@ -273,6 +303,7 @@ def compile_probe(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--accuracy", action="store_true", help="K/V and attention error table instead of speed")
+    p.add_argument("--budgets", action="store_true", help="worst/mean block error per codec (budget evidence)")
     p.add_argument("--compile-probe", action="store_true", help="eager codecs vs torch.compile'd kernels (CPU)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
@@ -290,6 +321,8 @@ def main(argv: list[str] | None = None) -> None:
     assert set(CODEC_CLASSES) <= {v[0] for v in VARIANTS.values()}
     if args.accuracy:
         accuracy(args)
+    elif args.budgets:
+        budgets(args)
     elif args.compile_probe:
         compile_probe(args)
     else:
