@@ -1,0 +1,505 @@
+"""The ``kvtier.io/v1alpha1`` ``KVCachePolicy`` API.
+
+These models are the single source of truth: the CRD in ``crds/`` is generated from them (``kvtier crd``), and
+``kvtier validate`` checks a policy with them plus the very CEL rules the API server runs (see ``crd.py``).
+Cross-field rules are written once, as CEL, on the model they constrain.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from kvtier_runtime.config import ADMISSION_POLICIES, CODECS, EVICTION_POLICIES
+
+from .units import DURATION_PATTERN, POSITIVE_QUANTITY_PATTERN
+
+GROUP = "kvtier.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "KVCachePolicy"
+PLURAL = "kvcachepolicies"
+SINGULAR = "kvcachepolicy"
+SHORT_NAMES = ["kvp"]
+
+MAX_TIERS = 4
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+ABS_PATH_PATTERN = r"^/[^\x00]*$"
+# `[.]` rather than `\.`: the pattern is embedded in a CEL string literal, where `\.` is not a valid escape.
+TRTLLM_DISK_CACHE_VERSION = r"^(1[.]([3-9]|[1-9][0-9])|[2-9]|[1-9][0-9]+)([.][0-9A-Za-z.+-]*)?$"
+
+
+def _rule(rule: str, message: str | None = None, *, message_expression: str | None = None,
+          field_path: str | None = None, reason: str | None = None) -> dict[str, str]:
+    out = {"rule": rule}
+    if message:
+        out["message"] = message
+    if message_expression:
+        out["messageExpression"] = message_expression
+    if field_path:
+        out["fieldPath"] = field_path
+    if reason:
+        out["reason"] = reason
+    return out
+
+
+def _cel(*rules: dict[str, str]) -> dict[str, Any]:
+    return {"x-kubernetes-validations": list(rules)}
+
+
+# Kubernetes quantities may be written as integers (bytes) or suffixed strings; both are kept as written.
+Quantity = Annotated[str, BeforeValidator(lambda v: str(v) if isinstance(v, int) and not isinstance(v, bool) else v)]
+
+
+def _quantity(description: str, **kwargs: Any) -> Any:
+    return Field(description=description, pattern=POSITIVE_QUANTITY_PATTERN, max_length=64,
+                 json_schema_extra={"x-kubernetes-int-or-string": True}, **kwargs)
+
+
+def _object_default(model: type[BaseModel]) -> dict[str, Any]:
+    # The whole default object, not `{}`: the API server does not default fields inside a defaulted object,
+    # and CEL rules must see the same fields `kvtier validate` sees.
+    return {"default": model().model_dump(by_alias=True, exclude_none=True, mode="json")}
+
+
+def _duration(description: str, default: str | None = None) -> Any:
+    return Field(default, description=description, pattern=DURATION_PATTERN, max_length=32)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+# ---------------------------------------------------------------------------------------------- selection
+
+
+class LabelSelectorRequirement(_Model):
+    """One label requirement, as in a Kubernetes LabelSelector."""
+
+    key: str = Field(description="The label key the requirement applies to.", max_length=317)
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"] = Field(description="How key and values relate.")
+    values: Optional[list[str]] = Field(
+        None, description="Values for In and NotIn; must be empty for Exists and DoesNotExist.", max_length=64
+    )
+
+
+class LabelSelector(_Model):
+    """Selects Deployments and StatefulSets in the policy's namespace by their labels."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            _rule("has(self.matchLabels) || has(self.matchExpressions)",
+                  "a selector must name matchLabels or matchExpressions; an empty selector would select everything")
+        )
+    )
+    match_labels: Optional[dict[str, str]] = Field(None, description="Labels a workload must carry, all of them.")
+    match_expressions: Optional[list[LabelSelectorRequirement]] = Field(
+        None, description="Label requirements a workload must meet, all of them.", max_length=16
+    )
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+class GPUSpec(_Model):
+    """The GPU tier: the engine's own KV cache in GPU memory."""
+
+    memory_utilization: Optional[float] = Field(
+        None, gt=0, le=1,
+        description="Fraction of GPU memory the engine may use (vLLM --gpu-memory-utilization, TensorRT-LLM "
+                    "free_gpu_memory_fraction). Unset: the engine's default.",
+    )
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "auto", description="KV cache data type in GPU memory (vLLM --kv-cache-dtype, TensorRT-LLM dtype).",
+    )
+
+
+# ---------------------------------------------------------------------------------------------- tiers
+
+
+class EmptyDirSource(_Model):
+    """An emptyDir volume."""
+
+    medium: Optional[Literal["", "Memory"]] = Field(None, description="Storage medium; empty means node disk.")
+    size_limit: Optional[Quantity] = _quantity("Size limit of the emptyDir.", default=None)
+
+
+class HostPathSource(_Model):
+    """A hostPath volume, e.g. a node-local NVMe mount."""
+
+    path: str = Field(description="Path on the node.", pattern=ABS_PATH_PATTERN, max_length=4096)
+    type: Optional[Literal["", "Directory", "DirectoryOrCreate"]] = Field(None, description="hostPath type.")
+
+
+class PersistentVolumeClaimSource(_Model):
+    """An existing PersistentVolumeClaim."""
+
+    claim_name: str = Field(description="Name of the claim in the policy's namespace.", pattern=NAME_PATTERN,
+                            max_length=253)
+    read_only: bool = Field(False, description="Mount read-only (a read-only tier serves hits but stores nothing).")
+
+
+class VolumeSource(_Model):
+    """Where a filesystem tier's bytes live: exactly one of emptyDir, hostPath, persistentVolumeClaim."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            _rule("[has(self.emptyDir), has(self.hostPath), has(self.persistentVolumeClaim)]"
+                  ".filter(x, x).size() == 1",
+                  "exactly one of emptyDir, hostPath or persistentVolumeClaim must be set")
+        )
+    )
+    empty_dir: Optional[EmptyDirSource] = Field(None, description="A pod-lifetime emptyDir.")
+    host_path: Optional[HostPathSource] = Field(None, description="A node-local path (survives pod restarts).")
+    persistent_volume_claim: Optional[PersistentVolumeClaimSource] = Field(None, description="An existing claim.")
+
+
+class TierSpec(_Model):
+    """One offload tier below the GPU."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            _rule("self.medium != 'filesystem' || (has(self.path) && has(self.volume))",
+                  "a filesystem tier needs path and volume", field_path=".path"),
+            _rule("self.medium != 'cpu' || (!has(self.path) && !has(self.volume))",
+                  "a cpu tier takes no path or volume (it lives in /dev/shm)", field_path=".medium"),
+            _rule("self.compression == 'none' || self.medium == 'filesystem'",
+                  "compression applies to filesystem tiers only", field_path=".compression"),
+        )
+    )
+    name: str = Field(description="Tier name, unique in the policy; used in status, events and metrics.",
+                      pattern=NAME_PATTERN, max_length=63)
+    medium: Literal["cpu", "filesystem"] = Field(
+        description="cpu: host RAM (at most one, and first); filesystem: a local disk such as NVMe.")
+    size: Quantity = _quantity("Capacity of the tier as a Kubernetes quantity, total across tensor-parallel ranks.")
+    enabled: bool = Field(True, description="Set false to declare a tier without using it. The SLO guard "
+                                            "disables tiers in status, never here.")
+    eviction_policy: Literal[EVICTION_POLICIES] = Field(  # type: ignore[valid-type]
+        "lru", description="Eviction policy: lru or arc with backend native; lru with lmcache; lru, arc, "
+                           "s3fifo or prefix2q (prefix-aware, the best measured on real traces, see "
+                           "docs/replay.md) with backend kvtier.")
+    admission: Literal[ADMISSION_POLICIES] = Field(  # type: ignore[valid-type]
+        "none", description="Admission filter in front of eviction (backend kvtier only): none; doorkeeper "
+                            "(store a block only once it is seen again, TinyLFU style); threshold (store after "
+                            "spec.offload.storeThreshold offers).")
+    path: Optional[str] = Field(None, description="Mount path of a filesystem tier in the serving container.",
+                                pattern=ABS_PATH_PATTERN, max_length=4096)
+    volume: Optional[VolumeSource] = Field(None, description="Volume that backs a filesystem tier.")
+    read_threads: int = Field(16, ge=1, le=256, description="I/O threads reading from a filesystem tier.")
+    write_threads: int = Field(16, ge=1, le=256, description="I/O threads writing to a filesystem tier.")
+    compression: Literal[CODECS] = Field(  # type: ignore[valid-type]
+        "none", description="Codec for blocks stored in a filesystem tier (backend kvtier only).")
+
+
+# ---------------------------------------------------------------------------------------------- offload
+
+
+class OffloadSpec(_Model):
+    """What is offloaded, and in what units."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            _rule("self.storeThreshold == 0 || self.storeThreshold >= 2",
+                  "storeThreshold must be 0 (store every offer) or at least 2", field_path=".storeThreshold"),
+        )
+    )
+    chunk_tokens: Optional[int] = Field(
+        None, ge=1, le=1_048_576,
+        description="Tokens per offloaded chunk (vLLM block_size); a multiple of spec.blockSize. "
+                    "Unset: one GPU block per chunk.")
+    prompt_only: bool = Field(
+        False, description="Offload only prompt tokens (vLLM offload_prompt_only). False keeps generated tokens "
+                           "too, which multi-turn conversations reuse.")
+    store_threshold: int = Field(0, ge=0, le=1000, description="Store a chunk only after it was offered this "
+                                                               "many times (vLLM store_threshold); 0 stores all.")
+    min_priority: int = Field(35, ge=0, le=100, description="TensorRT-LLM secondary_offload_min_priority: "
+                                                            "blocks with this retention priority or more are "
+                                                            "offloaded.")
+
+
+# ---------------------------------------------------------------------------------------------- SLO
+
+
+class SecretKeyRef(_Model):
+    """A key in a Secret in the policy's namespace."""
+
+    name: str = Field(description="Secret name.", pattern=NAME_PATTERN, max_length=253)
+    key: str = Field(description="Key in the Secret.", max_length=253)
+
+
+class PrometheusAuth(_Model):
+    """Credentials for Prometheus: a bearer token, or basic auth."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            _rule("has(self.bearerToken) != (has(self.username) || has(self.password))",
+                  "set bearerToken, or username and password, not both"),
+            _rule("has(self.username) == has(self.password)", "username and password go together"),
+        )
+    )
+    bearer_token: Optional[SecretKeyRef] = Field(None, description="Secret key holding a bearer token.")
+    username: Optional[SecretKeyRef] = Field(None, description="Secret key holding the basic-auth user.")
+    password: Optional[SecretKeyRef] = Field(None, description="Secret key holding the basic-auth password.")
+
+
+class PrometheusSpec(_Model):
+    """Where the SLO guard reads latency from."""
+
+    url: str = Field(description="Base URL of the Prometheus HTTP API.", pattern=r"^https?://[^\s]+$",
+                     max_length=2048)
+    auth: Optional[PrometheusAuth] = Field(None, description="Credentials, read from Secrets.")
+    ca_bundle: Optional[SecretKeyRef] = Field(None, description="Secret key holding a PEM CA bundle for TLS.")
+    timeout: str = _duration("Timeout of one query.", "10s")
+
+
+class QueryOverrides(_Model):
+    """PromQL that replaces the built-in queries; each must return one scalar-like sample."""
+
+    ttft_p99: Optional[str] = Field(None, description="Query for p99 time to first token, in seconds.",
+                                    max_length=4096)
+    itl_p99: Optional[str] = Field(None, description="Query for p99 inter-token latency, in seconds.",
+                                   max_length=4096)
+    request_rate: Optional[str] = Field(None, description="Query for requests per second.", max_length=4096)
+
+
+class ReenableSpec(_Model):
+    """How a tier the guard disabled comes back."""
+
+    mode: Literal["manual", "auto"] = Field(
+        "manual", description="manual: annotate kvtier.io/reenable=<tier> (or change the spec); auto: after "
+                              "'after', on probation.")
+    after: str = _duration("With mode auto: time after the rollback before the tier is tried again.", "1h")
+    probation: str = _duration("With mode auto: a breach within this time after re-enabling disables the tier "
+                               "again and stops automatic re-enabling until a person acts.", "30m")
+
+
+class SLOSpec(_Model):
+    """Latency objectives the SLO guard protects by disabling the newest tier on a sustained breach."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            _rule("has(self.ttftP99) || has(self.itlP99) || has(self.ttftP99MaxRatio) || has(self.itlP99MaxRatio)",
+                  "an SLO needs at least one of ttftP99, itlP99, ttftP99MaxRatio, itlP99MaxRatio"),
+        )
+    )
+    prometheus: PrometheusSpec = Field(description="Prometheus to query.")
+    ttft_p99: Optional[str] = _duration("Threshold for p99 time to first token, e.g. 2s.")
+    itl_p99: Optional[str] = _duration("Threshold for p99 inter-token latency, e.g. 150ms.")
+    ttft_p99_max_ratio: Optional[float] = Field(
+        None, gt=1, le=100, description="Threshold relative to the GPU-only baseline p99 TTFT (staged rollout).")
+    itl_p99_max_ratio: Optional[float] = Field(
+        None, gt=1, le=100, description="Threshold relative to the GPU-only baseline p99 ITL (staged rollout).")
+    window: str = _duration("Window of each p99 (PromQL range).", "5m")
+    interval: str = _duration("Time between evaluations.", "30s")
+    consecutive_breaches: int = Field(3, ge=1, le=100, description="Breaches in a row that disable the newest "
+                                                                   "enabled tier.")
+    on_no_data: Literal["hold", "breach"] = Field(
+        "hold", description="No data or too little traffic: hold (no verdict) or count as a breach.")
+    min_request_rate: float = Field(0.2, ge=0, description="Requests per second under which no verdict is taken.")
+    cooldown: str = _duration("After a rollback, time before another tier may be disabled.", "15m")
+    reenable: ReenableSpec = Field(default_factory=ReenableSpec, json_schema_extra=_object_default(ReenableSpec),
+                                   description="How disabled tiers come back.")
+    dry_run: bool = Field(False, description="Record what the guard would do, and do nothing.")
+    model_name: Optional[str] = Field(None, description="Scope queries by the engine's model_name label "
+                                                        "instead of pod names.", max_length=253)
+    queries: Optional[QueryOverrides] = Field(None, description="Replace the built-in PromQL.")
+
+
+class RolloutSpec(_Model):
+    """How tiers are switched on."""
+
+    strategy: Literal["immediate", "staged"] = Field(
+        "immediate", description="immediate: all enabled tiers at once; staged: GPU-only first, then one tier "
+                                 "per observation period while the SLO holds (needs spec.slo).")
+    stage_observation: str = _duration("How long each stage must hold the SLO before the next.", "30m")
+
+
+class InjectionSpec(_Model):
+    """How the operator touches the workload."""
+
+    args: Literal["reference", "managed"] = Field(
+        "reference", description="reference: your manifest passes the config file argument itself (GitOps-safe); "
+                                 "managed: the operator owns the container args (no GitOps).")
+
+
+# ---------------------------------------------------------------------------------------------- spec
+
+
+class KVCachePolicySpec(_Model):
+    """Desired KV-cache tiering for the selected serving workloads."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            _rule("self.tiers.all(t, self.tiers.filter(u, u.name == t.name).size() == 1)",
+                  "tier names must be unique", field_path=".tiers"),
+            _rule("self.tiers.size() == 0 || self.tiers[0].medium == 'cpu'",
+                  "the first tier must be the cpu tier: every offloaded block passes through host memory",
+                  field_path=".tiers"),
+            _rule("self.tiers.filter(t, t.medium == 'cpu').size() <= 1", "at most one cpu tier",
+                  field_path=".tiers"),
+            _rule("self.tiers.filter(t, t.medium == 'filesystem' && has(t.path)).all(t, self.tiers.filter(u, "
+                  "u.medium == 'filesystem' && has(u.path) && u.path == t.path).size() == 1)",
+                  "filesystem tiers need distinct paths", field_path=".tiers"),
+            _rule("!has(self.offload.chunkTokens) || self.offload.chunkTokens % self.blockSize == 0",
+                  # format(), not string() + concatenation: the API server prices string(int) as unbounded.
+                  message_expression="'%d is not a multiple of spec.blockSize (%d)'"
+                                     ".format([self.offload.chunkTokens, self.blockSize])",
+                  field_path=".offload.chunkTokens"),
+            _rule("self.backend == 'kvtier' || self.tiers.all(t, t.compression == 'none')",
+                  "compression needs backend kvtier", field_path=".backend"),
+            _rule("self.backend == 'kvtier' || self.tiers.all(t, t.admission == 'none')",
+                  "admission filters need backend kvtier", field_path=".backend"),
+            _rule("self.backend != 'native' || self.tiers.all(t, t.evictionPolicy in ['lru', 'arc'])",
+                  "backend native supports evictionPolicy lru or arc; s3fifo and prefix2q need backend kvtier",
+                  field_path=".backend"),
+            _rule("self.backend != 'lmcache' || self.tiers.all(t, t.evictionPolicy == 'lru')",
+                  "backend lmcache supports evictionPolicy lru only", field_path=".backend"),
+            _rule("self.backend != 'lmcache' || self.tiers.filter(t, t.medium == 'filesystem').size() <= 1",
+                  "backend lmcache supports one filesystem tier (local_disk)", field_path=".tiers"),
+            _rule("!(has(self.engine) && self.engine == 'trtllm' && self.backend == 'lmcache')",
+                  "engine trtllm does not support backend lmcache (LMCache integrates with vLLM)",
+                  field_path=".backend"),
+            _rule("!(has(self.engine) && self.engine == 'trtllm' && self.backend == 'kvtier')",
+                  "engine trtllm does not support backend kvtier (its plug-ins load into vLLM)",
+                  field_path=".backend"),
+            _rule("!(has(self.engine) && self.engine == 'trtllm') || self.tiers.all(t, t.evictionPolicy == 'lru')",
+                  "engine trtllm has one eviction policy for offloaded blocks: set evictionPolicy lru",
+                  field_path=".tiers"),
+            _rule("!(has(self.engine) && self.engine == 'trtllm') || self.gpu.kvCacheDtype in ['auto', 'fp8']",
+                  "engine trtllm supports gpu.kvCacheDtype auto or fp8", field_path=".gpu.kvCacheDtype"),
+            _rule("!(has(self.engine) && self.engine == 'trtllm') || "
+                  "self.tiers.filter(t, t.medium == 'filesystem').size() <= 1",
+                  "engine trtllm supports one filesystem tier (disk_cache_path)", field_path=".tiers"),
+            _rule("!(has(self.engine) && self.engine == 'trtllm') || "
+                  "self.blockSize in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]",
+                  message_expression="'TensorRT-LLM tokens_per_block must be a power of 2, not %d'"
+                                     ".format([self.blockSize])",
+                  field_path=".blockSize"),
+            _rule("!(has(self.engine) && self.engine == 'trtllm' && "
+                  "self.tiers.exists(t, t.medium == 'filesystem')) || "
+                  f"(has(self.engineVersion) && self.engineVersion.matches('{TRTLLM_DISK_CACHE_VERSION}'))",
+                  "a filesystem tier with engine trtllm needs spec.engineVersion 1.3 or later (disk_cache_*)",
+                  field_path=".engineVersion"),
+            _rule("!(self.backend == 'native' && self.offload.storeThreshold >= 2 && "
+                  "self.tiers.exists(t, t.medium == 'filesystem'))",
+                  "vLLM rejects storeThreshold with a filesystem tier (TieringOffloadingSpec)",
+                  field_path=".offload.storeThreshold"),
+            _rule("self.rollout.strategy != 'staged' || has(self.slo)",
+                  "rollout.strategy staged needs spec.slo to observe each stage", field_path=".rollout.strategy"),
+            _rule("!has(self.slo) || (!has(self.slo.ttftP99MaxRatio) && !has(self.slo.itlP99MaxRatio)) || "
+                  "self.rollout.strategy == 'staged'",
+                  "relative thresholds (ttftP99MaxRatio, itlP99MaxRatio) need rollout.strategy staged, which "
+                  "records the baseline", field_path=".slo"),
+        )
+    )
+
+    selector: LabelSelector = Field(description="Deployments and StatefulSets in this namespace to configure.")
+    engine: Optional[Literal["vllm", "trtllm"]] = Field(
+        None, description="Serving engine; detected from the container's image and command when unset.")
+    engine_version: Optional[str] = Field(
+        None, description="Engine version, where features depend on it (TensorRT-LLM disk cache needs 1.3+).",
+        max_length=64, pattern=r"^[0-9]+(\.[0-9A-Za-z.+-]*)?$")
+    container: Optional[str] = Field(None, description="Serving container name; default the first container.",
+                                     max_length=63)
+    block_size: int = Field(16, ge=1, le=1024, description="GPU KV block size in tokens (vLLM --block-size, "
+                                                           "TensorRT-LLM tokens_per_block).")
+    gpu: GPUSpec = Field(default_factory=GPUSpec, json_schema_extra=_object_default(GPUSpec),
+                         description="GPU tier settings.")
+    backend: Literal["native", "lmcache", "kvtier"] = Field(
+        "native", description="native: the engine's own offloading; lmcache: LMCache (vLLM only); kvtier: "
+                              "kvtier's runtime plug-ins inside vLLM (more policies, compression, a bounded "
+                              "durable disk tier).")
+    tiers: list[TierSpec] = Field(default_factory=list, max_length=MAX_TIERS, json_schema_extra={"default": []},
+                                  description="Tiers below the GPU, hottest first. The last enabled tier is the "
+                                              "newest: the SLO guard disables it first.")
+    offload: OffloadSpec = Field(default_factory=OffloadSpec, json_schema_extra=_object_default(OffloadSpec),
+                                 description="What is offloaded, and in what units.")
+    host_memory_headroom: Quantity = _quantity("Memory added to /dev/shm and to the container's limit on top of "
+                                          "the cpu tier, for the engine's own shared memory.", default="1Gi")
+    slo: Optional[SLOSpec] = Field(None, description="Latency objectives guarded by automatic tier rollback.")
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, json_schema_extra=_object_default(RolloutSpec),
+                                 description="How tiers are switched on.")
+    injection: InjectionSpec = Field(default_factory=InjectionSpec, json_schema_extra=_object_default(InjectionSpec),
+                                     description="How the operator touches the workload.")
+
+
+# ---------------------------------------------------------------------------------------------- status
+
+
+class Condition(_Model):
+    """A Kubernetes-style condition."""
+
+    type: str = Field(description="Condition type (Ready, Progressing, Degraded, Conflict, SLOUnknown, ...).",
+                      max_length=316)
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(description="CamelCase reason for the last transition.", max_length=1024)
+    message: str = Field("", description="Human-readable details.", max_length=32768)
+    last_transition_time: str = Field(description="When the status last flipped (RFC 3339).")
+    observed_generation: Optional[int] = Field(None, ge=0, description="Policy generation this condition is for.")
+
+
+class TierStatus(_Model):
+    """Observed state of one tier."""
+
+    name: str = Field(description="Tier name.")
+    state: Literal["Enabled", "Disabled", "Pending"] = Field(
+        description="Enabled: rendered; Disabled: removed (by the SLO guard or the spec); Pending: waiting for "
+                    "its stage.")
+    reason: str = Field("", description="Why the tier is in this state.")
+    since: Optional[str] = Field(None, description="When it entered this state (RFC 3339).")
+
+
+class TargetStatus(_Model):
+    """Observed state of one target workload."""
+
+    kind: Literal["Deployment", "StatefulSet"] = Field(description="Workload kind.")
+    name: str = Field(description="Workload name.")
+    state: str = Field(description="Applied, Conflict, Refused, Error, ...")
+    config_hash: Optional[str] = Field(None, description="Hash of the configuration applied to it.")
+    message: str = Field("", description="Details, e.g. which argument to add.")
+
+
+class HistoryEntry(_Model):
+    """One tier change, newest last."""
+
+    time: str = Field(description="When (RFC 3339).")
+    tier: str = Field(description="Tier changed.")
+    action: str = Field(description="What happened: Disabled, Reenabled, StageEnabled, BaselineRecorded, "
+                                    "WouldDisable (dry run), ProbationFailed, ...", max_length=64)
+    reason: str = Field("", description="Why.")
+    metric: Optional[str] = Field(None, description="Metric that decided it (ttftP99, itlP99).")
+    value: Optional[float] = Field(None, description="Measured value, seconds.")
+    threshold: Optional[float] = Field(None, description="Threshold it was compared with, seconds.")
+
+
+class KVCachePolicyStatus(_Model):
+    """Observed state, written by the operator."""
+
+    # The operator owns status; fields written by newer versions are ignored, not errors.
+    model_config = ConfigDict(extra="ignore")
+    observed_generation: Optional[int] = Field(None, description="Last policy generation reconciled.")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Ready, Progressing, Degraded, Conflict, SLOUnknown ...",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+    engine: Optional[str] = Field(None, description="Engine in use (declared or detected).")
+    active_tiers: Optional[str] = Field(None, description="Enabled tiers, comma separated (printer column).")
+    slo_state: Optional[str] = Field(None, description="OK, Breaching, Unknown, NoData or Off (printer column).")
+    tiers: list[TierStatus] = Field(default_factory=list, description="Per-tier state.")
+    targets: list[TargetStatus] = Field(default_factory=list, description="Per-workload state.")
+    slo: Optional[dict[str, Any]] = Field(
+        None, description="SLO guard state: last values, counters, baseline, stage (kept here so restarts lose "
+                          "nothing).", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
+    history: list[HistoryEntry] = Field(default_factory=list, max_length=50,
+                                        description="Recent tier changes, newest last (bounded).")
+
+
+class KVCachePolicy(_Model):
+    """KV-cache tiering policy for serving workloads."""
+
+    model_config = ConfigDict(extra="forbid")
+    api_version: Literal["kvtier.io/v1alpha1"] = Field(alias="apiVersion", description="kvtier.io/v1alpha1")
+    kind: Literal["KVCachePolicy"] = Field(description="KVCachePolicy")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Standard object metadata.")
+    spec: KVCachePolicySpec = Field(description="Desired tiering.")
+    status: Optional[KVCachePolicyStatus] = Field(None, description="Observed state.")

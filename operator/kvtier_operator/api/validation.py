@@ -1,0 +1,198 @@
+"""Offline validation of KVCachePolicy objects: the same checks the API server runs.
+
+Two passes, as on the server: the schema (types, enums, bounds, patterns; done by the pydantic models the schema
+is generated from), then the CEL rules, evaluated with a CEL interpreter over the very
+``x-kubernetes-validations`` in the generated CRD. So a rule is written once and cannot drift between
+``kubectl apply`` and ``kvtier validate``.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import celpy
+import yaml
+from pydantic import ValidationError
+
+from . import v1alpha1 as api
+from .crd import openapi_schema
+from .units import POSITIVE_QUANTITY_PATTERN
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One rejection: the field path and the rule it broke."""
+
+    path: str
+    message: str
+    # "schema" (types, enums, bounds, patterns) or "cel" (an x-kubernetes-validations rule)
+    source: str = "schema"
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+class PolicyInvalid(ValueError):
+    """A policy broke one or more rules; ``problems`` lists them all."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("; ".join(str(p) for p in problems))
+
+
+def _format_loc(loc: Iterable[Any]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _pydantic_problems(err: ValidationError) -> list[Problem]:
+    problems = []
+    for e in err.errors(include_url=False):
+        loc = [p for p in e["loc"] if p not in ("function-before[<lambda>(), str]",)]
+        path = _format_loc(loc) or "(document)"
+        kind, value = e["type"], e.get("input")
+        if kind == "missing":
+            message = "required"
+        elif kind == "extra_forbidden":
+            message = "unknown field"
+        elif kind == "string_pattern_mismatch" and e.get("ctx", {}).get("pattern") == POSITIVE_QUANTITY_PATTERN:
+            message = f"{value!r} is not a positive Kubernetes quantity (e.g. 16Gi, 500G)"
+        elif kind == "string_pattern_mismatch":
+            message = f"{value!r} does not match {e['ctx']['pattern']}"
+        else:
+            message = f"{value!r}: {e['msg']}" if not isinstance(value, (dict, list)) else e["msg"]
+        problems.append(Problem(path, message))
+    return problems
+
+
+def _cel_format(template: Any, args: Any) -> celpy.celtypes.StringType:
+    """Kubernetes' CEL ``string.format(list)`` (the strings extension) for ``%d`` and ``%s``."""
+    values = iter(args)
+    out, text, i = [], str(template), 0
+    while i < len(text):
+        if text[i] == "%" and i + 1 < len(text) and text[i + 1] in "ds%":
+            out.append("%" if text[i + 1] == "%" else str(next(values)))
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    return celpy.celtypes.StringType("".join(out))
+
+
+@functools.lru_cache(maxsize=None)
+def _program(expression: str) -> Any:
+    env = celpy.Environment()
+    return env.program(env.compile(expression), functions={"format": _cel_format})
+
+
+def _rules_by_path(schema: dict[str, Any]) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """(path pattern, schema node) for every node with CEL rules; ``'*'`` in a path stands for list items."""
+    found: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def walk(node: dict[str, Any], path: tuple[Any, ...]) -> None:
+        if node.get("x-kubernetes-validations"):
+            found.append((path, node))
+        for name, child in node.get("properties", {}).items():
+            walk(child, path + (name,))
+        if "items" in node:
+            walk(node["items"], path + ("*",))
+
+    walk(schema, ())
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def _cel_nodes() -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    return _rules_by_path(openapi_schema())
+
+
+def _values_at(doc: Any, pattern: tuple[Any, ...], path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple, Any]]:
+    if not pattern:
+        yield path, doc
+        return
+    head, rest = pattern[0], pattern[1:]
+    if head == "*":
+        if isinstance(doc, list):
+            for i, item in enumerate(doc):
+                yield from _values_at(item, rest, path + (i,))
+    elif isinstance(doc, dict) and head in doc:
+        yield from _values_at(doc[head], rest, path + (head,))
+
+
+def _cel_problems(doc: dict[str, Any]) -> list[Problem]:
+    problems = []
+    for pattern, node in _cel_nodes():
+        for path, value in _values_at(doc, pattern):
+            activation = {"self": celpy.json_to_cel(value)}
+            for rule in node["x-kubernetes-validations"]:
+                try:
+                    result = _program(rule["rule"]).evaluate(activation)
+                except celpy.CELEvalError as err:
+                    result = err
+                if isinstance(result, celpy.celtypes.BoolType) and bool(result):
+                    continue
+                field = _format_loc(path) + rule.get("fieldPath", "")
+                if not isinstance(result, celpy.celtypes.BoolType):
+                    problems.append(Problem(field, f"rule could not be evaluated ({result}): {rule['rule']}", "cel"))
+                elif "messageExpression" in rule:
+                    message = str(_program(rule["messageExpression"]).evaluate(activation))
+                    problems.append(Problem(field, message, "cel"))
+                else:
+                    problems.append(Problem(field, rule.get("message", f"failed rule: {rule['rule']}"), "cel"))
+    return problems
+
+
+def parse_policy(obj: dict[str, Any]) -> api.KVCachePolicy:
+    """A validated policy, or ``PolicyInvalid`` naming every field and rule that failed."""
+    if not isinstance(obj, dict):
+        raise PolicyInvalid([Problem("(document)", "a KVCachePolicy must be a mapping")])
+    try:
+        policy = api.KVCachePolicy.model_validate({k: v for k, v in obj.items() if k != "status"})
+    except ValidationError as err:
+        raise PolicyInvalid(_pydantic_problems(err)) from None
+    # Rules see the object as the API server does: defaults applied, unset optionals absent.
+    problems = _cel_problems(policy.model_dump(by_alias=True, exclude_none=True, mode="json"))
+    if problems:
+        raise PolicyInvalid(problems)
+    return policy
+
+
+def load_documents(text: str, source: str = "<input>") -> list[tuple[str, dict[str, Any]]]:
+    """KVCachePolicy documents in a YAML stream, each with a label naming file and document index."""
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as err:
+        raise PolicyInvalid([Problem(source, f"not valid YAML: {err}")]) from None
+    out = []
+    for i, doc in enumerate(docs):
+        label = source if len(docs) == 1 else f"{source}[{i}]"
+        if not isinstance(doc, dict):
+            raise PolicyInvalid([Problem(label, "a document must be a mapping")])
+        if doc.get("kind") == api.KIND:
+            out.append((label, doc))
+    return out
+
+
+def validate_text(text: str, source: str = "<input>") -> list[str]:
+    """Problems (``file: path: rule``) in every KVCachePolicy of a YAML stream; empty when all are valid."""
+    try:
+        docs = load_documents(text, source)
+    except PolicyInvalid as err:
+        return [str(p) for p in err.problems]
+    if not docs:
+        return [f"{source}: no KVCachePolicy (kind: {api.KIND}) in this file"]
+    problems = []
+    for label, doc in docs:
+        try:
+            parse_policy(doc)
+        except PolicyInvalid as err:
+            name = doc.get("metadata", {}).get("name") if isinstance(doc.get("metadata"), dict) else None
+            where = f"{label} ({name})" if name else label
+            problems.extend(f"{where}: {p}" for p in err.problems)
+    return problems

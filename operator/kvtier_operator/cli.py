@@ -1,0 +1,169 @@
+"""The ``kvtier`` command line.
+
+Subcommands import what they need when they run, so ``kvtier validate`` never loads kopf and ``kvtier replay``
+(the runtime's policies, torch-free) never loads the operator's Kubernetes clients.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import yaml
+
+EXIT_INVALID = 1
+EXIT_USAGE = 2
+
+
+def _read(path: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        return Path(path).read_text()
+    except OSError as err:
+        raise SystemExit(_fail(f"{path}: {err.strerror}", EXIT_USAGE))
+
+
+def _fail(message: str, code: int = EXIT_INVALID) -> int:
+    print(f"kvtier: {message}", file=sys.stderr)
+    return code
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from .api.validation import validate_text
+
+    problems = []
+    for path in args.files:
+        problems += validate_text(_read(path), path)
+    for line in problems:
+        print(line, file=sys.stderr)
+    if not problems:
+        print(f"{len(args.files)} file(s) valid")
+    return EXIT_INVALID if problems else 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from .api.validation import PolicyInvalid, load_documents, parse_policy
+    from .render import RenderError, render
+
+    try:
+        docs = load_documents(_read(args.file), args.file)
+        if not docs:
+            return _fail(f"{args.file}: no KVCachePolicy (kind: KVCachePolicy) in this file")
+        if len(docs) > 1 and not args.name:
+            return _fail(f"{args.file}: {len(docs)} policies; choose one with --name")
+        doc = next((d for _, d in docs if not args.name or d.get("metadata", {}).get("name") == args.name), None)
+        if doc is None:
+            return _fail(f"{args.file}: no policy named {args.name!r}")
+        policy = parse_policy(doc)
+        tiers = None if args.tiers is None else [t for t in args.tiers.split(",") if t]
+        rendered = render(policy, engine=args.engine, enabled_tiers=tiers)
+    except PolicyInvalid as err:
+        for p in err.problems:
+            print(f"{args.file}: {p}", file=sys.stderr)
+        return EXIT_INVALID
+    except RenderError as err:
+        return _fail(f"{args.file}: {err}")
+    if args.output == "json":
+        print(json.dumps(rendered.to_dict(), indent=2))
+    elif args.output == "args":
+        print(" ".join(_shell_quote(a) for a in rendered.args))
+    else:
+        for name, content in rendered.files.items():
+            print(f"# {name}\n{content}", end="" if content.endswith("\n") else "\n")
+    return 0
+
+
+def _shell_quote(arg: str) -> str:
+    import shlex
+
+    return shlex.quote(arg)
+
+
+def cmd_crd(args: argparse.Namespace) -> int:
+    from .api.crd import crd_yaml
+
+    sys.stdout.write(crd_yaml())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtier", description="Declared, measured KV-cache tiering for LLM "
+                                                                "serving on Kubernetes.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("validate", help="check KVCachePolicy files offline, with the CRD's own rules")
+    p.add_argument("files", nargs="+", metavar="FILE", help="YAML files ('-' for stdin)")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("render", help="print the engine configuration a policy produces")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--engine", choices=["vllm", "trtllm"], help="override or supply spec.engine")
+    p.add_argument("--output", "-o", choices=["yaml", "json", "args"], default="yaml")
+    p.add_argument("--name", help="policy name when the file holds several")
+    p.add_argument("--tiers", help="comma-separated tiers to treat as enabled (as the SLO guard would)")
+    p.set_defaults(func=cmd_render)
+
+    p = sub.add_parser("crd", help="print the KVCachePolicy CustomResourceDefinition")
+    p.set_defaults(func=cmd_crd)
+
+    for name, loader, help_text in _EXTERNAL:
+        p = sub.add_parser(name, help=help_text, add_help=False)
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=None, loader=loader)
+    return parser
+
+
+def _replay_main() -> Callable[[Sequence[str]], int]:
+    from kvtier_runtime.replay.cli import main
+
+    return main
+
+
+def _operator_main() -> Callable[[Sequence[str]], int]:
+    from .main import main
+
+    return main
+
+
+def _demo_main() -> Callable[[Sequence[str]], int]:
+    from .demo import main
+
+    return main
+
+
+# Subcommands with parsers of their own, loaded only when used.
+_EXTERNAL = [
+    ("replay", _replay_main, "replay a trace to size tiers and compare policies (kvtier replay --help)"),
+    ("operator", _operator_main, "run the operator (kvtier operator --help)"),
+    ("demo", _demo_main, "run the end-to-end scenario on a local control plane (kvtier demo --help)"),
+]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv and argv[0] in {name for name, _, _ in _EXTERNAL}:
+        loader = next(loader for name, loader, _ in _EXTERNAL if name == argv[0])
+        try:
+            sub_main = loader()
+        except ImportError as err:
+            return _fail(f"{argv[0]}: not available in this installation ({err}); "
+                         "install kvtier with the matching extra, e.g. pip install 'kvtier[all]'", EXIT_USAGE)
+        return int(sub_main(argv[1:]) or 0)
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return int(args.func(args) or 0)
+    except (yaml.YAMLError, ValueError) as err:
+        return _fail(str(err))
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

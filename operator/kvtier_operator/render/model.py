@@ -1,0 +1,99 @@
+"""What a renderer returns, and what it may know about the target container."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..api import v1alpha1 as api
+from ..api.units import parse_quantity
+
+CONFIG_DIR = "/etc/kvtier"
+CONFIG_FILE = "engine.yaml"
+CONFIG_VOLUME = "kvtier-config"
+SHM_VOLUME = "kvtier-shm"
+
+
+class RenderError(ValueError):
+    """The policy cannot be rendered for this target; the message names the field and the rule."""
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    """Facts about the serving container that change what is rendered."""
+
+    container_name: str = ""
+    image: str = ""
+    command: tuple[str, ...] = ()
+    args: tuple[str, ...] = ()
+
+
+@dataclass
+class RenderedConfig:
+    """Engine configuration for one policy.
+
+    ``args`` is the same configuration as a flag list; ``files`` holds the config file(s) the workload mounts at
+    ``CONFIG_DIR``; ``config_args`` is what the container's args must contain to read them.
+    """
+
+    engine: str
+    args: list[str]
+    config_args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+    volumes: list[dict[str, Any]] = field(default_factory=list)
+    volume_mounts: list[dict[str, Any]] = field(default_factory=list)
+    resources: dict[str, Any] = field(default_factory=dict)
+    tiers: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "engine": self.engine,
+            "args": self.args,
+            "configArgs": self.config_args,
+            "env": self.env,
+            "files": self.files,
+            "volumes": self.volumes,
+            "volumeMounts": self.volume_mounts,
+            "resources": self.resources,
+            "tiers": self.tiers,
+        }
+
+    def config_hash(self) -> str:
+        """Stable digest of everything that must roll the pods when it changes."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def config_volume(config_map_name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    return (
+        {"name": CONFIG_VOLUME, "configMap": {"name": config_map_name}},
+        {"name": CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True},
+    )
+
+
+def tier_volume(tier: api.TierSpec) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Volume and mount of a filesystem tier (an emptyDir is sized to the tier)."""
+    assert tier.volume is not None and tier.path is not None  # guaranteed by the CRD rules
+    name = f"kvtier-tier-{tier.name}"[:63]
+    source = tier.volume.model_dump(by_alias=True, exclude_none=True, mode="json")
+    if "emptyDir" in source and "sizeLimit" not in source["emptyDir"]:
+        source["emptyDir"]["sizeLimit"] = tier.size
+    return {"name": name, **source}, {"name": name, "mountPath": tier.path}
+
+
+def shm_volume(size_bytes: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    return (
+        {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": str(size_bytes)}},
+        {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
+    )
+
+
+def host_memory(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec]) -> Optional[tuple[int, int]]:
+    """(cpu tier bytes, bytes the container's memory limit must grow by), or None without a cpu tier."""
+    cpu = next((t for t in tiers if t.medium == "cpu"), None)
+    if cpu is None:
+        return None
+    cpu_bytes = parse_quantity(cpu.size)
+    return cpu_bytes, cpu_bytes + parse_quantity(spec.host_memory_headroom)

@@ -1,0 +1,51 @@
+"""TensorRT-LLM configuration: the YAML for ``--extra_llm_api_options`` (works on old and new releases).
+
+``kv_cache_config`` facts: ``host_cache_size`` is bytes (unset = no host offload), ``tokens_per_block`` a power
+of two, ``secondary_offload_min_priority`` 0-100, ``disk_cache_size``/``disk_cache_path`` from 1.3 only (the CRD
+rejects a filesystem tier without a stated engineVersion >= 1.3).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from ..api import v1alpha1 as api
+from ..api.units import parse_quantity
+from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, config_volume, host_memory, tier_volume
+
+
+def render_trtllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config_map_name: str) -> RenderedConfig:
+    kv: dict[str, Any] = {"enable_block_reuse": True, "tokens_per_block": spec.block_size}
+    if spec.gpu.memory_utilization is not None:
+        kv["free_gpu_memory_fraction"] = spec.gpu.memory_utilization
+    if spec.gpu.kv_cache_dtype != "auto":
+        kv["dtype"] = "fp8"
+    volume, mount = config_volume(config_map_name)
+    volumes, mounts = [volume], [mount]
+    resources: dict[str, Any] = {}
+    memory = host_memory(spec, tiers)
+    if memory is not None:
+        cpu_bytes, increase = memory
+        kv["host_cache_size"] = cpu_bytes
+        kv["secondary_offload_min_priority"] = spec.offload.min_priority
+        # The host cache is pinned process memory, not /dev/shm: only the limit grows.
+        resources = {"cpuTierBytes": cpu_bytes, "memoryLimitIncreaseBytes": increase}
+    for tier in tiers:
+        if tier.medium == "filesystem":
+            kv["disk_cache_size"] = parse_quantity(tier.size)
+            kv["disk_cache_path"] = tier.path
+            volume, mount = tier_volume(tier)
+            volumes.append(volume)
+            mounts.append(mount)
+    document = {"kv_cache_config": kv}
+    return RenderedConfig(
+        engine="trtllm",
+        args=["--extra_llm_api_options", f"{CONFIG_DIR}/{CONFIG_FILE}"],
+        config_args=["--extra_llm_api_options", f"{CONFIG_DIR}/{CONFIG_FILE}"],
+        files={CONFIG_FILE: yaml.safe_dump(document, sort_keys=False)},
+        volumes=volumes,
+        volume_mounts=mounts,
+        resources=resources,
+        tiers=[t.name for t in tiers],
+    )

@@ -1,0 +1,144 @@
+"""vLLM 0.33 configuration: an explicit ``--kv-transfer-config`` and the flags around it.
+
+Facts (checked against the vllm 0.33.0 wheel): the OffloadingConnector reads ``kv_connector_extra_config``;
+``spec_name`` selects ``CPUOffloadingSpec`` or ``TieringOffloadingSpec`` (secondary tiers need the latter);
+``cpu_bytes_to_use`` is bytes across all TP workers; ``block_size`` is tokens per offloaded chunk;
+``eviction_policy`` names a built-in policy or, with ``cache_policy_module_path``, a class; secondary tier dicts
+carry ``type`` (+ ``module_path`` out of tree) and the tier's constructor kwargs. ``--kv-offloading-size`` is not
+used: it silently overwrites the connector.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import yaml
+
+from kvtier_runtime.config import (
+    VLLM_ADAPTER_MODULE,
+    VLLM_SECONDARY_TIER_CLASS,
+    FilesystemTierConfig,
+    vllm_cache_policy_class,
+)
+
+from ..api import v1alpha1 as api
+from ..api.units import parse_quantity
+from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, config_volume, host_memory, shm_volume, tier_volume
+
+LMCACHE_FILE = "lmcache.yaml"
+
+
+def _engine_flags(spec: api.KVCachePolicySpec) -> dict[str, Any]:
+    flags: dict[str, Any] = {"block-size": spec.block_size}
+    if spec.gpu.memory_utilization is not None:
+        flags["gpu-memory-utilization"] = spec.gpu.memory_utilization
+    if spec.gpu.kv_cache_dtype != "auto":
+        flags["kv-cache-dtype"] = spec.gpu.kv_cache_dtype
+    return flags
+
+
+def _offloading_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec]) -> dict[str, Any]:
+    cpu, secondary = tiers[0], [t for t in tiers[1:] if t.medium == "filesystem"]
+    extra: dict[str, Any] = {
+        "spec_name": "TieringOffloadingSpec" if secondary else "CPUOffloadingSpec",
+        "cpu_bytes_to_use": parse_quantity(cpu.size),
+        "offload_prompt_only": spec.offload.prompt_only,
+    }
+    if spec.offload.chunk_tokens is not None:
+        extra["block_size"] = spec.offload.chunk_tokens
+    if spec.offload.store_threshold and not secondary:
+        extra["store_threshold"] = spec.offload.store_threshold
+    if spec.backend == "kvtier":
+        extra["eviction_policy"] = vllm_cache_policy_class(cpu.eviction_policy, cpu.admission)
+        extra["cache_policy_module_path"] = VLLM_ADAPTER_MODULE
+    else:
+        extra["eviction_policy"] = cpu.eviction_policy
+    if secondary:
+        extra["secondary_tiers"] = [_secondary_tier(spec, t) for t in secondary]
+    return extra
+
+
+def _secondary_tier(spec: api.KVCachePolicySpec, tier: api.TierSpec) -> dict[str, Any]:
+    assert tier.path is not None
+    if spec.backend == "kvtier":
+        kwargs = FilesystemTierConfig(
+            root_dir=tier.path,
+            capacity_bytes=parse_quantity(tier.size),
+            codec=tier.compression,
+            eviction_policy=tier.eviction_policy,
+            admission=tier.admission,
+            admission_threshold=max(2, spec.offload.store_threshold),
+            n_read_threads=tier.read_threads,
+            n_write_threads=tier.write_threads,
+        ).to_kwargs()
+        return {"type": VLLM_SECONDARY_TIER_CLASS, "module_path": VLLM_ADAPTER_MODULE, **kwargs}
+    # vLLM's own fs tier has no size limit: the volume's size limit is the only bound (see docs).
+    return {"type": "fs", "root_dir": tier.path, "n_read_threads": tier.read_threads,
+            "n_write_threads": tier.write_threads}
+
+
+def _lmcache_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec]) -> dict[str, Any]:
+    cpu = tiers[0]
+    # LMCache sizes are GiB as floats.
+    config: dict[str, Any] = {
+        "chunk_size": spec.offload.chunk_tokens or 256,
+        "local_cpu": True,
+        "max_local_cpu_size": round(parse_quantity(cpu.size) / 2**30, 3),
+        "cache_policy": "LRU",
+    }
+    disk = next((t for t in tiers if t.medium == "filesystem"), None)
+    if disk is not None:
+        config["local_disk"] = f"file://{disk.path.rstrip('/')}/"
+        config["max_local_disk_size"] = round(parse_quantity(disk.size) / 2**30, 3)
+    return config
+
+
+def render_vllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config_map_name: str) -> RenderedConfig:
+    flags = _engine_flags(spec)
+    env: dict[str, str] = {}
+    files: dict[str, str] = {}
+    if tiers and spec.backend == "lmcache":
+        flags["kv-transfer-config"] = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both",
+                                       "kv_load_failure_policy": "recompute"}
+        files[LMCACHE_FILE] = yaml.safe_dump(_lmcache_config(spec, tiers), sort_keys=True)
+        env["LMCACHE_CONFIG_FILE"] = f"{CONFIG_DIR}/{LMCACHE_FILE}"
+    elif tiers:
+        flags["kv-transfer-config"] = {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": _offloading_extra_config(spec, tiers),
+        }
+    files[CONFIG_FILE] = yaml.safe_dump(flags, sort_keys=False)
+
+    args: list[str] = []
+    for key, value in flags.items():
+        args += [f"--{key}", json.dumps(value, sort_keys=True) if isinstance(value, dict) else str(value)]
+
+    volume, mount = config_volume(config_map_name)
+    volumes, mounts = [volume], [mount]
+    resources: dict[str, Any] = {}
+    memory = host_memory(spec, tiers)
+    if memory is not None:
+        cpu_bytes, increase = memory
+        # vLLM's cpu tier is an mmap in /dev/shm: tmpfs pages count against the container's memory limit.
+        shm, shm_mount = shm_volume(increase)
+        volumes.append(shm)
+        mounts.append(shm_mount)
+        resources = {"cpuTierBytes": cpu_bytes, "memoryLimitIncreaseBytes": increase, "shmSizeLimitBytes": increase}
+    for tier in tiers:
+        if tier.medium == "filesystem":
+            volume, mount = tier_volume(tier)
+            volumes.append(volume)
+            mounts.append(mount)
+    return RenderedConfig(
+        engine="vllm",
+        args=args,
+        config_args=["--config", f"{CONFIG_DIR}/{CONFIG_FILE}"],
+        env=env,
+        files=files,
+        volumes=volumes,
+        volume_mounts=mounts,
+        resources=resources,
+        tiers=[t.name for t in tiers],
+    )

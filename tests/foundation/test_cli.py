@@ -1,0 +1,87 @@
+"""The kvtier CLI as a user runs it: exit codes, one line per problem on stderr, never a traceback."""
+import json
+import pathlib
+import subprocess
+import sys
+
+import yaml
+
+from foundation.policies import cpu, policy
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+ENV = {"PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'runtime'}", "PATH": "/usr/bin:/bin"}
+
+
+def kvtier(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "kvtier_operator", *args], env=ENV, input=stdin,
+                          capture_output=True, text=True, timeout=60)
+
+
+def write(tmp_path, name, doc):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(doc) if isinstance(doc, dict) else doc)
+    return str(path)
+
+
+def test_validate_ok_and_invalid(tmp_path):
+    good = write(tmp_path, "good.yaml", policy())
+    bad = write(tmp_path, "bad.yaml", policy(offload={"chunkTokens": 100}, tiers=[cpu(), cpu(name="x")]))
+    ok = kvtier("validate", good)
+    assert ok.returncode == 0 and ok.stderr == ""
+    out = kvtier("validate", good, bad)
+    assert out.returncode == 1
+    lines = out.stderr.strip().splitlines()
+    assert lines == [
+        f"{bad} (llama): spec.tiers: at most one cpu tier",
+        f"{bad} (llama): spec.offload.chunkTokens: 100 is not a multiple of spec.blockSize (16)",
+    ]
+    assert "Traceback" not in out.stderr
+
+
+def test_validate_missing_file_and_garbage(tmp_path):
+    out = kvtier("validate", str(tmp_path / "nope.yaml"))
+    assert out.returncode == 2 and "No such file" in out.stderr and "Traceback" not in out.stderr
+    out = kvtier("validate", write(tmp_path, "g.yaml", "spec: [\n"))
+    assert out.returncode == 1 and "not valid YAML" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_validate_reads_stdin():
+    out = kvtier("validate", "-", stdin=yaml.safe_dump(policy()))
+    assert out.returncode == 0
+
+
+def test_render_json_shape(tmp_path):
+    out = kvtier("render", write(tmp_path, "p.yaml", policy()), "--output", "json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert {"engine", "args", "env", "files", "volumes", "volumeMounts", "resources"} <= set(doc)
+    assert doc["engine"] == "vllm" and "engine.yaml" in doc["files"]
+
+
+def test_render_yaml_args_and_tier_subset(tmp_path):
+    path = write(tmp_path, "p.yaml", policy())
+    out = kvtier("render", path)
+    assert out.returncode == 0 and out.stdout.startswith("# engine.yaml\n")
+    assert "TieringOffloadingSpec" in out.stdout
+    out = kvtier("render", path, "--tiers", "host")
+    assert "TieringOffloadingSpec" not in out.stdout and "CPUOffloadingSpec" in out.stdout
+    out = kvtier("render", path, "-o", "args")
+    assert out.stdout.startswith("--block-size 16 ") and "--kv-transfer-config '{" in out.stdout
+
+
+def test_render_errors_are_messages(tmp_path):
+    out = kvtier("render", write(tmp_path, "p.yaml", policy(engine=None, backend="lmcache")), "--engine", "trtllm")
+    assert out.returncode == 1 and "engine trtllm does not support backend lmcache" in out.stderr
+    out = kvtier("render", write(tmp_path, "n.yaml", policy(engine=None)))
+    assert out.returncode == 1 and "spec.engine" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_crd_prints_the_checked_in_crd():
+    out = kvtier("crd")
+    assert out.returncode == 0
+    assert out.stdout == (ROOT / "crds" / "kvtier.io_kvcachepolicies.yaml").read_text()
+
+
+def test_no_command_prints_help():
+    out = kvtier()
+    assert out.returncode == 2 and "validate" in out.stdout

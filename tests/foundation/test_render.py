@@ -1,0 +1,163 @@
+"""Renders for every engine/backend/tier combination: golden files, and key-by-key checks against engine facts.
+
+Facts are those of vLLM 0.33.0 and TensorRT-LLM (see docs/engines.md); regenerate the golden files with
+KVTIER_UPDATE_GOLDEN=1 after an intended change and review the diff.
+"""
+import json
+import os
+import pathlib
+
+import pytest
+import yaml
+
+from foundation.policies import cpu, disk, policy
+from kvtier_operator.api.validation import parse_policy
+from kvtier_operator.render import RenderError, TargetFacts, detect_engine, render
+from kvtier_runtime.config import VLLM_ADAPTER_MODULE, VLLM_SECONDARY_TIER_CLASS
+
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+GiB = 2**30
+
+CASES = {
+    "vllm-gpu-only": (policy(tiers=[]), None),
+    "vllm-native-cpu": (policy(tiers=[cpu(evictionPolicy="arc")], offload={"chunkTokens": 256, "storeThreshold": 2,
+                                                                          "promptOnly": True}), None),
+    "vllm-native-cpu-fs": (policy(gpu={"memoryUtilization": 0.85, "kvCacheDtype": "fp8"},
+                                  offload={"chunkTokens": 256}), None),
+    "vllm-native-fs-disabled": (policy(), ["host"]),
+    "vllm-native-cpu-disabled": (policy(), ["nvme"]),
+    "vllm-lmcache-cpu-fs": (policy(backend="lmcache", offload={"chunkTokens": 256}), None),
+    "vllm-kvtier-cpu": (policy(backend="kvtier", tiers=[cpu(evictionPolicy="s3fifo", admission="doorkeeper")]), None),
+    "vllm-kvtier-cpu-fs": (policy(backend="kvtier", tiers=[cpu(evictionPolicy="s3fifo"),
+                                                           disk(compression="int4", evictionPolicy="arc",
+                                                                readThreads=32, writeThreads=8),
+                                                           disk("hdd", volume={"hostPath": {"path": "/data"}})]),
+                           None),
+    "trtllm-gpu-only": (policy(engine="trtllm", tiers=[], gpu={"memoryUtilization": 0.9}), None),
+    "trtllm-host": (policy(engine="trtllm", tiers=[cpu()], offload={"minPriority": 50},
+                           gpu={"kvCacheDtype": "fp8"}), None),
+    "trtllm-host-disk": (policy(engine="trtllm", engineVersion="1.3", blockSize=32,
+                                tiers=[cpu(), disk(volume={"persistentVolumeClaim": {"claimName": "kv"}})]), None),
+}
+
+
+def _render(name):
+    doc, enabled = CASES[name]
+    return render(parse_policy(doc), enabled_tiers=enabled)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_golden(name):
+    out = json.dumps(_render(name).to_dict(), indent=2, sort_keys=True) + "\n"
+    path = GOLDEN / f"{name}.json"
+    if os.environ.get("KVTIER_UPDATE_GOLDEN"):
+        path.write_text(out)
+    assert path.read_text() == out, f"{name}: render changed; review and regenerate with KVTIER_UPDATE_GOLDEN=1"
+
+
+VLLM_FLAGS = {"block-size", "gpu-memory-utilization", "kv-cache-dtype", "kv-transfer-config"}
+KV_TRANSFER_KEYS = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_load_failure_policy"}
+OFFLOADING_KEYS = {"spec_name", "cpu_bytes_to_use", "block_size", "eviction_policy", "cache_policy_module_path",
+                   "offload_prompt_only", "store_threshold", "secondary_tiers"}
+FS_TIER_KEYS = {"type", "root_dir", "n_read_threads", "n_write_threads"}
+TRT_KV_KEYS = {"enable_block_reuse", "host_cache_size", "free_gpu_memory_fraction", "tokens_per_block", "dtype",
+               "secondary_offload_min_priority", "disk_cache_size", "disk_cache_path"}
+
+
+def _vllm_file(rendered):
+    return yaml.safe_load(rendered.files["engine.yaml"])
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n.startswith("vllm")])
+def test_vllm_keys_are_vllm_033_keys(name):
+    rendered = _render(name)
+    flags = _vllm_file(rendered)
+    assert set(flags) <= VLLM_FLAGS
+    assert rendered.config_args == ["--config", "/etc/kvtier/engine.yaml"]
+    # The argument form is the same configuration as the file.
+    args = dict(zip(rendered.args[::2], rendered.args[1::2]))
+    assert {k[2:] for k in args} == set(flags)
+    for key, value in flags.items():
+        assert (json.loads(args[f"--{key}"]) if isinstance(value, dict) else args[f"--{key}"]) == (
+            value if isinstance(value, dict) else str(value))
+    ktc = flags.get("kv-transfer-config")
+    if ktc is None:
+        assert rendered.tiers == [] and "kvtier-shm" not in [v["name"] for v in rendered.volumes]
+        return
+    assert set(ktc) <= KV_TRANSFER_KEYS
+    assert ktc["kv_role"] == "kv_both" and ktc["kv_load_failure_policy"] == "recompute"
+    if ktc["kv_connector"] == "LMCacheConnectorV1":
+        assert rendered.env["LMCACHE_CONFIG_FILE"] == "/etc/kvtier/lmcache.yaml"
+        assert "kv_connector_extra_config" not in ktc
+        return
+    assert ktc["kv_connector"] == "OffloadingConnector"
+    extra = ktc["kv_connector_extra_config"]
+    assert set(extra) <= OFFLOADING_KEYS
+    assert extra["cpu_bytes_to_use"] == 16 * GiB and isinstance(extra["cpu_bytes_to_use"], int)
+    assert extra["spec_name"] == ("TieringOffloadingSpec" if "secondary_tiers" in extra else "CPUOffloadingSpec")
+    assert "store_threshold" not in extra or extra["spec_name"] == "CPUOffloadingSpec"
+    if "block_size" in extra:
+        assert extra["block_size"] % flags["block-size"] == 0
+    for tier in extra.get("secondary_tiers", []):
+        if tier["type"] == "fs":
+            assert set(tier) <= FS_TIER_KEYS
+        else:
+            assert (tier["type"], tier["module_path"]) == (VLLM_SECONDARY_TIER_CLASS, VLLM_ADAPTER_MODULE)
+    # /dev/shm holds the cpu tier's mmap: sized to it plus headroom, and the memory limit grows to match.
+    shm = next(v for v in rendered.volumes if v["name"] == "kvtier-shm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": str(17 * GiB)}
+    assert rendered.resources["memoryLimitIncreaseBytes"] == 17 * GiB
+
+
+def test_vllm_kvtier_backend_names_the_runtime_plugins():
+    extra = _vllm_file(_render("vllm-kvtier-cpu-fs"))["kv-transfer-config"]["kv_connector_extra_config"]
+    assert extra["eviction_policy"] == "KvtierS3FIFOCachePolicy"
+    assert extra["cache_policy_module_path"] == VLLM_ADAPTER_MODULE
+    nvme, hdd = extra["secondary_tiers"]
+    assert nvme["codec"] == "int4" and nvme["capacity_bytes"] == 500 * GiB and nvme["n_read_threads"] == 32
+    assert nvme["eviction_policy"] == "arc" and hdd["root_dir"] == "/mnt/hdd"
+    extra = _vllm_file(_render("vllm-kvtier-cpu"))["kv-transfer-config"]["kv_connector_extra_config"]
+    assert extra["eviction_policy"] == "KvtierS3FIFODoorkeeperCachePolicy"
+
+
+def test_only_enabled_tiers_are_rendered():
+    assert _render("vllm-native-fs-disabled").tiers == ["host"]
+    assert "secondary_tiers" not in json.dumps(_render("vllm-native-fs-disabled").to_dict())
+    # Without the cpu tier nothing can reach the disk tier: GPU-only.
+    gpu_only = _render("vllm-native-cpu-disabled")
+    assert gpu_only.tiers == [] and "kv-transfer-config" not in _vllm_file(gpu_only)
+    assert _render("vllm-native-cpu-fs").config_hash() != _render("vllm-native-fs-disabled").config_hash()
+
+
+def test_lmcache_config_file():
+    rendered = _render("vllm-lmcache-cpu-fs")
+    lm = yaml.safe_load(rendered.files["lmcache.yaml"])
+    assert lm == {"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 16.0, "cache_policy": "LRU",
+                  "local_disk": "file:///mnt/kvcache/", "max_local_disk_size": 500.0}
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n.startswith("trtllm")])
+def test_trtllm_keys(name):
+    rendered = _render(name)
+    doc = yaml.safe_load(rendered.files["engine.yaml"])
+    assert set(doc) == {"kv_cache_config"} and set(doc["kv_cache_config"]) <= TRT_KV_KEYS
+    assert rendered.config_args == ["--extra_llm_api_options", "/etc/kvtier/engine.yaml"]
+    kv = doc["kv_cache_config"]
+    assert kv["enable_block_reuse"] is True and kv["tokens_per_block"] & (kv["tokens_per_block"] - 1) == 0
+    if rendered.tiers:
+        assert kv["host_cache_size"] == 16 * GiB and 0 <= kv["secondary_offload_min_priority"] <= 100
+        assert "kvtier-shm" not in [v["name"] for v in rendered.volumes]
+    if "nvme" in rendered.tiers:
+        assert (kv["disk_cache_size"], kv["disk_cache_path"]) == (500 * GiB, "/mnt/nvme")
+
+
+def test_engine_detection_and_detected_engine_rules():
+    assert detect_engine(TargetFacts("s", "vllm/vllm-openai:v0.33.0")) == "vllm"
+    assert detect_engine(TargetFacts("s", "nvcr.io/nvidia/tensorrt-llm/release:1.3.0")) == "trtllm"
+    assert detect_engine(TargetFacts("s", "registry/model:1", command=("trtllm-serve",))) == "trtllm"
+    with pytest.raises(RenderError, match="spec.engine: cannot detect"):
+        detect_engine(TargetFacts("server", "busybox"))
+    undeclared = parse_policy(policy(engine=None, backend="lmcache"))
+    with pytest.raises(RenderError, match="engine trtllm does not support backend lmcache"):
+        render(undeclared, TargetFacts("s", "nvcr.io/nvidia/tensorrt-llm/release:1.3.0"))
+    assert render(undeclared, TargetFacts("s", "vllm/vllm-openai:v0.33.0")).engine == "vllm"
