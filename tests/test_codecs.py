@@ -421,3 +421,25 @@ def test_compiled_fp8_encoding_compiles_off_the_hot_path_and_writes_the_same_for
     assert rel_err(x, y) <= ERROR_BUDGETS["fp8"]
     # torch's cast rounds ties to even, the eager bit path away from zero: nearly every byte agrees
     assert (out == ref).float().mean() > 0.99
+
+
+def test_one_codec_shared_by_many_threads_gives_each_block_its_own_bytes():
+    """The filesystem tier encodes from n_write_threads threads with one codec: scratch is per thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    codec = get_codec("int4", fallback=True)
+    blocks = [kv_normal((64, 8, 128), torch.float16, seed=s) for s in range(16)]
+    expected = []
+    for x in blocks:
+        out = torch.empty(codec.max_encoded_nbytes(x.shape, x.dtype), dtype=torch.uint8)
+        expected.append(out[:codec.encode(x, out)].clone())
+
+    def work(i: int) -> bool:
+        x = blocks[i % len(blocks)]
+        out = torch.empty(codec.max_encoded_nbytes(x.shape, x.dtype), dtype=torch.uint8)
+        n = codec.encode(x, out)
+        y = decode(out[:n])
+        return torch.equal(out[:n], expected[i % len(blocks)]) and torch.equal(y, decode(expected[i % len(blocks)]))
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        assert all(pool.map(work, range(64)))
