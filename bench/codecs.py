@@ -10,11 +10,11 @@ Throughput: GB/s of *input* bytes for encode and decode, against ``dst.copy_(src
 preallocated memory over the same blocks; ``rt/copy`` is the encode+decode round trip (bytes / (t_enc + t_dec))
 as a fraction of the copy rate (a codec as fast as copy_ in both directions scores 0.5 there). The targets
 (fp8 >= 0.25, int4 >= 0.1 of the copy rate) are checked both ways: "each" = encode and decode each at least
-that fraction, "rt" = the round trip. Passes over all
-blocks are interleaved (copy, then each codec) and the fastest pass of each column is reported (``--stat
-median`` for the median): on a shared machine the fastest pass is the one least disturbed by neighbours, and
-the copy reference gets the same treatment. ``alloc/call`` is what torch's CPU allocator handed out during one steady-state
-encode + decode, from the profiler (0 means everything came from the codec's reused scratch).
+that fraction, "rt" = the round trip. Passes over all blocks are interleaved (copy, then each codec) and the
+fastest pass of each column is reported (``--stat median`` for the median): on a shared machine the fastest
+pass is the one least disturbed by neighbours, and the copy reference gets the same treatment. ``alloc/call``
+is what torch's CPU allocator handed out during one steady-state encode + decode, from the profiler (a few
+bytes of 0-d results: everything else comes from the codec's reused scratch).
 """
 from __future__ import annotations
 

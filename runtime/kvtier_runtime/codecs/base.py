@@ -6,7 +6,9 @@ from typing import Sequence
 
 import torch
 
-from .header import DTYPE_IDS, HEADER_NBYTES, MAX_NDIM, CodecError, CodecHeader
+from .header import (
+    DTYPE_IDS, FLAG_FALLBACK, FLAG_PER_CHANNEL, HEADER_NBYTES, MAX_NDIM, CodecError, CodecHeader,
+)
 from .metrics import STATS
 from .scratch import ScratchPool
 
@@ -120,15 +122,7 @@ class Codec:
             assert self.fallback_codec is not None
             STATS.record_fallback(requested, self.fallback_codec.name, err)
             return self.fallback_codec._encode_as(src, out, requested)
-        flags = 0
-        if requested != self.name:
-            from .header import FLAG_FALLBACK
-
-            flags |= FLAG_FALLBACK
-        if self.per_channel:
-            from .header import FLAG_PER_CHANNEL
-
-            flags |= FLAG_PER_CHANNEL
+        flags = (FLAG_FALLBACK if requested != self.name else 0) | (FLAG_PER_CHANNEL if self.per_channel else 0)
         header = CodecHeader(
             codec=self.name, codec_version=self.version, dtype=src.dtype, shape=shape,
             group_size=self.group_size, payload_nbytes=n - HEADER_NBYTES, requested_codec=requested, flags=flags,
@@ -153,7 +147,8 @@ class Codec:
         a header from a newer writer is not)."""
         if header.codec_version != self.version:
             raise CodecError(
-                f"header.codec_version: {header.codec_version} for codec {self.name!r}; this reader knows {self.version}")
+                f"header.codec_version: {header.codec_version} for codec {self.name!r}; "
+                f"this reader knows {self.version}")
 
 
 def _check_shape_dtype(shape: Sequence[int], dtype: torch.dtype) -> None:
@@ -172,7 +167,7 @@ class PassthroughCodec(Codec):
     error_budget = 0.0
 
     def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
-        return numel_of(shape) * torch.empty((), dtype=dtype).element_size()
+        return numel_of(shape) * dtype.itemsize
 
     def _encode_payload(self, flat, shape, payload, measure):  # type: ignore[override]
         if flat.numel():

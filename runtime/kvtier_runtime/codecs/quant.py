@@ -24,7 +24,8 @@ _TINY = torch.finfo(torch.float32).tiny
 _SHRINK = 1.0 - 2.0 ** -20
 
 
-def _scales(amax: torch.Tensor, qmax: float, scale: torch.Tensor, inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _scales(amax: torch.Tensor, qmax: float, scale: torch.Tensor,
+            inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     torch.mul(amax, _SHRINK / qmax, out=scale)
     # An all-zero group gets the smallest normal scale: its codes are 0 and 1/scale stays finite.
     scale.clamp_(min=_TINY)
