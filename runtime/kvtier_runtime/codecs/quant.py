@@ -15,6 +15,9 @@ from typing import Sequence
 import torch
 
 from .base import Codec, chunk_elems, numel_of
+
+# Chunk size of the compiled fp8 encoder on CPU: 2^20 measured 15-20% faster than 2^18 (fewer calls).
+COMPILED_CHUNK_ELEMS = 1 << 20
 from .header import CodecError, CodecHeader
 
 F32 = torch.float32
@@ -97,10 +100,11 @@ class ScaledCodec(Codec):
         return self._buf("dq", (k, w), F32, dst.device)
 
     # ---- chunk loops -----------------------------------------------------------------------------------------
-    def _chunks(self, numel: int, shape: Sequence[int], group_size: int, per_channel: bool, device: torch.device):
+    def _chunks(self, numel: int, shape: Sequence[int], group_size: int, per_channel: bool, device: torch.device,
+                chunk: int = 0):
         """Yield (first_element, rows, width, first_scale): row-blocks of the flattened tensor that share scales
         per row (group mode) or per column (channel mode)."""
-        chunk = chunk_elems(device)
+        chunk = chunk or chunk_elems(device)
         if per_channel:
             width = shape[-1] if shape else 1
             rows_total = numel // width
@@ -145,7 +149,9 @@ class ScaledCodec(Codec):
             scale_bytes.copy_(chan_scale.view(torch.uint8))
             chan_scale, chan_inv = chan_scale.view(1, -1), chan_inv.view(1, -1)
         compiled = self._compiled if (self.compiled_kernels and acc is None and chan_inv is None) else None
-        for first, k, width, s0 in self._chunks(numel, shape, self.group_size, self.per_channel, dev):
+        # A compiled kernel keeps no chunk-sized intermediates, so it takes 4x larger chunks (fewer calls).
+        chunk = COMPILED_CHUNK_ELEMS if compiled is not None and dev.type == "cpu" else 0
+        for first, k, width, s0 in self._chunks(numel, shape, self.group_size, self.per_channel, dev, chunk):
             xc = flat[first:first + k * width].view(k, width)
             if compiled is not None:
                 kern = compiled.get((xc.dtype, k, width, dev), lambda: self._example(xc.dtype, k, width, dev))
@@ -206,7 +212,8 @@ class ScaledCodec(Codec):
             return False
         dev = torch.device(device)
         ok = True
-        for _, k, width, _ in self._chunks(numel_of(shape), shape, self.group_size, False, dev):
+        chunk = COMPILED_CHUNK_ELEMS if dev.type == "cpu" else 0
+        for _, k, width, _ in self._chunks(numel_of(shape), shape, self.group_size, False, dev, chunk):
             ok &= self.compiled_kernels.compile_now((dtype, k, width, dev),
                                                     lambda: self._example(dtype, k, width, dev))
         return ok
