@@ -6,13 +6,22 @@ from typing import Sequence
 
 import torch
 
-from .header import DTYPE_IDS, HEADER_NBYTES, MAX_NDIM, CodecError, CodecHeader
+from .header import (
+    DTYPE_IDS, FLAG_FALLBACK, FLAG_PER_CHANNEL, HEADER_NBYTES, MAX_NDIM, CodecError, CodecHeader,
+)
 from .metrics import STATS
 from .scratch import ScratchPool
 
-# Elements per chunk: large enough that per-op dispatch overhead is small against the arithmetic, small
-# enough that a chunk's fp32 scratch (4 x this) stays in a core's L2 cache.
-CHUNK_ELEMS = 1 << 16
+# Elements per chunk. CPU: eager torch pays ~1-5 us per op and a chunk takes ~15 ops, so chunks must be large;
+# 2^18 measured as fast as 2^20 (bench/codecs.py --chunk-elems) and keeps a thread's scratch near 5 MiB, within
+# L3. 2^16 was 1.5x slower (docs/performance-codecs.md).
+# CUDA: kernel launches, not caches, dominate, so a chunk is a whole block of any realistic size.
+CHUNK_ELEMS = 1 << 18
+CUDA_CHUNK_ELEMS = 1 << 22
+
+
+def chunk_elems(device: torch.device) -> int:
+    return CHUNK_ELEMS if device.type == "cpu" else CUDA_CHUNK_ELEMS
 
 
 def numel_of(shape: Sequence[int]) -> int:
@@ -94,7 +103,11 @@ class Codec:
             raise CodecError("out: must be a 1-D torch.uint8 tensor")
         if out.device != src.device:
             raise CodecError(f"out: on {out.device}, src is on {src.device}; both must be on one device")
+        self._check_src_shape(tuple(src.shape))
         return self._encode_as(src, out, self.name)
+
+    def _check_src_shape(self, shape: tuple[int, ...]) -> None:
+        """Reject shapes this codec's options cannot lay out (before anything is written)."""
 
     def _encode_as(self, src: torch.Tensor, out: torch.Tensor, requested: str) -> int:
         shape = tuple(src.shape)
@@ -109,15 +122,7 @@ class Codec:
             assert self.fallback_codec is not None
             STATS.record_fallback(requested, self.fallback_codec.name, err)
             return self.fallback_codec._encode_as(src, out, requested)
-        flags = 0
-        if requested != self.name:
-            from .header import FLAG_FALLBACK
-
-            flags |= FLAG_FALLBACK
-        if self.per_channel:
-            from .header import FLAG_PER_CHANNEL
-
-            flags |= FLAG_PER_CHANNEL
+        flags = (FLAG_FALLBACK if requested != self.name else 0) | (FLAG_PER_CHANNEL if self.per_channel else 0)
         header = CodecHeader(
             codec=self.name, codec_version=self.version, dtype=src.dtype, shape=shape,
             group_size=self.group_size, payload_nbytes=n - HEADER_NBYTES, requested_codec=requested, flags=flags,
@@ -142,7 +147,8 @@ class Codec:
         a header from a newer writer is not)."""
         if header.codec_version != self.version:
             raise CodecError(
-                f"header.codec_version: {header.codec_version} for codec {self.name!r}; this reader knows {self.version}")
+                f"header.codec_version: {header.codec_version} for codec {self.name!r}; "
+                f"this reader knows {self.version}")
 
 
 def _check_shape_dtype(shape: Sequence[int], dtype: torch.dtype) -> None:
@@ -161,7 +167,7 @@ class PassthroughCodec(Codec):
     error_budget = 0.0
 
     def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
-        return numel_of(shape) * torch.empty((), dtype=dtype).element_size()
+        return numel_of(shape) * dtype.itemsize
 
     def _encode_payload(self, flat, shape, payload, measure):  # type: ignore[override]
         if flat.numel():

@@ -94,7 +94,8 @@ class CodecMetricsCollector:
             "kvtier_runtime_codec_fallbacks",
             "Blocks whose measured error exceeded the requested codec's budget and were stored with a wider codec",
             labels=["requested_codec", "codec"])
-        for (requested, used), value in sorted(snap["kvtier_runtime_codec_fallbacks_total"].items()):  # type: ignore[union-attr]
+        fallbacks: dict = snap["kvtier_runtime_codec_fallbacks_total"]  # type: ignore[assignment]
+        for (requested, used), value in sorted(fallbacks.items()):
             fam.add_metric([requested, used], value)
         yield fam
         fam = CounterMetricFamily(

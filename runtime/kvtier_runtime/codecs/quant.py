@@ -14,7 +14,10 @@ from typing import Sequence
 
 import torch
 
-from .base import CHUNK_ELEMS, Codec, numel_of
+from .base import Codec, chunk_elems, numel_of
+
+# Chunk size of the compiled fp8 encoder on CPU: 2^20 measured 15-20% faster than 2^18 (fewer calls).
+COMPILED_CHUNK_ELEMS = 1 << 20
 from .header import CodecError, CodecHeader
 
 F32 = torch.float32
@@ -24,7 +27,8 @@ _TINY = torch.finfo(torch.float32).tiny
 _SHRINK = 1.0 - 2.0 ** -20
 
 
-def _scales(amax: torch.Tensor, qmax: float, scale: torch.Tensor, inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _scales(amax: torch.Tensor, qmax: float, scale: torch.Tensor,
+            inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     torch.mul(amax, _SHRINK / qmax, out=scale)
     # An all-zero group gets the smallest normal scale: its codes are 0 and 1/scale stays finite.
     scale.clamp_(min=_TINY)
@@ -34,6 +38,7 @@ def _scales(amax: torch.Tensor, qmax: float, scale: torch.Tensor, inv: torch.Ten
 
 class ScaledCodec(Codec):
     qmax: float = 1.0
+    pre_scale: float = 1.0
     bits: int = 8
     default_group_size = 128
 
@@ -69,56 +74,63 @@ class ScaledCodec(Codec):
                 f"shape {header.shape}")
 
     # ---- scratch helpers -------------------------------------------------------------------------------------
-    def _buf(self, name: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self._scratch.get(name, n, dtype, device)
-
-    def _scales_from_amax(self, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k, dev = amax.numel(), amax.device
-        return _scales(amax, self.qmax, self._buf("scale", k, F32, dev), self._buf("inv", k, F32, dev))
-
-    def _group_scales(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k, dev = xc.shape[0], xc.device
-        mn = self._buf("min", k, xc.dtype, dev)
-        mx = self._buf("max", k, xc.dtype, dev)
-        torch.aminmax(xc, dim=1, out=(mn, mx))
-        amax = self._buf("amax", k, F32, dev)
-        torch.maximum(mn.neg_(), mx, out=amax)
-        return self._scales_from_amax(amax)
+    def _buf(self, name: str, shape: int | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self._scratch.get(name, shape, dtype, device)
 
     # ---- kernels (subclasses) --------------------------------------------------------------------------------
-    def _quantize(self, xc: torch.Tensor, inv: torch.Tensor, codes: torch.Tensor) -> None:
+    def _quantize(self, a: torch.Tensor, codes: torch.Tensor) -> None:
+        """Write the codes of ``a`` (fp32, already divided by its scales; may be clobbered) into ``codes``."""
         raise NotImplementedError
 
     def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor, dst: torch.Tensor) -> None:
+        """``dst[k, w] = codes * scale`` (scale broadcasts: [k, 1] per group or [1, w] per channel)."""
         raise NotImplementedError
 
     def _codes_view(self, data: torch.Tensor, first: int, k: int, width: int) -> torch.Tensor:
-        """Codes of ``k`` rows of ``width`` elements starting at element ``first`` (row starts are even for int4)."""
+        """Codes of ``k`` rows of ``width`` elements starting at element ``first``."""
         start = first * self.bits // 8
-        nbytes = -(-width * self.bits // 8)
+        nbytes = width * self.bits // 8
         return data[start:start + k * nbytes].view(k, nbytes)
 
+    def _f32_target(self, dst: torch.Tensor) -> torch.Tensor:
+        """Where a kernel computes in fp32: ``dst`` itself when it is fp32, else a scratch buffer."""
+        if dst.dtype == F32:
+            return dst
+        k, w = dst.shape
+        return self._buf("dq", (k, w), F32, dst.device)
+
     # ---- chunk loops -----------------------------------------------------------------------------------------
-    def _chunks(self, numel: int, shape: Sequence[int], group_size: int, per_channel: bool):
+    def _chunks(self, numel: int, shape: Sequence[int], group_size: int, per_channel: bool, device: torch.device,
+                chunk: int = 0):
         """Yield (first_element, rows, width, first_scale): row-blocks of the flattened tensor that share scales
         per row (group mode) or per column (channel mode)."""
+        chunk = chunk or chunk_elems(device)
         if per_channel:
             width = shape[-1] if shape else 1
             rows_total = numel // width
-            step = max(1, CHUNK_ELEMS // max(width, 1))
+            step = max(1, chunk // max(width, 1))
             for r0 in range(0, rows_total, step):
                 k = min(step, rows_total - r0)
                 yield r0 * width, k, width, 0
             return
         g = group_size
         full = numel // g
-        step = max(1, CHUNK_ELEMS // g)
+        step = max(1, chunk // g)
         for i0 in range(0, full, step):
             k = min(step, full - i0)
             yield i0 * g, k, g, i0
         tail = numel - full * g
         if tail:
             yield full * g, 1, tail, full
+
+    def _as_f32(self, xc: torch.Tensor) -> torch.Tensor:
+        """The chunk in fp32 (fp16/bf16 mixed-dtype kernels are several times slower than a copy + fp32 op)."""
+        if xc.dtype == F32:
+            return xc
+        k, w = xc.shape
+        xf = self._buf("xf", (k, w), F32, xc.device)
+        xf.copy_(xc)
+        return xf
 
     def _encode_payload(self, flat, shape, payload, measure):  # type: ignore[override]
         numel = flat.numel()
@@ -136,24 +148,45 @@ class ScaledCodec(Codec):
             chan_scale, chan_inv = self._channel_scales(flat, shape)
             scale_bytes.copy_(chan_scale.view(torch.uint8))
             chan_scale, chan_inv = chan_scale.view(1, -1), chan_inv.view(1, -1)
-        for first, k, width, s0 in self._chunks(numel, shape, self.group_size, self.per_channel):
+        compiled = self._compiled if (self.compiled_kernels and acc is None and chan_inv is None) else None
+        # A compiled kernel keeps no chunk-sized intermediates, so it takes 4x larger chunks (fewer calls).
+        chunk = COMPILED_CHUNK_ELEMS if compiled is not None and dev.type == "cpu" else 0
+        for first, k, width, s0 in self._chunks(numel, shape, self.group_size, self.per_channel, dev, chunk):
             xc = flat[first:first + k * width].view(k, width)
+            if compiled is not None:
+                kern = compiled.get((xc.dtype, k, width, dev), lambda: self._example(xc.dtype, k, width, dev))
+                if kern is not None:
+                    scale = self._buf("scale", (k, 1), F32, dev)
+                    kern(xc, self._codes_view(data, first, k, width), scale)
+                    scale_bytes[4 * s0:4 * (s0 + k)].view(k, 4).copy_(scale.view(torch.uint8))
+                    compiled.calls += 1
+                    continue
+            xf = self._as_f32(xc)
+            a = self._buf("a", (k, width), F32, dev)
             if chan_inv is None:
-                scale, inv = self._group_scales(xc)
-                scale_bytes[4 * s0:4 * (s0 + k)].copy_(scale.view(torch.uint8))
-                scale, inv = scale.view(k, 1), inv.view(k, 1)
+                torch.abs(xf, out=a)
+                amax = self._buf("amax", (k, 1), F32, dev)
+                torch.amax(a, dim=1, keepdim=True, out=amax)
+                scale, inv = _scales(amax, self.qmax, self._buf("scale", (k, 1), F32, dev),
+                                     self._buf("inv", (k, 1), F32, dev))
+                scale_bytes[4 * s0:4 * (s0 + k)].view(k, 4).copy_(scale.view(torch.uint8))
             else:
                 scale, inv = chan_scale, chan_inv
+            if self.pre_scale != 1.0:
+                pinv = self._buf("pinv", tuple(inv.shape), F32, dev)
+                torch.mul(inv, self.pre_scale, out=pinv)
+                inv = pinv
+            torch.mul(xf, inv, out=a)
             codes = self._codes_view(data, first, k, width)
-            self._quantize(xc, inv, codes)
+            self._quantize(a, codes)
             if acc is not None:
-                rec = self._buf("rec", k * width, F32, dev).view(k, width)
+                rec = self._buf("rec", (k, width), F32, dev)
                 self._dequantize(codes, scale, rec)
-                torch.sub(rec, xc, out=rec)
                 flat_rec = rec.view(-1)
+                flat_rec.sub_(xf.reshape(-1))
                 acc[0] += torch.dot(flat_rec, flat_rec)
-                rec.copy_(xc)
-                acc[1] += torch.dot(flat_rec, flat_rec)
+                flat_x = xf.reshape(-1)
+                acc[1] += torch.dot(flat_x, flat_x)
         if acc is None:
             return None
         err_sq, norm_sq = acc.tolist()
@@ -161,17 +194,42 @@ class ScaledCodec(Codec):
             return 0.0 if err_sq == 0.0 else math.inf
         return math.sqrt(err_sq / norm_sq)
 
+    # ---- optional compiled kernels (fp8 only, see compiled.py) ------------------------------------------------
+    compiled_kernels = None
+
+    @property
+    def _compiled(self):
+        return self.compiled_kernels
+
+    def _example(self, dtype: torch.dtype, k: int, width: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
+        return (torch.randn(k, width, device=dev).to(dtype), torch.empty(k, width, dtype=torch.uint8, device=dev),
+                torch.empty(k, 1, device=dev))
+
+    def warmup(self, shape: Sequence[int], dtype: torch.dtype, device: str | torch.device = "cpu") -> bool:
+        """Compile, now, the kernels a block of ``shape`` needs (a no-op without ``compile=True``); True when
+        every chunk of such a block will run compiled."""
+        if self.compiled_kernels is None or self.per_channel:
+            return False
+        dev = torch.device(device)
+        ok = True
+        chunk = COMPILED_CHUNK_ELEMS if dev.type == "cpu" else 0
+        for _, k, width, _ in self._chunks(numel_of(shape), shape, self.group_size, False, dev, chunk):
+            ok &= self.compiled_kernels.compile_now((dtype, k, width, dev),
+                                                    lambda: self._example(dtype, k, width, dev))
+        return ok
+
     def _channel_scales(self, flat: torch.Tensor, shape: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         width = shape[-1] if shape else 1
         dev = flat.device
         amax = self._buf("chan_amax", width, F32, dev)
         amax.zero_()
-        mn = self._buf("chan_min", width, flat.dtype, dev)
-        mx = self._buf("chan_max", width, flat.dtype, dev)
-        for first, k, w, _ in self._chunks(flat.numel(), shape, 0, True):
-            torch.aminmax(flat[first:first + k * w].view(k, w), dim=0, out=(mn, mx))
-            torch.maximum(mn.neg_(), mx, out=mx)
-            torch.maximum(amax, mx, out=amax)
+        col = self._buf("chan_col", width, F32, dev)
+        for first, k, w, _ in self._chunks(flat.numel(), shape, 0, True, dev):
+            xf = self._as_f32(flat[first:first + k * w].view(k, w))
+            a = self._buf("a", (k, w), F32, dev)
+            torch.abs(xf, out=a)
+            torch.amax(a, dim=0, out=col)
+            torch.maximum(amax, col, out=amax)
         return _scales(amax, self.qmax, self._buf("chan_scale", width, F32, dev),
                        self._buf("chan_inv", width, F32, dev))
 
@@ -181,18 +239,26 @@ class ScaledCodec(Codec):
             return
         dev = dst.device
         n_scales = self._n_scales(header.shape, header.group_size, header.per_channel)
-        scales = self._buf("dec_scale", n_scales, F32, dev)
-        scales.view(torch.uint8).copy_(payload[:4 * n_scales])
         data = payload[4 * n_scales:]
-        chan = scales.view(1, -1) if header.per_channel else None
-        for first, k, width, s0 in self._chunks(numel, header.shape, header.group_size, header.per_channel):
-            scale = chan if chan is not None else scales[s0:s0 + k].view(k, 1)
+        chan = None
+        if header.per_channel:
+            chan = self._buf("dec_scale", n_scales, F32, dev)
+            chan.view(torch.uint8).copy_(payload[:4 * n_scales])
+            chan = chan.view(1, -1)
+        for first, k, width, s0 in self._chunks(numel, header.shape, header.group_size, header.per_channel, dev):
+            if chan is None:
+                # Scales are copied out per chunk (the payload may sit at any byte offset, so it cannot be
+                # viewed as fp32 in place), keeping the buffer chunk-sized whatever the block size.
+                scale = self._buf("dec_scale", (k, 1), F32, dev)
+                scale.view(torch.uint8).copy_(payload[4 * s0:4 * (s0 + k)].view(k, 4))
+            else:
+                scale = chan
             self._dequantize(self._codes_view(data, first, k, width), scale,
                              dst[first:first + k * width].view(k, width))
 
 
 class Fp8Codec(ScaledCodec):
-    """fp8 e4m3: 3 mantissa bits, saturates at 448 (values are clamped before the cast, never NaN)."""
+    """fp8 e4m3: 3 mantissa bits, max 448 (scaled values are clamped before the cast: never NaN)."""
 
     name = "fp8"
     fp8_dtype = torch.float8_e4m3fn
@@ -200,22 +266,41 @@ class Fp8Codec(ScaledCodec):
     error_budget = 0.04
     default_group_size = 128
 
-    def _quantize(self, xc, inv, codes):  # type: ignore[override]
-        k, w = xc.shape
-        y = self._buf("y", k * w, F32, xc.device).view(k, w)
-        torch.mul(xc, inv, out=y)
-        y.clamp_(-self.qmax, self.qmax)
-        codes.view(self.fp8_dtype).copy_(y)
+    # torch's float -> e4m3 cast runs at ~2 Gelem/s on CPU, half the time of a whole encode; rounding fp16 bits
+    # in int16 lanes is ~2x faster. Ties round away from zero (torch's cast rounds to even): same error bound.
+    # The encode loop multiplies by ``inv * pre_scale`` so the fp16 exponent lines up with the fp8 one.
+    pre_scale = 1.0 / 256.0
+
+    def _quantize(self, a, codes):  # type: ignore[override]
+        k, w = a.shape
+        lim = self.qmax * self.pre_scale
+        a.clamp_(-lim, lim)
+        h16 = self._buf("h16", (k, w), torch.float16, a.device)
+        h16.copy_(a)
+        h = h16.view(torch.int16)
+        # e4m3 code = fp16 bits >> 7 (exponents differ by the 2^-8 pre-scale), sign moved from bit 15 to bit 7;
+        # adding half an e4m3 ulp (0x40) first rounds; it cannot carry into the sign for |a| <= 448 / 256.
+        h.add_(0x40)
+        sign = self._buf("sign", (k, w), torch.int16, a.device)
+        torch.bitwise_right_shift(h, 8, out=sign)
+        sign.bitwise_and_(0x80)
+        h.bitwise_right_shift_(7).bitwise_and_(0x7F).bitwise_or_(sign)
+        codes.copy_(h)
 
     def _dequantize(self, codes, scale, dst):  # type: ignore[override]
-        if dst.dtype == F32:
-            dst.copy_(codes.view(self.fp8_dtype))
-            dst.mul_(scale)
-            return
+        # torch's e4m3 -> float cast is ~10x slower than this on CPU: e4m3 bits shifted left by 7 are an fp16 of
+        # the same sign and mantissa with an exponent bias 8 lower (subnormals included), i.e. value / 256.
         k, w = dst.shape
-        y = self._buf("dq", k * w, F32, dst.device).view(k, w)
-        y.copy_(codes.view(self.fp8_dtype))
-        torch.mul(y, scale, out=dst)
+        h = self._buf("i16", (k, w), torch.int16, dst.device)
+        h.copy_(codes.view(torch.int8))           # sign-extends: a negative code becomes 0xff80 | bits
+        h.bitwise_left_shift_(7).bitwise_and_(-16385)   # 0xbfff clears the extended sign's copy in bit 14
+        t = self._f32_target(dst)
+        t.copy_(h.view(torch.float16))
+        s = self._buf("s256", tuple(scale.shape), F32, dst.device)
+        torch.mul(scale, 256.0, out=s)
+        t.mul_(s)
+        if t is not dst:
+            dst.copy_(t)
 
 
 class Fp8E5M2Codec(Fp8Codec):
@@ -226,6 +311,31 @@ class Fp8E5M2Codec(Fp8Codec):
     qmax = 57344.0
     error_budget = 0.08
 
+    pre_scale = 1.0
+
+    def _quantize(self, a, codes):  # type: ignore[override]
+        # e5m2 is the top byte of an fp16: round the low byte away (half away from zero) and keep the top one.
+        k, w = a.shape
+        a.clamp_(-self.qmax, self.qmax)
+        h16 = self._buf("h16", (k, w), torch.float16, a.device)
+        h16.copy_(a)
+        h = h16.view(torch.int16)
+        h.add_(0x80)    # cannot carry into the sign: |a| <= 57344 is 0x7b00
+        h.bitwise_right_shift_(8)
+        codes.copy_(h)  # int16 -> uint8 keeps the low byte: sign at bit 7, exponent and mantissa below
+
+    def _dequantize(self, codes, scale, dst):  # type: ignore[override]
+        # e5m2 is the top byte of an fp16: shifting the code left by 8 decodes it exactly.
+        k, w = dst.shape
+        h = self._buf("i16", (k, w), torch.int16, dst.device)
+        h.copy_(codes)
+        h.bitwise_left_shift_(8)
+        t = self._f32_target(dst)
+        t.copy_(h.view(torch.float16))
+        t.mul_(scale)
+        if t is not dst:
+            dst.copy_(t)
+
 
 class Int8Codec(ScaledCodec):
     """Symmetric int8, codes in [-127, 127], one scale per group or per channel."""
@@ -235,26 +345,21 @@ class Int8Codec(ScaledCodec):
     error_budget = 0.03
     default_group_size = 128
 
-    def _quantize(self, xc, inv, codes):  # type: ignore[override]
-        k, w = xc.shape
-        y = self._buf("y", k * w, F32, xc.device).view(k, w)
-        torch.mul(xc, inv, out=y)
-        y.round_().clamp_(-self.qmax, self.qmax)
-        codes.view(torch.int8).copy_(y)
+    def _quantize(self, a, codes):  # type: ignore[override]
+        # No clamp: |a| <= 127 * (1 + 2^-20) by construction of the scales (_SHRINK), which rounds to 127.
+        a.round_()
+        codes.view(torch.int8).copy_(a)
 
     def _dequantize(self, codes, scale, dst):  # type: ignore[override]
-        if dst.dtype == F32:
-            dst.copy_(codes.view(torch.int8))
-            dst.mul_(scale)
-            return
-        k, w = dst.shape
-        y = self._buf("dq", k * w, F32, dst.device).view(k, w)
-        y.copy_(codes.view(torch.int8))
-        torch.mul(y, scale, out=dst)
+        t = self._f32_target(dst)
+        t.copy_(codes.view(torch.int8))
+        t.mul_(scale)
+        if t is not dst:
+            dst.copy_(t)
 
 
 class Int4Codec(ScaledCodec):
-    """Symmetric int4, codes in [-7, 7] stored offset by 8, two per byte (even element in the low nibble)."""
+    """Symmetric int4, codes in [-7, 7] as two's complement nibbles, two per byte (even element low)."""
 
     name = "int4"
     bits = 4
@@ -266,45 +371,56 @@ class Int4Codec(ScaledCodec):
         # Groups have an even size, so only the last, shorter group can end in half a byte.
         return (numel + 1) // 2
 
+    def _check_src_shape(self, shape: tuple[int, ...]) -> None:
+        if self.per_channel and (shape[-1] if shape else 1) % 2:
+            raise CodecError(f"src: shape {shape}: int4 with scales='channel' needs an even last dimension")
+
+    def check_header(self, header: CodecHeader) -> None:
+        super().check_header(header)
+        if header.per_channel and header.numel and (header.shape[-1] if header.shape else 1) % 2:
+            raise CodecError("header.shape: int4 with per-channel scales needs an even last dimension")
+        if not header.per_channel and header.group_size % 2:
+            raise CodecError(f"header.group_size: {header.group_size} must be even for int4")
+
     def _codes_view(self, data, first, k, width):  # type: ignore[override]
         start = first // 2
         nbytes = (width + 1) // 2
         return data[start:start + k * nbytes].view(k, nbytes)
 
-    def _quantize(self, xc, inv, codes):  # type: ignore[override]
-        k, w = xc.shape
-        dev = xc.device
+    def _quantize(self, a, codes):  # type: ignore[override]
+        k, w = a.shape
+        dev = a.device
+        a.round_()   # |a| <= 7 * (1 + 2^-20) by construction of the scales: rounds into [-7, 7], no clamp
         we = w + (w & 1)
-        y = self._buf("y", k * we, F32, dev).view(k, we)
-        torch.mul(xc, inv, out=y[:, :w])
+        q = self._buf("q8", (k, we), torch.int8, dev)
         if we != w:
-            y[:, w:].zero_()
-        y.round_().clamp_(-self.qmax, self.qmax)
-        h = self._buf("h", k * we // 2, F32, dev).view(k, we // 2)
-        torch.add(y[:, 0::2], y[:, 1::2], alpha=16.0, out=h)
-        h.add_(8.0 + 16.0 * 8.0)
-        codes.copy_(h)
+            q[:, w:].zero_()
+        q[:, :w].copy_(a)
+        # Packing in int16 lanes: each lane holds an (even, odd) pair of int8 codes, little endian, so the
+        # low nibble of the even code and the low nibble of the odd code (at bits 8..11) are a mask/shift away.
+        pair = q.view(torch.int16)
+        lo = self._buf("p_lo", (k, we // 2), torch.int16, dev)
+        hi = self._buf("p_hi", (k, we // 2), torch.int16, dev)
+        torch.bitwise_and(pair, 0x0F, out=lo)
+        torch.bitwise_right_shift(pair, 4, out=hi)
+        hi.bitwise_and_(0xF0)
+        lo.bitwise_or_(hi)
+        codes.copy_(lo)
 
     def _dequantize(self, codes, scale, dst):  # type: ignore[override]
         k, w = dst.shape
         dev = dst.device
         half = codes.shape[1]
-        # XOR 0x88 turns both offset-by-8 nibbles into two's complement; arithmetic shifts of the int8 view
-        # then sign-extend them. Decoding as code * scale (not nibble * scale - 8 * scale) cannot overflow.
-        t = self._buf("t", k * half, torch.uint8, dev).view(k, half)
-        torch.bitwise_xor(codes, 0x88, out=t)
-        hi = self._buf("hi", k * half, torch.int8, dev).view(k, half)
-        torch.bitwise_right_shift(t.view(torch.int8), 4, out=hi)
-        lo = self._buf("lo", k * half, torch.uint8, dev).view(k, half)
-        torch.bitwise_left_shift(t, 4, out=lo)
-        lo_s = lo.view(torch.int8)
-        torch.bitwise_right_shift(lo_s, 4, out=lo_s)
-        f = self._buf("dq", k * half * 2, F32, dev).view(k, half, 2)
-        f[:, :, 0].copy_(lo_s)
-        f[:, :, 1].copy_(hi)
-        f2 = f.view(k, 2 * half)
-        if 2 * half == w:
-            torch.mul(f2, scale, out=dst)
-        else:
-            f2.mul_(scale)
-            dst.copy_(f2[:, :w])
+        hi = self._buf("u_hi", (k, half), torch.int16, dev)
+        lo = self._buf("u_lo", (k, half), torch.int16, dev)
+        hi.copy_(codes.view(torch.int8))                         # sign-extends the high nibble's byte
+        torch.bitwise_left_shift(hi, 12, out=lo)
+        lo.bitwise_right_shift_(12).bitwise_and_(0xFF)           # sign-extended low nibble, as one byte
+        hi.bitwise_right_shift_(4).bitwise_left_shift_(8)        # sign-extended high nibble, in the upper byte
+        hi.bitwise_or_(lo)
+        q = hi.view(torch.int8)                                  # int8 codes, interleaved back in order
+        t = self._f32_target(dst)
+        t.copy_(q if 2 * half == w else q[:, :w])
+        t.mul_(scale)
+        if t is not dst:
+            dst.copy_(t)

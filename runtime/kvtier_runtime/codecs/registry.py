@@ -27,14 +27,18 @@ ERROR_BUDGETS: dict[str, float] = {name: cls.error_budget for name, cls in CODEC
 
 
 def get_codec(name: str, *, group_size: int | None = None, scales: str = "group", fallback: bool = False,
-              error_budget: float | None = None) -> Codec:
+              error_budget: float | None = None, compile: bool = False) -> Codec:
     """A codec by its ``KVCachePolicy`` name.
 
     ``group_size``: elements sharing one scale (fp8/int8 default 128, int4 default 32; int4 needs an even
-    size). ``scales``: ``"group"`` or, for int8 only, ``"channel"`` (one scale per index of the last dim).
+    size). ``scales``: ``"group"`` or ``"channel"``: one scale per index of the last dim over the whole block,
+    which keeps K's outlier channels from inflating every group they sit in (view a [tokens, heads, dim] block
+    as [tokens, heads * dim] for a scale per head and channel; int4 needs an even last dim).
     ``fallback``: measure each block's relative error on encode and store blocks over ``error_budget`` with
     the wider codec of ``FALLBACK_TO`` (``out`` must then hold ``max_encoded_nbytes``).
     ``error_budget``: override the codec's documented budget (relative L2 error per block) for fallback.
+    ``compile``: encode fp8 group-scaled blocks with torch.compile'd kernels once a background thread has
+    compiled them (eager until then; see ``compiled.py``); ignored by the other codecs, where it does not pay.
     """
     if name not in CODEC_CLASSES:
         raise CodecError(f"codec: {name!r} is not one of {', '.join(CODEC_CLASSES)}")
@@ -51,8 +55,6 @@ def get_codec(name: str, *, group_size: int | None = None, scales: str = "group"
         codec: Codec = cls(fallback=fallback)
     else:
         per_channel = scales == "channel"
-        if per_channel and name != "int8":
-            raise CodecError(f"scales: 'channel' is only supported by int8, not {name!r}")
         if per_channel:
             if group_size is not None:
                 raise CodecError("group_size: must be unset with scales='channel'")
@@ -67,6 +69,12 @@ def get_codec(name: str, *, group_size: int | None = None, scales: str = "group"
             if name == "int4" and group_size % 2:
                 raise CodecError(f"group_size: {group_size} must be even for int4 (two codes per byte)")
         codec = cls(group_size=group_size, fallback=fallback, per_channel=per_channel)
+    if not isinstance(compile, bool):
+        raise CodecError(f"compile: {compile!r} must be a bool")
+    if compile and name in _COMPILED_ENCODERS and scales == "group":
+        from .compiled import CompiledKernels
+
+        codec.compiled_kernels = CompiledKernels(_COMPILED_ENCODERS[name]())
     if error_budget is not None:
         if isinstance(error_budget, bool) or not isinstance(error_budget, (int, float)) or not (
                 0 < error_budget < 1):
@@ -74,9 +82,28 @@ def get_codec(name: str, *, group_size: int | None = None, scales: str = "group"
         codec.error_budget = float(error_budget)
     if fallback and name in FALLBACK_TO:
         wider = FALLBACK_TO[name]
-        wider_group = codec.group_size if (wider == "int8" and codec.group_size) else None
-        codec.fallback_codec = get_codec(wider, group_size=wider_group, fallback=True)
+        if wider == "none":
+            codec.fallback_codec = get_codec(wider, fallback=True)
+        elif codec.per_channel:
+            codec.fallback_codec = get_codec(wider, scales="channel", fallback=True)
+        else:
+            codec.fallback_codec = get_codec(wider, group_size=codec.group_size, fallback=True)
     return codec
+
+
+def _e4m3():
+    from .compiled import fp8_encode_e4m3
+
+    return fp8_encode_e4m3
+
+
+def _e5m2():
+    from .compiled import fp8_encode_e5m2
+
+    return fp8_encode_e5m2
+
+
+_COMPILED_ENCODERS = {"fp8": _e4m3, "fp8_e5m2": _e5m2}
 
 
 # One decoder instance per codec name: its scratch is per-thread, and group size etc. come from each header.

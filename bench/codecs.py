@@ -1,0 +1,337 @@
+"""Codec speed and accuracy, as ratios against references measured in the same run.
+
+    python bench/codecs.py                      # throughput table (2 threads, 2 MiB fp16 blocks, 128 MiB cold set)
+    python bench/codecs.py --hot                # same, one block reused (cache-resident; an upper bound)
+    python bench/codecs.py --accuracy           # K/V and attention error, 1k..32k tokens, normal + outlier data
+    python bench/codecs.py --compile-probe      # eager codecs vs the same math through torch.compile (CPU)
+    python bench/codecs.py --budgets            # worst/mean block error per codec: evidence for the budgets
+
+Throughput: GB/s of *input* bytes for encode and decode, against ``dst.copy_(src)`` of the same bytes into
+preallocated memory over the same blocks; ``rt/copy`` is the encode+decode round trip (bytes / (t_enc + t_dec))
+as a fraction of the copy rate (a codec as fast as copy_ in both directions scores 0.5 there). The targets
+(fp8 >= 0.25, int4 >= 0.1 of the copy rate) are checked both ways: "each" = encode and decode each at least
+that fraction, "rt" = the round trip. Passes over all blocks are interleaved (copy, then each codec) and the
+fastest pass of each column is reported (``--stat median`` for the median): on a shared machine the fastest
+pass is the one least disturbed by neighbours, and the copy reference gets the same treatment. ``alloc/call``
+is what torch's CPU allocator handed out during one steady-state encode + decode, from the profiler (a few
+bytes of 0-d results: everything else comes from the codec's reused scratch).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "runtime"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from kvtier_runtime.codecs import CODEC_CLASSES, ERROR_BUDGETS, decode, get_codec  # noqa: E402
+from kvtier_runtime.codecs import base as codec_base  # noqa: E402
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+VARIANTS = {  # label -> get_codec kwargs
+    "none": ("none", {}),
+    "fp8": ("fp8", {}),
+    "fp8+compile": ("fp8", {"compile": True}),
+    "fp8_e5m2": ("fp8_e5m2", {}),
+    "int8": ("int8", {}),
+    "int8/chan": ("int8", {"scales": "channel"}),
+    "int4": ("int4", {}),
+    "int4/chan": ("int4", {"scales": "channel"}),
+    "int4+fallback": ("int4", {"fallback": True}),
+    "fp8+fallback": ("fp8", {"fallback": True}),
+}
+
+
+# ---- data ----------------------------------------------------------------------------------------------------
+
+def normal_kv(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(shape, generator=gen)
+
+
+def outlier_kv(shape: tuple[int, ...], gen: torch.Generator, n_outliers: int = 4) -> torch.Tensor:
+    """Normal data with ``n_outliers`` channels (of the last dim) scaled 10..100x, the same channels in every
+    token and head, as in real K caches."""
+    x = torch.randn(shape, generator=gen)
+    d = shape[-1]
+    chans = torch.randperm(d, generator=gen)[:n_outliers]
+    x[..., chans] *= torch.linspace(10.0, 100.0, n_outliers)
+    return x
+
+
+# ---- throughput ----------------------------------------------------------------------------------------------
+
+def allocated_bytes(fn) -> int:
+    """Bytes torch's CPU allocator gave out while ``fn`` ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sum(max(0, e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage > 0
+               and not e.cpu_children)
+
+
+def throughput(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    if args.chunk_elems:
+        codec_base.CHUNK_ELEMS = args.chunk_elems
+    dtype = DTYPES[args.dtype]
+    esize = torch.empty((), dtype=dtype).element_size()
+    heads, head_dim = 8, 128
+    tokens = max(1, int(args.block_mib * 2**20) // (heads * head_dim * esize))
+    shape = (tokens, heads, head_dim)
+    block_bytes = tokens * heads * head_dim * esize
+    n_blocks = 1 if args.hot else max(1, int(args.working_set_mib * 2**20) // block_bytes)
+    gen = torch.Generator().manual_seed(0)
+    src = [normal_kv(shape, gen).to(dtype) for _ in range(n_blocks)]
+    dst = [torch.empty_like(s) for s in src]
+    variants = [v for v in args.codecs.split(",")] if args.codecs else list(VARIANTS)
+    codecs = {v: get_codec(VARIANTS[v][0], **VARIANTS[v][1]) for v in variants}
+    for c in codecs.values():   # compile cost stays out of the timed passes, as in the runtime
+        c.warmup(shape, dtype) if hasattr(c, "warmup") else None
+    outs = {v: [torch.empty(c.max_encoded_nbytes(shape, dtype), dtype=torch.uint8) for _ in range(n_blocks)]
+            for v, c in codecs.items()}
+    nbytes = {v: c.encode(src[0], outs[v][0]) for v, c in codecs.items()}
+    reps = max(1, args.min_block_ops // n_blocks)
+
+    def copy_pass() -> None:
+        for _ in range(reps):
+            for s, d in zip(src, dst):
+                d.copy_(s)
+
+    def enc_pass(v: str) -> None:
+        c, o = codecs[v], outs[v]
+        for _ in range(reps):
+            for s, b in zip(src, o):
+                c.encode(s, b)
+
+    def dec_pass(v: str) -> None:
+        o = outs[v]
+        for _ in range(reps):
+            for b, d in zip(o, dst):
+                decode(b, out=d)
+
+    def timed(fn, *a) -> float:
+        t0 = time.perf_counter()
+        fn(*a)
+        return time.perf_counter() - t0
+
+    for v in variants:  # warm up scratch buffers and page in every buffer
+        enc_pass(v)
+        dec_pass(v)
+    copy_pass()
+    t_copy: list[float] = []
+    t_enc: dict[str, list[float]] = {v: [] for v in variants}
+    t_dec: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(args.repeats):
+        t_copy.append(timed(copy_pass))
+        for v in variants:
+            t_enc[v].append(timed(enc_pass, v))
+            t_dec[v].append(timed(dec_pass, v))
+    total = block_bytes * n_blocks * reps
+    stat = min if args.stat == "min" else statistics.median
+    copy_rate = total / stat(t_copy) / 1e9
+    print(f"# {args.dtype} blocks of {shape} ({block_bytes / 2**20:.2f} MiB), {n_blocks} distinct blocks "
+          f"({'hot: one block' if args.hot else f'{n_blocks * block_bytes / 2**20:.0f} MiB cold set'}), "
+          f"{args.threads} threads, chunk {codec_base.CHUNK_ELEMS} elems, {args.stat} of {args.repeats} passes")
+    print(f"# raw copy_: {copy_rate:.2f} GB/s")
+    print(f"| {'codec':14s} | ratio | enc GB/s | dec GB/s | enc/copy | dec/copy | rt/copy | target{' ' * 17} | "
+          f"rel err | alloc/call |")
+    print(f"|{'-' * 16}|------:|---------:|---------:|---------:|---------:|--------:|{'-' * 25}|"
+          f"--------:|-----------:|")
+    targets = {"fp8": 0.25, "int4": 0.1}
+    for v in variants:
+        enc = total / stat(t_enc[v]) / 1e9
+        dec = total / stat(t_dec[v]) / 1e9
+        rt = 1 / (1 / enc + 1 / dec)
+        y = decode(outs[v][0])
+        err = ((y.double() - src[0].double()).norm() / src[0].double().norm()).item()
+        alloc = allocated_bytes(lambda: (codecs[v].encode(src[0], outs[v][0]), decode(outs[v][0], out=dst[0])))
+        tgt = targets.get(VARIANTS[v][0] if v.endswith("+compile") else v, None)
+        each = "ok" if tgt and min(enc, dec) / copy_rate >= tgt else "MISS"
+        both = "ok" if tgt and rt / copy_rate >= tgt else "MISS"
+        tgt_s = f"{tgt:.2f}: each {each}, rt {both}" if tgt else ""
+        print(f"| {v:14s} | {block_bytes / nbytes[v]:5.2f} | {enc:8.2f} | {dec:8.2f} | {enc / copy_rate:8.3f} | "
+              f"{dec / copy_rate:8.3f} | {rt / copy_rate:7.3f} | {tgt_s:23s} | {err:7.4f} | {alloc:10d} |")
+
+
+# ---- accuracy ------------------------------------------------------------------------------------------------
+
+def encode_decode_blocks(x: torch.Tensor, codec, block_tokens: int, flat_heads: bool) -> tuple[torch.Tensor, int]:
+    """Encode ``x`` [tokens, heads, dim] block by block (as a tier stores it), decode it back; return the
+    decoded tensor and the encoded bytes. ``flat_heads`` views each block as [tokens, heads * dim], so per-channel
+    scales are per head and channel."""
+    y = torch.empty_like(x)
+    blk_shape = (block_tokens, x.shape[1] * x.shape[2]) if flat_heads else (block_tokens, *x.shape[1:])
+    buf = torch.empty(codec.max_encoded_nbytes(blk_shape, x.dtype), dtype=torch.uint8)
+    total = 0
+    for t0 in range(0, x.shape[0], block_tokens):
+        blk, dst = x[t0:t0 + block_tokens], y[t0:t0 + block_tokens]
+        if flat_heads:
+            blk, dst = blk.reshape(blk.shape[0], -1), dst.view(dst.shape[0], -1)
+        n = codec.encode(blk, buf)
+        decode(buf[:n], out=dst)
+        total += n
+    return y, total
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v per head; q [H, nq, d], k/v [T, H, d] -> [H, nq, d], in fp32."""
+    kh, vh = k.float().transpose(0, 1), v.float().transpose(0, 1)
+    logits = q.float() @ kh.transpose(1, 2) / math.sqrt(q.shape[-1])
+    return torch.softmax(logits, dim=-1) @ vh
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / a.double().norm()).item()
+
+
+# label -> (K codec, K options, V codec, V options); "/chan" K codecs scale per head and channel.
+ACCURACY_VARIANTS: dict[str, tuple[str, dict, str, dict]] = {
+    "fp8": ("fp8", {}, "fp8", {}),
+    "fp8_e5m2": ("fp8_e5m2", {}, "fp8_e5m2", {}),
+    "int8": ("int8", {}, "int8", {}),
+    "int8 K/chan": ("int8", {"scales": "channel"}, "int8", {}),
+    "int4": ("int4", {}, "int4", {}),
+    "int4 K/chan": ("int4", {"scales": "channel"}, "int4", {}),
+}
+
+
+def accuracy(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    heads, head_dim, n_q, block_tokens = 8, 128, 32, 16
+    variants = args.codecs.split(",") if args.codecs else list(ACCURACY_VARIANTS)
+    dtype = DTYPES[args.dtype]
+    print(f"# {args.dtype} K/V [tokens, {heads} heads, {head_dim}], encoded in blocks of {block_tokens} tokens; "
+          f"{n_q} random normal queries per head; attention = softmax(QK^T/sqrt(d))V in fp32")
+    print("# K err / V err / attn err: relative L2 error; attn cos: mean (min) cosine similarity of output rows;"
+          " ratio: K+V bytes / encoded bytes (headers included)")
+    print("| data | codec | tokens | ratio | K err | V err | attn err | attn cos mean (min) |")
+    print("|------|-------|-------:|------:|------:|------:|---------:|--------------------:|")
+    for kind, make_k in (("normal", normal_kv), ("outlier K", outlier_kv)):
+        for label in variants:
+            k_name, k_opts, v_name, v_opts = ACCURACY_VARIANTS[label]
+            k_codec, v_codec = get_codec(k_name, **k_opts), get_codec(v_name, **v_opts)
+            for t in contexts:
+                gen = torch.Generator().manual_seed(t)
+                k = make_k((t, heads, head_dim), gen).to(dtype)
+                v = normal_kv((t, heads, head_dim), gen).to(dtype)
+                q = torch.randn((heads, n_q, head_dim), generator=gen).to(dtype)
+                k2, nk = encode_decode_blocks(k, k_codec, block_tokens, k_codec.per_channel)
+                v2, nv = encode_decode_blocks(v, v_codec, block_tokens, v_codec.per_channel)
+                o, o2 = attention(q, k, v), attention(q, k2, v2)
+                cos = torch.nn.functional.cosine_similarity(o.double(), o2.double(), dim=-1)
+                ratio = (k.numel() + v.numel()) * k.element_size() / (nk + nv)
+                print(f"| {kind} | {label} | {t} | {ratio:.2f} | {rel(k, k2):.4f} | {rel(v, v2):.4f} | "
+                      f"{rel(o, o2):.4f} | {cos.mean().item():.5f} ({cos.min().item():.5f}) |", flush=True)
+    print("# error budgets (relative L2 per block): " + ", ".join(f"{n} {b}" for n, b in ERROR_BUDGETS.items()))
+
+
+def budgets(args: argparse.Namespace) -> None:
+    """Worst and mean block error per codec over dtypes, shapes and seeds: the evidence for ERROR_BUDGETS."""
+    torch.set_num_threads(args.threads)
+    shapes = [(64, 8, 128), (16, 8, 64), (3, 7, 5)]
+    rows = [("fp8", {}), ("fp8_e5m2", {}), ("int8", {}), ("int8", {"scales": "channel"}), ("int4", {}),
+            ("int4", {"group_size": 64}), ("int4", {"scales": "channel"})]
+    print(f"# relative L2 error per block; {len(DTYPES)} dtypes x {len(shapes)} shapes {shapes} x 4 seeds")
+    print("| codec | options | normal max | normal mean | outlier max | outlier mean | budget |")
+    print("|-------|---------|-----------:|------------:|------------:|-------------:|-------:|")
+    for name, opts in rows:
+        codec = get_codec(name, **opts)
+        cells = []
+        for make in (normal_kv, outlier_kv):
+            errs = []
+            for dtype in DTYPES.values():
+                for seed in range(4):
+                    for shape in shapes:
+                        gen = torch.Generator().manual_seed(seed)
+                        x = make(shape, gen).to(dtype)
+                        if codec.per_channel and name == "int4" and shape[-1] % 2:
+                            continue
+                        out = torch.empty(codec.encoded_nbytes(shape, dtype), dtype=torch.uint8)
+                        codec.encode(x, out)
+                        errs.append(rel(x, decode(out)))
+            cells += [max(errs), sum(errs) / len(errs)]
+        print(f"| {name} | {opts or ''} | " + " | ".join(f"{c:.4f}" for c in cells) +
+              f" | {ERROR_BUDGETS[name]} |")
+
+
+def compile_probe(args: argparse.Namespace) -> None:
+    """Is torch.compile worth it on CPU? The eager codecs against the same math written as plain torch functions
+    (bench/gpu_codecs.py) and compiled by inductor, on one cache-resident block; compile time printed apart."""
+    import gpu_codecs as ref
+
+    torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    tokens = max(1, int(args.block_mib * 2**20) // (8 * 128 * torch.empty((), dtype=dtype).element_size()))
+    x = torch.randn((tokens, 8, 128)).to(dtype)
+    dst = torch.empty_like(x)
+    nbytes = x.numel() * x.element_size()
+
+    def best(fn, reps: int = 20) -> float:
+        fn()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return min(ts)
+
+    print(f"# {args.dtype} block {tuple(x.shape)}, {args.threads} threads, fastest of 20 calls, GB/s of input bytes")
+    print("| kernel | compile s | enc GB/s | dec GB/s |")
+    print("|--------|----------:|---------:|---------:|")
+    for kind, group, code_bytes in (("fp8", 128, 1.0), ("int4", 32, 0.5)):
+        codec = get_codec(kind)
+        out = torch.empty(codec.encoded_nbytes(x.shape, dtype), dtype=torch.uint8)
+        te, td = best(lambda: codec.encode(x, out)), best(lambda: decode(out, out=dst))
+        print(f"| {kind} eager codec | - | {nbytes / te / 1e9:.2f} | {nbytes / td / 1e9:.2f} |", flush=True)
+        codes = torch.empty(int(x.numel() * code_bytes), dtype=torch.uint8)
+        scales = torch.empty(math.ceil(x.numel() / group))
+        enc = torch.compile(getattr(ref, f"{kind}_encode_ref"), dynamic=False)
+        dec = torch.compile(getattr(ref, f"{kind}_decode_ref"), dynamic=False)
+        t0 = time.perf_counter()
+        enc(x, codes, scales)
+        dec(codes, scales, dst)
+        compile_s = time.perf_counter() - t0
+        te, td = best(lambda: enc(x, codes, scales)), best(lambda: dec(codes, scales, dst))
+        print(f"| {kind} torch.compile | {compile_s:.1f} | {nbytes / te / 1e9:.2f} | {nbytes / td / 1e9:.2f} |",
+              flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--accuracy", action="store_true", help="K/V and attention error table instead of speed")
+    p.add_argument("--budgets", action="store_true", help="worst/mean block error per codec (budget evidence)")
+    p.add_argument("--compile-probe", action="store_true", help="eager codecs vs torch.compile'd kernels (CPU)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
+    p.add_argument("--codecs", help=f"comma list of {', '.join(VARIANTS)} (speed) or "
+                                    f"{', '.join(ACCURACY_VARIANTS)} (--accuracy)")
+    p.add_argument("--block-mib", type=float, default=2.0)
+    p.add_argument("--working-set-mib", type=float, default=128.0)
+    p.add_argument("--hot", action="store_true", help="reuse one block (cache-resident) instead of a cold set")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--stat", choices=["min", "median"], default="min")
+    p.add_argument("--min-block-ops", type=int, default=16, help="blocks per timed pass, at least")
+    p.add_argument("--chunk-elems", type=int, default=0, help="override the codecs' CPU chunk size")
+    p.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768")
+    args = p.parse_args(argv)
+    assert set(CODEC_CLASSES) <= {v[0] for v in VARIANTS.values()}
+    if args.accuracy:
+        accuracy(args)
+    elif args.budgets:
+        budgets(args)
+    elif args.compile_probe:
+        compile_probe(args)
+    else:
+        throughput(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""The codec benchmark scripts still run (their figures are recorded in docs/, not asserted here)."""
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.mark.slow
+def test_throughput_table_prints_every_requested_codec():
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "codecs.py"), "--threads", "1", "--block-mib", "0.25", "--working-set-mib", "1",
+         "--repeats", "1", "--codecs", "none,fp8,int4"], check=True, capture_output=True, text=True).stdout
+    assert "raw copy_" in out
+    for codec in ("none", "fp8", "int4"):
+        assert f"| {codec} " in out
+
+
+@pytest.mark.slow
+def test_accuracy_table_prints_attention_error():
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "codecs.py"), "--accuracy", "--threads", "1", "--contexts", "256",
+         "--codecs", "int4,int8 K/chan"], check=True, capture_output=True, text=True).stdout
+    assert "| normal | int4 | 256 |" in out and "| outlier K | int8 K/chan | 256 |" in out
+
+
+def test_gpu_script_says_when_there_is_no_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present; bench/gpu_check.sh runs the real thing")
+    res = subprocess.run([sys.executable, str(BENCH / "gpu_codecs.py")], capture_output=True, text=True)
+    assert res.returncode == 3 and "no CUDA device" in res.stderr
