@@ -380,10 +380,12 @@ def test_a_disk_fault_fails_the_store_and_a_partial_load_names_what_loaded(tmp_p
         ops = tier.tier._ops
         original = ops.write
 
-        def full_disk(fd, data):
-            raise OSError(28, "No space left on device")
+        # EIO rather than ENOSPC: on ENOSPC the tier also evicts its coldest blocks to make room, which would
+        # take away the two blocks the partial load below needs.
+        def failing_disk(fd, data):
+            raise OSError(5, "Input/output error")
 
-        ops.write = full_disk
+        ops.write = failing_disk
         tier.submit_store(TransferJob(2, [key(3)], np.array([0], dtype=np.int32), False, ctx))
         tier.drain_jobs()
         (failed,) = tier.get_finished_jobs()
@@ -400,7 +402,7 @@ def test_a_disk_fault_fails_the_store_and_a_partial_load_names_what_loaded(tmp_p
         assert buf[2 * ROW : 3 * ROW] == buf[:ROW]
         assert tier.lookup(key(2), ctx) is LookupResult.MISS  # never served again
         stats = tier.get_stats().reduce()
-        assert stats[f"{METRIC_FAILED_CHUNKS}:{(str(tmp_path), 'enospc')}"] == 1
+        assert stats[f"{METRIC_FAILED_CHUNKS}:{(str(tmp_path), 'eio')}"] == 1
         assert stats[f"{METRIC_FAILED_CHUNKS}:{(str(tmp_path), 'corrupt')}"] == 1
     finally:
         tier.shutdown()
