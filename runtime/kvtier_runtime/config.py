@@ -13,7 +13,7 @@ from typing import Any, Mapping
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "arc", "s3fifo", "prefix2q")
 ADMISSION_POLICIES: tuple[str, ...] = ("none", "doorkeeper", "threshold")
 CODECS: tuple[str, ...] = ("none", "fp8", "fp8_e5m2", "int8", "int4")
-# prefix2q measured best of these on the shared Mooncake-style trace (docs/performance-policies.md).
+# prefix2q measured best of these on the shared Mooncake-style trace (docs/performance.md).
 DEFAULT_EVICTION_POLICY = "prefix2q"
 
 # vLLM loads out-of-tree pieces by class name + module path (CachePolicyFactory, SecondaryTierFactory).

@@ -14,7 +14,7 @@ from .scratch import ScratchPool
 
 # Elements per chunk. CPU: eager torch pays ~1-5 us per op and a chunk takes ~15 ops, so chunks must be large;
 # 2^18 measured as fast as 2^20 (bench/codecs.py --chunk-elems) and keeps a thread's scratch near 5 MiB, within
-# L3. 2^16 was 1.5x slower (docs/performance-codecs.md).
+# L3. 2^16 was 1.5x slower (docs/performance.md).
 # CUDA: kernel launches, not caches, dominate, so a chunk is a whole block of any realistic size.
 CHUNK_ELEMS = 1 << 18
 CUDA_CHUNK_ELEMS = 1 << 22

@@ -1,7 +1,7 @@
 """torch.compile'd chunk kernels, compiled off the hot path.
 
 On CPU, inductor fuses fp8 encoding (amax, scale, cast) into one pass and measured 2.4x faster than the eager
-kernels (bench/codecs.py --compile-probe, docs/performance-codecs.md); it is slower than the eager bit tricks
+kernels (bench/codecs.py --compile-probe, docs/performance.md); it is slower than the eager bit tricks
 for decoding and for int4, so only fp8 encoding uses it. Compiling takes seconds and needs a C++ compiler, so
 a codec built with ``compile=True`` keeps encoding eagerly while one background thread compiles a kernel per
 chunk shape; ``Codec.warmup`` compiles synchronously for a known block shape. A compile failure (no compiler)

@@ -1,6 +1,6 @@
 """Prefix-aware two-class LRU with a ghost history ("prefix2q").
 
-Measured on the shared Mooncake-style trace (docs/performance-policies.md), the signal that separates reused KV
+Measured on the shared Mooncake-style trace (docs/performance.md), the signal that separates reused KV
 blocks from one-offs is simply *having been seen before*: a block on its first access is reused 42% of the time,
 on its second 84%. So entries live in two classes ordered by recency:
 
