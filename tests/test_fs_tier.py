@@ -406,7 +406,8 @@ def test_non_blocking_api_reports_pending_and_completes_by_polling(fs_tier_facto
     assert tier.lookup([key]) == type(tier.lookup([key]))(0, True)
     res = tier.load([key], [_sentinel()])
     assert res.errors == {0: "miss"}, "a block is not served before it is durable"
-    assert tier.get_finished() == [] or all(r.job_id != job for r in tier.get_finished())
+    # (one call: a second get_finished() would return [] and pass whatever the first one held)
+    assert all(r.job_id != job for r in tier.get_finished()), "a job is not finished while its write hangs"
     gate.set()
     deadline = time.monotonic() + 10
     finished = []
@@ -521,3 +522,19 @@ def test_a_fanout_directory_removed_behind_the_tier_is_recreated(fs_tier_factory
     shutil.rmtree(os.path.dirname(os.path.dirname(tier.block_path(a))))
     tier.remove(a)  # the file is already gone; forgetting it must not fail either
     assert _store(tier, [a]).success and os.path.exists(tier.block_path(a))
+
+
+def test_evictions_count_only_blocks_the_policy_chose(fs_tier_factory) -> None:
+    # vLLM's "evicted chunks" metric is derived from this counter: a corrupt file dropped on read or an
+    # explicit remove is not an eviction.
+    tier = fs_tier_factory(capacity_blocks=2)
+    a, b, c = key_of(1), key_of(2), key_of(3)
+    e0 = metric_value("kvtier_runtime_evictions_total", tier="fs")
+    _store(tier, [a, b])
+    assert tier.remove(a)
+    os.truncate(tier.block_path(b), HEADER_BYTES + 10)
+    assert not tier.load([b], [_sentinel()]).success
+    assert metric_value("kvtier_runtime_evictions_total", tier="fs") == e0
+    for k in (a, b, c):  # three blocks into room for two: one eviction
+        assert _store(tier, [k]).success
+    assert metric_value("kvtier_runtime_evictions_total", tier="fs") == e0 + 1

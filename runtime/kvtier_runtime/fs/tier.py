@@ -259,7 +259,7 @@ class FilesystemTier:
                     else:
                         self._policy.pin(key)
                         self._index[key] = _Entry("writing", size)
-                        doomed = self._doom_locked(evicted)
+                        doomed = self._doom_locked(evicted, evicted=True)
                         work.append((i, key, block, doomed))
                         continue
                 metrics.STORES_REJECTED.labels(self.name, reason).inc()
@@ -454,7 +454,7 @@ class FilesystemTier:
                     late = self._doom_locked([key])
                 else:
                     entry.nbytes = file_bytes_for(nbytes)
-                    late = self._doom_locked(more)
+                    late = self._doom_locked(more, evicted=True)
             if ok:
                 entry.state = "ready"
             else:
@@ -484,7 +484,7 @@ class FilesystemTier:
         of failing every store."""
         with self._lock:
             evicted = self._policy.evict(min(2 * nbytes, self._policy.used_bytes - self._policy.pinned_bytes))
-            doomed = self._doom_locked(evicted or [])
+            doomed = self._doom_locked(evicted or [], evicted=True)
         self._unlink_doomed(doomed)
 
     def _write_block(self, key: bytes, block: torch.Tensor) -> int:
@@ -571,11 +571,13 @@ class FilesystemTier:
             )
 
     # ---- eviction / unlink ------------------------------------------------------------------------------
-    def _doom_locked(self, keys: Sequence[bytes]) -> list[bytes]:
+    def _doom_locked(self, keys: Sequence[bytes], *, evicted: bool = False) -> list[bytes]:
+        """Forget ``keys`` and mark their files for unlinking. Only ``evicted`` ones (chosen by the policy to
+        make room) count as evictions: a corrupt block or an explicit remove is not one."""
         for key in keys:
             self._index.pop(key, None)
             self._doomed.add(key)
-        if keys:
+        if evicted and keys:
             metrics.EVICTIONS.labels(self.name).inc(len(keys))
         return list(keys)
 
