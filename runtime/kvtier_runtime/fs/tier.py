@@ -237,7 +237,7 @@ class FilesystemTier:
         job = self._new_job("store", keys)
         size = file_bytes_for(self._codec.encoded_nbytes(self.block_shape, self.dtype))
         work: list[tuple[int, bytes, torch.Tensor, list[bytes]]] = []
-        backoff = self._check_backoff()
+        backoff = self.in_backoff
         with self._lock:
             for i, (key, block) in enumerate(zip(keys, blocks)):
                 if key in self._index:
@@ -464,7 +464,8 @@ class FilesystemTier:
                 job.errors[i] = kind
         self._unlink_doomed(late)
         if ok:
-            self._consecutive_failures = 0
+            with self._lock:  # _record_io_failure updates it under the lock from other pool threads
+                self._consecutive_failures = 0
             metrics.FS_BACKOFF.labels(self.name).set(0)
             metrics.DEMOTIONS.labels(self.peer, self.name).inc()
             metrics.BYTES_MOVED.labels(self.peer, self.name).inc(block.numel() * block.element_size())
@@ -602,9 +603,6 @@ class FilesystemTier:
                 delay = min(self._backoff_max_s, self._backoff_base_s * (2 ** min(over, 30)))
                 self._backoff_until = self._clock() + delay
                 metrics.FS_BACKOFF.labels(self.name).set(1)
-
-    def _check_backoff(self) -> bool:
-        return self._clock() < self._backoff_until
 
     def _update_occupancy(self) -> None:
         metrics.OCCUPANCY_BYTES.labels(self.name).set(self._policy.used_bytes)
