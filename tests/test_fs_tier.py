@@ -538,3 +538,16 @@ def test_evictions_count_only_blocks_the_policy_chose(fs_tier_factory) -> None:
     for k in (a, b, c):  # three blocks into room for two: one eviction
         assert _store(tier, [k]).success
     assert metric_value("kvtier_runtime_evictions_total", tier="fs") == e0 + 1
+
+
+def test_an_unusable_destination_fails_the_key_and_keeps_the_block(fs_tier_factory) -> None:
+    # A destination the codec cannot decode into is the caller's fault, not the file's: the block must not be
+    # classed as corrupt and deleted.
+    tier = fs_tier_factory()
+    key = key_of(1)
+    _store(tier, [key])
+    strided = torch.empty(SHAPE[1], SHAPE[0]).t()  # the tier's shape, not contiguous
+    assert tier.load([key], [strided]).errors == {0: "mismatch"}
+    assert tier.state(key) is KeyState.HIT and os.path.exists(tier.block_path(key))
+    out = _sentinel()
+    assert tier.load([key], [out]).success and torch.equal(out, block_for(key))

@@ -274,7 +274,8 @@ class FilesystemTier:
     def submit_load(
         self, keys: Sequence[bytes], outs: Sequence[torch.Tensor], ctx: AccessContext | None = None
     ) -> int:
-        """Queue reads of ``keys`` into ``outs`` (CPU tensors of the tier's shape and dtype)."""
+        """Queue reads of ``keys`` into ``outs`` (contiguous CPU tensors of the tier's shape and dtype); any
+        other destination fails its key as ``mismatch`` here, before a read could blame the file for it."""
         if len(keys) != len(outs):
             raise ValueError(f"outs: {len(outs)} tensors for {len(keys)} keys")
         keys = [bytes(k) for k in keys]
@@ -286,7 +287,8 @@ class FilesystemTier:
                 if entry is None or entry.state != "ready":
                     job.errors[i] = "miss"
                     self._settle_locked(job, i, False)
-                elif tuple(out.shape) != self.block_shape or out.dtype != self.dtype:
+                elif (tuple(out.shape) != self.block_shape or out.dtype != self.dtype
+                      or out.device.type != "cpu" or not out.is_contiguous()):
                     job.errors[i] = "mismatch"
                     self._settle_locked(job, i, False)
                 else:

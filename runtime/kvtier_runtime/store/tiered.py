@@ -487,7 +487,7 @@ class TieredStore:
                 break
             if isinstance(self._tiers[reached], FilesystemTier):
                 # No memory tier can take it (all held by this request): read it straight into a CPU output.
-                if outs is None or outs[i].device.type != "cpu":
+                if outs is None or outs[i].device.type != "cpu" or not outs[i].is_contiguous():
                     stopped = "no-room"
                     break
                 plan.transfers.append(_Transfer(-1, key, _FROM_FS, outs[i], self._tiers[reached].name, ENGINE))
