@@ -551,3 +551,14 @@ def test_an_unusable_destination_fails_the_key_and_keeps_the_block(fs_tier_facto
     assert tier.state(key) is KeyState.HIT and os.path.exists(tier.block_path(key))
     out = _sentinel()
     assert tier.load([key], [out]).success and torch.equal(out, block_for(key))
+
+
+def test_jobs_after_close_are_refused_before_anything_is_reserved(fs_tier_factory) -> None:
+    tier = fs_tier_factory()
+    tier.close()
+    key = key_of(1)
+    with pytest.raises(RuntimeError, match="closed"):
+        tier.submit_store([key], [block_for(key)])
+    with pytest.raises(RuntimeError, match="closed"):
+        tier.submit_load([key], [_sentinel()])
+    assert tier.state(key) is KeyState.MISS and tier.used_bytes == 0

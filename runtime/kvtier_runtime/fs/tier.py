@@ -229,6 +229,7 @@ class FilesystemTier:
         Keys already present (or being written) succeed without I/O. A key is refused (a failed key, no
         exception) in backoff, when the admission filter declines it, or when pinned blocks leave no room.
         """
+        self._check_open()
         if len(keys) != len(blocks):
             raise ValueError(f"blocks: {len(blocks)} blocks for {len(keys)} keys")
         for key in keys:
@@ -276,6 +277,7 @@ class FilesystemTier:
     ) -> int:
         """Queue reads of ``keys`` into ``outs`` (contiguous CPU tensors of the tier's shape and dtype); any
         other destination fails its key as ``mismatch`` here, before a read could blame the file for it."""
+        self._check_open()
         if len(keys) != len(outs):
             raise ValueError(f"outs: {len(outs)} tensors for {len(keys)} keys")
         keys = [bytes(k) for k in keys]
@@ -379,6 +381,11 @@ class FilesystemTier:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not pending[0].done.wait(left):
                 raise TimeoutError(f"{len(pending)} jobs still running after {timeout}s")
+
+    def _check_open(self) -> None:
+        # Before any reservation: a job refused by a shut-down pool would leave its keys "writing" and pinned.
+        if self._closed:
+            raise RuntimeError(f"{self.name}: the filesystem tier is closed")
 
     def close(self) -> None:
         if self._closed:
