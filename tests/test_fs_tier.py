@@ -562,3 +562,23 @@ def test_jobs_after_close_are_refused_before_anything_is_reserved(fs_tier_factor
     with pytest.raises(RuntimeError, match="closed"):
         tier.submit_load([key], [_sentinel()])
     assert tier.state(key) is KeyState.MISS and tier.used_bytes == 0
+
+
+def test_a_block_being_written_cannot_be_pinned_so_a_failed_write_still_settles(fs_tier_factory) -> None:
+    # A pin taken during the write used to make the failed write's cleanup raise PinnedEntryError in the pool
+    # thread: the job never finished and a waiter (TieredStore waits without a timeout) hung for ever.
+    gate = threading.Event()
+
+    class FailsLate(FileOps):
+        def write(self, fd, data):
+            gate.wait(10)
+            raise OSError(errno.EIO, "injected")
+
+    tier = fs_tier_factory(file_ops=FailsLate())
+    key = key_of(1)
+    job = tier.submit_store([key], [block_for(key)])
+    assert tier.state(key) is KeyState.PENDING
+    assert not tier.pin(key), "only a ready block can be pinned; the write holds its own pin"
+    gate.set()
+    assert tier.wait(job, timeout=10).errors == {0: "eio"}
+    assert tier.state(key) is KeyState.MISS and tier.used_bytes == 0

@@ -350,8 +350,11 @@ class FilesystemTier:
         return True
 
     def pin(self, key: bytes) -> bool:
+        """Keep a ready block from eviction; False if absent or still being written (the write holds its own
+        pin, and its failure path must be free to drop the block)."""
         with self._lock:
-            if key not in self._index:
+            entry = self._index.get(key)
+            if entry is None or entry.state != "ready":
                 return False
             self._policy.pin(key)
             return True
