@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import errno
 import itertools
+import logging
 import os
 import threading
 import time
@@ -43,6 +44,8 @@ from .format import (
     verify_payload,
 )
 from .paths import NAMESPACE, TMP_MARK, block_relpath, is_block_name, is_fanout_name, is_tmp_name
+
+log = logging.getLogger(__name__)
 
 
 class KeyState(enum.Enum):
@@ -268,7 +271,7 @@ class FilesystemTier:
                 self._settle_locked(job, i, False)
         self._update_occupancy()
         for i, key, block, doomed in work:
-            self._write_pool.submit(self._write_task, job, i, key, block, doomed)
+            self._write_pool.submit(self._settled, self._write_task, job, i, key, block, doomed)
         self._settle(job, None, True)
         return job.job_id
 
@@ -298,7 +301,7 @@ class FilesystemTier:
                     self._policy.touch(key, ctx)
                     work.append((i, key, out))
         for i, key, out in work:
-            self._read_pool.submit(self._read_task, job, i, key, out)
+            self._read_pool.submit(self._settled, self._read_task, job, i, key, out)
         self._settle(job, None, True)
         return job.job_id
 
@@ -442,7 +445,22 @@ class FilesystemTier:
             local.tensor = torch.frombuffer(local.buf.mv, dtype=torch.uint8)
         return local.buf, local.tensor
 
-    def _write_task(self, job: _Job, i: int, key: bytes, block: torch.Tensor, evicted: list[bytes]) -> None:
+    def _settled(self, task: Callable[..., bool], job: _Job, i: int, *args: Any) -> None:
+        """Run an I/O task and settle its key whatever happens: an exception escaping a task would otherwise
+        vanish in the pool and leave the job unfinished, so a waiter (TieredStore waits without a timeout)
+        would hang."""
+        ok = False
+        try:
+            ok = task(job, i, *args)
+        except Exception:
+            log.exception("filesystem tier %s: %s task failed unexpectedly", self.name, job.kind)
+            with self._lock:
+                job.errors.setdefault(i, "other")
+            metrics.FS_ERRORS.labels(self.name, "other").inc()
+        finally:
+            self._settle(job, i, ok)
+
+    def _write_task(self, job: _Job, i: int, key: bytes, block: torch.Tensor, evicted: list[bytes]) -> bool:
         self._unlink_doomed(evicted)
         ok, kind = False, ""
         started = time.perf_counter()
@@ -489,7 +507,7 @@ class FilesystemTier:
             if kind in ("enospc", "eio"):
                 self._record_io_failure()
         self._update_occupancy()
-        self._settle(job, i, ok)
+        return ok
 
     def _make_real_room(self, nbytes: int) -> None:
         """The disk is fuller than our accounting (capacity set above the free space, or other tenants): free
@@ -528,7 +546,7 @@ class FilesystemTier:
             write_atomic(self._ops, tmp, final, buf.mv[:total], self.direct_io)
         return nbytes
 
-    def _read_task(self, job: _Job, i: int, key: bytes, out: torch.Tensor) -> None:
+    def _read_task(self, job: _Job, i: int, key: bytes, out: torch.Tensor) -> bool:
         started = time.perf_counter()
         kind = ""
         try:
@@ -563,7 +581,7 @@ class FilesystemTier:
             metrics.PROMOTIONS.labels(self.name, self.peer).inc()
             metrics.BYTES_MOVED.labels(self.name, self.peer).inc(out.numel() * out.element_size())
             metrics.TRANSFER_SECONDS.labels(self.name, self.peer).observe(time.perf_counter() - started)
-        self._settle(job, i, not kind)
+        return not kind
 
     def _read_block(self, key: bytes, out: torch.Tensor) -> None:
         buf, tensor = self._staging()
