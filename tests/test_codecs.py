@@ -194,6 +194,18 @@ def test_consistent_but_invalid_headers_are_rejected(offset, fmt, value, field):
         decode(_rewrite(_encoded(), offset, fmt, value))
 
 
+@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("offset,fmt,value", [
+    (16, "<Q", 5),           # payload length
+    (24, "<Q", 1 << 40),     # first dimension: would allocate terabytes
+    (32, "<Q", 31),          # second dimension
+])
+def test_a_payload_length_that_does_not_fit_the_shape_is_rejected_by_every_codec(name, offset, fmt, value):
+    raw = _rewrite(_encoded(name), offset, fmt, value)
+    with pytest.raises(CodecError, match=r"header\.payload_nbytes"):
+        decode(raw + bytes(64))
+
+
 def test_decode_out_must_match_the_block():
     raw = bytes(_encoded())
     with pytest.raises(CodecError, match=r"out: \(4, 31\)"):

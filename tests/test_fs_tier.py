@@ -406,7 +406,8 @@ def test_non_blocking_api_reports_pending_and_completes_by_polling(fs_tier_facto
     assert tier.lookup([key]) == type(tier.lookup([key]))(0, True)
     res = tier.load([key], [_sentinel()])
     assert res.errors == {0: "miss"}, "a block is not served before it is durable"
-    assert tier.get_finished() == [] or all(r.job_id != job for r in tier.get_finished())
+    # (one call: a second get_finished() would return [] and pass whatever the first one held)
+    assert all(r.job_id != job for r in tier.get_finished()), "a job is not finished while its write hangs"
     gate.set()
     deadline = time.monotonic() + 10
     finished = []
@@ -521,3 +522,80 @@ def test_a_fanout_directory_removed_behind_the_tier_is_recreated(fs_tier_factory
     shutil.rmtree(os.path.dirname(os.path.dirname(tier.block_path(a))))
     tier.remove(a)  # the file is already gone; forgetting it must not fail either
     assert _store(tier, [a]).success and os.path.exists(tier.block_path(a))
+
+
+def test_evictions_count_only_blocks_the_policy_chose(fs_tier_factory) -> None:
+    # vLLM's "evicted chunks" metric is derived from this counter: a corrupt file dropped on read or an
+    # explicit remove is not an eviction.
+    tier = fs_tier_factory(capacity_blocks=2)
+    a, b, c = key_of(1), key_of(2), key_of(3)
+    e0 = metric_value("kvtier_runtime_evictions_total", tier="fs")
+    _store(tier, [a, b])
+    assert tier.remove(a)
+    os.truncate(tier.block_path(b), HEADER_BYTES + 10)
+    assert not tier.load([b], [_sentinel()]).success
+    assert metric_value("kvtier_runtime_evictions_total", tier="fs") == e0
+    for k in (a, b, c):  # three blocks into room for two: one eviction
+        assert _store(tier, [k]).success
+    assert metric_value("kvtier_runtime_evictions_total", tier="fs") == e0 + 1
+
+
+def test_an_unusable_destination_fails_the_key_and_keeps_the_block(fs_tier_factory) -> None:
+    # A destination the codec cannot decode into is the caller's fault, not the file's: the block must not be
+    # classed as corrupt and deleted.
+    tier = fs_tier_factory()
+    key = key_of(1)
+    _store(tier, [key])
+    strided = torch.empty(SHAPE[1], SHAPE[0]).t()  # the tier's shape, not contiguous
+    assert tier.load([key], [strided]).errors == {0: "mismatch"}
+    assert tier.state(key) is KeyState.HIT and os.path.exists(tier.block_path(key))
+    out = _sentinel()
+    assert tier.load([key], [out]).success and torch.equal(out, block_for(key))
+
+
+def test_jobs_after_close_are_refused_before_anything_is_reserved(fs_tier_factory) -> None:
+    tier = fs_tier_factory()
+    tier.close()
+    key = key_of(1)
+    with pytest.raises(RuntimeError, match="closed"):
+        tier.submit_store([key], [block_for(key)])
+    with pytest.raises(RuntimeError, match="closed"):
+        tier.submit_load([key], [_sentinel()])
+    assert tier.state(key) is KeyState.MISS and tier.used_bytes == 0
+
+
+def test_a_block_being_written_cannot_be_pinned_so_a_failed_write_still_settles(fs_tier_factory) -> None:
+    # A pin taken during the write used to make the failed write's cleanup raise PinnedEntryError in the pool
+    # thread: the job never finished and a waiter (TieredStore waits without a timeout) hung for ever.
+    gate, armed = threading.Event(), threading.Event()
+
+    class FailsLate(FileOps):
+        def write(self, fd, data):
+            if not armed.is_set():  # the O_DIRECT probe at construction
+                return super().write(fd, data)
+            gate.wait(10)
+            raise OSError(errno.EIO, "injected")
+
+    tier = fs_tier_factory(file_ops=FailsLate())
+    armed.set()
+    key = key_of(1)
+    job = tier.submit_store([key], [block_for(key)])
+    assert tier.state(key) is KeyState.PENDING
+    assert not tier.pin(key), "only a ready block can be pinned; the write holds its own pin"
+    gate.set()
+    assert tier.wait(job, timeout=10).errors == {0: "eio"}
+    assert tier.state(key) is KeyState.MISS and tier.used_bytes == 0
+
+
+def test_an_unexpected_fault_in_an_io_task_still_finishes_the_job(fs_tier_factory, monkeypatch) -> None:
+    tier = fs_tier_factory()
+    real = tier._update_occupancy
+
+    def broken() -> None:  # a bug after the I/O, in a pool thread only
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("injected")
+        real()
+
+    monkeypatch.setattr(tier, "_update_occupancy", broken)
+    res = _store(tier, [key_of(1)])
+    assert res.errors == {0: "other"}, "the job finishes (failed) instead of hanging its waiter"

@@ -34,6 +34,7 @@ from kvtier_runtime.config import (  # noqa: E402
     vllm_cache_policy_class,
 )
 from kvtier_runtime.engines.vllm_adapter import (  # noqa: E402
+    METRIC_EVICTED_CHUNKS,
     METRIC_FAILED_CHUNKS,
     METRIC_STORED_CHUNKS,
     METRIC_USED_BYTES,
@@ -279,7 +280,9 @@ def test_capacity_is_a_hard_bound_and_the_policy_evicts(tmp_path, sched_factory)
     assert [k for k, v in got.items() if v is not None] == list(payloads)[-10:]  # lru keeps the newest
     assert all(got[k] == payloads[k] for k in list(payloads)[-10:])
     evicted = REGISTRY.get_sample_value("kvtier_runtime_evictions_total", {"tier": tier.tier.name})
-    assert evicted >= 20
+    assert evicted == 20  # 30 stored, 10 kept: exactly the policy's evictions
+    stats = sched.manager.get_stats().reduce()
+    assert stats[f"{METRIC_EVICTED_CHUNKS}:{(str(tmp_path),)}"] == 20, "vLLM's metric reports the same evictions"
 
 
 def test_restart_finds_the_blocks_again(tmp_path, sched_factory):
@@ -326,6 +329,7 @@ def test_a_corrupted_block_is_a_miss_not_wrong_bytes(tmp_path, sched_factory):
     assert not path.exists()
     stats = sched.manager.get_stats().reduce()
     assert stats[f"{METRIC_FAILED_CHUNKS}:{(str(tmp_path), 'corrupt')}"] == 1
+    assert stats.get(f"{METRIC_EVICTED_CHUNKS}:{(str(tmp_path),)}", 0) == 0, "a corrupt block is not an eviction"
     assert stats[f"vllm:kv_offload_tiering_promotion_job_failures:('1:{VLLM_SECONDARY_TIER_CLASS}',)"] == 1
     rest = read_back(sched, list(payloads)[1:])
     assert rest == {k: payloads[k] for k in list(payloads)[1:]}

@@ -182,3 +182,9 @@ class PassthroughCodec(Codec):
         super().check_header(header)
         if header.group_size != 0 or header.per_channel:
             raise CodecError("header.group_size: codec 'none' has no groups")
+        # Ties the length to the shape, so decode() sees a lying shape as a truncated block before allocating.
+        expected = self.payload_nbytes(header.shape, header.dtype)
+        if header.payload_nbytes != expected:
+            raise CodecError(
+                f"header.payload_nbytes: {header.payload_nbytes}, codec 'none' stores {expected} for "
+                f"shape {header.shape} {header.dtype}")

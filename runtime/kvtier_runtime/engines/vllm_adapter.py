@@ -348,18 +348,18 @@ class KvtierFilesystemTier(SecondaryTierManager):
         return LookupResult.MISS
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        keys = tuple(job_metadata.keys)
-        rows = [self._rows[int(c)] for c in job_metadata.chunk_ids]
-        ctx = _access_context(keys[-1], job_metadata.req_context) if keys else None
-        tier_job = self.tier.submit_store([self.tier_key(k) for k in keys], rows, ctx)
-        self._pending[tier_job] = _PendingJob(job_metadata.job_id, False, keys, time.monotonic())
+        self._submit(job_metadata, is_promotion=False)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, is_promotion=True)
+
+    def _submit(self, job_metadata: TransferJob, is_promotion: bool) -> None:
         keys = tuple(job_metadata.keys)
         rows = [self._rows[int(c)] for c in job_metadata.chunk_ids]
         ctx = _access_context(keys[-1], job_metadata.req_context) if keys else None
-        tier_job = self.tier.submit_load([self.tier_key(k) for k in keys], rows, ctx)
-        self._pending[tier_job] = _PendingJob(job_metadata.job_id, True, keys, time.monotonic())
+        submit = self.tier.submit_load if is_promotion else self.tier.submit_store
+        tier_job = submit([self.tier_key(k) for k in keys], rows, ctx)
+        self._pending[tier_job] = _PendingJob(job_metadata.job_id, is_promotion, keys, time.monotonic())
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results: list[JobResult] = []

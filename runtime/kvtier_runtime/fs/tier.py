@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import errno
 import itertools
+import logging
 import os
 import threading
 import time
@@ -43,6 +44,8 @@ from .format import (
     verify_payload,
 )
 from .paths import NAMESPACE, TMP_MARK, block_relpath, is_block_name, is_fanout_name, is_tmp_name
+
+log = logging.getLogger(__name__)
 
 
 class KeyState(enum.Enum):
@@ -229,6 +232,7 @@ class FilesystemTier:
         Keys already present (or being written) succeed without I/O. A key is refused (a failed key, no
         exception) in backoff, when the admission filter declines it, or when pinned blocks leave no room.
         """
+        self._check_open()
         if len(keys) != len(blocks):
             raise ValueError(f"blocks: {len(blocks)} blocks for {len(keys)} keys")
         for key in keys:
@@ -237,7 +241,7 @@ class FilesystemTier:
         job = self._new_job("store", keys)
         size = file_bytes_for(self._codec.encoded_nbytes(self.block_shape, self.dtype))
         work: list[tuple[int, bytes, torch.Tensor, list[bytes]]] = []
-        backoff = self._check_backoff()
+        backoff = self.in_backoff
         with self._lock:
             for i, (key, block) in enumerate(zip(keys, blocks)):
                 if key in self._index:
@@ -259,7 +263,7 @@ class FilesystemTier:
                     else:
                         self._policy.pin(key)
                         self._index[key] = _Entry("writing", size)
-                        doomed = self._doom_locked(evicted)
+                        doomed = self._doom_locked(evicted, evicted=True)
                         work.append((i, key, block, doomed))
                         continue
                 metrics.STORES_REJECTED.labels(self.name, reason).inc()
@@ -267,14 +271,16 @@ class FilesystemTier:
                 self._settle_locked(job, i, False)
         self._update_occupancy()
         for i, key, block, doomed in work:
-            self._write_pool.submit(self._write_task, job, i, key, block, doomed)
+            self._write_pool.submit(self._settled, self._write_task, job, i, key, block, doomed)
         self._settle(job, None, True)
         return job.job_id
 
     def submit_load(
         self, keys: Sequence[bytes], outs: Sequence[torch.Tensor], ctx: AccessContext | None = None
     ) -> int:
-        """Queue reads of ``keys`` into ``outs`` (CPU tensors of the tier's shape and dtype)."""
+        """Queue reads of ``keys`` into ``outs`` (contiguous CPU tensors of the tier's shape and dtype); any
+        other destination fails its key as ``mismatch`` here, before a read could blame the file for it."""
+        self._check_open()
         if len(keys) != len(outs):
             raise ValueError(f"outs: {len(outs)} tensors for {len(keys)} keys")
         keys = [bytes(k) for k in keys]
@@ -286,7 +292,8 @@ class FilesystemTier:
                 if entry is None or entry.state != "ready":
                     job.errors[i] = "miss"
                     self._settle_locked(job, i, False)
-                elif tuple(out.shape) != self.block_shape or out.dtype != self.dtype:
+                elif (tuple(out.shape) != self.block_shape or out.dtype != self.dtype
+                      or out.device.type != "cpu" or not out.is_contiguous()):
                     job.errors[i] = "mismatch"
                     self._settle_locked(job, i, False)
                 else:
@@ -294,7 +301,7 @@ class FilesystemTier:
                     self._policy.touch(key, ctx)
                     work.append((i, key, out))
         for i, key, out in work:
-            self._read_pool.submit(self._read_task, job, i, key, out)
+            self._read_pool.submit(self._settled, self._read_task, job, i, key, out)
         self._settle(job, None, True)
         return job.job_id
 
@@ -346,8 +353,11 @@ class FilesystemTier:
         return True
 
     def pin(self, key: bytes) -> bool:
+        """Keep a ready block from eviction; False if absent or still being written (the write holds its own
+        pin, and its failure path must be free to drop the block)."""
         with self._lock:
-            if key not in self._index:
+            entry = self._index.get(key)
+            if entry is None or entry.state != "ready":
                 return False
             self._policy.pin(key)
             return True
@@ -377,6 +387,11 @@ class FilesystemTier:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not pending[0].done.wait(left):
                 raise TimeoutError(f"{len(pending)} jobs still running after {timeout}s")
+
+    def _check_open(self) -> None:
+        # Before any reservation: a job refused by a shut-down pool would leave its keys "writing" and pinned.
+        if self._closed:
+            raise RuntimeError(f"{self.name}: the filesystem tier is closed")
 
     def close(self) -> None:
         if self._closed:
@@ -430,7 +445,22 @@ class FilesystemTier:
             local.tensor = torch.frombuffer(local.buf.mv, dtype=torch.uint8)
         return local.buf, local.tensor
 
-    def _write_task(self, job: _Job, i: int, key: bytes, block: torch.Tensor, evicted: list[bytes]) -> None:
+    def _settled(self, task: Callable[..., bool], job: _Job, i: int, *args: Any) -> None:
+        """Run an I/O task and settle its key whatever happens: an exception escaping a task would otherwise
+        vanish in the pool and leave the job unfinished, so a waiter (TieredStore waits without a timeout)
+        would hang."""
+        ok = False
+        try:
+            ok = task(job, i, *args)
+        except Exception:
+            log.exception("filesystem tier %s: %s task failed unexpectedly", self.name, job.kind)
+            with self._lock:
+                job.errors.setdefault(i, "other")
+            metrics.FS_ERRORS.labels(self.name, "other").inc()
+        finally:
+            self._settle(job, i, ok)
+
+    def _write_task(self, job: _Job, i: int, key: bytes, block: torch.Tensor, evicted: list[bytes]) -> bool:
         self._unlink_doomed(evicted)
         ok, kind = False, ""
         started = time.perf_counter()
@@ -454,7 +484,7 @@ class FilesystemTier:
                     late = self._doom_locked([key])
                 else:
                     entry.nbytes = file_bytes_for(nbytes)
-                    late = self._doom_locked(more)
+                    late = self._doom_locked(more, evicted=True)
             if ok:
                 entry.state = "ready"
             else:
@@ -464,7 +494,8 @@ class FilesystemTier:
                 job.errors[i] = kind
         self._unlink_doomed(late)
         if ok:
-            self._consecutive_failures = 0
+            with self._lock:  # _record_io_failure updates it under the lock from other pool threads
+                self._consecutive_failures = 0
             metrics.FS_BACKOFF.labels(self.name).set(0)
             metrics.DEMOTIONS.labels(self.peer, self.name).inc()
             metrics.BYTES_MOVED.labels(self.peer, self.name).inc(block.numel() * block.element_size())
@@ -476,7 +507,7 @@ class FilesystemTier:
             if kind in ("enospc", "eio"):
                 self._record_io_failure()
         self._update_occupancy()
-        self._settle(job, i, ok)
+        return ok
 
     def _make_real_room(self, nbytes: int) -> None:
         """The disk is fuller than our accounting (capacity set above the free space, or other tenants): free
@@ -484,7 +515,7 @@ class FilesystemTier:
         of failing every store."""
         with self._lock:
             evicted = self._policy.evict(min(2 * nbytes, self._policy.used_bytes - self._policy.pinned_bytes))
-            doomed = self._doom_locked(evicted or [])
+            doomed = self._doom_locked(evicted or [], evicted=True)
         self._unlink_doomed(doomed)
 
     def _write_block(self, key: bytes, block: torch.Tensor) -> int:
@@ -515,7 +546,7 @@ class FilesystemTier:
             write_atomic(self._ops, tmp, final, buf.mv[:total], self.direct_io)
         return nbytes
 
-    def _read_task(self, job: _Job, i: int, key: bytes, out: torch.Tensor) -> None:
+    def _read_task(self, job: _Job, i: int, key: bytes, out: torch.Tensor) -> bool:
         started = time.perf_counter()
         kind = ""
         try:
@@ -550,7 +581,7 @@ class FilesystemTier:
             metrics.PROMOTIONS.labels(self.name, self.peer).inc()
             metrics.BYTES_MOVED.labels(self.name, self.peer).inc(out.numel() * out.element_size())
             metrics.TRANSFER_SECONDS.labels(self.name, self.peer).observe(time.perf_counter() - started)
-        self._settle(job, i, not kind)
+        return not kind
 
     def _read_block(self, key: bytes, out: torch.Tensor) -> None:
         buf, tensor = self._staging()
@@ -571,11 +602,13 @@ class FilesystemTier:
             )
 
     # ---- eviction / unlink ------------------------------------------------------------------------------
-    def _doom_locked(self, keys: Sequence[bytes]) -> list[bytes]:
+    def _doom_locked(self, keys: Sequence[bytes], *, evicted: bool = False) -> list[bytes]:
+        """Forget ``keys`` and mark their files for unlinking. Only ``evicted`` ones (chosen by the policy to
+        make room) count as evictions: a corrupt block or an explicit remove is not one."""
         for key in keys:
             self._index.pop(key, None)
             self._doomed.add(key)
-        if keys:
+        if evicted and keys:
             metrics.EVICTIONS.labels(self.name).inc(len(keys))
         return list(keys)
 
@@ -600,9 +633,6 @@ class FilesystemTier:
                 delay = min(self._backoff_max_s, self._backoff_base_s * (2 ** min(over, 30)))
                 self._backoff_until = self._clock() + delay
                 metrics.FS_BACKOFF.labels(self.name).set(1)
-
-    def _check_backoff(self) -> bool:
-        return self._clock() < self._backoff_until
 
     def _update_occupancy(self) -> None:
         metrics.OCCUPANCY_BYTES.labels(self.name).set(self._policy.used_bytes)

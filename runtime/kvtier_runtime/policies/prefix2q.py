@@ -70,14 +70,6 @@ class Prefix2QPolicy(EvictionPolicy):
                 return victim
         return None
 
-    def touch(self, key: Key, ctx: AccessContext | None = None) -> bool:
-        if key not in self._sizes:
-            return False
-        if self.admission is not None:
-            self.admission.record_access(key)
-        self._order_touch(key, ctx)
-        return True
-
     def _order_insert(self, key: Key, size: int, ctx: AccessContext | None) -> None:
         self._enter(key, ctx)
         seen = key in self._history

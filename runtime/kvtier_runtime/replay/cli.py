@@ -21,38 +21,18 @@ from .trace import TraceError, load_trace
 PROG = "kvtier replay"
 
 
-def _positive_float(name: str):
+def _number(name: str, cast: type = float, *, allow_zero: bool = False):
+    """An argparse ``type`` for a finite number > 0 (or >= 0) whose error names the option."""
+    what = "an integer" if cast is int else "a number"
+    rule = "a finite number >= 0" if allow_zero else ("a positive integer" if cast is int else "a finite number > 0")
+
     def parse(text: str) -> float:
         try:
-            value = float(text)
+            value = cast(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name}: {text!r} is not a number") from None
-        if not 0 < value < float("inf"):
-            raise argparse.ArgumentTypeError(f"{name}: {text!r} must be a finite number > 0")
-        return value
-    return parse
-
-
-def _non_negative_float(name: str):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name}: {text!r} is not a number") from None
-        if not value >= 0 or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"{name}: {text!r} must be a finite number >= 0")
-        return value
-    return parse
-
-
-def _positive_int(name: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name}: {text!r} is not an integer") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{name}: {text!r} must be a positive integer")
+            raise argparse.ArgumentTypeError(f"{name}: {text!r} is not {what}") from None
+        if not (value >= 0 if allow_zero else value > 0) or value == float("inf"):  # NaN fails both
+            raise argparse.ArgumentTypeError(f"{name}: {text!r} must be {rule}")
         return value
     return parse
 
@@ -66,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", metavar="FILE", help="Mooncake-format JSONL trace (timestamp, input_length, "
                                                        "output_length, hash_ids)")
     parser.add_argument("--skip-bad", action="store_true", help="skip malformed lines (counted) instead of failing")
-    parser.add_argument("--block-tokens", type=_positive_int("--block-tokens"), default=512, metavar="N",
+    parser.add_argument("--block-tokens", type=_number("--block-tokens", int), default=512, metavar="N",
                         help="tokens per hash id (512 for Mooncake traces)")
     parser.add_argument("--policy", action="append", metavar="NAME[+ADMISSION]",
                         help=f"eviction policy, optionally with an admission filter, e.g. s3fifo+doorkeeper; once "
@@ -81,16 +61,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep-capacities", metavar="LIST",
                         help="comma-separated capacities for --sweep (default 1%%,2%%,5%%,10%%,20%%,30%%,50%%)")
     parser.add_argument("--no-opt", action="store_true", help="skip the OPT bound (faster on huge traces)")
-    parser.add_argument("--model-kv-bytes-per-token", type=_positive_int("--model-kv-bytes-per-token"),
+    parser.add_argument("--model-kv-bytes-per-token", type=_number("--model-kv-bytes-per-token", int),
                         metavar="BYTES", help="KV cache bytes per token of the model (all layers, K and V)")
-    parser.add_argument("--bandwidth", action="append", type=_positive_float("--bandwidth"), metavar="GB/S",
+    parser.add_argument("--bandwidth", action="append", type=_number("--bandwidth"), metavar="GB/S",
                         help="link bandwidth of a tier in GB/s; once for all tiers or once per tier")
-    parser.add_argument("--prefill-tokens-per-s", type=_positive_float("--prefill-tokens-per-s"), metavar="TOKENS",
+    parser.add_argument("--prefill-tokens-per-s", type=_number("--prefill-tokens-per-s"), metavar="TOKENS",
                         help="prefill throughput, to turn hits into prefill time saved")
-    parser.add_argument("--transfer-latency-us", type=_non_negative_float("--transfer-latency-us"), default=50.0,
+    parser.add_argument("--transfer-latency-us", type=_number("--transfer-latency-us", allow_zero=True), default=50.0,
                         metavar="US",
                         help="fixed cost per transfer for 'analyze' chunk sizing (default 50)")
-    parser.add_argument("--budget-gib", type=_positive_float("--budget-gib"), metavar="GIB",
+    parser.add_argument("--budget-gib", type=_number("--budget-gib"), metavar="GIB",
                         help="'analyze': largest tier capacity to recommend, in GiB (needs --model-kv-bytes-per-token)")
 
 

@@ -56,10 +56,6 @@ class PolicySpec:
         return get_policy(self.eviction, capacity_blocks, admission=self.admission)
 
 
-def all_policy_specs() -> list[PolicySpec]:
-    return [PolicySpec(e, a) for e in POLICIES for a in ADMISSIONS]
-
-
 @dataclass
 class TierStats:
     name: str

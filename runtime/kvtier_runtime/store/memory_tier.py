@@ -2,6 +2,7 @@
 with an eviction policy deciding which slot is reused. No allocation happens after construction."""
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -26,7 +27,7 @@ class MemoryTier:
         self.block_shape = tuple(int(d) for d in block_shape)
         self.dtype = dtype
         self.device = torch.device(device)
-        self.block_nbytes = torch.empty(0, dtype=dtype).element_size() * _numel(self.block_shape)
+        self.block_nbytes = math.prod(self.block_shape) * dtype.itemsize
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) \
                 or capacity_bytes < self.block_nbytes:
             raise ValueError(
@@ -120,10 +121,3 @@ class MemoryTier:
 
     def is_pinned(self, key: bytes) -> bool:
         return self.policy.is_pinned(key)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

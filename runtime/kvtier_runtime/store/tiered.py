@@ -13,8 +13,10 @@ go on a side stream and a plan's future completes only after that stream is sync
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
+from contextlib import nullcontext
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -128,7 +130,7 @@ class TieredStore:
             fs.peer = self._tiers[-1].name if self._tiers else ENGINE
             self._tiers.append(fs)
             self._modes.append("top" if not self._modes else write.get("fs", "back"))
-        self.block_nbytes = _nbytes(self.block_shape, dtype)
+        self.block_nbytes = math.prod(self.block_shape) * dtype.itemsize
         self.cost_model = cost_model
         self._lock = threading.RLock()  # guards tier metadata (lookups and pins come from any thread)
         # One plan runs at a time (worker or a *_sync caller): plans interleaving their reservations and
@@ -291,7 +293,7 @@ class TieredStore:
         by_level: dict[int, list[_Transfer]] = defaultdict(list)
         for t in plan.transfers:
             by_level[t.level].append(t)
-        stream_ctx = torch.cuda.stream(self._stream) if self._stream is not None else _nullcontext()
+        stream_ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
         if self._stream is not None:
             # Blocks handed in by the engine were produced on its (default) stream.
             self._stream.wait_stream(torch.cuda.default_stream(self.device))
@@ -485,7 +487,7 @@ class TieredStore:
                 break
             if isinstance(self._tiers[reached], FilesystemTier):
                 # No memory tier can take it (all held by this request): read it straight into a CPU output.
-                if outs is None or outs[i].device.type != "cpu":
+                if outs is None or outs[i].device.type != "cpu" or not outs[i].is_contiguous():
                     stopped = "no-room"
                     break
                 plan.transfers.append(_Transfer(-1, key, _FROM_FS, outs[i], self._tiers[reached].name, ENGINE))
@@ -505,18 +507,3 @@ class TieredStore:
         if hits < len(keys) and stopped is None:
             stopped = failed.get(keys[hits], "miss")
         return LoadResult(hits, tuple(sources[:hits]), stopped if hits < len(keys) else None)
-
-
-def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    n = torch.empty(0, dtype=dtype).element_size()
-    for d in shape:
-        n *= d
-    return n
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
