@@ -35,6 +35,7 @@ from .tiers import SPEC_DISABLED, enabled, tier_states
 
 log = logging.getLogger("kvtier.slo")
 HISTORY_LIMIT = 50
+DEFAULT_INTERVAL = 30.0  # the API's default spec.slo.interval, used until the spec can be read
 SLO_STATE = {"ok": "OK", "breach": "Breaching", "error": "Unknown", "noData": "NoData", "lowTraffic": "NoData"}
 
 
@@ -111,17 +112,24 @@ def guard_tick_sync(op: Operator, namespace: str, name: str, source: Optional[An
     spec, status = pol.get("spec") or {}, pol.get("status") or {}
     if not spec.get("slo"):
         return None
-    settings = slo.SLOSettings.from_spec(spec)
+    try:
+        settings = slo.SLOSettings.from_spec(spec)
+    except slo.SLOSpecError as err:
+        return _misconfigured(op, pol, "; ".join(err.problems), DEFAULT_INTERVAL)
     result = TickResult(interval=settings.interval_s, body=pol)
     reenable = [t.strip() for t in (pol["metadata"].get("annotations") or {}).get(REENABLE_ANNOTATION, "").split(",")
                 if t.strip()]
-    if source is None and getattr(op, "slo_source", None) is not None:
+    if source is None and op.slo_source is not None:
         source = op.slo_source(namespace, name)  # injected by tests: a scripted measurement source
     own_source = source is None
     if own_source:
         if settings.prometheus is None:
             return result
-        source = PrometheusSource(client_config(op.kube, namespace, settings.prometheus))
+        try:
+            config = client_config(op.kube, namespace, settings.prometheus)
+        except ValueError as err:  # a missing Secret or key, a bad CA bundle: the message names the field
+            return _misconfigured(op, pol, str(err), settings.interval_s)
+        source = PrometheusSource(config)
     try:
         decision = slo.tick(settings, status.get("slo"), source, scope_for(namespace, status, spec), time.time(),
                             engine=status.get("engine"), reenable_requests=reenable,
@@ -172,6 +180,31 @@ def guard_tick_sync(op: Operator, namespace: str, name: str, source: Optional[An
     return result
 
 
+def _misconfigured(op: Operator, pol: dict[str, Any], message: str, interval: float) -> TickResult:
+    """An SLO configuration the guard cannot act on is ``SLOUnknown`` in status, not only a log line.
+
+    Nothing else changes: the stored guard state and tier states stay as they were, so fixing the Secret or the
+    spec resumes counting where it stopped.
+    """
+    status, meta = pol.get("status") or {}, pol["metadata"]
+    new = {
+        "sloState": "Unknown",
+        "conditions": merge_conditions(status.get("conditions") or [],
+                                       [Cond("SLOUnknown", "True", "InvalidConfiguration", message)],
+                                       meta.get("generation"), now_rfc3339()),
+    }
+    result = TickResult(interval=interval, body=pol, verdict="error")
+    op.metrics.errors.labels("SLOInvalidConfiguration").inc()
+    patch = status_patch(status, new)
+    if patch:  # a new or changed problem: one status write and one Event, not one per interval
+        op.kube.patch(policy_path(meta["namespace"], meta["name"], status=True),
+                      {"metadata": {"resourceVersion": meta["resourceVersion"]}, "status": patch})
+        op.metrics.api_writes.labels("status").inc()
+        result.events.append(Event("Warning", "InvalidSLOConfiguration", message))
+        log.warning("SLO guard of %s/%s cannot evaluate: %s", meta["namespace"], meta["name"], message)
+    return result
+
+
 def register_slo(registry: kopf.OperatorRegistry, op: Operator) -> None:
     op.tier_states_fn = guarded_tier_states
 
@@ -180,7 +213,7 @@ def register_slo(registry: kopf.OperatorRegistry, op: Operator) -> None:
     async def slo_guard(name: str, namespace: str, stopped: kopf.DaemonStopped, logger: logging.Logger,
                         **_: Any) -> None:
         key = (namespace, name)
-        interval, delay = 30.0, op.settings.backoff_initial
+        interval, delay = DEFAULT_INTERVAL, op.settings.backoff_initial
         while not stopped:
             try:
                 async with op.lock(key):

@@ -80,3 +80,28 @@ def test_sustained_breach_disables_the_newest_tier_and_rerenders(kube, namespace
                                             ["spec"]["template"]["spec"]["volumes"]}, 20, what="nvme mounted again")
     assert any(h["action"] == "Reenabled" and h["tier"] == "nvme"
                for h in get_policy(kube, namespace, "llm")["status"]["history"])
+
+
+def test_missing_prometheus_secret_is_slo_unknown_naming_the_field(kube, namespace, run_operator):
+    # No scripted source: the guard must resolve spec.slo.prometheus itself, and the Secret it names is absent.
+    user_apply(kube, deployment("llm", namespace))
+    runner = run_operator()
+    kube.create(policy_path(namespace), make_policy(
+        "llm", namespace, slo={"prometheus": {"url": "http://prometheus.invalid:9090",
+                                              "auth": {"bearerToken": {"name": "prom-token", "key": "token"}}},
+                               "ttftP99": "2s", "interval": "1s", "window": "1s"}))
+    pol = wait_for(lambda: (p := get_policy(kube, namespace, "llm")) and
+                   cond(p, "SLOUnknown").get("status") == "True" and p, 20, what="SLOUnknown on a missing Secret")
+    unknown = cond(pol, "SLOUnknown")
+    assert unknown["reason"] == "InvalidConfiguration"
+    assert "spec.slo.prometheus.auth" in unknown["message"] and "prom-token" in unknown["message"]
+    assert pol["status"]["sloState"] == "Unknown"
+    since = unknown["lastTransitionTime"]
+    before = runner.op.metrics.value("kvtier_operator_reconcile_errors_total", {"reason": "SLOInvalidConfiguration"})
+    wait_for(lambda: runner.op.metrics.value("kvtier_operator_reconcile_errors_total",
+                                             {"reason": "SLOInvalidConfiguration"}) >= before + 3, 20,
+             what="three more evaluations")
+    # The same problem on every interval: the transition time holds and the Event is not repeated.
+    assert cond(get_policy(kube, namespace, "llm"), "SLOUnknown")["lastTransitionTime"] == since
+    events = kube.list(f"/api/v1/namespaces/{namespace}/events")
+    assert sum(e.get("reason") == "InvalidSLOConfiguration" for e in events) == 1
