@@ -95,6 +95,25 @@ def scope_for(namespace: str, status: dict[str, Any], spec: dict[str, Any]) -> "
 
 # ---------------------------------------------------------------------------------------------- one tick
 
+def guard_status(spec: dict[str, Any], status: dict[str, Any], decision: "slo.Decision", generation: Optional[int],
+                 now: str) -> dict[str, Any]:
+    """The status fields one evaluation owns, merged with the stored ones; pure, so tests check it directly.
+
+    Conditions of other types (Ready, Conflict, ...) are kept; ``lastTransitionTime`` moves only on a flip.
+    """
+    state = decision.state
+    conds = [Cond(a.type, a.status, a.reason, a.message) for a in decision.actions if isinstance(a, slo.SetCondition)]
+    parsed = api.KVCachePolicySpec.model_validate(spec)
+    return {
+        "slo": state,
+        "sloState": SLO_STATE.get(state.get("verdict") or "", "Unknown"),
+        "tiers": guarded_tier_states(parsed, {"spec": spec, "status": {**status, "slo": state}}, now),
+        "conditions": merge_conditions(status.get("conditions") or [], conds, generation, now),
+        # The guard keeps its history in the API's HistoryEntry shape; status.history mirrors it (bounded).
+        "history": list(state.get("history") or [])[-HISTORY_LIMIT:],
+    }
+
+
 @dataclass
 class TickResult:
     interval: float
@@ -138,10 +157,8 @@ def guard_tick_sync(op: Operator, namespace: str, name: str, source: Optional[An
         if own_source:
             source.close()
     now = now_rfc3339()
-    state = decision.state
-    result.verdict = state.get("verdict")
+    result.verdict = decision.state.get("verdict")
     generation = pol["metadata"].get("generation")
-    conds = [Cond(a.type, a.status, a.reason, a.message) for a in decision.actions if isinstance(a, slo.SetCondition)]
     acknowledged = []
     for a in decision.actions:
         if isinstance(a, slo.DisableTier):
@@ -156,18 +173,8 @@ def guard_tick_sync(op: Operator, namespace: str, name: str, source: Optional[An
             result.events.append(Event(a.type, a.reason, a.message))
         elif isinstance(a, slo.AcknowledgeReenable):
             acknowledged.append(a.tier)
-    parsed = api.KVCachePolicySpec.model_validate(spec)
-    old_tiers = status.get("tiers") or []
-    new_tiers = guarded_tier_states(parsed, {"spec": spec, "status": {**status, "slo": state}}, now)
-    result.tiers_changed = enabled(new_tiers) != enabled(old_tiers)
-    new = {
-        "slo": state,
-        "sloState": SLO_STATE.get(state.get("verdict") or "", "Unknown"),
-        "tiers": new_tiers,
-        "conditions": merge_conditions(status.get("conditions") or [], conds, generation, now),
-        # The guard keeps its history in the API's HistoryEntry shape; status.history mirrors it (bounded).
-        "history": list(state.get("history") or [])[-HISTORY_LIMIT:],
-    }
+    new = guard_status(spec, status, decision, generation, now)
+    result.tiers_changed = enabled(new["tiers"]) != enabled(status.get("tiers") or [])
     patch = status_patch(status, new)
     if patch:
         op.kube.patch(policy_path(namespace, name, status=True),
