@@ -201,7 +201,7 @@ def _misconfigured(op: Operator, pol: dict[str, Any], message: str, interval: fl
                                        meta.get("generation"), now_rfc3339()),
     }
     result = TickResult(interval=interval, body=pol, verdict="error")
-    op.metrics.errors.labels("SLOInvalidConfiguration").inc()
+    op.metrics.errors.labels("slo-InvalidConfiguration").inc()
     patch = status_patch(status, new)
     if patch:  # a new or changed problem: one status write and one Event, not one per interval
         op.kube.patch(policy_path(meta["namespace"], meta["name"], status=True),

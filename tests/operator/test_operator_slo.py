@@ -97,9 +97,9 @@ def test_missing_prometheus_secret_is_slo_unknown_naming_the_field(kube, namespa
     assert "spec.slo.prometheus.auth" in unknown["message"] and "prom-token" in unknown["message"]
     assert pol["status"]["sloState"] == "Unknown"
     since = unknown["lastTransitionTime"]
-    before = runner.op.metrics.value("kvtier_operator_reconcile_errors_total", {"reason": "SLOInvalidConfiguration"})
+    before = runner.op.metrics.value("kvtier_operator_reconcile_errors_total", {"reason": "slo-InvalidConfiguration"})
     wait_for(lambda: runner.op.metrics.value("kvtier_operator_reconcile_errors_total",
-                                             {"reason": "SLOInvalidConfiguration"}) >= before + 3, 20,
+                                             {"reason": "slo-InvalidConfiguration"}) >= before + 3, 20,
              what="three more evaluations")
     # The same problem on every interval: the transition time holds and the Event is not repeated.
     assert cond(get_policy(kube, namespace, "llm"), "SLOUnknown")["lastTransitionTime"] == since
