@@ -84,13 +84,26 @@ def client_config(kube: Kube, namespace: str, prom: "slo.PrometheusSettings") ->
 
 # ---------------------------------------------------------------------------------------------- scope
 
+# Pod names their controllers give: Deployment pods are ``<name>-<template hash, 1-10>-<suffix, 5>``, both drawn
+# from Kubernetes' safe alphabet (k8s.io/apimachinery util/rand), StatefulSet pods ``<name>-<ordinal>``. Exact
+# shapes, so a workload ``llm`` never claims the pods of ``llm-big``.
+_SAFE = "[bcdfghjklmnpqrstvwxz2456789]"
+_POD_SUFFIX = {"Deployment": f"-{_SAFE}{{1,10}}-{_SAFE}{{5}}", "StatefulSet": "-[0-9]+"}
+MATCH_NOTHING = "$^"
+
+
 def scope_for(namespace: str, status: dict[str, Any], spec: dict[str, Any]) -> "slo.Scope":
-    """The target pods: Deployment pods are ``<name>-<hash>-<id>``, StatefulSet pods ``<name>-<ordinal>``."""
+    """The target pods: ``spec.slo.modelName`` when set, else the pods of the targets carrying the configuration.
+
+    With neither (no target applied yet, or every one in conflict), nothing matches: the guard must never judge
+    a policy by the other pods of its namespace (no data, so no verdict).
+    """
     model = (spec.get("slo") or {}).get("modelName")
-    names = sorted({t["name"] for t in status.get("targets") or [] if t.get("state") in ("Applied",
-                                                                                       "MissingConfigArgument")})
-    regex = "(" + "|".join(re.escape(n) for n in names) + ")-.+" if names and not model else None
-    return slo.Scope(namespace=namespace, pod_regex=regex, model_name=model)
+    if model:
+        return slo.Scope(namespace=namespace, model_name=model)
+    patterns = sorted({re.escape(t["name"]) + _POD_SUFFIX.get(t.get("kind", ""), "-.+")
+                       for t in status.get("targets") or [] if t.get("state") in ("Applied", "MissingConfigArgument")})
+    return slo.Scope(namespace=namespace, pod_regex="|".join(patterns) if patterns else MATCH_NOTHING)
 
 
 # ---------------------------------------------------------------------------------------------- one tick
