@@ -184,10 +184,8 @@ OPERATOR_NAMESPACED = {
     ("kvtier.io", "kvcachepolicies/finalizers"): {"update"},
     ("apps", "deployments"): {"get", "list", "watch", "patch"},
     ("apps", "statefulsets"): {"get", "list", "watch", "patch"},
-    ("", "configmaps"): {"get", "list", "watch", "create", "patch", "update", "delete"},
-    ("", "pods"): {"get", "list", "watch"},
-    ("", "events"): {"create", "patch"},
-    ("events.k8s.io", "events"): {"create", "patch"},
+    ("", "configmaps"): {"create", "patch", "delete"},
+    ("", "events"): {"create"},
 }
 OPERATOR_CLUSTER = {
     ("", "nodes"): {"get", "list"},
