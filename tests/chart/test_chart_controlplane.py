@@ -14,11 +14,8 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-
-pytest.importorskip("plugins.controlplane", reason="needs the control plane fixture (branch controlplane)")
-
-from kubernetes import client  # noqa: E402
-from kubernetes.client.exceptions import ApiException  # noqa: E402
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 pytestmark = pytest.mark.controlplane
 

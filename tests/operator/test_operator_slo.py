@@ -1,19 +1,18 @@
 """The SLO guard wired into the operator, against the real API server.
 
-Prometheus itself is exercised by the SLO guard's own tests (tests/slo, with a real Prometheus); here the
-measurements come from a scripted source so that what is tested is the wiring: the daemon's interval, status.slo,
-tier states, the re-render without the rolled-back tier, the Warning Event, history and the rollback metric.
-Skipped when the ``slo`` package is not part of this checkout.
+Prometheus itself is exercised by the SLO guard's own tests (tests/test_slo_prometheus.py, with a real
+Prometheus); here the measurements come from a scripted source so that what is tested is the wiring: the
+daemon's interval, status.slo, tier states, the re-render without the rolled-back tier, the Warning Event,
+history and the rollback metric.
 """
 from __future__ import annotations
 
 import pytest
 
-slo = pytest.importorskip("kvtier_operator.slo")
+from kvtier_operator import slo
+from kvtier_operator.kube import policy_path
 
-from kvtier_operator.kube import policy_path  # noqa: E402
-
-from plugins.operator import (cond, deployment, get_policy, get_workload, make_policy, nvme_tier,  # noqa: E402
+from plugins.operator import (cond, deployment, get_policy, get_workload, make_policy, nvme_tier,
                               template_hash, user_apply, wait_applied, wait_for)
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.slow]

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import re
 
-import pytest
-
-pytest.importorskip("kvtier_operator.slo")
-
-from kvtier_operator.slo_timer import scope_for  # noqa: E402
+from kvtier_operator.slo_timer import scope_for
 
 
 def pod_regex(status, spec=None):
