@@ -41,7 +41,6 @@ class Outcome:
     body: Optional[dict[str, Any]]
     events: list[rc.Event] = field(default_factory=list)
     applied: dict[str, str] = field(default_factory=dict)  # workload ref -> config hash now on it
-    status_written: bool = False
 
 
 def kopf_settings(settings: Settings) -> kopf.OperatorSettings:
@@ -203,13 +202,13 @@ class Operator:
         for t in plan.targets:
             self._write_workload(namespace, t, failures, outcome)
         plan = rc.with_failures(plan, policy, failures, now)
-        outcome.status_written = self._write_status(namespace, name, policy, plan.status)
+        self._write_status(namespace, name, policy, plan.status)
         outcome.events = plan.events
         applied = sum(1 for t in plan.targets if t.state in (rc.APPLIED, rc.MISSING_ARG) and t.ref not in failures)
         self.metrics.applied_targets.labels(namespace, name).set(applied)
         return outcome
 
-    def _write_status(self, namespace: str, name: str, policy: dict[str, Any], status: dict[str, Any]) -> bool:
+    def _write_status(self, namespace: str, name: str, policy: dict[str, Any], status: dict[str, Any]) -> None:
         """One merge patch of what changed, guarded by the resourceVersion the plan was computed from.
 
         A 409 caused by a change that left the generation alone (kopf adding its finalizer, a label) does not
@@ -220,13 +219,13 @@ class Operator:
         for _ in range(3):
             patch = status_patch(current.get("status") or {}, status)
             if patch is None:
-                return False
+                return
             try:
                 self.kube.patch(policy_path(namespace, name, status=True),
                                 {"metadata": {"resourceVersion": current["metadata"]["resourceVersion"]},
                                  "status": patch})
                 self.metrics.api_writes.labels("status").inc()
-                return True
+                return
             except ApiError as err:
                 if err.status != 409:
                     raise
