@@ -356,7 +356,8 @@ class Operator:
             await op.policy_loop(namespace, name, stopped, logger, kvtier_policies, indexes)
 
         @kopf.on.delete(*POLICY, id="release", registry=registry)
-        async def release(name: str, namespace: str, body: Any, logger: logging.Logger, **_: Any) -> None:
+        async def release(name: str, namespace: str, body: Any, logger: logging.Logger, retry: int,
+                          **_: Any) -> None:
             key = (namespace, name)
             async with op.lock(key):
                 try:
@@ -365,7 +366,8 @@ class Operator:
                     raise
                 except Exception as err:  # noqa: BLE001 - every failure is retried; the finalizer waits
                     op.metrics.errors.labels(_reason(err)).inc()
-                    raise kopf.TemporaryError(f"releasing workloads failed: {err}", delay=op.settings.backoff_initial)
+                    raise kopf.TemporaryError(f"releasing workloads failed: {err}",
+                                              delay=backoff_delay(op.settings, retry))
             logger.info("released %d workload(s)", count)
             op.triggers.pop(key, None)  # what it selected is forgotten on the DELETED event
 
@@ -443,6 +445,11 @@ class Operator:
                     self.trigger(key)
         finally:
             stop_task.cancel()
+
+
+def backoff_delay(settings: Settings, retry: int) -> float:
+    """Exponential backoff for kopf's retries (``retry`` counts the failures so far), capped at backoff_max."""
+    return min(settings.backoff_initial * 2 ** min(retry, 32), settings.backoff_max)
 
 
 def _reason(err: BaseException) -> str:
