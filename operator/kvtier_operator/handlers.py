@@ -251,6 +251,7 @@ class Operator:
             released += 1
         # The owner reference lets the garbage collector do this too; deleting it here does not depend on one.
         self.kube.delete(config_map_path(namespace, rc.config_map_name(name)))
+        self.applied_config_maps.pop((namespace, rc.config_map_name(name)), None)
         try:
             self.metrics.applied_targets.remove(namespace, name)
         except KeyError:
@@ -337,6 +338,7 @@ class Operator:
                 status_only = type != "DELETED" and op.workload_seen.get(wkey) == seen
                 if type == "DELETED":
                     op.workload_seen.pop(wkey, None)
+                    op.own_writes.pop(wkey, None)
                 else:
                     op.workload_seen[wkey] = seen
                 wanted = {p["name"] for p in kvtier_policies.get(namespace, []) if matches(p["selector"], labels)}

@@ -330,7 +330,7 @@ def test_field_owned_by_another_manager_becomes_a_condition(kube, namespace, run
 
 def test_workload_deleted_before_policy_is_not_an_error(kube, namespace, run_operator):
     user_apply(kube, deployment("llm", namespace))
-    run_operator()
+    runner = run_operator()
     create_policy(kube, make_policy("llm", namespace))
     wait_applied(kube, namespace, "llm", "llm")
     kube.delete(workload_path("Deployment", namespace, "llm"))
@@ -338,6 +338,9 @@ def test_workload_deleted_before_policy_is_not_an_error(kube, namespace, run_ope
              what="NoTargets after the workload is gone")
     kube.delete(policy_path(namespace, "llm"))
     wait_for(lambda: get_policy(kube, namespace, "llm") is None, 30, what="policy gone")
+    # Nothing is remembered about objects that are gone (a long-running operator must not grow with churn).
+    assert (namespace, "Deployment", "llm") not in runner.op.own_writes
+    assert (namespace, "kvtier-llm") not in runner.op.applied_config_maps
 
 
 def _free_port() -> int:
