@@ -22,13 +22,12 @@ from .api.units import parse_quantity
 from .kube import NODES, STRATEGIC, ApiError, Kube, config_map_path, is_transient, policy_path, workload_path
 from .metrics import Metrics
 from .selectors import matches, to_query
-from .settings import FINALIZER, POLICY_LABEL, PREFIX, Settings
+from .settings import FINALIZER, POLICY_LABEL, PREFIX, REENABLE_ANNOTATION, Settings
 from .status import now_rfc3339, status_patch
 from .workload import KINDS, Workload, removal_patch
 
 log = logging.getLogger("kvtier.operator")
 POLICY = ("kvtier.io", "v1alpha1", "kvcachepolicies")
-REENABLE_ANNOTATION = f"{PREFIX}/reenable"
 Key = tuple[str, str]
 CONFIG_MAP_TTL = 30.0
 STATUS_ONLY_DELAY = 0.5  # coalesces the controller's status updates after a rollout

@@ -11,6 +11,7 @@ PREFIX = "kvtier.io"
 FINALIZER = f"{PREFIX}/finalizer"
 POLICY_LABEL = f"{PREFIX}/policy"
 CONFIG_HASH_ANNOTATION = f"{PREFIX}/config-hash"
+REENABLE_ANNOTATION = f"{PREFIX}/reenable"  # a person asks the SLO guard to re-enable these tiers (comma list)
 DEFAULT_CLEANUP_IMAGE = "busybox:1.37.0"
 
 

@@ -26,8 +26,9 @@ import kopf
 
 from . import slo
 from .api import v1alpha1 as api
-from .handlers import POLICY, REENABLE_ANNOTATION, Operator, _reason
+from .handlers import POLICY, Operator, _reason
 from .kube import Kube, policy_path
+from .settings import REENABLE_ANNOTATION
 from .reconcile import Event
 from .slo.client import PrometheusClientConfig, PrometheusSource, resolve_client_config
 from .status import Cond, merge_conditions, now_rfc3339, status_patch
