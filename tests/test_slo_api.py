@@ -68,9 +68,10 @@ def test_status_written_by_the_guard_fits_the_status_models():
         TierStatus.model_validate(tier)
 
 
-def test_status_fields_validate_against_the_status_model_and_keep_transition_times():
+def test_guard_status_validates_against_the_status_model_and_keeps_transition_times():
+    """What the operator's SLO daemon writes (slo_timer.guard_status), fed by the decision engine."""
     from kvtier_operator.api.v1alpha1 import KVCachePolicyStatus
-    from kvtier_operator.slo import status_fields
+    from kvtier_operator.slo_timer import guard_status
 
     spec = json.loads(json.dumps(POLICY["spec"]))
     spec["tiers"].append({"name": "spare", "medium": "filesystem", "size": "1Ti", "path": "/mnt/spare",
@@ -80,19 +81,19 @@ def test_status_fields_validate_against_the_status_model_and_keep_transition_tim
     s = SLOSettings.from_spec(spec)
     assert s.tiers == ("host", "nvme") and s.spec_disabled_tiers == ("spare",)
     ready = {"type": "Ready", "status": "True", "reason": "Applied", "message": "",
-             "lastTransitionTime": "2026-01-01T00:00:00.000Z"}
-    conditions, state = [ready], None
+             "lastTransitionTime": "2026-01-01T00:00:00Z"}
+    status: dict = {"conditions": [ready]}
     transitions = {}
     for i, m in enumerate([Measurements.of(0.5, 0.05, 5.0)] * 2 + [Measurements.of(3.0, 0.05, 5.0)] * 3):
-        decision = evaluate(s, state, m, 1000.0 + i * 30, generation=4)
-        fields = status_fields(s, decision, conditions, 1000.0 + i * 30, generation=4)
-        state, conditions = decision.state, fields["conditions"]
-        transitions[i] = {c["type"]: c["lastTransitionTime"] for c in conditions}
-    KVCachePolicyStatus.model_validate(json.loads(json.dumps(fields)))
-    assert fields["activeTiers"] == "host" and fields["sloState"] == "Breaching"
-    assert [(t["name"], t["state"], t["reason"]) for t in fields["tiers"]] == [
+        decision = evaluate(s, status.get("slo"), m, 1000.0 + i * 30, generation=4)
+        status = {**status, **guard_status(spec, status, decision, 4, f"2026-01-01T00:0{i}:00Z")}
+        transitions[i] = {c["type"]: c["lastTransitionTime"] for c in status["conditions"]}
+    KVCachePolicyStatus.model_validate(json.loads(json.dumps(status)))
+    assert status["sloState"] == "Breaching"
+    assert [(t["name"], t["state"], t["reason"]) for t in status["tiers"]] == [
         ("host", "Enabled", "Enabled"), ("nvme", "Disabled", "SLOBreach"), ("spare", "Disabled", "DisabledInSpec")]
     assert transitions[4]["Ready"] == ready["lastTransitionTime"]           # foreign condition untouched
     assert transitions[1]["SLOUnknown"] == transitions[0]["SLOUnknown"]     # no flip, no new time
     assert transitions[2]["SLOBreached"] != transitions[1]["SLOBreached"]   # False -> True
     assert transitions[4]["TierRolledBack"] != transitions[3]["TierRolledBack"]
+    assert [c["type"] for c in status["conditions"]][0] == "Ready"         # stored order kept

@@ -385,3 +385,26 @@ def test_a_corrupted_status_is_repaired_not_a_crash():
     d.state["disabled"] = {"nvme": "broken"}
     d.step(OK)
     assert d.enabled == ["host"] and d.state["disabled"]["nvme"]["reason"] == "Restored"
+
+
+def test_stored_times_round_up_so_no_period_ends_early():
+    from kvtier_operator.slo.decisions import format_time, parse_time
+
+    assert format_time(1000.0) == "1970-01-01T00:16:40.000Z"
+    assert format_time(1000.001) == "1970-01-01T00:16:40.001Z"        # exact milliseconds are kept
+    assert format_time(1795945565.9789543) == "2026-11-29T09:46:05.979Z"  # up, not down to .978
+    for epoch in (1795945565.9789543, 1000.0004, 1234.5678901, 59.9999):
+        assert 0 <= parse_time(format_time(epoch)) - epoch < 0.001
+
+
+def test_a_stage_never_ends_before_its_full_observation_period():
+    # Stages start at times the store cannot hold exactly (sub-millisecond): the next stage may begin only once
+    # the real elapsed time, not the stored one, reaches stageObservation.
+    d = Driver(SLOSettings.from_spec(spec(rollout={"strategy": "staged", "stageObservation": "4s"},
+                                          interval="100ms", ttftP99MaxRatio=5)), start=1795945561.9789543)
+    enables = []
+    for _ in range(300):
+        now = d.now
+        enables += [now for a in d.step(OK, dt=0.0999999) if isinstance(a, EnableTier)]
+    assert len(enables) == 2
+    assert enables[1] - enables[0] >= 4

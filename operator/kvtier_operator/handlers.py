@@ -22,13 +22,12 @@ from .api.units import parse_quantity
 from .kube import NODES, STRATEGIC, ApiError, Kube, config_map_path, is_transient, policy_path, workload_path
 from .metrics import Metrics
 from .selectors import matches, to_query
-from .settings import FINALIZER, POLICY_LABEL, PREFIX, Settings
+from .settings import FINALIZER, POLICY_LABEL, PREFIX, REENABLE_ANNOTATION, Settings
 from .status import now_rfc3339, status_patch
 from .workload import KINDS, Workload, removal_patch
 
 log = logging.getLogger("kvtier.operator")
 POLICY = ("kvtier.io", "v1alpha1", "kvcachepolicies")
-REENABLE_ANNOTATION = f"{PREFIX}/reenable"
 Key = tuple[str, str]
 CONFIG_MAP_TTL = 30.0
 STATUS_ONLY_DELAY = 0.5  # coalesces the controller's status updates after a rollout
@@ -41,7 +40,6 @@ class Outcome:
     body: Optional[dict[str, Any]]
     events: list[rc.Event] = field(default_factory=list)
     applied: dict[str, str] = field(default_factory=dict)  # workload ref -> config hash now on it
-    status_written: bool = False
 
 
 def kopf_settings(settings: Settings) -> kopf.OperatorSettings:
@@ -203,13 +201,13 @@ class Operator:
         for t in plan.targets:
             self._write_workload(namespace, t, failures, outcome)
         plan = rc.with_failures(plan, policy, failures, now)
-        outcome.status_written = self._write_status(namespace, name, policy, plan.status)
+        self._write_status(namespace, name, policy, plan.status)
         outcome.events = plan.events
         applied = sum(1 for t in plan.targets if t.state in (rc.APPLIED, rc.MISSING_ARG) and t.ref not in failures)
         self.metrics.applied_targets.labels(namespace, name).set(applied)
         return outcome
 
-    def _write_status(self, namespace: str, name: str, policy: dict[str, Any], status: dict[str, Any]) -> bool:
+    def _write_status(self, namespace: str, name: str, policy: dict[str, Any], status: dict[str, Any]) -> None:
         """One merge patch of what changed, guarded by the resourceVersion the plan was computed from.
 
         A 409 caused by a change that left the generation alone (kopf adding its finalizer, a label) does not
@@ -220,13 +218,13 @@ class Operator:
         for _ in range(3):
             patch = status_patch(current.get("status") or {}, status)
             if patch is None:
-                return False
+                return
             try:
                 self.kube.patch(policy_path(namespace, name, status=True),
                                 {"metadata": {"resourceVersion": current["metadata"]["resourceVersion"]},
                                  "status": patch})
                 self.metrics.api_writes.labels("status").inc()
-                return True
+                return
             except ApiError as err:
                 if err.status != 409:
                     raise
@@ -252,6 +250,7 @@ class Operator:
             released += 1
         # The owner reference lets the garbage collector do this too; deleting it here does not depend on one.
         self.kube.delete(config_map_path(namespace, rc.config_map_name(name)))
+        self.applied_config_maps.pop((namespace, rc.config_map_name(name)), None)
         try:
             self.metrics.applied_targets.remove(namespace, name)
         except KeyError:
@@ -338,6 +337,7 @@ class Operator:
                 status_only = type != "DELETED" and op.workload_seen.get(wkey) == seen
                 if type == "DELETED":
                     op.workload_seen.pop(wkey, None)
+                    op.own_writes.pop(wkey, None)
                 else:
                     op.workload_seen[wkey] = seen
                 wanted = {p["name"] for p in kvtier_policies.get(namespace, []) if matches(p["selector"], labels)}
@@ -357,7 +357,8 @@ class Operator:
             await op.policy_loop(namespace, name, stopped, logger, kvtier_policies, indexes)
 
         @kopf.on.delete(*POLICY, id="release", registry=registry)
-        async def release(name: str, namespace: str, body: Any, logger: logging.Logger, **_: Any) -> None:
+        async def release(name: str, namespace: str, body: Any, logger: logging.Logger, retry: int,
+                          **_: Any) -> None:
             key = (namespace, name)
             async with op.lock(key):
                 try:
@@ -366,7 +367,8 @@ class Operator:
                     raise
                 except Exception as err:  # noqa: BLE001 - every failure is retried; the finalizer waits
                     op.metrics.errors.labels(_reason(err)).inc()
-                    raise kopf.TemporaryError(f"releasing workloads failed: {err}", delay=op.settings.backoff_initial)
+                    raise kopf.TemporaryError(f"releasing workloads failed: {err}",
+                                              delay=backoff_delay(op.settings, retry))
             logger.info("released %d workload(s)", count)
             op.triggers.pop(key, None)  # what it selected is forgotten on the DELETED event
 
@@ -444,6 +446,11 @@ class Operator:
                     self.trigger(key)
         finally:
             stop_task.cancel()
+
+
+def backoff_delay(settings: Settings, retry: int) -> float:
+    """Exponential backoff for kopf's retries (``retry`` counts the failures so far), capped at backoff_max."""
+    return min(settings.backoff_initial * 2 ** min(retry, 32), settings.backoff_max)
 
 
 def _reason(err: BaseException) -> str:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 FIELD_MANAGER = "kvtier-operator"
@@ -11,6 +11,7 @@ PREFIX = "kvtier.io"
 FINALIZER = f"{PREFIX}/finalizer"
 POLICY_LABEL = f"{PREFIX}/policy"
 CONFIG_HASH_ANNOTATION = f"{PREFIX}/config-hash"
+REENABLE_ANNOTATION = f"{PREFIX}/reenable"  # a person asks the SLO guard to re-enable these tiers (comma list)
 DEFAULT_CLEANUP_IMAGE = "busybox:1.37.0"
 
 
@@ -31,7 +32,6 @@ class Settings:
     read_nodes: bool = True  # headroom against node allocatable when nodes are readable
     kubeconfig: Optional[str] = None
     verbose: bool = False
-    extra: dict[str, str] = field(default_factory=dict)
 
 
 _ENV = "KVTIER_"
@@ -94,6 +94,12 @@ def from_args(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> Setti
         except ValueError as err:
             raise SystemExit(f"kvtier operator: {_ENV}{name}: {err}") from None
 
+    def positive(value: float, flag: str, name: str) -> float:
+        # Zero or less would turn the reconcile loop's wait (resync) or its retry delay (backoff) into a spin.
+        if value <= 0:
+            raise SystemExit(f"kvtier operator: {flag} ({_ENV}{name}): {value:g} must be greater than zero")
+        return value
+
     namespaces = args.namespaces or [n for n in env.get(_ENV + "NAMESPACES", "").split(",") if n.strip()]
     liveness = pick(args.liveness_endpoint, "LIVENESS", default=d.liveness_endpoint)
     metrics_port = pick(args.metrics_port, "METRICS_PORT", int, d.metrics_port)
@@ -104,8 +110,9 @@ def from_args(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> Setti
         liveness_endpoint=None if liveness in (None, "", "off") else liveness,
         metrics_port=None if metrics_port is None or metrics_port < 0 else metrics_port,
         metrics_host=pick(args.metrics_host, "METRICS_HOST", default=d.metrics_host),
-        resync_seconds=pick(args.resync_seconds, "RESYNC", float, d.resync_seconds),
-        backoff_max=pick(args.backoff_max, "BACKOFF_MAX", float, d.backoff_max),
+        resync_seconds=positive(pick(args.resync_seconds, "RESYNC", float, d.resync_seconds), "--resync", "RESYNC"),
+        backoff_max=positive(pick(args.backoff_max, "BACKOFF_MAX", float, d.backoff_max), "--backoff-max",
+                             "BACKOFF_MAX"),
         cleanup_image=pick(args.cleanup_image, "CLEANUP_IMAGE", default=d.cleanup_image),
         read_nodes=bool(pick(args.read_nodes, "READ_NODES", lambda v: _env_bool(v, True), True)),
         kubeconfig=args.kubeconfig or env.get("KUBECONFIG") or None,

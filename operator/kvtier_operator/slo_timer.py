@@ -26,8 +26,9 @@ import kopf
 
 from . import slo
 from .api import v1alpha1 as api
-from .handlers import POLICY, REENABLE_ANNOTATION, Operator, _reason
+from .handlers import POLICY, Operator, _reason
 from .kube import Kube, policy_path
+from .settings import REENABLE_ANNOTATION
 from .reconcile import Event
 from .slo.client import PrometheusClientConfig, PrometheusSource, resolve_client_config
 from .status import Cond, merge_conditions, now_rfc3339, status_patch
@@ -35,6 +36,7 @@ from .tiers import SPEC_DISABLED, enabled, tier_states
 
 log = logging.getLogger("kvtier.slo")
 HISTORY_LIMIT = 50
+DEFAULT_INTERVAL = 30.0  # the API's default spec.slo.interval, used until the spec can be read
 SLO_STATE = {"ok": "OK", "breach": "Breaching", "error": "Unknown", "noData": "NoData", "lowTraffic": "NoData"}
 
 
@@ -83,16 +85,48 @@ def client_config(kube: Kube, namespace: str, prom: "slo.PrometheusSettings") ->
 
 # ---------------------------------------------------------------------------------------------- scope
 
+# Pod names their controllers give: Deployment pods are ``<name>-<template hash, 1-10>-<suffix, 5>``, both drawn
+# from Kubernetes' safe alphabet (k8s.io/apimachinery util/rand), StatefulSet pods ``<name>-<ordinal>``. Exact
+# shapes, so a workload ``llm`` never claims the pods of ``llm-big``.
+_SAFE = "[bcdfghjklmnpqrstvwxz2456789]"
+_POD_SUFFIX = {"Deployment": f"-{_SAFE}{{1,10}}-{_SAFE}{{5}}", "StatefulSet": "-[0-9]+"}
+MATCH_NOTHING = "$^"
+
+
 def scope_for(namespace: str, status: dict[str, Any], spec: dict[str, Any]) -> "slo.Scope":
-    """The target pods: Deployment pods are ``<name>-<hash>-<id>``, StatefulSet pods ``<name>-<ordinal>``."""
+    """The target pods: ``spec.slo.modelName`` when set, else the pods of the targets carrying the configuration.
+
+    With neither (no target applied yet, or every one in conflict), nothing matches: the guard must never judge
+    a policy by the other pods of its namespace (no data, so no verdict).
+    """
     model = (spec.get("slo") or {}).get("modelName")
-    names = sorted({t["name"] for t in status.get("targets") or [] if t.get("state") in ("Applied",
-                                                                                       "MissingConfigArgument")})
-    regex = "(" + "|".join(re.escape(n) for n in names) + ")-.+" if names and not model else None
-    return slo.Scope(namespace=namespace, pod_regex=regex, model_name=model)
+    if model:
+        return slo.Scope(namespace=namespace, model_name=model)
+    patterns = sorted({re.escape(t["name"]) + _POD_SUFFIX.get(t.get("kind", ""), "-.+")
+                       for t in status.get("targets") or [] if t.get("state") in ("Applied", "MissingConfigArgument")})
+    return slo.Scope(namespace=namespace, pod_regex="|".join(patterns) if patterns else MATCH_NOTHING)
 
 
 # ---------------------------------------------------------------------------------------------- one tick
+
+def guard_status(spec: dict[str, Any], status: dict[str, Any], decision: "slo.Decision", generation: Optional[int],
+                 now: str) -> dict[str, Any]:
+    """The status fields one evaluation owns, merged with the stored ones; pure, so tests check it directly.
+
+    Conditions of other types (Ready, Conflict, ...) are kept; ``lastTransitionTime`` moves only on a flip.
+    """
+    state = decision.state
+    conds = [Cond(a.type, a.status, a.reason, a.message) for a in decision.actions if isinstance(a, slo.SetCondition)]
+    parsed = api.KVCachePolicySpec.model_validate(spec)
+    return {
+        "slo": state,
+        "sloState": SLO_STATE.get(state.get("verdict") or "", "Unknown"),
+        "tiers": guarded_tier_states(parsed, {"spec": spec, "status": {**status, "slo": state}}, now),
+        "conditions": merge_conditions(status.get("conditions") or [], conds, generation, now),
+        # The guard keeps its history in the API's HistoryEntry shape; status.history mirrors it (bounded).
+        "history": list(state.get("history") or [])[-HISTORY_LIMIT:],
+    }
+
 
 @dataclass
 class TickResult:
@@ -111,17 +145,24 @@ def guard_tick_sync(op: Operator, namespace: str, name: str, source: Optional[An
     spec, status = pol.get("spec") or {}, pol.get("status") or {}
     if not spec.get("slo"):
         return None
-    settings = slo.SLOSettings.from_spec(spec)
+    try:
+        settings = slo.SLOSettings.from_spec(spec)
+    except slo.SLOSpecError as err:
+        return _misconfigured(op, pol, "; ".join(err.problems), DEFAULT_INTERVAL)
     result = TickResult(interval=settings.interval_s, body=pol)
     reenable = [t.strip() for t in (pol["metadata"].get("annotations") or {}).get(REENABLE_ANNOTATION, "").split(",")
                 if t.strip()]
-    if source is None and getattr(op, "slo_source", None) is not None:
+    if source is None and op.slo_source is not None:
         source = op.slo_source(namespace, name)  # injected by tests: a scripted measurement source
     own_source = source is None
     if own_source:
         if settings.prometheus is None:
             return result
-        source = PrometheusSource(client_config(op.kube, namespace, settings.prometheus))
+        try:
+            config = client_config(op.kube, namespace, settings.prometheus)
+        except ValueError as err:  # a missing Secret or key, a bad CA bundle: the message names the field
+            return _misconfigured(op, pol, str(err), settings.interval_s)
+        source = PrometheusSource(config)
     try:
         decision = slo.tick(settings, status.get("slo"), source, scope_for(namespace, status, spec), time.time(),
                             engine=status.get("engine"), reenable_requests=reenable,
@@ -130,10 +171,8 @@ def guard_tick_sync(op: Operator, namespace: str, name: str, source: Optional[An
         if own_source:
             source.close()
     now = now_rfc3339()
-    state = decision.state
-    result.verdict = state.get("verdict")
+    result.verdict = decision.state.get("verdict")
     generation = pol["metadata"].get("generation")
-    conds = [Cond(a.type, a.status, a.reason, a.message) for a in decision.actions if isinstance(a, slo.SetCondition)]
     acknowledged = []
     for a in decision.actions:
         if isinstance(a, slo.DisableTier):
@@ -148,18 +187,8 @@ def guard_tick_sync(op: Operator, namespace: str, name: str, source: Optional[An
             result.events.append(Event(a.type, a.reason, a.message))
         elif isinstance(a, slo.AcknowledgeReenable):
             acknowledged.append(a.tier)
-    parsed = api.KVCachePolicySpec.model_validate(spec)
-    old_tiers = status.get("tiers") or []
-    new_tiers = guarded_tier_states(parsed, {"spec": spec, "status": {**status, "slo": state}}, now)
-    result.tiers_changed = enabled(new_tiers) != enabled(old_tiers)
-    new = {
-        "slo": state,
-        "sloState": SLO_STATE.get(state.get("verdict") or "", "Unknown"),
-        "tiers": new_tiers,
-        "conditions": merge_conditions(status.get("conditions") or [], conds, generation, now),
-        # The guard keeps its history in the API's HistoryEntry shape; status.history mirrors it (bounded).
-        "history": list(state.get("history") or [])[-HISTORY_LIMIT:],
-    }
+    new = guard_status(spec, status, decision, generation, now)
+    result.tiers_changed = enabled(new["tiers"]) != enabled(status.get("tiers") or [])
     patch = status_patch(status, new)
     if patch:
         op.kube.patch(policy_path(namespace, name, status=True),
@@ -172,6 +201,31 @@ def guard_tick_sync(op: Operator, namespace: str, name: str, source: Optional[An
     return result
 
 
+def _misconfigured(op: Operator, pol: dict[str, Any], message: str, interval: float) -> TickResult:
+    """An SLO configuration the guard cannot act on is ``SLOUnknown`` in status, not only a log line.
+
+    Nothing else changes: the stored guard state and tier states stay as they were, so fixing the Secret or the
+    spec resumes counting where it stopped.
+    """
+    status, meta = pol.get("status") or {}, pol["metadata"]
+    new = {
+        "sloState": "Unknown",
+        "conditions": merge_conditions(status.get("conditions") or [],
+                                       [Cond("SLOUnknown", "True", "InvalidConfiguration", message)],
+                                       meta.get("generation"), now_rfc3339()),
+    }
+    result = TickResult(interval=interval, body=pol, verdict="error")
+    op.metrics.errors.labels("slo-InvalidConfiguration").inc()
+    patch = status_patch(status, new)
+    if patch:  # a new or changed problem: one status write and one Event, not one per interval
+        op.kube.patch(policy_path(meta["namespace"], meta["name"], status=True),
+                      {"metadata": {"resourceVersion": meta["resourceVersion"]}, "status": patch})
+        op.metrics.api_writes.labels("status").inc()
+        result.events.append(Event("Warning", "InvalidSLOConfiguration", message))
+        log.warning("SLO guard of %s/%s cannot evaluate: %s", meta["namespace"], meta["name"], message)
+    return result
+
+
 def register_slo(registry: kopf.OperatorRegistry, op: Operator) -> None:
     op.tier_states_fn = guarded_tier_states
 
@@ -180,7 +234,7 @@ def register_slo(registry: kopf.OperatorRegistry, op: Operator) -> None:
     async def slo_guard(name: str, namespace: str, stopped: kopf.DaemonStopped, logger: logging.Logger,
                         **_: Any) -> None:
         key = (namespace, name)
-        interval, delay = 30.0, op.settings.backoff_initial
+        interval, delay = DEFAULT_INTERVAL, op.settings.backoff_initial
         while not stopped:
             try:
                 async with op.lock(key):

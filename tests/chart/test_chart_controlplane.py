@@ -14,11 +14,8 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-
-pytest.importorskip("plugins.controlplane", reason="needs the control plane fixture (branch controlplane)")
-
-from kubernetes import client  # noqa: E402
-from kubernetes.client.exceptions import ApiException  # noqa: E402
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 pytestmark = pytest.mark.controlplane
 
@@ -138,18 +135,31 @@ def test_operator_applies_to_deployments_but_cannot_create_or_delete_them(contro
 
 
 def test_operator_manages_configmaps_and_posts_events(controlplane, release):
+    # The operator's own client, as the ServiceAccount: the ConfigMap is created and changed by server-side
+    # apply and removed on release, exactly the calls handlers.py makes.
+    from kvtier_operator.kube import Kube, config_map_path
+
+    kube = Kube(str(controlplane.kubeconfig))
+    kube.api.set_default_header("Impersonate-User", release.sa)
+    try:
+        path = config_map_path(release.other, "kvtier-llama")
+        for value in ("a: 1\n", "a: 2\n"):
+            stored = kube.apply(path, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {
+                "name": "kvtier-llama", "namespace": release.other}, "data": {"engine.yaml": value}})
+            assert stored["data"]["engine.yaml"] == value
+        assert kube.delete(path) and not kube.delete(path)  # the second: already gone, not an error
+    finally:
+        kube.close()
     with controlplane.api_client(impersonate=release.sa) as api:
         core = client.CoreV1Api(api)
-        cm = client.V1ConfigMap(metadata=client.V1ObjectMeta(name="kvtier-llama"), data={"engine.yaml": "a: 1\n"})
-        core.create_namespaced_config_map(release.other, cm)
-        core.patch_namespaced_config_map("kvtier-llama", release.other, {"data": {"engine.yaml": "a: 2\n"}})
-        core.delete_namespaced_config_map("kvtier-llama", release.other)
         core.create_namespaced_event(release.other, client.CoreV1Event(
             metadata=client.V1ObjectMeta(generate_name="kvtier-"), reason="TierDisabled", message="test",
             type="Warning", involved_object=client.V1ObjectReference(kind="KVCachePolicy", name="llama",
                                                                       namespace=release.other)))
-        assert core.list_namespaced_pod(release.other).items == []
         assert core.list_node().items is not None
+        # Least privilege: what the operator never does is refused.
+        assert _denied(core.list_namespaced_config_map, release.other)
+        assert _denied(core.list_namespaced_pod, release.other)
         assert _denied(core.create_namespaced_pod, release.other, client.V1Pod(
             metadata=client.V1ObjectMeta(name="x"), spec=client.V1PodSpec(containers=[client.V1Container(
                 name="x", image="busybox:1.37.0")])))
@@ -248,7 +258,8 @@ def test_watch_namespaces_confines_the_operator(helm, controlplane):
         assert _can(controlplane, sa, "patch", "deployments", watched, "apps")
         assert _can(controlplane, sa, "patch", "kvcachepolicies", watched, "kvtier.io", "status")
         assert not _can(controlplane, sa, "patch", "deployments", unwatched, "apps")
-        assert not _can(controlplane, sa, "list", "configmaps", unwatched)
+        assert _can(controlplane, sa, "patch", "configmaps", watched)
+        assert not _can(controlplane, sa, "patch", "configmaps", unwatched)
         assert _can(controlplane, sa, "list", "nodes")
     finally:
         _helm(helm, controlplane, "uninstall", name, "--namespace", op)

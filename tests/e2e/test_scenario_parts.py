@@ -119,3 +119,36 @@ def test_repo_is_found_from_the_package_or_refused_with_the_way_out(tmp_path, mo
     assert (find_repo() / "e2e" / "controlplane" / "run").is_file()
     with pytest.raises(RepoNotFound, match="--repo"):
         find_repo(str(tmp_path))
+
+
+def test_waiting_for_a_process_to_answer_fails_fast_when_it_exits_and_returns_when_it_answers(tmp_path):
+    import os
+    import sys
+    import time
+
+    from kvtier_operator.scenario.processes import ScenarioError, Supervisor, wait_http_ok
+
+    sup = Supervisor()
+    try:
+        dead = sup.start("engine", [sys.executable, "-c", "print('bad flag'); raise SystemExit(3)"],
+                         tmp_path / "dead.log")
+        started = time.monotonic()
+        with pytest.raises(ScenarioError, match=r"(?s)engine exited with 3:.*bad flag"):
+            wait_http_ok(dead, "http://127.0.0.1:9/healthz", timeout=30)
+        assert time.monotonic() - started < 10  # did not sit out the timeout
+        server = sup.start("server", [sys.executable, "-m", "http.server", "0", "--bind", "127.0.0.1",
+                                      "--directory", str(tmp_path)], tmp_path / "server.log",
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"})  # its "port N" line, at once
+
+        def port():
+            text = (tmp_path / "server.log").read_text()
+            return text.split("port ")[1].split()[0] if "port " in text else None
+        deadline = time.monotonic() + 20
+        while port() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        wait_http_ok(server, f"http://127.0.0.1:{port()}/", timeout=20)
+        with pytest.raises(ScenarioError, match=r"server not ready within 0.5s"):
+            wait_http_ok(server, f"http://127.0.0.1:{port()}/missing", timeout=0.5)
+    finally:
+        sup.close()
+    assert server.process.poll() is not None  # the supervisor stopped what it started

@@ -1,19 +1,18 @@
 """The SLO guard wired into the operator, against the real API server.
 
-Prometheus itself is exercised by the SLO guard's own tests (tests/slo, with a real Prometheus); here the
-measurements come from a scripted source so that what is tested is the wiring: the daemon's interval, status.slo,
-tier states, the re-render without the rolled-back tier, the Warning Event, history and the rollback metric.
-Skipped when the ``slo`` package is not part of this checkout.
+Prometheus itself is exercised by the SLO guard's own tests (tests/test_slo_prometheus.py, with a real
+Prometheus); here the measurements come from a scripted source so that what is tested is the wiring: the
+daemon's interval, status.slo, tier states, the re-render without the rolled-back tier, the Warning Event,
+history and the rollback metric.
 """
 from __future__ import annotations
 
 import pytest
 
-slo = pytest.importorskip("kvtier_operator.slo")
+from kvtier_operator import slo
+from kvtier_operator.kube import policy_path
 
-from kvtier_operator.kube import policy_path  # noqa: E402
-
-from plugins.operator import (cond, deployment, get_policy, get_workload, make_policy, nvme_tier,  # noqa: E402
+from plugins.operator import (cond, deployment, get_policy, get_workload, make_policy, nvme_tier,
                               template_hash, user_apply, wait_applied, wait_for)
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.slow]
@@ -80,3 +79,28 @@ def test_sustained_breach_disables_the_newest_tier_and_rerenders(kube, namespace
                                             ["spec"]["template"]["spec"]["volumes"]}, 20, what="nvme mounted again")
     assert any(h["action"] == "Reenabled" and h["tier"] == "nvme"
                for h in get_policy(kube, namespace, "llm")["status"]["history"])
+
+
+def test_missing_prometheus_secret_is_slo_unknown_naming_the_field(kube, namespace, run_operator):
+    # No scripted source: the guard must resolve spec.slo.prometheus itself, and the Secret it names is absent.
+    user_apply(kube, deployment("llm", namespace))
+    runner = run_operator()
+    kube.create(policy_path(namespace), make_policy(
+        "llm", namespace, slo={"prometheus": {"url": "http://prometheus.invalid:9090",
+                                              "auth": {"bearerToken": {"name": "prom-token", "key": "token"}}},
+                               "ttftP99": "2s", "interval": "1s", "window": "1s"}))
+    pol = wait_for(lambda: (p := get_policy(kube, namespace, "llm")) and
+                   cond(p, "SLOUnknown").get("status") == "True" and p, 20, what="SLOUnknown on a missing Secret")
+    unknown = cond(pol, "SLOUnknown")
+    assert unknown["reason"] == "InvalidConfiguration"
+    assert "spec.slo.prometheus.auth" in unknown["message"] and "prom-token" in unknown["message"]
+    assert pol["status"]["sloState"] == "Unknown"
+    since = unknown["lastTransitionTime"]
+    before = runner.op.metrics.value("kvtier_operator_reconcile_errors_total", {"reason": "slo-InvalidConfiguration"})
+    wait_for(lambda: runner.op.metrics.value("kvtier_operator_reconcile_errors_total",
+                                             {"reason": "slo-InvalidConfiguration"}) >= before + 3, 20,
+             what="three more evaluations")
+    # The same problem on every interval: the transition time holds and the Event is not repeated.
+    assert cond(get_policy(kube, namespace, "llm"), "SLOUnknown")["lastTransitionTime"] == since
+    events = kube.list(f"/api/v1/namespaces/{namespace}/events")
+    assert sum(e.get("reason") == "InvalidSLOConfiguration" for e in events) == 1

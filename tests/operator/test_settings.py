@@ -35,3 +35,20 @@ def test_bad_environment_value_names_the_variable():
 def test_standalone_and_peering_are_exclusive():
     with pytest.raises(SystemExit):
         from_args(["--standalone", "--peering", "p"], env={})
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["--resync", "0"], {}, r"--resync \(KVTIER_RESYNC\): 0 must be greater than zero"),
+    ([], {"KVTIER_BACKOFF_MAX": "-1"}, r"--backoff-max \(KVTIER_BACKOFF_MAX\): -1 must be greater than zero"),
+])
+def test_non_positive_intervals_are_refused_naming_the_setting(argv, env, message):
+    with pytest.raises(SystemExit, match=message):
+        from_args(argv, env=env)
+
+
+def test_release_retries_back_off_exponentially_up_to_the_cap():
+    from kvtier_operator.handlers import backoff_delay
+
+    s = Settings(backoff_initial=0.5, backoff_max=30.0)
+    assert [backoff_delay(s, n) for n in range(8)] == [0.5, 1, 2, 4, 8, 16, 30, 30]
+    assert backoff_delay(s, 10_000) == 30  # no float overflow on a long-stuck finalizer

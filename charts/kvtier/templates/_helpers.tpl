@@ -74,19 +74,13 @@ watched namespace otherwise. Each rule names only what the operator does with th
 - apiGroups: ["apps"]
   resources: ["deployments", "statefulsets"]
   verbs: ["get", "list", "watch", "patch"]
-# The rendered engine configuration lives in a ConfigMap the operator owns.
+# The rendered engine configuration lives in a ConfigMap the operator owns: server-side apply creates and
+# updates it (create, patch), deleting the policy removes it. The operator never lists or reads it back.
 - apiGroups: [""]
   resources: ["configmaps"]
-  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
-# Pods of the targets: rollout progress and the pod names the SLO queries are scoped to.
-- apiGroups: [""]
-  resources: ["pods"]
-  verbs: ["get", "list", "watch"]
-# Events on policies (kopf posts core/v1 Events; events.k8s.io for clients that use it).
+  verbs: ["create", "patch", "delete"]
+# Events on policies: kopf posts core/v1 Events, one POST each.
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create", "patch"]
-- apiGroups: ["events.k8s.io"]
-  resources: ["events"]
-  verbs: ["create", "patch"]
+  verbs: ["create"]
 {{- end }}

@@ -12,8 +12,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -24,7 +22,7 @@ from ..api.crd import crd
 from ..kube import ApiError, Kube
 from .kubelet import KubeletStandIn
 from .manifests import HEALTHY, USER_FIELD_MANAGER, Names
-from .processes import ScenarioError, Started, Supervisor, tail
+from .processes import ScenarioError, Started, Supervisor, tail, wait_http_ok
 from .prometheus import Prometheus, free_port
 
 CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/kvcachepolicies.kvtier.io"
@@ -156,20 +154,7 @@ class LocalEnvironment:
                f"http://127.0.0.1:{port}/healthz", "--metrics-port", "-1", "--resync", "60", "--backoff-max", "5",
                "--no-read-nodes"]
         self.operator = self.supervisor.start("operator", cmd, self.operator_log, env=env, grace_s=15)
-        deadline = time.monotonic() + 60
-        while True:
-            if self.operator.process.poll() is not None:
-                raise ScenarioError(f"the operator exited with {self.operator.process.returncode}:\n"
-                                    f"{tail(self.operator_log)}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except (OSError, urllib.error.URLError):
-                pass
-            if time.monotonic() > deadline:
-                raise ScenarioError(f"the operator was not live within 60s:\n{tail(self.operator_log)}")
-            time.sleep(0.2)
+        wait_http_ok(self.operator, f"http://127.0.0.1:{port}/healthz", 60)
         self.say(f"operator running (kvtier operator --namespace {self.o.names.namespace}); its log: "
                  f"{self.operator_log}")
 

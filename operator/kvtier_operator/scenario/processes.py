@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +76,24 @@ def stop_process(started: Started) -> None:
         except ProcessLookupError:
             pass
         proc.wait()
+
+
+def wait_http_ok(started: Started, url: str, timeout: float, interval: float = 0.2) -> None:
+    """Poll ``url`` until it answers 200; a process that exits first fails at once, with its log."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if started.process.poll() is not None:
+            raise ScenarioError(f"{started.name} exited with {started.process.returncode}:\n"
+                                f"{tail(started.log_path)}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:  # refused while starting; URLError and HTTPError are OSErrors
+            pass
+        if time.monotonic() > deadline:
+            raise ScenarioError(f"{started.name} not ready within {timeout:g}s ({url}):\n{tail(started.log_path)}")
+        time.sleep(interval)
 
 
 def _main_thread() -> bool:

@@ -9,14 +9,13 @@ import json
 import shutil
 import socket
 import threading
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from .processes import ScenarioError, Started, Supervisor, tail
+from .processes import ScenarioError, Started, Supervisor, wait_http_ok
 
 INSTALL_HINT = "apt-get install -y --no-install-recommends prometheus (Debian/Ubuntu)"
 
@@ -62,19 +61,7 @@ class Prometheus:
         # Registered first, so it runs after the process stopped: the TSDB is of no use afterwards.
         self.supervisor.on_close("prometheus data", lambda: shutil.rmtree(self.workdir / "data", ignore_errors=True))
         self.process = self.supervisor.start("prometheus", cmd, self.log_path, cwd=self.workdir)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.process.poll() is not None:
-                raise ScenarioError(f"prometheus exited with {self.process.process.returncode}:\n"
-                                    f"{tail(self.log_path)}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except (OSError, urllib.error.URLError):
-                pass
-            time.sleep(0.1)
-        raise ScenarioError(f"prometheus not ready within {timeout:g}s:\n{tail(self.log_path)}")
+        wait_http_ok(self.process, f"{self.url}/-/ready", timeout, interval=0.1)
 
     def set_target(self, address: str, labels: dict[str, str]) -> None:
         with self._lock:

@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import yaml
 
 from ..kube import MERGE, ApiError, policy_path, workload_path
 from ..render import CONFIG_FILE
-from ..settings import CONFIG_HASH_ANNOTATION
+from ..settings import CONFIG_HASH_ANNOTATION, REENABLE_ANNOTATION
 from . import manifests, observe
 from .local import LocalEnvironment, LocalOptions
 from .processes import ScenarioError, Supervisor, tail, wait_until
 from .report import Reporter
 
-REENABLE_ANNOTATION = "kvtier.io/reenable"
 STEPS = 7
 
 
@@ -36,7 +35,6 @@ class Timings:
     recovery: float = 0.0          # latency restored -> sloState OK
     reenable: float = 0.0          # annotation set -> tier Enabled and pods on the full config
     total: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class Scenario:

@@ -25,7 +25,7 @@ import copy
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable, Literal, NamedTuple, Union
 
 from .measurements import Measurements, Reading
@@ -117,8 +117,15 @@ def _epoch(now: float | datetime) -> float:
 
 
 def format_time(epoch: float) -> str:
-    """RFC 3339 in UTC with milliseconds, as Kubernetes status fields are read by people."""
-    return datetime.fromtimestamp(epoch, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    """RFC 3339 in UTC with milliseconds, as Kubernetes status fields are read by people.
+
+    Rounded up to the millisecond, never down: every period the guard times from a stored start (a stage's
+    observation, cooldown, probation) must last at least its full length, and a start truncated by up to 1 ms
+    would end it up to 1 ms early. (Rounded to the microsecond first, so 1.001 s stays 1.001 s.)
+    """
+    ms = math.ceil(round(epoch * 1000, 3))
+    when = datetime.fromtimestamp(ms // 1000, tz=timezone.utc) + timedelta(milliseconds=ms % 1000)
+    return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def parse_time(text: str | None) -> float | None:
