@@ -54,8 +54,9 @@ def test_sustained_breach_disables_the_newest_tier_and_rerenders(kube, namespace
                    20, what="nvme disabled by the guard")
     pol, wl = wait_applied(kube, namespace, "llm", "llm")
     wait_for(lambda: template_hash(get_workload(kube, namespace, "llm")) != before, 15, what="re-render")
-    pol = get_policy(kube, namespace, "llm")
-    assert pol["status"]["activeTiers"] == "cpu"
+    # The reconcile applies the workload first and writes the policy's status after it, so wait for both.
+    pol = wait_for(lambda: (p := get_policy(kube, namespace, "llm")) and p["status"]["activeTiers"] == "cpu" and p,
+                   15, what="status.activeTiers without nvme")
     volumes = {v["name"] for v in get_workload(kube, namespace, "llm")["spec"]["template"]["spec"]["volumes"]}
     assert "kvtier-tier-nvme" not in volumes and "kvtier-shm" in volumes
     [entry] = [h for h in pol["status"]["history"] if h["action"] == "Disabled"]
