@@ -10,10 +10,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 # Names of the runtime's policies and codecs as a KVCachePolicy spells them.
-EVICTION_POLICIES: tuple[str, ...] = ("lru", "arc", "s3fifo")
-ADMISSION_POLICIES: tuple[str, ...] = ("none", "doorkeeper")
+EVICTION_POLICIES: tuple[str, ...] = ("lru", "arc", "s3fifo", "prefix2q")
+ADMISSION_POLICIES: tuple[str, ...] = ("none", "doorkeeper", "threshold")
 CODECS: tuple[str, ...] = ("none", "fp8", "fp8_e5m2", "int8", "int4")
-DEFAULT_EVICTION_POLICY = "s3fifo"
+# prefix2q measured best of these on the shared Mooncake-style trace (docs/performance-policies.md).
+DEFAULT_EVICTION_POLICY = "prefix2q"
 
 # vLLM loads out-of-tree pieces by class name + module path (CachePolicyFactory, SecondaryTierFactory).
 # All vLLM imports live in this one adapter module.
@@ -27,7 +28,7 @@ def vllm_cache_policy_class(eviction: str, admission: str = "none") -> str:
         raise ValueError(f"evictionPolicy: {eviction!r} is not one of {', '.join(EVICTION_POLICIES)}")
     if admission not in ADMISSION_POLICIES:
         raise ValueError(f"admission: {admission!r} is not one of {', '.join(ADMISSION_POLICIES)}")
-    stem = {"lru": "LRU", "arc": "ARC", "s3fifo": "S3FIFO"}[eviction]
+    stem = {"lru": "LRU", "arc": "ARC", "s3fifo": "S3FIFO", "prefix2q": "Prefix2Q"}[eviction]
     suffix = "" if admission == "none" else admission.capitalize()
     return f"Kvtier{stem}{suffix}CachePolicy"
 
@@ -45,6 +46,8 @@ class FilesystemTierConfig:
     codec: str = "none"
     eviction_policy: str = DEFAULT_EVICTION_POLICY
     admission: str = "none"
+    # With admission "threshold": a block is stored on its Nth offer.
+    admission_threshold: int = 2
     n_read_threads: int = 16
     n_write_threads: int = 16
     # Blocks whose measured codec error exceeds the codec's budget are stored with a wider codec.
@@ -55,6 +58,7 @@ class FilesystemTierConfig:
         if not isinstance(self.root_dir, str) or not self.root_dir.startswith("/"):
             raise ConfigError(f"root_dir: {self.root_dir!r} must be an absolute path")
         _positive_int("capacity_bytes", self.capacity_bytes)
+        _positive_int("admission_threshold", self.admission_threshold)
         _positive_int("n_read_threads", self.n_read_threads)
         _positive_int("n_write_threads", self.n_write_threads)
         _one_of("codec", self.codec, CODECS)

@@ -36,3 +36,64 @@ def cpu(**kw: Any) -> dict[str, Any]:
 def disk(name: str = "nvme", **kw: Any) -> dict[str, Any]:
     return {"name": name, "medium": "filesystem", "size": "500Gi", "path": f"/mnt/{name}",
             "volume": {"emptyDir": {}}, **kw}
+
+
+SLO = {"prometheus": {"url": "http://prometheus.monitoring:9090"}, "ttftP99": "2s"}
+
+# Policies both `kvtier validate` and the API server must accept.
+VALID = [
+    policy(),
+    policy(tiers=[]),
+    policy(tiers=[cpu()]),
+    policy(tiers=[cpu(evictionPolicy="arc")], offload={"chunkTokens": 256, "storeThreshold": 2}),
+    policy(backend="kvtier", tiers=[cpu(evictionPolicy="s3fifo", admission="doorkeeper"),
+                                    disk(compression="int4"), disk("ssd", compression="fp8")]),
+    policy(backend="lmcache", tiers=[cpu(), disk()]),
+    policy(engine="trtllm", engineVersion="1.3.0", tiers=[cpu(), disk()]),
+    policy(engine=None, tiers=[cpu(size=17179869184)]),
+    policy(slo=SLO, rollout={"strategy": "staged"}),
+    policy(slo={**SLO, "ttftP99MaxRatio": 1.2}, rollout={"strategy": "staged"}),
+]
+
+# (policy, the problem `kvtier validate` reports: "field path: rule"). The API server rejects each too.
+INVALID = [
+    (policy(offload={"chunkTokens": 100}), "spec.offload.chunkTokens: 100 is not a multiple of spec.blockSize (16)"),
+    (policy(tiers=[cpu(), disk("host")]), "spec.tiers: tier names must be unique"),
+    (policy(tiers=[disk()]), "spec.tiers: the first tier must be the cpu tier"),
+    (policy(tiers=[cpu(), cpu(name="host2")]), "spec.tiers: at most one cpu tier"),
+    (policy(tiers=[cpu(), disk("a"), {**disk("b"), "path": "/mnt/a"}]), "spec.tiers: filesystem tiers need distinct"),
+    (policy(tiers=[cpu(), {"name": "nvme", "medium": "filesystem", "size": "1Gi"}]),
+     "spec.tiers[1].path: a filesystem tier needs path and volume"),
+    (policy(tiers=[cpu(path="/x")]), "spec.tiers[0].medium: a cpu tier takes no path or volume"),
+    (policy(backend="kvtier", tiers=[cpu(compression="int4")]),
+     "spec.tiers[0].compression: compression applies to filesystem tiers only"),
+    (policy(tiers=[cpu(), disk(compression="fp8")]), "spec.backend: compression needs backend kvtier"),
+    (policy(tiers=[cpu(admission="doorkeeper")]), "spec.backend: admission filters need backend kvtier"),
+    (policy(tiers=[cpu(evictionPolicy="s3fifo")]), "spec.backend: backend native supports evictionPolicy lru or arc; s3fifo and prefix2q"),
+    (policy(backend="lmcache", tiers=[cpu(evictionPolicy="arc")]), "spec.backend: backend lmcache supports evictionPolicy lru"),
+    (policy(engine="trtllm", backend="lmcache", tiers=[cpu()]), "spec.backend: engine trtllm does not support "
+                                                                "backend lmcache"),
+    (policy(engine="trtllm", tiers=[cpu(), disk()]), "spec.engineVersion: a filesystem tier with engine trtllm "
+                                                     "needs spec.engineVersion 1.3"),
+    (policy(engine="trtllm", engineVersion="1.2.1", tiers=[cpu(), disk()]), "spec.engineVersion: a filesystem"),
+    (policy(engine="trtllm", blockSize=48, tiers=[cpu()]), "spec.blockSize: TensorRT-LLM tokens_per_block must be"
+                                                           " a power of 2, not 48"),
+    (policy(engine="trtllm", gpu={"kvCacheDtype": "fp8_e5m2"}, tiers=[cpu()]), "spec.gpu.kvCacheDtype"),
+    (policy(offload={"storeThreshold": 1}), "spec.offload.storeThreshold: storeThreshold must be 0"),
+    (policy(offload={"storeThreshold": 2}), "spec.offload.storeThreshold: vLLM rejects storeThreshold with a "
+                                            "filesystem tier"),
+    (policy(rollout={"strategy": "staged"}), "spec.rollout.strategy: rollout.strategy staged needs spec.slo"),
+    (policy(slo={**SLO, "ttftP99MaxRatio": 1.5}), "spec.slo: relative thresholds"),
+    (policy(slo={"prometheus": {"url": "http://p:9090"}}), "spec.slo: an SLO needs at least one of"),
+    (policy(tiers=[cpu(), disk(volume={"emptyDir": {}, "hostPath": {"path": "/x"}})]),
+     "spec.tiers[1].volume: exactly one of emptyDir, hostPath or persistentVolumeClaim"),
+    (policy(selector={}), "spec.selector: a selector must name matchLabels or matchExpressions"),
+    (policy(tiers=[cpu(size="16Gx")]), "spec.tiers[0].size: '16Gx' is not a positive Kubernetes quantity"),
+    (policy(tiers=[cpu(size=0)]), "spec.tiers[0].size: '0' is not a positive Kubernetes quantity"),
+    (policy(tiers=[cpu(name="Host")]), "spec.tiers[0].name: 'Host' does not match"),
+    (policy(tiers=[cpu(evictionPolicy="lfu")]), "spec.tiers[0].evictionPolicy: 'lfu'"),
+    (policy(gpu={"memoryUtilization": 1.5}), "spec.gpu.memoryUtilization: 1.5"),
+    (policy(slo={**SLO, "window": "5 minutes"}), "spec.slo.window: '5 minutes' does not match"),
+    (policy(tires=[]), "spec.tires: unknown field"),
+    (policy(selector=None), "spec.selector: required"),
+]

@@ -53,14 +53,17 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             continue  # structural schemas prune unknown fields; a boolean here is not allowed
         else:
             out[key] = value
+    for bound, flag in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+        # JSON Schema 2020 writes exclusive bounds as numbers; OpenAPI v3.0 (the API server) as booleans.
+        if isinstance(out.get(flag), (int, float)) and not isinstance(out.get(flag), bool):
+            out[bound] = out[flag]
+            out[flag] = True
     if out.get("x-kubernetes-int-or-string"):
-        # int-or-string nodes carry no type; the pattern constrains only the string form.
+        # The one anyOf a structural schema allows; value validations stay on the node (as controller-gen
+        # emits for resource.Quantity), where the pattern applies to the string form only.
         out.pop("type", None)
-        string_form: dict[str, Any] = {"type": "string"}
-        for key in ("pattern", "maxLength"):
-            if key in out:
-                string_form[key] = out.pop(key)
-        out["anyOf"] = [{"type": "integer", "minimum": 1}, string_form]
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+        out["minimum"] = 1  # applies to the integer form: quantities here are positive
     if out.get("x-kubernetes-preserve-unknown-fields"):
         out.pop("additionalProperties", None)
         out["type"] = "object"

@@ -26,7 +26,8 @@ SHORT_NAMES = ["kvp"]
 MAX_TIERS = 4
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 ABS_PATH_PATTERN = r"^/[^\x00]*$"
-TRTLLM_DISK_CACHE_VERSION = r"^(1\.([3-9]|[1-9][0-9])|[2-9]|[1-9][0-9]+)(\.[0-9A-Za-z.+-]*)?$"
+# `[.]` rather than `\.`: the pattern is embedded in a CEL string literal, where `\.` is not a valid escape.
+TRTLLM_DISK_CACHE_VERSION = r"^(1[.]([3-9]|[1-9][0-9])|[2-9]|[1-9][0-9]+)([.][0-9A-Za-z.+-]*)?$"
 
 
 def _rule(rule: str, message: str | None = None, *, message_expression: str | None = None,
@@ -54,6 +55,12 @@ Quantity = Annotated[str, BeforeValidator(lambda v: str(v) if isinstance(v, int)
 def _quantity(description: str, **kwargs: Any) -> Any:
     return Field(description=description, pattern=POSITIVE_QUANTITY_PATTERN, max_length=64,
                  json_schema_extra={"x-kubernetes-int-or-string": True}, **kwargs)
+
+
+def _object_default(model: type[BaseModel]) -> dict[str, Any]:
+    # The whole default object, not `{}`: the API server does not default fields inside a defaulted object,
+    # and CEL rules must see the same fields `kvtier validate` sees.
+    return {"default": model().model_dump(by_alias=True, exclude_none=True, mode="json")}
 
 
 def _duration(description: str, default: str | None = None) -> Any:
@@ -169,11 +176,13 @@ class TierSpec(_Model):
     enabled: bool = Field(True, description="Set false to declare a tier without using it. The SLO guard "
                                             "disables tiers in status, never here.")
     eviction_policy: Literal[EVICTION_POLICIES] = Field(  # type: ignore[valid-type]
-        "lru", description="Eviction policy: lru or arc with backend native; lru with lmcache; lru, arc or "
-                           "s3fifo with backend kvtier.")
+        "lru", description="Eviction policy: lru or arc with backend native; lru with lmcache; lru, arc, "
+                           "s3fifo or prefix2q (prefix-aware, the best measured on real traces, see "
+                           "docs/replay.md) with backend kvtier.")
     admission: Literal[ADMISSION_POLICIES] = Field(  # type: ignore[valid-type]
-        "none", description="Admission filter in front of eviction (backend kvtier only): none, or doorkeeper "
-                            "(store a block only once it is seen again).")
+        "none", description="Admission filter in front of eviction (backend kvtier only): none; doorkeeper "
+                            "(store a block only once it is seen again, TinyLFU style); threshold (store after "
+                            "spec.offload.storeThreshold offers).")
     path: Optional[str] = Field(None, description="Mount path of a filesystem tier in the serving container.",
                                 pattern=ABS_PATH_PATTERN, max_length=4096)
     volume: Optional[VolumeSource] = Field(None, description="Volume that backs a filesystem tier.")
@@ -289,7 +298,7 @@ class SLOSpec(_Model):
         "hold", description="No data or too little traffic: hold (no verdict) or count as a breach.")
     min_request_rate: float = Field(0.2, ge=0, description="Requests per second under which no verdict is taken.")
     cooldown: str = _duration("After a rollback, time before another tier may be disabled.", "15m")
-    reenable: ReenableSpec = Field(default_factory=ReenableSpec, json_schema_extra={"default": {}},
+    reenable: ReenableSpec = Field(default_factory=ReenableSpec, json_schema_extra=_object_default(ReenableSpec),
                                    description="How disabled tiers come back.")
     dry_run: bool = Field(False, description="Record what the guard would do, and do nothing.")
     model_name: Optional[str] = Field(None, description="Scope queries by the engine's model_name label "
@@ -333,15 +342,16 @@ class KVCachePolicySpec(_Model):
                   "u.medium == 'filesystem' && has(u.path) && u.path == t.path).size() == 1)",
                   "filesystem tiers need distinct paths", field_path=".tiers"),
             _rule("!has(self.offload.chunkTokens) || self.offload.chunkTokens % self.blockSize == 0",
-                  message_expression="string(self.offload.chunkTokens) + ' is not a multiple of spec.blockSize ('"
-                                     " + string(self.blockSize) + ')'",
+                  # format(), not string() + concatenation: the API server prices string(int) as unbounded.
+                  message_expression="'%d is not a multiple of spec.blockSize (%d)'"
+                                     ".format([self.offload.chunkTokens, self.blockSize])",
                   field_path=".offload.chunkTokens"),
             _rule("self.backend == 'kvtier' || self.tiers.all(t, t.compression == 'none')",
                   "compression needs backend kvtier", field_path=".backend"),
             _rule("self.backend == 'kvtier' || self.tiers.all(t, t.admission == 'none')",
                   "admission filters need backend kvtier", field_path=".backend"),
             _rule("self.backend != 'native' || self.tiers.all(t, t.evictionPolicy in ['lru', 'arc'])",
-                  "backend native supports evictionPolicy lru or arc; s3fifo needs backend kvtier",
+                  "backend native supports evictionPolicy lru or arc; s3fifo and prefix2q need backend kvtier",
                   field_path=".backend"),
             _rule("self.backend != 'lmcache' || self.tiers.all(t, t.evictionPolicy == 'lru')",
                   "backend lmcache supports evictionPolicy lru only", field_path=".backend"),
@@ -363,8 +373,8 @@ class KVCachePolicySpec(_Model):
                   "engine trtllm supports one filesystem tier (disk_cache_path)", field_path=".tiers"),
             _rule("!(has(self.engine) && self.engine == 'trtllm') || "
                   "self.blockSize in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]",
-                  message_expression="'TensorRT-LLM tokens_per_block must be a power of 2, not ' + "
-                                     "string(self.blockSize)",
+                  message_expression="'TensorRT-LLM tokens_per_block must be a power of 2, not %d'"
+                                     ".format([self.blockSize])",
                   field_path=".blockSize"),
             _rule("!(has(self.engine) && self.engine == 'trtllm' && "
                   "self.tiers.exists(t, t.medium == 'filesystem')) || "
@@ -394,7 +404,7 @@ class KVCachePolicySpec(_Model):
                                      max_length=63)
     block_size: int = Field(16, ge=1, le=1024, description="GPU KV block size in tokens (vLLM --block-size, "
                                                            "TensorRT-LLM tokens_per_block).")
-    gpu: GPUSpec = Field(default_factory=GPUSpec, json_schema_extra={"default": {}},
+    gpu: GPUSpec = Field(default_factory=GPUSpec, json_schema_extra=_object_default(GPUSpec),
                          description="GPU tier settings.")
     backend: Literal["native", "lmcache", "kvtier"] = Field(
         "native", description="native: the engine's own offloading; lmcache: LMCache (vLLM only); kvtier: "
@@ -403,14 +413,14 @@ class KVCachePolicySpec(_Model):
     tiers: list[TierSpec] = Field(default_factory=list, max_length=MAX_TIERS, json_schema_extra={"default": []},
                                   description="Tiers below the GPU, hottest first. The last enabled tier is the "
                                               "newest: the SLO guard disables it first.")
-    offload: OffloadSpec = Field(default_factory=OffloadSpec, json_schema_extra={"default": {}},
+    offload: OffloadSpec = Field(default_factory=OffloadSpec, json_schema_extra=_object_default(OffloadSpec),
                                  description="What is offloaded, and in what units.")
     host_memory_headroom: Quantity = _quantity("Memory added to /dev/shm and to the container's limit on top of "
                                           "the cpu tier, for the engine's own shared memory.", default="1Gi")
     slo: Optional[SLOSpec] = Field(None, description="Latency objectives guarded by automatic tier rollback.")
-    rollout: RolloutSpec = Field(default_factory=RolloutSpec, json_schema_extra={"default": {}},
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, json_schema_extra=_object_default(RolloutSpec),
                                  description="How tiers are switched on.")
-    injection: InjectionSpec = Field(default_factory=InjectionSpec, json_schema_extra={"default": {}},
+    injection: InjectionSpec = Field(default_factory=InjectionSpec, json_schema_extra=_object_default(InjectionSpec),
                                      description="How the operator touches the workload.")
 
 

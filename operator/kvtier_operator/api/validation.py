@@ -26,6 +26,8 @@ class Problem:
 
     path: str
     message: str
+    # "schema" (types, enums, bounds, patterns) or "cel" (an x-kubernetes-validations rule)
+    source: str = "schema"
 
     def __str__(self) -> str:
         return f"{self.path}: {self.message}"
@@ -69,10 +71,24 @@ def _pydantic_problems(err: ValidationError) -> list[Problem]:
     return problems
 
 
+def _cel_format(template: Any, args: Any) -> celpy.celtypes.StringType:
+    """Kubernetes' CEL ``string.format(list)`` (the strings extension) for ``%d`` and ``%s``."""
+    values = iter(args)
+    out, text, i = [], str(template), 0
+    while i < len(text):
+        if text[i] == "%" and i + 1 < len(text) and text[i + 1] in "ds%":
+            out.append("%" if text[i + 1] == "%" else str(next(values)))
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    return celpy.celtypes.StringType("".join(out))
+
+
 @functools.lru_cache(maxsize=None)
 def _program(expression: str) -> Any:
     env = celpy.Environment()
-    return env.program(env.compile(expression))
+    return env.program(env.compile(expression), functions={"format": _cel_format})
 
 
 def _rules_by_path(schema: dict[str, Any]) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
@@ -123,11 +139,12 @@ def _cel_problems(doc: dict[str, Any]) -> list[Problem]:
                     continue
                 field = _format_loc(path) + rule.get("fieldPath", "")
                 if not isinstance(result, celpy.celtypes.BoolType):
-                    problems.append(Problem(field, f"rule could not be evaluated ({result}): {rule['rule']}"))
+                    problems.append(Problem(field, f"rule could not be evaluated ({result}): {rule['rule']}", "cel"))
                 elif "messageExpression" in rule:
-                    problems.append(Problem(field, str(_program(rule["messageExpression"]).evaluate(activation))))
+                    message = str(_program(rule["messageExpression"]).evaluate(activation))
+                    problems.append(Problem(field, message, "cel"))
                 else:
-                    problems.append(Problem(field, rule.get("message", f"failed rule: {rule['rule']}")))
+                    problems.append(Problem(field, rule.get("message", f"failed rule: {rule['rule']}"), "cel"))
     return problems
 
 

@@ -97,3 +97,30 @@ def host_memory(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec]) -> Optio
         return None
     cpu_bytes = parse_quantity(cpu.size)
     return cpu_bytes, cpu_bytes + parse_quantity(spec.host_memory_headroom)
+
+
+def workload_storage(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config_map_name: str, *,
+                     cpu_tier_in_shm: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """Volumes, mounts and resource changes every engine needs: the config, the tiers' volumes, host memory.
+
+    ``cpu_tier_in_shm``: the engine keeps its cpu tier in /dev/shm (vLLM's mmap), whose tmpfs pages count
+    against the container's memory limit; otherwise (TensorRT-LLM's pinned host cache) only the limit grows.
+    """
+    volume, mount = config_volume(config_map_name)
+    volumes, mounts = [volume], [mount]
+    resources: dict[str, Any] = {}
+    memory = host_memory(spec, tiers)
+    if memory is not None:
+        cpu_bytes, increase = memory
+        resources = {"cpuTierBytes": cpu_bytes, "memoryLimitIncreaseBytes": increase}
+        if cpu_tier_in_shm:
+            shm, shm_mount = shm_volume(increase)
+            volumes.append(shm)
+            mounts.append(shm_mount)
+            resources["shmSizeLimitBytes"] = increase
+    for tier in tiers:
+        if tier.medium == "filesystem":
+            volume, mount = tier_volume(tier)
+            volumes.append(volume)
+            mounts.append(mount)
+    return volumes, mounts, resources

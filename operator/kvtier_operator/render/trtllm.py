@@ -12,7 +12,7 @@ import yaml
 
 from ..api import v1alpha1 as api
 from ..api.units import parse_quantity
-from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, config_volume, host_memory, tier_volume
+from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, workload_storage
 
 
 def render_trtllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config_map_name: str) -> RenderedConfig:
@@ -21,23 +21,14 @@ def render_trtllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config
         kv["free_gpu_memory_fraction"] = spec.gpu.memory_utilization
     if spec.gpu.kv_cache_dtype != "auto":
         kv["dtype"] = "fp8"
-    volume, mount = config_volume(config_map_name)
-    volumes, mounts = [volume], [mount]
-    resources: dict[str, Any] = {}
-    memory = host_memory(spec, tiers)
-    if memory is not None:
-        cpu_bytes, increase = memory
-        kv["host_cache_size"] = cpu_bytes
+    volumes, mounts, resources = workload_storage(spec, tiers, config_map_name, cpu_tier_in_shm=False)
+    if "cpuTierBytes" in resources:
+        kv["host_cache_size"] = resources["cpuTierBytes"]
         kv["secondary_offload_min_priority"] = spec.offload.min_priority
-        # The host cache is pinned process memory, not /dev/shm: only the limit grows.
-        resources = {"cpuTierBytes": cpu_bytes, "memoryLimitIncreaseBytes": increase}
-    for tier in tiers:
-        if tier.medium == "filesystem":
-            kv["disk_cache_size"] = parse_quantity(tier.size)
-            kv["disk_cache_path"] = tier.path
-            volume, mount = tier_volume(tier)
-            volumes.append(volume)
-            mounts.append(mount)
+    disk = next((t for t in tiers if t.medium == "filesystem"), None)
+    if disk is not None:
+        kv["disk_cache_size"] = parse_quantity(disk.size)
+        kv["disk_cache_path"] = disk.path
     document = {"kv_cache_config": kv}
     return RenderedConfig(
         engine="trtllm",

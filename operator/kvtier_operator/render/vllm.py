@@ -23,7 +23,7 @@ from kvtier_runtime.config import (
 
 from ..api import v1alpha1 as api
 from ..api.units import parse_quantity
-from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, config_volume, host_memory, shm_volume, tier_volume
+from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, workload_storage
 
 LMCACHE_FILE = "lmcache.yaml"
 
@@ -67,6 +67,7 @@ def _secondary_tier(spec: api.KVCachePolicySpec, tier: api.TierSpec) -> dict[str
             codec=tier.compression,
             eviction_policy=tier.eviction_policy,
             admission=tier.admission,
+            admission_threshold=max(2, spec.offload.store_threshold),
             n_read_threads=tier.read_threads,
             n_write_threads=tier.write_threads,
         ).to_kwargs()
@@ -114,22 +115,7 @@ def render_vllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config_m
     for key, value in flags.items():
         args += [f"--{key}", json.dumps(value, sort_keys=True) if isinstance(value, dict) else str(value)]
 
-    volume, mount = config_volume(config_map_name)
-    volumes, mounts = [volume], [mount]
-    resources: dict[str, Any] = {}
-    memory = host_memory(spec, tiers)
-    if memory is not None:
-        cpu_bytes, increase = memory
-        # vLLM's cpu tier is an mmap in /dev/shm: tmpfs pages count against the container's memory limit.
-        shm, shm_mount = shm_volume(increase)
-        volumes.append(shm)
-        mounts.append(shm_mount)
-        resources = {"cpuTierBytes": cpu_bytes, "memoryLimitIncreaseBytes": increase, "shmSizeLimitBytes": increase}
-    for tier in tiers:
-        if tier.medium == "filesystem":
-            volume, mount = tier_volume(tier)
-            volumes.append(volume)
-            mounts.append(mount)
+    volumes, mounts, resources = workload_storage(spec, tiers, config_map_name, cpu_tier_in_shm=True)
     return RenderedConfig(
         engine="vllm",
         args=args,

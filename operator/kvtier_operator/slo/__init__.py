@@ -1,0 +1,30 @@
+"""The SLO guard: PromQL per engine, a Prometheus reader, and the pure decision engine that rolls back the
+newest tier when p99 TTFT/ITL stays over budget and enables tiers one stage at a time."""
+from .decisions import (
+    AcknowledgeReenable,
+    Action,
+    Decision,
+    DisableTier,
+    EnableTier,
+    RecordEvent,
+    SetCondition,
+    action_to_dict,
+    assess,
+    enabled_tiers,
+    evaluate,
+    initial_state,
+    thresholds,
+    tier_states,
+)
+from .guard import queries_for, scope_for, tick
+from .measurements import Measurements, Reading
+from .queries import QuerySet, Scope, build_queries
+from .status import merge_conditions, status_fields
+from .settings import PrometheusSettings, SecretKeyRef, SLOSettings, SLOSpecError, parse_duration
+
+__all__ = [
+    "AcknowledgeReenable", "Action", "Decision", "DisableTier", "EnableTier", "Measurements",
+    "PrometheusSettings", "QuerySet", "Reading", "RecordEvent", "SLOSettings", "SLOSpecError", "Scope",
+    "SecretKeyRef", "SetCondition", "action_to_dict", "assess", "build_queries", "enabled_tiers", "evaluate",
+    "initial_state", "merge_conditions", "parse_duration", "status_fields", "queries_for", "scope_for", "thresholds", "tick", "tier_states",
+]

@@ -1,0 +1,700 @@
+"""The SLO guard's decisions: a pure function from (settings, stored state, measurements, now) to a new state
+and a list of actions.
+
+Nothing here talks to Kubernetes or Prometheus. The state is a plain JSON-able dict that the operator stores in
+``status.slo`` after every evaluation, so an operator restart resumes exactly where it stopped; the actions say
+what the operator must do (re-render without a tier, emit an Event, set a condition, drop an annotation).
+
+Rules (issue 10):
+- breach = a p99 over its threshold (absolute, or a multiple of the staged rollout's GPU-only baseline);
+  ``consecutiveBreaches`` in a row disable the newest enabled tier;
+- errors (query error, unreachable, NaN) are counted apart, set ``SLOUnknown``, never disable anything;
+- no data / traffic under ``minRequestRate``: no verdict, the breach counter holds (unless ``onNoData: breach``);
+- after a rollback nothing more is disabled before ``cooldown``; breaches are not counted before
+  ``max(cooldown, window)`` because the window still measures the configuration that was just rolled back;
+- ``dryRun``: the same machine runs, but its disables live only in the state (marked ``dryRun``) and its
+  actions are marked ``dry_run`` so the operator records them and changes nothing;
+- re-enable: manual (annotation / spec change) or ``auto`` after ``after`` with probation; a breach during
+  probation disables the tier again at once and blocks automatic re-enabling until a person acts;
+- staged rollout: GPU-only first (the baseline), then one tier per stage, each after the previous stage held
+  the SLO for a full ``stageObservation``.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Iterable, Literal, NamedTuple, Union
+
+from .measurements import Measurements, Reading
+from .settings import SLOSettings
+
+STATE_VERSION = 1
+MAX_BASELINE_SAMPLES = 240
+METRICS = ("ttftP99", "itlP99")
+
+Verdict = Literal["ok", "breach", "noData", "lowTraffic", "error"]
+
+
+# ----------------------------------------------------------------------------------------------- actions
+@dataclass(frozen=True)
+class DisableTier:
+    """Mark the tier Disabled in status, re-render and re-apply (pods roll), Warning Event, count the rollback.
+    With ``dry_run`` only the Event and the history entry: nothing changes."""
+
+    tier: str
+    reason: str
+    message: str
+    metric: str | None = None
+    value: float | None = None
+    threshold: float | None = None
+    dry_run: bool = False
+    kind: str = field(default="DisableTier", init=False)
+
+
+@dataclass(frozen=True)
+class EnableTier:
+    """Mark the tier Enabled, re-render and re-apply, Normal Event (``dry_run``: Event only)."""
+
+    tier: str
+    reason: str
+    message: str
+    dry_run: bool = False
+    kind: str = field(default="EnableTier", init=False)
+
+
+@dataclass(frozen=True)
+class RecordEvent:
+    """An Event on the policy with no change to the rendered configuration."""
+
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+    kind: str = field(default="RecordEvent", init=False)
+
+
+@dataclass(frozen=True)
+class AcknowledgeReenable:
+    """The ``kvtier.io/reenable`` request for ``tier`` was handled (``outcome``): remove the annotation."""
+
+    tier: str
+    outcome: Literal["Reenabled", "NotDisabled", "UnknownTier"]
+    kind: str = field(default="AcknowledgeReenable", init=False)
+
+
+@dataclass(frozen=True)
+class SetCondition:
+    """A status condition; the operator sets ``lastTransitionTime`` when ``status`` changes."""
+
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str
+    message: str
+    kind: str = field(default="SetCondition", init=False)
+
+
+Action = Union[DisableTier, EnableTier, RecordEvent, AcknowledgeReenable, SetCondition]
+
+
+def action_to_dict(action: Action) -> dict[str, Any]:
+    return asdict(action)
+
+
+class Decision(NamedTuple):
+    state: dict[str, Any]
+    actions: list[Action]
+
+
+# --------------------------------------------------------------------------------------------------- time
+def _epoch(now: float | datetime) -> float:
+    if isinstance(now, datetime):
+        if now.tzinfo is None:
+            raise ValueError("now: a naive datetime is ambiguous; pass an aware one or epoch seconds")
+        return now.timestamp()
+    return float(now)
+
+
+def format_time(epoch: float) -> str:
+    """RFC 3339 in UTC with milliseconds, as Kubernetes status fields are read by people."""
+    return datetime.fromtimestamp(epoch, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def parse_time(text: str | None) -> float | None:
+    if text is None:
+        return None
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+# -------------------------------------------------------------------------------------------------- state
+def initial_state() -> dict[str, Any]:
+    return {
+        "version": STATE_VERSION,
+        "observedGeneration": None,
+        "lastEvaluation": None,
+        "verdict": None,
+        "reason": None,
+        "last": {"ttftP99": None, "itlP99": None, "requestRate": None, "thresholds": {}},
+        "consecutiveBreaches": 0,
+        "consecutiveErrors": 0,
+        "lastError": None,
+        "counts": {"evaluations": 0, "breaches": 0, "errors": 0, "noData": 0, "lowTraffic": 0, "rollbacks": 0},
+        "lastRollback": None,
+        "disabled": {},          # tier -> {since, reason, metric, value, threshold, dryRun, probationFailed}
+        "probation": {},         # tier -> {since, until}
+        "autoReenableBlocked": False,
+        "gpuOnlyBreachReported": False,
+        "baseline": None,        # {"ttftP99", "itlP99", "samples", "recordedAt"}
+        "rollout": None,         # {"strategy", "rolled": [...], "stageStart", "stageOk", "samples": {...}}
+        "history": [],
+    }
+
+
+def _load(settings: SLOSettings, state: dict[str, Any] | None, now: float) -> dict[str, Any]:
+    """A deep copy of the stored state with defaults filled in and bookkeeping for tiers that left the spec."""
+    st = initial_state()
+    if state:
+        if state.get("version", STATE_VERSION) > STATE_VERSION:
+            raise ValueError(f"status.slo.version: {state['version']} is newer than this operator understands")
+        st.update(copy.deepcopy(dict(state)))
+        st["version"] = STATE_VERSION
+        for key, value in initial_state().items():
+            if isinstance(value, dict) and not isinstance(st.get(key), dict):
+                st[key] = value
+            if key == "counts":
+                st[key] = {**value, **st[key]}
+        if not isinstance(st.get("history"), list):
+            st["history"] = []
+    _repair(st, now)
+    tiers = set(settings.tiers)
+    st["disabled"] = {t: v for t, v in st["disabled"].items() if t in tiers}
+    st["probation"] = {t: v for t, v in st["probation"].items() if t in tiers}
+    if not settings.dry_run:
+        # Dry-run disables never happened; once dry run is off they must not linger as real ones.
+        st["disabled"] = {t: v for t, v in st["disabled"].items() if not v.get("dryRun")}
+        st["probation"] = {t: v for t, v in st["probation"].items() if not v.get("dryRun")}
+    ro = st.get("rollout")
+    if settings.rollout_strategy == "staged":
+        if not isinstance(ro, dict) or ro.get("strategy") != "staged":
+            ro = {"strategy": "staged", "rolled": sorted(_rolled(settings, st)), "stageStart": format_time(now),
+                  "stageOk": 0, "samples": {"ttftP99": [], "itlP99": []}}
+        ro["rolled"] = [t for t in settings.tiers if t in ro.get("rolled", [])]
+    else:
+        ro = {"strategy": "immediate", "rolled": list(settings.tiers)}
+    st["rollout"] = ro
+    return st
+
+
+def _rolled(settings: SLOSettings, st: dict[str, Any]) -> set[str]:
+    """Tiers the rollout has reached. Staged with no record yet: none (GPU-only first, also for the very first
+    render, before any evaluation). A policy switched from immediate to staged keeps what it was running."""
+    ro = st.get("rollout")
+    if settings.rollout_strategy != "staged":
+        return set(settings.tiers)
+    if isinstance(ro, dict) and isinstance(ro.get("rolled"), list):
+        return {t for t in ro["rolled"] if isinstance(t, str)}
+    return set()
+
+
+def _is_time(value: Any) -> bool:
+    try:
+        return isinstance(value, str) and parse_time(value) is not None
+    except ValueError:
+        return False
+
+
+def _repair(st: dict[str, Any], now: float) -> None:
+    """Make a hand-edited or half-written status.slo safe to use instead of crashing the timer. Rolled-back
+    tiers stay rolled back (with a fresh time if theirs is unreadable); anything else unreadable is reset."""
+    for key in ("consecutiveBreaches", "consecutiveErrors"):
+        if isinstance(st.get(key), bool) or not isinstance(st.get(key), int) or st[key] < 0:
+            st[key] = 0
+    st["counts"] = {k: v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+                    for k, v in st["counts"].items()}
+    for key in ("lastRollback", "lastEvaluation"):
+        if st.get(key) is not None and not _is_time(st[key]):
+            st[key] = format_time(now) if key == "lastRollback" else None
+    disabled = {}
+    for tier, entry in st["disabled"].items():
+        entry = dict(entry) if isinstance(entry, dict) else {"reason": "Restored"}
+        if not _is_time(entry.get("since")):
+            entry["since"] = format_time(now)
+        disabled[tier] = entry
+    st["disabled"] = disabled
+    st["probation"] = {t: e for t, e in st["probation"].items() if isinstance(e, dict) and _is_time(e.get("since"))}
+    st["autoReenableBlocked"] = bool(st.get("autoReenableBlocked"))
+    baseline = st.get("baseline")
+    if baseline is not None and not (isinstance(baseline, dict) and all(
+            isinstance(baseline.get(m), (int, float, type(None))) for m in METRICS)):
+        st["baseline"] = None
+    ro = st.get("rollout")
+    if isinstance(ro, dict):
+        if ro.get("strategy") == "staged" and not _is_time(ro.get("stageStart")):
+            ro["stageStart"] = format_time(now)
+        if not isinstance(ro.get("stageOk"), int):
+            ro["stageOk"] = 0
+        samples = ro.get("samples")
+        if not isinstance(samples, dict):
+            ro["samples"] = samples = {}
+        for m in METRICS:
+            if not isinstance(samples.get(m), list):
+                samples[m] = []
+            samples[m] = [v for v in samples[m] if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    st["history"] = [h for h in st["history"] if isinstance(h, dict)]
+
+
+def enabled_tiers(settings: SLOSettings, state: dict[str, Any] | None) -> list[str]:
+    """Tiers the renderer must include, hottest first (spec order minus Disabled and staged-Pending tiers)."""
+    st = state or {}
+    disabled = {t for t, v in (st.get("disabled") or {}).items() if not (isinstance(v, dict) and v.get("dryRun"))}
+    rolled = _rolled(settings, st)
+    return [t for t in settings.tiers if t in rolled and t not in disabled]
+
+
+def tier_states(settings: SLOSettings, state: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """``status.tiers[]`` entries: name, state (Enabled|Disabled|Pending), reason, since. Tiers declared with
+    ``enabled: false`` come last, as Disabled/DisabledInSpec."""
+    st = state or {}
+    disabled = st.get("disabled") or {}
+    probation = st.get("probation") or {}
+    enabled = set(enabled_tiers(settings, st))
+    out = []
+    for tier in settings.tiers:
+        d = disabled.get(tier)
+        if d and not d.get("dryRun"):
+            out.append({"name": tier, "state": "Disabled", "reason": d.get("reason"), "since": d.get("since")})
+        elif tier in enabled:
+            reason = "Probation" if tier in probation else ("DryRunWouldDisable" if d else "Enabled")
+            since = (probation.get(tier) or {}).get("since") or (d or {}).get("since")
+            out.append({"name": tier, "state": "Enabled", "reason": reason, "since": since})
+        else:
+            out.append({"name": tier, "state": "Pending", "reason": "StagedRollout", "since": None})
+    out += [{"name": t, "state": "Disabled", "reason": "DisabledInSpec", "since": None}
+            for t in settings.spec_disabled_tiers]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- verdicts
+@dataclass(frozen=True)
+class Assessment:
+    verdict: Verdict
+    reason: str
+    values: dict[str, float | None]
+    thresholds: dict[str, float]
+    breaches: tuple[tuple[str, float, float], ...] = ()   # (metric, value, threshold), worst first
+    error: str | None = None
+
+
+def thresholds(settings: SLOSettings, baseline: dict[str, Any] | None) -> dict[str, float]:
+    """The active threshold per metric: the absolute one, the baseline multiple, or the stricter of both."""
+    out: dict[str, float] = {}
+    for metric, absolute, ratio in (
+        ("ttftP99", settings.ttft_p99_s, settings.ttft_p99_max_ratio),
+        ("itlP99", settings.itl_p99_s, settings.itl_p99_max_ratio),
+    ):
+        candidates = [absolute] if absolute is not None else []
+        base = (baseline or {}).get(metric)
+        if ratio is not None and base is not None and base > 0:
+            candidates.append(ratio * base)
+        if candidates:
+            out[metric] = min(candidates)
+    return out
+
+
+def measured_metrics(settings: SLOSettings) -> tuple[str, ...]:
+    return tuple(m for m, a, r in (("ttftP99", settings.ttft_p99_s, settings.ttft_p99_max_ratio),
+                                   ("itlP99", settings.itl_p99_s, settings.itl_p99_max_ratio))
+                 if a is not None or r is not None)
+
+
+def assess(settings: SLOSettings, measurements: Measurements, baseline: dict[str, Any] | None) -> Assessment:
+    """Classify one evaluation. A valid breach wins over errors elsewhere; an error wins over missing data."""
+    limits = thresholds(settings, baseline)
+    readings: dict[str, Reading] = {"ttftP99": measurements.ttft_p99, "itlP99": measurements.itl_p99}
+    values: dict[str, float | None] = {
+        "ttftP99": _finite_or_none(readings["ttftP99"]),
+        "itlP99": _finite_or_none(readings["itlP99"]),
+        "requestRate": _finite_or_none(measurements.request_rate),
+    }
+    rate = measurements.request_rate
+    if rate.is_error:
+        return Assessment("error", "QueryError", values, limits, error=f"requestRate: {rate.error}")
+    if rate.is_nan:
+        return Assessment("error", "NaN", values, limits, error="requestRate: NaN")
+    if rate.is_empty:
+        return Assessment("noData", "NoRequestSeries", values, limits)
+    if rate.value <= 0 or rate.value < settings.min_request_rate:
+        return Assessment("lowTraffic", "LowTraffic", values, limits)
+
+    breaches: list[tuple[str, float, float]] = []
+    errors: list[str] = []
+    missing: list[str] = []
+    for metric in measured_metrics(settings):
+        reading = readings[metric]
+        if reading.is_error:
+            errors.append(f"{metric}: {reading.error}")
+        elif reading.is_empty:
+            missing.append(metric)
+        elif reading.is_nan:
+            # Traffic is flowing yet the quantile is undefined: the query or the scrape is wrong, not the SLO.
+            errors.append(f"{metric}: NaN while requestRate is {rate.value:.3g}/s")
+        elif metric in limits and reading.value > limits[metric]:   # +Inf (above every bucket) breaches too
+            breaches.append((metric, reading.value, limits[metric]))
+    if breaches:
+        breaches.sort(key=lambda b: b[1] / b[2], reverse=True)
+        return Assessment("breach", "Breach", values, limits, tuple(breaches))
+    if errors:
+        return Assessment("error", "QueryError", values, limits, error="; ".join(errors))
+    if missing:
+        return Assessment("noData", "NoLatencySeries", values, limits)
+    return Assessment("ok", "WithinSLO", values, limits)
+
+
+INF_MARKER = 1e308
+
+
+def _json_number(value: float | None) -> float | None:
+    """Status is JSON for the API server: NaN becomes None, +Inf (a p99 above every bucket) becomes 1e308."""
+    if value is None or math.isnan(value):
+        return None
+    return value if math.isfinite(value) else INF_MARKER
+
+
+def _finite_or_none(reading: Reading) -> float | None:
+    return _json_number(reading.value)
+
+
+# ---------------------------------------------------------------------------------------------- evaluate
+def evaluate(
+    settings: SLOSettings,
+    state: dict[str, Any] | None,
+    measurements: Measurements,
+    now: float | datetime,
+    *,
+    reenable_requests: Iterable[str] = (),
+    generation: int | None = None,
+) -> Decision:
+    """One SLO evaluation. Pure: ``state`` is not modified; the returned state replaces it in ``status.slo``.
+
+    ``reenable_requests``: tier names a person asked to re-enable (the ``kvtier.io/reenable`` annotation,
+    comma-separated; ``*`` means every disabled tier). ``generation``: the policy's ``metadata.generation``;
+    a change since the last evaluation counts as a person acting (all rolled-back tiers come back).
+    """
+    t = _epoch(now)
+    st = _load(settings, state, t)
+    actions: list[Action] = []
+    g = _Guard(settings, st, t, actions)
+
+    if generation is not None:
+        seen = st.get("observedGeneration")
+        if seen is not None and generation != seen and st["disabled"]:
+            g.manual_reenable(sorted(st["disabled"], key=settings.tiers.index), "SpecChanged",
+                              f"spec changed (generation {seen} -> {generation})", acknowledge=False)
+        st["observedGeneration"] = generation
+    requests = _expand_requests(reenable_requests, st)
+    if requests:
+        g.handle_requests(requests)
+
+    a = assess(settings, measurements, st.get("baseline"))
+    g.record(a)
+    g.probation(a)
+    g.rollback(a)
+    g.auto_reenable(a)
+    g.rollout(a)
+    actions.extend(conditions(settings, st))
+    st["history"] = st["history"][-settings.history_limit:]
+    return Decision(st, actions)
+
+
+def _expand_requests(requests: Iterable[str], st: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    for raw in requests:
+        for name in str(raw).split(","):
+            name = name.strip()
+            if name in ("*", "all"):
+                out.extend(t for t in st["disabled"] if t not in out)
+            elif name and name not in out:
+                out.append(name)
+    return out
+
+
+class _Guard:
+    """The steps of one evaluation over a mutable copy of the state."""
+
+    def __init__(self, settings: SLOSettings, st: dict[str, Any], now: float, actions: list[Action]):
+        self.s, self.st, self.now, self.actions = settings, st, now, actions
+
+    # -- bookkeeping
+    def history(self, action: str, tier: str, reason: str = "", metric: str | None = None,
+                value: float | None = None, threshold: float | None = None, dry_run: bool = False) -> None:
+        """One ``status.history`` entry (the API's HistoryEntry: time, tier, action, reason, metric, value,
+        threshold; nothing else, the model forbids extra keys)."""
+        if dry_run:
+            action = {"Disabled": "WouldDisable", "ProbationFailed": "WouldDisable",
+                      "Reenabled": "WouldReenable"}.get(action, action)
+        entry: dict[str, Any] = {"time": format_time(self.now), "tier": tier, "action": action, "reason": reason}
+        for key, val in (("metric", metric), ("value", value), ("threshold", threshold)):
+            if val is not None:
+                entry[key] = val
+        self.st["history"].append(entry)
+
+    def since(self, key_time: str | None) -> float:
+        parsed = parse_time(key_time)
+        return math.inf if parsed is None else self.now - parsed
+
+    def newest_enabled(self) -> str | None:
+        disabled = set(self.st["disabled"])
+        rolled = set(self.st["rollout"]["rolled"])
+        candidates = [t for t in self.s.tiers if t in rolled and t not in disabled]
+        return candidates[-1] if candidates else None
+
+    # -- steps
+    def handle_requests(self, requests: list[str]) -> None:
+        for tier in requests:
+            if tier not in self.s.tiers:
+                self.actions.append(AcknowledgeReenable(tier, "UnknownTier"))
+            elif tier not in self.st["disabled"]:
+                self.actions.append(AcknowledgeReenable(tier, "NotDisabled"))
+            else:
+                self.manual_reenable([tier], "ManualReenable", "re-enabled by the kvtier.io/reenable annotation")
+
+    def manual_reenable(self, tiers: list[str], reason: str, message: str, acknowledge: bool = True) -> None:
+        for tier in tiers:
+            entry = self.st["disabled"].pop(tier)
+            self.history("Reenabled", tier, reason=reason, dry_run=bool(entry.get("dryRun")))
+            self.actions.append(EnableTier(tier, reason, f"{tier}: {message}", dry_run=bool(entry.get("dryRun"))))
+            if acknowledge:
+                self.actions.append(AcknowledgeReenable(tier, "Reenabled"))
+        # A person acted: automatic re-enabling may resume, and the streak starts over for the new config.
+        self.st["autoReenableBlocked"] = False
+        self.st["consecutiveBreaches"] = 0
+
+    def record(self, a: Assessment) -> None:
+        st = self.st
+        st["lastEvaluation"] = format_time(self.now)
+        st["verdict"] = a.verdict
+        st["reason"] = a.reason
+        st["last"] = {**a.values, "thresholds": dict(a.thresholds)}
+        counts = st["counts"]
+        counts["evaluations"] += 1
+        key = {"breach": "breaches", "error": "errors", "noData": "noData", "lowTraffic": "lowTraffic"}.get(a.verdict)
+        if key:
+            counts[key] += 1
+        if a.verdict == "error":
+            st["consecutiveErrors"] += 1
+            st["lastError"] = a.error
+        else:
+            st["consecutiveErrors"] = 0
+
+        breach = self.effective_breach(a)
+        if breach is not None:
+            if self.settling():
+                st["reason"] = "Settling"
+            else:
+                st["consecutiveBreaches"] += 1
+        elif a.verdict == "ok":
+            st["consecutiveBreaches"] = 0
+            st["gpuOnlyBreachReported"] = False
+        # error / noData / lowTraffic (with onNoData: hold): the counter holds.
+
+    def effective_breach(self, a: Assessment) -> tuple[str, float | None, float | None] | None:
+        """(metric, value, threshold) when this evaluation counts as a breach."""
+        if a.verdict == "breach":
+            return a.breaches[0]
+        if a.verdict in ("noData", "lowTraffic") and self.s.on_no_data == "breach":
+            return ("noData" if a.verdict == "noData" else "requestRate", a.values.get("requestRate"),
+                    self.s.min_request_rate if a.verdict == "lowTraffic" else None)
+        return None
+
+    def settling(self) -> bool:
+        """True while the window still measures the configuration that the last rollback removed."""
+        return self.since(self.st["lastRollback"]) < max(self.s.cooldown_s, self.s.window_s)
+
+    def disable(self, tier: str, reason: str, breach: tuple[str, float | None, float | None], message: str) -> None:
+        metric, raw_value, threshold = breach
+        value = _json_number(raw_value)
+        st = self.st
+        st["disabled"][tier] = {
+            "since": format_time(self.now), "reason": reason, "metric": metric, "value": value,
+            "threshold": threshold, "dryRun": self.s.dry_run, "probationFailed": reason == "ProbationBreach",
+        }
+        st["probation"].pop(tier, None)
+        st["lastRollback"] = format_time(self.now)
+        st["consecutiveBreaches"] = 0
+        st["counts"]["rollbacks"] += 1
+        self.history("ProbationFailed" if reason == "ProbationBreach" else "Disabled", tier, reason=reason,
+                     metric=metric, value=value, threshold=threshold, dry_run=self.s.dry_run)
+        prefix = "dry run, would disable" if self.s.dry_run else "disabled"
+        self.actions.append(DisableTier(tier, reason, f"{prefix} tier {tier}: {message}", metric, raw_value, threshold,
+                                        dry_run=self.s.dry_run))
+
+    def probation(self, a: Assessment) -> None:
+        st = self.st
+        breach = self.effective_breach(a)
+        for tier in [t for t in self.s.tiers if t in st["probation"]]:
+            if breach is not None:
+                metric, value, threshold = breach
+                st["autoReenableBlocked"] = True
+                self.disable(tier, "ProbationBreach", breach,
+                             f"{metric} {_fmt(value, metric)} > {_fmt(threshold, metric)} during probation; automatic "
+                             "re-enabling stops until a person re-enables it")
+                self.actions.append(RecordEvent("Warning", "AutoReenableBlocked",
+                                                f"tier {tier} breached the SLO during probation; re-enable it with "
+                                                f"the annotation kvtier.io/reenable={tier} or change the spec"))
+            elif self.since(st["probation"][tier]["since"]) >= self.s.probation_s:
+                st["probation"].pop(tier)
+                self.history("ProbationPassed", tier, reason="HeldSLO")
+                self.actions.append(RecordEvent("Normal", "ProbationPassed",
+                                                f"tier {tier} held the SLO for its probation period"))
+
+    def rollback(self, a: Assessment) -> None:
+        st = self.st
+        if st["consecutiveBreaches"] < self.s.consecutive_breaches:
+            return
+        breach = self.effective_breach(a)
+        if breach is None:   # the streak was reached earlier and this evaluation held; nothing new to act on
+            return
+        if self.since(st["lastRollback"]) < self.s.cooldown_s:
+            st["reason"] = "Cooldown"
+            return
+        tier = self.newest_enabled()
+        metric, value, threshold = breach
+        if tier is None:
+            st["reason"] = "NothingToDisable"
+            if not st.get("gpuOnlyBreachReported"):
+                st["gpuOnlyBreachReported"] = True   # one Event per episode, not one per interval
+                self.actions.append(RecordEvent("Warning", "SLOBreachedGPUOnly",
+                                                f"{metric} {_fmt(value, metric)} > {_fmt(threshold, metric)} with no offload tier "
+                                                "enabled: the SLO is not met by the GPU-only configuration"))
+            return
+        self.disable(tier, "SLOBreach", breach,
+                     f"{_breach_text(metric, value, threshold)} for {self.s.consecutive_breaches} consecutive "
+                     f"evaluations")
+
+    def auto_reenable(self, a: Assessment) -> None:
+        st = self.st
+        if self.s.reenable_mode != "auto" or st["autoReenableBlocked"] or st["probation"]:
+            return
+        if a.verdict != "ok" or st["consecutiveBreaches"] > 0:
+            return
+        disabled = [t for t in self.s.tiers if t in st["disabled"]]
+        if not disabled:
+            return
+        # Hottest first: rollbacks removed the coldest first, and a colder tier without the hotter one in front
+        # of it is not a configuration the engines accept (vLLM's secondary tiers sit behind the CPU tier).
+        tier = disabled[0]
+        entry = st["disabled"][tier]
+        if entry.get("probationFailed") or self.since(entry["since"]) < self.s.reenable_after_s:
+            return
+        if self.s.dry_run and not entry.get("dryRun"):
+            return   # dry run changes nothing real: it only undoes its own simulated rollbacks
+        st["disabled"].pop(tier)
+        st["probation"][tier] = {"since": format_time(self.now),
+                                 "until": format_time(self.now + self.s.probation_s),
+                                 "dryRun": bool(entry.get("dryRun"))}
+        self.history("Reenabled", tier, reason="AutoReenable", dry_run=bool(entry.get("dryRun")))
+        self.actions.append(EnableTier(tier, "AutoReenable",
+                                       f"tier {tier} re-enabled after {_dur(self.s.reenable_after_s)}; on probation "
+                                       f"for {_dur(self.s.probation_s)}", dry_run=bool(entry.get("dryRun"))))
+
+    def rollout(self, a: Assessment) -> None:
+        ro = self.st["rollout"]
+        if ro["strategy"] != "staged":
+            return
+        pending = [t for t in self.s.tiers if t not in ro["rolled"]]
+        stage = len(ro["rolled"])
+        if self.effective_breach(a) is not None:
+            ro["stageStart"] = format_time(self.now)   # the stage must hold a FULL observation period
+            ro["stageOk"] = 0
+            return
+        if a.verdict != "ok":
+            return
+        ro["stageOk"] = ro.get("stageOk", 0) + 1
+        if self.st["baseline"] is None:
+            for metric in METRICS:
+                value = a.values.get(metric)
+                if value is not None:
+                    samples = ro.setdefault("samples", {}).setdefault(metric, [])
+                    samples.append(value)
+                    del samples[:-MAX_BASELINE_SAMPLES]
+        if not pending and self.st["baseline"] is not None:
+            return
+        # Half the evaluations of the period must have produced a verdict, or "held" means "was not measured".
+        needed = max(1, int(self.s.stage_observation_s / self.s.interval_s / 2))
+        if self.since(ro["stageStart"]) < self.s.stage_observation_s or ro["stageOk"] < needed:
+            return
+        if self.st["disabled"] or self.st["probation"]:
+            return   # a rolled-back or probationary tier must be settled before the next stage adds risk
+        if self.st["baseline"] is None:
+            samples = ro.get("samples", {})
+            self.st["baseline"] = {
+                "ttftP99": statistics.median(samples["ttftP99"]) if samples.get("ttftP99") else None,
+                "itlP99": statistics.median(samples["itlP99"]) if samples.get("itlP99") else None,
+                "samples": max(len(samples.get("ttftP99", [])), len(samples.get("itlP99", []))),
+                "recordedAt": format_time(self.now),
+                "tiers": list(ro["rolled"]),
+            }
+            ro["samples"] = {"ttftP99": [], "itlP99": []}
+            b = self.st["baseline"]
+            self.actions.append(RecordEvent("Normal", "BaselineRecorded",
+                                            f"baseline p99 TTFT {_fmt(b['ttftP99'])}, ITL {_fmt(b['itlP99'])} "
+                                            f"over {b['samples']} evaluations"))
+        if not pending:
+            return
+        tier = pending[0]
+        ro["rolled"].append(tier)
+        ro["stageStart"] = format_time(self.now)
+        ro["stageOk"] = 0
+        self.history("StageEnabled", tier, reason=f"stage {stage + 1} of {len(self.s.tiers)}")
+        self.actions.append(EnableTier(tier, "StagedRollout",
+                                       f"stage {stage} held the SLO for {_dur(self.s.stage_observation_s)}; "
+                                       f"enabling tier {tier} (stage {stage + 1} of {len(self.s.tiers)})"))
+
+
+def conditions(settings: SLOSettings, st: dict[str, Any]) -> list[SetCondition]:
+    """The SLO conditions after this evaluation (full set, every time; the operator diffs them)."""
+    out: list[SetCondition] = []
+    if st["verdict"] == "error":
+        out.append(SetCondition("SLOUnknown", "True", st["reason"] or "QueryError",
+                                f"{st['consecutiveErrors']} evaluation(s) in a row failed: {st['lastError']}"))
+    else:
+        out.append(SetCondition("SLOUnknown", "False", st["reason"] or "Evaluated", "the last evaluation had data"
+                                if st["verdict"] in ("ok", "breach") else f"no verdict: {st['reason']}"))
+    if st["verdict"] == "breach":
+        last = st["last"]
+        over = [f"{m} {_fmt(last.get(m))} > {_fmt(th)}" for m, th in last["thresholds"].items()
+                if last.get(m) is not None and last[m] > th]
+        out.append(SetCondition("SLOBreached", "True", st["reason"] or "Breach",
+                                f"{', '.join(over)} ({st['consecutiveBreaches']}/{settings.consecutive_breaches})"))
+    elif st["verdict"] == "ok":
+        out.append(SetCondition("SLOBreached", "False", "WithinSLO", "p99s within their thresholds"))
+    real = {t: v for t, v in st["disabled"].items() if not v.get("dryRun")}
+    if real:
+        out.append(SetCondition("TierRolledBack", "True", "SLOBreach",
+                                "disabled by the SLO guard: " + ", ".join(sorted(real, key=settings.tiers.index))))
+    else:
+        out.append(SetCondition("TierRolledBack", "False", "NoRollback", "no tier is disabled by the SLO guard"))
+    return out
+
+
+def _fmt(value: float | None, metric: str = "") -> str:
+    if value is None:
+        return "n/a"
+    if value >= 1e308:
+        return "+Inf"
+    if metric == "requestRate":
+        return f"{value:.3g}/s"
+    return f"{value * 1000:.0f}ms" if value < 1 else f"{value:.3g}s"
+
+
+def _breach_text(metric: str, value: float | None, threshold: float | None) -> str:
+    if metric == "noData":
+        return "no data (onNoData: breach)"
+    if metric == "requestRate":
+        return f"requestRate {_fmt(value, metric)} < {_fmt(threshold, metric)} (onNoData: breach)"
+    return f"{metric} {_fmt(value)} > {_fmt(threshold)}"
+
+
+def _dur(seconds: float) -> str:
+    return f"{seconds:g}s" if seconds < 120 else f"{seconds / 60:g}m"

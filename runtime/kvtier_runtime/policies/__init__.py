@@ -1,0 +1,67 @@
+"""Eviction and admission policies of kvtier's tiers (pure Python, torch-free).
+
+``get_policy("s3fifo", capacity_bytes, admission="doorkeeper")`` builds one; ``POLICIES`` and ``ADMISSIONS``
+name them all. Names match :mod:`kvtier_runtime.config` (``EVICTION_POLICIES``, ``ADMISSION_POLICIES``).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .admission import DoorkeeperAdmission, ThresholdAdmission
+from .arc import ARCPolicy
+from .base import AccessContext, AdmissionFilter, EvictionPolicy, Key, PinnedEntryError
+from .lru import LRUPolicy
+from .prefix2q import Prefix2QPolicy
+from .s3fifo import S3FIFOPolicy
+
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    LRUPolicy.name: LRUPolicy,
+    ARCPolicy.name: ARCPolicy,
+    S3FIFOPolicy.name: S3FIFOPolicy,
+    Prefix2QPolicy.name: Prefix2QPolicy,
+}
+
+# "none" means no filter: every offer is admitted.
+ADMISSIONS: dict[str, Callable[[], AdmissionFilter] | None] = {
+    "none": None,
+    DoorkeeperAdmission.name: DoorkeeperAdmission,
+    ThresholdAdmission.name: ThresholdAdmission,
+}
+
+
+def get_admission(name: str | AdmissionFilter | None) -> AdmissionFilter | None:
+    """An admission filter by name (``None``/``"none"`` for no filter); an instance is returned as is."""
+    if name is None or isinstance(name, AdmissionFilter):
+        return name
+    if name not in ADMISSIONS:
+        raise ValueError(f"admission: {name!r} is not one of {', '.join(ADMISSIONS)}")
+    factory = ADMISSIONS[name]
+    return None if factory is None else factory()
+
+
+def get_policy(
+    name: str, capacity_bytes: int, admission: str | AdmissionFilter | None = None
+) -> EvictionPolicy:
+    """A fresh policy by name with an optional admission filter (name or instance)."""
+    if name not in POLICIES:
+        raise ValueError(f"eviction policy: {name!r} is not one of {', '.join(POLICIES)}")
+    return POLICIES[name](capacity_bytes, admission=get_admission(admission))
+
+
+__all__ = [
+    "ADMISSIONS",
+    "POLICIES",
+    "ARCPolicy",
+    "AccessContext",
+    "AdmissionFilter",
+    "DoorkeeperAdmission",
+    "EvictionPolicy",
+    "Key",
+    "LRUPolicy",
+    "PinnedEntryError",
+    "Prefix2QPolicy",
+    "S3FIFOPolicy",
+    "ThresholdAdmission",
+    "get_admission",
+    "get_policy",
+]

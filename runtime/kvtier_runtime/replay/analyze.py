@@ -1,0 +1,222 @@
+"""``kvtier replay analyze``: how a trace reuses its prefixes, and what block size and capacity it calls for."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Sequence
+
+from .engine import PolicySpec, replay_single
+from .metrics import flatten, prefix_hit_count
+from .trace import Trace
+
+QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
+
+
+def reuse_distances(keys: Sequence[int]) -> list[int]:
+    """LRU stack distance of every re-access: distinct other blocks touched since the previous access.
+
+    A block is a hit in an LRU cache of C blocks exactly when its distance is < C. O(N log N) with a Fenwick
+    tree over access positions holding 1 at each block's latest access.
+    """
+    n = len(keys)
+    tree = [0] * (n + 1)
+
+    def add(i: int, v: int) -> None:
+        i += 1
+        while i <= n:
+            tree[i] += v
+            i += i & -i
+
+    def prefix(i: int) -> int:  # sum over positions [0, i)
+        s = 0
+        while i > 0:
+            s += tree[i]
+            i -= i & -i
+        return s
+
+    last: dict[int, int] = {}
+    out: list[int] = []
+    for i, k in enumerate(keys):
+        j = last.get(k)
+        if j is not None:
+            out.append(prefix(i) - prefix(j + 1))
+            add(j, -1)
+        add(i, 1)
+        last[k] = i
+    return out
+
+
+def reuse_times_ms(trace: Trace) -> list[float]:
+    """Milliseconds between consecutive requests that access the same block."""
+    last: dict[int, float] = {}
+    out: list[float] = []
+    for ts, req in zip(trace.timestamps_ms, trace.requests):
+        for k in req:
+            prev = last.get(k)
+            if prev is not None:
+                out.append(ts - prev)
+            last[k] = ts
+    return out
+
+
+def quantiles(values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    s = sorted(values)
+    return {f"p{int(q * 100)}": s[min(len(s) - 1, int(q * len(s)))] for q in QUANTILES}
+
+
+def top_prefixes(trace: Trace, block_tokens: int, n: int = 10) -> list[dict]:
+    """The prefixes whose reuse is worth the most tokens: (accesses - 1) x prefix length.
+
+    A block is reported only where its prefix ends, i.e. not when its child block has the same access count
+    (then the child names the same, longer reused prefix), so one long document is one row, not seventy.
+    """
+    counts: Counter[int] = Counter()
+    depth: dict[int, int] = {}
+    for req in trace.requests:
+        for pos, k in enumerate(req):
+            counts[k] += 1
+            depth.setdefault(k, pos)
+    subsumed: set[int] = set()
+    for req in trace.requests:
+        for parent, child in zip(req, req[1:]):
+            if counts[child] == counts[parent]:
+                subsumed.add(parent)
+    candidates = [k for k in counts if counts[k] > 1 and k not in subsumed]
+    ranked = sorted(candidates, key=lambda k: (-(counts[k] - 1) * (depth[k] + 1), k))[:n]
+    return [{"block_id": k, "prefix_blocks": depth[k] + 1, "prefix_tokens": (depth[k] + 1) * block_tokens,
+             "accesses": counts[k], "reused_tokens": (counts[k] - 1) * (depth[k] + 1) * block_tokens}
+            for k in ranked]
+
+
+def chunk_requests(requests: Sequence[Sequence[int]], k: int) -> list[list[int]]:
+    """Requests as chunks of ``k`` blocks, a chunk keyed by its last block (ids are prefix-chained, so the last
+    id names the whole prefix). A trailing partial chunk is dropped: only full chunks are stored."""
+    return [[req[i + k - 1] for i in range(0, len(req) - k + 1, k)] for req in requests]
+
+
+@dataclass(frozen=True)
+class Budgets:
+    kv_bytes_per_token: int | None = None
+    bandwidth_gb_s: float | None = None
+    prefill_tokens_per_s: float | None = None
+    transfer_latency_s: float = 50e-6
+    capacity_bytes: int | None = None
+
+
+def hit_ratio_at(trace: Trace, capacity_blocks: int, spec: PolicySpec, chunk_blocks: int = 1) -> tuple[int, int]:
+    """(prefix-hit blocks, loaded chunks) replaying ``spec`` over chunks of ``chunk_blocks`` blocks."""
+    reqs = trace.requests if chunk_blocks == 1 else chunk_requests(trace.requests, chunk_blocks)
+    cap = max(1, capacity_blocks // chunk_blocks)
+    hits, _ = replay_single(reqs, spec.build(cap))
+    _, lengths = flatten(reqs)
+    loaded = prefix_hit_count(hits, lengths)
+    return loaded * chunk_blocks, loaded
+
+
+def analyze(trace: Trace, block_tokens: int, spec: PolicySpec, budgets: Budgets = Budgets(),
+            progress=None) -> dict:
+    keys, lengths = flatten(trace.requests)
+    n = len(keys)
+    counts = Counter(keys)
+    distinct = len(counts)
+    dist = reuse_distances(keys)
+    out: dict = {
+        "requests": len(trace.requests),
+        "block_accesses": n,
+        "distinct_blocks": distinct,
+        "block_tokens": block_tokens,
+        "never_reused_fraction": sum(1 for c in counts.values() if c == 1) / distinct,
+        "reuse_distance_blocks": quantiles(dist),
+        "reuse_time_ms": quantiles(reuse_times_ms(trace)),
+        "top_prefixes": top_prefixes(trace, block_tokens),
+    }
+    # Infinite-cache bound: every block seen before is a hit.
+    seen: set[int] = set()
+    inf_hits = [k in seen or seen.add(k) for k in keys]  # type: ignore[func-returns-value]
+    out["infinite_cache_prefix_hit_ratio"] = prefix_hit_count(inf_hits, lengths) / n
+
+    # Capacity: the smallest tested size reaching 90% of the infinite-cache ratio, within the byte budget.
+    block_bytes = budgets.kv_bytes_per_token * block_tokens if budgets.kv_bytes_per_token else None
+    max_blocks = distinct
+    if budgets.capacity_bytes and block_bytes:
+        max_blocks = max(1, min(distinct, budgets.capacity_bytes // block_bytes))
+    pcts = (1, 2, 5, 10, 20, 30, 50, 100)
+    curve = []
+    for pct in pcts:
+        cap = max(1, round(distinct * pct / 100))
+        if cap > max_blocks:
+            cap = max_blocks
+        ph, _ = hit_ratio_at(trace, cap, spec)
+        curve.append({"capacity_blocks": cap, "prefix_hit_ratio": ph / n})
+        if progress:
+            progress()
+        if cap == max_blocks:
+            break
+    goal = 0.9 * out["infinite_cache_prefix_hit_ratio"]
+    pick = next((p for p in curve if p["prefix_hit_ratio"] >= goal), curve[-1])
+    out["capacity_curve"] = curve
+    out["recommended_capacity_blocks"] = pick["capacity_blocks"]
+    out["recommended_capacity_reason"] = (
+        f"smallest tested capacity where {spec} reaches 90% of the infinite-cache prefix hit ratio"
+        if pick["prefix_hit_ratio"] >= goal else
+        f"the budget caps the capacity below 90% of the infinite-cache ratio; this is the largest that fits")
+    out["recommended_capacity_bytes"] = pick["capacity_blocks"] * block_bytes if block_bytes else None
+
+    # Chunk size: larger chunks amortise the per-transfer latency but lose the partial chunk at each prefix end.
+    chunks = []
+    for k in (1, 2, 4, 8):
+        hit_blocks, loaded_chunks = hit_ratio_at(trace, pick["capacity_blocks"], spec, k)
+        row = {"chunk_tokens": k * block_tokens, "prefix_hit_ratio": hit_blocks / n,
+               "estimated_prefill_seconds_saved": None}
+        if block_bytes and budgets.bandwidth_gb_s and budgets.prefill_tokens_per_s:
+            transfer = loaded_chunks * (budgets.transfer_latency_s + k * block_bytes / (budgets.bandwidth_gb_s * 1e9))
+            row["estimated_prefill_seconds_saved"] = hit_blocks * block_tokens / budgets.prefill_tokens_per_s - transfer
+        chunks.append(row)
+        if progress:
+            progress()
+    out["chunk_sizes"] = chunks
+    if all(r["estimated_prefill_seconds_saved"] is not None for r in chunks):
+        best = max(chunks, key=lambda r: r["estimated_prefill_seconds_saved"])
+        reason = "largest estimated prefill time saved under the given bandwidth, latency and prefill rate"
+    else:
+        best = max(chunks, key=lambda r: r["prefix_hit_ratio"])
+        reason = ("highest prefix hit ratio (give --model-kv-bytes-per-token, --bandwidth and "
+                  "--prefill-tokens-per-s to weigh transfer cost)")
+    out["recommended_chunk_tokens"] = best["chunk_tokens"]
+    out["recommended_chunk_reason"] = reason
+    if block_bytes and budgets.bandwidth_gb_s and budgets.prefill_tokens_per_s:
+        per_token_transfer = budgets.kv_bytes_per_token / (budgets.bandwidth_gb_s * 1e9)
+        out["transfer_slower_than_recompute"] = per_token_transfer > 1 / budgets.prefill_tokens_per_s
+    return out
+
+
+def format_analysis(a: dict) -> str:
+    lines = [
+        f"requests {a['requests']}, block accesses {a['block_accesses']}, distinct blocks {a['distinct_blocks']}, "
+        f"{a['block_tokens']} tokens/block",
+        f"blocks never reused: {a['never_reused_fraction']:.1%}",
+        f"infinite-cache prefix hit ratio: {a['infinite_cache_prefix_hit_ratio']:.4f}",
+        "reuse distance (distinct blocks between uses; an LRU cache of C blocks hits below C): "
+        + ", ".join(f"{k} {v}" for k, v in a["reuse_distance_blocks"].items()),
+        "reuse time (ms): " + ", ".join(f"{k} {v:g}" for k, v in a["reuse_time_ms"].items()),
+        "most reused prefixes (by reusable tokens):",
+    ]
+    for p in a["top_prefixes"]:
+        lines.append(f"  ends at block {p['block_id']}: {p['prefix_blocks']} blocks ({p['prefix_tokens']} tokens), "
+                     f"{p['accesses']} accesses, {p['reused_tokens']} tokens reusable")
+    lines.append("capacity curve: " + ", ".join(
+        f"{c['capacity_blocks']} blocks -> {c['prefix_hit_ratio']:.4f}" for c in a["capacity_curve"]))
+    cap = f"recommended capacity: {a['recommended_capacity_blocks']} blocks"
+    if a.get("recommended_capacity_bytes"):
+        cap += f" ({a['recommended_capacity_bytes'] / 2**30:.2f} GiB)"
+    lines.append(cap + f" -- {a['recommended_capacity_reason']}")
+    for c in a["chunk_sizes"]:
+        saved = c["estimated_prefill_seconds_saved"]
+        lines.append(f"  chunk {c['chunk_tokens']} tokens: prefix hit ratio {c['prefix_hit_ratio']:.4f}"
+                     + (f", est. prefill saved {saved:.1f} s" if saved is not None else ""))
+    lines.append(f"recommended chunk size: {a['recommended_chunk_tokens']} tokens -- {a['recommended_chunk_reason']}")
+    if a.get("transfer_slower_than_recompute"):
+        lines.append("WARNING: at this bandwidth, loading KV is slower than recomputing it; tiering will not pay off")
+    return "\n".join(lines)

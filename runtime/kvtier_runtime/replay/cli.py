@@ -1,0 +1,299 @@
+"""``kvtier replay``: replay a Mooncake-format trace through the runtime's policies before deploying tiering.
+
+Wiring: ``add_arguments(parser)`` fills an argparse parser (the ``kvtier`` console script adds it as the
+``replay`` subcommand) and ``run(args)`` executes it; ``main(argv)`` does both and is what
+``python -m kvtier_runtime.replay`` calls. Bad input is a one-line message and exit status 2, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Sequence
+
+from .. import config
+from ..policies import ADMISSIONS, POLICIES
+from .cost import tier_cost
+from .engine import PolicySpec, ReplayError, ReplayResult, capacity_blocks, replay
+from .trace import TraceError, load_trace
+
+PROG = "kvtier replay"
+
+
+def _positive_float(name: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: {text!r} is not a number") from None
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"{name}: {text!r} must be a finite number > 0")
+        return value
+    return parse
+
+
+def _non_negative_float(name: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: {text!r} is not a number") from None
+        if not value >= 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{name}: {text!r} must be a finite number >= 0")
+        return value
+    return parse
+
+
+def _positive_int(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: {text!r} is not an integer") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{name}: {text!r} must be a positive integer")
+        return value
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Replay a Mooncake-format JSONL trace through kvtier's eviction/admission policies and "
+                          "compare with the Belady-optimal bound. 'analyze' describes the trace's reuse instead.")
+    parser.add_argument("action", nargs="?", choices=["analyze"],
+                        help="'analyze': reuse distances/times, most reused prefixes, never-reused blocks, "
+                             "recommended chunk size and capacity")
+    parser.add_argument("--trace", metavar="FILE", help="Mooncake-format JSONL trace (timestamp, input_length, "
+                                                       "output_length, hash_ids)")
+    parser.add_argument("--skip-bad", action="store_true", help="skip malformed lines (counted) instead of failing")
+    parser.add_argument("--block-tokens", type=_positive_int("--block-tokens"), default=512, metavar="N",
+                        help="tokens per hash id (512 for Mooncake traces)")
+    parser.add_argument("--policy", action="append", metavar="NAME[+ADMISSION]",
+                        help=f"eviction policy, optionally with an admission filter, e.g. s3fifo+doorkeeper; once "
+                             f"for all tiers or once per tier (default {config.DEFAULT_EVICTION_POLICY})")
+    parser.add_argument("--capacity", action="append", metavar="N[%]",
+                        help="a tier's capacity in blocks, or N%% of the trace's distinct blocks; repeat for "
+                             "several tiers, fastest first (default 10%%)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument("--list-policies", action="store_true", help="name every policy and admission filter")
+    parser.add_argument("--sweep", metavar="PNG", help="replay several capacities and policies and plot prefix hit "
+                                                       "ratio against capacity into PNG (one line per policy + OPT)")
+    parser.add_argument("--sweep-capacities", metavar="LIST",
+                        help="comma-separated capacities for --sweep (default 1%%,2%%,5%%,10%%,20%%,30%%,50%%)")
+    parser.add_argument("--no-opt", action="store_true", help="skip the OPT bound (faster on huge traces)")
+    parser.add_argument("--model-kv-bytes-per-token", type=_positive_int("--model-kv-bytes-per-token"),
+                        metavar="BYTES", help="KV cache bytes per token of the model (all layers, K and V)")
+    parser.add_argument("--bandwidth", action="append", type=_positive_float("--bandwidth"), metavar="GB/S",
+                        help="link bandwidth of a tier in GB/s; once for all tiers or once per tier")
+    parser.add_argument("--prefill-tokens-per-s", type=_positive_float("--prefill-tokens-per-s"), metavar="TOKENS",
+                        help="prefill throughput, to turn hits into prefill time saved")
+    parser.add_argument("--transfer-latency-us", type=_non_negative_float("--transfer-latency-us"), default=50.0,
+                        metavar="US",
+                        help="fixed cost per transfer for 'analyze' chunk sizing (default 50)")
+    parser.add_argument("--budget-gib", type=_positive_float("--budget-gib"), metavar="GIB",
+                        help="'analyze': largest tier capacity to recommend, in GiB (needs --model-kv-bytes-per-token)")
+
+
+def _per_tier(values: list | None, n: int, option: str, default):
+    if not values:
+        return [default] * n
+    if len(values) == 1:
+        return values * n
+    if len(values) != n:
+        raise ReplayError(f"{option}: give it once, or once per --capacity ({n}), not {len(values)} times")
+    return values
+
+
+def list_policies() -> str:
+    lines = ["eviction policies:"]
+    for name, cls in POLICIES.items():
+        doc = (cls.__doc__ or sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
+        mark = " (default)" if name == config.DEFAULT_EVICTION_POLICY else ""
+        lines.append(f"  {name}{mark}: {doc}")
+    lines.append("admission filters (append as NAME+FILTER):")
+    for name, factory in ADMISSIONS.items():
+        doc = "admit every offer" if factory is None else (factory.__doc__ or "").strip().splitlines()[0]
+        lines.append(f"  {name}: {doc}")
+    return "\n".join(lines)
+
+
+def result_dict(res: ReplayResult, args, bandwidths: list) -> dict:
+    tiers = []
+    for st, bw in zip(res.tiers, bandwidths):
+        t = {
+            "name": st.name, "policy": st.policy, "capacity_blocks": st.capacity_blocks,
+            "block_hit_ratio": res.ratio(st.hits), "prefix_hit_ratio": res.ratio(st.prefix_hits),
+            "opt_block_hit_ratio": res.ratio(st.opt_hits), "opt_prefix_hit_ratio": res.ratio(st.opt_prefix_hits),
+            "promotions": st.promotions, "loaded_blocks": st.prefix_hits, "stored_blocks": st.stored_blocks,
+            "bytes_moved": None,
+        }
+        if args.model_kv_bytes_per_token:
+            block_bytes = args.model_kv_bytes_per_token * args.block_tokens
+            t["bytes_moved"] = (st.prefix_hits + st.stored_blocks) * block_bytes
+            t.update(tier_cost(args.block_tokens, args.model_kv_bytes_per_token, st.prefix_hits, bw,
+                               args.prefill_tokens_per_s).as_dict())
+        tiers.append(t)
+    total = {
+        "capacity_blocks": sum(st.capacity_blocks for st in res.tiers),
+        "block_hit_ratio": res.ratio(res.total_hits), "prefix_hit_ratio": res.ratio(res.total_prefix_hits),
+        "opt_block_hit_ratio": res.ratio(sum(st.opt_hits for st in res.tiers)),
+        "opt_prefix_hit_ratio": res.ratio(res.total_opt_prefix_hits),
+        "bytes_moved": (sum(t["bytes_moved"] for t in tiers) if args.model_kv_bytes_per_token else None),
+    }
+    saved = [t.get("estimated_prefill_seconds_saved") for t in tiers]
+    total["estimated_prefill_seconds_saved"] = sum(saved) if saved and all(s is not None for s in saved) else None
+    return {"requests": res.n_requests, "block_accesses": res.n_accesses, "distinct_blocks": res.n_distinct,
+            "block_tokens": args.block_tokens, "tiers": tiers, "total": total,
+            "replay_accesses_per_second": res.accesses_per_second}
+
+
+def format_result(d: dict, trace_name: str, skipped: int, no_opt: bool) -> str:
+    head = (f"trace {trace_name}: {d['requests']} requests, {d['block_accesses']} block accesses, "
+            f"{d['distinct_blocks']} distinct blocks, {d['block_tokens']} tokens/block")
+    if skipped:
+        head += f" ({skipped} malformed lines skipped)"
+    cols = ["tier", "policy", "capacity", "block hit", "prefix hit", "OPT prefix", "of OPT", "promotions",
+            "loaded", "stored", "bytes moved"]
+    rows = []
+    for t in d["tiers"] + [dict(d["total"], name="total", policy="", promotions="", loaded_blocks="",
+                                stored_blocks="")]:
+        opt = t["opt_prefix_hit_ratio"]
+        rows.append([
+            t["name"], t["policy"], str(t["capacity_blocks"]), f"{t['block_hit_ratio']:.4f}",
+            f"{t['prefix_hit_ratio']:.4f}", "-" if no_opt else f"{opt:.4f}",
+            # A tier's OPT share is a marginal figure, not a bound, so "of OPT" is shown for the total only.
+            "-" if no_opt or not opt or (len(d["tiers"]) > 1 and t["name"] != "total")
+            else f"{t['prefix_hit_ratio'] / opt:.1%}", str(t["promotions"]),
+            str(t["loaded_blocks"]), str(t["stored_blocks"]),
+            "-" if t["bytes_moved"] is None else _human_bytes(t["bytes_moved"]),
+        ])
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    lines = [head, "  ".join(c.ljust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+    for t in d["tiers"]:
+        if t.get("transfer_seconds_per_block") is None and t.get("recompute_seconds_per_block") is None:
+            continue
+        parts = [f"{t['name']}:"]
+        if t.get("transfer_seconds_per_block") is not None:
+            parts.append(f"transfer {t['transfer_seconds_per_block'] * 1e3:.3f} ms/block")
+        if t.get("recompute_seconds_per_block") is not None:
+            parts.append(f"recompute {t['recompute_seconds_per_block'] * 1e3:.3f} ms/block")
+        if t.get("estimated_prefill_seconds_saved") is not None:
+            parts.append(f"estimated prefill time saved {t['estimated_prefill_seconds_saved']:.1f} s")
+        if t.get("slower_than_recompute"):
+            parts.append("-- SLOWER THAN RECOMPUTE: loading from this tier costs more than it saves")
+        lines.append(" ".join(parts))
+    if d["total"].get("estimated_prefill_seconds_saved") is not None:
+        lines.append(f"total estimated prefill time saved: {d['total']['estimated_prefill_seconds_saved']:.1f} s")
+    lines.append(f"replay speed: {d['replay_accesses_per_second']:,.0f} block accesses/s")
+    return "\n".join(lines)
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute parsed arguments; returns the exit status. ReplayError/TraceError become exit 2."""
+    try:
+        return _run(args)
+    except BrokenPipeError:  # output piped into e.g. `head`: not an error of the replay
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- keeps the interpreter's final flush quiet
+        return 0
+    except (ReplayError, TraceError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"{PROG}: error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.list_policies:
+        print(list_policies())
+        return 0
+    if not args.trace:
+        raise ReplayError("--trace: required (a Mooncake-format JSONL file)")
+    if args.budget_gib and not args.model_kv_bytes_per_token:
+        raise ReplayError("--budget-gib: needs --model-kv-bytes-per-token to turn bytes into blocks")
+    trace = load_trace(args.trace, skip_bad=args.skip_bad)
+    if trace.skipped_lines and not args.json:
+        print(f"skipped {trace.skipped_lines} malformed lines, e.g. {trace.skipped_reasons[0]}", file=sys.stderr)
+    n_distinct = trace.n_distinct
+    specs = [PolicySpec.parse(p) for p in (args.policy or [config.DEFAULT_EVICTION_POLICY])]
+
+    if args.action == "analyze":
+        return _analyze(args, trace, specs)
+    if args.sweep:
+        return _sweep(args, trace, specs, n_distinct)
+
+    caps = [capacity_blocks(c, n_distinct) for c in (args.capacity or ["10%"])]
+    specs = _per_tier(specs, len(caps), "--policy", None)
+    bandwidths = _per_tier(args.bandwidth, len(caps), "--bandwidth", None)
+    res = replay(trace, caps, specs, with_opt=not args.no_opt)
+    d = result_dict(res, args, bandwidths)
+    d["trace"] = str(args.trace)
+    d["skipped_lines"] = trace.skipped_lines
+    if args.json:
+        print(json.dumps(d, indent=2))
+    else:
+        print(format_result(d, str(args.trace), trace.skipped_lines, args.no_opt))
+    return 0
+
+
+def _sweep(args, trace, specs, n_distinct) -> int:
+    from .sweep import DEFAULT_PERCENTS, format_sweep, plot, sweep
+
+    raw = args.sweep_capacities.split(",") if args.sweep_capacities else [f"{p:g}%" for p in DEFAULT_PERCENTS]
+    caps = sorted({capacity_blocks(c, n_distinct) for c in raw if c.strip()})
+    if not caps:
+        raise ReplayError("--sweep-capacities: no capacity given")
+    if not args.policy:  # one line per eviction policy by default
+        specs = [PolicySpec(name) for name in POLICIES]
+    result = sweep(trace, caps, specs, show_progress=not args.json)
+    plot(result, args.sweep, f"{args.trace} ({trace.n_accesses} block accesses)")
+    result["plot"] = str(args.sweep)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(format_sweep(result))
+        print(f"plot written to {args.sweep}")
+    return 0
+
+
+def _analyze(args, trace, specs) -> int:
+    from tqdm import tqdm
+
+    from .analyze import Budgets, analyze, format_analysis
+
+    budgets = Budgets(
+        kv_bytes_per_token=args.model_kv_bytes_per_token,
+        bandwidth_gb_s=args.bandwidth[0] if args.bandwidth else None,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        transfer_latency_s=args.transfer_latency_us * 1e-6,
+        capacity_bytes=int(args.budget_gib * 2**30) if args.budget_gib else None,
+    )
+    with tqdm(total=12, desc="analyze", unit="run", disable=args.json) as bar:
+        a = analyze(trace, args.block_tokens, specs[0], budgets, progress=bar.update)
+    a["policy"] = str(specs[0])
+    if args.json:
+        print(json.dumps(a, indent=2))
+    else:
+        print(format_analysis(a))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG)
+    add_arguments(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return run(args)

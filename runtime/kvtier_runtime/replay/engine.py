@@ -1,0 +1,227 @@
+"""Trace replay through the runtime's own policy classes (kvtier_runtime.policies), one or several tiers.
+
+Model (issue 8's definitions, extended to tiers the way vLLM's tiering works):
+
+* requests in file order; each is the access sequence of its ``hash_ids``; capacity is counted in blocks (each
+  block has size 1 in the policy); cold start.
+* an access is looked up tier by tier (tier 1 first); the first tier holding the block serves it (a hit of that
+  tier, touched there) and the block is promoted into every tier above it (a *promotion* out of the serving tier).
+* a miss in every tier is a demand store: each tier's admission filter is offered the block and, if it admits,
+  the block is inserted (write-through to every tier, as vLLM stores to all secondary tiers).
+* block hit ratio = hits / block accesses; prefix hit ratio = sum over requests of the leading run of hits /
+  block accesses, where each block of the leading run is credited to the tier that served it. Only the leading
+  run is *loaded* (an engine cannot use KV after a gap); those are the tier's loaded blocks.
+
+OPT for tier i is the marginal gain of a single Belady cache of tiers 1..i's combined capacity over one of tiers
+1..i-1's, so tier figures add up to the total, and the total is OPT at the combined capacity -- an upper bound
+for any hierarchy of that size.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..policies import ADMISSIONS, POLICIES, AccessContext, EvictionPolicy, get_policy
+from .metrics import flatten, prefix_hit_count
+from .opt import opt_hits
+from .trace import Trace
+
+
+class ReplayError(ValueError):
+    """A replay option broke a rule; the message names the option."""
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """An eviction policy with an optional admission filter, spelled ``NAME`` or ``NAME+ADMISSION``."""
+
+    eviction: str
+    admission: str = "none"
+
+    @classmethod
+    def parse(cls, text: str) -> "PolicySpec":
+        eviction, _, admission = text.partition("+")
+        eviction, admission = eviction.strip(), (admission.strip() or "none")
+        if eviction not in POLICIES:
+            raise ReplayError(f"--policy: {eviction!r} is not one of {', '.join(POLICIES)} (see --list-policies)")
+        if admission not in ADMISSIONS:
+            raise ReplayError(f"--policy: admission {admission!r} is not one of {', '.join(ADMISSIONS)}")
+        return cls(eviction, admission)
+
+    def __str__(self) -> str:
+        return self.eviction if self.admission == "none" else f"{self.eviction}+{self.admission}"
+
+    def build(self, capacity_blocks: int) -> EvictionPolicy:
+        return get_policy(self.eviction, capacity_blocks, admission=self.admission)
+
+
+def all_policy_specs() -> list[PolicySpec]:
+    return [PolicySpec(e, a) for e in POLICIES for a in ADMISSIONS]
+
+
+@dataclass
+class TierStats:
+    name: str
+    capacity_blocks: int
+    policy: str
+    hits: int = 0
+    prefix_hits: int = 0  # = blocks loaded from this tier
+    promotions: int = 0  # blocks served here and copied into the tiers above
+    stored_blocks: int = 0
+    opt_hits: int = 0
+    opt_prefix_hits: int = 0
+
+
+@dataclass
+class ReplayResult:
+    n_requests: int
+    n_accesses: int
+    n_distinct: int
+    tiers: list[TierStats]
+    seconds: float
+    opt_seconds: float = 0.0
+    hits: list[bool] = field(default_factory=list, repr=False)
+
+    @property
+    def accesses_per_second(self) -> float:
+        return self.n_accesses / self.seconds if self.seconds > 0 else float("inf")
+
+    def ratio(self, count: int) -> float:
+        return count / self.n_accesses if self.n_accesses else 0.0
+
+    @property
+    def total_hits(self) -> int:
+        return sum(t.hits for t in self.tiers)
+
+    @property
+    def total_prefix_hits(self) -> int:
+        return sum(t.prefix_hits for t in self.tiers)
+
+    @property
+    def total_opt_prefix_hits(self) -> int:
+        return sum(t.opt_prefix_hits for t in self.tiers)
+
+
+def capacity_blocks(text: str, n_distinct: int) -> int:
+    """``N`` blocks or ``N%`` of the trace's distinct blocks (rounded to the nearest block, at least 1)."""
+    raw = text.strip()
+    try:
+        if raw.endswith("%"):
+            pct = float(raw[:-1])
+            if not 0 < pct <= 100:
+                raise ValueError
+            return max(1, int(round(n_distinct * pct / 100)))
+        value = int(raw)
+        if value <= 0:
+            raise ValueError
+        return value
+    except ValueError:
+        raise ReplayError(f"--capacity: {text!r} must be a positive number of blocks or a percentage in (0, 100]%") from None
+
+
+def replay_single(requests: Sequence[Sequence[int]], policy: EvictionPolicy) -> tuple[list[bool], int]:
+    """The hot path: one tier, every block size 1; the hit flag of every access and the number of stores."""
+    hits: list[bool] = []
+    stored = 0
+    append = hits.append
+    touch, admit, insert = policy.touch, policy.admit, policy.insert
+    if policy.admission is None and not policy.uses_context:
+        for req in requests:
+            for key in req:
+                if touch(key):
+                    append(True)
+                else:
+                    append(False)
+                    insert(key, 1)  # size 1 always fits: nothing is pinned during replay
+        return hits, len(hits) - sum(hits)
+    use_ctx = policy.uses_context
+    for rid, req in enumerate(requests):
+        n = len(req)
+        for pos, key in enumerate(req):
+            ctx = AccessContext(rid, pos, n) if use_ctx else None
+            if touch(key, ctx):
+                append(True)
+            else:
+                append(False)
+                if admit(key, 1, ctx):
+                    insert(key, 1, ctx)
+                    stored += 1
+    return hits, stored
+
+
+def _replay_tiers(requests: Sequence[Sequence[int]], policies: list[EvictionPolicy],
+                  stats: list[TierStats]) -> list[int]:
+    """Several tiers; returns per access the index of the serving tier, or -1 for a miss."""
+    served: list[int] = []
+    use_ctx = any(p.uses_context for p in policies)
+    n_tiers = len(policies)
+    for rid, req in enumerate(requests):
+        n = len(req)
+        for pos, key in enumerate(req):
+            ctx = AccessContext(rid, pos, n) if use_ctx else None
+            tier = -1
+            for i in range(n_tiers):
+                if policies[i].touch(key, ctx):
+                    tier = i
+                    break
+            if tier >= 0:
+                stats[tier].hits += 1
+                if tier > 0:
+                    stats[tier].promotions += 1
+                    for j in range(tier):
+                        if key not in policies[j] and policies[j].insert(key, 1, ctx) is not None:
+                            stats[j].stored_blocks += 1
+            else:
+                for j in range(n_tiers):
+                    p = policies[j]
+                    if p.admit(key, 1, ctx) and p.insert(key, 1, ctx) is not None:
+                        stats[j].stored_blocks += 1
+            served.append(tier)
+    return served
+
+
+def replay(trace: Trace, capacities: Sequence[int], policies: Sequence[PolicySpec],
+           with_opt: bool = True) -> ReplayResult:
+    """Replay ``trace`` through tiers of the given capacities (blocks) and policies (one per tier)."""
+    if len(capacities) != len(policies):
+        raise ReplayError("--policy: give one policy, or one per --capacity")
+    requests = trace.requests
+    keys, lengths = flatten(requests)
+    n_distinct = len(set(keys))
+    stats = [TierStats(f"tier{i + 1}", c, str(p)) for i, (c, p) in enumerate(zip(capacities, policies))]
+    built = [spec.build(cap) for spec, cap in zip(policies, capacities)]
+    start = time.perf_counter()
+    if len(built) == 1:
+        hits, stats[0].stored_blocks = replay_single(requests, built[0])
+        served = [0 if h else -1 for h in hits]
+        stats[0].hits = sum(hits)
+    else:
+        served = _replay_tiers(requests, built, stats)
+        hits = [s >= 0 for s in served]
+    seconds = time.perf_counter() - start
+    _credit_prefix(served, lengths, stats)
+    opt_seconds = 0.0
+    if with_opt:
+        t0 = time.perf_counter()
+        cumulative = 0
+        prev_hits = prev_prefix = 0
+        for st in stats:
+            cumulative += st.capacity_blocks
+            oh = opt_hits(keys, cumulative)
+            h, ph = sum(oh), prefix_hit_count(oh, lengths)
+            st.opt_hits, st.opt_prefix_hits = h - prev_hits, ph - prev_prefix
+            prev_hits, prev_prefix = h, ph
+        opt_seconds = time.perf_counter() - t0
+    return ReplayResult(len(requests), len(keys), n_distinct, stats, seconds, opt_seconds, hits)
+
+
+def _credit_prefix(served: Sequence[int], lengths: Sequence[int], stats: list[TierStats]) -> None:
+    start = 0
+    for n in lengths:
+        for j in range(start, start + n):
+            tier = served[j]
+            if tier < 0:
+                break
+            stats[tier].prefix_hits += 1
+        start += n

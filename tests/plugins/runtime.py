@@ -1,0 +1,67 @@
+"""Fixtures and helpers of the runtime's store and filesystem-tier tests."""
+from __future__ import annotations
+
+import zlib
+from typing import Callable, Iterator
+
+import pytest
+
+
+def block_for(key: bytes, shape: tuple[int, ...] = (64, 256)):
+    """A block whose values are a pure function of its key, so any test can tell a wrong block from a right one."""
+    import torch
+
+    gen = torch.Generator().manual_seed(zlib.crc32(key))
+    return torch.randn(shape, generator=gen, dtype=torch.float32)
+
+
+def key_of(i: int) -> bytes:
+    """A vLLM-like key: 32-byte hash + 4-byte big-endian group index."""
+    import hashlib
+
+    return hashlib.sha256(str(i).encode()).digest() + (0).to_bytes(4, "big")
+
+
+def block_file_bytes(shape: tuple[int, ...] = (64, 256), codec: str = "none") -> int:
+    """Bytes one float32 block of ``shape`` takes in the filesystem tier."""
+    import torch
+
+    from kvtier_runtime.codecs import get_codec
+    from kvtier_runtime.fs.format import file_bytes_for
+
+    return file_bytes_for(get_codec(codec).encoded_nbytes(shape, torch.float32))
+
+
+def metric_value(name: str, **labels: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+@pytest.fixture
+def fs_tier_factory(tmp_path) -> Iterator[Callable[..., object]]:
+    """Builds FilesystemTier instances on tmp_path (64x256 float32 blocks) and closes them after the test."""
+    from kvtier_runtime.config import FilesystemTierConfig
+    from kvtier_runtime.fs import FilesystemTier
+    import torch
+
+    made: list[FilesystemTier] = []
+
+    def make(capacity_blocks: int = 16, root: str | None = None, shape=(64, 256), **options) -> FilesystemTier:
+        cfg_keys = {k: options.pop(k) for k in ("eviction_policy", "admission", "codec", "n_read_threads",
+                                                 "n_write_threads") if k in options}
+        if "codec_obj" in options:  # a Codec instance overriding the configured one
+            options["codec"] = options.pop("codec_obj")
+        cfg_keys.setdefault("eviction_policy", "lru")
+        cfg_keys.setdefault("n_read_threads", 4)
+        cfg_keys.setdefault("n_write_threads", 4)
+        per_block = block_file_bytes(shape, cfg_keys.get("codec", "none"))
+        cfg = FilesystemTierConfig(root_dir=root or str(tmp_path / "fs"), capacity_bytes=capacity_blocks * per_block,
+                                   **cfg_keys)
+        tier = FilesystemTier(cfg, shape, torch.float32, **options)
+        made.append(tier)
+        return tier
+
+    yield make
+    for tier in made:
+        tier.close()

@@ -1,0 +1,147 @@
+"""Pure parts of the filesystem tier: header format, file names, aligned I/O helpers."""
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier_runtime.fs import format as fmt
+from kvtier_runtime.fs import paths
+from kvtier_runtime.fs.fileio import AlignedBuffer, FileOps, probe_o_direct, read_whole, write_atomic
+
+
+def _header(**over):
+    args = dict(codec="none", dtype="bfloat16", shape=(2, 16, 8, 128), payload_len=12345, payload_crc=77,
+                key=b"\x01" * 36)
+    args.update(over)
+    return fmt.pack_header(**args)
+
+
+def test_header_round_trip() -> None:
+    raw = _header()
+    assert len(raw) == fmt.HEADER_BYTES
+    h = fmt.parse_header(raw)
+    assert (h.codec, h.dtype, h.shape, h.payload_len, h.payload_crc, h.key) == (
+        "none", "bfloat16", (2, 16, 8, 128), 12345, 77, b"\x01" * 36)
+    assert h.file_bytes == fmt.HEADER_BYTES + fmt.align_up(12345)
+
+
+@settings(max_examples=200, deadline=None)
+@given(pos=st.integers(0, fmt.HEADER_USED - 1), bit=st.integers(0, 7))
+def test_any_flipped_header_bit_is_detected(pos: int, bit: int) -> None:
+    raw = bytearray(_header())
+    raw[pos] ^= 1 << bit
+    with pytest.raises(fmt.FormatError) as info:
+        fmt.parse_header(bytes(raw))
+    assert info.value.kind in ("foreign", "version", "corrupt")
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.binary(max_size=5000))
+def test_arbitrary_bytes_never_raise_anything_but_format_error(data: bytes) -> None:
+    try:
+        fmt.parse_header(data)
+    except fmt.FormatError:
+        pass
+
+
+def test_truncated_header_and_foreign_file() -> None:
+    with pytest.raises(fmt.FormatError, match="truncated"):
+        fmt.parse_header(_header()[:100])
+    with pytest.raises(fmt.FormatError, match="foreign"):
+        fmt.parse_header(b"hello world" * 500)
+
+
+def test_payload_verification() -> None:
+    payload = bytearray(os.urandom(5000))
+    h = fmt.parse_header(_header(payload_len=5000, payload_crc=fmt.checksum(payload)))
+    fmt.verify_payload(h, h.file_bytes, memoryview(payload))
+    with pytest.raises(fmt.FormatError, match="truncated"):
+        fmt.verify_payload(h, h.file_bytes - 1, memoryview(payload))
+    with pytest.raises(fmt.FormatError, match="corrupt"):
+        fmt.verify_payload(h, h.file_bytes + fmt.ALIGN, memoryview(payload))
+    payload[4999] ^= 0x10
+    with pytest.raises(fmt.FormatError, match="payload checksum"):
+        fmt.verify_payload(h, h.file_bytes, memoryview(payload))
+
+
+@pytest.mark.parametrize("field,value,rule", [
+    ("shape", (1,) * 9, "at most 8"), ("key", b"", "1..1024"), ("key", b"k" * 1025, "1..1024"),
+    ("codec", "x" * 17, "1..16"), ("dtype", "", "1..16"), ("payload_len", -1, ">= 0"),
+])
+def test_unrepresentable_fields_are_named(field: str, value: object, rule: str) -> None:
+    with pytest.raises(ValueError, match=rf"{field}: .*{rule}"):
+        _header(**{field: value})
+
+
+@settings(max_examples=300, deadline=None)
+@given(key=st.binary(min_size=1, max_size=300))
+def test_block_paths_are_confined_and_well_formed(key: bytes) -> None:
+    rel = paths.block_relpath(key)
+    d1, d2, name = rel.split("/")
+    assert paths.is_fanout_name(d1) and paths.is_fanout_name(d2)
+    assert paths.is_block_name(name)
+    assert set(rel) <= set("0123456789abcdefh/.kvb")
+    root = "/r/" + paths.NAMESPACE
+    assert os.path.normpath(os.path.join(root, rel)).startswith(root + "/")
+    assert len(name) < 255
+
+
+def test_path_traversal_bytes_are_only_hex() -> None:
+    key = b"../../etc/passwd\x00/"
+    rel = paths.block_relpath(key)
+    assert ".." not in rel.replace(".kvb", "") and rel.endswith(key.hex() + ".kvb")
+    with pytest.raises(ValueError, match="key"):
+        paths.block_relpath(b"")
+    with pytest.raises(ValueError, match="key"):
+        paths.block_relpath("not-bytes")  # type: ignore[arg-type]
+
+
+def test_long_keys_are_named_by_digest_and_names_are_recognised() -> None:
+    assert paths.block_name(b"k" * 101).startswith("h")
+    assert paths.is_block_name(paths.block_name(b"k" * 101))
+    assert not paths.is_block_name("abc.kvb")  # odd hex length
+    assert not paths.is_block_name("../x.kvb")
+    assert paths.is_tmp_name(paths.block_name(b"ab") + ".tmp.12.3")
+    assert not paths.is_tmp_name("random.tmp.1")
+
+
+def test_aligned_buffer_is_page_aligned() -> None:
+    import ctypes
+
+    buf = AlignedBuffer(8192)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf.mv))
+    assert addr % fmt.ALIGN == 0
+    with pytest.raises(ValueError, match="nbytes"):
+        AlignedBuffer(100)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_atomic_write_and_read_back(tmp_path, direct: bool) -> None:
+    if direct and not probe_o_direct(str(tmp_path)):
+        pytest.skip("the filesystem of tmp_path does not support O_DIRECT")
+    buf = AlignedBuffer(3 * fmt.ALIGN)
+    buf.mv[:] = os.urandom(len(buf.mv))
+    final = str(tmp_path / "f.kvb")
+    write_atomic(FileOps(), final + ".tmp.1", final, buf.mv, direct)
+    assert sorted(os.listdir(tmp_path)) == ["f.kvb"]
+    back = AlignedBuffer(4 * fmt.ALIGN)
+    assert read_whole(FileOps(), final, back.mv, direct) == 3 * fmt.ALIGN
+    assert bytes(back.mv[: 3 * fmt.ALIGN]) == bytes(buf.mv)
+    small = AlignedBuffer(2 * fmt.ALIGN)
+    assert read_whole(FileOps(), final, small.mv, direct) == 2 * fmt.ALIGN + 1  # oversize is reported
+
+
+def test_failed_write_leaves_no_file(tmp_path) -> None:
+    import errno
+
+    class Full(FileOps):
+        def write(self, fd, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    buf = AlignedBuffer(fmt.ALIGN)
+    with pytest.raises(OSError):
+        write_atomic(Full(), str(tmp_path / "f.tmp.1"), str(tmp_path / "f"), buf.mv, False)
+    assert os.listdir(tmp_path) == []

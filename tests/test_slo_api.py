@@ -1,0 +1,98 @@
+"""The guard against the API models (kvtier_operator.api): a spec the models accept parses into SLOSettings
+with the models' defaults, and what the guard writes to status fits the status models (whose HistoryEntry and
+TierStatus forbid unknown keys)."""
+from __future__ import annotations
+
+import json
+
+from kvtier_operator.api.v1alpha1 import HistoryEntry, KVCachePolicy, TierStatus
+from kvtier_operator.slo import Measurements, SLOSettings, evaluate, tier_states
+
+POLICY = {
+    "apiVersion": "kvtier.io/v1alpha1",
+    "kind": "KVCachePolicy",
+    "metadata": {"name": "llama", "namespace": "serving"},
+    "spec": {
+        "selector": {"matchLabels": {"app": "llama-70b"}},
+        "engine": "vllm",
+        "tiers": [
+            {"name": "host", "medium": "cpu", "size": "16Gi"},
+            {"name": "nvme", "medium": "filesystem", "size": "500Gi", "path": "/mnt/kvcache",
+             "volume": {"emptyDir": {}}},
+        ],
+        "slo": {
+            "prometheus": {"url": "https://prometheus.monitoring:9090",
+                           "auth": {"bearerToken": {"name": "prom", "key": "token"}},
+                           "caBundle": {"name": "prom-ca", "key": "ca.crt"}},
+            "ttftP99": "2s", "itlP99": "150ms", "ttftP99MaxRatio": 1.5, "modelName": "llama-70b",
+            "reenable": {"mode": "auto"},
+        },
+        "rollout": {"strategy": "staged"},
+    },
+}
+
+
+def settings_from_model() -> SLOSettings:
+    model = KVCachePolicy.model_validate(POLICY)
+    return SLOSettings.from_spec(model.spec.model_dump(by_alias=True, exclude_none=True))
+
+
+def test_model_dump_parses_with_the_models_defaults():
+    s = settings_from_model()
+    assert s.tiers == ("host", "nvme") and s.engine == "vllm" and s.model_name == "llama-70b"
+    assert (s.window_s, s.interval_s, s.consecutive_breaches, s.cooldown_s) == (300, 30, 3, 900)
+    assert (s.min_request_rate, s.on_no_data, s.dry_run) == (0.2, "hold", False)
+    assert (s.reenable_mode, s.reenable_after_s, s.probation_s) == ("auto", 3600, 1800)
+    assert (s.rollout_strategy, s.stage_observation_s, s.ttft_p99_max_ratio) == ("staged", 1800, 1.5)
+    p = s.prometheus
+    assert (p.url, p.timeout_s, p.bearer_token.name, p.ca_bundle.key) == (
+        "https://prometheus.monitoring:9090", 10, "prom", "ca.crt")
+    # The raw dict kopf hands a handler (no defaults filled in) parses to the same settings.
+    assert SLOSettings.from_spec(POLICY["spec"]) == s
+
+
+def test_status_written_by_the_guard_fits_the_status_models():
+    s = settings_from_model()
+    ok, slow = Measurements.of(0.5, 0.05, 5.0), Measurements.of(3.0, 0.05, 5.0)
+    state, now = None, 0.0
+    # GPU-only baseline, both stages, a rollback, an auto re-enable and its probation.
+    for m, n in ((ok, 200), (slow, 3), (ok, 200)):
+        for _ in range(n):
+            state = json.loads(json.dumps(evaluate(s, state, m, now).state, allow_nan=False))
+            now += s.interval_s
+    actions = [h["action"] for h in state["history"]]
+    assert actions == ["StageEnabled", "StageEnabled", "Disabled", "Reenabled", "ProbationPassed"], actions
+    for entry in state["history"]:
+        HistoryEntry.model_validate(entry)
+    for tier in tier_states(s, state):
+        TierStatus.model_validate(tier)
+
+
+def test_status_fields_validate_against_the_status_model_and_keep_transition_times():
+    from kvtier_operator.api.v1alpha1 import KVCachePolicyStatus
+    from kvtier_operator.slo import status_fields
+
+    spec = json.loads(json.dumps(POLICY["spec"]))
+    spec["tiers"].append({"name": "spare", "medium": "filesystem", "size": "1Ti", "path": "/mnt/spare",
+                          "volume": {"emptyDir": {}}, "enabled": False})
+    spec["rollout"] = {"strategy": "immediate"}
+    del spec["slo"]["ttftP99MaxRatio"]
+    s = SLOSettings.from_spec(spec)
+    assert s.tiers == ("host", "nvme") and s.spec_disabled_tiers == ("spare",)
+    ready = {"type": "Ready", "status": "True", "reason": "Applied", "message": "",
+             "lastTransitionTime": "2026-01-01T00:00:00.000Z"}
+    conditions, state = [ready], None
+    transitions = {}
+    for i, m in enumerate([Measurements.of(0.5, 0.05, 5.0)] * 2 + [Measurements.of(3.0, 0.05, 5.0)] * 3):
+        decision = evaluate(s, state, m, 1000.0 + i * 30, generation=4)
+        fields = status_fields(s, decision, conditions, 1000.0 + i * 30, generation=4)
+        state, conditions = decision.state, fields["conditions"]
+        transitions[i] = {c["type"]: c["lastTransitionTime"] for c in conditions}
+    KVCachePolicyStatus.model_validate(json.loads(json.dumps(fields)))
+    assert fields["activeTiers"] == "host" and fields["sloState"] == "Breaching"
+    assert [(t["name"], t["state"], t["reason"]) for t in fields["tiers"]] == [
+        ("host", "Enabled", "Enabled"), ("nvme", "Disabled", "SLOBreach"), ("spare", "Disabled", "DisabledInSpec")]
+    assert transitions[4]["Ready"] == ready["lastTransitionTime"]           # foreign condition untouched
+    assert transitions[1]["SLOUnknown"] == transitions[0]["SLOUnknown"]     # no flip, no new time
+    assert transitions[2]["SLOBreached"] != transitions[1]["SLOBreached"]   # False -> True
+    assert transitions[4]["TierRolledBack"] != transitions[3]["TierRolledBack"]

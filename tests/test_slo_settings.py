@@ -1,0 +1,109 @@
+"""Parsing spec.slo / spec.rollout into SLOSettings, and PromQL building; every rejection names its field."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from kvtier_operator.slo import SLOSettings, SLOSpecError, Scope, build_queries, parse_duration
+from kvtier_operator.slo.queries import promql_duration
+
+
+def spec(slo=None, rollout=None, tiers=("host", "nvme")):
+    out = {"tiers": [{"name": t} for t in tiers],
+           "slo": {"prometheus": {"url": "http://prometheus.monitoring:9090"}, "ttftP99": "2s", **(slo or {})}}
+    if rollout is not None:
+        out["rollout"] = rollout
+    return out
+
+
+def test_issue_example_parses_to_seconds():
+    s = SLOSettings.from_spec(spec({"itlP99": "150ms", "window": "5m", "interval": "30s", "consecutiveBreaches": 3,
+                                    "onNoData": "hold", "minRequestRate": 0.2, "cooldown": "15m",
+                                    "reenable": {"mode": "auto", "after": "1h"}, "dryRun": False},
+                                   {"strategy": "staged", "stageObservation": "30m"}))
+    assert (s.ttft_p99_s, s.itl_p99_s, s.window_s, s.interval_s, s.cooldown_s) == (2, 0.15, 300, 30, 900)
+    assert (s.reenable_mode, s.reenable_after_s, s.probation_s) == ("auto", 3600, 1800)
+    assert (s.rollout_strategy, s.stage_observation_s, s.tiers) == ("staged", 1800, ("host", "nvme"))
+    assert s.prometheus.url == "http://prometheus.monitoring:9090"
+
+
+@pytest.mark.parametrize("slo,rollout,expected", [
+    ({"window": "5x"}, None, "spec.slo.window: '5x' is not a duration"),
+    ({"interval": "0s"}, None, "spec.slo.interval: '0s' must be greater than zero"),
+    ({"consecutiveBreaches": 0}, None, "spec.slo.consecutiveBreaches: 0 must be an integer >= 1"),
+    ({"onNoData": "ignore"}, None, "spec.slo.onNoData: 'ignore' is not one of hold, breach"),
+    ({"minRequestRate": -1}, None, "spec.slo.minRequestRate: -1 must be a number >= 0"),
+    ({"reenable": {"mode": "sometimes"}}, None, "spec.slo.reenable.mode: 'sometimes' is not one of manual, auto"),
+    ({"dryRun": "yes"}, None, "spec.slo.dryRun: 'yes' must be true or false"),
+    ({"prometheus": {"url": "prometheus:9090"}}, None, "spec.slo.prometheus.url: 'prometheus:9090' must be"),
+    ({"prometheus": None}, None, "spec.slo.prometheus.url: required"),
+    ({"ttftP99": None}, None, "spec.slo: at least one of ttftP99, itlP99"),
+    ({"ttftP99MaxRatio": 1.2}, None, "spec.slo.ttftP99MaxRatio: needs spec.rollout.strategy: staged"),
+    ({"ttftP99MaxRatio": 1}, {"strategy": "staged"}, "spec.slo.ttftP99MaxRatio: 1 must be a number > 1"),
+    ({"prometheus": {"url": "http://p:9090", "auth": {"username": {"name": "s", "key": "u"}}}}, None,
+     "spec.slo.prometheus.auth: username and password go together"),
+    ({"prometheus": {"url": "http://p:9090", "auth": {"bearerToken": {"name": "s"}}}}, None,
+     "spec.slo.prometheus.auth.bearerToken: must be an object with name and key"),
+    ({"queries": {"p50": "up"}}, None, "spec.slo.queries.p50: unknown"),
+    ({}, {"strategy": "canary"}, "spec.rollout.strategy: 'canary' is not one of immediate, staged"),
+    ({}, {"stageObservation": "forever"}, "spec.rollout.stageObservation: 'forever' is not a duration"),
+])
+def test_rejections_name_the_field_and_the_rule(slo, rollout, expected):
+    with pytest.raises(SLOSpecError) as info:
+        SLOSettings.from_spec(spec(slo, rollout))
+    assert any(p.startswith(expected) for p in info.value.problems), info.value.problems
+
+
+def test_all_problems_are_reported_at_once():
+    with pytest.raises(SLOSpecError) as info:
+        SLOSettings.from_spec(spec({"window": "x", "interval": "y"}, tiers=("host", "host")))
+    assert len(info.value.problems) == 3
+    assert "spec.tiers[1].name: 'host' is not unique" in info.value.problems
+
+
+def test_durations():
+    assert parse_duration(timedelta(minutes=5)) == 300
+    assert parse_duration("1h30m") == 5400 and parse_duration("150ms") == 0.15 and parse_duration(2) == 2.0
+    assert promql_duration(300) == "5m" and promql_duration(2.5) == "2500ms" and promql_duration(3600) == "1h"
+    with pytest.raises(ValueError):
+        parse_duration("-1s")
+
+
+def test_vllm_queries_match_both_spellings_and_scope_the_targets():
+    q = build_queries("vllm", Scope(namespace="llm", pods=["llama-1", "llama-0"]), 300)
+    assert q.ttft_p99 == ('histogram_quantile(0.99, sum by (le) (rate({__name__=~"vllm[:_]time_to_first_token_'
+                          'seconds_bucket", namespace="llm", pod=~"llama-0|llama-1"}[5m])))')
+    assert '__name__=~"vllm[:_]inter_token_latency_seconds_bucket"' in q.itl_p99
+    assert q.request_rate.startswith('sum(rate({__name__=~"vllm[:_]e2e_request_latency_seconds_count"')
+
+
+def test_trtllm_queries_and_model_name_scope():
+    q = build_queries("trtllm", Scope(namespace="llm", model_name='we"ird\\name'), 60)
+    assert '__name__=~"trtllm[:_]time_per_output_token_seconds_bucket"' in q.itl_p99
+    assert 'model_name="we\\"ird\\\\name"' in q.ttft_p99 and "[1m]" in q.ttft_p99
+
+
+def test_overrides_replace_one_query_and_keep_the_scope():
+    q = build_queries("vllm", Scope(namespace="llm"), 30,
+                      {"ttftP99": "max(my_ttft_p99{$selector}[$window])"})
+    assert q.ttft_p99 == 'max(my_ttft_p99{namespace="llm"}[30s])'
+    assert "vllm[:_]inter_token_latency_seconds_bucket" in q.itl_p99
+
+
+def test_bad_scope_and_engine_are_errors():
+    with pytest.raises(ValueError, match="engine: 'sglang'"):
+        build_queries("sglang", Scope(), 60)
+    with pytest.raises(ValueError, match="not a Prometheus label name"):
+        build_queries("vllm", Scope(extra_labels={"bad-label": "x"}), 60)
+
+
+def test_scope_for_prefers_model_name_and_never_widens_to_the_namespace():
+    from kvtier_operator.slo import scope_for
+
+    spec_ = spec({"modelName": "llama-70b"})
+    assert scope_for(SLOSettings.from_spec(spec_), "llm", ["a"]).matchers() == [
+        'namespace="llm"', 'model_name="llama-70b"']
+    plain = SLOSettings.from_spec(spec())
+    assert scope_for(plain, "llm", ["b", "a", "a"]).matchers() == ['namespace="llm"', 'pod=~"a|b"']
+    assert scope_for(plain, "llm", []).matchers() == ['namespace="llm"', 'pod=~"$^"']
