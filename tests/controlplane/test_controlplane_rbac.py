@@ -117,3 +117,11 @@ def test_unknown_credentials_are_refused(bare_controlplane: ControlPlane) -> Non
         with pytest.raises(ApiException) as caught:
             client.CoreV1Api(api).list_namespace()
         assert caught.value.status == 401
+
+
+def test_impersonation_carries_every_requested_group(bare_controlplane: ControlPlane) -> None:
+    groups = ("kvtier-viewers", "kvtier-oncall")
+    with bare_controlplane.api_client(impersonate="alice", groups=groups) as api:
+        review = client.AuthenticationV1Api(api).create_self_subject_review(client.V1SelfSubjectReview())
+    assert review.status.user_info.username == "alice"
+    assert set(groups) <= set(review.status.user_info.groups)

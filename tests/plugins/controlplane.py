@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import urllib3
 import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
@@ -59,11 +60,10 @@ class ControlPlane:
         api = config.new_client_from_config(config_file=str(self.kubeconfig))
         if impersonate:
             api.set_default_header("Impersonate-User", impersonate)
-        if len(groups) > 1:
-            # default headers are a dict: one value per header name.
-            raise ValueError("impersonating more than one group is not supported by this helper")
-        for group in groups:
-            api.set_default_header("Impersonate-Group", group)
+        elif groups:
+            raise ValueError("impersonating groups needs a user to impersonate")
+        if groups:
+            _add_header_lines(api, "Impersonate-Group", groups)
         return api
 
     def dynamic(self, impersonate: str | None = None) -> DynamicClient:
@@ -108,6 +108,23 @@ class ControlPlane:
         if self.bin_dir is None:
             self.bin_dir = build()
         return self.bin_dir / "kubectl"
+
+
+def _add_header_lines(api: client.ApiClient, name: str, values: Sequence[str]) -> None:
+    """Send one `name` header line per value on every request of `api`.
+
+    The client keeps headers in a dict (one value per name), but the API server reads each Impersonate-Group
+    line as one group, so the lines are added where the client hands its headers to urllib3."""
+    pool = api.rest_client.pool_manager
+    send = pool.request
+
+    def request(method: str, url: str, headers: Any = None, **kwargs: Any) -> Any:
+        lines = urllib3.HTTPHeaderDict(headers or {})
+        for value in values:
+            lines.add(name, value)
+        return send(method, url, headers=lines, **kwargs)
+
+    pool.request = request  # type: ignore[method-assign]
 
 
 def build() -> Path:
