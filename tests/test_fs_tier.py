@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import random
 import textwrap
 import threading
 import time
@@ -22,7 +23,7 @@ from kvtier_runtime.fs import FilesystemTier, KeyState
 from kvtier_runtime.fs.fileio import FileOps
 from kvtier_runtime.fs.format import HEADER_BYTES
 from kvtier_runtime.fs.paths import NAMESPACE
-from plugins.runtime import block_file_bytes, block_for, key_of, metric_value
+from plugins.runtime import block_file_bytes, block_for, key_of, metric_value, run_in_threads
 
 SHAPE = (64, 256)
 
@@ -349,36 +350,25 @@ def test_kill_9_writer_mid_write_then_restart(fs_tier_factory, tmp_path) -> None
 def test_concurrent_stores_and_loads_never_return_wrong_bytes(fs_tier_factory) -> None:
     tier = fs_tier_factory(capacity_blocks=12)
     keys = [key_of(i) for i in range(40)]
-    errors: list[BaseException] = []
     served = [0]
 
     def worker(seed: int) -> None:
-        import random
-
         rnd = random.Random(seed)
-        try:
-            for _ in range(60):
-                batch = rnd.sample(keys, 3)
-                if rnd.random() < 0.5:
-                    tier.store(batch, [block_for(k) for k in batch])
-                else:
-                    outs = [_sentinel() for _ in batch]
-                    res = tier.load(batch, outs)
-                    for k, ok, o in zip(batch, res.ok, outs):
-                        if ok:
-                            assert torch.equal(o, block_for(k))
-                            served[0] += 1
-                        else:
-                            assert torch.equal(o, _sentinel())
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
+        for _ in range(60):
+            batch = rnd.sample(keys, 3)
+            if rnd.random() < 0.5:
+                tier.store(batch, [block_for(k) for k in batch])
+            else:
+                outs = [_sentinel() for _ in batch]
+                res = tier.load(batch, outs)
+                for k, ok, o in zip(batch, res.ok, outs):
+                    if ok:
+                        assert torch.equal(o, block_for(k))
+                        served[0] += 1
+                    else:
+                        assert torch.equal(o, _sentinel())
 
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_in_threads(worker)
     assert served[0] > 0
     tier.drain()
     files = _files(tier)

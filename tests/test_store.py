@@ -6,7 +6,7 @@ the `cuda`-marked tests and bench/gpu_store.py on a GPU machine.
 from __future__ import annotations
 
 import os
-import threading
+import random
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ import torch
 from kvtier_runtime.config import FilesystemTierConfig
 from kvtier_runtime.fs import FilesystemTier
 from kvtier_runtime.store import CostModel, MemoryTier, TieredStore
-from plugins.runtime import block_file_bytes, block_for, key_of, metric_value
+from plugins.runtime import block_file_bytes, block_for, key_of, metric_value, run_in_threads
 
 SHAPE = (64, 256)
 NB = 64 * 256 * 4  # bytes of one float32 block
@@ -227,35 +227,24 @@ def test_bad_configuration_names_the_field(make_store, tmp_path) -> None:
 def test_concurrent_puts_and_loads_are_consistent(make_store) -> None:
     store = make_store(device=3, host=5, fs_blocks=30)
     keys = [key_of(i) for i in range(30)]
-    errors: list[BaseException] = []
 
     def worker(seed: int) -> None:
-        import random
-
         rnd = random.Random(seed)
-        try:
-            for _ in range(40):
-                batch = rnd.sample(keys, 3)
-                op = rnd.random()
-                if op < 0.25:
-                    _put(store, batch)
-                elif op < 0.5:  # plans run in this thread, concurrently with the worker's
-                    store.put_sync(batch, [block_for(k) for k in batch])
-                elif op < 0.75:
-                    _load(store, batch)  # asserts every hit is exact
-                else:
-                    outs = [torch.full(SHAPE, -1.0) for _ in batch]
-                    res = store.load_sync(batch, outs)
-                    assert all(torch.equal(o, block_for(k)) for o, k in zip(outs[: res.hits], batch))
-        except BaseException as exc:
-            errors.append(exc)
+        for _ in range(40):
+            batch = rnd.sample(keys, 3)
+            op = rnd.random()
+            if op < 0.25:
+                _put(store, batch)
+            elif op < 0.5:  # plans run in this thread, concurrently with the worker's
+                store.put_sync(batch, [block_for(k) for k in batch])
+            elif op < 0.75:
+                _load(store, batch)  # asserts every hit is exact
+            else:
+                outs = [torch.full(SHAPE, -1.0) for _ in batch]
+                res = store.load_sync(batch, outs)
+                assert all(torch.equal(o, block_for(k)) for o, k in zip(outs[: res.hits], batch))
 
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_in_threads(worker)
     for name in ("device", "host"):
         tier = store.tier(name)
         assert tier.used_bytes == len(tier) * NB <= tier.capacity_bytes

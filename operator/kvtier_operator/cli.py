@@ -58,6 +58,9 @@ def cmd_render(args: argparse.Namespace) -> int:
         if doc is None:
             return _fail(f"{args.file}: no policy named {args.name!r}")
         policy = parse_policy(doc)
+        if args.engine and policy.spec.engine and args.engine != policy.spec.engine:
+            return _fail(f"{args.file}: --engine {args.engine} contradicts spec.engine: {policy.spec.engine}; "
+                         "--engine only supplies an engine the policy leaves unset")
         tiers = None if args.tiers is None else [t for t in args.tiers.split(",") if t]
         rendered = render(policy, engine=args.engine, enabled_tiers=tiers)
     except PolicyInvalid as err:
@@ -100,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("render", help="print the engine configuration a policy produces")
     p.add_argument("file", metavar="FILE")
-    p.add_argument("--engine", choices=["vllm", "trtllm"], help="override or supply spec.engine")
+    p.add_argument("--engine", choices=["vllm", "trtllm"], help="engine to render for when spec.engine is unset")
     p.add_argument("--output", "-o", choices=["yaml", "json", "args"], default="yaml")
     p.add_argument("--name", help="policy name when the file holds several")
     p.add_argument("--tiers", help="comma-separated tiers to treat as enabled (as the SLO guard would)")

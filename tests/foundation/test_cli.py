@@ -72,6 +72,8 @@ def test_render_yaml_args_and_tier_subset(tmp_path):
 def test_render_errors_are_messages(tmp_path):
     out = kvtier("render", write(tmp_path, "p.yaml", policy(engine=None, backend="lmcache")), "--engine", "trtllm")
     assert out.returncode == 1 and "engine trtllm does not support backend lmcache" in out.stderr
+    out = kvtier("render", write(tmp_path, "v.yaml", policy(engine="vllm")), "--engine", "trtllm")
+    assert out.returncode == 1 and "--engine trtllm contradicts spec.engine: vllm" in out.stderr
     out = kvtier("render", write(tmp_path, "n.yaml", policy(engine=None)))
     assert out.returncode == 1 and "spec.engine" in out.stderr and "Traceback" not in out.stderr
 

@@ -1,6 +1,7 @@
 """Fixtures and helpers of the runtime's store and filesystem-tier tests."""
 from __future__ import annotations
 
+import threading
 import zlib
 from typing import Callable, Iterator
 
@@ -65,3 +66,21 @@ def fs_tier_factory(tmp_path) -> Iterator[Callable[..., object]]:
     yield make
     for tier in made:
         tier.close()
+
+
+def run_in_threads(worker: Callable[[int], None], n: int = 4) -> None:
+    """Run ``worker(seed)`` for seeds 0..n-1 in concurrent threads; re-raise what any of them raised."""
+    errors: list[BaseException] = []
+
+    def guarded(seed: int) -> None:
+        try:
+            worker(seed)
+        except BaseException as exc:  # surfaced in the test's own thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(seed,)) for seed in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors

@@ -54,7 +54,8 @@ def _format_loc(loc: Iterable[Any]) -> str:
 def _pydantic_problems(err: ValidationError) -> list[Problem]:
     problems = []
     for e in err.errors(include_url=False):
-        loc = [p for p in e["loc"] if p not in ("function-before[<lambda>(), str]",)]
+        # pydantic adds validator wrappers (e.g. "function-before[...]") to the location; users see fields only.
+        loc = [p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
         path = _format_loc(loc) or "(document)"
         kind, value = e["type"], e.get("input")
         if kind == "missing":

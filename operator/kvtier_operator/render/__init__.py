@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from ..api import v1alpha1 as api
-from ..api.validation import PolicyInvalid, Problem, parse_policy
+from ..api.validation import PolicyInvalid, parse_policy
 from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, RenderError, TargetFacts
 from .trtllm import render_trtllm
 from .vllm import render_vllm
@@ -71,8 +71,3 @@ def render(policy: api.KVCachePolicy, facts: Optional[TargetFacts] = None, *,
         return render_vllm(spec, tiers, name)
     return render_trtllm(spec, tiers, name)
 
-
-def problems_of(err: Exception) -> list[Problem]:
-    if isinstance(err, PolicyInvalid):
-        return err.problems
-    return [Problem("spec", str(err))]
