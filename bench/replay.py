@@ -1,6 +1,6 @@
 """Replay speed and prefix hit ratios per policy against OPT at 5% and 10% of the trace's distinct blocks.
 
-    python bench/replay.py [--trace ../shared/traces/mooncake-synthetic.jsonl]
+    python bench/replay.py [--trace tests/data/mooncake-synthetic.jsonl]
 
 Speed is block accesses per second on one core through kvtier_runtime.replay.replay_single (the runtime's own
 policy classes), next to an inline OrderedDict LRU over the same accesses measured in the same run.
@@ -8,7 +8,6 @@ policy classes), next to an inline OrderedDict LRU over the same accesses measur
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import sys
 import time
@@ -28,8 +27,7 @@ SPECS = ["lru", "arc", "s3fifo", "prefix2q", "lru+doorkeeper", "s3fifo+doorkeepe
 
 
 def default_trace() -> pathlib.Path:
-    base = pathlib.Path(os.environ.get("KVTIER_TRACE_DIR") or ROOT.parent / "shared" / "traces")
-    return base / "mooncake-synthetic.jsonl"
+    return ROOT / "tests" / "data" / "mooncake-synthetic.jsonl"
 
 
 def reference_lru(keys: list[int], capacity: int) -> float:

@@ -16,7 +16,6 @@ Needs the env built by ``.ci/vllm-env``.
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import sys
 import time
@@ -39,8 +38,7 @@ TOKENS_PER_BLOCK = 16
 
 
 def default_trace() -> pathlib.Path:
-    base = os.environ.get("KVTIER_TRACE_DIR") or str(ROOT.parent / "shared" / "traces")
-    return pathlib.Path(base) / "mooncake-synthetic.jsonl"
+    return ROOT / "tests" / "data" / "mooncake-synthetic.jsonl"
 
 
 def policy_rows(selected: list[str] | None) -> list[tuple[str, str, str | None]]:
@@ -83,7 +81,7 @@ def replay(manager: CPUOffloadingManager, requests: list[list[bytes]]) -> tuple[
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=pathlib.Path, default=None, help="Mooncake JSONL trace (default: "
-                        "$KVTIER_TRACE_DIR or ../shared/traces beside the checkout)/mooncake-synthetic.jsonl")
+                        "tests/data/mooncake-synthetic.jsonl)")
     parser.add_argument("--capacity", type=int, nargs="+", default=[2196], help="CPU tier size in chunks")
     parser.add_argument("--policies", nargs="*", help="labels or class names to run (default: all)")
     args = parser.parse_args(argv)

@@ -1,29 +1,22 @@
-"""Fixtures of the policy and trace-replay tests: where the shared Mooncake-style trace lives.
+"""Fixtures of the policy and trace-replay tests: the public Mooncake trace the repository carries.
 
-CI checks the trace out at ../shared/traces/ next to the repository root; KVTIER_TRACE_DIR overrides that.
+`tests/data/mooncake-synthetic.jsonl` is Mooncake's FAST'25 synthetic trace (Apache-2.0, `tests/data/LICENSE-mooncake`).
+It is part of the repository, so a missing file is a broken checkout and fails the test instead of skipping it.
 """
 from __future__ import annotations
 
-import os
 import pathlib
 
 import pytest
 
 TRACE_NAME = "mooncake-synthetic.jsonl"
-
-
-def trace_dir() -> pathlib.Path:
-    env = os.environ.get("KVTIER_TRACE_DIR")
-    if env:
-        return pathlib.Path(env)
-    return pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+DATA_DIR = pathlib.Path(__file__).resolve().parents[1] / "data"
 
 
 @pytest.fixture(scope="session")
 def mooncake_trace_path() -> pathlib.Path:
-    path = trace_dir() / TRACE_NAME
-    if not path.is_file():
-        pytest.skip(f"{TRACE_NAME} not found under {trace_dir()} (set KVTIER_TRACE_DIR)")
+    path = DATA_DIR / TRACE_NAME
+    assert path.is_file(), f"{path} is missing: it is part of the repository (git checkout -- tests/data)"
     return path
 
 
