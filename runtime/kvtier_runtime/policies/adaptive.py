@@ -1,0 +1,191 @@
+"""Leaf-first LRU whose block classes age at learned speeds ("adaptive"; the runtime's default).
+
+Entries are split into three classes by what the cache knows when they arrive:
+
+* ``FRESH`` -- a block not in the recent history (a first-timer);
+* ``AGAIN`` -- a block hit while cached, or inserted again while the history still remembered it;
+* ``TAIL``  -- the last block of a request's prompt, inserted on a miss (with an :class:`AccessContext`). Its
+  prompt usually ends inside it, so the next turn of the conversation extends it into a *different* block.
+
+Each class is an LRU list in leaf-first order: blocks carry the tick of the request that last used them, and
+within one request the tail sits before the head -- a block is only reusable when every block before it is cached
+(SGLang's radix cache evicts leaves first for the same reason). The victim is the class head with the largest
+``age x weight``; with equal weights this is exactly leaf-first LRU.
+
+The weights are learned from recently evicted keys (one ghost FIFO, as long as the cache, each ghost tagged with
+its class): a ghost hit means the class was evicted too early, so its weight shrinks; each eviction grows the
+weight of its class by the running ghost-hit rate of all evictions. The weights settle where every class loses
+hits at the same rate per eviction -- the equal-marginal-utility point of cache partitioning -- so a trace where
+first-timers matter (multi-turn chat: the next turn reuses them within seconds) drifts back to plain LRU, and one
+where they do not (one-shot documents) protects the blocks seen before, as ARC and LeCaR adapt by ghost hits.
+
+All operations are O(1) amortised (three class heads are compared per eviction).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Hashable
+
+from .base import AccessContext, EvictionPolicy, Key
+from .ghost import GhostList
+
+FRESH, AGAIN, TAIL = 0, 1, 2
+
+
+class AdaptivePolicy(EvictionPolicy):
+    name = "adaptive"
+    uses_context = True
+    history_factor = 4  # how long "seen before" is remembered, in cache sizes
+    learning_rate = 0.004
+    max_weight_ratio = 64.0
+
+    def __init__(self, capacity_bytes: int, admission=None) -> None:
+        super().__init__(capacity_bytes, admission)
+        # Per class: key -> tick of its last use, oldest first.
+        self._lists: tuple[OrderedDict[Key, int], ...] = (OrderedDict(), OrderedDict(), OrderedDict())
+        self._class: dict[Key, int] = {}
+        self._history = GhostList(self.history_factor * capacity_bytes)
+        self._evicted: OrderedDict[Key, int] = OrderedDict()  # ghost -> class it was evicted from
+        self._evicted_bytes = 0
+        self._evicted_sizes: dict[Key, int] = {}
+        self._weights = [1.0, 1.0, 1.0]
+        self._ghost_rate = 0.0  # running ghost hits per eviction
+        self._tick = 0
+        self._request: Hashable = None
+        self._current: dict[Key, None] = {}  # keys of the current request, in access order
+
+    @property
+    def weights(self) -> tuple[float, float, float]:
+        """Learned ageing speeds of (FRESH, AGAIN, TAIL); larger is evicted sooner."""
+        return tuple(self._weights)  # type: ignore[return-value]
+
+    # ---- request tracking (leaf-first order) -------------------------------------------------------------
+    def _enter(self, key: Key, ctx: AccessContext | None) -> None:
+        if ctx is None or ctx.request_id is None:
+            if self._current:
+                self._flush()
+            self._tick += 1
+            return
+        if ctx.request_id != self._request:
+            if self._current:
+                self._flush()
+            self._request = ctx.request_id
+            self._tick += 1
+        self._current[key] = None
+
+    def _flush(self) -> None:
+        """The finished request's keys move to the young end tail-first, so its head outlives its tail."""
+        lists, cls = self._lists, self._class
+        for key in reversed(self._current):
+            c = cls.get(key)
+            if c is not None:
+                lists[c].move_to_end(key)
+        self._current = {}
+
+    # ---- learning ----------------------------------------------------------------------------------------
+    def _learn_from_ghost(self, key: Key) -> None:
+        c = self._evicted.pop(key, None)
+        if c is None:
+            return
+        self._evicted_bytes -= self._evicted_sizes.pop(key)
+        self._weights[c] *= 1.0 - self.learning_rate
+        self._ghost_rate += 0.001 * (1.0 - self._ghost_rate)
+        self._normalise()
+
+    def _record_eviction(self, key: Key, c: int, size: int) -> None:
+        self._ghost_rate *= 0.999
+        self._weights[c] *= 1.0 + self.learning_rate * self._ghost_rate
+        self._normalise()
+        self._evicted[key] = c
+        self._evicted_sizes[key] = size
+        self._evicted_bytes += size
+        while self._evicted_bytes > self.capacity_bytes:
+            old, _ = self._evicted.popitem(last=False)
+            self._evicted_bytes -= self._evicted_sizes.pop(old)
+
+    def _normalise(self) -> None:
+        w = self._weights
+        low = min(w)
+        for i in range(3):
+            w[i] = min(w[i] / low, self.max_weight_ratio)
+
+    # ---- hooks -------------------------------------------------------------------------------------------
+    def _prepare_insert(self, key: Key, size: int, ctx: AccessContext | None) -> None:
+        self._learn_from_ghost(key)
+
+    def _order_insert(self, key: Key, size: int, ctx: AccessContext | None) -> None:
+        self._enter(key, ctx)
+        if key in self._history:
+            c = AGAIN
+        elif ctx is not None and ctx.request_id is not None and ctx.position == ctx.length - 1 > 0:
+            c = TAIL
+        else:
+            c = FRESH
+        self._history.add(key, size)
+        self._class[key] = c
+        self._lists[c][key] = self._tick
+
+    def _order_touch(self, key: Key, ctx: AccessContext | None) -> None:
+        self._enter(key, ctx)
+        self._history.add(key, self._sizes[key])
+        c = self._class[key]
+        if c != AGAIN:
+            del self._lists[c][key]
+            self._class[key] = AGAIN
+        again = self._lists[AGAIN]
+        again[key] = self._tick
+        again.move_to_end(key)
+
+    def _order_remove(self, key: Key) -> None:
+        del self._lists[self._class.pop(key)][key]
+        self._current.pop(key, None)
+
+    def peek_victim(self) -> Key | None:
+        found = self._choose(self._pins.__contains__)
+        return None if found is None else found[0]
+
+    def _choose(self, blocked: Callable[[Key], bool]) -> tuple[Key, int] | None:
+        best: tuple[Key, int] | None = None
+        best_score = -1.0
+        now = self._tick
+        current = self._current
+        for c, lst in enumerate(self._lists):
+            for key, tick in lst.items():
+                if blocked(key):
+                    continue
+                if key in current:
+                    # Only the running request's keys are left in this class: offer its tail, not its head.
+                    for tail in reversed(lst):
+                        if not blocked(tail):
+                            key, tick = tail, lst[tail]
+                            break
+                score = (now - tick + 1) * self._weights[c]
+                if score > best_score:
+                    best, best_score = (key, c), score
+                break
+        return best
+
+    def _pop_victim(self, blocked: Callable[[Key], bool]) -> Key:
+        found = self._choose(blocked)
+        if found is None:
+            raise AssertionError("no evictable entry although the base class counted enough evictable bytes")
+        key, c = found
+        del self._lists[c][key]
+        del self._class[key]
+        self._current.pop(key, None)
+        self._record_eviction(key, c, self._sizes[key])
+        return key
+
+    def _order_clear(self) -> None:
+        for lst in self._lists:
+            lst.clear()
+        self._class.clear()
+        self._history.clear()
+        self._evicted.clear()
+        self._evicted_sizes.clear()
+        self._evicted_bytes = 0
+        self._weights = [1.0, 1.0, 1.0]
+        self._ghost_rate = 0.0
+        self._tick = 0
+        self._request = None
+        self._current = {}
