@@ -1,6 +1,6 @@
-"""Fixtures of the policy and trace-replay tests: where the shared Mooncake-style trace lives.
+"""Fixtures of the policy and trace-replay tests: the Mooncake-style trace in tests/data/, and generated traces.
 
-CI checks the trace out at ../shared/traces/ next to the repository root; KVTIER_TRACE_DIR overrides that.
+Tests read nothing outside the repository; KVTIER_TRACE_DIR points at another folder holding the same file.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def trace_dir() -> pathlib.Path:
     env = os.environ.get("KVTIER_TRACE_DIR")
     if env:
         return pathlib.Path(env)
-    return pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+    return pathlib.Path(__file__).resolve().parents[1] / "data"
 
 
 @pytest.fixture(scope="session")
