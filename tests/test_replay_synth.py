@@ -63,3 +63,19 @@ def test_bad_arguments_are_named() -> None:
         generate("chat", 10)
     with pytest.raises(ValueError, match="requests"):
         generate("agent", 0)
+
+
+def test_the_command_line_writes_a_trace_and_names_bad_options(tmp_path, capsys) -> None:
+    from kvtier_runtime.replay.synth import main
+
+    out = tmp_path / "c.jsonl"
+    assert main(["--shape", "agent", "--requests", "50", "--seed", "3", "--out", str(out)]) == 0
+    assert len(load_trace(out).requests) == 50
+    capsys.readouterr()
+    for argv, option in ((["--shape", "agent", "--requests", "0"], "--requests"),
+                         (["--shape", "agent", "--out", str(tmp_path / "no" / "x.jsonl")], "--out")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv + ([] if "--out" in argv else ["--out", str(out)]))
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert option in err and err.count("\n") == 1

@@ -198,3 +198,31 @@ def write_jsonl(rows: Iterable[dict], path: str | Path) -> None:
     with Path(path).open("w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, separators=(", ", ": ")) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvtier_runtime.replay.synth --shape conversation --requests 3000 --seed 1 --out FILE``."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m kvtier_runtime.replay.synth", description=__doc__.splitlines()[0])
+    parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message}\n")  # type: ignore[method-assign]
+    parser.add_argument("--shape", choices=SHAPES, required=True)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-tokens", type=int, default=512)
+    parser.add_argument("--out", required=True, metavar="FILE", help="JSONL file to write")
+    args = parser.parse_args(argv)
+    try:
+        rows = generate(args.shape, args.requests, args.seed, args.block_tokens)
+        write_jsonl(rows, args.out)
+    except ValueError as exc:
+        parser.exit(2, f"{parser.prog}: error: --{str(exc).replace('_', '-')}\n")
+    except OSError as exc:
+        parser.exit(2, f"{parser.prog}: error: --out: {args.out}: {exc.strerror or exc}\n")
+    print(f"wrote {len(rows)} {args.shape} requests to {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
