@@ -12,7 +12,8 @@ within one request the tail sits before the head -- a block is only reusable whe
 (SGLang's radix cache evicts leaves first for the same reason). The victim is the class head with the largest
 ``age x weight``; with equal weights this is exactly leaf-first LRU.
 
-The weights are learned from recently evicted keys (one ghost FIFO, as long as the cache, each ghost tagged with
+The weights start from a prior (first-timers 16x, tails 64x the ageing speed of repeats) and are learned from
+recently evicted keys (one ghost FIFO, as long as the cache, each ghost tagged with
 its class): a ghost hit means the class was evicted too early, so its weight shrinks; each eviction grows the
 weight of its class by the running ghost-hit rate of all evictions. The weights settle where every class loses
 hits at the same rate per eviction -- the equal-marginal-utility point of cache partitioning -- so a trace where
@@ -30,6 +31,7 @@ from .base import AccessContext, EvictionPolicy, Key
 from .ghost import GhostList
 
 FRESH, AGAIN, TAIL = 0, 1, 2
+_TIE_ORDER = (TAIL, FRESH, AGAIN)
 
 
 class AdaptivePolicy(EvictionPolicy):
@@ -162,7 +164,11 @@ class AdaptivePolicy(EvictionPolicy):
         best_score = -1.0
         now = self._tick
         current = self._current
-        for c, lst in enumerate(self._lists):
+        lists = self._lists
+        # On equal scores (same request) a tail goes before a first-timer before a repeat: inside one request
+        # that is deepest position first, since a request's repeats are its head.
+        for c in _TIE_ORDER:
+            lst = lists[c]
             for key, tick in lst.items():
                 if blocked(key):
                     continue
