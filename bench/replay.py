@@ -126,6 +126,7 @@ def main() -> None:
     ap.add_argument("--trace", default=str(default_trace()))
     ap.add_argument("--repeat", type=int, default=3, help="speed: best of N runs (the machine may be shared)")
     ap.add_argument("--oracles", action="store_true", help="also print two future-knowledge bounds (not policies)")
+    ap.add_argument("--policies", help="comma-separated specs for the speed table (default: all of SPECS)")
     ap.add_argument("--gap", action="store_true", help="gap-closure table over the trace and generated shapes")
     ap.add_argument("--gap-policies", default=f"{config.DEFAULT_EVICTION_POLICY},prefix2q")
     ap.add_argument("--requests", type=int, default=3000, help="--gap: requests per generated trace")
@@ -155,7 +156,7 @@ def main() -> None:
     print(f"{'policy':<20} {'accesses/s':>11} {'vs raw LRU':>10} "
           f"{'prefix@5%':>10} {'of OPT':>7} {'prefix@10%':>11} {'of OPT':>7}")
     print(f"{'OPT (Belady)':<20} {'':>11} {'':>10} {opt[caps[0]]:>10.4f} {'100%':>7} {opt[caps[1]]:>11.4f} {'100%':>7}")
-    for text in SPECS:
+    for text in (args.policies.split(",") if args.policies else SPECS):
         spec = PolicySpec.parse(text)
         ratios, rates, refs = [], [], []
         for c in caps:

@@ -53,9 +53,8 @@ class AdaptivePolicy(EvictionPolicy):
         self._lists: tuple[OrderedDict[Key, int], ...] = (OrderedDict(), OrderedDict(), OrderedDict())
         self._class: dict[Key, int] = {}
         self._history = GhostList(self.history_factor * capacity_bytes)
-        self._evicted: OrderedDict[Key, int] = OrderedDict()  # ghost -> class it was evicted from
+        self._evicted: OrderedDict[Key, tuple[int, int]] = OrderedDict()  # ghost -> (class evicted from, size)
         self._evicted_bytes = 0
-        self._evicted_sizes: dict[Key, int] = {}
         self._weights = list(self.initial_weights)
         self._ghost_rate = 0.0  # running ghost hits per eviction
         self._evictions = 0
@@ -94,10 +93,11 @@ class AdaptivePolicy(EvictionPolicy):
 
     # ---- learning ----------------------------------------------------------------------------------------
     def _learn_from_ghost(self, key: Key) -> None:
-        c = self._evicted.pop(key, None)
-        if c is None:
+        ghost = self._evicted.pop(key, None)
+        if ghost is None:
             return
-        self._evicted_bytes -= self._evicted_sizes.pop(key)
+        c, size = ghost
+        self._evicted_bytes -= size
         w = self._weights
         w[c] *= 1.0 - self.learning_rate
         self._ghost_rate += 0.001 * (1.0 - self._ghost_rate)
@@ -118,12 +118,11 @@ class AdaptivePolicy(EvictionPolicy):
             low = min(w)
             for i in range(3):
                 w[i] /= low
-        self._evicted[key] = c
-        self._evicted_sizes[key] = size
+        evicted = self._evicted
+        evicted[key] = (c, size)
         self._evicted_bytes += size
         while self._evicted_bytes > self.ghost_factor * self.capacity_bytes:
-            old, _ = self._evicted.popitem(last=False)
-            self._evicted_bytes -= self._evicted_sizes.pop(old)
+            self._evicted_bytes -= evicted.popitem(last=False)[1][1]
 
     # ---- hooks -------------------------------------------------------------------------------------------
     def _prepare_insert(self, key: Key, size: int, ctx: AccessContext | None) -> None:
@@ -188,6 +187,22 @@ class AdaptivePolicy(EvictionPolicy):
                 break
         return best
 
+    def _choose_unblocked(self) -> tuple[Key, int]:
+        """``_choose`` when nothing is pinned or protected: each class's candidate is its head (or, for the running
+        request, its tail)."""
+        best, best_c, best_score = None, FRESH, -1.0
+        now, weights, lists, current = self._tick, self._weights, self._lists, self._current
+        for c in _TIE_ORDER:
+            lst = lists[c]
+            if lst:
+                key = next(iter(lst))
+                if key in current:
+                    key = next(reversed(lst))
+                score = (now - lst[key] + 1) * weights[c]
+                if score > best_score:
+                    best, best_c, best_score = key, c, score
+        return best, best_c
+
     def insert(self, key: Key, size: int, ctx: AccessContext | None = None) -> list[Key] | None:
         # Hot path (trace replay, a tier with no transfer in flight): with nothing pinned every entry is evictable,
         # so the base class's feasibility checks and blocked-key tests are skipped. Same result, fewer calls.
@@ -211,7 +226,7 @@ class AdaptivePolicy(EvictionPolicy):
         return evicted
 
     def _pop_victim(self, blocked: Callable[[Key], bool] | None) -> Key:
-        found = self._choose(blocked)
+        found = self._choose_unblocked() if blocked is None else self._choose(blocked)
         if found is None:
             raise AssertionError("no evictable entry although the base class counted enough evictable bytes")
         key, c = found
@@ -227,7 +242,6 @@ class AdaptivePolicy(EvictionPolicy):
         self._class.clear()
         self._history.clear()
         self._evicted.clear()
-        self._evicted_sizes.clear()
         self._evicted_bytes = 0
         self._weights = list(self.initial_weights)
         self._ghost_rate = 0.0
