@@ -1,6 +1,11 @@
 """Replay speed and prefix hit ratios per policy against OPT at 5% and 10% of the trace's distinct blocks.
 
     python bench/replay.py [--trace tests/data/mooncake-synthetic.jsonl]
+    python bench/replay.py --gap [--gap-policies adaptive,prefix2q] [--requests 3000] [--seed 1]
+
+``--gap`` prints, for the shared trace and every generated shape (kvtier_runtime.replay.synth), the share of the
+LRU -> OPT prefix-hit gap each policy closes at 1-30% capacity, its margin over LRU, and the LRU capacity
+matching it (capacity equivalence).
 
 Speed is block accesses per second on one core through kvtier_runtime.replay.replay_single (the runtime's own
 policy classes), next to an inline OrderedDict LRU over the same accesses measured in the same run.
@@ -22,7 +27,7 @@ from kvtier_runtime.replay.metrics import flatten, prefix_hit_count  # noqa: E40
 from kvtier_runtime.replay.opt import opt_hits  # noqa: E402
 from kvtier_runtime.replay.trace import load_trace  # noqa: E402
 
-SPECS = ["lru", "arc", "s3fifo", "prefix2q", "lru+doorkeeper", "s3fifo+doorkeeper", "s3fifo+threshold",
+SPECS = ["lru", "arc", "s3fifo", "prefix2q", "adaptive", "lru+doorkeeper", "s3fifo+doorkeeper", "s3fifo+threshold",
          "prefix2q+threshold"]
 
 
@@ -90,13 +95,55 @@ def oracle_bounds(keys: list[int], capacity: int) -> dict[str, list[bool]]:
     return out
 
 
+def gap_table(traces: list[tuple[str, object]], policies: list[str]) -> None:
+    from kvtier_runtime.replay.lru_curve import LRUCurve
+
+    print("gap closed = (policy - LRU) / (OPT - LRU) in prefix hit ratio; margin = policy - LRU; "
+          "xmem = LRU capacity matching the policy / capacity")
+    print(f"{'trace':<20} {'cap':>4} {'LRU':>7} {'OPT':>7} " + " ".join(
+        f"{p + ' ratio':>15} {'gap':>6} {'margin':>8} {'xmem':>5}" for p in policies))
+    for name, trace in traces:
+        keys, lengths = flatten(trace.requests)
+        n = len(keys)
+        curve = LRUCurve(keys, lengths)
+        for pct in (1, 2, 5, 10, 20, 30):
+            cap = capacity_blocks(f"{pct}%", trace.n_distinct)
+            lru = curve.prefix_hit_ratio(cap)
+            opt = prefix_hit_count(opt_hits(keys, cap), lengths) / n
+            cells = []
+            for p in policies:
+                hits, _ = replay_single(trace.requests, PolicySpec.parse(p).build(cap))
+                ph = prefix_hit_count(hits, lengths)
+                gap = f"{(ph / n - lru) / (opt - lru):>6.1%}" if opt - lru > 1e-9 else f"{'-':>6}"
+                cells.append(f"{ph / n:>15.4f} {gap} {ph / n - lru:>+8.4f} {curve.capacity_for(ph) / cap:>5.2f}")
+            print(f"{name:<20} {pct:>3}% {lru:>7.4f} {opt:>7.4f} " + " ".join(cells), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default=str(default_trace()))
     ap.add_argument("--repeat", type=int, default=3, help="speed: best of N runs (the machine may be shared)")
     ap.add_argument("--oracles", action="store_true", help="also print two future-knowledge bounds (not policies)")
+    ap.add_argument("--policies", help="comma-separated specs for the speed table (default: all of SPECS)")
+    ap.add_argument("--gap", action="store_true", help="gap-closure table over the trace and generated shapes")
+    ap.add_argument("--gap-policies", default=f"{config.DEFAULT_EVICTION_POLICY},prefix2q")
+    ap.add_argument("--requests", type=int, default=3000, help="--gap: requests per generated trace")
+    ap.add_argument("--seed", type=int, default=1, help="--gap: generator seed")
     args = ap.parse_args()
     trace = load_trace(args.trace)
+    if args.gap:
+        import tempfile
+
+        from kvtier_runtime.replay.synth import SHAPES, generate, write_jsonl
+
+        traces = [(pathlib.Path(args.trace).stem, trace)]
+        with tempfile.TemporaryDirectory() as tmp:
+            for shape in SHAPES:
+                path = pathlib.Path(tmp) / f"{shape}.jsonl"
+                write_jsonl(generate(shape, args.requests, seed=args.seed), path)
+                traces.append((f"{shape} (seed {args.seed})", load_trace(path)))
+        gap_table(traces, args.gap_policies.split(","))
+        return
     keys, lengths = flatten(trace.requests)
     n = len(keys)
     caps = [capacity_blocks(p, trace.n_distinct) for p in ("5%", "10%")]
@@ -107,7 +154,7 @@ def main() -> None:
     print(f"{'policy':<20} {'accesses/s':>11} {'vs raw LRU':>10} "
           f"{'prefix@5%':>10} {'of OPT':>7} {'prefix@10%':>11} {'of OPT':>7}")
     print(f"{'OPT (Belady)':<20} {'':>11} {'':>10} {opt[caps[0]]:>10.4f} {'100%':>7} {opt[caps[1]]:>11.4f} {'100%':>7}")
-    for text in SPECS:
+    for text in (args.policies.split(",") if args.policies else SPECS):
         spec = PolicySpec.parse(text)
         ratios, rates, refs = [], [], []
         for c in caps:

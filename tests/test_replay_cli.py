@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from kvtier_runtime.replay.analyze import reuse_distances
+from kvtier_runtime.policies import POLICIES
 from kvtier_runtime.replay.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -129,7 +130,7 @@ def test_sweep_writes_a_png_with_one_line_per_policy_and_opt(capsys, tmp_path) -
     d = run_json(capsys, ["--trace", str(small_trace(tmp_path)), "--sweep", str(png),
                           "--sweep-capacities", "2,5,10%,20"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert set(d["prefix_hit_ratio"]) == {"lru", "arc", "s3fifo", "prefix2q", "OPT"}
+    assert set(d["prefix_hit_ratio"]) == set(POLICIES) | {"OPT"}
     for values in d["prefix_hit_ratio"].values():
         assert len(values) == len(d["capacities_blocks"])
     opt = d["prefix_hit_ratio"]["OPT"]

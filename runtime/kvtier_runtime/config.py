@@ -10,11 +10,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 # Names of the runtime's policies and codecs as a KVCachePolicy spells them.
-EVICTION_POLICIES: tuple[str, ...] = ("lru", "arc", "s3fifo", "prefix2q")
+EVICTION_POLICIES: tuple[str, ...] = ("lru", "arc", "s3fifo", "prefix2q", "adaptive")
 ADMISSION_POLICIES: tuple[str, ...] = ("none", "doorkeeper", "threshold")
 CODECS: tuple[str, ...] = ("none", "fp8", "fp8_e5m2", "int8", "int4")
-# prefix2q measured best of these on the shared Mooncake-style trace (docs/performance.md).
-DEFAULT_EVICTION_POLICY = "prefix2q"
+# adaptive stays within 0.005 of LRU's prefix hit ratio (usually above it) on every trace shape measured, where
+# prefix2q loses up to 0.06 to LRU on multi-turn conversations (docs/performance.md, issue 18).
+DEFAULT_EVICTION_POLICY = "adaptive"
 
 # vLLM loads out-of-tree pieces by class name + module path (CachePolicyFactory, SecondaryTierFactory).
 # All vLLM imports live in this one adapter module.
@@ -28,7 +29,7 @@ def vllm_cache_policy_class(eviction: str, admission: str = "none") -> str:
         raise ValueError(f"evictionPolicy: {eviction!r} is not one of {', '.join(EVICTION_POLICIES)}")
     if admission not in ADMISSION_POLICIES:
         raise ValueError(f"admission: {admission!r} is not one of {', '.join(ADMISSION_POLICIES)}")
-    stem = {"lru": "LRU", "arc": "ARC", "s3fifo": "S3FIFO", "prefix2q": "Prefix2Q"}[eviction]
+    stem = {"lru": "LRU", "arc": "ARC", "s3fifo": "S3FIFO", "prefix2q": "Prefix2Q", "adaptive": "Adaptive"}[eviction]
     suffix = "" if admission == "none" else admission.capitalize()
     return f"Kvtier{stem}{suffix}CachePolicy"
 

@@ -69,7 +69,7 @@ INVALID = [
      "spec.tiers[0].compression: compression applies to filesystem tiers only"),
     (policy(tiers=[cpu(), disk(compression="fp8")]), "spec.backend: compression needs backend kvtier"),
     (policy(tiers=[cpu(admission="doorkeeper")]), "spec.backend: admission filters need backend kvtier"),
-    (policy(tiers=[cpu(evictionPolicy="s3fifo")]), "spec.backend: backend native supports evictionPolicy lru or arc; s3fifo and prefix2q"),
+    (policy(tiers=[cpu(evictionPolicy="s3fifo")]), "spec.backend: backend native supports evictionPolicy lru or arc; s3fifo, prefix2q and adaptive"),
     (policy(backend="lmcache", tiers=[cpu(evictionPolicy="arc")]), "spec.backend: backend lmcache supports evictionPolicy lru"),
     (policy(engine="trtllm", backend="lmcache", tiers=[cpu()]), "spec.backend: engine trtllm does not support "
                                                                 "backend lmcache"),

@@ -177,8 +177,8 @@ class TierSpec(_Model):
                                             "disables tiers in status, never here.")
     eviction_policy: Literal[EVICTION_POLICIES] = Field(  # type: ignore[valid-type]
         "lru", description="Eviction policy: lru or arc with backend native; lru with lmcache; lru, arc, "
-                           "s3fifo or prefix2q (prefix-aware, the best measured on real traces, see "
-                           "docs/replay.md) with backend kvtier.")
+                           "s3fifo, prefix2q or adaptive (prefix-aware and never below LRU on the traces measured, "
+                           "see docs/replay.md) with backend kvtier.")
     admission: Literal[ADMISSION_POLICIES] = Field(  # type: ignore[valid-type]
         "none", description="Admission filter in front of eviction (backend kvtier only): none; doorkeeper "
                             "(store a block only once it is seen again, TinyLFU style); threshold (store after "
@@ -351,7 +351,7 @@ class KVCachePolicySpec(_Model):
             _rule("self.backend == 'kvtier' || self.tiers.all(t, t.admission == 'none')",
                   "admission filters need backend kvtier", field_path=".backend"),
             _rule("self.backend != 'native' || self.tiers.all(t, t.evictionPolicy in ['lru', 'arc'])",
-                  "backend native supports evictionPolicy lru or arc; s3fifo and prefix2q need backend kvtier",
+                  "backend native supports evictionPolicy lru or arc; s3fifo, prefix2q and adaptive need backend kvtier",
                   field_path=".backend"),
             _rule("self.backend != 'lmcache' || self.tiers.all(t, t.evictionPolicy == 'lru')",
                   "backend lmcache supports evictionPolicy lru only", field_path=".backend"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from .adaptive import AdaptivePolicy
 from .admission import DoorkeeperAdmission, ThresholdAdmission
 from .arc import ARCPolicy
 from .base import AccessContext, AdmissionFilter, EvictionPolicy, Key, PinnedEntryError
@@ -19,6 +20,7 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     ARCPolicy.name: ARCPolicy,
     S3FIFOPolicy.name: S3FIFOPolicy,
     Prefix2QPolicy.name: Prefix2QPolicy,
+    AdaptivePolicy.name: AdaptivePolicy,
 }
 
 # "none" means no filter: every offer is admitted.
@@ -50,6 +52,7 @@ def get_policy(
 
 __all__ = [
     "ADMISSIONS",
+    "AdaptivePolicy",
     "POLICIES",
     "ARCPolicy",
     "AccessContext",

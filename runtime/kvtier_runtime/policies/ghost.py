@@ -26,6 +26,14 @@ class GhostList:
         self.used_bytes += size
         self.trim(self.capacity_bytes)
 
+    def refresh(self, key: Key, size: int) -> None:
+        """``add`` for the common case of a key already remembered with the same size: just make it the newest."""
+        sizes = self._sizes
+        if sizes.get(key) == size:
+            sizes.move_to_end(key)
+        else:
+            self.add(key, size)
+
     def discard(self, key: Key) -> bool:
         size = self._sizes.pop(key, None)
         if size is None:

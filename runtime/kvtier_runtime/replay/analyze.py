@@ -47,7 +47,10 @@ def reuse_distances(keys: Sequence[int]) -> list[int]:
 
 
 def reuse_times_ms(trace: Trace) -> list[float]:
-    """Milliseconds between consecutive requests that access the same block."""
+    """Milliseconds between consecutive requests that access the same block (empty when the trace's timestamps
+    are out of order: a negative reuse time would be a lie, and the loader has warned)."""
+    if trace.out_of_order:
+        return []
     last: dict[int, float] = {}
     out: list[float] = []
     for ts, req in zip(trace.timestamps_ms, trace.requests):
@@ -115,8 +118,12 @@ def hit_ratio_at(trace: Trace, capacity_blocks: int, spec: PolicySpec, chunk_blo
     return loaded * chunk_blocks, loaded
 
 
-def analyze(trace: Trace, block_tokens: int, spec: PolicySpec, budgets: Budgets = Budgets(),
+def analyze(trace: Trace, block_tokens: int, specs: Sequence[PolicySpec] | PolicySpec, budgets: Budgets = Budgets(),
             progress=None) -> dict:
+    """Reuse statistics and sizing advice; capacity is recommended from the BEST of ``specs`` at each size (the
+    default policy is not always the best, and advice should not be worse than what the user can deploy)."""
+    if isinstance(specs, PolicySpec):
+        specs = [specs]
     keys, lengths = flatten(trace.requests)
     n = len(keys)
     counts = Counter(keys)
@@ -130,6 +137,7 @@ def analyze(trace: Trace, block_tokens: int, spec: PolicySpec, budgets: Budgets 
         "never_reused_fraction": sum(1 for c in counts.values() if c == 1) / distinct,
         "reuse_distance_blocks": quantiles(dist),
         "reuse_time_ms": quantiles(reuse_times_ms(trace)),
+        "reuse_time_note": ("omitted: timestamps are out of order" if trace.out_of_order else ""),
         "top_prefixes": top_prefixes(trace, block_tokens),
     }
     # Infinite-cache bound: every block seen before is a hit.
@@ -148,18 +156,26 @@ def analyze(trace: Trace, block_tokens: int, spec: PolicySpec, budgets: Budgets 
         cap = max(1, round(distinct * pct / 100))
         if cap > max_blocks:
             cap = max_blocks
-        ph, _ = hit_ratio_at(trace, cap, spec)
-        curve.append({"capacity_blocks": cap, "prefix_hit_ratio": ph / n})
-        if progress:
-            progress()
+        by_policy = {}
+        for spec in specs:
+            ph, _ = hit_ratio_at(trace, cap, spec)
+            by_policy[str(spec)] = ph / n
+            if progress:
+                progress()
+        best = max(by_policy, key=lambda name: (by_policy[name], -list(by_policy).index(name)))
+        curve.append({"capacity_blocks": cap, "prefix_hit_ratio": by_policy[best], "policy": best,
+                      "by_policy": by_policy})
         if cap == max_blocks:
             break
     goal = 0.9 * out["infinite_cache_prefix_hit_ratio"]
     pick = next((p for p in curve if p["prefix_hit_ratio"] >= goal), curve[-1])
     out["capacity_curve"] = curve
     out["recommended_capacity_blocks"] = pick["capacity_blocks"]
+    out["recommended_policy"] = pick["policy"]
+    best_spec = next(s for s in specs if str(s) == pick["policy"])
     out["recommended_capacity_reason"] = (
-        f"smallest tested capacity where {spec} reaches 90% of the infinite-cache prefix hit ratio"
+        f"smallest tested capacity where the best policy ({pick['policy']}) reaches 90% of the infinite-cache "
+        f"prefix hit ratio"
         if pick["prefix_hit_ratio"] >= goal else
         f"the budget caps the capacity below 90% of the infinite-cache ratio; this is the largest that fits")
     out["recommended_capacity_bytes"] = pick["capacity_blocks"] * block_bytes if block_bytes else None
@@ -167,7 +183,7 @@ def analyze(trace: Trace, block_tokens: int, spec: PolicySpec, budgets: Budgets 
     # Chunk size: larger chunks amortise the per-transfer latency but lose the partial chunk at each prefix end.
     chunks = []
     for k in (1, 2, 4, 8):
-        hit_blocks, loaded_chunks = hit_ratio_at(trace, pick["capacity_blocks"], spec, k)
+        hit_blocks, loaded_chunks = hit_ratio_at(trace, pick["capacity_blocks"], best_spec, k)
         row = {"chunk_tokens": k * block_tokens, "prefix_hit_ratio": hit_blocks / n,
                "estimated_prefill_seconds_saved": None}
         if block_bytes and budgets.bandwidth_gb_s and budgets.prefill_tokens_per_s:
@@ -177,6 +193,7 @@ def analyze(trace: Trace, block_tokens: int, spec: PolicySpec, budgets: Budgets 
         if progress:
             progress()
     out["chunk_sizes"] = chunks
+    out["chunk_sizes_measured_at"] = {"capacity_blocks": pick["capacity_blocks"], "policy": pick["policy"]}
     if all(r["estimated_prefill_seconds_saved"] is not None for r in chunks):
         best = max(chunks, key=lambda r: r["estimated_prefill_seconds_saved"])
         reason = "largest estimated prefill time saved under the given bandwidth, latency and prefill rate"
@@ -200,18 +217,21 @@ def format_analysis(a: dict) -> str:
         f"infinite-cache prefix hit ratio: {a['infinite_cache_prefix_hit_ratio']:.4f}",
         "reuse distance (distinct blocks between uses; an LRU cache of C blocks hits below C): "
         + ", ".join(f"{k} {v}" for k, v in a["reuse_distance_blocks"].items()),
-        "reuse time (ms): " + ", ".join(f"{k} {v:g}" for k, v in a["reuse_time_ms"].items()),
+        "reuse time (ms): " + (", ".join(f"{k} {v:g}" for k, v in a["reuse_time_ms"].items())
+                               or a.get("reuse_time_note") or "no reuse"),
         "most reused prefixes (by reusable tokens):",
     ]
     for p in a["top_prefixes"]:
         lines.append(f"  ends at block {p['block_id']}: {p['prefix_blocks']} blocks ({p['prefix_tokens']} tokens), "
                      f"{p['accesses']} accesses, {p['reused_tokens']} tokens reusable")
-    lines.append("capacity curve: " + ", ".join(
-        f"{c['capacity_blocks']} blocks -> {c['prefix_hit_ratio']:.4f}" for c in a["capacity_curve"]))
+    lines.append("capacity curve (best policy at each size): " + ", ".join(
+        f"{c['capacity_blocks']} blocks -> {c['prefix_hit_ratio']:.4f} ({c['policy']})" for c in a["capacity_curve"]))
     cap = f"recommended capacity: {a['recommended_capacity_blocks']} blocks"
     if a.get("recommended_capacity_bytes"):
         cap += f" ({a['recommended_capacity_bytes'] / 2**30:.2f} GiB)"
     lines.append(cap + f" -- {a['recommended_capacity_reason']}")
+    at = a["chunk_sizes_measured_at"]
+    lines.append(f"chunk sizes, measured at {at['capacity_blocks']} blocks (the recommended capacity) with {at['policy']}:")
     for c in a["chunk_sizes"]:
         saved = c["estimated_prefill_seconds_saved"]
         lines.append(f"  chunk {c['chunk_tokens']} tokens: prefix hit ratio {c['prefix_hit_ratio']:.4f}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import sys
 from typing import Sequence
 
@@ -16,7 +17,11 @@ from .. import config
 from ..policies import ADMISSIONS, POLICIES
 from .cost import tier_cost
 from .engine import PolicySpec, ReplayError, ReplayResult, capacity_blocks, replay
-from .trace import TraceError, load_trace
+from .lru_curve import LRUCurve, equivalence
+from .metrics import flatten
+from .trace import TraceError, load_trace, trace_warnings
+
+PLOT_FORMATS = (".png", ".svg", ".pdf")
 
 PROG = "kvtier replay"
 
@@ -37,7 +42,15 @@ def _number(name: str, cast: type = float, *, allow_zero: bool = False):
     return parse
 
 
+def _one_line_error(parser: argparse.ArgumentParser):
+    """argparse's ``error`` without the usage block: the docs promise one line on stderr and exit status 2."""
+    def error(message: str):
+        parser.exit(2, f"{PROG}: error: {message} (see {PROG} --help)\n")
+    return error
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.error = _one_line_error(parser)  # type: ignore[method-assign]
     parser.description = ("Replay a Mooncake-format JSONL trace through kvtier's eviction/admission policies and "
                           "compare with the Belady-optimal bound. 'analyze' describes the trace's reuse instead.")
     parser.add_argument("action", nargs="?", choices=["analyze"],
@@ -55,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a tier's capacity in blocks, or N%% of the trace's distinct blocks; repeat for "
                              "several tiers, fastest first (default 10%%)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    parser.add_argument("--list-policies", action="store_true", help="name every policy and admission filter")
+    parser.add_argument("--list-policies", action="store_true",
+                        help="name every policy and admission filter (with --json: as a JSON object)")
     parser.add_argument("--sweep", metavar="PNG", help="replay several capacities and policies and plot prefix hit "
                                                        "ratio against capacity into PNG (one line per policy + OPT)")
     parser.add_argument("--sweep-capacities", metavar="LIST",
@@ -84,6 +98,20 @@ def _per_tier(values: list | None, n: int, option: str, default):
     return values
 
 
+def _first_doc_line(obj) -> str:
+    return (obj.__doc__ or sys.modules[obj.__module__].__doc__ or "").strip().splitlines()[0]
+
+
+def policies_dict() -> dict:
+    return {
+        "default": config.DEFAULT_EVICTION_POLICY,
+        "eviction_policies": [{"name": name, "default": name == config.DEFAULT_EVICTION_POLICY,
+                               "description": _first_doc_line(cls)} for name, cls in POLICIES.items()],
+        "admission_filters": [{"name": name, "description": "admit every offer" if f is None else _first_doc_line(f)}
+                              for name, f in ADMISSIONS.items()],
+    }
+
+
 def list_policies() -> str:
     lines = ["eviction policies:"]
     for name, cls in POLICIES.items():
@@ -103,7 +131,10 @@ def result_dict(res: ReplayResult, args, bandwidths: list) -> dict:
         t = {
             "name": st.name, "policy": st.policy, "capacity_blocks": st.capacity_blocks,
             "block_hit_ratio": res.ratio(st.hits), "prefix_hit_ratio": res.ratio(st.prefix_hits),
-            "opt_block_hit_ratio": res.ratio(st.opt_hits), "opt_prefix_hit_ratio": res.ratio(st.opt_prefix_hits),
+            "opt_block_hit_ratio": res.ratio(st.opt_hits),
+            # OPT at the combined capacity of this tier and the ones above: what tiers 1..i could load at best.
+            "opt_prefix_hit_ratio": res.ratio(st.opt_prefix_hits_through),
+            "opt_marginal_prefix_hit_ratio": res.ratio(st.opt_prefix_hits),
             "promotions": st.promotions, "loaded_blocks": st.prefix_hits, "stored_blocks": st.stored_blocks,
             "bytes_moved": None,
         }
@@ -132,7 +163,7 @@ def format_result(d: dict, trace_name: str, skipped: int, no_opt: bool) -> str:
             f"{d['distinct_blocks']} distinct blocks, {d['block_tokens']} tokens/block")
     if skipped:
         head += f" ({skipped} malformed lines skipped)"
-    cols = ["tier", "policy", "capacity", "block hit", "prefix hit", "OPT prefix", "of OPT", "promotions",
+    cols = ["tier", "policy", "capacity", "block hit", "prefix hit", "OPT thru tier", "of OPT", "promotions",
             "loaded", "stored", "bytes moved"]
     rows = []
     for t in d["tiers"] + [dict(d["total"], name="total", policy="", promotions="", loaded_blocks="",
@@ -165,6 +196,11 @@ def format_result(d: dict, trace_name: str, skipped: int, no_opt: bool) -> str:
         lines.append(" ".join(parts))
     if d["total"].get("estimated_prefill_seconds_saved") is not None:
         lines.append(f"total estimated prefill time saved: {d['total']['estimated_prefill_seconds_saved']:.1f} s")
+    eq = d["total"].get("lru_equivalent_capacity_blocks")
+    if eq is not None:
+        lines.append(f"capacity equivalence: {d['total']['capacity_blocks']} blocks of this setup load as many blocks as "
+                     f"one LRU cache of {eq} blocks (worth {d['total']['memory_factor_vs_lru']:.2f}x the memory)")
+    lines.append("OPT thru tier: Belady's OPT with the combined capacity of this tier and those above it")
     lines.append(f"replay speed: {d['replay_accesses_per_second']:,.0f} block accesses/s")
     return "\n".join(lines)
 
@@ -194,13 +230,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.list_policies:
-        print(list_policies())
+        print(json.dumps(policies_dict(), indent=2) if args.json else list_policies())
         return 0
     if not args.trace:
         raise ReplayError("--trace: required (a Mooncake-format JSONL file)")
     if args.budget_gib and not args.model_kv_bytes_per_token:
         raise ReplayError("--budget-gib: needs --model-kv-bytes-per-token to turn bytes into blocks")
+    if args.sweep:
+        check_plot_path(args.sweep)
     trace = load_trace(args.trace, skip_bad=args.skip_bad)
+    for warning in trace_warnings(trace, args.block_tokens):
+        print(f"{PROG}: {warning}", file=sys.stderr)
     if trace.skipped_lines and not args.json:
         print(f"skipped {trace.skipped_lines} malformed lines, e.g. {trace.skipped_reasons[0]}", file=sys.stderr)
     n_distinct = trace.n_distinct
@@ -216,6 +256,9 @@ def _run(args: argparse.Namespace) -> int:
     bandwidths = _per_tier(args.bandwidth, len(caps), "--bandwidth", None)
     res = replay(trace, caps, specs, with_opt=not args.no_opt)
     d = result_dict(res, args, bandwidths)
+    if not args.no_opt:
+        keys, lengths = flatten(trace.requests)
+        d["total"].update(equivalence(LRUCurve(keys, lengths), d["total"]["capacity_blocks"], res.total_prefix_hits))
     d["trace"] = str(args.trace)
     d["skipped_lines"] = trace.skipped_lines
     if args.json:
@@ -225,11 +268,25 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_plot_path(path: str) -> None:
+    """Fail before a long sweep, not after it: the plot's format comes from its extension and its folder must exist."""
+    p = pathlib.Path(path)
+    if p.suffix.lower() not in PLOT_FORMATS:
+        raise ReplayError(f"--sweep: {path!r} must end in {', '.join(PLOT_FORMATS)} (the plot's format)")
+    folder = p.parent if str(p.parent) else pathlib.Path(".")
+    if not folder.is_dir():
+        raise ReplayError(f"--sweep: folder {str(folder)!r} of {path!r} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ReplayError(f"--sweep: folder {str(folder)!r} of {path!r} is not writable")
+    if p.is_dir():
+        raise ReplayError(f"--sweep: {path!r} is a folder, not a file")
+
+
 def _sweep(args, trace, specs, n_distinct) -> int:
     from .sweep import DEFAULT_PERCENTS, format_sweep, plot, sweep
 
     raw = args.sweep_capacities.split(",") if args.sweep_capacities else [f"{p:g}%" for p in DEFAULT_PERCENTS]
-    caps = sorted({capacity_blocks(c, n_distinct) for c in raw if c.strip()})
+    caps = sorted({capacity_blocks(c, n_distinct, "--sweep-capacities") for c in raw if c.strip()})
     if not caps:
         raise ReplayError("--sweep-capacities: no capacity given")
     if not args.policy:  # one line per eviction policy by default
@@ -257,9 +314,10 @@ def _analyze(args, trace, specs) -> int:
         transfer_latency_s=args.transfer_latency_us * 1e-6,
         capacity_bytes=int(args.budget_gib * 2**30) if args.budget_gib else None,
     )
-    with tqdm(total=12, desc="analyze", unit="run", disable=args.json) as bar:
-        a = analyze(trace, args.block_tokens, specs[0], budgets, progress=bar.update)
-    a["policy"] = str(specs[0])
+    # Sizing advice comes from the best policy the user could deploy: every policy unless --policy names some.
+    candidates = specs if args.policy else [PolicySpec(name) for name in POLICIES]
+    with tqdm(total=8 * len(candidates), desc="analyze", unit="run", disable=args.json) as bar:
+        a = analyze(trace, args.block_tokens, candidates, budgets, progress=bar.update)
     if args.json:
         print(json.dumps(a, indent=2))
     else:

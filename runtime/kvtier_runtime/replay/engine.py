@@ -66,7 +66,8 @@ class TierStats:
     promotions: int = 0  # blocks served here and copied into the tiers above
     stored_blocks: int = 0
     opt_hits: int = 0
-    opt_prefix_hits: int = 0
+    opt_prefix_hits: int = 0  # marginal: OPT(tiers 1..i) - OPT(tiers 1..i-1)
+    opt_prefix_hits_through: int = 0  # OPT at the combined capacity of tiers 1..i
 
 
 @dataclass
@@ -99,8 +100,9 @@ class ReplayResult:
         return sum(t.opt_prefix_hits for t in self.tiers)
 
 
-def capacity_blocks(text: str, n_distinct: int) -> int:
-    """``N`` blocks or ``N%`` of the trace's distinct blocks (rounded to the nearest block, at least 1)."""
+def capacity_blocks(text: str, n_distinct: int, option: str = "--capacity") -> int:
+    """``N`` blocks or ``N%`` of the trace's distinct blocks (rounded to the nearest block, at least 1); errors
+    name ``option``."""
     raw = text.strip()
     try:
         if raw.endswith("%"):
@@ -113,7 +115,7 @@ def capacity_blocks(text: str, n_distinct: int) -> int:
             raise ValueError
         return value
     except ValueError:
-        raise ReplayError(f"--capacity: {text!r} must be a positive number of blocks or a percentage in (0, 100]%") from None
+        raise ReplayError(f"{option}: {text!r} must be a positive number of blocks or a percentage in (0, 100]%") from None
 
 
 def replay_single(requests: Sequence[Sequence[int]], policy: EvictionPolicy) -> tuple[list[bool], int]:
@@ -207,6 +209,7 @@ def replay(trace: Trace, capacities: Sequence[int], policies: Sequence[PolicySpe
             oh = opt_hits(keys, cumulative)
             h, ph = sum(oh), prefix_hit_count(oh, lengths)
             st.opt_hits, st.opt_prefix_hits = h - prev_hits, ph - prev_prefix
+            st.opt_prefix_hits_through = ph
             prev_hits, prev_prefix = h, ph
         opt_seconds = time.perf_counter() - t0
     return ReplayResult(len(requests), len(keys), n_distinct, stats, seconds, opt_seconds, hits)
