@@ -34,4 +34,4 @@ def test_validate_text_reports_file_document_and_name():
     assert validate_text(text, "p.yaml") == ["p.yaml[0] (a): spec.selector: required"]
     assert validate_text("kind: ConfigMap\n", "c.yaml") == ["c.yaml: no KVCachePolicy (kind: KVCachePolicy) "
                                                             "in this file"]
-    assert validate_text("a: [", "broken.yaml")[0].startswith("broken.yaml: not valid YAML")
+    assert validate_text("a: [", "broken.yaml")[0].startswith("broken.yaml:1:5: not valid YAML")
