@@ -96,8 +96,9 @@ def _is_quantity(text: Any) -> celpy.celtypes.BoolType:
 
 
 def _quantity(text: Any) -> celpy.celtypes.IntType:
-    """Kubernetes' CEL ``quantity()``, as the byte count (rounded up): all the rules here compare quantities."""
-    return celpy.celtypes.IntType(parse_quantity(str(text)))
+    """Kubernetes' CEL ``quantity()``, as the byte count (rounded up): all the rules here compare quantities.
+    Clamped to int64 (CEL's int): every bound in the CRD is far below, so comparisons keep their answer."""
+    return celpy.celtypes.IntType(min(parse_quantity(str(text)), 2**63 - 1))
 
 
 _FUNCTIONS = {

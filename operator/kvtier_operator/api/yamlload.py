@@ -112,9 +112,11 @@ def load_all(text: str, source: str = "<input>") -> list[Any]:
     """Every document of a YAML stream, or :class:`YAMLInputError`."""
     if len(text) > MAX_BYTES:
         raise YAMLInputError(f"{source}: larger than {MAX_BYTES} bytes")
-    loader = _BoundedLoader(text, source)
     docs: list[Any] = []
+    loader = None
     try:
+        # The reader already rejects unprintable characters (NUL...) while it is being built.
+        loader = _BoundedLoader(text, source)
         while loader.check_node():
             node = loader.get_node()
             if node is None:
@@ -139,7 +141,8 @@ def load_all(text: str, source: str = "<input>") -> list[Any]:
     except RecursionError:  # defence in depth: the depth bound should make this unreachable
         raise YAMLInputError(f"{source}: nested too deeply") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     return docs
 
 
