@@ -89,13 +89,6 @@ def test_the_cli_process_stays_within_one_gib_and_ten_seconds(tmp_path, case):
 SERVER_CASES = [c for c in CASES if c.get("server", "reject") == "reject"]
 
 
-@pytest.fixture
-def kube(controlplane):
-    k = Kube(str(controlplane.kubeconfig))
-    yield k
-    k.close()
-
-
 def _dry_run_create(kube: Kube, namespace: str, doc: dict) -> None:
     meta = doc.get("metadata")
     if isinstance(meta, dict) and "namespace" not in meta:
