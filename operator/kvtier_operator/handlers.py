@@ -252,7 +252,13 @@ class Operator:
         # The owner reference lets the garbage collector do this too; deleting it here does not depend on one.
         # Only a ConfigMap kvtier made for this policy: a user's own kvtier-<name> is left alone.
         cm_path = config_map_path(namespace, rc.config_map_name(name))
-        if owns_config_map(self.kube.get(cm_path), name, (body.get("metadata") or {}).get("uid")):
+        try:
+            existing = self.kube.get(cm_path)
+        except ApiError as err:
+            if err.status != 403:
+                raise
+            existing = None  # cannot tell whose it is: leave it to the garbage collector's owner reference
+        if owns_config_map(existing, name, (body.get("metadata") or {}).get("uid")):
             self.kube.delete(cm_path)
         self.applied_config_maps.pop((namespace, rc.config_map_name(name)), None)
         try:
