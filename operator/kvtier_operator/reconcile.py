@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
 from .api import v1alpha1 as api
-from .api.validation import PolicyInvalid, parse_policy
+from .api.validation import PolicyInvalid, Problem, parse_policy
 from .render import CONFIG_DIR, CONFIG_FILE, RenderedConfig, RenderError, detect_engine, render
 from .selectors import matches
 from .settings import FIELD_MANAGER, POLICY_LABEL
@@ -238,6 +238,12 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
     ws = _unique(workloads)
     try:
         policy = _parse_cached(_doc_json(policy_obj), server_validated)
+        if len(name) > api.MAX_POLICY_NAME:
+            # Stored before the CRD refused such names: the name cannot become a label value, so nothing can
+            # be applied; say so instead of failing every write.
+            raise PolicyInvalid([Problem("metadata.name", f"must be at most {api.MAX_POLICY_NAME} characters (it "
+                                                          "is the kvtier.io/policy label's value); recreate the "
+                                                          "policy under a shorter name")])
         refused = host_path_problems(policy.spec, host_path_prefixes)
     except PolicyInvalid as err:
         refused = [str(p) for p in err.problems]

@@ -157,3 +157,11 @@ def test_admin_settings_from_flags_and_env():
 
 def test_redacted_url_drops_credentials_query_and_fragment():
     assert redacted("https://u:secret@prom:9090/x?token=1#f") == "https://prom:9090/x"
+
+
+def test_a_stored_policy_with_a_name_too_long_for_a_label_gets_a_condition():
+    name = "p" * 70  # stored before the CRD's rule existed; the server-validated path skips CEL
+    p = rc.plan(policy(name, selector={"matchLabels": {"app": "llm"}}), [observed(deployment())], [], now=NOW,
+                server_validated=True)
+    assert p.invalid and p.targets == [] and p.config_map is None
+    assert "metadata.name: must be at most 63" in condition(p.status, "Ready")["message"]
