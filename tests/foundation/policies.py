@@ -125,7 +125,7 @@ INVALID = [
     (policy(tiers=[cpu(), disk(volume={"hostPath": {"path": "/mnt/disks/../../etc"}})]),
      "spec.tiers[1].volume.hostPath.path: must not contain '.' or '..' segments"),
     (policy(tiers=[cpu(size="2Pi")]), "spec.tiers[0].size: must be at most 1Pi"),
-    (policy(tiers=[cpu(size=2**63)]), "spec.tiers[0].size: must be at most 1Pi"),
+    (policy(tiers=[cpu(size=2**50 + 1)]), "spec.tiers[0].size: must be at most 1Pi"),
     (policy(hostMemoryHeadroom="1Ei"), "spec.hostMemoryHeadroom: must be at most 1Pi"),
 ]
 

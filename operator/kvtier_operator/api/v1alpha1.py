@@ -389,9 +389,9 @@ class KVCachePolicySpec(_Model):
             _rule("self.tiers.filter(t, t.medium == 'cpu').size() <= 1", "at most one cpu tier",
                   field_path=".tiers"),
             # /mnt/a and /mnt/a/ are one directory.
-            _rule("self.tiers.filter(t, t.medium == 'filesystem' && has(t.path)).all(t, self.tiers.filter(u, "
-                  "u.medium == 'filesystem' && has(u.path) && (u.path == t.path || u.path == t.path + '/' || "
-                  "u.path + '/' == t.path)).size() == 1)",
+            # Pairwise with all(), not filter().size(): the API server's cost estimate refuses the latter here.
+            _rule("self.tiers.all(t, self.tiers.all(u, t == u || !has(t.path) || !has(u.path) || "
+                  "(u.path != t.path && u.path != t.path + '/' && u.path + '/' != t.path)))",
                   "filesystem tiers need distinct paths", field_path=".tiers"),
             _rule("!has(self.offload.chunkTokens) || self.offload.chunkTokens % self.blockSize == 0",
                   # format(), not string() + concatenation: the API server prices string(int) as unbounded.
