@@ -68,6 +68,8 @@ def metadata_problems(meta: Any) -> list[tuple[str, str]]:
             problem = _key_problem(key)
             if problem:
                 out.append((where, problem))
+            if value is None:  # the API server reads null as "" (Go's JSON decoding), so it is no error there
+                continue
             if not isinstance(value, str):
                 out.append((where, f"{_short(value)} must be a string (quote it)"))
                 continue
