@@ -59,7 +59,7 @@ def test_default_queries_find_every_spelling_and_stay_in_scope(prometheus, synth
 def test_bad_query_and_unreachable_server_are_error_readings(prometheus):
     with PrometheusSource(PrometheusClientConfig(prometheus.url, timeout_s=2)) as source:
         r = source.query_scalar("sum(rate(x[5m]")
-        assert r.is_error and "query rejected: HTTP Status Code 400" in r.error
+        assert r.is_error and "query rejected: HTTP 400" in r.error
         assert source.query_scalar("vector(1)").value == 1.0
     prometheus.stop()
     with PrometheusSource(PrometheusClientConfig(prometheus.url, timeout_s=2)) as source:
@@ -98,7 +98,7 @@ def test_tls_with_ca_bundle_and_basic_auth(tls_prometheus):
         assert source.query_scalar("vector(42)").value == 42.0
     with PrometheusSource(PrometheusClientConfig(prom.url, basic_auth=(TEST_USER, "wrong"), ca_file=str(ca))) as s:
         r = s.query_scalar("vector(1)")
-        assert r.is_error and "HTTP Status Code 401" in r.error
+        assert r.is_error and "HTTP 401" in r.error
     with PrometheusSource(PrometheusClientConfig(prom.url, basic_auth=(TEST_USER, TEST_PASSWORD))) as s:
         r = s.query_scalar("vector(1)")   # system trust store does not know our CA
         assert r.is_error and r.error.startswith("TLS error talking to")
@@ -140,7 +140,7 @@ def test_bearer_token_is_sent(prometheus):
         with PrometheusSource(PrometheusClientConfig(url, bearer_token="t0ken")) as source:
             assert source.query_scalar("vector(7)").value == 7.0
         with PrometheusSource(PrometheusClientConfig(url, bearer_token="other")) as source:
-            assert "HTTP Status Code 401" in source.query_scalar("vector(7)").error
+            assert "HTTP 401" in source.query_scalar("vector(7)").error
     finally:
         server.shutdown()
         server.server_close()
@@ -184,10 +184,29 @@ def test_secrets_resolve_into_a_client_config(tmp_path, tls_prometheus):
     config = resolve_client_config(settings, lambda name, key: secrets[(name, key)], tmp_path / "ca")
     with PrometheusSource(config) as source:
         assert source.query_scalar("vector(3)").value == 3.0
+    # A missing key, an empty value, a missing or unreadable Secret and a malformed bundle all read the same:
+    # a policy author must not learn from status whether a Secret or key exists.
+    messages = set()
     del secrets[("prom-basic", "password")]
-    with pytest.raises(ValueError, match="spec.slo.prometheus.auth.password: Secret 'prom-basic' has no key"):
+    with pytest.raises(ValueError, match="spec.slo.prometheus.auth.password: key 'password' of Secret "
+                                         "'prom-basic' cannot be used") as missing:
         resolve_client_config(settings, lambda name, key: secrets[(name, key)], tmp_path / "ca")
+    messages.add(str(missing.value))
+    secrets[("prom-basic", "password")] = ""
+    with pytest.raises(ValueError) as empty:
+        resolve_client_config(settings, lambda name, key: secrets[(name, key)], tmp_path / "ca")
+    messages.add(str(empty.value))
+
+    def forbidden(name, key):
+        raise PermissionError("403")
+
+    settings_pw_only = settings
+    with pytest.raises(ValueError) as denied:
+        resolve_client_config(settings_pw_only, lambda name, key: forbidden(name, key) if key == "password"
+                              else secrets[(name, key)], tmp_path / "ca")
+    messages.add(str(denied.value))
+    assert len(messages) == 1, messages
     secrets[("prom-basic", "password")] = TEST_PASSWORD
     secrets[("prom-ca", "ca.crt")] = "not a certificate"
-    with pytest.raises(ValueError, match="spec.slo.prometheus.caBundle: key 'ca.crt' .* is not a PEM"):
+    with pytest.raises(ValueError, match="spec.slo.prometheus.caBundle: key 'ca.crt' of Secret 'prom-ca' cannot"):
         resolve_client_config(settings, lambda name, key: secrets[(name, key)], tmp_path / "ca")

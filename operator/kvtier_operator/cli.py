@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import yaml
@@ -18,12 +17,12 @@ EXIT_USAGE = 2
 
 
 def _read(path: str) -> str:
-    if path == "-":
-        return sys.stdin.read()
+    from .api.yamlload import YAMLInputError, read_source
+
     try:
-        return Path(path).read_text()
-    except OSError as err:
-        raise SystemExit(_fail(f"{path}: {err.strerror}", EXIT_USAGE))
+        return read_source(path)
+    except YAMLInputError as err:
+        raise SystemExit(_fail(str(err), EXIT_USAGE))
 
 
 def _fail(message: str, code: int = EXIT_INVALID) -> int:
@@ -163,9 +162,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (yaml.YAMLError, ValueError) as err:
-        return _fail(str(err))
+        return _fail(" ".join(str(err).split()))
     except BrokenPipeError:
         return 0
+    except (RecursionError, MemoryError) as err:
+        # The input bounds should make these unreachable; if not, one line, never a traceback.
+        return _fail(f"input too large or too deeply nested ({type(err).__name__})")
 
 
 if __name__ == "__main__":

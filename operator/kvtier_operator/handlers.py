@@ -24,6 +24,7 @@ from .metrics import Metrics
 from .selectors import matches, to_query
 from .settings import FINALIZER, POLICY_LABEL, PREFIX, REENABLE_ANNOTATION, Settings
 from .status import now_rfc3339, status_patch
+from .trust import owns_config_map
 from .workload import KINDS, Workload, removal_patch
 
 log = logging.getLogger("kvtier.operator")
@@ -184,7 +185,7 @@ class Operator:
         now = now_rfc3339()
         plan = rc.plan(policy, workloads, others_objs, now=now, node_allocatable=self.node_allocatable(),
                        cleanup_image=self.settings.cleanup_image, tier_states_fn=self.tier_states_fn,
-                       server_validated=True)
+                       server_validated=True, host_path_prefixes=self.settings.host_path_prefixes)
         outcome = Outcome(policy)
         # The ConfigMap first, so pods rolled by the new hash read the new files.
         if plan.config_map is not None:
@@ -249,7 +250,16 @@ class Operator:
                 raise kopf.TemporaryError("; ".join(failures.values()), delay=self.settings.backoff_max)
             released += 1
         # The owner reference lets the garbage collector do this too; deleting it here does not depend on one.
-        self.kube.delete(config_map_path(namespace, rc.config_map_name(name)))
+        # Only a ConfigMap kvtier made for this policy: a user's own kvtier-<name> is left alone.
+        cm_path = config_map_path(namespace, rc.config_map_name(name))
+        try:
+            existing = self.kube.get(cm_path)
+        except ApiError as err:
+            if err.status != 403:
+                raise
+            existing = None  # cannot tell whose it is: leave it to the garbage collector's owner reference
+        if owns_config_map(existing, name, (body.get("metadata") or {}).get("uid")):
+            self.kube.delete(cm_path)
         self.applied_config_maps.pop((namespace, rc.config_map_name(name)), None)
         try:
             self.metrics.applied_targets.remove(namespace, name)

@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
 from .api import v1alpha1 as api
-from .api.validation import PolicyInvalid, parse_policy
+from .api.validation import PolicyInvalid, Problem, parse_policy
 from .render import CONFIG_DIR, CONFIG_FILE, RenderedConfig, RenderError, detect_engine, render
 from .selectors import matches
 from .settings import FIELD_MANAGER, POLICY_LABEL
 from .status import Cond, merge_conditions, transitions
 from .tiers import enabled, tier_states
+from .trust import host_path_problems, not_opted_in_message, opted_in
 from .workload import (
     Workload,
     already_applied,
@@ -68,6 +69,7 @@ APPLIED = "Applied"
 MISSING_ARG = "MissingConfigArgument"
 CONFLICT = "Conflict"
 REFUSED = "Refused"
+NOT_OPTED_IN = "NotOptedIn"
 ERROR = "Error"
 RELEASED = "Released"
 
@@ -208,21 +210,27 @@ def _target(policy: api.KVCachePolicy, w: Workload, enabled_tiers: list[str], *,
             plan.args_update = args_update(w, container["name"],
                                            with_config_args(list(container.get("args") or []), rendered.config_args))
         else:
+            # Nothing is applied until the workload's owner passes the argument: the argument is their consent
+            # to this configuration, on top of the opt-in label.
             plan.state = MISSING_ARG
+            plan.apply, plan.unchanged, plan.config_hash = None, False, None
             plan.message = (f"{w.ref}: add the argument \"{wanted}\" to the args of container "
-                            f"{container['name']!r} (or set spec.injection.args: managed)")
+                            f"{container['name']!r} (or set spec.injection.args: managed); nothing is applied "
+                            "until then")
     return plan, rendered
 
 
 def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_policies: Iterable[dict[str, Any]],
          *, now: str, node_allocatable: Optional[int] = None, cleanup_image: str = "busybox:1.37.0",
-         tier_states_fn: Optional[TierStatesFn] = None, server_validated: bool = False) -> Plan:
+         tier_states_fn: Optional[TierStatesFn] = None, server_validated: bool = False,
+         host_path_prefixes: Iterable[str] = ()) -> Plan:
     """Everything one reconcile of ``policy_obj`` must write.
 
     ``workloads``: Deployments and StatefulSets of the namespace that match the selector or carry our policy
     label. ``other_policies``: the namespace's other live policies (for conflicts). ``tier_states_fn``: where
     tier states come from when the SLO guard is wired in (default: seeded from the spec, kept from status).
     ``server_validated``: the object comes from the API server, which already ran the CRD's CEL rules.
+    ``host_path_prefixes``: node paths the admin lets tiers mount (operator settings); default none.
     """
     meta = policy_obj["metadata"]
     name, generation = meta["name"], meta.get("generation")
@@ -230,10 +238,22 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
     ws = _unique(workloads)
     try:
         policy = _parse_cached(_doc_json(policy_obj), server_validated)
+        if len(name) > api.MAX_POLICY_NAME:
+            # Stored before the CRD refused such names: the name cannot become a label value, so nothing can
+            # be applied; say so instead of failing every write.
+            raise PolicyInvalid([Problem("metadata.name", f"must be at most {api.MAX_POLICY_NAME} characters (it "
+                                                          "is the kvtier.io/policy label's value); recreate the "
+                                                          "policy under a shorter name")])
+        refused = host_path_problems(policy.spec, host_path_prefixes)
     except PolicyInvalid as err:
-        problems = "; ".join(str(p) for p in err.problems)
-        conds = [Cond("Ready", "False", "InvalidPolicy", problems), Cond("Degraded", "True", "InvalidPolicy", problems),
-                 Cond("Progressing", "False", "InvalidPolicy", "nothing is applied until the policy is fixed")]
+        refused = [str(p) for p in err.problems]
+        reason = "InvalidPolicy"
+    else:
+        reason = "HostPathNotAllowed"
+    if refused:
+        problems = "; ".join(refused)
+        conds = [Cond("Ready", "False", reason, problems), Cond("Degraded", "True", reason, problems),
+                 Cond("Progressing", "False", reason, "nothing is applied until the policy is fixed")]
         status = {"observedGeneration": generation,
                   "conditions": merge_conditions(old.get("conditions") or [], conds, generation, now)}
         return Plan(None, [], status, _events(old.get("conditions") or [], status["conditions"], [], old),
@@ -255,6 +275,13 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
             targets.append(TargetPlan(w.kind, w.name, CONFLICT,
                                       f"{w.ref} is also selected by KVCachePolicy {', '.join(rivals)}; no policy "
                                       f"changes it until only one selects it"))
+            continue
+        if not opted_in(w.labels, name):
+            # The policy's author may not be allowed to edit this workload; its owner must consent.
+            if w.applied_by == name:
+                targets.append(_release(w, spec, f"{w.ref} no longer opts in ({not_opted_in_message(w.ref, name)})"))
+            else:
+                targets.append(TargetPlan(w.kind, w.name, NOT_OPTED_IN, not_opted_in_message(w.ref, name)))
             continue
         t, rendered = _target(policy, w, on, node_allocatable=node_allocatable, cleanup_image=cleanup_image)
         targets.append(t)
@@ -318,7 +345,7 @@ def _conditions(targets: list[TargetPlan], workloads: list[Workload], namespace:
 
     by_ref = {w.ref: w for w in workloads}
     conflicts = [t for t in targets if t.state == CONFLICT]
-    refused = [t for t in targets if t.state == REFUSED]
+    refused = [t for t in targets if t.state in (REFUSED, NOT_OPTED_IN)]
     errors = [t for t in targets if t.state == ERROR]
     missing = [t for t in targets if t.state == MISSING_ARG]
     applied = [t for t in targets if t.state == APPLIED]
@@ -330,10 +357,10 @@ def _conditions(targets: list[TargetPlan], workloads: list[Workload], namespace:
         out.append(Cond("Ready", "True", "Applied", f"applied to {len(applied)} workload(s): " + msgs({APPLIED})))
     else:
         first = (conflicts or refused or errors or missing)[0].state
-        out.append(Cond("Ready", "False", first, msgs({CONFLICT, REFUSED, ERROR, MISSING_ARG})))
+        out.append(Cond("Ready", "False", first, msgs({CONFLICT, REFUSED, NOT_OPTED_IN, ERROR, MISSING_ARG})))
     if refused or errors or missing:
         reason = (refused or errors or missing)[0].state
-        out.append(Cond("Degraded", "True", reason, msgs({REFUSED, ERROR, MISSING_ARG})))
+        out.append(Cond("Degraded", "True", reason, msgs({REFUSED, NOT_OPTED_IN, ERROR, MISSING_ARG})))
     else:
         out.append(Cond("Degraded", "False", "AsExpected", ""))
     if conflicts:

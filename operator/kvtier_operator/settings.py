@@ -12,6 +12,10 @@ FINALIZER = f"{PREFIX}/finalizer"
 POLICY_LABEL = f"{PREFIX}/policy"
 CONFIG_HASH_ANNOTATION = f"{PREFIX}/config-hash"
 REENABLE_ANNOTATION = f"{PREFIX}/reenable"  # a person asks the SLO guard to re-enable these tiers (comma list)
+# Set by a workload's owner: the policy allowed to configure it ("true": any policy in its namespace). The
+# operator never writes it, so only someone who may edit the workload can grant it.
+OPT_IN_LABEL = f"{PREFIX}/opt-in"
+OPT_IN_ANY = "true"
 DEFAULT_CLEANUP_IMAGE = "busybox:1.37.0"
 
 
@@ -32,6 +36,12 @@ class Settings:
     read_nodes: bool = True  # headroom against node allocatable when nodes are readable
     kubeconfig: Optional[str] = None
     verbose: bool = False
+    # Admin trust settings (docs/install.md, "Threat model"): node paths tiers may mount (default none), and the
+    # Prometheus endpoints the SLO guard may query and send credentials to (default none), https only unless
+    # plain http is allowed.
+    host_path_prefixes: tuple[str, ...] = ()
+    prometheus_allowed: tuple[str, ...] = ()
+    prometheus_allow_http: bool = False
 
 
 _ENV = "KVTIER_"
@@ -73,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
                                            "(env KVTIER_CLEANUP_IMAGE, default busybox:1.37.0)")
     p.add_argument("--no-read-nodes", dest="read_nodes", action="store_false", default=None,
                    help="do not read nodes for headroom checks (env KVTIER_READ_NODES=false)")
+    p.add_argument("--hostpath-prefix", action="append", dest="host_path_prefixes",
+                   help="node path under which tiers may use hostPath volumes (repeatable; env "
+                        "KVTIER_HOSTPATH_PREFIXES, comma separated); default: none, hostPath tiers are refused")
+    p.add_argument("--prometheus-allow", action="append", dest="prometheus_allowed",
+                   help="Prometheus endpoint the SLO guard may query and send credentials to: a host, host:port or "
+                        "URL prefix (repeatable; env KVTIER_PROMETHEUS_ALLOWED, comma separated); default: none")
+    p.add_argument("--prometheus-allow-http", action="store_true", default=None,
+                   help="also allow plain http to the allowed endpoints (env KVTIER_PROMETHEUS_ALLOW_HTTP)")
     p.add_argument("--kubeconfig", help="kubeconfig file (env KUBECONFIG; default in-cluster credentials)")
     p.add_argument("--verbose", "-v", action="store_true", default=None, help="debug logging")
     return p
@@ -101,6 +119,21 @@ def from_args(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> Setti
         return value
 
     namespaces = args.namespaces or [n for n in env.get(_ENV + "NAMESPACES", "").split(",") if n.strip()]
+
+    def listed(flag: Optional[list[str]], name: str) -> list[str]:
+        return [v.strip() for v in (flag or env.get(_ENV + name, "").split(",")) if v.strip()]
+
+    from .trust import check_endpoint_entry, check_host_path_prefix
+
+    prefixes = listed(args.host_path_prefixes, "HOSTPATH_PREFIXES")
+    allowed = listed(args.prometheus_allowed, "PROMETHEUS_ALLOWED")
+    for value, check, flag, name in [(v, check_host_path_prefix, "--hostpath-prefix", "HOSTPATH_PREFIXES")
+                                     for v in prefixes] + \
+                                    [(v, check_endpoint_entry, "--prometheus-allow", "PROMETHEUS_ALLOWED")
+                                     for v in allowed]:
+        problem = check(value)
+        if problem:
+            raise SystemExit(f"kvtier operator: {flag} ({_ENV}{name}): {value!r}: {problem}")
     liveness = pick(args.liveness_endpoint, "LIVENESS", default=d.liveness_endpoint)
     metrics_port = pick(args.metrics_port, "METRICS_PORT", int, d.metrics_port)
     return Settings(
@@ -117,4 +150,8 @@ def from_args(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> Setti
         read_nodes=bool(pick(args.read_nodes, "READ_NODES", lambda v: _env_bool(v, True), True)),
         kubeconfig=args.kubeconfig or env.get("KUBECONFIG") or None,
         verbose=bool(pick(args.verbose, "VERBOSE", lambda v: _env_bool(v, False), False)),
+        host_path_prefixes=tuple(prefixes),
+        prometheus_allowed=tuple(allowed),
+        prometheus_allow_http=bool(pick(args.prometheus_allow_http, "PROMETHEUS_ALLOW_HTTP",
+                                        lambda v: _env_bool(v, False), False)),
     )

@@ -33,6 +33,7 @@ from .reconcile import Event
 from .slo.client import PrometheusClientConfig, PrometheusSource, resolve_client_config
 from .status import Cond, merge_conditions, now_rfc3339, status_patch
 from .tiers import SPEC_DISABLED, enabled, tier_states
+from .trust import endpoint_problem
 
 log = logging.getLogger("kvtier.slo")
 HISTORY_LIMIT = 50
@@ -71,10 +72,9 @@ def client_config(kube: Kube, namespace: str, prom: "slo.PrometheusSettings") ->
     The slo package owns the field rules (``resolve_client_config``); this only supplies the Secret reader.
     """
     def read_secret(name: str, key: str) -> str:
+        # Every failure reads the same in status (resolve_client_config): whether the Secret exists is not told.
         secret = kube.get(f"/api/v1/namespaces/{namespace}/secrets/{name}")
-        if secret is None:
-            raise ValueError(f"spec.slo.prometheus.auth: Secret {namespace}/{name} not found")
-        raw = (secret.get("data") or {}).get(key)
+        raw = ((secret or {}).get("data") or {}).get(key)
         if raw is None:
             raise KeyError(key)
         return base64.b64decode(raw).decode()
@@ -158,6 +158,11 @@ def guard_tick_sync(op: Operator, namespace: str, name: str, source: Optional[An
     if own_source:
         if settings.prometheus is None:
             return result
+        # Before any Secret is read: credentials go only to endpoints the admin allowed (docs/install.md).
+        refused = endpoint_problem(settings.prometheus.url, op.settings.prometheus_allowed,
+                                  op.settings.prometheus_allow_http)
+        if refused:
+            return _misconfigured(op, pol, refused, settings.interval_s)
         try:
             config = client_config(op.kube, namespace, settings.prometheus)
         except ValueError as err:  # a missing Secret or key, a bad CA bundle: the message names the field

@@ -184,7 +184,7 @@ OPERATOR_NAMESPACED = {
     ("kvtier.io", "kvcachepolicies/finalizers"): {"update"},
     ("apps", "deployments"): {"get", "list", "watch", "patch"},
     ("apps", "statefulsets"): {"get", "list", "watch", "patch"},
-    ("", "configmaps"): {"create", "patch", "delete"},
+    ("", "configmaps"): {"get", "create", "patch", "delete"},
     ("", "events"): {"create"},
 }
 OPERATOR_CLUSTER = {

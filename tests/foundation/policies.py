@@ -96,4 +96,48 @@ INVALID = [
     (policy(slo={**SLO, "window": "5 minutes"}), "spec.slo.window: '5 minutes' does not match"),
     (policy(tires=[]), "spec.tires: unknown field"),
     (policy(selector=None), "spec.selector: required"),
+    # Strict types, as the API server: no strings for integers, booleans or numbers (issue #16).
+    (policy(blockSize="16"), "spec.blockSize: '16': Input should be a valid integer"),
+    (policy(tiers=[cpu(enabled="false")]), "spec.tiers[0].enabled: 'false': Input should be a valid boolean"),
+    (policy(slo={**SLO, "dryRun": "yes"}), "spec.slo.dryRun: 'yes': Input should be a valid boolean"),
+    (policy(gpu={"memoryUtilization": "0.9"}), "spec.gpu.memoryUtilization: '0.9': Input should be a valid number"),
+    # One set of rules offline and at admission: what the SLO guard would refuse is refused here.
+    (policy(slo={**SLO, "ttftP99": "0s"}), "spec.slo.ttftP99: must be greater than zero"),
+    (policy(slo={**SLO, "interval": "0s"}), "spec.slo.interval: must be greater than zero"),
+    (policy(slo={**SLO, "window": "0m"}), "spec.slo.window: must be greater than zero"),
+    (policy(slo={**SLO, "prometheus": {"url": "http://p:9090", "timeout": "0s"}}),
+     "spec.slo.prometheus.timeout: must be greater than zero"),
+    (policy(slo={**SLO, "prometheus": {"url": "http://p:9090", "timeout": "2m"}}),
+     "spec.slo.prometheus.timeout: must be at most 60s"),
+    (policy(slo={**SLO, "minRequestRate": 1e7}), "spec.slo.minRequestRate: 10000000.0"),
+    (policy(slo={**SLO, "prometheus": {"url": "http:///api"}}), "spec.slo.prometheus.url: needs a host"),
+    (policy(slo={**SLO, "prometheus": {"url": "http://u:p@p:9090"}}),
+     "spec.slo.prometheus.url: must not contain credentials"),
+    (policy(slo={**SLO, "prometheus": {"url": "http://p:9090/x?y=1"}}), "spec.slo.prometheus.url: must not contain"),
+    # What the renderer would produce and the API server refuse.
+    (policy(tiers=[cpu(), disk(path="/etc/kvtier")]), "spec.tiers[1].path: must not be or contain a system path"),
+    (policy(tiers=[cpu(), disk(path="/dev/shm")]), "spec.tiers[1].path: must not be or contain a system path"),
+    (policy(tiers=[cpu(), disk(path="/var/run/secrets/kubernetes.io/serviceaccount")]),
+     "spec.tiers[1].path: must not be or contain a system path"),
+    (policy(tiers=[cpu(), disk(path="/mnt/../etc")]), "spec.tiers[1].path: must not contain '.' or '..'"),
+    (policy(backend="kvtier", tiers=[cpu(), disk("a"), {**disk("b"), "path": "/mnt/a/"}]),
+     "spec.tiers: filesystem tiers need distinct paths"),
+    (policy(tiers=[cpu(), disk(volume={"hostPath": {"path": "/mnt/disks/../../etc"}})]),
+     "spec.tiers[1].volume.hostPath.path: must not contain '.' or '..' segments"),
+    (policy(tiers=[cpu(size="2Pi")]), "spec.tiers[0].size: must be at most 1Pi"),
+    (policy(tiers=[cpu(size=2**50 + 1)]), "spec.tiers[0].size: must be at most 1Pi"),
+    (policy(hostMemoryHeadroom="1Ei"), "spec.hostMemoryHeadroom: must be at most 1Pi"),
+]
+
+# (metadata, the problem `kvtier validate` reports). The API server rejects each too (its own ObjectMeta rules,
+# and the CRD's CEL rule on the name's length, since the name becomes a label value).
+INVALID_METADATA = [
+    ({"name": "a" * 64}, "(document): metadata.name must be at most 63 characters"),
+    ({"name": "a" * 254}, "metadata.name: "),
+    ({"name": "Bad_Name!/../x"}, "metadata.name: 'Bad_Name!/../x' must be a DNS-1123 subdomain"),
+    ({"name": 12345}, "metadata.name: 12345 must be a string"),
+    ({"name": "p", "annotations": {"a": 1}}, "metadata.annotations['a']: 1 must be a string"),
+    ({"name": "p", "labels": {"a": True}}, "metadata.labels['a']: True must be a string"),
+    ({"name": "p", "labels": {"a": "x" * 64}}, "metadata.labels['a']: "),
+    ({"name": "p", "labels": {"bad key": "v"}}, "metadata.labels['bad key']: the name must be"),
 ]

@@ -3,7 +3,7 @@ import pytest
 
 from kvtier_operator.api.validation import PolicyInvalid, parse_policy, validate_text
 
-from foundation.policies import INVALID, VALID, cpu, disk, policy
+from foundation.policies import INVALID, INVALID_METADATA, VALID, cpu, disk, policy
 
 
 def problems(doc):
@@ -34,4 +34,10 @@ def test_validate_text_reports_file_document_and_name():
     assert validate_text(text, "p.yaml") == ["p.yaml[0] (a): spec.selector: required"]
     assert validate_text("kind: ConfigMap\n", "c.yaml") == ["c.yaml: no KVCachePolicy (kind: KVCachePolicy) "
                                                             "in this file"]
-    assert validate_text("a: [", "broken.yaml")[0].startswith("broken.yaml: not valid YAML")
+    assert validate_text("a: [", "broken.yaml")[0].startswith("broken.yaml:1:5: not valid YAML")
+
+
+@pytest.mark.parametrize("metadata, expected", INVALID_METADATA)
+def test_metadata_is_checked_like_the_api_server(metadata, expected):
+    found = problems({**policy(), "metadata": metadata})
+    assert any(p.startswith(expected) for p in found), found

@@ -23,7 +23,7 @@ def cond(plan: rc.Plan, type_: str) -> dict:
 
 def test_applies_only_map_keyed_items_and_annotations():
     p = rc.plan(policy(tiers=[{"name": "cpu", "medium": "cpu", "size": "16Gi"}, nvme_tier()]),
-                [observed(deployment())], [], now=NOW)
+                [observed(deployment())], [], now=NOW, host_path_prefixes=("/mnt/disks",))
     [t] = p.targets
     assert t.state == rc.APPLIED and t.args_update is None
     body = t.apply
@@ -75,7 +75,7 @@ def test_missing_config_argument_names_the_exact_argument():
     [t] = p.targets
     assert t.state == rc.MISSING_ARG
     assert '"--config /etc/kvtier/engine.yaml"' in t.message and "'vllm'" in t.message
-    assert t.apply is not None  # mounts are ready for when the argument is added
+    assert t.apply is None and t.config_hash is None  # nothing is applied until the owner adds the argument
     assert cond(p, "Degraded")["reason"] == rc.MISSING_ARG
 
 
@@ -161,7 +161,8 @@ def test_only_enabled_tiers_are_rendered():
     tiers = [{"name": "cpu", "medium": "cpu", "size": "16Gi"}, nvme_tier()]
     status = {"tiers": [{"name": "cpu", "state": "Enabled", "reason": "Declared", "since": NOW},
                         {"name": "nvme", "state": "Disabled", "reason": "SLOBreach", "since": NOW}]}
-    p = rc.plan(policy(tiers=tiers, status=status), [observed(deployment())], [], now=LATER)
+    p = rc.plan(policy(tiers=tiers, status=status), [observed(deployment())], [], now=LATER,
+                host_path_prefixes=("/mnt/disks",))
     assert p.status["activeTiers"] == "cpu"
     assert p.status["tiers"] == status["tiers"]  # the guard's decisions are kept as they are
     mounts = p.targets[0].apply["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Optional
 import pytest
 
 from kvtier_operator.kube import ApiError, policy_path, workload_path
-from kvtier_operator.settings import CONFIG_HASH_ANNOTATION, FIELD_MANAGER
+from kvtier_operator.settings import CONFIG_HASH_ANNOTATION, FIELD_MANAGER, OPT_IN_ANY, OPT_IN_LABEL
 
 GITOPS = "argocd-controller"
 
@@ -51,8 +51,9 @@ def nvme_tier(name: str = "nvme", path: str = "/mnt/nvme") -> dict[str, Any]:
 def deployment(name: str = "llm", namespace: str = "default", *, labels: Optional[dict] = None,
                args: Optional[list] = None, image: str = VLLM_IMAGE, memory_request: Optional[str] = "8Gi",
                memory_limit: Optional[str] = "64Gi", kind: str = "Deployment",
-               container: str = "vllm") -> dict[str, Any]:
-    """A serving workload manifest, as a user writes it (no status, no managedFields)."""
+               container: str = "vllm", opt_in: Optional[str] = OPT_IN_ANY) -> dict[str, Any]:
+    """A serving workload manifest, as a user writes it (no status, no managedFields); its owner opts in to
+    ``opt_in`` (a policy name, "true" for any, None for none)."""
     resources: dict[str, Any] = {}
     if memory_request:
         resources.setdefault("requests", {})["memory"] = memory_request
@@ -69,7 +70,8 @@ def deployment(name: str = "llm", namespace: str = "default", *, labels: Optiona
     if kind == "StatefulSet":
         spec["serviceName"] = name
     return {"apiVersion": "apps/v1", "kind": kind,
-            "metadata": {"name": name, "namespace": namespace, "labels": labels or {"app": name}},
+            "metadata": {"name": name, "namespace": namespace,
+                         "labels": {**(labels or {"app": name}), **({OPT_IN_LABEL: opt_in} if opt_in else {})}},
             "spec": spec}
 
 
@@ -234,7 +236,10 @@ def run_operator(kube, namespace, controlplane):
     def start(hooks: Any = (), **overrides: Any) -> OperatorThread:
         values: dict[str, Any] = dict(namespaces=(namespace,), standalone=True, liveness_endpoint=None,
                                       metrics_port=None, resync_seconds=60.0, backoff_initial=0.2, backoff_max=2.0,
-                                      read_nodes=False, kubeconfig=str(controlplane.kubeconfig))
+                                      read_nodes=False, kubeconfig=str(controlplane.kubeconfig),
+                                      # The admin trusts the test's node path and its local Prometheus.
+                                      host_path_prefixes=("/mnt/disks",), prometheus_allowed=("127.0.0.1",),
+                                      prometheus_allow_http=True)
         values.update(overrides)
         runner = OperatorThread(Settings(**values), Kube(str(controlplane.kubeconfig)))
         runner.op.on_reconciled.extend(hooks)  # attached before the first reconcile can happen

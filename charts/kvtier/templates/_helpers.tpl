@@ -78,7 +78,7 @@ watched namespace otherwise. Each rule names only what the operator does with th
 # updates it (create, patch), deleting the policy removes it. The operator never lists or reads it back.
 - apiGroups: [""]
   resources: ["configmaps"]
-  verbs: ["create", "patch", "delete"]
+  verbs: ["get", "create", "patch", "delete"]
 # Events on policies: kopf posts core/v1 Events, one POST each.
 - apiGroups: [""]
   resources: ["events"]

@@ -28,6 +28,20 @@ NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 ABS_PATH_PATTERN = r"^/[^\x00]*$"
 # `[.]` rather than `\.`: the pattern is embedded in a CEL string literal, where `\.` is not a valid escape.
 TRTLLM_DISK_CACHE_VERSION = r"^(1[.]([3-9]|[1-9][0-9])|[2-9]|[1-9][0-9]+)([.][0-9A-Za-z.+-]*)?$"
+# The name becomes the value of the kvtier.io/policy label on workloads, and label values hold 63 characters.
+MAX_POLICY_NAME = 63
+# Sizes are rendered as byte counts (int64 in the engines and in Kubernetes quantities); 1Pi is far above any
+# real host-memory or disk tier and far below int64, so sums of sizes cannot overflow either.
+MAX_QUANTITY = "1Pi"
+# Longest wait for one Prometheus query: an evaluation runs three, and it must finish well within an interval.
+MAX_PROMETHEUS_TIMEOUT = "60s"
+# Mount paths that would shadow what the container (or the operator's own mounts: /etc/kvtier, /dev/shm) needs.
+# A tier path equal to, below, or above one of these is refused: `/var` would hide /var/run/secrets.
+SYSTEM_PATH_RULE = (r"^/+((bin|boot|dev|etc|lib|lib32|lib64|proc|root|run|sbin|sys|usr|var/run|var/lib/kubelet)"
+                    r"(/|$)|(var)?/*$)")
+# A "." or ".." path segment: refused so that the path the API server and the node see is the one written.
+DOT_SEGMENT_RULE = r"(^|/)[.][.]?(/|$)"
+CEL_DURATION_PATTERN = r"^([0-9]+([.][0-9]+)?(ms|s|m|h))+$"
 
 
 def _rule(rule: str, message: str | None = None, *, message_expression: str | None = None,
@@ -53,8 +67,11 @@ Quantity = Annotated[str, BeforeValidator(lambda v: str(v) if isinstance(v, int)
 
 
 def _quantity(description: str, **kwargs: Any) -> Any:
+    # Kubernetes' CEL quantity library: the same upper bound for the integer and the string form.
+    bound = _rule(f"!isQuantity(string(self)) || !quantity(string(self)).isGreaterThan(quantity('{MAX_QUANTITY}'))",
+                  f"must be at most {MAX_QUANTITY}")
     return Field(description=description, pattern=POSITIVE_QUANTITY_PATTERN, max_length=64,
-                 json_schema_extra={"x-kubernetes-int-or-string": True}, **kwargs)
+                 json_schema_extra={"x-kubernetes-int-or-string": True, **_cel(bound)}, **kwargs)
 
 
 def _object_default(model: type[BaseModel]) -> dict[str, Any]:
@@ -63,12 +80,24 @@ def _object_default(model: type[BaseModel]) -> dict[str, Any]:
     return {"default": model().model_dump(by_alias=True, exclude_none=True, mode="json")}
 
 
-def _duration(description: str, default: str | None = None) -> Any:
-    return Field(default, description=description, pattern=DURATION_PATTERN, max_length=32)
+def _duration(description: str, default: str | None = None, *, positive: bool = False,
+              maximum: str | None = None) -> Any:
+    rules = []
+    # Guarded by the pattern so that a malformed value gets the pattern's message, not a CEL evaluation error.
+    if positive:
+        rules.append(_rule(f"!self.matches('{CEL_DURATION_PATTERN}') || duration(self) > duration('0s')",
+                           "must be greater than zero"))
+    if maximum:
+        rules.append(_rule(f"!self.matches('{CEL_DURATION_PATTERN}') || duration(self) <= duration('{maximum}')",
+                           f"must be at most {maximum}"))
+    extra = _cel(*rules) if rules else None
+    return Field(default, description=description, pattern=DURATION_PATTERN, max_length=32,
+                 json_schema_extra=extra)
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+    # strict: "16", "false" or "0.9" are strings, not numbers or booleans, as for the API server.
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", strict=True)
 
 
 # ---------------------------------------------------------------------------------------------- selection
@@ -128,7 +157,11 @@ class EmptyDirSource(_Model):
 class HostPathSource(_Model):
     """A hostPath volume, e.g. a node-local NVMe mount."""
 
-    path: str = Field(description="Path on the node.", pattern=ABS_PATH_PATTERN, max_length=4096)
+    path: str = Field(description="Path on the node; it must lie under a prefix the operator's admin allows "
+                                  "(operator setting hostPathPrefixes).", pattern=ABS_PATH_PATTERN,
+                      max_length=4096,
+                      json_schema_extra=_cel(_rule(f"!self.matches('{DOT_SEGMENT_RULE}')",
+                                                   "must not contain '.' or '..' segments")))
     type: Optional[Literal["", "Directory", "DirectoryOrCreate"]] = Field(None, description="hostPath type.")
 
 
@@ -183,8 +216,15 @@ class TierSpec(_Model):
         "none", description="Admission filter in front of eviction (backend kvtier only): none; doorkeeper "
                             "(store a block only once it is seen again, TinyLFU style); threshold (store after "
                             "spec.offload.storeThreshold offers).")
-    path: Optional[str] = Field(None, description="Mount path of a filesystem tier in the serving container.",
-                                pattern=ABS_PATH_PATTERN, max_length=4096)
+    path: Optional[str] = Field(
+        None, description="Mount path of a filesystem tier in the serving container; not a system path (/, /etc, "
+                          "/dev, /proc, /usr, /var/run, ...) nor the operator's own /etc/kvtier and /dev/shm.",
+        pattern=ABS_PATH_PATTERN, max_length=4096,
+        json_schema_extra=_cel(
+            _rule(f"!self.matches('{DOT_SEGMENT_RULE}')", "must not contain '.' or '..' segments"),
+            _rule(f"!self.matches('{SYSTEM_PATH_RULE}')",
+                  "must not be or contain a system path (/, /bin, /dev, /etc, /lib, /proc, /run, /sys, /usr, "
+                  "/var/run, ...), nor the operator's own mounts /etc/kvtier and /dev/shm")))
     volume: Optional[VolumeSource] = Field(None, description="Volume that backs a filesystem tier.")
     read_threads: int = Field(16, ge=1, le=256, description="I/O threads reading from a filesystem tier.")
     write_threads: int = Field(16, ge=1, le=256, description="I/O threads writing to a filesystem tier.")
@@ -246,11 +286,20 @@ class PrometheusAuth(_Model):
 class PrometheusSpec(_Model):
     """Where the SLO guard reads latency from."""
 
-    url: str = Field(description="Base URL of the Prometheus HTTP API.", pattern=r"^https?://[^\s]+$",
-                     max_length=2048)
+    url: str = Field(
+        description="Base URL of the Prometheus HTTP API; it must be allowed by the operator's admin (operator "
+                    "setting prometheusAllowed), and https unless the admin allows http.",
+        pattern=r"^https?://[^\s]+$", max_length=2048,
+        json_schema_extra=_cel(
+            _rule("self.matches('^https?://[^/?#@:]')", "needs a host (https://host[:port][/path])"),
+            _rule("!self.matches('^https?://[^/?#]*@')", "must not contain credentials (user:password@); use "
+                                                         "spec.slo.prometheus.auth"),
+            _rule("!self.contains('?') && !self.contains('#')",
+                  "must not contain '?' or '#': give the base URL of the Prometheus API")))
     auth: Optional[PrometheusAuth] = Field(None, description="Credentials, read from Secrets.")
     ca_bundle: Optional[SecretKeyRef] = Field(None, description="Secret key holding a PEM CA bundle for TLS.")
-    timeout: str = _duration("Timeout of one query.", "10s")
+    timeout: str = _duration("Total time one query may take (connect, wait and read).", "10s", positive=True,
+                             maximum=MAX_PROMETHEUS_TIMEOUT)
 
 
 class QueryOverrides(_Model):
@@ -284,19 +333,20 @@ class SLOSpec(_Model):
         )
     )
     prometheus: PrometheusSpec = Field(description="Prometheus to query.")
-    ttft_p99: Optional[str] = _duration("Threshold for p99 time to first token, e.g. 2s.")
-    itl_p99: Optional[str] = _duration("Threshold for p99 inter-token latency, e.g. 150ms.")
+    ttft_p99: Optional[str] = _duration("Threshold for p99 time to first token, e.g. 2s.", positive=True)
+    itl_p99: Optional[str] = _duration("Threshold for p99 inter-token latency, e.g. 150ms.", positive=True)
     ttft_p99_max_ratio: Optional[float] = Field(
         None, gt=1, le=100, description="Threshold relative to the GPU-only baseline p99 TTFT (staged rollout).")
     itl_p99_max_ratio: Optional[float] = Field(
         None, gt=1, le=100, description="Threshold relative to the GPU-only baseline p99 ITL (staged rollout).")
-    window: str = _duration("Window of each p99 (PromQL range).", "5m")
-    interval: str = _duration("Time between evaluations.", "30s")
+    window: str = _duration("Window of each p99 (PromQL range).", "5m", positive=True)
+    interval: str = _duration("Time between evaluations.", "30s", positive=True)
     consecutive_breaches: int = Field(3, ge=1, le=100, description="Breaches in a row that disable the newest "
                                                                    "enabled tier.")
     on_no_data: Literal["hold", "breach"] = Field(
         "hold", description="No data or too little traffic: hold (no verdict) or count as a breach.")
-    min_request_rate: float = Field(0.2, ge=0, description="Requests per second under which no verdict is taken.")
+    min_request_rate: float = Field(0.2, ge=0, le=1_000_000, allow_inf_nan=False,
+                                    description="Requests per second under which no verdict is taken.")
     cooldown: str = _duration("After a rollback, time before another tier may be disabled.", "15m")
     reenable: ReenableSpec = Field(default_factory=ReenableSpec, json_schema_extra=_object_default(ReenableSpec),
                                    description="How disabled tiers come back.")
@@ -338,8 +388,10 @@ class KVCachePolicySpec(_Model):
                   field_path=".tiers"),
             _rule("self.tiers.filter(t, t.medium == 'cpu').size() <= 1", "at most one cpu tier",
                   field_path=".tiers"),
-            _rule("self.tiers.filter(t, t.medium == 'filesystem' && has(t.path)).all(t, self.tiers.filter(u, "
-                  "u.medium == 'filesystem' && has(u.path) && u.path == t.path).size() == 1)",
+            # /mnt/a and /mnt/a/ are one directory.
+            # Pairwise with all(), not filter().size(): the API server's cost estimate refuses the latter here.
+            _rule("self.tiers.all(t, self.tiers.all(u, t == u || !has(t.path) || !has(u.path) || "
+                  "(u.path != t.path && u.path != t.path + '/' && u.path + '/' != t.path)))",
                   "filesystem tiers need distinct paths", field_path=".tiers"),
             _rule("!has(self.offload.chunkTokens) || self.offload.chunkTokens % self.blockSize == 0",
                   # format(), not string() + concatenation: the API server prices string(int) as unbounded.
@@ -497,7 +549,14 @@ class KVCachePolicyStatus(_Model):
 class KVCachePolicy(_Model):
     """KV-cache tiering policy for serving workloads."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra=_cel(
+            # The API server checks the name is a DNS-1123 subdomain (253); it is also a label value (63).
+            _rule(f"!has(self.metadata.name) || self.metadata.name.size() <= {MAX_POLICY_NAME}",
+                  f"metadata.name must be at most {MAX_POLICY_NAME} characters: the name is the value of the "
+                  "kvtier.io/policy label on the workloads it configures"),
+        ))
     api_version: Literal["kvtier.io/v1alpha1"] = Field(alias="apiVersion", description="kvtier.io/v1alpha1")
     kind: Literal["KVCachePolicy"] = Field(description="KVCachePolicy")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Standard object metadata.")

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import celpy
-import yaml
 from pydantic import ValidationError
 
 from . import v1alpha1 as api
 from .crd import openapi_schema
-from .units import POSITIVE_QUANTITY_PATTERN
+from .metadata import metadata_problems
+from .units import POSITIVE_QUANTITY_PATTERN, parse_quantity
+from .yamlload import YAMLInputError, load_all
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class Problem:
     source: str = "schema"
 
     def __str__(self) -> str:
-        return f"{self.path}: {self.message}"
+        return f"{self.path}: {self.message}" if self.message else self.path
 
 
 class PolicyInvalid(ValueError):
@@ -86,10 +87,33 @@ def _cel_format(template: Any, args: Any) -> celpy.celtypes.StringType:
     return celpy.celtypes.StringType("".join(out))
 
 
+def _is_quantity(text: Any) -> celpy.celtypes.BoolType:
+    try:
+        parse_quantity(str(text))
+    except ValueError:
+        return celpy.celtypes.BoolType(False)
+    return celpy.celtypes.BoolType(True)
+
+
+def _quantity(text: Any) -> celpy.celtypes.IntType:
+    """Kubernetes' CEL ``quantity()``, as the byte count (rounded up): all the rules here compare quantities.
+    Clamped to int64 (CEL's int): every bound in the CRD is far below, so comparisons keep their answer."""
+    return celpy.celtypes.IntType(min(parse_quantity(str(text)), 2**63 - 1))
+
+
+_FUNCTIONS = {
+    "format": _cel_format,
+    "isQuantity": _is_quantity,
+    "quantity": _quantity,
+    "isGreaterThan": lambda a, b: celpy.celtypes.BoolType(int(a) > int(b)),
+    "isLessThan": lambda a, b: celpy.celtypes.BoolType(int(a) < int(b)),
+}
+
+
 @functools.lru_cache(maxsize=None)
 def _program(expression: str) -> Any:
     env = celpy.Environment()
-    return env.program(env.compile(expression), functions={"format": _cel_format})
+    return env.program(env.compile(expression), functions=_FUNCTIONS)
 
 
 def _rules_by_path(schema: dict[str, Any]) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
@@ -141,7 +165,7 @@ def _cel_problems(doc: dict[str, Any], rules: Optional[Callable[[dict[str, Any]]
                     result = err
                 if isinstance(result, celpy.celtypes.BoolType) and bool(result):
                     continue
-                field = _format_loc(path) + rule.get("fieldPath", "")
+                field = (_format_loc(path) + rule.get("fieldPath", "")).lstrip(".") or "(document)"
                 if not isinstance(result, celpy.celtypes.BoolType):
                     problems.append(Problem(field, f"rule could not be evaluated ({result}): {rule['rule']}", "cel"))
                 elif "messageExpression" in rule:
@@ -162,10 +186,13 @@ def parse_policy(obj: dict[str, Any],
     """
     if not isinstance(obj, dict):
         raise PolicyInvalid([Problem("(document)", "a KVCachePolicy must be a mapping")])
+    meta_problems = [Problem(path, message) for path, message in metadata_problems(obj.get("metadata"))]
     try:
         policy = api.KVCachePolicy.model_validate({k: v for k, v in obj.items() if k != "status"})
     except ValidationError as err:
-        raise PolicyInvalid(_pydantic_problems(err)) from None
+        raise PolicyInvalid(meta_problems + _pydantic_problems(err)) from None
+    if meta_problems:
+        raise PolicyInvalid(meta_problems)
     # Rules see the object as the API server does: defaults applied, unset optionals absent.
     problems = _cel_problems(policy.model_dump(by_alias=True, exclude_none=True, mode="json"), cel_rules)
     if problems:
@@ -176,9 +203,10 @@ def parse_policy(obj: dict[str, Any],
 def load_documents(text: str, source: str = "<input>") -> list[tuple[str, dict[str, Any]]]:
     """KVCachePolicy documents in a YAML stream, each with a label naming file and document index."""
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
-    except yaml.YAMLError as err:
-        raise PolicyInvalid([Problem(source, f"not valid YAML: {err}")]) from None
+        docs = [d for d in load_all(text, source) if d is not None]
+    except YAMLInputError as err:
+        # The message already names the source (and line); the problem carries it whole.
+        raise PolicyInvalid([Problem(str(err), "")]) from None
     out = []
     for i, doc in enumerate(docs):
         label = source if len(docs) == 1 else f"{source}[{i}]"

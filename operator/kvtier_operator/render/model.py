@@ -76,11 +76,25 @@ def config_volume(config_map_name: str) -> tuple[dict[str, Any], dict[str, Any]]
 def tier_volume(tier: api.TierSpec) -> tuple[dict[str, Any], dict[str, Any]]:
     """Volume and mount of a filesystem tier (an emptyDir is sized to the tier)."""
     assert tier.volume is not None and tier.path is not None  # guaranteed by the CRD rules
-    name = f"kvtier-tier-{tier.name}"[:63]
+    name = tier_volume_name(tier.name)
     source = tier.volume.model_dump(by_alias=True, exclude_none=True, mode="json")
     if "emptyDir" in source and "sizeLimit" not in source["emptyDir"]:
         source["emptyDir"]["sizeLimit"] = tier.size
-    return {"name": name, **source}, {"name": name, "mountPath": tier.path}
+    return {"name": name, **source}, {"name": name, "mountPath": normalized_path(tier.path)}
+
+
+def normalized_path(path: str) -> str:
+    """``/mnt/kvcache/`` and ``/mnt/kvcache`` are one mount point (the CRD refuses "." and ".." segments)."""
+    return "/" + "/".join(part for part in path.split("/") if part)
+
+
+def tier_volume_name(tier_name: str) -> str:
+    """A volume name (at most 63 characters) unique per tier name: long names keep a prefix and a hash, so two
+    tiers that share their first 51 characters still get two volumes."""
+    name = f"kvtier-tier-{tier_name}"
+    if len(name) <= 63:
+        return name
+    return f"{name[:54]}-{hashlib.sha256(tier_name.encode()).hexdigest()[:8]}"
 
 
 def shm_volume(size_bytes: int) -> tuple[dict[str, Any], dict[str, Any]]:

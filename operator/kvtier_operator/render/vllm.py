@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from typing import Any
+from urllib.parse import quote
 
 import yaml
 
@@ -23,7 +24,7 @@ from kvtier_runtime.config import (
 
 from ..api import v1alpha1 as api
 from ..api.units import parse_quantity
-from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, workload_storage
+from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, normalized_path, workload_storage
 
 LMCACHE_FILE = "lmcache.yaml"
 
@@ -88,7 +89,8 @@ def _lmcache_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec]) -> d
     }
     disk = next((t for t in tiers if t.medium == "filesystem"), None)
     if disk is not None:
-        config["local_disk"] = f"file://{disk.path.rstrip('/')}/"
+        # A URL: a path with spaces, '%' or '#' must be percent-encoded or LMCache reads another path.
+        config["local_disk"] = f"file://{quote(normalized_path(disk.path).rstrip('/'))}/"
         config["max_local_disk_size"] = round(parse_quantity(disk.size) / 2**30, 3)
     return config
 

@@ -32,7 +32,9 @@ def deployment(names: Names) -> dict[str, Any]:
     labels = {"app": names.workload}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": names.workload, "namespace": names.namespace, "labels": labels},
+        # The owner opts in to the demo's policy: kvtier changes only workloads that do.
+        "metadata": {"name": names.workload, "namespace": names.namespace,
+                     "labels": {**labels, "kvtier.io/opt-in": names.policy}},
         "spec": {
             "replicas": 1,
             "selector": {"matchLabels": labels},

@@ -1,25 +1,32 @@
-"""Reads the SLO guard's three numbers from Prometheus (prometheus-api-client 0.7.2).
+"""Reads the SLO guard's three numbers from Prometheus's HTTP API (``/api/v1/query``).
 
 Every failure becomes a :class:`Reading` error with a message a person can act on; nothing raises into the
 operator's timer, because an unreachable Prometheus must surface as ``SLOUnknown``, never as a crash or a breach.
+Each query is bounded (:mod:`.http`): a total deadline of ``timeout_s`` and at most ``max_bytes`` of answer. Error
+messages name the endpoint without credentials, query or fragment, and never quote the answer's body.
 """
 from __future__ import annotations
 
+import base64
 import hashlib
+import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import requests
-from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
-from urllib3.exceptions import NewConnectionError, TimeoutError as TimeoutError_
-from urllib3.util.retry import Retry
-
+from ..trust import redacted
+from . import http
 from .measurements import Measurements, Reading
 from .queries import QuerySet
 from .settings import PrometheusSettings, SecretKeyRef
+
+# A Prometheus answer for the guard's queries is a few series (KiB); 4 MiB leaves room for an override that
+# returns many, and keeps one policy from growing the operator by more.
+DEFAULT_MAX_BYTES = 4 * 1024 * 1024
+_ERROR_TYPE = re.compile(r"^[a-z_]{1,32}$")
 
 
 @dataclass(frozen=True)
@@ -33,8 +40,9 @@ class PrometheusClientConfig:
     # Path to a PEM bundle that signs the server's certificate; None uses the system store.
     ca_file: str | None = None
     insecure_skip_verify: bool = False
-    # Retries inside one evaluation: the next interval is the real retry, so keep one evaluation short.
+    # Kept for callers of the requests-based client; one evaluation is one try (the next interval is the retry).
     retries: int = 0
+    max_bytes: int = DEFAULT_MAX_BYTES
 
     def __post_init__(self) -> None:
         if self.bearer_token and self.basic_auth:
@@ -42,13 +50,13 @@ class PrometheusClientConfig:
         if self.ca_file and self.insecure_skip_verify:
             raise ValueError("prometheus: caFile and insecureSkipVerify contradict each other")
         if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"prometheus.url: {self.url!r} must be an http:// or https:// URL")
+            raise ValueError(f"prometheus.url: {redacted(self.url)!r} must be an http:// or https:// URL")
         if self.timeout_s <= 0:
             raise ValueError(f"prometheus.timeout: {self.timeout_s!r} must be greater than zero")
 
     def __repr__(self) -> str:  # never print credentials into logs
         auth = "bearer" if self.bearer_token else "basic" if self.basic_auth else "none"
-        return f"PrometheusClientConfig(url={self.url!r}, auth={auth}, ca_file={self.ca_file!r})"
+        return f"PrometheusClientConfig(url={redacted(self.url)!r}, auth={auth}, ca_file={self.ca_file!r})"
 
 
 class PrometheusSource:
@@ -56,24 +64,17 @@ class PrometheusSource:
 
     def __init__(self, config: PrometheusClientConfig):
         self.config = config
-        session = requests.Session()
-        if config.insecure_skip_verify:
-            session.verify = False
-        elif config.ca_file:
-            session.verify = config.ca_file
-        headers = {"Authorization": f"Bearer {config.bearer_token}"} if config.bearer_token else None
-        self._client = PrometheusConnect(
-            url=config.url.rstrip("/"),
-            headers=headers,
-            auth=config.basic_auth,
-            session=session,
-            timeout=config.timeout_s,
-            retry=Retry(total=config.retries, backoff_factor=0.2, status_forcelist=[502, 503, 504],
-                        allowed_methods=["GET"]),
-        )
+        self._where = redacted(config.url)
+        self._headers: dict[str, str] = {}
+        if config.bearer_token:
+            self._headers["Authorization"] = f"Bearer {config.bearer_token}"
+        elif config.basic_auth:
+            pair = f"{config.basic_auth[0]}:{config.basic_auth[1]}".encode()
+            self._headers["Authorization"] = "Basic " + base64.b64encode(pair).decode()
+        self._endpoint = config.url.rstrip("/") + "/api/v1/query"
 
     def close(self) -> None:
-        self._client.close()
+        pass  # one connection per query, closed by the query
 
     def __enter__(self) -> "PrometheusSource":
         return self
@@ -83,25 +84,36 @@ class PrometheusSource:
 
     def query_scalar(self, promql: str) -> Reading:
         """The largest value of an instant vector (the worst target when an override returns several series)."""
+        c = self.config
         try:
-            result = self._client.custom_query(promql)
-        except PrometheusApiClientException as exc:
-            return Reading.failed(f"query rejected: {_short(str(exc))}", promql)
-        except requests.exceptions.SSLError as exc:
-            return Reading.failed(f"TLS error talking to {self.config.url}: {_short(str(exc))}", promql)
-        except requests.exceptions.Timeout:
-            return Reading.failed(f"timed out after {self.config.timeout_s:g}s waiting for {self.config.url}", promql)
-        except requests.exceptions.ConnectionError as exc:
-            # With retries exhausted urllib3 wraps a read timeout in MaxRetryError -> ConnectionError.
-            reason = getattr(exc.args[0], "reason", None) if exc.args else None
-            # (NewConnectionError subclasses ConnectTimeoutError in urllib3 2.x, but "refused" is not a timeout.)
-            if isinstance(reason, TimeoutError_) and not isinstance(reason, NewConnectionError):
-                return Reading.failed(f"timed out after {self.config.timeout_s:g}s waiting for {self.config.url}",
-                                      promql)
-            return Reading.failed(f"cannot reach {self.config.url}: {_short(str(exc))}", promql)
-        except (requests.exceptions.RequestException, ValueError, KeyError) as exc:
-            return Reading.failed(f"bad answer from {self.config.url}: {_short(str(exc))}", promql)
-        return _scalar(result, promql)
+            answer = http.get(self._endpoint, params={"query": promql}, headers=self._headers,
+                              deadline_s=c.timeout_s, max_bytes=c.max_bytes, ca_file=c.ca_file,
+                              insecure=c.insecure_skip_verify)
+        except http.HTTPFailure as exc:
+            if exc.kind == "timeout":
+                return Reading.failed(f"timed out after {c.timeout_s:g}s waiting for {self._where}", promql)
+            if exc.kind == "tls":
+                return Reading.failed(f"TLS error talking to {self._where}: {exc}", promql)
+            if exc.kind == "connect":
+                return Reading.failed(f"cannot reach {self._where}: {exc}", promql)
+            return Reading.failed(f"bad answer from {self._where}: {exc}", promql)
+        try:
+            doc = json.loads(answer.body)
+        except ValueError:
+            doc = None
+        if not 200 <= answer.status < 300:
+            # Only the status line and Prometheus's errorType token: the body of an arbitrary URL is not echoed.
+            error_type = doc.get("errorType") if isinstance(doc, dict) else None
+            detail = f" ({error_type})" if isinstance(error_type, str) and _ERROR_TYPE.match(error_type) else ""
+            return Reading.failed(f"query rejected: {answer.status_line}{detail}", promql)
+        if not isinstance(doc, dict) or doc.get("status") != "success" or not isinstance(doc.get("data"), dict):
+            return Reading.failed(f"bad answer from {self._where}: not a Prometheus query result", promql)
+        data = doc["data"]
+        if data.get("resultType") == "scalar":
+            return _scalar([{"value": data.get("result")}], promql)
+        if data.get("resultType") != "vector":
+            return Reading.failed(f"unexpected result type {http.sanitise(str(data.get('resultType')))}", promql)
+        return _scalar(data.get("result"), promql)
 
     def measure(self, queries: QuerySet) -> Measurements:
         rate = self.query_scalar(queries.request_rate)
@@ -124,22 +136,22 @@ def _scalar(result: object, promql: str) -> Reading:
         try:
             values.append(float(series["value"][1]))
         except (KeyError, IndexError, TypeError, ValueError):
-            return Reading.failed(f"unexpected series shape {_short(repr(series))}", promql)
+            return Reading.failed("unexpected series shape (expected {\"value\": [time, \"number\"]})", promql)
+    if any(v < 0 for v in values):
+        # A latency or a rate is never negative (or -Inf): a broken query, not a measurement within the SLO.
+        return Reading.failed("invalid value: a negative number (check the query)", promql)
     numbers = [v for v in values if not math.isnan(v)]
     # NaN (e.g. histogram_quantile over buckets that saw no observations) is surfaced as NaN, not hidden.
     return Reading.of(max(numbers) if numbers else math.nan, promql)
 
 
-def _short(text: str, limit: int = 300) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def resolve_client_config(settings: PrometheusSettings, read_secret: Callable[[str, str], str],
                           ca_dir: str | os.PathLike[str]) -> PrometheusClientConfig:
     """Turn ``spec.slo.prometheus`` into a connectable config. ``read_secret(name, key)`` returns one key of a
-    Secret in the policy's namespace, decoded (the operator passes a Kubernetes reader; KeyError when the key
-    is missing). The CA bundle is written under ``ca_dir`` because requests verifies against a file.
-    Raises ValueError naming the field."""
+    Secret in the policy's namespace, decoded (the operator passes a Kubernetes reader; KeyError, or any
+    exception, when it cannot). The CA bundle is written under ``ca_dir`` because requests verifies against a
+    file. Raises ValueError naming the field, and the same words whatever went wrong with the Secret: a policy
+    author must not learn from a condition whether a Secret or a key exists."""
     token = basic = ca_file = None
     if settings.bearer_token is not None:
         token = _secret(read_secret, settings.bearer_token, "spec.slo.prometheus.auth.bearerToken").strip()
@@ -150,8 +162,7 @@ def resolve_client_config(settings: PrometheusSettings, read_secret: Callable[[s
         ref = settings.ca_bundle
         pem = _secret(read_secret, ref, "spec.slo.prometheus.caBundle")
         if "-----BEGIN CERTIFICATE-----" not in pem:
-            raise ValueError(f"spec.slo.prometheus.caBundle: key {ref.key!r} of Secret {ref.name!r} is not a PEM "
-                             "certificate bundle")
+            raise ValueError(_unusable("spec.slo.prometheus.caBundle", ref))
         digest = hashlib.sha256(pem.encode()).hexdigest()[:16]
         path = Path(ca_dir) / f"prometheus-ca-{digest}.pem"
         if not path.exists():
@@ -164,11 +175,16 @@ def resolve_client_config(settings: PrometheusSettings, read_secret: Callable[[s
                                   basic_auth=basic, ca_file=ca_file)
 
 
+def _unusable(path: str, ref: SecretKeyRef) -> str:
+    return (f"{path}: key {ref.key!r} of Secret {ref.name!r} cannot be used (a missing Secret or key, an empty "
+            "or malformed value, or one the operator may not read all read the same here)")
+
+
 def _secret(read_secret: Callable[[str, str], str], ref: SecretKeyRef, path: str) -> str:
     try:
         value = read_secret(ref.name, ref.key)
-    except KeyError:
-        raise ValueError(f"{path}: Secret {ref.name!r} has no key {ref.key!r}") from None
+    except Exception:  # noqa: BLE001 - which failure it was is exactly what must not be told
+        raise ValueError(_unusable(path, ref)) from None
     if not value:
-        raise ValueError(f"{path}: key {ref.key!r} of Secret {ref.name!r} is empty")
+        raise ValueError(_unusable(path, ref))
     return value

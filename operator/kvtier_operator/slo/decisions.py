@@ -331,6 +331,8 @@ def assess(settings: SLOSettings, measurements: Measurements, baseline: dict[str
         return Assessment("error", "NaN", values, limits, error="requestRate: NaN")
     if rate.is_empty:
         return Assessment("noData", "NoRequestSeries", values, limits)
+    if rate.value < 0:  # a rate is never negative: the query is wrong, and no verdict can come from it
+        return Assessment("error", "InvalidValue", values, limits, error=f"requestRate: negative ({rate.value:g})")
     if rate.value <= 0 or rate.value < settings.min_request_rate:
         return Assessment("lowTraffic", "LowTraffic", values, limits)
 
@@ -346,6 +348,9 @@ def assess(settings: SLOSettings, measurements: Measurements, baseline: dict[str
         elif reading.is_nan:
             # Traffic is flowing yet the quantile is undefined: the query or the scrape is wrong, not the SLO.
             errors.append(f"{metric}: NaN while requestRate is {rate.value:.3g}/s")
+        elif reading.value < 0:
+            # A negative or -Inf latency is a broken query, never "within the SLO".
+            errors.append(f"{metric}: negative ({reading.value:g}); check the query")
         elif metric in limits and reading.value > limits[metric]:   # +Inf (above every bucket) breaches too
             breaches.append((metric, reading.value, limits[metric]))
     if breaches:

@@ -1,0 +1,157 @@
+"""Who may make the operator do what: pure checks behind the threat model in docs/install.md.
+
+The operator holds rights a policy author may lack (it patches Deployments and StatefulSets, reads Secrets named
+in policies, and makes HTTP requests from inside the cluster). So a policy is a request, and these rules decide
+what of it the operator carries out:
+
+- a workload is touched only if its owner opted in with the ``kvtier.io/opt-in`` label (the operator never writes
+  that label, so only someone who may edit the workload can grant it);
+- a tier may mount a node path only under a prefix the cluster admin allowed (operator settings; default none);
+- the SLO guard queries, and sends credentials to, only Prometheus endpoints the admin allowed, over https unless
+  http was allowed, and never a URL carrying credentials, a query or a fragment;
+- releasing a policy deletes only the ConfigMap kvtier created for it.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Optional
+from urllib.parse import SplitResult, urlsplit
+
+from .api import v1alpha1 as api
+from .settings import FIELD_MANAGER, OPT_IN_ANY, OPT_IN_LABEL, POLICY_LABEL
+
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+# ---------------------------------------------------------------------------------------------- workloads
+
+
+def opted_in(labels: Mapping[str, str], policy: str) -> bool:
+    """Whether the workload's owner lets ``policy`` configure it."""
+    value = labels.get(OPT_IN_LABEL)
+    return value == policy or value == OPT_IN_ANY
+
+
+def not_opted_in_message(ref: str, policy: str) -> str:
+    return (f"{ref} matches spec.selector but its owner has not opted in: kvtier changes a workload only when it "
+            f"carries the label {OPT_IN_LABEL}: {policy} (or \"{OPT_IN_ANY}\" for any policy of its namespace)")
+
+
+# ---------------------------------------------------------------------------------------------- host paths
+
+
+def _segments(path: str) -> list[str]:
+    return [p for p in path.split("/") if p]
+
+
+def check_host_path_prefix(prefix: str) -> Optional[str]:
+    """Why an admin-supplied hostPath prefix is unusable, or None."""
+    if not prefix.startswith("/"):
+        return "must be an absolute path"
+    if any(p in (".", "..") for p in _segments(prefix)):
+        return "must not contain '.' or '..' segments"
+    return None
+
+
+def under_prefix(path: str, prefix: str) -> bool:
+    """``path`` equals ``prefix`` or lies below it, segment by segment (``/mnt/kv`` is not under ``/mnt/k``)."""
+    want, have = _segments(prefix), _segments(path)
+    return have[: len(want)] == want and ".." not in have and "." not in have
+
+
+def host_path_problems(spec: api.KVCachePolicySpec, prefixes: Iterable[str]) -> list[str]:
+    """One ``field: rule`` line per tier whose hostPath the admin has not allowed (PVC and emptyDir always are)."""
+    allowed = list(prefixes)
+    out = []
+    for i, tier in enumerate(spec.tiers):
+        host = tier.volume.host_path if tier.volume is not None else None
+        if host is None or any(under_prefix(host.path, p) for p in allowed):
+            continue
+        where = ", ".join(allowed) if allowed else "none are allowed"
+        out.append(f"spec.tiers[{i}].volume.hostPath.path: {host.path!r} is not under a node path the cluster "
+                   f"admin allows for tiers ({where}); use a persistentVolumeClaim or emptyDir, or ask the admin "
+                   "to add a hostPath prefix to the operator's settings")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- ConfigMaps
+
+
+def owns_config_map(config_map: Optional[Mapping[str, Any]], policy_name: str, policy_uid: Optional[str]) -> bool:
+    """Whether kvtier created ``config_map`` for this policy (owner reference, or kvtier's own labels)."""
+    if not config_map:
+        return False
+    meta = config_map.get("metadata") or {}
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("kind") == api.KIND and ref.get("name") == policy_name and (
+                policy_uid is None or ref.get("uid") == policy_uid):
+            return True
+    labels = meta.get("labels") or {}
+    return labels.get("app.kubernetes.io/managed-by") == FIELD_MANAGER and labels.get(POLICY_LABEL) == policy_name
+
+
+# ---------------------------------------------------------------------------------------------- Prometheus
+
+
+def _split(url: str) -> Optional[SplitResult]:
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        return None
+    return parts
+
+
+def _port(parts: SplitResult) -> Optional[int]:
+    return parts.port or DEFAULT_PORTS.get(parts.scheme)
+
+
+def check_endpoint_entry(entry: str) -> Optional[str]:
+    """Why an admin-supplied allowlist entry (host, host:port or http(s) URL prefix) is unusable, or None."""
+    parts = _split(entry if "://" in entry else "//" + entry)
+    if parts is None or not parts.hostname:
+        return "must be a host, host:port or an http(s):// URL"
+    if "://" in entry and parts.scheme not in DEFAULT_PORTS:
+        return "a URL must start with http:// or https://"
+    if parts.username is not None or parts.query or parts.fragment or "?" in entry or "#" in entry:
+        return "must not carry credentials, a query or a fragment"
+    return None
+
+
+def redacted(url: str) -> str:
+    """``scheme://host[:port]/path`` of ``url``, never its credentials, query or fragment (for messages)."""
+    parts = _split(url)
+    if parts is None or not parts.hostname:
+        return "(an unparsable URL)"
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{host}{port}{parts.path}"
+
+
+def endpoint_problem(url: str, allowed: Iterable[str], allow_http: bool) -> Optional[str]:
+    """Why the SLO guard must not query ``url`` (nor send credentials there), or None when it may."""
+    parts = _split(url)
+    if parts is None or parts.scheme not in DEFAULT_PORTS or not parts.hostname:
+        return "spec.slo.prometheus.url: must be an http:// or https:// URL with a host"
+    if parts.username is not None or parts.password is not None or "@" in parts.netloc:
+        return "spec.slo.prometheus.url: must not contain credentials (user:password@)"
+    if parts.query or parts.fragment or "?" in url or "#" in url:
+        return "spec.slo.prometheus.url: must not contain '?' or '#'"
+    host, port = parts.hostname.lower(), _port(parts)
+    for entry in allowed:
+        explicit = "://" in entry
+        e = _split(entry if explicit else "//" + entry)
+        if e is None or not e.hostname or e.hostname.lower() != host:
+            continue
+        if explicit:
+            if e.scheme != parts.scheme or _port(e) != port:
+                continue
+            if not under_prefix(parts.path or "/", e.path or "/"):
+                continue
+        elif e.port is not None and e.port != port:
+            continue
+        # An entry written as http://... allows http to exactly that endpoint.
+        if parts.scheme == "http" and not allow_http and not (explicit and e.scheme == "http"):
+            return (f"spec.slo.prometheus.url: {redacted(url)} uses plain http, which the operator's admin has not "
+                    "allowed (operator setting prometheusAllowHttp); use https")
+        return None
+    return (f"spec.slo.prometheus.url: {redacted(url)} is not a Prometheus endpoint the operator's admin allows "
+            "(operator setting prometheusAllowed); the guard does not query it and sends no credentials to it")
