@@ -48,9 +48,11 @@ FALLBACK_CHAINS: dict[str, tuple[str, ...]] = {
     "fp8_e5m2": ("fp8_e5m2", "fp8", "int8", "none"),
     "none": ("none",),
 }
-# Largest relative error of the probe attention output a stored chunk may have, per codec. 0.1 keeps the cosine
-# of held-out attention outputs above ~0.995 (cos ~ 1 - err^2 / 2); evidence in docs/compression.md.
-ATTENTION_BUDGETS: dict[str, float] = {"fp8": 0.1, "fp8_e5m2": 0.1, "int8": 0.1, "int4": 0.1, "none": 0.0}
+# Largest relative error of the probe attention output a stored chunk may have, per codec. 0.14 is the error at
+# which the cosine of two outputs drops to ~0.99 (cos ~ 1 - err^2 / 2); measured (bench/codecs.py --kv-proxy):
+# every chunk under 0.14 kept a held-out cosine >= 0.992. One number for every codec because it is a target on
+# the attention output, not a property of the codec; docs/compression.md has the evidence per codec.
+ATTENTION_BUDGETS: dict[str, float] = {"fp8": 0.14, "fp8_e5m2": 0.14, "int8": 0.14, "int4": 0.14, "none": 0.0}
 # (K token group, V channel group); 0 = all tokens of a page / the whole head dim.
 DEFAULT_GROUPS: dict[str, tuple[int, int]] = {"int4": (16, 16), "int8": (0, 0), "fp8": (0, 0), "fp8_e5m2": (0, 0)}
 N_QUERIES = 16
@@ -526,6 +528,8 @@ def attention_error(x: torch.Tensor, rec: torch.Tensor) -> float:
     scale = 1.0 / math.sqrt(d)
     o = torch.softmax(torch.bmm(q, k.transpose(1, 2)).mul_(scale), dim=-1) @ v
     o2 = torch.softmax(torch.bmm(q, k2.transpose(1, 2)).mul_(scale), dim=-1) @ v2
+    if not (torch.isfinite(o).all() and torch.isfinite(o2).all()):
+        return math.inf     # non-finite input (or output): only ``none`` keeps such a chunk as it is
     num = (o2 - o).square().sum(dim=(1, 2))
     den = o.square().sum(dim=(1, 2))
     rel = torch.where(den > 0, num / den.clamp(min=_TINY), torch.where(num > 0, math.inf, 0.0))
