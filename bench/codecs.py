@@ -343,7 +343,24 @@ KV_SPEED_VARIANTS = {  # label -> (codec, get_kv_codec kwargs)
     "fp8 verify": ("fp8", {}),
     "int8 verify": ("int8", {}),
     "int4 verify": ("int4", {}),
+    "flat fp8": ("fp8", {"flat": True}),   # the old engine path: the chunk as one vector, groups of 128
 }
+
+
+class _FlatAdapter:
+    """The flat codec behind the chunk codec's encode/decode signature, for the same-run comparison."""
+
+    def __init__(self, name: str, lay: KVLayout) -> None:
+        self.codec, self.lay = get_codec(name), lay
+
+    def max_encoded_nbytes(self):
+        return self.codec.max_encoded_nbytes((self.lay.numel,), getattr(torch, self.lay.dtype))
+
+    def encode(self, src, out):
+        return self.codec.encode(src, out)
+
+    def decode(self, buf, out):
+        return decode(buf, out=out)
 
 
 def kv_speed(args: argparse.Namespace) -> None:
@@ -357,8 +374,9 @@ def kv_speed(args: argparse.Namespace) -> None:
     src = [kv_chunk(lay, gen) for _ in range(n_chunks)]
     dst = [torch.empty_like(s) for s in src]
     variants = args.codecs.split(",") if args.codecs else list(KV_SPEED_VARIANTS)
-    codecs = {v: get_kv_codec(KV_SPEED_VARIANTS[v][0], lay, **KV_SPEED_VARIANTS[v][1]) for v in variants}
-    outs = {v: [torch.empty(c.max_encoded_nbytes, dtype=torch.uint8) for _ in src] for v, c in codecs.items()}
+    codecs = {v: _FlatAdapter(KV_SPEED_VARIANTS[v][0], lay) if KV_SPEED_VARIANTS[v][1].get("flat") else
+              get_kv_codec(KV_SPEED_VARIANTS[v][0], lay, **KV_SPEED_VARIANTS[v][1]) for v in variants}
+    outs = {v: [torch.empty(c.max_encoded_nbytes(), dtype=torch.uint8) for _ in src] for v, c in codecs.items()}
     lens = {v: [c.encode(s, o) for s, o in zip(src, outs[v])] for v, c in codecs.items()}
 
     def timed(fn) -> float:
@@ -416,7 +434,7 @@ def kv_accuracy(args: argparse.Namespace) -> None:
         for name in ("fp8", "int8", "int4"):
             for verify in (False, True):
                 codec = get_kv_codec(name, lay, verify=verify)
-                out = torch.empty(codec.max_encoded_nbytes, dtype=torch.uint8)
+                out = torch.empty(codec.max_encoded_nbytes(), dtype=torch.uint8)
                 STATS.reset()
                 cos, ratio, errs = [], [], []
                 for i in range(args.chunks):
@@ -446,7 +464,7 @@ def kv_proxy(args: argparse.Namespace) -> None:
         for name, opts in (("fp8", {}), ("int8", {}), ("int4", {}), ("int4", {"k_group": 256, "v_group": 128}),
                            ("fp8_e5m2", {})):
             codec = get_kv_codec(name, lay, verify=False, **opts)
-            out = torch.empty(codec.max_encoded_nbytes, dtype=torch.uint8)
+            out = torch.empty(codec.max_encoded_nbytes(), dtype=torch.uint8)
             for i in range(args.chunks):
                 x = kv_chunk(lay, torch.Generator().manual_seed(2000 + i), scale, n_out)
                 n = codec.encode(x, out)

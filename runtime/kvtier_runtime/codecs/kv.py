@@ -3,7 +3,7 @@
     layout = KVLayout(num_layers=2, block_tokens=256, num_kv_heads=8, head_dim=128, dtype="bfloat16",
                       page_order="HKTD")
     codec = get_kv_codec("int4", layout)          # verify=True: over-budget chunks go to a wider codec
-    out = torch.empty(codec.max_encoded_nbytes, dtype=torch.uint8)
+    out = torch.empty(codec.max_encoded_nbytes(), dtype=torch.uint8)
     n = codec.encode(chunk, out)                  # chunk: layout.nbytes of uint8/int8, or layout.numel of dtype
     codec.decode(out[:n], into)                   # into: a chunk-sized tensor (bytes or dtype), page order kept
 
@@ -219,10 +219,6 @@ class KVChunkCodec:
                 if isinstance(given, bool) or not isinstance(given, int) or given <= 0 or total % given:
                     raise CodecError(f"{label}: {given!r} must be a positive divisor of {total}")
                 g = given
-            if g >= 1 << 16:
-                g = total if total < 1 << 16 else g
-                if g >= 1 << 16:
-                    raise CodecError(f"{label}: {g} must be below 65536")
             if codec == "int4" and label == "v_group" and g % 2:
                 raise CodecError(f"{label}: {g} must be even for int4")
             out.append(g)
@@ -242,15 +238,24 @@ class KVChunkCodec:
         nk, nv = self._scale_counts(codec)
         return lay.num_layers * (2 * (nk + nv)) + lay.numel * _QUANTS[codec].bits // 8
 
-    @property
-    def encoded_nbytes(self) -> int:
-        """Bytes of a chunk stored with the requested codec (no fallback)."""
+    def encoded_nbytes(self, shape: Sequence[int] | None = None, dtype: torch.dtype | None = None) -> int:
+        """Bytes of a chunk stored with the requested codec (no fallback). ``shape``/``dtype`` (optional, as the
+        flat ``Codec`` takes them, so a tier can hold either kind) must describe the layout's chunk."""
+        self._check_shape(shape, dtype)
         return HEADER_NBYTES + self.payload_nbytes(self.name)
 
-    @property
-    def max_encoded_nbytes(self) -> int:
+    def max_encoded_nbytes(self, shape: Sequence[int] | None = None, dtype: torch.dtype | None = None) -> int:
         """Bytes ``out`` must hold: the widest codec of the fallback chain."""
+        self._check_shape(shape, dtype)
         return HEADER_NBYTES + max(self.payload_nbytes(c) for c in self.chain)
+
+    def _check_shape(self, shape: Sequence[int] | None, dtype: torch.dtype | None) -> None:
+        if shape is None:
+            return
+        itemsize = 1 if dtype in (torch.uint8, torch.int8) else self.layout.itemsize
+        if dtype not in (None, torch.uint8, torch.int8, self.dtype) or math.prod(shape) * itemsize != self.layout.nbytes:
+            raise CodecError(f"shape: {tuple(shape)} {dtype} is not a chunk of {self.layout.nbytes} bytes "
+                             f"({self.layout.dtype})")
 
     # ---- views -----------------------------------------------------------------------------------------------
     def _as_chunk(self, t: torch.Tensor, name: str) -> torch.Tensor:
@@ -283,7 +288,7 @@ class KVChunkCodec:
             raise CodecError("out: must be a 1-D torch.uint8 tensor")
         if out.device != flat.device:
             raise CodecError(f"out: on {out.device}, src is on {flat.device}; both must be on one device")
-        need = self.max_encoded_nbytes if self.verify else self.encoded_nbytes
+        need = self.max_encoded_nbytes() if self.verify else self.encoded_nbytes()
         if out.numel() < need:
             raise CodecError(f"out: {out.numel()} bytes, codec {self.name!r} needs {need} for this layout")
         err = 0.0
@@ -306,7 +311,6 @@ class KVChunkCodec:
             if codec != self.name:
                 STATS.record_fallback(self.name, codec, err)
             STATS.record_encode(codec, self.layout.nbytes, n)
-            self.last_error = err
             return n
         raise AssertionError("every fallback chain ends in 'none'")
 

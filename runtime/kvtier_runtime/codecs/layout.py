@@ -63,9 +63,10 @@ class KVLayout:
 
     def __post_init__(self) -> None:
         _positive_int("num_layers", self.num_layers, 4096)
-        _positive_int("block_tokens", self.block_tokens)
+        # groups of tokens and channels travel in 16 bits of the header
+        _positive_int("block_tokens", self.block_tokens, 65535)
         _positive_int("num_kv_heads", self.num_kv_heads, 4096)
-        _positive_int("head_dim", self.head_dim, 65536)
+        _positive_int("head_dim", self.head_dim, 65534)
         _positive_int("pages", self.pages, 65536)
         if self.dtype not in DTYPE_NAMES:
             raise CodecError(f"layout.dtype: {self.dtype!r} is not one of {', '.join(DTYPE_NAMES)}")

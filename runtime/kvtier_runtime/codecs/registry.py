@@ -149,6 +149,15 @@ def decode(buf: torch.Tensor | bytes | bytearray | memoryview, out: torch.Tensor
     else:
         if not isinstance(out, torch.Tensor):
             raise CodecError(f"out: {type(out).__name__} is not a torch.Tensor")
+        if header.kv_layout and out.is_contiguous() and (
+                (out.dtype == header.dtype and out.numel() == header.numel)
+                or (out.dtype in (torch.uint8, torch.int8) and out.numel() == header.numel * header.dtype.itemsize)):
+            # a KV chunk decodes into any flat view of its bytes (a tier's row, the engine's pages)
+            out_flat = out.reshape(-1).view(torch.uint8).view(header.dtype) if out.dtype != header.dtype else out
+            if out.device != data.device:
+                raise CodecError(f"out: on {out.device}, the buffer is on {data.device}")
+            decode_kv_block(data, header, out_flat.reshape(-1))
+            return out
         if tuple(out.shape) != header.shape or out.dtype != header.dtype:
             raise CodecError(
                 f"out: {tuple(out.shape)} {out.dtype}, the block holds {header.shape} {header.dtype}")
