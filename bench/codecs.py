@@ -312,7 +312,7 @@ def compile_probe(args: argparse.Namespace) -> None:
 
 # ---- layout-aware chunks (the engine path) --------------------------------------------------------------------
 
-# the chunk: 2 layers x (K, V) x 256 tokens x 8 heads x 128 dims, vLLM 0.32 CPU page order (2 MiB in bf16)
+# the chunk: 2 layers x (K, V) x 256 tokens x 8 heads x 128 dims, per head K then V (2 MiB in bf16)
 KV_LAYOUT = dict(num_layers=2, block_tokens=256, num_kv_heads=8, head_dim=128, page_order="HKTD")
 
 

@@ -13,10 +13,10 @@ from kvtier_runtime.codecs import (
     ATTENTION_BUDGETS, STATS, CodecError, CodecMetricsCollector, KVLayout, decode, get_kv_codec, peek_header,
 )
 from kvtier_runtime.codecs.accuracy import attention_cosine, compare_logits
-from kvtier_runtime.codecs.kv import canonical, chunk_error
+from kvtier_runtime.codecs.kv import canonical, chunk_error, scatter_staged, to_stage
 from kvtier_runtime.codecs.layout import PAGE_ORDERS
 
-# The issue's chunk: 2 layers x (K, V) x 256 tokens x 8 heads x 128 dims, bf16, vLLM 0.32 CPU page order.
+# The issue's chunk: 2 layers x (K, V) x 256 tokens x 8 heads x 128 dims, bf16; per head K tokens, then V tokens.
 GOAL = dict(num_layers=2, block_tokens=256, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_order="HKTD")
 CODECS = ("fp8", "fp8_e5m2", "int8", "int4")
 
@@ -31,11 +31,16 @@ def make_chunk(lay: KVLayout, seed: int = 0, outlier: float = 0.0, n_outliers: i
     if outlier:
         k = k.clone()
         k[..., torch.randperm(lay.head_dim, generator=gen)[:n_outliers]] *= outlier
-    out = torch.empty(lay.chunk_shape, dtype=getattr(torch, lay.dtype))
+    stage = lay.stage_layout
+    out = torch.empty(stage.chunk_shape, dtype=getattr(torch, lay.dtype))
     canon = torch.stack([k, v], dim=1).view(lay.num_layers, 2, lay.num_kv_heads, lay.pages, lay.block_tokens,
                                             lay.head_dim)
-    out.permute(lay.canonical_permutation()).copy_(canon)
-    return out.reshape(-1)
+    out.permute(stage.canonical_permutation()).copy_(canon)
+    if not lay.staged:
+        return out.reshape(-1)
+    engine = torch.empty(lay.numel, dtype=out.dtype)
+    scatter_staged(lay, out.reshape(-1), engine)
+    return engine
 
 
 def roundtrip(codec, x):
@@ -62,24 +67,53 @@ def test_layout_is_built_from_plain_values_and_validates_every_field():
 
 def test_layout_from_a_vllm_kv_cache_spec():
     spec = SimpleNamespace(block_size=16, num_kv_heads=8, head_size=64, head_size_v=64, dtype=torch.float32)
-    lay = KVLayout.from_vllm(spec, num_layers=8, backend="CPU_ATTN", kv_cache_layout="KVCacheLayout.LBHNC")
+    lay = KVLayout.from_vllm(spec, num_layers=8, backend="CPU_ATTN", kv_cache_layout="KVCacheLayout.LBHNC",
+                             cpu_attn_isa="vec")
     assert (lay.page_order, lay.dtype, lay.block_tokens, lay.num_kv_heads, lay.head_dim) == (
-        "HKTD", "float32", 16, 8, 64)
+        "CPU_VEC", "float32", 16, 8, 64)
+    for isa in (None, "amx", "vec16"):   # layouts nobody checked are refused, never guessed
+        with pytest.raises(CodecError, match="cpu_attn_isa"):
+            KVLayout.from_vllm(spec, num_layers=8, backend="CPU_ATTN", cpu_attn_isa=isa)
     assert KVLayout.from_vllm(spec, num_layers=8, backend="FLASH_ATTN", kv_cache_layout="LBNHC").page_order == "THKD"
     with pytest.raises(CodecError, match="head_size_v"):
-        KVLayout.from_vllm(SimpleNamespace(**{**vars(spec), "head_size_v": 32}), num_layers=8, backend="CPU_ATTN")
+        KVLayout.from_vllm(SimpleNamespace(**{**vars(spec), "head_size_v": 32}), num_layers=8, backend="CPU_ATTN",
+                           cpu_attn_isa="vec")
     with pytest.raises(CodecError, match="no known page order"):
-        KVLayout.from_vllm(spec, num_layers=8, backend="CPU_ATTN", kv_cache_layout="LBNHC")
+        KVLayout.from_vllm(spec, num_layers=8, backend="FLASH_ATTN", kv_cache_layout="LBHHC")
+
+
+def test_cpu_vec_pages_keep_k_channel_major_as_vllm_writes_them():
+    """vLLM 0.32's CPU attention with the "vec" ISA stores, per head, K as [D][T] then V as [T][D] (found by
+    writing known keys with cpu_attn_reshape_and_cache: bench/vllm_cpu_layout_check.py). Written out here with
+    explicit offsets, independent of the codec's views."""
+    lay = KVLayout(num_layers=2, block_tokens=4, num_kv_heads=3, head_dim=6, dtype="float32", page_order="CPU_VEC")
+    l_, h_, t_, d_ = 2, 3, 4, 6
+    k = torch.randn(l_, h_, t_, d_)
+    v = torch.randn(l_, h_, t_, d_)
+    chunk = torch.empty(lay.numel)
+    for l, h, t, d in itertools.product(range(l_), range(h_), range(t_), range(d_)):
+        head = l * lay.page_numel + h * 2 * t_ * d_
+        chunk[head + d * t_ + t] = k[l, h, t, d]
+        chunk[head + t_ * d_ + t * d_ + d] = v[l, h, t, d]
+    assert torch.equal(make_chunk(lay, k=k, v=v), chunk)
+    c = canonical(lay.stage_layout, to_stage(lay, chunk), 2).flatten(3, 4)
+    assert torch.equal(c[:, 0], k) and torch.equal(c[:, 1], v)
+    for name in ("int8", "int4", "none"):
+        y, blob = roundtrip(get_kv_codec(name, lay, verify=False), chunk)
+        assert peek_header(blob).layout_code == lay.code
+        assert ((y - chunk).norm() / chunk.norm()).item() <= {"int8": 0.01, "int4": 0.12, "none": 0}[name]
+        assert torch.equal(decode(blob).reshape(-1), y)
 
 
 @pytest.mark.parametrize("order,outer,pages", [(o, "LP", 1) for o in PAGE_ORDERS] + [("THKD", "PL", 3),
-                                                                                     ("HKTD", "LP", 2)])
+                                                                                     ("HKTD", "LP", 2),
+                                                                                     ("CPU_VEC", "PL", 2)])
 def test_the_canonical_view_finds_k_and_v_in_every_page_order(order, outer, pages):
     lay = KVLayout(num_layers=2, block_tokens=4, num_kv_heads=3, head_dim=6, dtype="float32", page_order=order,
                    pages=pages, outer=outer)
     shape = (2, 3, lay.tokens, 6)
     k, v = torch.arange(math.prod(shape)).view(shape).float(), -torch.arange(math.prod(shape)).view(shape).float()
-    c = canonical(lay, make_chunk(lay, k=k, v=v), 2)       # [L, 2, H, P, T, D]
+    c = canonical(lay.stage_layout, to_stage(lay, make_chunk(lay, k=k, v=v)), 2)       # [L, 2, H, P, T, D]
     assert torch.equal(c[:, 0].flatten(2, 3), k) and torch.equal(c[:, 1].flatten(2, 3), v)
 
 
@@ -87,7 +121,8 @@ def test_the_canonical_view_finds_k_and_v_in_every_page_order(order, outer, page
 
 @pytest.mark.parametrize("name", CODECS + ("none",))
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-@pytest.mark.parametrize("order,outer,pages", [("HKTD", "LP", 1), ("THKD", "PL", 2), ("KTHD", "LP", 2)])
+@pytest.mark.parametrize("order,outer,pages", [("HKTD", "LP", 1), ("THKD", "PL", 2), ("KTHD", "LP", 2),
+                                               ("CPU_VEC", "LP", 1)])
 def test_round_trip_every_codec_dtype_and_order(name, dtype, order, outer, pages):
     lay = KVLayout(num_layers=3, block_tokens=16, num_kv_heads=2, head_dim=32, dtype=dtype, page_order=order,
                    pages=pages, outer=outer)

@@ -8,7 +8,8 @@ layer's K and V pages for some tokens) to a tier describes the chunk once and en
 
     layout = KVLayout(num_layers=32, block_tokens=16, num_kv_heads=8, head_dim=128, dtype="bfloat16",
                       page_order="HKTD", pages=1, outer="LP")
-    # or KVLayout.from_vllm(kv_cache_spec, num_layers=..., backend="CPU_ATTN", kv_cache_layout="LBHNC")
+    # or KVLayout.from_vllm(kv_cache_spec, num_layers=..., backend="CPU_ATTN", kv_cache_layout="LBHNC",
+    #                       cpu_attn_isa=layer.isa)      # -> page_order "CPU_VEC" for the "vec" ISA
     codec = get_kv_codec("int4", layout)            # verify=True (default): fails safe, see below
     out = torch.empty(codec.max_encoded_nbytes, dtype=torch.uint8)
     n = codec.encode(chunk, out)                    # chunk: layout.nbytes uint8/int8, or layout.numel of dtype
@@ -16,8 +17,9 @@ layer's K and V pages for some tokens) to a tier describes the chunk once and en
 
 - ``KVLayout`` (frozen, torch-free to construct): ``num_layers``, ``block_tokens`` (tokens per page),
   ``num_kv_heads``, ``head_dim``, ``dtype`` ("float16" | "bfloat16" | "float32"), ``page_order`` (outermost
-  first over K = the K/V axis with K first, H = heads, T = tokens, D = head dim; vLLM 0.32's CPU backend is
-  "HKTD", FlashAttention/Triton "THKD" with layout LBNHC and "HTKD" with LBHNC), ``pages`` (pages per layer in a
+  first over K = the K/V axis with K first, H = heads, T = tokens, D = head dim; FlashAttention/Triton "THKD"
+  with layout LBNHC and "HTKD" with LBHNC; vLLM 0.32's CPU backend with its "vec" ISA "CPU_VEC": per head K as
+  [D][T], then V as [T][D]; its "amx" ISA is refused), ``pages`` (pages per layer in a
   chunk) and ``outer`` ("LP": layer-major, "PL": page-major).
 - Scales follow the layout: K per (layer, head, channel) over groups of tokens, V per (layer, head, token) over
   groups of channels (KIVI); never across K/V, layers or heads.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import CodecError
-from .kv import canonical
+from .kv import canonical, to_stage
 from .layout import KVLayout
 
 
@@ -31,7 +31,8 @@ def attention_cosine(layout: KVLayout, original: torch.Tensor, decoded: torch.Te
             flat = flat.view(torch.uint8).view(dtype)
         if flat.numel() != lay.numel:
             raise CodecError(f"chunk: {flat.numel()} elements, the layout holds {lay.numel}")
-        c = canonical(lay, flat, lay.num_layers).float()
+        stage = lay.stage_layout
+        c = canonical(stage, to_stage(lay, flat), lay.num_layers).float()
         return c.reshape(lay.num_layers, 2, lay.num_kv_heads, lay.tokens, lay.head_dim)
 
     a, b = as_kv(original), as_kv(decoded)

@@ -187,7 +187,9 @@ class KVChunkCodec:
             raise CodecError(f"layout: {type(layout).__name__} is not a KVLayout")
         if not isinstance(verify, bool):
             raise CodecError(f"verify: {verify!r} must be a bool")
-        self.name, self.layout, self.verify = name, layout, verify
+        # ``declared`` is the chunk's real order (the header records it); ``layout`` is what the kernels see:
+        # the same, or for a staged order (K or V not [T][D]) the order its chunks are gathered into first.
+        self.name, self.declared, self.layout, self.verify = name, layout, layout.stage_layout, verify
         self.chain = FALLBACK_CHAINS[name] if verify else (name,)
         self.budgets = dict(ATTENTION_BUDGETS)
         for key, value in (budgets or {}).items():
@@ -201,12 +203,11 @@ class KVChunkCodec:
         self.dtype = _TORCH_DTYPES[layout.dtype]
         self._scratch = ScratchPool()
         self._quants = {c: _QUANTS[c](self._scratch) for c in self.chain if c != "none"}
-        self._perm = layout.canonical_permutation()
         heads_tokens_dims = 2 * layout.num_kv_heads * layout.tokens * layout.head_dim
         self._layers_per_step = max(1, min(layout.num_layers, CHUNK_ELEMS // heads_tokens_dims))
 
     def __repr__(self) -> str:
-        return f"KVChunkCodec({self.name!r}, {self.layout}, verify={self.verify})"
+        return f"KVChunkCodec({self.name!r}, {self.declared}, verify={self.verify})"
 
     def _groups(self, codec: str, k_group: int | None, v_group: int | None) -> tuple[int, int]:
         n, d = self.layout.block_tokens, self.layout.head_dim   # K groups never straddle pages
@@ -275,10 +276,6 @@ class KVChunkCodec:
             raise CodecError(f"{name}: {t.numel()} elements, the layout holds {lay.numel}")
         return t.reshape(-1)
 
-    def canonical(self, flat: torch.Tensor) -> torch.Tensor:
-        """A ``[L, 2, H, P, T, D]`` view (K then V) of a chunk in this layout's byte order."""
-        return flat.view(self.layout.chunk_shape).permute(self._perm)
-
     # ---- encode ----------------------------------------------------------------------------------------------
     def encode(self, src: torch.Tensor, out: torch.Tensor) -> int:
         """Write header + payload for the chunk ``src`` into ``out`` (1-D uint8, ``max_encoded_nbytes`` when
@@ -291,8 +288,12 @@ class KVChunkCodec:
         need = self.max_encoded_nbytes() if self.verify else self.encoded_nbytes()
         if out.numel() < need:
             raise CodecError(f"out: {out.numel()} bytes, codec {self.name!r} needs {need} for this layout")
+        if self.declared.staged:
+            stage = self._scratch.get("stage", flat.numel(), flat.dtype, flat.device)
+            gather_staged(self.declared, flat, stage)
+            flat = stage
         err = 0.0
-        for i, codec in enumerate(self.chain):
+        for codec in self.chain:
             n = HEADER_NBYTES + self.payload_nbytes(codec)
             payload = out[HEADER_NBYTES:n]
             if codec == "none":
@@ -315,7 +316,7 @@ class KVChunkCodec:
         raise AssertionError("every fallback chain ends in 'none'")
 
     def _write_header(self, out: torch.Tensor, codec: str, n: int) -> None:
-        lay = self.layout
+        lay = self.declared
         kg, vg = self.groups.get(codec, (0, 0))
         flags = FLAG_KV_LAYOUT | (FLAG_FALLBACK if codec != self.name else 0)
         header = CodecHeader(
@@ -446,11 +447,35 @@ class KVChunkCodec:
         if not header.kv_layout:
             raise CodecError("buf: not a KV-layout block (written by the flat API)")
         written = KVLayout.from_code(header.layout_code, header.shape, str(header.dtype).removeprefix("torch."))
-        if written != self.layout:
+        if written != self.declared:
             STATS.record_decode_error()
-            raise CodecError(f"buf: written under layout {written}, this codec reads {self.layout}")
+            raise CodecError(f"buf: written under layout {written}, this codec reads {self.declared}")
         decode_kv_block(data, header, self._as_chunk(out, "out"))
         return out
+
+
+def _staged_views(declared: KVLayout, chunk: torch.Tensor, stage: torch.Tensor):
+    """(K as the engine keeps it, K in the stage order) as [pages of all layers, H, T, D] views; V is laid out
+    alike in both orders and is copied whole."""
+    lay, lp = declared, declared.num_layers * declared.pages
+    h, t, d = lay.num_kv_heads, lay.block_tokens, lay.head_dim
+    assert lay.page_order == "CPU_VEC"
+    engine_k = chunk.view(lp, h, 2, t * d)[:, :, 0].view(lp, h, d, t).transpose(2, 3)   # K stored [D][T]
+    stage_k = stage.view(lp, h, 2, t, d)[:, :, 0]
+    return engine_k, stage_k, chunk.view(lp, h, 2, t * d)[:, :, 1], stage.view(lp, h, 2, t * d)[:, :, 1]
+
+
+def gather_staged(declared: KVLayout, chunk: torch.Tensor, stage: torch.Tensor) -> None:
+    """Copy a chunk in a staged order (``CPU_VEC``) into its stage order (``HKTD``)."""
+    engine_k, stage_k, engine_v, stage_v = _staged_views(declared, chunk, stage)
+    stage_k.copy_(engine_k)
+    stage_v.copy_(engine_v)
+
+
+def scatter_staged(declared: KVLayout, stage: torch.Tensor, chunk: torch.Tensor) -> None:
+    engine_k, stage_k, engine_v, stage_v = _staged_views(declared, chunk, stage)
+    engine_k.copy_(stage_k)
+    engine_v.copy_(stage_v)
 
 
 def canonical(layout: KVLayout, t: torch.Tensor, num_layers: int) -> torch.Tensor:
@@ -559,8 +584,18 @@ _DECODE_QUANTS: dict[str, _Quant] = {}
 
 def decode_kv_block(data: torch.Tensor, header: CodecHeader, flat: torch.Tensor) -> None:
     """Fill ``flat`` (the chunk's elements in its page order) from a KV-layout block whose header is valid."""
-    lay = KVLayout.from_code(header.layout_code, header.shape, str(header.dtype).removeprefix("torch."))
+    declared = KVLayout.from_code(header.layout_code, header.shape, str(header.dtype).removeprefix("torch."))
+    lay = declared.stage_layout
     payload = data[HEADER_NBYTES:header.total_nbytes]
+    if declared.staged:   # decode in the gathered order, then put K and V back where the engine keeps them
+        stage = _DECODE_SCRATCH.get("stage", flat.numel(), flat.dtype, flat.device)
+        _decode_into(lay, header, payload, stage)
+        scatter_staged(declared, stage, flat)
+    else:
+        _decode_into(lay, header, payload, flat)
+
+
+def _decode_into(lay: KVLayout, header: CodecHeader, payload: torch.Tensor, flat: torch.Tensor) -> None:
     if header.codec == "none":
         flat.view(torch.uint8).copy_(payload)
         return
@@ -623,8 +658,19 @@ def get_kv_codec(name: str, layout: KVLayout, *, k_group: int | None = None, v_g
 def chunk_error(layout: KVLayout, original: torch.Tensor, decoded: torch.Tensor) -> float:
     """``attention_error`` of two chunks in ``layout``'s byte order (for tests and benchmarks)."""
     codec = KVChunkCodec("none", layout, verify=False)
-    a = codec.canonical(codec._as_chunk(original, "original")).float()
-    b = codec.canonical(codec._as_chunk(decoded, "decoded")).float()
-    lay = layout
+    a, b = codec._as_chunk(original, "original"), codec._as_chunk(decoded, "decoded")
+    if layout.staged:
+        a, b = to_stage(layout, a), to_stage(layout, b)
+    lay = layout.stage_layout
+    a, b = canonical(lay, a, lay.num_layers).float(), canonical(lay, b, lay.num_layers).float()
     shape = (lay.num_layers, 2, lay.num_kv_heads, lay.tokens, lay.head_dim)
     return attention_error(a.reshape(shape), b.reshape(shape))
+
+
+def to_stage(layout: KVLayout, chunk: torch.Tensor) -> torch.Tensor:
+    """A copy of a chunk in ``layout.stage_layout``'s order (itself when the layout is not staged)."""
+    if not layout.staged:
+        return chunk
+    stage = torch.empty_like(chunk)
+    gather_staged(layout, chunk, stage)
+    return stage
