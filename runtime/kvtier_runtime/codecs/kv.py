@@ -230,7 +230,8 @@ class KVChunkCodec:
         """(K scales, V scales) per layer."""
         lay = self.layout
         kg, vg = self.groups[codec]
-        return lay.num_kv_heads * (lay.tokens // kg) * lay.head_dim, lay.num_kv_heads * lay.tokens * (lay.head_dim // vg)
+        h, n, d = lay.num_kv_heads, lay.tokens, lay.head_dim
+        return h * (n // kg) * d, h * n * (d // vg)
 
     def payload_nbytes(self, codec: str) -> int:
         lay = self.layout
@@ -254,7 +255,8 @@ class KVChunkCodec:
         if shape is None:
             return
         itemsize = 1 if dtype in (torch.uint8, torch.int8) else self.layout.itemsize
-        if dtype not in (None, torch.uint8, torch.int8, self.dtype) or math.prod(shape) * itemsize != self.layout.nbytes:
+        nbytes = math.prod(shape) * itemsize
+        if dtype not in (None, torch.uint8, torch.int8, self.dtype) or nbytes != self.layout.nbytes:
             raise CodecError(f"shape: {tuple(shape)} {dtype} is not a chunk of {self.layout.nbytes} bytes "
                              f"({self.layout.dtype})")
 
@@ -642,7 +644,8 @@ def check_kv_header(header: CodecHeader) -> None:
         if not kg or not vg or lay.block_tokens % kg or lay.head_dim % vg or (header.codec == "int4" and vg % 2):
             raise CodecError(f"header.group_size: groups K {kg} / V {vg} do not divide tokens {lay.block_tokens} / "
                              f"head_dim {lay.head_dim}")
-        nk, nv = lay.num_kv_heads * (lay.tokens // kg) * lay.head_dim, lay.num_kv_heads * lay.tokens * (lay.head_dim // vg)
+        h, n, d = lay.num_kv_heads, lay.tokens, lay.head_dim
+        nk, nv = h * (n // kg) * d, h * n * (d // vg)
         expected = lay.num_layers * 2 * (nk + nv) + lay.numel * _QUANTS[header.codec].bits // 8
     if header.payload_nbytes != expected:
         raise CodecError(f"header.payload_nbytes: {header.payload_nbytes}, codec {header.codec!r} stores {expected} "
