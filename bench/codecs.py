@@ -5,6 +5,9 @@
     python bench/codecs.py --accuracy           # K/V and attention error, 1k..32k tokens, normal + outlier data
     python bench/codecs.py --compile-probe      # eager codecs vs the same math through torch.compile (CPU)
     python bench/codecs.py --budgets            # worst/mean block error per codec: evidence for the budgets
+    python bench/codecs.py --kv                 # layout-aware chunk codecs (engine path) vs copy_, per-round ratios
+    python bench/codecs.py --kv-accuracy        # engine path on normal and outlier-K chunks: cosine, bytes, fallbacks
+    python bench/codecs.py --kv-proxy           # does the codec's attention check track held-out attention?
 
 Throughput: GB/s of *input* bytes for encode and decode, against ``dst.copy_(src)`` of the same bytes into
 preallocated memory over the same blocks; ``rt/copy`` is the encode+decode round trip (bytes / (t_enc + t_dec))
@@ -31,7 +34,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "runtime"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from kvtier_runtime.codecs import CODEC_CLASSES, ERROR_BUDGETS, decode, get_codec  # noqa: E402
+from kvtier_runtime.codecs import STATS, KVLayout, get_kv_codec  # noqa: E402
 from kvtier_runtime.codecs import base as codec_base  # noqa: E402
+from kvtier_runtime.codecs.accuracy import attention_cosine  # noqa: E402
+from kvtier_runtime.codecs.kv import chunk_error  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 VARIANTS = {  # label -> get_codec kwargs
@@ -304,11 +310,198 @@ def compile_probe(args: argparse.Namespace) -> None:
               flush=True)
 
 
+# ---- layout-aware chunks (the engine path) --------------------------------------------------------------------
+
+# the issue's chunk: 2 layers x (K, V) x 256 tokens x 8 heads x 128 dims, per head K then V (2 MiB in bf16)
+KV_LAYOUT = dict(num_layers=2, block_tokens=256, num_kv_heads=8, head_dim=128, page_order="HKTD")
+
+
+def kv_chunk(layout: KVLayout, gen: torch.Generator, outlier_scale: float = 0.0, n_outliers: int = 4) -> torch.Tensor:
+    """A chunk in ``layout``'s order: normal K and V; with ``outlier_scale``, ``n_outliers`` K channels (the same
+    in every layer, head and token) that much larger."""
+    lay = layout
+    k = torch.randn((lay.num_layers, lay.num_kv_heads, lay.tokens, lay.head_dim), generator=gen)
+    v = torch.randn((lay.num_layers, lay.num_kv_heads, lay.tokens, lay.head_dim), generator=gen)
+    if outlier_scale:
+        k[..., torch.randperm(lay.head_dim, generator=gen)[:n_outliers]] *= outlier_scale
+    canon = torch.stack([k, v], dim=1).view(lay.num_layers, 2, lay.num_kv_heads, lay.pages, lay.block_tokens,
+                                            lay.head_dim)
+    out = torch.empty(lay.chunk_shape, dtype=getattr(torch, lay.dtype))
+    out.permute(lay.canonical_permutation()).copy_(canon)
+    return out.reshape(-1)
+
+
+def pct(xs: list[float]) -> str:
+    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+    return f"{q[1]:.3f} ({q[0]:.3f}-{q[2]:.3f})"
+
+
+KV_SPEED_VARIANTS = {  # label -> (codec, get_kv_codec kwargs)
+    "fp8": ("fp8", {"verify": False}),
+    "int8": ("int8", {"verify": False}),
+    "int4": ("int4", {"verify": False}),
+    "fp8 verify": ("fp8", {}),
+    "int8 verify": ("int8", {}),
+    "int4 verify": ("int4", {}),
+    "flat fp8": ("fp8", {"flat": True}),   # the old engine path: the chunk as one vector, groups of 128
+}
+
+
+class _FlatAdapter:
+    """The flat codec behind the chunk codec's encode/decode signature, for the same-run comparison."""
+
+    def __init__(self, name: str, lay: KVLayout) -> None:
+        self.codec, self.lay = get_codec(name), lay
+
+    def max_encoded_nbytes(self):
+        return self.codec.max_encoded_nbytes((self.lay.numel,), getattr(torch, self.lay.dtype))
+
+    def encode(self, src, out):
+        return self.codec.encode(src, out)
+
+    def decode(self, buf, out):
+        return decode(buf, out=out)
+
+
+def kv_speed(args: argparse.Namespace) -> None:
+    """Encode/decode of layout-aware chunks against ``copy_`` of the same bytes: every round times copy, then each
+    codec's encode and decode over the whole (cold) working set; each ratio is taken within its round, and the
+    table gives the median (p25-p75) over rounds, so load that drifts between rounds cancels."""
+    torch.set_num_threads(args.threads)
+    lay = KVLayout(dtype=args.kv_dtype, **KV_LAYOUT)
+    n_chunks = max(1, int(args.working_set_mib * 2**20) // lay.nbytes)
+    gen = torch.Generator().manual_seed(0)
+    src = [kv_chunk(lay, gen) for _ in range(n_chunks)]
+    dst = [torch.empty_like(s) for s in src]
+    variants = args.codecs.split(",") if args.codecs else list(KV_SPEED_VARIANTS)
+    codecs = {v: _FlatAdapter(KV_SPEED_VARIANTS[v][0], lay) if KV_SPEED_VARIANTS[v][1].get("flat") else
+              get_kv_codec(KV_SPEED_VARIANTS[v][0], lay, **KV_SPEED_VARIANTS[v][1]) for v in variants}
+    outs = {v: [torch.empty(c.max_encoded_nbytes(), dtype=torch.uint8) for _ in src] for v, c in codecs.items()}
+    lens = {v: [c.encode(s, o) for s, o in zip(src, outs[v])] for v, c in codecs.items()}
+
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def copy_pass():
+        for s, d in zip(src, dst):
+            d.copy_(s)
+
+    def enc_pass(v):
+        c = codecs[v]
+        for s, o in zip(src, outs[v]):
+            c.encode(s, o)
+
+    def dec_pass(v):
+        c = codecs[v]
+        for o, n, d in zip(outs[v], lens[v], dst):
+            c.decode(o[:n], d)
+
+    for v in variants:
+        enc_pass(v)
+        dec_pass(v)
+    enc_r: dict[str, list[float]] = {v: [] for v in variants}
+    dec_r: dict[str, list[float]] = {v: [] for v in variants}
+    copy_gbs = []
+    for _ in range(args.repeats):
+        for v in variants:   # copy right before each codec: the reference sees the same load
+            tc = timed(copy_pass)
+            enc_r[v].append(tc / timed(lambda: enc_pass(v)))
+            tc2 = timed(copy_pass)
+            dec_r[v].append(tc2 / timed(lambda: dec_pass(v)))
+            copy_gbs += [n_chunks * lay.nbytes / tc / 1e9, n_chunks * lay.nbytes / tc2 / 1e9]
+    print(f"# chunks {lay.chunk_shape} {lay.dtype} ({lay.nbytes / 2**20:.2f} MiB, {lay.page_order}), {n_chunks} "
+          f"distinct ({n_chunks * lay.nbytes / 2**20:.0f} MiB cold set), {args.threads} threads, {args.repeats} "
+          f"rounds; copy_ {pct(copy_gbs)} GB/s")
+    print("# ratios: copy_ time / codec time within each round; median (p25-p75) over rounds")
+    print("| codec | stored/raw | encode / copy_ | decode / copy_ |")
+    print("|-------|-----------:|---------------:|---------------:|")
+    for v in variants:
+        print(f"| {v} | {statistics.mean(lens[v]) / lay.nbytes:.3f} | {pct(enc_r[v])} | {pct(dec_r[v])} |")
+
+
+def kv_accuracy(args: argparse.Namespace) -> None:
+    """The engine path on the issue's chunks: worst held-out attention cosine (64 random queries, over layers and
+    heads) of what is served, stored bytes, and how many chunks fell back to which codec."""
+    torch.set_num_threads(args.threads)
+    lay = KVLayout(dtype=args.kv_dtype, **KV_LAYOUT)
+    print(f"# {args.chunks} chunks per row, {lay.chunk_shape} {lay.dtype}; outlier K: 4 channels x{args.outlier}; "
+          "cos: worst over chunks of the worst over layers and heads (64 held-out random queries)")
+    print("| data | codec | verify | worst cos | stored/raw (mean) | check error max | stored as |")
+    print("|------|-------|--------|----------:|------------------:|----------------:|-----------|")
+    for kind, scale in (("normal", 0.0), ("outlier K", args.outlier)):
+        for name in ("fp8", "int8", "int4"):
+            for verify in (False, True):
+                codec = get_kv_codec(name, lay, verify=verify)
+                out = torch.empty(codec.max_encoded_nbytes(), dtype=torch.uint8)
+                STATS.reset()
+                cos, ratio, errs = [], [], []
+                for i in range(args.chunks):
+                    x = kv_chunk(lay, torch.Generator().manual_seed(1000 + i), scale)
+                    n = codec.encode(x, out)
+                    y = torch.empty_like(x)
+                    codec.decode(out[:n], y)
+                    cos.append(attention_cosine(lay, x, y, seed=i))
+                    ratio.append(n / lay.nbytes)
+                    errs.append(chunk_error(lay, x, y))
+                snap = STATS.snapshot()["kvtier_runtime_codec_blocks_total"]
+                stored = ", ".join(f"{c} {k}" for c, k in sorted(snap.items()))
+                print(f"| {kind} | {name} | {'yes' if verify else 'no'} | {min(cos):.4f} | "
+                      f"{statistics.mean(ratio):.3f} | {max(errs):.3f} | {stored} |", flush=True)
+
+
+def kv_proxy(args: argparse.Namespace) -> None:
+    """Evidence that the codec's check (probe-query attention error, ``kv.attention_error``) tracks held-out
+    attention: chunks of several kinds through every codec without fallback, check error against the worst
+    held-out cosine; the budget is good when every chunk under it keeps cos >= 0.99."""
+    torch.set_num_threads(args.threads)
+    lay = KVLayout(dtype=args.kv_dtype, **KV_LAYOUT)
+    rows = []
+    kinds = [("normal", 0.0, 4), ("outlier x5", 5.0, 4), ("outlier x10", 10.0, 4), ("outlier x20", 20.0, 4),
+             ("outlier x50", 50.0, 4), ("outlier x20, 16 ch", 20.0, 16)]
+    for kind, scale, n_out in kinds:
+        for name, opts in (("fp8", {}), ("int8", {}), ("int4", {}), ("int4", {"k_group": 256, "v_group": 128}),
+                           ("fp8_e5m2", {})):
+            codec = get_kv_codec(name, lay, verify=False, **opts)
+            out = torch.empty(codec.max_encoded_nbytes(), dtype=torch.uint8)
+            for i in range(args.chunks):
+                x = kv_chunk(lay, torch.Generator().manual_seed(2000 + i), scale, n_out)
+                n = codec.encode(x, out)
+                y = torch.empty_like(x)
+                codec.decode(out[:n], y)
+                rows.append((kind, name + (" coarse" if opts else ""), chunk_error(lay, x, y),
+                             attention_cosine(lay, x, y, seed=77 + i)))
+    print(f"# {len(rows)} chunks {lay.chunk_shape} {lay.dtype}, no fallback; check error = the codec's probe-query "
+          "attention error; held-out cos = worst over layers and heads, 64 other random queries")
+    print("| data | codec | check error (min-max) | held-out cos (min) |")
+    print("|------|-------|----------------------:|-------------------:|")
+    seen = []
+    for kind, name, _, _ in rows:
+        if (kind, name) not in seen:
+            seen.append((kind, name))
+    for kind, name in seen:
+        sel = [(e, c) for k, n, e, c in rows if (k, n) == (kind, name)]
+        print(f"| {kind} | {name} | {min(e for e, _ in sel):.3f}-{max(e for e, _ in sel):.3f} | "
+              f"{min(c for _, c in sel):.4f} |")
+    for budget in (0.08, 0.1, 0.12, 0.14, 0.16):
+        passed = [c for _, _, e, c in rows if e <= budget]
+        worst = min(passed) if passed else float("nan")
+        print(f"# budget {budget}: {len(passed)}/{len(rows)} chunks pass the check; worst held-out cos among them "
+              f"{worst:.4f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--accuracy", action="store_true", help="K/V and attention error table instead of speed")
     p.add_argument("--budgets", action="store_true", help="worst/mean block error per codec (budget evidence)")
     p.add_argument("--compile-probe", action="store_true", help="eager codecs vs torch.compile'd kernels (CPU)")
+    p.add_argument("--kv", action="store_true", help="layout-aware chunk codecs vs copy_ (engine path speed)")
+    p.add_argument("--kv-accuracy", action="store_true", help="engine path: cosine, bytes, fallbacks")
+    p.add_argument("--kv-proxy", action="store_true", help="the codec's attention check vs held-out attention")
+    p.add_argument("--kv-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--chunks", type=int, default=8, help="chunks per row (--kv-accuracy, --kv-proxy)")
+    p.add_argument("--outlier", type=float, default=20.0, help="outlier K channel scale (--kv-accuracy)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
     p.add_argument("--codecs", help=f"comma list of {', '.join(VARIANTS)} (speed) or "
@@ -323,7 +516,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768")
     args = p.parse_args(argv)
     assert set(CODEC_CLASSES) <= {v[0] for v in VARIANTS.values()}
-    if args.accuracy:
+    if args.kv:
+        kv_speed(args)
+    elif args.kv_accuracy:
+        kv_accuracy(args)
+    elif args.kv_proxy:
+        kv_proxy(args)
+    elif args.accuracy:
         accuracy(args)
     elif args.budgets:
         budgets(args)

@@ -35,3 +35,13 @@ def test_gpu_script_says_when_there_is_no_gpu():
         pytest.skip("a CUDA device is present; bench/gpu_check.sh runs the real thing")
     res = subprocess.run([sys.executable, str(BENCH / "gpu_codecs.py")], capture_output=True, text=True)
     assert res.returncode == 3 and "no CUDA device" in res.stderr
+
+
+@pytest.mark.slow
+def test_engine_path_speed_table_prints_ratios_against_copy():
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "codecs.py"), "--kv", "--threads", "1", "--working-set-mib", "2", "--repeats", "2",
+         "--codecs", "fp8,flat fp8,int4 verify"], check=True, capture_output=True, text=True).stdout
+    assert "copy_" in out
+    for codec in ("fp8", "flat fp8", "int4 verify"):
+        assert f"| {codec} | " in out

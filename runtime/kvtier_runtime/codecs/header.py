@@ -13,13 +13,14 @@ Layout (little endian)::
     6  u8  codec payload version
     7  u8  source dtype id
     8  u8  ndim (0..8)
-    9  u8  flags (bit 0: a fallback replaced the requested codec; bit 1: per-channel scales)
+    9  u8  flags (bit 0: a fallback replaced the requested codec; bit 1: per-channel scales;
+           bit 2: a KV-layout block, see ``kv.py``)
     10 u8  requested codec id (differs from the codec id after a fallback)
-    11 u8  reserved, 0
-    12 u32 group size (0 for codecs without groups)
+    11 u8  KV-layout blocks: the layout code (``KVLayout.code``); else reserved, 0
+    12 u32 group size (0 for codecs without groups; KV-layout blocks: K token group | V channel group << 16)
     16 u64 payload bytes following the header
     24 8 x u64 shape (unused dims 0)
-    88 u32 reserved, 0
+    88 u32 KV-layout blocks: the quantisation scheme (1: K per channel, V per token, bf16 scales); else 0
     92 u32 CRC32 of bytes 0..91
 """
 from __future__ import annotations
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import CodecError
+
 MAGIC = b"KVTC"
 HEADER_FORMAT_VERSION = 1
 HEADER_NBYTES = 96
@@ -37,7 +40,8 @@ MAX_NDIM = 8
 
 FLAG_FALLBACK = 1
 FLAG_PER_CHANNEL = 2
-_KNOWN_FLAGS = FLAG_FALLBACK | FLAG_PER_CHANNEL
+FLAG_KV_LAYOUT = 4
+_KNOWN_FLAGS = FLAG_FALLBACK | FLAG_PER_CHANNEL | FLAG_KV_LAYOUT
 
 _BODY = struct.Struct("<4sBBBBBBBBIQ8QI")
 _CRC = struct.Struct("<I")
@@ -50,10 +54,6 @@ DTYPE_IDS: dict[torch.dtype, int] = {torch.float16: 1, torch.bfloat16: 2, torch.
 DTYPES: dict[int, torch.dtype] = {v: k for k, v in DTYPE_IDS.items()}
 
 
-class CodecError(ValueError):
-    """An encoded block or a codec argument broke a rule; the message names the field and the rule."""
-
-
 @dataclass(frozen=True)
 class CodecHeader:
     codec: str
@@ -64,11 +64,17 @@ class CodecHeader:
     payload_nbytes: int
     requested_codec: str
     flags: int = 0
+    layout_code: int = 0      # KV-layout blocks only
+    scheme: int = 0           # KV-layout blocks only
 
     @property
     def fallback(self) -> bool:
         """True when the block was stored with a wider codec than the one requested (error over budget)."""
         return bool(self.flags & FLAG_FALLBACK)
+
+    @property
+    def kv_layout(self) -> bool:
+        return bool(self.flags & FLAG_KV_LAYOUT)
 
     @property
     def per_channel(self) -> bool:
@@ -91,8 +97,8 @@ class CodecHeader:
         dims = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
         body = _BODY.pack(
             MAGIC, HEADER_FORMAT_VERSION, CODEC_IDS[self.codec], self.codec_version, DTYPE_IDS[self.dtype],
-            len(self.shape), self.flags, CODEC_IDS[self.requested_codec], 0, self.group_size,
-            self.payload_nbytes, *dims, 0,
+            len(self.shape), self.flags, CODEC_IDS[self.requested_codec], self.layout_code, self.group_size,
+            self.payload_nbytes, *dims, self.scheme,
         )
         return body + _CRC.pack(zlib.crc32(body))
 
@@ -120,12 +126,14 @@ def unpack_header(raw: bytes) -> CodecHeader:
         raise CodecError(f"header.dtype: id {dtype_id} is unknown")
     if ndim > MAX_NDIM:
         raise CodecError(f"header.ndim: {ndim} exceeds {MAX_NDIM}")
-    if flags & ~_KNOWN_FLAGS or reserved or reserved2:
+    if flags & ~_KNOWN_FLAGS or (not flags & FLAG_KV_LAYOUT and (reserved or reserved2)):
         raise CodecError("header.flags: unknown flag or non-zero reserved field")
+    if flags & FLAG_KV_LAYOUT and (flags & FLAG_PER_CHANNEL or not reserved or not reserved2):
+        raise CodecError("header.flags: a KV-layout block needs a layout code and a scheme, and no channel flag")
     if any(d != 0 for d in dims[ndim:]):
         raise CodecError("header.shape: non-zero dimension past ndim")
     return CodecHeader(
         codec=CODEC_NAMES[codec_id], codec_version=codec_version, dtype=DTYPES[dtype_id],
         shape=tuple(int(d) for d in dims[:ndim]), group_size=group_size, payload_nbytes=payload_nbytes,
-        requested_codec=CODEC_NAMES[requested_id], flags=flags,
+        requested_codec=CODEC_NAMES[requested_id], flags=flags, layout_code=reserved, scheme=reserved2,
     )

@@ -8,6 +8,7 @@ import torch
 from ..config import CODECS
 from .base import Codec, PassthroughCodec, as_byte_buffer
 from .header import HEADER_NBYTES, CodecError, CodecHeader, unpack_header
+from .kv import check_kv_header, decode_kv_block
 from .metrics import STATS
 from .quant import Fp8Codec, Fp8E5M2Codec, Int4Codec, Int8Codec, ScaledCodec
 
@@ -125,7 +126,10 @@ def peek_header(buf: torch.Tensor | bytes | bytearray | memoryview) -> CodecHead
         if head.device.type != "cpu":
             head = head.cpu()
         header = unpack_header(head.numpy().tobytes())
-        _decoder(header.codec).check_header(header)
+        if header.kv_layout:
+            check_kv_header(header)
+        else:
+            _decoder(header.codec).check_header(header)
         return header
     except CodecError:
         STATS.record_decode_error()
@@ -145,6 +149,15 @@ def decode(buf: torch.Tensor | bytes | bytearray | memoryview, out: torch.Tensor
     else:
         if not isinstance(out, torch.Tensor):
             raise CodecError(f"out: {type(out).__name__} is not a torch.Tensor")
+        if header.kv_layout and out.is_contiguous() and (
+                (out.dtype == header.dtype and out.numel() == header.numel)
+                or (out.dtype in (torch.uint8, torch.int8) and out.numel() == header.numel * header.dtype.itemsize)):
+            # a KV chunk decodes into any flat view of its bytes (a tier's row, the engine's pages)
+            out_flat = out.reshape(-1).view(torch.uint8).view(header.dtype) if out.dtype != header.dtype else out
+            if out.device != data.device:
+                raise CodecError(f"out: on {out.device}, the buffer is on {data.device}")
+            decode_kv_block(data, header, out_flat.reshape(-1))
+            return out
         if tuple(out.shape) != header.shape or out.dtype != header.dtype:
             raise CodecError(
                 f"out: {tuple(out.shape)} {out.dtype}, the block holds {header.shape} {header.dtype}")
@@ -153,5 +166,8 @@ def decode(buf: torch.Tensor | bytes | bytearray | memoryview, out: torch.Tensor
         if out.device != data.device:
             raise CodecError(f"out: on {out.device}, the buffer is on {data.device}")
     payload = data[HEADER_NBYTES:header.total_nbytes]
-    _decoder(header.codec)._decode_payload(payload, header, out.reshape(-1))
+    if header.kv_layout:
+        decode_kv_block(data, header, out.reshape(-1))
+    else:
+        _decoder(header.codec)._decode_payload(payload, header, out.reshape(-1))
     return out

@@ -1,0 +1,679 @@
+"""Layout-aware codecs for KV chunks: scales that follow K and V, and an accuracy check judged on attention.
+
+    layout = KVLayout(num_layers=2, block_tokens=256, num_kv_heads=8, head_dim=128, dtype="bfloat16",
+                      page_order="HKTD")
+    codec = get_kv_codec("int4", layout)          # verify=True: over-budget chunks go to a wider codec
+    out = torch.empty(codec.max_encoded_nbytes(), dtype=torch.uint8)
+    n = codec.encode(chunk, out)                  # chunk: layout.nbytes of uint8/int8, or layout.numel of dtype
+    codec.decode(out[:n], into)                   # into: a chunk-sized tensor (bytes or dtype), page order kept
+
+Scales (scheme 1): K gets one scale per (layer, head, channel) and group of ``k_group`` tokens, V one per (layer,
+head, token) and group of ``v_group`` channels (KIVI: K's outliers live in channels, V's in tokens). No scale
+spans K and V, two layers or two heads. Scales are stored as bf16: int scales are rounded *up* (no code ever
+clips), fp8 scales are powers of two (exact, and e4m3's precision does not depend on the scale).
+
+Accuracy check (``verify=True``, the default): every chunk is decoded again and attention over the chunk is
+computed for ``N_QUERIES`` probe queries per (layer, head), with the original and the decoded K and V. The chunk's
+error is the worst relative error of the attention output over layers and heads; above the codec's budget
+(``ATTENTION_BUDGETS``) the chunk is re-encoded with the next codec of ``FALLBACK_CHAINS`` (ending in ``none``,
+which is exact) and counted in ``kvtier_runtime_codec_fallbacks_total{requested_codec, codec}``. Half of the
+probe queries are isotropic normal, half are shaped like the chunk's K (scaled per channel by K's RMS), so that
+queries that align with K's outlier channels, as real queries do, are probed too. docs/compression.md has the
+evidence that this check tracks the attention of held-out queries.
+
+Blocks carry the layout in their header (flag ``FLAG_KV_LAYOUT``), so ``decode`` restores the page order the
+chunk was written in; ``KVChunkCodec.decode`` also refuses a block written under another layout.
+"""
+from __future__ import annotations
+
+import math
+import torch
+
+from .base import CHUNK_ELEMS, as_byte_buffer
+from .errors import CodecError
+from .header import FLAG_FALLBACK, FLAG_KV_LAYOUT, HEADER_NBYTES, CodecHeader
+from .layout import KVLayout
+from .metrics import STATS
+from .quant import Fp8Codec, Fp8E5M2Codec
+from .scratch import ScratchPool
+
+F32 = torch.float32
+SCHEME_KIVI_BF16 = 1
+KV_CODECS = ("none", "fp8", "fp8_e5m2", "int8", "int4")
+# The next wider codec after a chunk over budget; "none" is exact and ends every chain.
+FALLBACK_CHAINS: dict[str, tuple[str, ...]] = {
+    "int4": ("int4", "int8", "fp8", "none"),
+    "int8": ("int8", "fp8", "none"),
+    "fp8": ("fp8", "int8", "none"),
+    "fp8_e5m2": ("fp8_e5m2", "fp8", "int8", "none"),
+    "none": ("none",),
+}
+# Largest relative error of the probe attention output a stored chunk may have, per codec. 0.14 is the error at
+# which the cosine of two outputs drops to ~0.99 (cos ~ 1 - err^2 / 2); measured (bench/codecs.py --kv-proxy):
+# every chunk under 0.14 kept a held-out cosine >= 0.992. One number for every codec because it is a target on
+# the attention output, not a property of the codec; docs/compression.md has the evidence per codec.
+ATTENTION_BUDGETS: dict[str, float] = {"fp8": 0.14, "fp8_e5m2": 0.14, "int8": 0.14, "int4": 0.14, "none": 0.0}
+# (K token group, V channel group); 0 = all tokens of a page / the whole head dim.
+DEFAULT_GROUPS: dict[str, tuple[int, int]] = {"int4": (16, 16), "int8": (0, 0), "fp8": (0, 0), "fp8_e5m2": (0, 0)}
+N_QUERIES = 16
+_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_TINY = torch.finfo(torch.float32).tiny
+# dtype -> (its bits as an integer dtype, mantissa bits, magnitude mask) for the bit-level fp8 encoder
+_FP8_BITS = {torch.bfloat16: (torch.int16, 7, 0x7FFF), torch.float32: (torch.int32, 23, 0x7FFFFFFF)}
+
+
+# ---- per-codec element kernels (fp32 in, codes out, and back) ----------------------------------------------------
+
+class _Quant:
+    name = ""
+    bits = 8
+    post = 1.0      # decoded value = unscaled(codes) * scale * post
+
+    def __init__(self, scratch: ScratchPool) -> None:
+        self._scratch = scratch
+
+    def buf(self, name, shape, dtype, dev):
+        return self._scratch.get(f"{self.name}.{name}", shape, dtype, dev)
+
+    def scales(self, amax: torch.Tensor) -> torch.Tensor:
+        """bf16-exact scales (fp32 tensor) for the group maxima ``amax`` (modified in place and returned)."""
+        raise NotImplementedError
+
+    def quantize(self, a: torch.Tensor, codes: torch.Tensor) -> None:
+        """``a`` [rows, D] fp32 already multiplied by ``1 / (scale * post)``; may be clobbered."""
+        raise NotImplementedError
+
+    def unscaled(self, codes: torch.Tensor, t: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+def _round_up_bf16(y: torch.Tensor) -> torch.Tensor:
+    # bf16 spacing is <= 2^-7 relative, so rounding y * (1 + 2^-7) to nearest never lands below y.
+    y.mul_(1.0 + 2.0 ** -7).clamp_(min=_TINY)
+    return y.copy_(y.to(torch.bfloat16))
+
+
+class _IntQuant(_Quant):
+    name, qmax = "int8", 127.0
+
+    def scales(self, amax):
+        return _round_up_bf16(amax.mul_(1.0 / self.qmax))
+
+    def quantize(self, a, codes):
+        a.round_().clamp_(-127.0, 127.0)
+        codes.view(torch.int8).copy_(a)
+
+    def unscaled(self, codes, t):
+        t.copy_(codes.view(torch.int8))
+
+
+class _Int4Quant(_Quant):
+    """16 levels, mid-rise: value = (nibble - 7.5) * scale; no level is wasted on symmetry around a zero code."""
+
+    name, bits, qmax = "int4", 4, 7.5
+
+    def scales(self, amax):
+        return _round_up_bf16(amax.mul_(1.0 / self.qmax))
+
+    def quantize(self, a, codes):
+        rows, d = a.shape
+        a.add_(8.0).floor_().clamp_(0.0, 15.0)
+        q = self.buf("q", (rows, d), torch.uint8, a.device)
+        q.copy_(a)
+        torch.bitwise_left_shift(q[:, 1::2], 4, out=codes)
+        codes.bitwise_or_(q[:, 0::2])
+
+    def unscaled(self, codes, t):
+        rows, half = codes.shape
+        n = self.buf("n", (rows, half), torch.uint8, codes.device)
+        torch.bitwise_and(codes, 0x0F, out=n)
+        t[:, 0::2].copy_(n)
+        torch.bitwise_right_shift(codes, 4, out=n)
+        t[:, 1::2].copy_(n)
+        t.sub_(7.5)
+
+
+class _Fp8Quant(_Quant):
+    """e4m3 through the bit-level fp16 path of ``Fp8Codec`` (subnormals exact); power-of-two scales."""
+
+    name, fmax_exp, post = "fp8", 8, 256.0   # pow2 scale s: |x| / s < 2^8 <= 448
+    codec_cls = Fp8Codec
+
+    def __init__(self, scratch):
+        super().__init__(scratch)
+        self._codec = self.codec_cls()
+
+    def scales(self, amax):
+        _, e = torch.frexp(amax)            # amax < 2^e
+        e.sub_(self.fmax_exp).clamp_(min=-126, max=127)
+        return torch.ldexp(torch.ones_like(amax), e, out=amax)
+
+    def quantize(self, a, codes):
+        self._codec._quantize(a, codes)
+
+    def unscaled(self, codes, t):
+        rows, d = t.shape
+        h = self.buf("h", (rows, d), torch.int16, t.device)
+        h.copy_(codes.view(torch.int8))
+        h.bitwise_left_shift_(7).bitwise_and_(-16385)
+        t.copy_(h.view(torch.float16))
+
+
+class _Fp8E5M2Quant(_Fp8Quant):
+    codec_cls = Fp8E5M2Codec
+    name, fmax_exp, post = "fp8_e5m2", 15, 1.0
+
+    def unscaled(self, codes, t):
+        rows, d = t.shape
+        h = self.buf("h", (rows, d), torch.int16, t.device)
+        h.copy_(codes)
+        h.bitwise_left_shift_(8)
+        t.copy_(h.view(torch.float16))
+
+
+_QUANTS = {"int8": _IntQuant, "int4": _Int4Quant, "fp8": _Fp8Quant, "fp8_e5m2": _Fp8E5M2Quant}
+
+
+# ---- the codec -------------------------------------------------------------------------------------------------
+
+class KVChunkCodec:
+    """Encodes chunks of one ``KVLayout`` with ``name`` (falling back along ``FALLBACK_CHAINS`` when verifying)."""
+
+    def __init__(self, name: str, layout: KVLayout, *, k_group: int | None = None, v_group: int | None = None,
+                 verify: bool = True, budgets: dict[str, float] | None = None) -> None:
+        if name not in FALLBACK_CHAINS:
+            raise CodecError(f"codec: {name!r} is not one of {', '.join(FALLBACK_CHAINS)}")
+        if not isinstance(layout, KVLayout):
+            raise CodecError(f"layout: {type(layout).__name__} is not a KVLayout")
+        if not isinstance(verify, bool):
+            raise CodecError(f"verify: {verify!r} must be a bool")
+        # ``declared`` is the chunk's real order (the header records it); ``layout`` is what the kernels see:
+        # the same, or for a staged order (K or V not [T][D]) the order its chunks are gathered into first.
+        self.name, self.declared, self.layout, self.verify = name, layout, layout.stage_layout, verify
+        self.chain = FALLBACK_CHAINS[name] if verify else (name,)
+        self.budgets = dict(ATTENTION_BUDGETS)
+        for key, value in (budgets or {}).items():
+            if key not in ATTENTION_BUDGETS or key == "none":
+                raise CodecError(f"budgets: {key!r} is not one of {', '.join(c for c in KV_CODECS if c != 'none')}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+                raise CodecError(f"budgets[{key!r}]: {value!r} must be a number in (0, 1)")
+            self.budgets[key] = float(value)
+        self.groups = {c: self._groups(c, k_group if c == name else None, v_group if c == name else None)
+                       for c in self.chain if c != "none"}
+        self.dtype = _TORCH_DTYPES[layout.dtype]
+        self._scratch = ScratchPool()
+        self._quants = {c: _QUANTS[c](self._scratch) for c in self.chain if c != "none"}
+        heads_tokens_dims = 2 * layout.num_kv_heads * layout.tokens * layout.head_dim
+        self._layers_per_step = max(1, min(layout.num_layers, CHUNK_ELEMS // heads_tokens_dims))
+
+    def __repr__(self) -> str:
+        return f"KVChunkCodec({self.name!r}, {self.declared}, verify={self.verify})"
+
+    def _groups(self, codec: str, k_group: int | None, v_group: int | None) -> tuple[int, int]:
+        n, d = self.layout.block_tokens, self.layout.head_dim   # K groups never straddle pages
+        dk, dv = DEFAULT_GROUPS[codec]
+        out = []
+        for label, given, default, total in (("k_group", k_group, dk, n), ("v_group", v_group, dv, d)):
+            if given is None:
+                g = default if default and total % default == 0 else total
+            else:
+                if isinstance(given, bool) or not isinstance(given, int) or given <= 0 or total % given:
+                    raise CodecError(f"{label}: {given!r} must be a positive divisor of {total}")
+                g = given
+            if codec == "int4" and label == "v_group" and g % 2:
+                raise CodecError(f"{label}: {g} must be even for int4")
+            out.append(g)
+        return out[0], out[1]
+
+    # ---- sizes -----------------------------------------------------------------------------------------------
+    def _scale_counts(self, codec: str) -> tuple[int, int]:
+        """(K scales, V scales) per layer."""
+        lay = self.layout
+        kg, vg = self.groups[codec]
+        h, n, d = lay.num_kv_heads, lay.tokens, lay.head_dim
+        return h * (n // kg) * d, h * n * (d // vg)
+
+    def payload_nbytes(self, codec: str) -> int:
+        lay = self.layout
+        if codec == "none":
+            return lay.nbytes
+        nk, nv = self._scale_counts(codec)
+        return lay.num_layers * (2 * (nk + nv)) + lay.numel * _QUANTS[codec].bits // 8
+
+    def encoded_nbytes(self, shape: Sequence[int] | None = None, dtype: torch.dtype | None = None) -> int:
+        """Bytes of a chunk stored with the requested codec (no fallback). ``shape``/``dtype`` (optional, as the
+        flat ``Codec`` takes them, so a tier can hold either kind) must describe the layout's chunk."""
+        self._check_shape(shape, dtype)
+        return HEADER_NBYTES + self.payload_nbytes(self.name)
+
+    def max_encoded_nbytes(self, shape: Sequence[int] | None = None, dtype: torch.dtype | None = None) -> int:
+        """Bytes ``out`` must hold: the widest codec of the fallback chain."""
+        self._check_shape(shape, dtype)
+        return HEADER_NBYTES + max(self.payload_nbytes(c) for c in self.chain)
+
+    def _check_shape(self, shape: Sequence[int] | None, dtype: torch.dtype | None) -> None:
+        if shape is None:
+            return
+        itemsize = 1 if dtype in (torch.uint8, torch.int8) else self.layout.itemsize
+        nbytes = math.prod(shape) * itemsize
+        if dtype not in (None, torch.uint8, torch.int8, self.dtype) or nbytes != self.layout.nbytes:
+            raise CodecError(f"shape: {tuple(shape)} {dtype} is not a chunk of {self.layout.nbytes} bytes "
+                             f"({self.layout.dtype})")
+
+    # ---- views -----------------------------------------------------------------------------------------------
+    def _as_chunk(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        """``t`` as a flat tensor of the layout's dtype (uint8/int8 byte views are reinterpreted)."""
+        if not isinstance(t, torch.Tensor):
+            raise CodecError(f"{name}: {type(t).__name__} is not a torch.Tensor")
+        if not t.is_contiguous():
+            raise CodecError(f"{name}: must be contiguous")
+        lay = self.layout
+        if t.dtype in (torch.uint8, torch.int8):
+            if t.numel() != lay.nbytes:
+                raise CodecError(f"{name}: {t.numel()} bytes, layout {lay.page_order} needs {lay.nbytes}")
+            return t.reshape(-1).view(torch.uint8).view(self.dtype)
+        if t.dtype != self.dtype:
+            raise CodecError(f"{name}: dtype {t.dtype}, the layout says {lay.dtype}")
+        if t.numel() != lay.numel:
+            raise CodecError(f"{name}: {t.numel()} elements, the layout holds {lay.numel}")
+        return t.reshape(-1)
+
+    # ---- encode ----------------------------------------------------------------------------------------------
+    def encode(self, src: torch.Tensor, out: torch.Tensor) -> int:
+        """Write header + payload for the chunk ``src`` into ``out`` (1-D uint8, ``max_encoded_nbytes`` when
+        verifying); return the bytes written."""
+        flat = self._as_chunk(src, "src")
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 1:
+            raise CodecError("out: must be a 1-D torch.uint8 tensor")
+        if out.device != flat.device:
+            raise CodecError(f"out: on {out.device}, src is on {flat.device}; both must be on one device")
+        need = self.max_encoded_nbytes() if self.verify else self.encoded_nbytes()
+        if out.numel() < need:
+            raise CodecError(f"out: {out.numel()} bytes, codec {self.name!r} needs {need} for this layout")
+        if self.declared.staged:
+            stage = self._scratch.get("stage", flat.numel(), flat.dtype, flat.device)
+            gather_staged(self.declared, flat, stage)
+            flat = stage
+        err = 0.0
+        for codec in self.chain:
+            n = HEADER_NBYTES + self.payload_nbytes(codec)
+            payload = out[HEADER_NBYTES:n]
+            if codec == "none":
+                payload.copy_(flat.view(torch.uint8))
+                err = 0.0
+            else:
+                measure = self.verify
+                if codec == "fp8" and self.dtype in _FP8_BITS:
+                    err = self._encode_fp8_bits(flat, payload, measure)
+                else:
+                    err = self._encode_payload(codec, flat, payload, measure)
+                # ``not <=``: a NaN error (non-finite input) falls back too; ``none`` keeps the bytes as they are.
+                if measure and not err <= self.budgets[codec]:
+                    continue
+            self._write_header(out, codec, n)
+            if codec != self.name:
+                STATS.record_fallback(self.name, codec, err)
+            STATS.record_encode(codec, self.layout.nbytes, n)
+            return n
+        raise AssertionError("every fallback chain ends in 'none'")
+
+    def _write_header(self, out: torch.Tensor, codec: str, n: int) -> None:
+        lay = self.declared
+        kg, vg = self.groups.get(codec, (0, 0))
+        flags = FLAG_KV_LAYOUT | (FLAG_FALLBACK if codec != self.name else 0)
+        header = CodecHeader(
+            codec=codec, codec_version=1, dtype=self.dtype, shape=lay.chunk_shape, group_size=kg | (vg << 16),
+            payload_nbytes=n - HEADER_NBYTES, requested_codec=self.name, flags=flags, layout_code=lay.code,
+            scheme=SCHEME_KIVI_BF16,
+        ).pack()
+        out[:HEADER_NBYTES].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+
+    def _steps(self):
+        """(first layer, end layer, first element, end element) of each run of layers encoded at once: layers
+        are contiguous only in layer-major chunks, page-major ones go whole."""
+        lay = self.layout
+        per_layer = lay.numel // lay.num_layers
+        step = self._layers_per_step if lay.outer == "LP" else lay.num_layers
+        for l0 in range(0, lay.num_layers, step):
+            l1 = min(lay.num_layers, l0 + step)
+            yield l0, l1, l0 * per_layer, l1 * per_layer
+
+    def _split(self, codec: str, payload: torch.Tensor, l0: int, l1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale bytes, code bytes) of layers l0..l1 in ``payload``."""
+        return split_payload(self.layout, codec, self.groups[codec], payload, l0, l1)
+
+    def _encode_payload(self, codec: str, flat: torch.Tensor, payload: torch.Tensor, measure: bool) -> float:
+        lay, q, dev = self.layout, self._quants[codec], flat.device
+        h, n, d = lay.num_kv_heads, lay.tokens, lay.head_dim
+        kg, vg = self.groups[codec]
+        nk, nv = self._scale_counts(codec)
+        worst = 0.0
+        for l0, l1, e0, e1 in self._steps():
+            lg, ne = l1 - l0, e1 - e0
+            # Elementwise work runs in the chunk's own (contiguous) order; only scales use the canonical view.
+            xf = self._scratch.get("xf", ne, F32, dev)
+            xf.copy_(flat[e0:e1])
+            a = self._scratch.get("a", ne, F32, dev)
+            torch.abs(xf, out=a)
+            ac = canonical(lay, a, lg)
+            sk = self._scratch.get("sk", (lg, h, n // kg, d), F32, dev)
+            sv = self._scratch.get("sv", (lg, h, n, d // vg), F32, dev)
+            torch.amax(k_groups(ac, kg), dim=4, out=sk.view(lg, h, lay.pages, -1, d))
+            torch.amax(v_groups(ac, vg), dim=5, out=sv.view(lg, h, lay.pages, lay.block_tokens, -1))
+            q.scales(sk)
+            q.scales(sv)
+            scale_bytes, code_bytes = self._split(codec, payload, l0, l1)
+            sb = self._scratch.get("sb", (lg, nk + nv), torch.bfloat16, dev)
+            sb[:, :nk].copy_(sk.view(lg, nk))
+            sb[:, nk:].copy_(sv.view(lg, nv))
+            scale_bytes.copy_(sb.view(torch.uint8).view(-1))
+            inv_k = self._scratch.get("ik", (lg, h, lay.pages, lay.block_tokens // kg, 1, d), F32, dev)
+            torch.reciprocal(k_scale_view(lay, sk), out=inv_k).mul_(1.0 / q.post)
+            inv_v = self._scratch.get("iv", (lg, h, lay.pages, lay.block_tokens, d // vg, 1), F32, dev)
+            torch.reciprocal(v_scale_view(lay, sv), out=inv_v).mul_(1.0 / q.post)
+            xc = canonical(lay, xf, lg)
+            torch.mul(k_groups(xc, kg), inv_k, out=k_groups(ac, kg))
+            torch.mul(v_groups(xc, vg), inv_v, out=v_groups(ac, vg))
+            codes = code_bytes.view(ne // d, d * q.bits // 8)
+            q.quantize(a.view(ne // d, d), codes)
+            if measure:
+                rec = self._scratch.get("rec", ne, F32, dev)
+                dequantize(lay, q, codes, sk, sv, rec, lg)
+                worst = max(worst, attention_error(xc, canonical(lay, rec, lg)))
+        return worst
+
+    def _encode_fp8_bits(self, flat: torch.Tensor, payload: torch.Tensor, measure: bool) -> float:
+        """fp8 (e4m3) from bf16/fp32 without float conversions: with a power-of-two scale, e4m3 is the input's
+        sign, its exponent minus a per-group bias and its top 3 mantissa bits, rounded: a handful of integer
+        passes instead of converting through fp32 and fp16. Scaled values below e4m3's smallest normal (2^-6,
+        i.e. under 2^-14 of the group's max) land within 2^-6 of themselves (no exact subnormals), far inside
+        fp8's error; zeros stay zero."""
+        lay, dev = self.layout, flat.device
+        h, n, d = lay.num_kv_heads, lay.tokens, lay.head_dim
+        kg, vg = self.groups["fp8"]
+        nk, nv = self._scale_counts("fp8")
+        int_dtype, mant, mag_mask = _FP8_BITS[self.dtype]
+        bits = flat.view(int_dtype)
+        worst = 0.0
+        for l0, l1, e0, e1 in self._steps():
+            lg, ne = l1 - l0, e1 - e0
+            m = self._scratch.get("fm", ne, int_dtype, dev)
+            torch.bitwise_and(bits[e0:e1], mag_mask, out=m)
+            mc = canonical(lay, m, lg)
+            ek = self._scratch.get("fek", (lg, h, n // kg, d), int_dtype, dev)
+            ev = self._scratch.get("fev", (lg, h, n, d // vg), int_dtype, dev)
+            # positive floats order like their bit patterns: the max magnitude is the max of the masked bits
+            torch.amax(k_groups(mc, kg), dim=4, out=ek.view(lg, h, lay.pages, -1, d))
+            torch.amax(v_groups(mc, vg), dim=5, out=ev.view(lg, h, lay.pages, lay.block_tokens, -1))
+            scale_bytes, code_bytes = self._split("fp8", payload, l0, l1)
+            sb = self._scratch.get("fsb", (lg, nk + nv), torch.int16, dev)
+            for e, sl in ((ek, slice(0, nk)), (ev, slice(nk, nk + nv))):
+                # E = the group max's biased exponent (>= 15: a group of zeros keeps a normal scale, and the bias
+                # below stays positive so zeros clamp to 0); scale 2^(E - 134) is the bf16 with exponent E - 7.
+                e.bitwise_right_shift_(mant).clamp_(min=15)
+                sb[:, sl].copy_(e.view(lg, -1)).sub_(7).bitwise_left_shift_(7)
+                # subtracted from the magnitude: re-biases the exponent to e4m3's, minus half an e4m3 ulp to round
+                e.sub_(14).bitwise_left_shift_(mant).sub_(1 << (mant - 4))
+            scale_bytes.copy_(sb.view(torch.uint8).view(-1))
+            k_groups(mc, kg).sub_(k_scale_view(lay, ek))
+            v_groups(mc, vg).sub_(v_scale_view(lay, ev))
+            m.clamp_(min=0).bitwise_right_shift_(mant - 3)
+            # the sign: an arithmetic shift leaves -1 (negative) or 0, and m - 128 has m | 0x80 as its low byte,
+            # which is all the narrowing to uint8 keeps
+            sign = self._scratch.get("fs", ne, int_dtype, dev)
+            torch.bitwise_right_shift(bits[e0:e1], 8 * flat.element_size() - 1, out=sign)
+            m.add_(sign, alpha=128)
+            codes = code_bytes.view(ne)
+            codes.copy_(m)
+            if measure:
+                xf = self._scratch.get("xf", ne, F32, dev)
+                xf.copy_(flat[e0:e1])
+                sk = self._scratch.get("sk", (lg, h, n // kg, d), F32, dev)
+                sv = self._scratch.get("sv", (lg, h, n, d // vg), F32, dev)
+                sbf = sb.view(torch.bfloat16)
+                sk.view(lg, nk).copy_(sbf[:, :nk])
+                sv.view(lg, nv).copy_(sbf[:, nk:])
+                rec = self._scratch.get("rec", ne, F32, dev)
+                dequantize(lay, self._quants["fp8"], codes.view(-1, d), sk, sv, rec, lg)
+                worst = max(worst, attention_error(canonical(lay, xf, lg), canonical(lay, rec, lg)))
+        return worst
+
+    # ---- decode ----------------------------------------------------------------------------------------------
+    def decode(self, buf: torch.Tensor | bytes | bytearray | memoryview, out: torch.Tensor) -> torch.Tensor:
+        """Decode a block into ``out`` (a chunk of this codec's layout: bytes or its dtype). A block written under
+        another layout (or a plain, non-layout block) raises ``CodecError``: a worker must not mix them up."""
+        from .registry import peek_header
+
+        data = as_byte_buffer(buf)
+        header = peek_header(data)
+        if not header.kv_layout:
+            raise CodecError("buf: not a KV-layout block (written by the flat API)")
+        written = KVLayout.from_code(header.layout_code, header.shape, str(header.dtype).removeprefix("torch."))
+        if written != self.declared:
+            STATS.record_decode_error()
+            raise CodecError(f"buf: written under layout {written}, this codec reads {self.declared}")
+        decode_kv_block(data, header, self._as_chunk(out, "out"))
+        return out
+
+
+def _staged_views(declared: KVLayout, chunk: torch.Tensor, stage: torch.Tensor):
+    """(K as the engine keeps it, K in the stage order) as [pages of all layers, H, T, D] views; V is laid out
+    alike in both orders and is copied whole."""
+    lay, lp = declared, declared.num_layers * declared.pages
+    h, t, d = lay.num_kv_heads, lay.block_tokens, lay.head_dim
+    assert lay.page_order == "CPU_VEC"
+    engine_k = chunk.view(lp, h, 2, t * d)[:, :, 0].view(lp, h, d, t).transpose(2, 3)   # K stored [D][T]
+    stage_k = stage.view(lp, h, 2, t, d)[:, :, 0]
+    return engine_k, stage_k, chunk.view(lp, h, 2, t * d)[:, :, 1], stage.view(lp, h, 2, t * d)[:, :, 1]
+
+
+def gather_staged(declared: KVLayout, chunk: torch.Tensor, stage: torch.Tensor) -> None:
+    """Copy a chunk in a staged order (``CPU_VEC``) into its stage order (``HKTD``)."""
+    engine_k, stage_k, engine_v, stage_v = _staged_views(declared, chunk, stage)
+    stage_k.copy_(engine_k)
+    stage_v.copy_(engine_v)
+
+
+def scatter_staged(declared: KVLayout, stage: torch.Tensor, chunk: torch.Tensor) -> None:
+    engine_k, stage_k, engine_v, stage_v = _staged_views(declared, chunk, stage)
+    engine_k.copy_(stage_k)
+    engine_v.copy_(stage_v)
+
+
+def canonical(layout: KVLayout, t: torch.Tensor, num_layers: int) -> torch.Tensor:
+    """A ``[L, 2, H, P, T, D]`` view (K then V) of ``num_layers`` layers of a chunk held in ``layout``'s order."""
+    lay = layout
+    outer = (num_layers, lay.pages) if lay.outer == "LP" else (lay.pages, num_layers)
+    return t.view(outer + lay.page_shape).permute(lay.canonical_permutation())
+
+
+def k_groups(c: torch.Tensor, kg: int) -> torch.Tensor:
+    """K of a canonical view as [L, H, P, T / kg, kg, D]: one scale per group of kg tokens (within a page) and
+    channel; the scales tensor [L, H, P * T / kg, D] broadcasts as [L, H, P, T / kg, 1, D]."""
+    lg, _, h, p, t, d = c.shape
+    return c[:, 0].view(lg, h, p, t // kg, kg, d)
+
+
+def v_groups(c: torch.Tensor, vg: int) -> torch.Tensor:
+    """V of a canonical view as [L, H, P, T, D / vg, vg]: one scale per token and group of vg channels."""
+    lg, _, h, p, t, d = c.shape
+    return c[:, 1].view(lg, h, p, t, d // vg, vg)
+
+
+def split_payload(lay: KVLayout, codec: str, groups: tuple[int, int], payload: torch.Tensor, l0: int,
+                  l1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale bytes, code bytes) of layers l0..l1. Payload: bf16 scales of every layer (K then V per layer),
+    then the codes in the chunk's own element order."""
+    kg, vg = groups
+    h, n, d = lay.num_kv_heads, lay.tokens, lay.head_dim
+    per_layer_scales = 2 * (h * (n // kg) * d + h * n * (d // vg))
+    bits = _QUANTS[codec].bits
+    per_layer_codes = lay.numel // lay.num_layers * bits // 8
+    scales_end = lay.num_layers * per_layer_scales
+    if lay.outer == "PL":   # codes follow the chunk's order, so a page-major chunk's layers interleave
+        assert (l0, l1) == (0, lay.num_layers)
+    return (payload[l0 * per_layer_scales:l1 * per_layer_scales],
+            payload[scales_end + l0 * per_layer_codes:scales_end + l1 * per_layer_codes])
+
+
+def k_scale_view(lay: KVLayout, sk: torch.Tensor) -> torch.Tensor:
+    """K scales [L, H, P * T / kg, D] as [L, H, P, T / kg, 1, D], to broadcast over ``k_groups``."""
+    lg, h, _, d = sk.shape
+    return sk.view(lg, h, lay.pages, -1, 1, d)
+
+
+def v_scale_view(lay: KVLayout, sv: torch.Tensor) -> torch.Tensor:
+    """V scales [L, H, P * T, D / vg] as [L, H, P, T, D / vg, 1], to broadcast over ``v_groups``."""
+    lg, h, _, g = sv.shape
+    return sv.view(lg, h, lay.pages, lay.block_tokens, g, 1)
+
+
+def dequantize(lay: KVLayout, q: _Quant, codes: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor,
+               rec: torch.Tensor, lg: int) -> None:
+    """rec (flat fp32, chunk order) from codes [rows, D * bits / 8] and fp32 scales sk [lg, H, P*T/kg, D],
+    sv [lg, H, P*T, D/vg] (both clobbered)."""
+    d = lay.head_dim
+    q.unscaled(codes, rec.view(-1, d))
+    if q.post != 1.0:
+        sk.mul_(q.post)
+        sv.mul_(q.post)
+    c = canonical(lay, rec, lg)
+    k_groups(c, lay.block_tokens * lay.pages * d // sk[0, 0].numel()).mul_(k_scale_view(lay, sk))
+    v_groups(c, d // sv.shape[3]).mul_(v_scale_view(lay, sv))
+
+
+def attention_error(x: torch.Tensor, rec: torch.Tensor) -> float:
+    """Worst relative error, over layers and heads, of softmax(q k^T / sqrt(D)) v for ``N_QUERIES`` probe queries
+    (half isotropic normal, half scaled per channel like K), original ``x`` against decoded ``rec``: canonical
+    views [L, 2, H, N, D] (or [L, 2, H, P, T, D]), K then V, any float dtype."""
+    if x.dim() == 6:
+        x, rec = x.flatten(3, 4), rec.flatten(3, 4)   # copies when pages are not adjacent: fine here
+    lg, _, h, n, d = x.shape
+    k, v, k2, v2 = (t.reshape(lg * h, n, d).float() for t in (x[:, 0], x[:, 1], rec[:, 0], rec[:, 1]))
+    qs = probe_queries(d, x.device)
+    half = qs.shape[0] // 2
+    # K-shaped queries: channel c weighted by K's RMS in c, normalised to the mean square, per (layer, head)
+    w = k.square().mean(dim=1, keepdim=True)
+    w.div_(w.mean(dim=2, keepdim=True).clamp_(min=_TINY)).sqrt_()
+    q = torch.cat([qs[:half].expand(lg * h, half, d), qs[half:] * w], dim=1)
+    scale = 1.0 / math.sqrt(d)
+    o = torch.softmax(torch.bmm(q, k.transpose(1, 2)).mul_(scale), dim=-1) @ v
+    o2 = torch.softmax(torch.bmm(q, k2.transpose(1, 2)).mul_(scale), dim=-1) @ v2
+    if not (torch.isfinite(o).all() and torch.isfinite(o2).all()):
+        return math.inf     # non-finite input (or output): only ``none`` keeps such a chunk as it is
+    num = (o2 - o).square().sum(dim=(1, 2))
+    den = o.square().sum(dim=(1, 2))
+    rel = torch.where(den > 0, num / den.clamp(min=_TINY), torch.where(num > 0, math.inf, 0.0))
+    return float(rel.max().sqrt())
+
+
+_PROBES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def probe_queries(d: int, device: torch.device) -> torch.Tensor:
+    """The fixed probe queries for head dim ``d`` (seeded: the same chunk always gets the same verdict)."""
+    key = (d, device)
+    qs = _PROBES.get(key)
+    if qs is None:
+        gen = torch.Generator().manual_seed(0x6B76 + d)
+        qs = _PROBES[key] = torch.randn((N_QUERIES, d), generator=gen).to(device)
+    return qs
+
+
+_DECODE_SCRATCH = ScratchPool()
+_DECODE_QUANTS: dict[str, _Quant] = {}
+
+
+def decode_kv_block(data: torch.Tensor, header: CodecHeader, flat: torch.Tensor) -> None:
+    """Fill ``flat`` (the chunk's elements in its page order) from a KV-layout block whose header is valid."""
+    declared = KVLayout.from_code(header.layout_code, header.shape, str(header.dtype).removeprefix("torch."))
+    lay = declared.stage_layout
+    payload = data[HEADER_NBYTES:header.total_nbytes]
+    if declared.staged:   # decode in the gathered order, then put K and V back where the engine keeps them
+        stage = _DECODE_SCRATCH.get("stage", flat.numel(), flat.dtype, flat.device)
+        _decode_into(lay, header, payload, stage)
+        scatter_staged(declared, stage, flat)
+    else:
+        _decode_into(lay, header, payload, flat)
+
+
+def _decode_into(lay: KVLayout, header: CodecHeader, payload: torch.Tensor, flat: torch.Tensor) -> None:
+    if header.codec == "none":
+        flat.view(torch.uint8).copy_(payload)
+        return
+    q = _DECODE_QUANTS.get(header.codec)
+    if q is None:
+        q = _DECODE_QUANTS[header.codec] = _QUANTS[header.codec](_DECODE_SCRATCH)
+    kg, vg = header.group_size & 0xFFFF, header.group_size >> 16
+    h, n, d = lay.num_kv_heads, lay.tokens, lay.head_dim
+    nk, nv = h * (n // kg) * d, h * n * (d // vg)
+    dev = flat.device
+    per_layer = lay.numel // lay.num_layers
+    step = max(1, min(lay.num_layers, CHUNK_ELEMS // per_layer)) if lay.outer == "LP" else lay.num_layers
+    for l0 in range(0, lay.num_layers, step):
+        l1 = min(lay.num_layers, l0 + step)
+        lg = l1 - l0
+        scale_bytes, code_bytes = split_payload(lay, header.codec, (kg, vg), payload, l0, l1)
+        sb = _DECODE_SCRATCH.get("sb", (lg, nk + nv), torch.bfloat16, dev)
+        sb.view(torch.uint8).view(-1).copy_(scale_bytes)
+        sk = _DECODE_SCRATCH.get("sk", (lg, h, n // kg, d), F32, dev)
+        sv = _DECODE_SCRATCH.get("sv", (lg, h, n, d // vg), F32, dev)
+        sk.view(lg, nk).copy_(sb[:, :nk])
+        sv.view(lg, nv).copy_(sb[:, nk:])
+        dst = flat[l0 * per_layer:l1 * per_layer]
+        rec = dst if dst.dtype == F32 else _DECODE_SCRATCH.get("rec", lg * per_layer, F32, dev)
+        dequantize(lay, q, code_bytes.view(-1, d * q.bits // 8), sk, sv, rec, lg)
+        if rec is not dst:
+            dst.copy_(rec)
+
+
+def check_kv_header(header: CodecHeader) -> None:
+    """Reject a KV-layout header whose fields cannot belong together (called before anything is allocated)."""
+    if header.scheme != SCHEME_KIVI_BF16:
+        raise CodecError(f"header.scheme: {header.scheme} is unknown")
+    if header.codec not in KV_CODECS:
+        raise CodecError(f"header.codec: {header.codec!r} has no KV-layout form")
+    dtype = str(header.dtype).removeprefix("torch.")
+    lay = KVLayout.from_code(header.layout_code, header.shape, dtype)
+    if header.codec == "none":
+        if header.group_size:
+            raise CodecError("header.group_size: codec 'none' has no groups")
+        expected = lay.nbytes
+    else:
+        kg, vg = header.group_size & 0xFFFF, header.group_size >> 16
+        if not kg or not vg or lay.block_tokens % kg or lay.head_dim % vg or (header.codec == "int4" and vg % 2):
+            raise CodecError(f"header.group_size: groups K {kg} / V {vg} do not divide tokens {lay.block_tokens} / "
+                             f"head_dim {lay.head_dim}")
+        h, n, d = lay.num_kv_heads, lay.tokens, lay.head_dim
+        nk, nv = h * (n // kg) * d, h * n * (d // vg)
+        expected = lay.num_layers * 2 * (nk + nv) + lay.numel * _QUANTS[header.codec].bits // 8
+    if header.payload_nbytes != expected:
+        raise CodecError(f"header.payload_nbytes: {header.payload_nbytes}, codec {header.codec!r} stores {expected} "
+                         f"for layout {lay.page_order} {header.shape}")
+
+
+def get_kv_codec(name: str, layout: KVLayout, *, k_group: int | None = None, v_group: int | None = None,
+                 verify: bool = True, budgets: dict[str, float] | None = None) -> KVChunkCodec:
+    """The layout-aware codec ``name`` for chunks of ``layout``; see the module docstring."""
+    return KVChunkCodec(name, layout, k_group=k_group, v_group=v_group, verify=verify, budgets=budgets)
+
+
+def chunk_error(layout: KVLayout, original: torch.Tensor, decoded: torch.Tensor) -> float:
+    """``attention_error`` of two chunks in ``layout``'s byte order (for tests and benchmarks)."""
+    codec = KVChunkCodec("none", layout, verify=False)
+    a, b = codec._as_chunk(original, "original"), codec._as_chunk(decoded, "decoded")
+    if layout.staged:
+        a, b = to_stage(layout, a), to_stage(layout, b)
+    lay = layout.stage_layout
+    a, b = canonical(lay, a, lay.num_layers).float(), canonical(lay, b, lay.num_layers).float()
+    shape = (lay.num_layers, 2, lay.num_kv_heads, lay.tokens, lay.head_dim)
+    return attention_error(a.reshape(shape), b.reshape(shape))
+
+
+def to_stage(layout: KVLayout, chunk: torch.Tensor) -> torch.Tensor:
+    """A copy of a chunk in ``layout.stage_layout``'s order (itself when the layout is not staged)."""
+    if not layout.staged:
+        return chunk
+    stage = torch.empty_like(chunk)
+    gather_staged(layout, chunk, stage)
+    return stage
