@@ -17,7 +17,7 @@ BASE_POLICY: dict[str, Any] = {
         "selector": {"matchLabels": {"app": "engine-test"}},
         "engine": "vllm",
         "backend": "kvtier",
-        "blockSize": 16,
+        "blockSize": 32,  # vLLM's CPU attention takes multiples of 32
         "offload": {"promptOnly": True},
         "tiers": [],
     },
