@@ -96,6 +96,17 @@ def test_evicted_block_is_promoted_from_disk_with_identical_bytes(tmp_path) -> N
     region.close(unlink=True)
 
 
+def test_reset_host_keeps_the_disk_copy(tmp_path) -> None:
+    books, region = _books(tmp_path, n_rows=4)
+    keys = [_key(1), _key(2)]
+    _store(books, region, keys, _fill)
+    books.prepare_load([keys[1]])  # a load in flight keeps its chunk
+    assert books.reset_host() == 1 and keys[0] not in books.host and keys[1] in books.host
+    assert _settle(books, keys[0]) == HIT and books.source(keys[0]) == DISK
+    books.close()
+    region.close(unlink=True)
+
+
 def test_corrupt_file_is_a_counted_miss_never_a_hit(tmp_path) -> None:
     books, region = _books(tmp_path, n_rows=2)
     victim = _key(7)

@@ -198,6 +198,15 @@ class OffloadBooks:
         self.counters["host_evictions"] += len(keys)
         return keys
 
+    def reset_host(self) -> int:
+        """Drop every host-tier chunk no transfer holds (vLLM's ``reset_cache``, e.g. ``POST
+        /reset_prefix_cache?reset_external=true``); the filesystem tiers are durable and keep theirs."""
+        dropped = [k for k in self.host.keys() if not self.host.is_pinned(k)]
+        for key in dropped:
+            self.host.remove(key)
+            self._origin.pop(key, None)
+        return len(dropped)
+
     # ---- completions --------------------------------------------------------------------------------------
     def poll(self) -> None:
         if not self._promotions and not self._writes:

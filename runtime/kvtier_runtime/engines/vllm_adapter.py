@@ -658,6 +658,9 @@ class KvtierOffloadingManager(OffloadingManager):
         self.books.poll()
         return self.books.has_pending_work()
 
+    def reset_cache(self) -> None:
+        self.books.reset_host()
+
     # ---- metrics / lifecycle ----
     def get_stats(self) -> OffloadingConnectorStats | None:
         books = self.books
