@@ -609,7 +609,12 @@ class KvtierOffloadingManager(OffloadingManager):
             rows.append(view)
         self.books = OffloadBooks(host, tiers, fs_rows=rows, key_suffix=suffix)
         self._reported: Counter[str] = Counter()
-        self.lock = threading.RLock()  # vLLM 0.33 holds OffloadingManager.lock around its calls
+        self._lock = threading.RLock()
+
+    @property
+    def lock(self) -> threading.RLock:
+        """vLLM 0.33 holds this around every call (a lookup HIT and the prepare_load that pins it stay atomic)."""
+        return self._lock
 
     # ---- lookups ----
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
