@@ -151,37 +151,52 @@ def engine_rounds(codec: str, sizes: list[int], reps: int, work: pathlib.Path, s
     return results, engine_rate, drop_how
 
 
-def copy_rates(n_blocks: int, rounds: int) -> tuple[list[float], list[float]]:
-    """GB/s of the worker's per-block copies (PageCopier) and of one raw copy_ of the same bytes, alternated."""
+def copy_rates(n_blocks: int, rounds: int, device: str = "cpu") -> tuple[list[float], list[float], list[float]]:
+    """GB/s of the worker's per-block copies (PageCopier) and of one raw copy_ of the same bytes, alternated.
+
+    On CUDA: device pages -> pinned host rows, both paths synchronised before the clock stops."""
     import torch
 
     from kvtier_runtime.engines.page_copy import PageCopier
 
     spec = model.ModelSpec()
     page = TOKENS_PER_BLOCK * model.kv_bytes_per_token(spec) // spec.num_layers  # one layer's K+V of one block
-    kv = [torch.randint(-128, 127, (n_blocks + 8, page), dtype=torch.int8) for _ in range(spec.num_layers)]
-    rows = torch.zeros(n_blocks, page * spec.num_layers, dtype=torch.uint8)
+    cuda = device == "cuda"
+    # vLLM's CPU worker runs one OpenMP thread per bound core (one here). With more threads than free cores every
+    # small copy_ waits at an OpenMP barrier for a descheduled thread (measured: 60x slower on this loaded VM).
+    torch.set_num_threads(1)
+    kv = [torch.randint(-128, 127, (n_blocks + 8, page), dtype=torch.int8, device=device)
+          for _ in range(spec.num_layers)]
+    rows = torch.zeros(n_blocks, page * spec.num_layers, dtype=torch.uint8, pin_memory=cuda)
     copier = PageCopier(kv, [page] * spec.num_layers, rows)
     pairs = copier.pairs(list(range(8, 8 + n_blocks)), list(range(n_blocks)))
-    raw_dst = torch.empty(n_blocks * page * spec.num_layers, dtype=torch.int8)
+    import random
+
+    scattered_ids = list(range(8, 8 + n_blocks))
+    random.Random(0).shuffle(scattered_ids)  # a fragmented engine cache: no two neighbours, one copy_ per block
+    scattered = copier.pairs(scattered_ids, list(range(n_blocks)))
+    raw_dst = torch.empty(n_blocks * page * spec.num_layers, dtype=torch.int8, pin_memory=cuda)
     raw_src = [t[8:8 + n_blocks].reshape(-1) for t in kv]
     nbytes = n_blocks * page * spec.num_layers
-    worker, raw = [], []
+    worker, raw, frag = [], [], []
     for r in range(rounds):
-        order = ("worker", "raw") if r % 2 == 0 else ("raw", "worker")
+        order = ("worker", "raw", "frag") if r % 2 == 0 else ("frag", "raw", "worker")
         for what in order:
             t0 = time.perf_counter()
-            if what == "worker":
-                copier.submit(r, pairs, to_host=True)
+            if what in ("worker", "frag"):
+                copier.submit(r, pairs if what == "worker" else scattered, to_host=True)
+                copier.wait({r})
                 copier.finished()
             else:
                 off = 0
                 for src in raw_src:
-                    raw_dst[off:off + src.numel()].copy_(src)
+                    raw_dst[off:off + src.numel()].copy_(src, non_blocking=cuda)
                     off += src.numel()
+                if cuda:
+                    torch.cuda.synchronize()
             dt = time.perf_counter() - t0
-            (worker if what == "worker" else raw).append(nbytes / dt / 1e9)
-    return worker, raw
+            {"worker": worker, "raw": raw, "frag": frag}[what].append(nbytes / dt / 1e9)
+    return worker, raw, frag
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,19 +205,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--codecs", default="none,fp8")
     ap.add_argument("--work-dir", default=None, help="models, tier directories and logs (default: a temp dir)")
+    ap.add_argument("--copy-only", action="store_true", help="only the page-copy table (no engine)")
+    ap.add_argument("--device", default="cpu", help="where the KV pages live for the copy table: cpu or cuda")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     work = pathlib.Path(args.work_dir or tempfile.mkdtemp(prefix="kvtier-engine-bench-"))
     work.mkdir(parents=True, exist_ok=True)
 
-    worker, raw = copy_rates(n_blocks=128, rounds=9)
+    worker, raw, frag = copy_rates(n_blocks=128, rounds=9, device=args.device)
     wm, w25, w75 = quartiles(worker)
+    fm, f25, f75 = quartiles(frag)
     rm, r25, r75 = quartiles(raw)
     print("\nWorker page copy vs raw copy_ (128 blocks x 8 layers x 128 KiB, 9 alternated rounds, GB/s)")
     print("| path | median | p25-p75 | ratio to raw |")
     print("|---|---|---|---|")
     print(f"| raw copy_ | {rm:.2f} | {r25:.2f}-{r75:.2f} | 1.00 |")
-    print(f"| kvtier worker (per-block copy_) | {wm:.2f} | {w25:.2f}-{w75:.2f} | {wm / rm:.2f} |")
+    print(f"| kvtier worker, consecutive blocks (one copy_ per run) | {wm:.2f} | {w25:.2f}-{w75:.2f} | {wm / rm:.2f} |")
+    print(f"| kvtier worker, scattered blocks (one copy_ per block) | {fm:.2f} | {f25:.2f}-{f75:.2f} | {fm / rm:.2f} |")
+    print(f"(device: {args.device}; ratio = median worker / median raw)")
+    if args.copy_only:
+        return 0
 
     tables = []
     for i, codec in enumerate(args.codecs.split(",")):

@@ -168,6 +168,19 @@ def test_host_region_is_shared_and_stale_files_are_removed(tmp_path) -> None:
     assert remove_stale_regions(shm, now=time.time() + 3600) == [a.path] and not os.path.exists(a.path)
 
 
+def test_page_copier_merges_consecutive_blocks_into_runs() -> None:
+    assert PageCopier.runs([(4, 0, 0), (5, 1, 0), (6, 2, 0), (9, 3, 0), (10, 9, 0)]) == [
+        (4, 0, 0, 3), (9, 3, 0, 1), (10, 9, 0, 1)]
+    kv = [torch.arange(20 * 8, dtype=torch.int8).view(20, 8), torch.arange(20 * 4, dtype=torch.int8).view(20, 4)]
+    rows = torch.zeros(6, 12, dtype=torch.uint8)
+    copier = PageCopier(kv, [8, 4], rows)
+    pairs = copier.pairs([4, 5, 6, 9], [1, 2, 3, 0])
+    copier.submit(1, pairs, to_host=True)
+    for block, row, _ in pairs:
+        assert torch.equal(rows[row, :8].view(torch.int8), kv[0][block])
+        assert torch.equal(rows[row, 8:].view(torch.int8), kv[1][block])
+
+
 def test_page_copier_round_trip_with_chunks_and_skip() -> None:
     torch.manual_seed(0)
     kv = [torch.randint(-128, 127, (10, 48), dtype=torch.int8), torch.randint(-128, 127, (10, 32), dtype=torch.int8)]
@@ -215,3 +228,29 @@ def test_spec_config_round_trip_keeps_vllms_keys() -> None:
     cfg = OffloadSpecConfig.from_extra_config(extra)
     assert cfg.fs_tiers[0].codec == "fp8" and cfg.extra == {"spec_name": "KvtierOffloadingSpec", "block_size": 64}
     assert OffloadSpecConfig.from_extra_config(cfg.to_extra_config()) == cfg
+
+
+@pytest.mark.cuda
+def test_page_copier_on_cuda_uses_a_side_stream_and_events() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(1)
+    kv = [torch.randint(-128, 127, (64, 4096), dtype=torch.int8, device="cuda") for _ in range(4)]
+    rows = torch.zeros(64, 4 * 4096, dtype=torch.uint8).pin_memory()
+    copier = PageCopier(kv, [4096] * 4, rows)
+    assert copier._stream is not None and copier._stream != torch.cuda.current_stream()
+    pairs = copier.pairs(list(range(64)), list(range(64)))
+    copier.submit(1, pairs, to_host=True)
+    copier.wait({1})
+    assert [r.job_id for r in copier.finished()] == [1]
+    saved = [t.clone() for t in kv]
+    for t in kv:
+        t.zero_()
+    copier.submit(2, pairs, to_host=False)
+    deadline = time.monotonic() + 10
+    done = []
+    while not done and time.monotonic() < deadline:  # completion is polled, never waited for
+        done = copier.finished()
+    assert [r.job_id for r in done] == [2]
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(kv, saved))
