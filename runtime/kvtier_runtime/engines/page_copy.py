@@ -113,7 +113,12 @@ class PageCopier:
     def _copy(self, pairs: Sequence[tuple[int, int, int]], to_host: bool) -> int:
         nbytes = 0
         non_blocking = self._stream is not None
-        runs = self.runs(pairs) if self.blocks_per_chunk == 1 else [(b, r, j, 1) for b, r, j in pairs]
+        # On CUDA every copy stays contiguous on both sides: a strided host destination would make torch stage it
+        # through a temporary and lose the asynchronous pinned-memory path.
+        if self.blocks_per_chunk == 1 and self._stream is None:
+            runs = self.runs(pairs)
+        else:
+            runs = [(b, r, j, 1) for b, r, j in pairs]
         for t, (kv, page) in enumerate(zip(self.kv, self.page_bytes)):
             base = self._offsets[t]
             for block, row, j, n in runs:
