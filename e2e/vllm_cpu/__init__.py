@@ -7,13 +7,17 @@ The whole API, small on purpose:
     fetched from a hub) and cached under ``cache_dir`` by the digest of its spec. ``model.prompt_ids(n, seed)``
     gives a deterministic prompt of ``n`` token ids; ``model.kv_bytes_per_token(spec)`` its KV footprint.
 
-``render.render_engine_config(policy_spec, out_path, *, tier_dir=...) -> pathlib.Path``
-    The ``vllm serve --config`` file exactly as kvtier's operator renders it for a KVCachePolicy ``spec``.
+``render.render_engine_config(policy, out_path) -> pathlib.Path``
+    The ``vllm serve --config`` file exactly as kvtier's operator renders it for a KVCachePolicy document;
+    ``render.policy_document(**spec)`` builds one (``backend: kvtier``, block size 32 -- vLLM's CPU attention needs
+    multiples of 32), ``render.host_tier(size)`` and ``render.fs_tier(path, size, compression=...)`` its tiers.
 
-``server.VllmServer(model_dir, config_path, kv_cache_memory_bytes=..., max_model_len=...)``
+``server.VllmServer(model_dir, config_path, kv_cache_memory_bytes=..., max_model_len=..., env=...)``
     A context manager running ``vllm serve`` on a free loopback port with ``--enforce-eager`` and
     ``--enable-prefix-caching``; ``.complete(prompt_ids, max_tokens)``, ``.metrics()`` (parsed Prometheus text),
-    ``.metric(name, **labels)``, ``.start_seconds``, ``.rss_bytes()``, ``.log_text()``. The engine's whole process
+    ``.metric(name, **labels)``, ``.start_seconds``, ``.rss_bytes()``, ``.log_text()``, ``.kill()`` (SIGKILL, a
+    crash), ``.launch_only()``/``.wait_exit(s)`` (a start-up expected to fail). vLLM needs
+    ``kv_cache_memory_bytes`` somewhat above ``max_model_len * model.kv_bytes_per_token()``. The engine's whole process
     group is killed on exit, at interpreter exit and when the object is collected.
 
 The model and server modules import no vLLM (they run vLLM in a subprocess), so the dev env can import them too.
