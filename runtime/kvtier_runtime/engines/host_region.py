@@ -23,8 +23,10 @@ log = logging.getLogger(__name__)
 
 PREFIX = "kvtier_host_"
 SUFFIX = ".mmap"
-# A file younger than this may be one another engine is creating right now (between open and flock).
-STALE_AFTER_S = 60.0
+# A file younger than this may be one another engine is creating right now (between its open and its flock, a few
+# microseconds). Short, because a restarted container must not find last run's region still counted against the
+# /dev/shm size limit (the region of a killed engine is only ever removed here: SIGKILL runs no shutdown).
+STALE_AFTER_S = 5.0
 
 
 def region_path(shm_dir: str, engine_id: str) -> str:
