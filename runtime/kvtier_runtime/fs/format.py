@@ -20,9 +20,15 @@ Header layout (little-endian)::
     132 H    key length (<= MAX_KEY_BYTES)
     134 2x
     136 key bytes (MAX_KEY_BYTES, NUL padded)
+    1160 32s  keyed BLAKE2b MAC of header bytes [0, HEADER_USED) + payload, or zeros without a MAC key
+
+The MAC sits outside the header CRC on purpose: files written before it existed read the same, and the MAC
+covers the CRC'd bytes itself. A tier configured with a key serves only blocks whose MAC verifies.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 import zlib
 from dataclasses import dataclass
@@ -37,13 +43,19 @@ NAME_BYTES = 16
 
 _FIXED = struct.Struct("<8sHHI16s16sB7x8QQIH2x")
 HEADER_USED = _FIXED.size + MAX_KEY_BYTES
-assert HEADER_USED <= HEADER_BYTES
+MAC_OFFSET = HEADER_USED
+MAC_BYTES = 32
+# BLAKE2b takes keys of at most 64 bytes; fewer than 32 bytes of key material is refused as too weak.
+MIN_MAC_KEY_BYTES = 32
+MAX_MAC_KEY_BYTES = 64
+_MAC_PERSON = b"kvtier-block-v1"
+assert HEADER_USED <= MAC_OFFSET and MAC_OFFSET + MAC_BYTES <= HEADER_BYTES
 
 
 class FormatError(Exception):
     """A block file (or its header) is not a valid block of this format; ``kind`` says why.
 
-    Kinds: ``foreign`` (not our magic), ``version`` (a format this build does not read), ``corrupt`` (a CRC does
+    Kinds: ``foreign`` (not our magic, or not a regular file), ``forged`` (the keyed MAC does not verify), ``version`` (a format this build does not read), ``corrupt`` (a CRC does
     not match or a field is out of range), ``truncated`` (shorter than its header says), ``mismatch`` (a valid block,
     but not the key, shape or dtype that was asked for).
     """
@@ -150,3 +162,29 @@ def verify_payload(header: BlockHeader, file_len: int, payload: memoryview) -> N
         raise FormatError("corrupt", f"file is {file_len} bytes, header says {expected}")
     if checksum(payload[: header.payload_len]) != header.payload_crc:
         raise FormatError("corrupt", "payload checksum mismatch")
+
+
+def block_mac(mac_key: bytes, header: memoryview | bytes, payload: memoryview | bytes) -> bytes:
+    """Keyed BLAKE2b of the header's covered bytes and the payload (hashlib releases the GIL on large inputs)."""
+    h = hashlib.blake2b(key=mac_key, digest_size=MAC_BYTES, person=_MAC_PERSON)
+    h.update(memoryview(header)[:HEADER_USED])
+    h.update(payload)
+    return h.digest()
+
+
+def verify_mac(mac_key: bytes, header: memoryview, payload: memoryview) -> None:
+    """Raise FormatError("forged") unless the MAC stored in ``header`` is the MAC of this header and payload."""
+    want = block_mac(mac_key, header, payload)
+    if not hmac.compare_digest(want, bytes(header[MAC_OFFSET : MAC_OFFSET + MAC_BYTES])):
+        raise FormatError("forged", "keyed MAC does not verify")
+
+
+def mac_key_from_bytes(raw: bytes, source: str) -> bytes:
+    """The MAC key from a key file's contents (one trailing newline, as ``kubectl create secret`` may leave,
+    is dropped); longer material is hashed down to BLAKE2b's 64-byte key. ValueError names ``source``."""
+    material = raw[:-1] if raw.endswith(b"\n") else raw
+    if len(material) < MIN_MAC_KEY_BYTES:
+        raise ValueError(f"mac_key_file: {source} holds {len(material)} bytes, needs at least {MIN_MAC_KEY_BYTES}")
+    if len(material) > MAX_MAC_KEY_BYTES:
+        return hashlib.blake2b(material, digest_size=MAX_MAC_KEY_BYTES, person=b"kvtier-mac-key").digest()
+    return material
