@@ -153,14 +153,15 @@ def parse_header(buf: bytes | memoryview) -> BlockHeader:
     return BlockHeader(codec_s, dtype_s, tuple(dims[:ndim]), payload_len, payload_crc, key)
 
 
-def verify_payload(header: BlockHeader, file_len: int, payload: memoryview) -> None:
-    """Check a block's length and payload CRC; raises FormatError(truncated|corrupt)."""
+def verify_payload(header: BlockHeader, file_len: int, payload: memoryview, *, check_crc: bool = True) -> None:
+    """Check a block's length and (unless a MAC is checked instead) payload CRC; raises
+    FormatError(truncated|corrupt)."""
     expected = header.file_bytes
     if file_len < expected:
         raise FormatError("truncated", f"file is {file_len} bytes, header says {expected}")
     if file_len > expected:
         raise FormatError("corrupt", f"file is {file_len} bytes, header says {expected}")
-    if checksum(payload[: header.payload_len]) != header.payload_crc:
+    if check_crc and checksum(payload[: header.payload_len]) != header.payload_crc:
         raise FormatError("corrupt", "payload checksum mismatch")
 
 
