@@ -112,7 +112,7 @@ def test_an_unusable_mac_key_file_is_a_one_line_error_naming_the_key(fs_tier_fac
 
 def test_a_long_key_file_with_a_trailing_newline_works(fs_tier_factory, tmp_path) -> None:
     path = tmp_path / "k"
-    path.write_bytes(b"A" * 200 + b"\n")  # e.g. base64 text from a Secret, longer than BLAKE2b's 64-byte key
+    path.write_bytes(b"A" * 200 + b"\n")  # e.g. base64 text from a Secret, longer than SHA-256's block
     tier = fs_tier_factory(mac_key_file=str(path))
     key = key_of(1)
     assert tier.store([key], [block_for(key)]).success
