@@ -1,7 +1,9 @@
 """Low-level file I/O of the filesystem tier: aligned buffers, O_DIRECT probing, atomic block writes.
 
 All system calls go through one ``FileOps`` object so that tests can inject ENOSPC/EIO or short writes by
-subclassing it, exercising the same code paths a failing disk would.
+subclassing it, exercising the same code paths a failing disk would. Every byte of every block moves through
+``FileOps.write`` (stores) or ``FileOps.readinto`` (loads), one call per block: that is the single place a
+per-I/O delay (a slow-disk drill) belongs.
 """
 from __future__ import annotations
 
