@@ -1,7 +1,7 @@
 """Filesystem tier write/read throughput (checksums on) against raw sequential O_DIRECT I/O of the same bytes
 to the same disk, measured in the same run (target: ratio >= 0.85).
 
-    python bench/fs_tier.py [--dir DIR] [--blocks 128] [--rounds 5] [--threads 16]
+    python bench/fs_tier.py [--dir DIR] [--blocks 128] [--rounds 5] [--threads 16] [--mac] [--breakdown]
 
 "raw write" writes the exact bytes the tier writes (blocks x file size) with O_DIRECT, 2 MiB + header per
 ``write``, sequentially into one preallocated-by-writing file, then one fdatasync: the disk's streaming
@@ -9,12 +9,16 @@ ceiling. "raw read" reads that file back the same way. The tier writes one file 
 tmp file + fdatasync + rename, on --threads writer threads) and reads them back into preallocated tensors
 (O_DIRECT read, CRC check, decode) on --threads reader threads. Rounds alternate raw and tier so drift on a
 shared machine hits both; the ratio is the median of per-round ratios. O_DIRECT bypasses the page cache on
-both sides, so neither side is served from memory.
+both sides, so neither side is served from memory. ``--mac`` adds the keyed MAC (HMAC-SHA256) (``mac_key_file``).
+``--breakdown`` then times every phase of the tier's per-block work (each system call through the FileOps
+seam, the CRC/MAC, the copy in and out) in a last, separate round and prints thread-time per block.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import threading
 import shutil
 import statistics
 import sys
@@ -29,7 +33,8 @@ import torch  # noqa: E402
 from kvtier_runtime.codecs import get_codec  # noqa: E402
 from kvtier_runtime.config import FilesystemTierConfig  # noqa: E402
 from kvtier_runtime.fs import FilesystemTier  # noqa: E402
-from kvtier_runtime.fs.fileio import O_DIRECT, AlignedBuffer, probe_o_direct  # noqa: E402
+from kvtier_runtime.fs import tier as tier_module  # noqa: E402
+from kvtier_runtime.fs.fileio import O_DIRECT, AlignedBuffer, FileOps, probe_o_direct  # noqa: E402
 from kvtier_runtime.fs.format import file_bytes_for  # noqa: E402
 
 BLOCK_SHAPE = (32, 2, 16, 8, 128)  # 32 layers x K/V x 16 tokens x 8 KV heads x 128 dims, bf16 = 2 MiB
@@ -66,12 +71,67 @@ def raw_read(path: str, buf: AlignedBuffer, n: int, direct: bool) -> float:
     return time.perf_counter() - t
 
 
+class PhaseTimer:
+    """Thread-time per phase: every FileOps call and the tier's CPU steps, wrapped where the tier looks them up."""
+
+    OPS = ("open", "write", "readinto", "fsync", "close", "rename", "unlink", "fstat")
+    STEPS = ("checksum", "block_mac", "verify_mac", "verify_payload", "decode", "pack_header", "parse_header")
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.calls: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+        self._saved: dict[str, object] = {}
+
+    def _timed(self, name: str, fn):
+        def run(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                dt = time.perf_counter() - t
+                with self._lock:
+                    self.seconds[name] += dt
+                    self.calls[name] += 1
+        return run
+
+    def file_ops(self) -> FileOps:
+        timer = self
+
+        class Timed(FileOps):
+            pass
+
+        for op in self.OPS:
+            setattr(Timed, op, (lambda base, name: lambda self_, *a, **k: timer._timed(name, base)(self_, *a, **k))(
+                getattr(FileOps, op), op))
+        return Timed()
+
+    def install(self, tier: FilesystemTier) -> None:
+        for name in self.STEPS:
+            self._saved[name] = getattr(tier_module, name)
+            setattr(tier_module, name, self._timed(name, self._saved[name]))
+        tier._codec.encode = self._timed("encode (copy in)", tier._codec.encode)
+
+    def uninstall(self) -> None:
+        for name, fn in self._saved.items():
+            setattr(tier_module, name, fn)
+
+    def reset(self) -> dict[str, tuple[float, float]]:
+        with self._lock:
+            out = {k: (v, self.calls[k]) for k, v in self.seconds.items()}
+            self.seconds.clear()
+            self.calls.clear()
+        return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--blocks", type=int, default=128, help="blocks per round (2 MiB each)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=16, help="tier reader and writer threads (vLLM and config default: 16)")
+    ap.add_argument("--mac", action="store_true", help="verify a keyed MAC (HMAC-SHA256) too (mac_key_file)")
+    ap.add_argument("--breakdown", action="store_true", help="time each phase per block in an extra round")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -81,10 +141,14 @@ def main() -> None:
         n = args.blocks
         blocks = [torch.randn(BLOCK_SHAPE, dtype=torch.float32).to(DTYPE) for _ in range(n)]
         outs = [torch.empty(BLOCK_SHAPE, dtype=DTYPE) for _ in range(n)]
+        key_file = os.path.join(base, "mac.key")
+        with open(key_file, "wb") as fh:
+            fh.write(os.urandom(32))
         cfg = FilesystemTierConfig(root_dir=os.path.join(base, "tier"), capacity_bytes=1 << 40, codec="none",
                                    eviction_policy="lru", n_read_threads=args.threads,
-                                   n_write_threads=args.threads)
-        tier = FilesystemTier(cfg, BLOCK_SHAPE, DTYPE)
+                                   n_write_threads=args.threads, mac_key_file=key_file if args.mac else None)
+        timer = PhaseTimer() if args.breakdown else None
+        tier = FilesystemTier(cfg, BLOCK_SHAPE, DTYPE, file_ops=timer.file_ops() if timer else None)
         file_bytes = file_bytes_for(get_codec("none").encoded_nbytes(BLOCK_SHAPE, DTYPE))
         total = n * file_bytes
         buf = AlignedBuffer(file_bytes)
@@ -110,13 +174,26 @@ def main() -> None:
             if r:
                 for k, v in (("raw_w", rw), ("tier_w", tw), ("raw_r", rr), ("tier_r", tr)):
                     res[k].append(v)
+        phases = {}
+        if timer is not None:  # a separate round: the wrappers' own cost stays out of the ratios above
+            timer.install(tier)
+            keys = [f"profile-b{i}".encode() for i in range(n)]
+            timer.reset()
+            t = time.perf_counter()
+            assert tier.store(keys, blocks, timeout=600).success
+            phases["write"] = (time.perf_counter() - t, timer.reset())
+            t = time.perf_counter()
+            assert tier.load(keys, outs, timeout=600).success
+            phases["read"] = (time.perf_counter() - t, timer.reset())
+            timer.uninstall()
         tier.close()
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
     print(f"filesystem tier, {n} x 2 MiB blocks ({total / 2**20:.0f} MiB on disk incl. 4 KiB headers) per round, "
           f"median of {args.rounds} rounds, O_DIRECT={'on' if direct else 'off (unsupported here)'}, "
-          f"CRC32 on, {args.threads} tier threads per pool, raw = 1 sequential stream")
+          f"CRC32 on{', keyed MAC (HMAC-SHA256) on' if args.mac else ''}, {args.threads} tier threads per pool, "
+          "raw = 1 sequential stream")
     print("| operation | raw O_DIRECT GB/s | fs tier GB/s | ratio | ratio p25-p75 | target |")
     print("|---|---|---|---|---|---|")
     for name, rk, tk in (("write (store)", "raw_w", "tier_w"), ("read (load)", "raw_r", "tier_r")):
@@ -125,6 +202,13 @@ def main() -> None:
         print(f"| {name} | {total / statistics.median(res[rk]) / 1e9:.2f} | "
               f"{total / statistics.median(res[tk]) / 1e9:.2f} | {ratio:.3f} | {q1:.2f}-{q3:.2f} | "
               f"{'>= 0.85 ok' if ratio >= 0.85 else '>= 0.85 MISSED'} |")
+    for op, (wall, table) in phases.items():
+        print(f"\n{op}: {wall * 1e3 / n:.2f} ms wall per block; thread-time per block by phase "
+              f"({args.threads} threads overlap, so the sum exceeds the wall time):")
+        print("| phase | ms per block | calls per block |")
+        print("|---|---|---|")
+        for name, (sec, calls) in sorted(table.items(), key=lambda kv: -kv[1][0]):
+            print(f"| {name} | {sec * 1e3 / n:.3f} | {calls / n:.1f} |")
 
 
 if __name__ == "__main__":

@@ -145,3 +145,28 @@ def test_failed_write_leaves_no_file(tmp_path) -> None:
     with pytest.raises(OSError):
         write_atomic(Full(), str(tmp_path / "f.tmp.1"), str(tmp_path / "f"), buf.mv, False)
     assert os.listdir(tmp_path) == []
+
+
+@settings(max_examples=100, deadline=None)
+@given(pos=st.integers(0, fmt.HEADER_BYTES + 5000 - 1), bit=st.integers(0, 7))
+def test_the_mac_covers_header_payload_and_itself(pos: int, bit: int) -> None:
+    mac_key = b"k" * 32
+    payload = bytes(range(256)) * 20
+    block = bytearray(_header(payload_len=len(payload)) + payload)
+    block[fmt.MAC_OFFSET : fmt.MAC_OFFSET + fmt.MAC_BYTES] = fmt.block_mac(mac_key, block, payload)
+    fmt.verify_mac(mac_key, memoryview(block)[: fmt.HEADER_BYTES], memoryview(block)[fmt.HEADER_BYTES :])
+    covered = pos < fmt.HEADER_USED + fmt.MAC_BYTES or pos >= fmt.HEADER_BYTES
+    block[pos] ^= 1 << bit
+    mv = memoryview(block)
+    if covered:
+        with pytest.raises(fmt.FormatError, match="forged"):
+            fmt.verify_mac(mac_key, mv[: fmt.HEADER_BYTES], mv[fmt.HEADER_BYTES :])
+    else:  # unused header bytes after the MAC: not part of any field
+        fmt.verify_mac(mac_key, mv[: fmt.HEADER_BYTES], mv[fmt.HEADER_BYTES :])
+    with pytest.raises(fmt.FormatError, match="forged"):
+        fmt.verify_mac(b"j" * 32, mv[: fmt.HEADER_BYTES], mv[fmt.HEADER_BYTES :])
+
+
+def test_a_short_mac_key_is_refused_naming_the_file() -> None:
+    with pytest.raises(ValueError, match=r"^mac_key_file: /k holds 31 bytes, needs at least 32$"):
+        fmt.mac_key_from_bytes(b"x" * 31 + b"\n", "/k")

@@ -34,6 +34,9 @@ def vllm_cache_policy_class(eviction: str, admission: str = "none") -> str:
     return f"Kvtier{stem}{suffix}CachePolicy"
 
 
+MAX_IO_TIMEOUT_S = 3600.0
+
+
 class ConfigError(ValueError):
     """A runtime configuration value broke a rule; the message names the key and the rule."""
 
@@ -53,6 +56,13 @@ class FilesystemTierConfig:
     n_write_threads: int = 16
     # Blocks whose measured codec error exceeds the codec's budget are stored with a wider codec.
     codec_fallback: bool = True
+    # Path of a file holding the key of a keyed MAC (HMAC-SHA256) over every block (e.g. a Secret mounted read-only):
+    # blocks are then served only if their MAC verifies, so a writer without the key cannot forge one. None: CRC32
+    # only (accidental corruption is still caught). The file is read by the runtime when the tier starts.
+    mac_key_file: str | None = None
+    # Longest a transfer may take before its keys fail as "timeout" and the caller moves on: a hung disk or NFS
+    # server then slows the engine, never stops it.
+    io_timeout_s: float = 30.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -65,6 +75,13 @@ class FilesystemTierConfig:
         _one_of("codec", self.codec, CODECS)
         _one_of("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         _one_of("admission", self.admission, ADMISSION_POLICIES)
+        if self.mac_key_file is not None and (
+            not isinstance(self.mac_key_file, str) or not self.mac_key_file.startswith("/")
+        ):
+            raise ConfigError(f"mac_key_file: {self.mac_key_file!r} must be an absolute path")
+        if (isinstance(self.io_timeout_s, bool) or not isinstance(self.io_timeout_s, (int, float))
+                or not 0 < self.io_timeout_s <= MAX_IO_TIMEOUT_S):
+            raise ConfigError(f"io_timeout_s: {self.io_timeout_s!r} must be a number in (0, {MAX_IO_TIMEOUT_S:g}]")
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> "FilesystemTierConfig":
@@ -79,9 +96,14 @@ class FilesystemTierConfig:
         )
 
     def to_kwargs(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"
+               # keys added later are rendered only when set, so configs rendered before stay byte-identical
+               and not (f.name in _OMITTED_AT_DEFAULT and getattr(self, f.name) == f.default)}
         out.update(self.extra)
         return out
+
+
+_OMITTED_AT_DEFAULT = frozenset({"mac_key_file", "io_timeout_s"})
 
 
 def _positive_int(key: str, value: Any) -> None:

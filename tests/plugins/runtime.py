@@ -50,7 +50,7 @@ def fs_tier_factory(tmp_path) -> Iterator[Callable[..., object]]:
 
     def make(capacity_blocks: int = 16, root: str | None = None, shape=(64, 256), **options) -> FilesystemTier:
         cfg_keys = {k: options.pop(k) for k in ("eviction_policy", "admission", "codec", "n_read_threads",
-                                                 "n_write_threads") if k in options}
+                                                 "n_write_threads", "mac_key_file", "io_timeout_s") if k in options}
         if "codec_obj" in options:  # a Codec instance overriding the configured one
             options["codec"] = options.pop("codec_obj")
         cfg_keys.setdefault("eviction_policy", "lru")

@@ -1,15 +1,18 @@
 """Low-level file I/O of the filesystem tier: aligned buffers, O_DIRECT probing, atomic block writes.
 
 All system calls go through one ``FileOps`` object so that tests can inject ENOSPC/EIO or short writes by
-subclassing it, exercising the same code paths a failing disk would.
+subclassing it, exercising the same code paths a failing disk would. Every byte of every block moves through
+``FileOps.write`` (stores) or ``FileOps.readinto`` (loads), one call per block: that is the single place a
+per-I/O delay (a slow-disk drill) belongs.
 """
 from __future__ import annotations
 
 import errno
 import mmap
 import os
+import stat
 
-from .format import ALIGN
+from .format import ALIGN, FormatError
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -30,10 +33,15 @@ class AlignedBuffer:
 
 
 class FileOps:
-    """Thin wrappers over os.* that tests override to inject faults."""
+    """Thin wrappers over os.* that tests override to inject faults.
+
+    Every open refuses a symlink as the last component (O_NOFOLLOW) and never waits for a peer (O_NONBLOCK: a
+    FIFO swapped in for a block file would otherwise block ``open`` until a writer appears; on a regular file
+    the flag changes nothing). Callers then check with ``fstat`` that they opened a regular file.
+    """
 
     def open(self, path: str, flags: int, mode: int = 0o644) -> int:
-        return os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
+        return os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, mode)
 
     def write(self, fd: int, data: memoryview) -> int:
         return os.write(fd, data)
@@ -53,8 +61,23 @@ class FileOps:
     def unlink(self, path: str) -> None:
         os.unlink(path)
 
-    def fstat_size(self, fd: int) -> int:
-        return os.fstat(fd).st_size
+    def fstat(self, fd: int) -> os.stat_result:
+        return os.fstat(fd)
+
+
+def _is_regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def regular_size(ops: FileOps, fd: int) -> int:
+    """Size of the regular file open at ``fd``; FormatError("foreign") for a FIFO, device, socket or directory."""
+    st = ops.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise FormatError("foreign", f"not a regular file (mode {stat.filemode(st.st_mode)})")
+    return st.st_size
 
 
 def probe_o_direct(directory: str, ops: FileOps | None = None) -> bool:
@@ -92,7 +115,9 @@ def write_atomic(ops: FileOps, tmp_path: str, final_path: str, data: memoryview,
     A crash leaves either no file, a ``.tmp`` file (removed on the next start) or the complete block: never a
     partial file under the final name. With ``direct`` the data must be aligned in address and length.
     """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (O_DIRECT if direct else 0)
+    # O_EXCL: the temporary name is unique to this write, so anything already there (a planted FIFO or file) is
+    # someone else's and must not be written through.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (O_DIRECT if direct else 0)
     fd = ops.open(tmp_path, flags, 0o644)
     try:
         try:
@@ -117,9 +142,15 @@ def write_atomic(ops: FileOps, tmp_path: str, final_path: str, data: memoryview,
 def read_whole(ops: FileOps, path: str, buf: memoryview, direct: bool) -> int:
     """Read a whole file into ``buf``; returns its size. Raises OSError; a file larger than ``buf`` reads as
     ``len(buf) + 1`` bytes so the caller sees a length mismatch instead of a silent cut."""
-    fd = ops.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
     try:
-        size = ops.fstat_size(fd)
+        fd = ops.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
+    except OSError as exc:
+        # O_DIRECT on a FIFO or device is EINVAL, a symlink under O_NOFOLLOW is ELOOP: not a block file.
+        if exc.errno in (errno.EINVAL, errno.ELOOP, errno.ENXIO) and not _is_regular(path):
+            raise FormatError("foreign", "not a regular file") from None
+        raise
+    try:
+        size = regular_size(ops, fd)
         if size > len(buf):
             return len(buf) + 1
         want = size if not direct else min(len(buf), (size + ALIGN - 1) // ALIGN * ALIGN)

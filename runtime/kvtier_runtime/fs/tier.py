@@ -19,6 +19,8 @@ import errno
 import itertools
 import logging
 import os
+import shutil
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -30,17 +32,23 @@ import torch
 
 from .. import metrics
 from ..codecs import Codec, CodecError, decode, get_codec, peek_header
-from ..config import FilesystemTierConfig
+from ..config import ConfigError, FilesystemTierConfig
 from ..policies import AccessContext, get_policy
-from .fileio import AlignedBuffer, FileOps, probe_o_direct, read_whole, write_atomic
+from .fileio import AlignedBuffer, FileOps, probe_o_direct, read_whole, regular_size, write_atomic
 from .format import (
     ALIGN,
     HEADER_BYTES,
+    MAC_BYTES,
+    MAC_OFFSET,
+    MAX_KEY_BYTES,
     FormatError,
+    block_mac,
     checksum,
     file_bytes_for,
+    mac_key_from_bytes,
     pack_header,
     parse_header,
+    verify_mac,
     verify_payload,
 )
 from .paths import NAMESPACE, TMP_MARK, block_relpath, is_block_name, is_fanout_name, is_tmp_name
@@ -91,10 +99,41 @@ class _Job:
     ok: list[bool]
     errors: dict[int, str]
     remaining: int
+    deadline: float
     done: threading.Event = field(default_factory=threading.Event)
+    # Held by a task while it reads or writes the caller's tensor; expiring the job takes it, so once a job has
+    # timed out no late task touches memory the caller may already have reused.
+    io_lock: threading.Lock = field(default_factory=threading.Lock)
+    settled: list[bool] = field(default_factory=list)
+    expired: bool = False
 
 
-_IO_ERRNO_KIND = {errno.ENOSPC: "enospc", errno.EDQUOT: "enospc", errno.EIO: "eio", errno.EROFS: "eio"}
+class _Expired(Exception):
+    """The job timed out before this task touched the caller's tensor: the task gives up."""
+
+
+_IO_ERRNO_KIND = {
+    errno.ENOSPC: "enospc", errno.EDQUOT: "enospc", errno.EIO: "eio", errno.EROFS: "erofs",
+    errno.EACCES: "eacces", errno.EPERM: "eacces",
+}
+# Kinds that say the disk or directory itself is failing (not one bad file): repeated, they trigger backoff.
+_BACKOFF_KINDS = frozenset({"enospc", "eio", "erofs", "eacces", "timeout"})
+# How often stores retry unlinking files that could not be deleted (their bytes stay counted until then).
+_STUCK_RETRY_S = 1.0
+
+
+def _read_mac_key(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(4096)
+    except OSError as exc:
+        raise ConfigError(f"mac_key_file: {path} cannot be read ({exc.strerror or exc})") from None
+    try:
+        return mac_key_from_bytes(raw, path)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _torch_dtype_name(dtype: torch.dtype) -> str:
@@ -136,18 +175,32 @@ class FilesystemTier:
         self._backoff_base_s = backoff_base_s
         self._backoff_max_s = backoff_max_s
         self._clock = clock
+        self._mac_key = _read_mac_key(config.mac_key_file)
+        self._io_timeout_s = float(config.io_timeout_s)
 
         self.root = os.path.join(os.path.realpath(config.root_dir), NAMESPACE)
-        os.makedirs(self.root, exist_ok=True)
-        self.direct_io = probe_o_direct(self.root, self._ops) if direct_io is None else direct_io
+        # Why the tier cannot store (a read-only or forbidden directory), or None: it then serves what it finds
+        # and refuses every store with this reason, instead of failing the engine's start-up.
+        self.degraded: str | None = None
+        self._open_namespace()
+        if self.degraded is not None:
+            self.direct_io = False if direct_io is None else direct_io
+        else:
+            self.direct_io = probe_o_direct(self.root, self._ops) if direct_io is None else direct_io
         # Staging buffers hold a whole file; a codec with fallback may emit its wider fallback encoding.
         self._max_payload = self._codec.max_encoded_nbytes(self.block_shape, dtype)
+        self._nominal_file_bytes = file_bytes_for(self._codec.encoded_nbytes(self.block_shape, dtype))
         self._buffer_bytes = file_bytes_for(self._max_payload)
         self._local = threading.local()
 
         self._lock = threading.Lock()
         self._index: dict[bytes, _Entry] = {}
-        self._doomed: set[bytes] = set()
+        # Keys whose file is being unlinked (bytes on disk), so the key cannot be stored again before that.
+        self._doomed: dict[bytes, int] = {}
+        # Files that could not be unlinked: their bytes still occupy the disk, so they stay counted against
+        # capacity (the policy's capacity shrinks by them) and are retried until really gone.
+        self._stuck: dict[bytes, int] = {}
+        self._stuck_retry_at = 0.0
         # Keys whose file failed to read while someone else had them pinned: gone from the index, their
         # accounting and file are dropped at the last unpin.
         self._bad: set[bytes] = set()
@@ -162,13 +215,51 @@ class FilesystemTier:
         self._consecutive_failures = 0
         self._backoff_until = 0.0
         self._closed = False
+        self._running_tasks = 0
 
         metrics.CAPACITY_BYTES.labels(name).set(config.capacity_bytes)
         metrics.FS_BACKOFF.labels(name).set(0)
-        self.rebuild_stats = self._rebuild_index()
+        self.rebuild_stats = self._rebuild_index() if os.path.isdir(self.root) else {"blocks": 0}
         self._update_occupancy()
         self._write_pool = ThreadPoolExecutor(config.n_write_threads, thread_name_prefix=f"kvtier-{name}-w")
         self._read_pool = ThreadPoolExecutor(config.n_read_threads, thread_name_prefix=f"kvtier-{name}-r")
+
+    def _open_namespace(self) -> None:
+        """Create ``<root_dir>/kvtier-blocks-v1`` and make sure it is a real directory.
+
+        A symlink there is refused: start-up removes every file of the namespace it does not recognise, and
+        following a link would do that in the link's target. A read-only or forbidden directory degrades the
+        tier (see ``degraded``) instead of raising a bare OSError into the engine."""
+        try:
+            os.makedirs(os.path.dirname(self.root), exist_ok=True)
+            os.mkdir(self.root, 0o755)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            self._degrade(exc)
+        try:
+            st = os.lstat(self.root)
+        except FileNotFoundError:
+            return  # degraded above: nothing to serve
+        except OSError as exc:
+            self._degrade(exc)
+            return
+        if stat.S_ISLNK(st.st_mode):
+            raise ConfigError(f"root_dir: {self.root} is a symlink; refusing it, since start-up cleanup would "
+                              "delete files in its target (make it a real directory)")
+        if not stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"root_dir: {self.root} exists and is not a directory")
+        if self.degraded is None and not os.access(self.root, os.W_OK):
+            read_only = bool(os.statvfs(self.root).f_flag & os.ST_RDONLY)
+            code = errno.EROFS if read_only else errno.EACCES
+            self._degrade(OSError(code, os.strerror(code)))
+
+    def _degrade(self, exc: OSError) -> None:
+        kind = _IO_ERRNO_KIND.get(exc.errno or 0, "other")
+        self.degraded = kind
+        log.error("filesystem tier %s: %s is unusable for stores (%s: %s); serving existing blocks only",
+                  self.name, self.root, kind, exc.strerror or exc)
+        metrics.FS_ERRORS.labels(self.name, kind).inc()
 
     @classmethod
     def from_kwargs(
@@ -179,11 +270,12 @@ class FilesystemTier:
     # ---- observation (non-blocking) ---------------------------------------------------------------------
     @property
     def capacity_bytes(self) -> int:
-        return self._policy.capacity_bytes
+        return self.config.capacity_bytes
 
     @property
     def used_bytes(self) -> int:
-        return self._policy.used_bytes
+        """Bytes of the tier's files on disk: blocks held, plus files that could not be deleted yet."""
+        return self._policy.used_bytes + sum(n for _, n in self._stuck.values())
 
     @property
     def in_backoff(self) -> bool:
@@ -248,7 +340,11 @@ class FilesystemTier:
                     self._policy.touch(key, ctx)
                     self._settle_locked(job, i, True)
                     continue
-                if backoff:
+                if len(key) > MAX_KEY_BYTES:
+                    reason = "key-too-long"
+                elif self.degraded is not None:
+                    reason = self.degraded
+                elif backoff:
                     reason = "backoff"
                 elif key in self._doomed or key in self._bad:
                     reason = "busy"
@@ -306,7 +402,9 @@ class FilesystemTier:
         return job.job_id
 
     def get_finished(self) -> list[JobResult]:
-        """Results of jobs finished since the last call (each result is returned once)."""
+        """Results of jobs finished since the last call (each result is returned once); a job past its
+        ``io_timeout_s`` finishes here with its unfinished keys failed as ``timeout``."""
+        self._expire_overdue()
         with self._lock:
             out = list(self._finished.values())
             self._finished.clear()
@@ -321,7 +419,12 @@ class FilesystemTier:
             if job is None or job_id in self._claimed:
                 raise KeyError(f"job_id: {job_id} is unknown or its result was already taken")
             self._claimed[job_id] = None
-        if not job.done.wait(timeout):
+        # Never longer than the job's own deadline, whatever the caller asked: then the job expires.
+        limit = job.deadline - time.monotonic()
+        if not job.done.wait(max(0.0, limit if timeout is None else min(timeout, limit))):
+            if timeout is None or timeout >= limit:
+                self._expire(job)
+        if not job.done.is_set():
             with self._lock:  # give the result back to get_finished() when it arrives
                 if self._claimed.get(job_id) is None:
                     del self._claimed[job_id]
@@ -377,16 +480,48 @@ class FilesystemTier:
         return []
 
     def drain(self, timeout: float | None = 60) -> None:
-        """Wait until every submitted job finished (results stay available to get_finished)."""
+        """Wait until every submitted job finished (results stay available to get_finished). Bounded even with
+        ``timeout=None``: a job past its ``io_timeout_s`` expires."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            self._expire_overdue()
             with self._lock:
                 pending = [j for j in self._jobs.values() if not j.done.is_set()]
             if not pending:
                 return
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not pending[0].done.wait(left):
+            until_expiry = max(0.0, min(j.deadline for j in pending) - time.monotonic()) + 0.001
+            step = until_expiry if left is None else min(left, until_expiry)
+            if not pending[0].done.wait(step) and left is not None and step >= left:
                 raise TimeoutError(f"{len(pending)} jobs still running after {timeout}s")
+
+    def _expire_overdue(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            overdue = [j for j in self._jobs.values() if j.deadline <= now and not j.done.is_set()]
+        for job in overdue:
+            self._expire(job)
+
+    def _expire(self, job: _Job) -> None:
+        """Finish ``job`` now: keys not settled fail as ``timeout``. Taking ``io_lock`` waits for a task that is
+        copying to or from the caller's tensor (memory speed, bounded) and stops every later one."""
+        with job.io_lock:
+            job.expired = True
+        with self._lock:
+            if job.done.is_set():
+                return
+            late = [i for i, settled in enumerate(job.settled) if not settled]
+            for i in late:
+                job.errors[i] = "timeout"
+            job.remaining = 1
+            result = self._settle_locked(job, None, False)
+        if late:
+            log.warning("filesystem tier %s: %s job %d: %d keys still waiting for the disk after %.1fs",
+                        self.name, job.kind, job.job_id, len(late), self._io_timeout_s)
+            metrics.FS_ERRORS.labels(self.name, "timeout").inc(len(late))
+            self._record_io_failure()
+        if result is not None and self._on_complete is not None:
+            self._on_complete(result)
 
     def _check_open(self) -> None:
         # Before any reservation: a job refused by a shut-down pool would leave its keys "writing" and pinned.
@@ -397,8 +532,18 @@ class FilesystemTier:
         if self._closed:
             return
         self._closed = True
-        self._write_pool.shutdown(wait=True)
-        self._read_pool.shutdown(wait=True)
+        try:
+            self.drain(timeout=self._io_timeout_s)
+        except TimeoutError:
+            pass
+        deadline = time.monotonic() + self._io_timeout_s
+        while self._running_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+        hung = self._running_tasks > 0
+        # Tasks of expired jobs may still sit in a hung system call: then do not wait for them (they touch no
+        # caller memory any more), so closing is bounded too.
+        self._write_pool.shutdown(wait=not hung, cancel_futures=hung)
+        self._read_pool.shutdown(wait=not hung, cancel_futures=hung)
 
     def __enter__(self) -> "FilesystemTier":
         return self
@@ -409,7 +554,8 @@ class FilesystemTier:
     # ---- job bookkeeping --------------------------------------------------------------------------------
     def _new_job(self, kind: str, keys: Sequence[bytes]) -> _Job:
         keys_t = tuple(bytes(k) for k in keys)
-        job = _Job(next(self._job_ids), kind, keys_t, [False] * len(keys_t), {}, len(keys_t) + 1)
+        job = _Job(next(self._job_ids), kind, keys_t, [False] * len(keys_t), {}, len(keys_t) + 1,
+                   time.monotonic() + self._io_timeout_s, settled=[False] * len(keys_t))
         with self._lock:
             # remaining is len(keys) + 1: the extra count keeps the job open until submit_* has queued every
             # key, and is released by its last line.
@@ -423,8 +569,11 @@ class FilesystemTier:
             self._on_complete(result)
 
     def _settle_locked(self, job: _Job, i: int | None, ok: bool) -> JobResult | None:
+        if job.done.is_set():  # expired: a late task's outcome is no longer the caller's
+            return None
         if i is not None:
             job.ok[i] = ok
+            job.settled[i] = True
         job.remaining -= 1
         if job.remaining:
             return None
@@ -450,6 +599,8 @@ class FilesystemTier:
         vanish in the pool and leave the job unfinished, so a waiter (TieredStore waits without a timeout)
         would hang."""
         ok = False
+        with self._lock:
+            self._running_tasks += 1
         try:
             ok = task(job, i, *args)
         except Exception:
@@ -459,14 +610,22 @@ class FilesystemTier:
             metrics.FS_ERRORS.labels(self.name, "other").inc()
         finally:
             self._settle(job, i, ok)
+            with self._lock:
+                self._running_tasks -= 1
 
     def _write_task(self, job: _Job, i: int, key: bytes, block: torch.Tensor, evicted: list[bytes]) -> bool:
         self._unlink_doomed(evicted)
+        if self._stuck:
+            self._retry_stuck()
         ok, kind = False, ""
         started = time.perf_counter()
         try:
-            nbytes = self._write_block(key, block)
+            nbytes = self._write_block(job, key, block)
             ok = True
+        except _Expired:
+            kind = "timeout"
+        except FormatError as exc:
+            kind = exc.kind
         except OSError as exc:
             kind = _IO_ERRNO_KIND.get(exc.errno or 0, "other")
         except Exception:  # a codec or programming fault must not kill the pool thread or reach the engine
@@ -501,10 +660,11 @@ class FilesystemTier:
             metrics.BYTES_MOVED.labels(self.peer, self.name).inc(block.numel() * block.element_size())
             metrics.TRANSFER_SECONDS.labels(self.peer, self.name).observe(time.perf_counter() - started)
         else:
-            metrics.FS_ERRORS.labels(self.name, kind).inc()
+            if kind != "timeout":  # counted once, when the job expired
+                metrics.FS_ERRORS.labels(self.name, kind).inc()
             if kind == "enospc":
                 self._make_real_room(file_bytes_for(self._codec.encoded_nbytes(self.block_shape, self.dtype)))
-            if kind in ("enospc", "eio"):
+            if kind in _BACKOFF_KINDS and kind != "timeout":
                 self._record_io_failure()
         self._update_occupancy()
         return ok
@@ -518,10 +678,13 @@ class FilesystemTier:
             doomed = self._doom_locked(evicted or [], evicted=True)
         self._unlink_doomed(doomed)
 
-    def _write_block(self, key: bytes, block: torch.Tensor) -> int:
+    def _write_block(self, job: _Job, key: bytes, block: torch.Tensor) -> int:
         buf, tensor = self._staging()
-        src = block if block.is_contiguous() else block.contiguous()
-        nbytes = self._codec.encode(src, tensor[HEADER_BYTES : HEADER_BYTES + self._max_payload])
+        with job.io_lock:  # the only read of the caller's tensor
+            if job.expired:
+                raise _Expired()
+            src = block if block.is_contiguous() else block.contiguous()
+            nbytes = self._codec.encode(src, tensor[HEADER_BYTES : HEADER_BYTES + self._max_payload])
         end = HEADER_BYTES + nbytes
         total = file_bytes_for(nbytes)
         if end < total:  # zero the padding so no stale bytes of an earlier block reach the disk
@@ -529,10 +692,12 @@ class FilesystemTier:
         crc = checksum(buf.mv[HEADER_BYTES:end])
         header = pack_header(
             # the codec actually used (after any fallback), from the blob's own header
-            codec=peek_header(tensor[HEADER_BYTES:end]).codec, dtype=self._dtype_name, shape=self.block_shape,
+            codec=self._written_codec(tensor[HEADER_BYTES:end]), dtype=self._dtype_name, shape=self.block_shape,
             payload_len=nbytes, payload_crc=crc, key=key,
         )
         buf.mv[:HEADER_BYTES] = header
+        if self._mac_key is not None:
+            buf.mv[MAC_OFFSET : MAC_OFFSET + MAC_BYTES] = block_mac(self._mac_key, buf.mv, buf.mv[HEADER_BYTES:end])
         final = self.block_path(key)
         directory = os.path.dirname(final)
         if directory not in self._made_dirs:
@@ -546,11 +711,20 @@ class FilesystemTier:
             write_atomic(self._ops, tmp, final, buf.mv[:total], self.direct_io)
         return nbytes
 
+    def _written_codec(self, blob: torch.Tensor) -> str:
+        # Parsing the blob's header costs ~0.4 ms of GIL-held Python per block (measured in the fs bench
+        # breakdown); only a codec that can fall back needs it to learn what it wrote.
+        if not (self._codec.fallback and self._codec.fallback_codec is not None):
+            return self._codec.name
+        return peek_header(blob).codec
+
     def _read_task(self, job: _Job, i: int, key: bytes, out: torch.Tensor) -> bool:
         started = time.perf_counter()
         kind = ""
         try:
-            self._read_block(key, out)
+            self._read_block(job, key, out)
+        except _Expired:
+            pass  # the caller gave up on this key: the block itself is fine
         except FormatError as exc:
             kind = exc.kind
         except FileNotFoundError:
@@ -567,9 +741,10 @@ class FilesystemTier:
                 job.errors[i] = kind
                 # A block that failed to read is never served again: forget it and delete the file (at once,
                 # or at the last unpin if another transfer still holds it).
-                if self._index.pop(key, None) is not None:
+                if key in self._index:
                     if self._policy.is_pinned(key):
                         self._bad.add(key)
+                        del self._index[key]
                     else:
                         self._policy.remove(key)
                         doomed += self._doom_locked([key])
@@ -583,15 +758,23 @@ class FilesystemTier:
             metrics.TRANSFER_SECONDS.labels(self.name, self.peer).observe(time.perf_counter() - started)
         return not kind
 
-    def _read_block(self, key: bytes, out: torch.Tensor) -> None:
+    def _read_block(self, job: _Job, key: bytes, out: torch.Tensor) -> None:
         buf, tensor = self._staging()
         size = read_whole(self._ops, self.block_path(key), buf.mv, self.direct_io)
         header = parse_header(buf.mv[: min(size, HEADER_BYTES)])
         self._check_header(header, key)
-        verify_payload(header, size, buf.mv[HEADER_BYTES:])
+        # With a MAC key the MAC is the integrity check (it catches every change a CRC catches), so the CRC pass
+        # over the payload is skipped: one hash per block instead of two.
+        verify_payload(header, size, buf.mv[HEADER_BYTES:], check_crc=self._mac_key is None)
         if header.payload_len > self._max_payload:
             raise FormatError("mismatch", f"payload of {header.payload_len} bytes exceeds {self._max_payload}")
-        decode(tensor[HEADER_BYTES : HEADER_BYTES + header.payload_len], out=out)
+        payload = buf.mv[HEADER_BYTES : HEADER_BYTES + header.payload_len]
+        if self._mac_key is not None:
+            verify_mac(self._mac_key, buf.mv[:HEADER_BYTES], payload)
+        with job.io_lock:  # the only write of the caller's tensor
+            if job.expired:
+                raise _Expired()
+            decode(tensor[HEADER_BYTES : HEADER_BYTES + header.payload_len], out=out)
 
     def _check_header(self, header: Any, key: bytes | None) -> None:
         if key is not None and header.key != key:
@@ -606,23 +789,57 @@ class FilesystemTier:
         """Forget ``keys`` and mark their files for unlinking. Only ``evicted`` ones (chosen by the policy to
         make room) count as evictions: a corrupt block or an explicit remove is not one."""
         for key in keys:
-            self._index.pop(key, None)
-            self._doomed.add(key)
+            entry = self._index.pop(key, None)
+            self._doomed[key] = entry.nbytes if entry is not None else self._nominal_file_bytes
         if evicted and keys:
             metrics.EVICTIONS.labels(self.name).inc(len(keys))
         return list(keys)
 
     def _unlink_doomed(self, keys: Sequence[bytes]) -> None:
         for key in keys:
+            path = self.block_path(key)
+            gone = False
             try:
-                self._ops.unlink(self.block_path(key))
+                self._ops.unlink(path)
+                gone = True
             except FileNotFoundError:
-                pass
+                gone = True
             except OSError:
                 metrics.FS_ERRORS.labels(self.name, "unlink").inc()
             finally:
                 with self._lock:
-                    self._doomed.discard(key)
+                    if gone:
+                        self._doomed.pop(key, None)
+                    else:  # still on disk: keep counting it, and keep the key from being stored over it
+                        self._stuck_locked(path, key, self._doomed.get(key, self._nominal_file_bytes))
+        if keys:
+            self._update_occupancy()
+
+    def _stuck_locked(self, path: str, key: bytes | None, nbytes: int) -> None:
+        self._stuck[path] = (key, nbytes)
+        self._policy.capacity_bytes = self.config.capacity_bytes - sum(n for _, n in self._stuck.values())
+
+    def _retry_stuck(self) -> None:
+        """Try again to delete files that could not be deleted (at most every _STUCK_RETRY_S)."""
+        now = time.monotonic()
+        with self._lock:
+            if not self._stuck or now < self._stuck_retry_at:
+                return
+            self._stuck_retry_at = now + _STUCK_RETRY_S
+            items = list(self._stuck.items())
+        for path, (key, _) in items:
+            try:
+                self._ops.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                continue
+            with self._lock:
+                self._stuck.pop(path, None)
+                if key is not None:
+                    self._doomed.pop(key, None)
+                self._policy.capacity_bytes = self.config.capacity_bytes - sum(n for _, n in self._stuck.values())
+        self._update_occupancy()
 
     # ---- backoff ----------------------------------------------------------------------------------------
     def _record_io_failure(self) -> None:
@@ -635,7 +852,7 @@ class FilesystemTier:
                 metrics.FS_BACKOFF.labels(self.name).set(1)
 
     def _update_occupancy(self) -> None:
-        metrics.OCCUPANCY_BYTES.labels(self.name).set(self._policy.used_bytes)
+        metrics.OCCUPANCY_BYTES.labels(self.name).set(self.used_bytes)
 
     # ---- start-up ---------------------------------------------------------------------------------------
     def _rebuild_index(self) -> dict[str, int]:
@@ -648,29 +865,43 @@ class FilesystemTier:
                  "version": 0, "evicted": 0}
         found: list[tuple[float, str, bytes, int]] = []
         head = bytearray(HEADER_BYTES)
-        with os.scandir(self.root) as top:
-            for d1 in top:
-                if not self._scan_dir_ok(d1, stats):
+        # Walked by directory file descriptors opened with O_NOFOLLOW at every level: a symlink swapped in for
+        # the namespace, a fan-out directory or a block file is never followed, so cleanup cannot reach outside.
+        top = _open_dir(self.root, None)
+        if top is None:
+            raise ConfigError(f"root_dir: {self.root} is a symlink or not a directory; refusing it, since "
+                              "start-up cleanup would delete files in its target")
+        try:
+            for d1 in os.listdir(top):
+                fd1 = self._scan_dir(top, d1, stats)
+                if fd1 is None:
                     continue
-                with os.scandir(d1.path) as mid:
-                    for d2 in mid:
-                        if not self._scan_dir_ok(d2, stats):
+                try:
+                    for d2 in os.listdir(fd1):
+                        fd2 = self._scan_dir(fd1, d2, stats)
+                        if fd2 is None:
                             continue
-                        with os.scandir(d2.path) as leaf:
-                            for f in leaf:
-                                self._scan_file(f, d1.name, d2.name, head, stats, found)
+                        try:
+                            for name in os.listdir(fd2):
+                                self._scan_file(fd2, name, d1, d2, head, stats, found)
+                        finally:
+                            os.close(fd2)
+                finally:
+                    os.close(fd1)
+        finally:
+            os.close(top)
         found.sort()
         with self._lock:
             for _, path, key, nbytes in found:
                 evicted = self._policy.insert(key, nbytes)
                 if evicted is None:
                     stats["evicted"] += 1
-                    self._remove_path(path)
+                    self._remove_path_locked(path)
                     continue
                 for old in evicted:
                     self._index.pop(old, None)
                     stats["evicted"] += 1
-                    self._remove_path(self.block_path(old))
+                    self._remove_path_locked(self.block_path(old))
                 self._index[key] = _Entry("ready", nbytes)
             stats["blocks"] = len(self._index)
         for kind in ("foreign", "corrupt", "truncated", "mismatch", "version"):
@@ -680,57 +911,92 @@ class FilesystemTier:
             metrics.FS_ERRORS.labels(self.name, "torn").inc(stats["tmp"])
         return stats
 
-    def _scan_dir_ok(self, entry: os.DirEntry, stats: dict[str, int]) -> bool:
-        if entry.is_dir(follow_symlinks=False) and is_fanout_name(entry.name):
-            return True
-        # A symlink or stray file in the fan-out could point blocks outside root_dir: remove it.
+    def _scan_dir(self, parent: int, name: str, stats: dict[str, int]) -> int | None:
+        """A descriptor of fan-out directory ``name``, or None after removing whatever else is there (a symlink
+        or stray file in the fan-out could point blocks outside root_dir)."""
+        if is_fanout_name(name):
+            fd = _open_dir(name, parent)
+            if fd is not None:
+                return fd
         stats["foreign"] += 1
-        if entry.is_dir(follow_symlinks=False):
-            _rmtree_quiet(entry.path)
-        else:
-            self._remove_path(entry.path)
-        return False
+        _remove_entry(parent, name)
+        return None
 
     def _scan_file(
-        self, f: os.DirEntry, d1: str, d2: str, head: bytearray, stats: dict[str, int],
+        self, dir_fd: int, name: str, d1: str, d2: str, head: bytearray, stats: dict[str, int],
         found: list[tuple[float, str, bytes, int]],
     ) -> None:
-        if is_tmp_name(f.name):
+        if is_tmp_name(name):
             stats["tmp"] += 1
-            self._remove_path(f.path)
+            _remove_entry(dir_fd, name)
             return
-        if not is_block_name(f.name) or not f.is_file(follow_symlinks=False):
+        if not is_block_name(name):
             stats["foreign"] += 1
-            _rmtree_quiet(f.path) if f.is_dir(follow_symlinks=False) else self._remove_path(f.path)
+            _remove_entry(dir_fd, name)
+            return
+        relpath = f"{d1}/{d2}/{name}"
+        try:
+            # O_NONBLOCK: a FIFO here must not block start-up; O_NOFOLLOW: a symlink is not a block.
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        except OSError:
+            stats["foreign"] += 1
+            _remove_entry(dir_fd, name)
             return
         try:
-            st = f.stat(follow_symlinks=False)
-            with open(f.path, "rb", buffering=0) as fh:
-                n = fh.readinto(head)
+            st = os.fstat(fd)
+            size = regular_size(self._ops, fd)
+            n = os.preadv(fd, [head], 0)
             header = parse_header(memoryview(head)[:n])
             self._check_header(header, None)
-            if f.path != self.block_path(header.key):
+            if relpath != block_relpath(header.key):
                 raise FormatError("mismatch", "file name does not match the key in its header")
-            if st.st_size != header.file_bytes:
-                raise FormatError("truncated" if st.st_size < header.file_bytes else "corrupt", "length")
+            if size != header.file_bytes:
+                raise FormatError("truncated" if size < header.file_bytes else "corrupt", "length")
         except FormatError as exc:
             stats[exc.kind] += 1
-            self._remove_path(f.path)
+            _remove_entry(dir_fd, name)
             return
         except OSError:
             stats["corrupt"] += 1
-            self._remove_path(f.path)
+            _remove_entry(dir_fd, name)
             return
-        found.append((st.st_mtime, f.path, header.key, header.file_bytes))
+        finally:
+            os.close(fd)
+        found.append((st.st_mtime, os.path.join(self.root, relpath), header.key, header.file_bytes))
 
-    def _remove_path(self, path: str) -> None:
+    def _remove_path_locked(self, path: str) -> None:
         try:
             os.unlink(path)
-        except OSError:
+        except FileNotFoundError:
             pass
+        except OSError:
+            try:
+                nbytes = os.lstat(path).st_size
+            except OSError:
+                return
+            self._stuck_locked(path, None, nbytes)
 
 
-def _rmtree_quiet(path: str) -> None:
-    import shutil
+def _open_dir(name: str, dir_fd: int | None) -> int | None:
+    """A descriptor of directory ``name`` (relative to ``dir_fd``), or None if it is a symlink or not a directory."""
+    try:
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except (NotADirectoryError, FileNotFoundError):
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return None
+        raise
 
-    shutil.rmtree(path, ignore_errors=True)
+
+def _remove_entry(dir_fd: int, name: str) -> None:
+    """Remove ``name`` from the directory open at ``dir_fd`` without following it: a symlink is unlinked, never
+    its target; a directory is removed by descriptors (shutil.rmtree's symlink-safe walk)."""
+    try:
+        st = os.lstat(name, dir_fd=dir_fd)
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(name, dir_fd=dir_fd, ignore_errors=True)
+        else:
+            os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass

@@ -1,0 +1,387 @@
+"""Hostile and failing disks under the filesystem tier (issue #16, runtime part): forged blocks, symlinks planted
+at every level of the namespace, FIFOs swapped in for block files, a disk that hangs, EACCES, a read-only
+filesystem, files that cannot be deleted, and over-long keys.
+
+Files, symlinks, FIFOs and the read-only mount are real; a disk that hangs or refuses with EACCES/EPERM is
+injected through the tier's FileOps seam (the tests run as root, for whom permission bits do not refuse).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import struct
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+
+from kvtier_runtime.config import ConfigError, FilesystemTierConfig
+from kvtier_runtime.fs import FilesystemTier, KeyState
+from kvtier_runtime.fs import format as fmt
+from kvtier_runtime.fs.fileio import FileOps
+from kvtier_runtime.fs.paths import NAMESPACE, block_relpath
+from kvtier_runtime.store import TieredStore
+from plugins.runtime import block_file_bytes, block_for, key_of, metric_value
+
+SHAPE = (64, 256)
+
+
+def _sentinel():
+    return torch.full(SHAPE, 12345.0)
+
+
+def _errors(kind: str) -> float:
+    return metric_value("kvtier_runtime_fs_errors_total", tier="fs", kind=kind)
+
+
+def _key_file(tmp_path, name="mac.key", nbytes=32) -> str:
+    path = tmp_path / name
+    path.write_bytes(os.urandom(nbytes))
+    return str(path)
+
+
+def _forge(path: str, new_payload_byte: int = 0x5A) -> None:
+    """What an attacker with write access to the shared directory does: edit the payload, then recompute the
+    payload CRC and the header CRC so that every accidental-corruption check passes (the MAC field is kept)."""
+    with open(path, "r+b") as fh:
+        raw = bytearray(fh.read())
+    header = fmt.parse_header(bytes(raw[: fmt.HEADER_BYTES]))
+    raw[fmt.HEADER_BYTES + 100] = new_payload_byte
+    payload = raw[fmt.HEADER_BYTES : fmt.HEADER_BYTES + header.payload_len]
+    struct.pack_into("<I", raw, 128, fmt.checksum(payload))
+    struct.pack_into("<I", raw, 12, fmt.checksum(bytes(raw[16 : fmt.HEADER_USED])))
+    with open(path, "wb") as fh:
+        fh.write(raw)
+
+
+# ---- keyed MAC ----------------------------------------------------------------------------------------------
+def test_a_forged_block_is_served_by_crc_alone_but_is_a_counted_miss_with_the_mac(fs_tier_factory, tmp_path) -> None:
+    key = key_of(1)
+    plain = fs_tier_factory(root=str(tmp_path / "plain"))
+    assert plain.store([key], [block_for(key)]).success
+    _forge(plain.block_path(key))
+    out = _sentinel()
+    assert plain.load([key], [out]).success, "CRC32 alone cannot tell a forged block (why the MAC exists)"
+    assert not torch.equal(out, block_for(key))
+
+    tier = fs_tier_factory(root=str(tmp_path / "mac"), mac_key_file=_key_file(tmp_path))
+    assert tier.store([key], [block_for(key)]).success
+    out = _sentinel()
+    assert tier.load([key], [out]).success and torch.equal(out, block_for(key))
+    _forge(tier.block_path(key))
+    f0 = _errors("forged")
+    out = _sentinel()
+    res = tier.load([key], [out])
+    assert res.errors == {0: "forged"} and torch.equal(out, _sentinel()), "a forged block is never served"
+    assert _errors("forged") == f0 + 1
+    assert tier.state(key) is KeyState.MISS and not os.path.exists(tier.block_path(key))
+
+
+def test_blocks_without_the_right_mac_are_refused(fs_tier_factory, tmp_path) -> None:
+    root = str(tmp_path / "fs")
+    keys = [key_of(i) for i in range(3)]
+    with_a = fs_tier_factory(root=root, mac_key_file=_key_file(tmp_path, "a.key"))
+    assert with_a.store(keys[:2], [block_for(k) for k in keys[:2]]).success
+    with_a.close()
+    unkeyed = fs_tier_factory(root=root)  # a writer without any key (e.g. another pod, misconfigured)
+    assert unkeyed.store(keys[2:], [block_for(k) for k in keys[2:]]).success
+    outs = [_sentinel() for _ in keys]
+    assert unkeyed.load(keys, outs).success, "a tier without a key still reads MAC'd blocks (CRC-checked)"
+    unkeyed.close()
+    with_b = fs_tier_factory(root=root, mac_key_file=_key_file(tmp_path, "b.key"))
+    assert with_b.rebuild_stats["blocks"] == 3
+    outs = [_sentinel() for _ in keys]
+    res = with_b.load(keys, outs)
+    assert res.errors == {0: "forged", 1: "forged", 2: "forged"}
+    assert all(torch.equal(o, _sentinel()) for o in outs)
+
+
+@pytest.mark.parametrize("case", ["missing", "short", "directory"])
+def test_an_unusable_mac_key_file_is_a_one_line_error_naming_the_key(fs_tier_factory, tmp_path, case) -> None:
+    path = {"missing": str(tmp_path / "nope.key"), "short": _key_file(tmp_path, nbytes=31),
+            "directory": str(tmp_path)}[case]
+    with pytest.raises(ConfigError) as info:
+        fs_tier_factory(mac_key_file=path)
+    msg = str(info.value)
+    assert msg.startswith("mac_key_file: ") and path in msg and "\n" not in msg
+    with pytest.raises(ConfigError, match="mac_key_file: 'key' must be an absolute path"):
+        FilesystemTierConfig(root_dir="/x", capacity_bytes=1, mac_key_file="key")
+
+
+def test_a_long_key_file_with_a_trailing_newline_works(fs_tier_factory, tmp_path) -> None:
+    path = tmp_path / "k"
+    path.write_bytes(b"A" * 200 + b"\n")  # e.g. base64 text from a Secret, longer than SHA-256's block
+    tier = fs_tier_factory(mac_key_file=str(path))
+    key = key_of(1)
+    assert tier.store([key], [block_for(key)]).success
+    out = _sentinel()
+    assert tier.load([key], [out]).success and torch.equal(out, block_for(key))
+
+
+# ---- symlinks at every level ----------------------------------------------------------------------------------
+def _victim(tmp_path):
+    victim = tmp_path / "victim"
+    (victim / "ab" / "cd").mkdir(parents=True)
+    (victim / "precious.txt").write_text("keep me")
+    (victim / "ab" / "cd" / "00.kvb").write_bytes(b"x" * 10)
+    (victim / "ab" / "cd" / "x.kvb.tmp.1.1").write_bytes(b"y")
+    return victim
+
+
+def _victim_intact(victim) -> bool:
+    return ((victim / "precious.txt").read_text() == "keep me" and (victim / "ab" / "cd" / "00.kvb").exists()
+            and (victim / "ab" / "cd" / "x.kvb.tmp.1.1").exists())
+
+
+def test_a_symlinked_namespace_is_refused_and_its_target_is_untouched(fs_tier_factory, tmp_path) -> None:
+    victim = _victim(tmp_path)
+    root = tmp_path / "root"
+    root.mkdir()
+    os.symlink(victim, root / NAMESPACE)
+    with pytest.raises(ConfigError) as info:
+        fs_tier_factory(root=str(root))
+    assert "symlink" in str(info.value) and NAMESPACE in str(info.value) and "\n" not in str(info.value)
+    assert _victim_intact(victim)
+
+
+def test_symlinks_in_the_fanout_and_leaves_are_removed_never_followed(fs_tier_factory, tmp_path) -> None:
+    victim = _victim(tmp_path)
+    root = tmp_path / "root"
+    tier = fs_tier_factory(root=str(root))
+    key = key_of(1)
+    assert tier.store([key], [block_for(key)]).success
+    tier.close()
+    ns = root / NAMESPACE
+    os.symlink(victim, ns / "ee")  # first fan-out level
+    (ns / "ff").mkdir()
+    os.symlink(victim / "ab", ns / "ff" / "00")  # second level
+    leaf_dir = ns / block_relpath(key_of(2)).rsplit("/", 1)[0]
+    leaf_dir.mkdir(parents=True, exist_ok=True)
+    os.symlink(victim / "ab" / "cd" / "00.kvb", leaf_dir / block_relpath(key_of(2)).rsplit("/", 1)[1])
+    again = fs_tier_factory(root=str(root))
+    assert _victim_intact(victim)
+    assert not os.path.lexists(ns / "ee") and not os.path.lexists(ns / "ff" / "00")
+    assert not os.path.lexists(leaf_dir / block_relpath(key_of(2)).rsplit("/", 1)[1])
+    assert again.rebuild_stats["blocks"] == 1 and again.rebuild_stats["foreign"] == 3
+
+
+# ---- FIFOs and a disk that hangs ------------------------------------------------------------------------------
+def test_a_fifo_swapped_in_for_a_block_fails_fast_at_load_and_at_restart(fs_tier_factory, tmp_path) -> None:
+    root = str(tmp_path / "fs")
+    tier = fs_tier_factory(root=root, io_timeout_s=20)
+    key, other = key_of(1), key_of(2)
+    assert tier.store([key, other], [block_for(key), block_for(other)]).success
+    path = tier.block_path(key)
+    os.unlink(path)
+    os.mkfifo(path)
+    t0 = time.monotonic()
+    out = _sentinel()
+    res = tier.load([key], [out], timeout=15)
+    assert time.monotonic() - t0 < 5 and res.errors == {0: "foreign"} and torch.equal(out, _sentinel())
+    tier.close()
+    os.unlink(path) if os.path.exists(path) else None
+    os.mkfifo(path)
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(fs_tier_factory(root=root)), daemon=True)
+    t.start()
+    t.join(15)
+    assert box, "start-up blocked on a FIFO"
+    assert box[0].rebuild_stats["foreign"] == 1 and box[0].rebuild_stats["blocks"] == 1
+    assert not os.path.lexists(path)
+
+
+class _Hang(FileOps):
+    """A disk whose reads or writes hang until ``release`` is set (or 30 s, so a failing test still ends)."""
+
+    def __init__(self) -> None:
+        self.reads = threading.Event()
+        self.writes = threading.Event()
+        self.release = threading.Event()
+
+    def readinto(self, fd, buf, offset):
+        if self.reads.is_set():
+            self.release.wait(30)
+        return super().readinto(fd, buf, offset)
+
+    def write(self, fd, data):
+        if self.writes.is_set():
+            self.release.wait(30)
+        return super().write(fd, data)
+
+
+def test_a_hung_read_times_out_and_never_writes_the_callers_tensor_later(fs_tier_factory) -> None:
+    ops = _Hang()
+    tier = fs_tier_factory(file_ops=ops, io_timeout_s=0.5)
+    key = key_of(1)
+    assert tier.store([key], [block_for(key)]).success
+    ops.reads.set()
+    t0 = time.monotonic()
+    out = _sentinel()
+    res = tier.load([key], [out], timeout=None)  # no caller timeout: the tier's own bound applies
+    assert time.monotonic() - t0 < 3 and res.errors == {0: "timeout"}
+    ops.release.set()
+    tier.drain(timeout=10)
+    time.sleep(0.2)
+    assert torch.equal(out, _sentinel()), "a read finishing after its job expired must not touch the tensor"
+    out2 = _sentinel()
+    assert tier.load([key], [out2]).success and torch.equal(out2, block_for(key)), "the block itself is fine"
+
+
+def test_a_hung_write_times_out_for_polling_callers_and_drain_is_bounded(fs_tier_factory) -> None:
+    ops = _Hang()
+    tier = fs_tier_factory(file_ops=ops, io_timeout_s=0.5)
+    ops.writes.set()
+    key = key_of(1)
+    job = tier.submit_store([key], [block_for(key)])
+    t0 = time.monotonic()
+    tier.drain(timeout=None)
+    assert time.monotonic() - t0 < 3
+    (res,) = [r for r in tier.get_finished() if r.job_id == job]
+    assert res.errors == {0: "timeout"}
+    ops.release.set()
+    deadline = time.monotonic() + 10
+    while tier.state(key) is KeyState.PENDING and time.monotonic() < deadline:
+        time.sleep(0.02)
+    # the write had copied the block before the job expired, so finishing it stores the right bytes
+    out = _sentinel()
+    assert tier.load([key], [out]).success and torch.equal(out, block_for(key))
+
+
+def test_tiered_store_does_not_hang_on_a_hung_filesystem_tier(tmp_path) -> None:
+    ops = _Hang()
+    cfg = FilesystemTierConfig(root_dir=str(tmp_path / "fs"), capacity_bytes=64 * block_file_bytes(),
+                               eviction_policy="lru", n_read_threads=2, n_write_threads=2, io_timeout_s=0.5)
+    fs = FilesystemTier(cfg, SHAPE, torch.float32, file_ops=ops)
+    store = TieredStore(SHAPE, torch.float32, device="cpu", host_capacity_bytes=2 * 64 * 256 * 4, fs=fs,
+                        write={"fs": "through"})
+    try:
+        keys = [key_of(i) for i in range(4)]
+        assert store.put(keys, [block_for(k) for k in keys]).result(timeout=30).success
+        assert store.lookup(keys)["fs"] == 4
+        ops.reads.set()
+        outs = [_sentinel() for _ in keys]
+        t0 = time.monotonic()
+        res = store.load(keys, outs).result(timeout=30)  # keys 0, 1 were evicted from host: they need the disk
+        assert time.monotonic() - t0 < 5 and res.hits == 0 and res.stopped == "timeout"
+        ops.release.set()
+        fs.drain(timeout=10)
+        assert all(torch.equal(o, _sentinel()) for o in outs[:2])
+    finally:
+        ops.release.set()
+        store.close()
+        fs.close()
+
+
+# ---- EACCES, read-only filesystems, undeletable files, long keys ------------------------------------------------
+class _Denied(FileOps):
+    def __init__(self) -> None:
+        self.deny_writes = False
+
+    def open(self, path, flags, mode=0o644):
+        if self.deny_writes and flags & os.O_WRONLY:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return super().open(path, flags, mode)
+
+
+def test_eacces_is_its_own_kind_and_triggers_backoff(fs_tier_factory) -> None:
+    ops = _Denied()
+    tier = fs_tier_factory(file_ops=ops, backoff_after=2)
+    ops.deny_writes = True
+    e0 = _errors("eacces")
+    for i in range(2):
+        assert tier.store([key_of(i)], [block_for(key_of(i))]).errors == {0: "eacces"}
+    assert _errors("eacces") == e0 + 2 and tier.in_backoff
+    assert tier.store([key_of(9)], [block_for(key_of(9))]).errors == {0: "backoff"}
+
+
+@pytest.fixture
+def ro_tmpfs(tmp_path):
+    """A real tmpfs that the test can remount read-only (needs root; skipped otherwise)."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+
+    def read_only() -> None:
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True, capture_output=True)
+
+    yield str(mnt), read_only
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_read_only_filesystem_degrades_the_tier_instead_of_raising(fs_tier_factory, ro_tmpfs) -> None:
+    mnt, read_only = ro_tmpfs
+    key = key_of(1)
+    tier = fs_tier_factory(root=os.path.join(mnt, "tier"))
+    assert tier.store([key], [block_for(key)]).success
+    tier.close()
+    read_only()
+    again = fs_tier_factory(root=os.path.join(mnt, "tier"))
+    assert again.degraded == "erofs" and again.rebuild_stats["blocks"] == 1
+    out = _sentinel()
+    assert again.load([key], [out]).success and torch.equal(out, block_for(key)), "what is there is still served"
+    assert again.store([key_of(2)], [block_for(key_of(2))]).errors == {0: "erofs"}
+    fresh = fs_tier_factory(root=os.path.join(mnt, "never-created"))  # the namespace cannot even be made
+    assert fresh.degraded == "erofs" and len(fresh) == 0
+    assert fresh.store([key], [block_for(key)]).errors == {0: "erofs"}
+
+
+class _Undeletable(FileOps):
+    def __init__(self) -> None:
+        self.stuck: set[str] = set()
+
+    def unlink(self, path):
+        if path in self.stuck:
+            raise PermissionError(errno.EPERM, "Operation not permitted", path)
+        super().unlink(path)
+
+
+def test_an_undeletable_block_stays_counted_until_it_is_really_gone(fs_tier_factory) -> None:
+    ops = _Undeletable()
+    tier = fs_tier_factory(capacity_blocks=4, file_ops=ops)
+    per = block_file_bytes(SHAPE)
+    keys = [key_of(i) for i in range(8)]
+    for k in keys[:4]:
+        assert tier.store([k], [block_for(k)]).success
+    ops.stuck.add(tier.block_path(keys[0]))  # the coldest: the next store evicts it, and its unlink fails
+    assert tier.store([keys[4]], [block_for(keys[4])]).success
+    assert os.path.exists(tier.block_path(keys[0])) and tier.state(keys[0]) is KeyState.MISS
+    on_disk = sum(os.path.getsize(os.path.join(d, n)) for d, _, ns in os.walk(tier.root) for n in ns)
+    assert tier.used_bytes == on_disk == 5 * per, "the stuck file's bytes are still counted"
+    assert tier.store([keys[5]], [block_for(keys[5])]).success
+    assert len(tier) == 3 and tier.used_bytes == 4 * per <= tier.capacity_bytes, "the tier shrank around it"
+    assert tier.store([keys[0]], [block_for(keys[0])]).errors == {0: "busy"}, "never stored over the stuck file"
+    ops.stuck.clear()
+    time.sleep(1.1)  # stores retry stuck unlinks at most once a second
+    # the retry runs in the write task (submit never touches the disk), after this store's own reservation
+    assert tier.store([keys[6]], [block_for(keys[6])]).success
+    assert not os.path.exists(tier.block_path(keys[0]))
+    assert tier.used_bytes == 3 * per and len(tier) == 3
+    assert tier.store([keys[0]], [block_for(keys[0])]).success
+    assert tier.used_bytes == 4 * per and len(tier) == 4, "the full capacity is back"
+
+
+def test_a_key_over_1024_bytes_fails_with_its_own_kind(fs_tier_factory) -> None:
+    tier = fs_tier_factory()
+    long_key = b"k" * 1025
+    r0 = metric_value("kvtier_runtime_stores_rejected_total", tier="fs", reason="key-too-long")
+    res = tier.store([long_key, key_of(1)], [block_for(long_key), block_for(key_of(1))])
+    assert res.errors == {0: "key-too-long"} and res.ok == (False, True)
+    assert metric_value("kvtier_runtime_stores_rejected_total", tier="fs", reason="key-too-long") == r0 + 1
+    assert tier.store([b"k" * 1024], [block_for(b"k")]).success
+
+
+def test_close_is_bounded_while_a_read_hangs(fs_tier_factory) -> None:
+    ops = _Hang()
+    tier = fs_tier_factory(file_ops=ops, io_timeout_s=0.5)
+    key = key_of(1)
+    assert tier.store([key], [block_for(key)]).success
+    ops.reads.set()
+    tier.submit_load([key], [_sentinel()])
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    tier.close()
+    assert time.monotonic() - t0 < 3
+    ops.release.set()
