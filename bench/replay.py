@@ -105,7 +105,7 @@ def main() -> None:
     opt = {c: prefix_hit_count(opt_hits(keys, c), lengths) / n for c in caps}
     ref_all: list[float] = []
     print(f"trace: {pathlib.Path(args.trace).name}, {n} block accesses, {trace.n_distinct} distinct blocks; "
-          f"capacities {caps[0]} (5%) and {caps[1]} (10%) blocks; default policy {config.DEFAULT_EVICTION_POLICY}")
+          f"capacities {caps[0]} (5%) and {caps[1]} (10%) blocks; default policy {config.RECOMMENDED_EVICTION_POLICY}")
     print(f"{'policy':<20} {'accesses/s':>11} {'vs raw LRU':>10} "
           f"{'prefix@5%':>10} {'of OPT':>7} {'prefix@10%':>11} {'of OPT':>7}")
     print(f"{'OPT (Belady)':<20} {'':>11} {'':>10} {opt[caps[0]]:>10.4f} {'100%':>7} {opt[caps[1]]:>11.4f} {'100%':>7}")
