@@ -6,14 +6,21 @@ Cross-field rules are written once, as CEL, on the model they constrain.
 """
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from kvtier_runtime.config import ADMISSION_POLICIES, CODECS, EVICTION_POLICIES
+from kvtier_runtime.config import (
+    ADMISSION_POLICIES,
+    CODECS,
+    DEFAULT_ADMISSION_THRESHOLD,
+    DEFAULT_EVICTION_POLICY,
+    EVICTION_POLICIES,
+)
 
-from .units import DURATION_PATTERN, POSITIVE_QUANTITY_PATTERN
+from .units import DURATION_PATTERN, POSITIVE_QUANTITY_PATTERN, parse_duration, parse_quantity
 
 GROUP = "kvtier.io"
 VERSION = "v1alpha1"
@@ -24,6 +31,8 @@ SINGULAR = "kvcachepolicy"
 SHORT_NAMES = ["kvp"]
 
 MAX_TIERS = 4
+# status.history keeps the newest entries up to this many (the guard trims to it; the CRD bounds the list).
+HISTORY_LIMIT = 50
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 ABS_PATH_PATTERN = r"^/[^\x00]*$"
 # `[.]` rather than `\.`: the pattern is embedded in a CEL string literal, where `\.` is not a valid escape.
@@ -176,7 +185,7 @@ class TierSpec(_Model):
     enabled: bool = Field(True, description="Set false to declare a tier without using it. The SLO guard "
                                             "disables tiers in status, never here.")
     eviction_policy: Literal[EVICTION_POLICIES] = Field(  # type: ignore[valid-type]
-        "lru", description="Eviction policy: lru or arc with backend native; lru with lmcache; lru, arc, "
+        DEFAULT_EVICTION_POLICY, description="Eviction policy: lru or arc with backend native; lru with lmcache; lru, arc, "
                            "s3fifo or prefix2q (prefix-aware, the best measured on real traces, see "
                            "docs/replay.md) with backend kvtier.")
     admission: Literal[ADMISSION_POLICIES] = Field(  # type: ignore[valid-type]
@@ -190,6 +199,11 @@ class TierSpec(_Model):
     write_threads: int = Field(16, ge=1, le=256, description="I/O threads writing to a filesystem tier.")
     compression: Literal[CODECS] = Field(  # type: ignore[valid-type]
         "none", description="Codec for blocks stored in a filesystem tier (backend kvtier only).")
+
+    # Typed views (units parsed once, here; renderers read these, never the strings).
+    @cached_property
+    def size_bytes(self) -> int:
+        return parse_quantity(self.size)
 
 
 # ---------------------------------------------------------------------------------------------- offload
@@ -216,6 +230,13 @@ class OffloadSpec(_Model):
     min_priority: int = Field(35, ge=0, le=100, description="TensorRT-LLM secondary_offload_min_priority: "
                                                             "blocks with this retention priority or more are "
                                                             "offloaded.")
+
+    # Typed views.
+    @property
+    def admission_threshold(self) -> int:
+        """The offer on which ``admission: threshold`` stores a block: storeThreshold when set, else the
+        runtime's default (storeThreshold 0 means "every offer" to vLLM, not "threshold 0")."""
+        return self.store_threshold if self.store_threshold >= 2 else DEFAULT_ADMISSION_THRESHOLD
 
 
 # ---------------------------------------------------------------------------------------------- SLO
@@ -252,6 +273,11 @@ class PrometheusSpec(_Model):
     ca_bundle: Optional[SecretKeyRef] = Field(None, description="Secret key holding a PEM CA bundle for TLS.")
     timeout: str = _duration("Timeout of one query.", "10s")
 
+    # Typed views.
+    @cached_property
+    def timeout_s(self) -> float:
+        return parse_duration(self.timeout)
+
 
 class QueryOverrides(_Model):
     """PromQL that replaces the built-in queries; each must return one scalar-like sample."""
@@ -272,6 +298,15 @@ class ReenableSpec(_Model):
     after: str = _duration("With mode auto: time after the rollback before the tier is tried again.", "1h")
     probation: str = _duration("With mode auto: a breach within this time after re-enabling disables the tier "
                                "again and stops automatic re-enabling until a person acts.", "30m")
+
+    # Typed views.
+    @cached_property
+    def after_s(self) -> float:
+        return parse_duration(self.after)
+
+    @cached_property
+    def probation_s(self) -> float:
+        return parse_duration(self.probation)
 
 
 class SLOSpec(_Model):
@@ -305,6 +340,27 @@ class SLOSpec(_Model):
                                                         "instead of pod names.", max_length=253)
     queries: Optional[QueryOverrides] = Field(None, description="Replace the built-in PromQL.")
 
+    # Typed views.
+    @cached_property
+    def ttft_p99_s(self) -> Optional[float]:
+        return None if self.ttft_p99 is None else parse_duration(self.ttft_p99)
+
+    @cached_property
+    def itl_p99_s(self) -> Optional[float]:
+        return None if self.itl_p99 is None else parse_duration(self.itl_p99)
+
+    @cached_property
+    def window_s(self) -> float:
+        return parse_duration(self.window)
+
+    @cached_property
+    def interval_s(self) -> float:
+        return parse_duration(self.interval)
+
+    @cached_property
+    def cooldown_s(self) -> float:
+        return parse_duration(self.cooldown)
+
 
 class RolloutSpec(_Model):
     """How tiers are switched on."""
@@ -313,6 +369,11 @@ class RolloutSpec(_Model):
         "immediate", description="immediate: all enabled tiers at once; staged: GPU-only first, then one tier "
                                  "per observation period while the SLO holds (needs spec.slo).")
     stage_observation: str = _duration("How long each stage must hold the SLO before the next.", "30m")
+
+    # Typed views.
+    @cached_property
+    def stage_observation_s(self) -> float:
+        return parse_duration(self.stage_observation)
 
 
 class InjectionSpec(_Model):
@@ -423,6 +484,11 @@ class KVCachePolicySpec(_Model):
     injection: InjectionSpec = Field(default_factory=InjectionSpec, json_schema_extra=_object_default(InjectionSpec),
                                      description="How the operator touches the workload.")
 
+    # Typed views.
+    @cached_property
+    def host_memory_headroom_bytes(self) -> int:
+        return parse_quantity(self.host_memory_headroom)
+
 
 # ---------------------------------------------------------------------------------------------- status
 
@@ -490,7 +556,7 @@ class KVCachePolicyStatus(_Model):
     slo: Optional[dict[str, Any]] = Field(
         None, description="SLO guard state: last values, counters, baseline, stage (kept here so restarts lose "
                           "nothing).", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
-    history: list[HistoryEntry] = Field(default_factory=list, max_length=50,
+    history: list[HistoryEntry] = Field(default_factory=list, max_length=HISTORY_LIMIT,
                                         description="Recent tier changes, newest last (bounded).")
 
 

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..api import v1alpha1 as api
-from ..api.units import parse_quantity
 
 CONFIG_DIR = "/etc/kvtier"
 CONFIG_FILE = "engine.yaml"
@@ -29,6 +28,24 @@ class TargetFacts:
     args: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class HostMemory:
+    """What a cpu tier costs the container, in bytes (the headroom check and the memory limit read these)."""
+
+    cpu_tier_bytes: int
+    # cpu tier + spec.hostMemoryHeadroom: what the container's memory limit must grow by.
+    limit_increase_bytes: int
+    # vLLM keeps its cpu tier in /dev/shm, sized to the increase; None where the engine uses pinned memory.
+    shm_size_limit_bytes: Optional[int] = None
+
+    def to_dict(self) -> dict[str, int]:
+        # These keys are part of the config hash: renaming one would roll every workload on upgrade.
+        out = {"cpuTierBytes": self.cpu_tier_bytes, "memoryLimitIncreaseBytes": self.limit_increase_bytes}
+        if self.shm_size_limit_bytes is not None:
+            out["shmSizeLimitBytes"] = self.shm_size_limit_bytes
+        return out
+
+
 @dataclass
 class RenderedConfig:
     """Engine configuration for one policy.
@@ -44,8 +61,12 @@ class RenderedConfig:
     files: dict[str, str] = field(default_factory=dict)
     volumes: list[dict[str, Any]] = field(default_factory=list)
     volume_mounts: list[dict[str, Any]] = field(default_factory=list)
-    resources: dict[str, Any] = field(default_factory=dict)
+    host_memory: Optional[HostMemory] = None
     tiers: list[str] = field(default_factory=list)
+
+    @property
+    def resources(self) -> dict[str, int]:
+        return self.host_memory.to_dict() if self.host_memory is not None else {}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -79,7 +100,7 @@ def tier_volume(tier: api.TierSpec) -> tuple[dict[str, Any], dict[str, Any]]:
     name = f"kvtier-tier-{tier.name}"[:63]
     source = tier.volume.model_dump(by_alias=True, exclude_none=True, mode="json")
     if "emptyDir" in source and "sizeLimit" not in source["emptyDir"]:
-        source["emptyDir"]["sizeLimit"] = tier.size
+        source["emptyDir"]["sizeLimit"] = tier.size  # as the user wrote it: a Kubernetes quantity
     return {"name": name, **source}, {"name": name, "mountPath": tier.path}
 
 
@@ -90,17 +111,18 @@ def shm_volume(size_bytes: int) -> tuple[dict[str, Any], dict[str, Any]]:
     )
 
 
-def host_memory(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec]) -> Optional[tuple[int, int]]:
-    """(cpu tier bytes, bytes the container's memory limit must grow by), or None without a cpu tier."""
+def host_memory(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], *,
+                cpu_tier_in_shm: bool) -> Optional[HostMemory]:
+    """What the cpu tier costs the container, or None without a cpu tier."""
     cpu = next((t for t in tiers if t.medium == "cpu"), None)
     if cpu is None:
         return None
-    cpu_bytes = parse_quantity(cpu.size)
-    return cpu_bytes, cpu_bytes + parse_quantity(spec.host_memory_headroom)
+    increase = cpu.size_bytes + spec.host_memory_headroom_bytes
+    return HostMemory(cpu.size_bytes, increase, increase if cpu_tier_in_shm else None)
 
 
 def workload_storage(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config_map_name: str, *,
-                     cpu_tier_in_shm: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+                     cpu_tier_in_shm: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Optional[HostMemory]]:
     """Volumes, mounts and resource changes every engine needs: the config, the tiers' volumes, host memory.
 
     ``cpu_tier_in_shm``: the engine keeps its cpu tier in /dev/shm (vLLM's mmap), whose tmpfs pages count
@@ -108,19 +130,14 @@ def workload_storage(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], con
     """
     volume, mount = config_volume(config_map_name)
     volumes, mounts = [volume], [mount]
-    resources: dict[str, Any] = {}
-    memory = host_memory(spec, tiers)
-    if memory is not None:
-        cpu_bytes, increase = memory
-        resources = {"cpuTierBytes": cpu_bytes, "memoryLimitIncreaseBytes": increase}
-        if cpu_tier_in_shm:
-            shm, shm_mount = shm_volume(increase)
-            volumes.append(shm)
-            mounts.append(shm_mount)
-            resources["shmSizeLimitBytes"] = increase
+    memory = host_memory(spec, tiers, cpu_tier_in_shm=cpu_tier_in_shm)
+    if memory is not None and memory.shm_size_limit_bytes is not None:
+        shm, shm_mount = shm_volume(memory.shm_size_limit_bytes)
+        volumes.append(shm)
+        mounts.append(shm_mount)
     for tier in tiers:
         if tier.medium == "filesystem":
             volume, mount = tier_volume(tier)
             volumes.append(volume)
             mounts.append(mount)
-    return volumes, mounts, resources
+    return volumes, mounts, memory

@@ -11,7 +11,6 @@ from typing import Any
 import yaml
 
 from ..api import v1alpha1 as api
-from ..api.units import parse_quantity
 from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, workload_storage
 
 
@@ -21,13 +20,13 @@ def render_trtllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config
         kv["free_gpu_memory_fraction"] = spec.gpu.memory_utilization
     if spec.gpu.kv_cache_dtype != "auto":
         kv["dtype"] = "fp8"
-    volumes, mounts, resources = workload_storage(spec, tiers, config_map_name, cpu_tier_in_shm=False)
-    if "cpuTierBytes" in resources:
-        kv["host_cache_size"] = resources["cpuTierBytes"]
+    volumes, mounts, memory = workload_storage(spec, tiers, config_map_name, cpu_tier_in_shm=False)
+    if memory is not None:
+        kv["host_cache_size"] = memory.cpu_tier_bytes
         kv["secondary_offload_min_priority"] = spec.offload.min_priority
     disk = next((t for t in tiers if t.medium == "filesystem"), None)
     if disk is not None:
-        kv["disk_cache_size"] = parse_quantity(disk.size)
+        kv["disk_cache_size"] = disk.size_bytes
         kv["disk_cache_path"] = disk.path
     document = {"kv_cache_config": kv}
     return RenderedConfig(
@@ -37,6 +36,6 @@ def render_trtllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config
         files={CONFIG_FILE: yaml.safe_dump(document, sort_keys=False)},
         volumes=volumes,
         volume_mounts=mounts,
-        resources=resources,
+        host_memory=memory,
         tiers=[t.name for t in tiers],
     )

@@ -22,7 +22,6 @@ from kvtier_runtime.config import (
 )
 
 from ..api import v1alpha1 as api
-from ..api.units import parse_quantity
 from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, workload_storage
 
 LMCACHE_FILE = "lmcache.yaml"
@@ -41,15 +40,19 @@ def _offloading_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSp
     cpu, secondary = tiers[0], [t for t in tiers[1:] if t.medium == "filesystem"]
     extra: dict[str, Any] = {
         "spec_name": "TieringOffloadingSpec" if secondary else "CPUOffloadingSpec",
-        "cpu_bytes_to_use": parse_quantity(cpu.size),
+        "cpu_bytes_to_use": cpu.size_bytes,
         "offload_prompt_only": spec.offload.prompt_only,
     }
     if spec.offload.chunk_tokens is not None:
         extra["block_size"] = spec.offload.chunk_tokens
-    if spec.offload.store_threshold and not secondary:
+    # kvtier's threshold admission on the cpu tier takes the threshold itself; vLLM's store_threshold in front
+    # of it would count the same offers a second time.
+    kvtier_threshold = spec.backend == "kvtier" and cpu.admission == "threshold"
+    if spec.offload.store_threshold and not secondary and not kvtier_threshold:
         extra["store_threshold"] = spec.offload.store_threshold
     if spec.backend == "kvtier":
-        extra["eviction_policy"] = vllm_cache_policy_class(cpu.eviction_policy, cpu.admission)
+        extra["eviction_policy"] = vllm_cache_policy_class(cpu.eviction_policy, cpu.admission,
+                                                           spec.offload.admission_threshold)
         extra["cache_policy_module_path"] = VLLM_ADAPTER_MODULE
     else:
         extra["eviction_policy"] = cpu.eviction_policy
@@ -63,11 +66,11 @@ def _secondary_tier(spec: api.KVCachePolicySpec, tier: api.TierSpec) -> dict[str
     if spec.backend == "kvtier":
         kwargs = FilesystemTierConfig(
             root_dir=tier.path,
-            capacity_bytes=parse_quantity(tier.size),
+            capacity_bytes=tier.size_bytes,
             codec=tier.compression,
             eviction_policy=tier.eviction_policy,
             admission=tier.admission,
-            admission_threshold=max(2, spec.offload.store_threshold),
+            admission_threshold=spec.offload.admission_threshold,
             n_read_threads=tier.read_threads,
             n_write_threads=tier.write_threads,
         ).to_kwargs()
@@ -83,13 +86,13 @@ def _lmcache_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec]) -> d
     config: dict[str, Any] = {
         "chunk_size": spec.offload.chunk_tokens or 256,
         "local_cpu": True,
-        "max_local_cpu_size": round(parse_quantity(cpu.size) / 2**30, 3),
+        "max_local_cpu_size": round(cpu.size_bytes / 2**30, 3),
         "cache_policy": "LRU",
     }
     disk = next((t for t in tiers if t.medium == "filesystem"), None)
     if disk is not None:
         config["local_disk"] = f"file://{disk.path.rstrip('/')}/"
-        config["max_local_disk_size"] = round(parse_quantity(disk.size) / 2**30, 3)
+        config["max_local_disk_size"] = round(disk.size_bytes / 2**30, 3)
     return config
 
 
@@ -115,7 +118,7 @@ def render_vllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config_m
     for key, value in flags.items():
         args += [f"--{key}", json.dumps(value, sort_keys=True) if isinstance(value, dict) else str(value)]
 
-    volumes, mounts, resources = workload_storage(spec, tiers, config_map_name, cpu_tier_in_shm=True)
+    volumes, mounts, memory = workload_storage(spec, tiers, config_map_name, cpu_tier_in_shm=True)
     return RenderedConfig(
         engine="vllm",
         args=args,
@@ -124,6 +127,6 @@ def render_vllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config_m
         files=files,
         volumes=volumes,
         volume_mounts=mounts,
-        resources=resources,
+        host_memory=memory,
         tiers=[t.name for t in tiers],
     )
