@@ -18,16 +18,28 @@ from typing import Any, Callable, Optional
 import kopf
 
 from . import reconcile as rc
+from .api import v1alpha1 as api
 from .api.units import parse_quantity
-from .kube import NODES, STRATEGIC, ApiError, Kube, config_map_path, is_transient, policy_path, workload_path
+from .kube import (
+    NODES,
+    STRATEGIC,
+    ApiError,
+    Kube,
+    config_map_path,
+    error_reason,
+    is_transient,
+    policy_path,
+    workload_path,
+)
 from .metrics import Metrics
 from .selectors import matches, to_query
 from .settings import FINALIZER, POLICY_LABEL, PREFIX, REENABLE_ANNOTATION, Settings
-from .status import now_rfc3339, status_patch
+from .status import now_rfc3339
+from .status_writer import write_status
 from .workload import KINDS, Workload, removal_patch
 
 log = logging.getLogger("kvtier.operator")
-POLICY = ("kvtier.io", "v1alpha1", "kvcachepolicies")
+POLICY = (api.GROUP, api.VERSION, api.PLURAL)
 Key = tuple[str, str]
 CONFIG_MAP_TTL = 30.0
 STATUS_ONLY_DELAY = 0.5  # coalesces the controller's status updates after a rollout
@@ -73,10 +85,8 @@ class Operator:
         self.delayed: set[Key] = set()
         self._nodes: tuple[float, Optional[int]] = (0.0, None)
         self._nodes_readable = settings.read_nodes
-        # Hooks for tests and the benchmark: called after every reconcile with (key, outcome).
+        # Observers for tests and the benchmark: called after every reconcile with (key, outcome).
         self.on_reconciled: list[Callable[[Key, Outcome], None]] = []
-        self.slo_hook: Optional[Callable[..., Any]] = None
-        self.tier_states_fn: Optional[rc.TierStatesFn] = None  # set when the SLO guard is wired in
         self.slo_source: Optional[Callable[[str, str], Any]] = None  # test seam: measurements instead of Prometheus
 
     # ----------------------------------------------------------------------------------------- triggers
@@ -183,8 +193,7 @@ class Operator:
         others_objs = [{"metadata": {"name": o["name"]}, "spec": {"selector": o.get("selector")}} for o in others]
         now = now_rfc3339()
         plan = rc.plan(policy, workloads, others_objs, now=now, node_allocatable=self.node_allocatable(),
-                       cleanup_image=self.settings.cleanup_image, tier_states_fn=self.tier_states_fn,
-                       server_validated=True)
+                       cleanup_image=self.settings.cleanup_image, server_validated=True)
         outcome = Outcome(policy)
         # The ConfigMap first, so pods rolled by the new hash read the new files.
         if plan.config_map is not None:
@@ -208,32 +217,13 @@ class Operator:
         return outcome
 
     def _write_status(self, namespace: str, name: str, policy: dict[str, Any], status: dict[str, Any]) -> None:
-        """One merge patch of what changed, guarded by the resourceVersion the plan was computed from.
-
-        A 409 caused by a change that left the generation alone (kopf adding its finalizer, a label) does not
-        invalidate the plan: the patch is recomputed against the fresh status and sent again at once. A new
-        generation raises the 409, and the caller plans again from the new spec.
-        """
-        current = policy
-        for _ in range(3):
-            patch = status_patch(current.get("status") or {}, status)
-            if patch is None:
-                return
-            try:
-                self.kube.patch(policy_path(namespace, name, status=True),
-                                {"metadata": {"resourceVersion": current["metadata"]["resourceVersion"]},
-                                 "status": patch})
-                self.metrics.api_writes.labels("status").inc()
-                return
-            except ApiError as err:
-                if err.status != 409:
-                    raise
-                self.metrics.errors.labels("StatusConflict").inc()  # re-sent at once, not a retry
-                fresh = self.kube.get(policy_path(namespace, name))
-                if fresh is None or fresh["metadata"].get("generation") != policy["metadata"].get("generation"):
-                    raise
-                current = fresh
-        raise ApiError(409, {"reason": "Conflict", "message": "status kept changing under the operator"})
+        """The reconcile's fields, conflict-checked. A 409 from a change that left the spec and the guard's state
+        alone (kopf adding its finalizer, a label, the guard's verdict) does not invalidate the plan; anything
+        else raises it and the caller plans again."""
+        generation, guard = policy["metadata"].get("generation"), (policy.get("status") or {}).get("slo")
+        write_status(self.kube, self.metrics, policy, status,
+                     lambda fresh: (fresh["metadata"].get("generation") == generation
+                                    and (fresh.get("status") or {}).get("slo") == guard))
 
     def release_sync(self, namespace: str, name: str, body: dict[str, Any]) -> int:
         """Undo everything applied for a deleted policy; returns how many workloads were released."""
@@ -366,14 +356,12 @@ class Operator:
                 except kopf.TemporaryError:
                     raise
                 except Exception as err:  # noqa: BLE001 - every failure is retried; the finalizer waits
-                    op.metrics.errors.labels(_reason(err)).inc()
+                    op.metrics.errors.labels(error_reason(err)).inc()
                     raise kopf.TemporaryError(f"releasing workloads failed: {err}",
                                               delay=backoff_delay(op.settings, retry))
             logger.info("released %d workload(s)", count)
             op.triggers.pop(key, None)  # what it selected is forgotten on the DELETED event
 
-        if self.slo_hook is not None:
-            self.slo_hook(registry, self)
 
     @staticmethod
     def _workload_labels(namespace: str, deployments: kopf.Index,
@@ -434,7 +422,7 @@ class Operator:
                     await self.run_reconcile(namespace, name, others, hints)
                     delay = self.settings.backoff_initial
                 except Exception as err:  # noqa: BLE001 - retried with backoff; never a crash loop
-                    reason = _reason(err)
+                    reason = error_reason(err)
                     self.metrics.errors.labels(reason).inc()
                     self.metrics.reconciles.labels("retry").inc()
                     if is_transient(err):
@@ -451,12 +439,6 @@ class Operator:
 def backoff_delay(settings: Settings, retry: int) -> float:
     """Exponential backoff for kopf's retries (``retry`` counts the failures so far), capped at backoff_max."""
     return min(settings.backoff_initial * 2 ** min(retry, 32), settings.backoff_max)
-
-
-def _reason(err: BaseException) -> str:
-    if isinstance(err, ApiError):
-        return "Conflict" if err.status == 409 else f"HTTP{err.status}"
-    return type(err).__name__
 
 
 def _plain(body: Any) -> dict[str, Any]:

@@ -22,19 +22,19 @@ log = logging.getLogger("kvtier.operator")
 def build(settings: Settings, kube: Optional[Kube] = None,
           metrics: Optional[Metrics] = None) -> tuple[Operator, kopf.OperatorRegistry]:
     op = Operator(settings, kube or Kube(settings.kubeconfig), metrics)
-    _wire_slo(op)
     registry = kopf.OperatorRegistry()
     op.register(registry)
+    _register_slo(registry, op)
     return op, registry
 
 
-def _wire_slo(op: Operator) -> None:
+def _register_slo(registry: kopf.OperatorRegistry, op: Operator) -> None:
     if importlib.util.find_spec(f"{__package__}.slo") is None:
         log.warning("the SLO guard (kvtier_operator.slo) is not installed; spec.slo is not enforced")
         return
     from .slo_timer import register_slo  # a broken guard fails loudly, never silently off
 
-    op.slo_hook = register_slo
+    register_slo(registry, op)
 
 
 async def run(op: Operator, registry: kopf.OperatorRegistry, *, stop_flag: Optional[threading.Event] = None,

@@ -10,8 +10,11 @@ from datetime import datetime, timezone
 from typing import Any, Iterable, Optional
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Conflict")
-# Fields of status the reconcile owns; the SLO guard owns slo, sloState and history, and tier states it flips.
+# Each status field has one writer. The reconcile derives tier states (tiers.tier_states) from the spec and the
+# guard's state; the guard owns its state, its verdict and the history. Conditions are shared by type: each
+# writer recomputes only its own types (merge_conditions keeps the others).
 RECONCILE_FIELDS = ("observedGeneration", "conditions", "engine", "activeTiers", "targets", "tiers")
+GUARD_FIELDS = ("slo", "sloState", "history", "conditions")
 
 
 def now_rfc3339() -> str:

@@ -53,6 +53,16 @@ def _rule(rule: str, message: str | None = None, *, message_expression: str | No
     return out
 
 
+# Rule texts that depend on spec.engine, by engine. The operator detects an unset engine from the container and
+# re-checks exactly these (the API server saw no engine); declared here, next to each rule, not guessed from its text.
+ENGINE_RULES: dict[str, set[str]] = {}
+
+
+def _engine_rule(engine: str, rule: str, *args: Any, **kwargs: Any) -> dict[str, str]:
+    ENGINE_RULES.setdefault(engine, set()).add(rule)
+    return _rule(rule, *args, **kwargs)
+
+
 def _cel(*rules: dict[str, str]) -> dict[str, Any]:
     return {"x-kubernetes-validations": list(rules)}
 
@@ -418,26 +428,26 @@ class KVCachePolicySpec(_Model):
                   "backend lmcache supports evictionPolicy lru only", field_path=".backend"),
             _rule("self.backend != 'lmcache' || self.tiers.filter(t, t.medium == 'filesystem').size() <= 1",
                   "backend lmcache supports one filesystem tier (local_disk)", field_path=".tiers"),
-            _rule("!(has(self.engine) && self.engine == 'trtllm' && self.backend == 'lmcache')",
+            _engine_rule("trtllm", "!(has(self.engine) && self.engine == 'trtllm' && self.backend == 'lmcache')",
                   "engine trtllm does not support backend lmcache (LMCache integrates with vLLM)",
                   field_path=".backend"),
-            _rule("!(has(self.engine) && self.engine == 'trtllm' && self.backend == 'kvtier')",
+            _engine_rule("trtllm", "!(has(self.engine) && self.engine == 'trtllm' && self.backend == 'kvtier')",
                   "engine trtllm does not support backend kvtier (its plug-ins load into vLLM)",
                   field_path=".backend"),
-            _rule("!(has(self.engine) && self.engine == 'trtllm') || self.tiers.all(t, t.evictionPolicy == 'lru')",
+            _engine_rule("trtllm", "!(has(self.engine) && self.engine == 'trtllm') || self.tiers.all(t, t.evictionPolicy == 'lru')",
                   "engine trtllm has one eviction policy for offloaded blocks: set evictionPolicy lru",
                   field_path=".tiers"),
-            _rule("!(has(self.engine) && self.engine == 'trtllm') || self.gpu.kvCacheDtype in ['auto', 'fp8']",
+            _engine_rule("trtllm", "!(has(self.engine) && self.engine == 'trtllm') || self.gpu.kvCacheDtype in ['auto', 'fp8']",
                   "engine trtllm supports gpu.kvCacheDtype auto or fp8", field_path=".gpu.kvCacheDtype"),
-            _rule("!(has(self.engine) && self.engine == 'trtllm') || "
+            _engine_rule("trtllm", "!(has(self.engine) && self.engine == 'trtllm') || "
                   "self.tiers.filter(t, t.medium == 'filesystem').size() <= 1",
                   "engine trtllm supports one filesystem tier (disk_cache_path)", field_path=".tiers"),
-            _rule("!(has(self.engine) && self.engine == 'trtllm') || "
+            _engine_rule("trtllm", "!(has(self.engine) && self.engine == 'trtllm') || "
                   "self.blockSize in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]",
                   message_expression="'TensorRT-LLM tokens_per_block must be a power of 2, not %d'"
                                      ".format([self.blockSize])",
                   field_path=".blockSize"),
-            _rule("!(has(self.engine) && self.engine == 'trtllm' && "
+            _engine_rule("trtllm", "!(has(self.engine) && self.engine == 'trtllm' && "
                   "self.tiers.exists(t, t.medium == 'filesystem')) || "
                   f"(has(self.engineVersion) && self.engineVersion.matches('{TRTLLM_DISK_CACHE_VERSION}'))",
                   "a filesystem tier with engine trtllm needs spec.engineVersion 1.3 or later (disk_cache_*)",

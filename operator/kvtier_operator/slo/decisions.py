@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable, Literal, NamedTuple, Union
 
+from ..tiers import derive
 from .measurements import Measurements, Reading
 from .settings import SLOSettings
 
@@ -260,26 +261,10 @@ def enabled_tiers(settings: SLOSettings, state: dict[str, Any] | None) -> list[s
 
 
 def tier_states(settings: SLOSettings, state: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """``status.tiers[]`` entries: name, state (Enabled|Disabled|Pending), reason, since. Tiers declared with
-    ``enabled: false`` come last, as Disabled/DisabledInSpec."""
-    st = state or {}
-    disabled = st.get("disabled") or {}
-    probation = st.get("probation") or {}
-    enabled = set(enabled_tiers(settings, st))
-    out = []
-    for tier in settings.tiers:
-        d = disabled.get(tier)
-        if d and not d.get("dryRun"):
-            out.append({"name": tier, "state": "Disabled", "reason": d.get("reason"), "since": d.get("since")})
-        elif tier in enabled:
-            reason = "Probation" if tier in probation else ("DryRunWouldDisable" if d else "Enabled")
-            since = (probation.get(tier) or {}).get("since") or (d or {}).get("since")
-            out.append({"name": tier, "state": "Enabled", "reason": reason, "since": since})
-        else:
-            out.append({"name": tier, "state": "Pending", "reason": "StagedRollout", "since": None})
-    out += [{"name": t, "state": "Disabled", "reason": "DisabledInSpec", "since": None}
-            for t in settings.spec_disabled_tiers]
-    return out
+    """``status.tiers[]`` entries as the operator derives them (:func:`kvtier_operator.tiers.derive`); tiers
+    declared with ``enabled: false`` come last."""
+    declared = [(t, True) for t in settings.tiers] + [(t, False) for t in settings.spec_disabled_tiers]
+    return derive(declared, settings.rollout_strategy == "staged", state or {})
 
 
 # ---------------------------------------------------------------------------------------------- verdicts
