@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
 from kvtier_runtime.config import (
@@ -20,6 +20,7 @@ from kvtier_runtime.config import (
     EVICTION_POLICIES,
 )
 
+from .guard_state import SLOGuardState
 from .units import DURATION_PATTERN, POSITIVE_QUANTITY_PATTERN, parse_duration, parse_quantity
 
 GROUP = "kvtier.io"
@@ -549,6 +550,10 @@ class HistoryEntry(_Model):
     threshold: Optional[float] = Field(None, description="Threshold it was compared with, seconds.")
 
 
+# Typed in Python (api.guard_state), schemaless in the CRD: the API server keeps what a newer guard writes.
+GuardStateField = Annotated[SLOGuardState, WithJsonSchema({"additionalProperties": True, "type": "object"})]
+
+
 class KVCachePolicyStatus(_Model):
     """Observed state, written by the operator."""
 
@@ -563,7 +568,7 @@ class KVCachePolicyStatus(_Model):
     slo_state: Optional[str] = Field(None, description="OK, Breaching, Unknown, NoData or Off (printer column).")
     tiers: list[TierStatus] = Field(default_factory=list, description="Per-tier state.")
     targets: list[TargetStatus] = Field(default_factory=list, description="Per-workload state.")
-    slo: Optional[dict[str, Any]] = Field(
+    slo: Optional[GuardStateField] = Field(
         None, description="SLO guard state: last values, counters, baseline, stage (kept here so restarts lose "
                           "nothing).", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
     history: list[HistoryEntry] = Field(default_factory=list, max_length=HISTORY_LIMIT,
