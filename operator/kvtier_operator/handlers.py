@@ -36,6 +36,7 @@ from .selectors import matches, to_query
 from .settings import FINALIZER, POLICY_LABEL, PREFIX, REENABLE_ANNOTATION, Settings
 from .status import now_rfc3339
 from .status_writer import write_status
+from .wakeups import Wakeups, backoff
 from .workload import KINDS, Workload, removal_patch
 
 log = logging.getLogger("kvtier.operator")
@@ -76,13 +77,12 @@ class Operator:
         self.settings = settings
         self.kube = kube
         self.metrics = metrics or Metrics()
-        self.triggers: dict[Key, asyncio.Event] = {}
+        self.wakeups = Wakeups()
         self.locks: dict[Key, asyncio.Lock] = {}
         self.seen: dict[Key, tuple[Any, ...]] = {}
         self.own_writes: dict[tuple[str, str, str], str] = {}  # (ns, kind, name) -> resourceVersion we produced
         self.applied_config_maps: dict[tuple[str, str], tuple[float, str]] = {}
         self.workload_seen: dict[tuple[str, str, str], tuple[Any, ...]] = {}
-        self.delayed: set[Key] = set()
         self._nodes: tuple[float, Optional[int]] = (0.0, None)
         self._nodes_readable = settings.read_nodes
         # Observers for tests and the benchmark: called after every reconcile with (key, outcome).
@@ -92,25 +92,17 @@ class Operator:
     # ----------------------------------------------------------------------------------------- triggers
 
     def trigger(self, key: Key) -> None:
-        self.triggers.setdefault(key, asyncio.Event()).set()
+        self.wakeups.trigger(key)
 
     def trigger_later(self, key: Key, delay: float) -> None:
         """One deferred wake-up per policy: a burst of status updates costs one reconcile."""
-        if key in self.delayed:
-            return
-        self.delayed.add(key)
-
-        def fire() -> None:
-            self.delayed.discard(key)
-            self.trigger(key)
-
-        asyncio.get_running_loop().call_later(delay, fire)
+        self.wakeups.trigger_later(key, delay)
 
     def lock(self, key: Key) -> asyncio.Lock:
         return self.locks.setdefault(key, asyncio.Lock())
 
     def forget(self, key: Key) -> None:
-        self.triggers.pop(key, None)
+        self.wakeups.forget(key)
         self.seen.pop(key, None)
 
     # ----------------------------------------------------------------------------------------- sync I/O
@@ -360,7 +352,7 @@ class Operator:
                     raise kopf.TemporaryError(f"releasing workloads failed: {err}",
                                               delay=backoff_delay(op.settings, retry))
             logger.info("released %d workload(s)", count)
-            op.triggers.pop(key, None)  # what it selected is forgotten on the DELETED event
+            op.wakeups.forget(key)  # what it selected is forgotten on the DELETED event
 
 
     @staticmethod
@@ -398,7 +390,7 @@ class Operator:
                           index: kopf.Index, workload_indexes: Optional[dict[str, kopf.Index]] = None) -> None:
         key = (namespace, name)
         self.trigger(key)  # reconcile once on start (operator start or new policy)
-        delay = self.settings.backoff_initial
+        failures = 0
 
         async def _stopped() -> None:
             await stopped.wait()
@@ -406,22 +398,19 @@ class Operator:
         stop_task = asyncio.ensure_future(_stopped())
         try:
             while not stopped:
-                event = self.triggers.setdefault(key, asyncio.Event())
-                wake = asyncio.ensure_future(event.wait())
-                await asyncio.wait({wake, stop_task}, timeout=self.settings.resync_seconds,
-                                   return_when=asyncio.FIRST_COMPLETED)
-                wake.cancel()
+                await self.wakeups.wait(key, self.settings.resync_seconds, stop_task)
                 if stopped:
                     break
-                event.clear()
                 others = [dict(p) for p in index.get(namespace, []) if p["name"] != name]
                 mine = next((p for p in index.get(namespace, []) if p["name"] == name), None)
                 hints = (self._hints(name, mine["selector"], workload_indexes, namespace)
                          if workload_indexes and mine else None)
                 try:
                     await self.run_reconcile(namespace, name, others, hints)
-                    delay = self.settings.backoff_initial
+                    failures = 0
                 except Exception as err:  # noqa: BLE001 - retried with backoff; never a crash loop
+                    failures += 1
+                    delay = backoff(self.settings.backoff_initial, self.settings.backoff_max, failures)
                     reason = error_reason(err)
                     self.metrics.errors.labels(reason).inc()
                     self.metrics.reconciles.labels("retry").inc()
@@ -430,7 +419,6 @@ class Operator:
                     else:
                         logger.exception("reconcile of %s/%s failed; retrying in %.1fs", namespace, name, delay)
                     await asyncio.wait({stop_task}, timeout=delay)
-                    delay = min(delay * 2, self.settings.backoff_max)
                     self.trigger(key)
         finally:
             stop_task.cancel()
@@ -438,7 +426,7 @@ class Operator:
 
 def backoff_delay(settings: Settings, retry: int) -> float:
     """Exponential backoff for kopf's retries (``retry`` counts the failures so far), capped at backoff_max."""
-    return min(settings.backoff_initial * 2 ** min(retry, 32), settings.backoff_max)
+    return backoff(settings.backoff_initial, settings.backoff_max, retry + 1)
 
 
 def _plain(body: Any) -> dict[str, Any]:
