@@ -14,6 +14,7 @@ import kopf
 from .handlers import Operator, kopf_settings
 from .kube import Kube
 from .metrics import Metrics
+from .reconcile import prime
 from .settings import Settings, from_args
 
 log = logging.getLogger("kvtier.operator")
@@ -40,6 +41,7 @@ def _register_slo(registry: kopf.OperatorRegistry, op: Operator) -> None:
 async def run(op: Operator, registry: kopf.OperatorRegistry, *, stop_flag: Optional[threading.Event] = None,
               ready_flag: Optional[threading.Event] = None) -> None:
     s = op.settings
+    prime()
     loop = asyncio.get_running_loop()
     # Reconciles run the blocking client in threads; two cores still overlap many small API calls.
     loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvtier"))
