@@ -20,6 +20,7 @@ import kopf
 from . import reconcile as rc
 from .api import v1alpha1 as api
 from .api.units import parse_quantity
+from .event_filter import EventFilter
 from .kube import (
     NODES,
     STRATEGIC,
@@ -33,7 +34,7 @@ from .kube import (
 )
 from .metrics import Metrics
 from .selectors import matches, to_query
-from .settings import FINALIZER, POLICY_LABEL, PREFIX, REENABLE_ANNOTATION, Settings
+from .settings import FINALIZER, POLICY_LABEL, PREFIX, Settings
 from .status import now_rfc3339
 from .status_writer import write_status
 from .wakeups import Wakeups, backoff
@@ -79,10 +80,8 @@ class Operator:
         self.metrics = metrics or Metrics()
         self.wakeups = Wakeups()
         self.locks: dict[Key, asyncio.Lock] = {}
-        self.seen: dict[Key, tuple[Any, ...]] = {}
-        self.own_writes: dict[tuple[str, str, str], str] = {}  # (ns, kind, name) -> resourceVersion we produced
+        self.events = EventFilter()
         self.applied_config_maps: dict[tuple[str, str], tuple[float, str]] = {}
-        self.workload_seen: dict[tuple[str, str, str], tuple[Any, ...]] = {}
         self._nodes: tuple[float, Optional[int]] = (0.0, None)
         self._nodes_readable = settings.read_nodes
         # Observers for tests and the benchmark: called after every reconcile with (key, outcome).
@@ -100,10 +99,6 @@ class Operator:
 
     def lock(self, key: Key) -> asyncio.Lock:
         return self.locks.setdefault(key, asyncio.Lock())
-
-    def forget(self, key: Key) -> None:
-        self.wakeups.forget(key)
-        self.seen.pop(key, None)
 
     # ----------------------------------------------------------------------------------------- sync I/O
 
@@ -155,13 +150,13 @@ class Operator:
             if t.apply is not None:
                 result = self.kube.apply(path, t.apply)
                 self.metrics.api_writes.labels("workload").inc()
-                self.own_writes[(namespace, t.kind, t.name)] = result["metadata"]["resourceVersion"]
+                self.events.wrote((namespace, t.kind, t.name), result["metadata"]["resourceVersion"])
                 outcome.applied[t.ref] = t.config_hash or ""
             if t.remove:
                 result = self.kube.apply(path, removal_patch(Workload({"kind": t.kind, "metadata": {
                     "name": t.name, "namespace": namespace}})))
                 self.metrics.api_writes.labels("workload-release").inc()
-                self.own_writes[(namespace, t.kind, t.name)] = result["metadata"]["resourceVersion"]
+                self.events.wrote((namespace, t.kind, t.name), result["metadata"]["resourceVersion"])
         except ApiError as err:
             if err.field_conflict:
                 failures[t.ref] = (f"{t.ref}: another field manager owns a field kvtier applies, and kvtier never "
@@ -283,50 +278,37 @@ class Operator:
                                kvtier_policies: kopf.Index, kvtier_deployments: kopf.Index,
                                kvtier_statefulsets: kopf.Index, **_: Any) -> None:
             key = (namespace, name)
-            workloads = op._workload_labels(namespace, kvtier_deployments, kvtier_statefulsets)
-            before = op.seen.get(key)
+            selector = dict(spec).get("selector") if type != "DELETED" else None
+            change = op.events.policy(key, type, meta, selector)
+            if change is None:
+                return  # our own status write, kopf's finalizer, a label: nothing to re-render
             if type == "DELETED":
-                op.forget(key)
-                if before is not None:
-                    op._wake_neighbours(namespace, name, json.loads(before[2]), None, kvtier_policies, workloads)
-                else:  # never seen (e.g. deleted while the operator was down): wake the namespace
+                op.wakeups.forget(key)
+                if not change.known:  # never seen (e.g. deleted while the operator was down): wake the namespace
                     for p in kvtier_policies.get(namespace, []):
                         op.trigger((namespace, p["name"]))
-                return
-            selector = dict(spec).get("selector")
-            fingerprint = (meta.get("generation"), (meta.get("annotations") or {}).get(REENABLE_ANNOTATION),
-                           json.dumps(selector, sort_keys=True), bool(meta.get("deletionTimestamp")))
-            if before == fingerprint:
-                return  # our own status write, kopf's finalizer, a label: nothing to re-render
-            op.seen[key] = fingerprint
-            op.trigger(key)
-            if before is None or before[2:] != fingerprint[2:]:
+                    return
+            else:
+                op.trigger(key)
+            if change.retargeted:
                 # A new, re-targeted or deleting policy changes who conflicts with whom, on the workloads it
                 # selects (or selected): wake the other policies selecting those.
-                old_selector = json.loads(before[2]) if before is not None else None
-                op._wake_neighbours(namespace, name, old_selector, selector, kvtier_policies, workloads)
+                workloads = op._workload_labels(namespace, kvtier_deployments, kvtier_statefulsets)
+                op._wake_neighbours(namespace, name, change.old_selector, selector, kvtier_policies, workloads)
 
         for plural in ("deployments", "statefulsets"):
             @kopf.on.event("apps", "v1", plural, id=f"{plural}-event", registry=registry)
             async def workload_event(type: str, name: str, namespace: str, body: Any, meta: Any,
                                      kvtier_policies: kopf.Index, **_: Any) -> None:
-                kind = body.get("kind") or ""
-                wkey = (namespace, kind, name)
-                if type != "DELETED" and op.own_writes.get(wkey) == meta.get("resourceVersion"):
-                    return  # the echo of our own apply
+                change = op.events.workload((namespace, body.get("kind") or "", name), type, meta)
+                if change == "echo":
+                    return
                 labels = dict(meta.get("labels") or {})
-                seen = (meta.get("generation"), json.dumps(labels, sort_keys=True))
-                status_only = type != "DELETED" and op.workload_seen.get(wkey) == seen
-                if type == "DELETED":
-                    op.workload_seen.pop(wkey, None)
-                    op.own_writes.pop(wkey, None)
-                else:
-                    op.workload_seen[wkey] = seen
                 wanted = {p["name"] for p in kvtier_policies.get(namespace, []) if matches(p["selector"], labels)}
                 if labels.get(POLICY_LABEL):
                     wanted.add(labels[POLICY_LABEL])
                 for policy_name in wanted:
-                    if status_only:
+                    if change == "status":
                         op.trigger_later((namespace, policy_name), STATUS_ONLY_DELAY)
                     else:
                         op.trigger((namespace, policy_name))
