@@ -3,8 +3,12 @@
 Foreign Deployments and StatefulSets get only an index-free ``on.event`` handler, which writes nothing to them
 (kopf's changing handlers would annotate them: drift for GitOps). Policies get an index (kopf fills every index
 before any daemon starts, so conflicts are known from the first reconcile), an event handler that wakes the
-policy's daemon, the daemon that reconciles, a deletion handler behind the ``kvtier.io/finalizer`` finalizer,
-and, for policies with ``spec.slo``, the SLO guard's daemon.
+policy's daemon, the daemon that reconciles, and a deletion handler behind the ``kvtier.io/finalizer`` finalizer.
+The SLO guard's daemon is registered by ``main`` from ``slo_timer`` (which does not import this module).
+
+The handlers are adapters: ``event_filter`` decides whether an event means work, ``wakeups`` wakes the policy's
+daemon, ``reconcile.plan`` decides everything, and this module only reads the cluster and performs the plan
+(status through ``status_writer``).
 """
 from __future__ import annotations
 
