@@ -70,3 +70,7 @@ class EventFilter:
         status_only = self._workloads.get(key) == seen
         self._workloads[key] = seen
         return "status" if status_only else "change"
+
+    def remembers(self, key: Hashable) -> bool:
+        """Whether anything about workload ``key`` is kept (nothing is, once it is deleted: no growth with churn)."""
+        return key in self._own_writes or key in self._workloads

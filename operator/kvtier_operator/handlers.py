@@ -39,7 +39,7 @@ from .kube import (
 from .metrics import Metrics
 from .selectors import matches, to_query
 from .settings import FINALIZER, POLICY_LABEL, PREFIX, Settings
-from .status import now_rfc3339
+from .status import CONDITION_TYPES, now_rfc3339
 from .status_writer import write_status
 from .wakeups import Wakeups, backoff
 from .workload import KINDS, Workload, removal_patch
@@ -214,7 +214,8 @@ class Operator:
         generation, guard = policy["metadata"].get("generation"), (policy.get("status") or {}).get("slo")
         write_status(self.kube, self.metrics, policy, status,
                      lambda fresh: (fresh["metadata"].get("generation") == generation
-                                    and (fresh.get("status") or {}).get("slo") == guard))
+                                    and (fresh.get("status") or {}).get("slo") == guard),
+                     conditions=CONDITION_TYPES)
 
     def release_sync(self, namespace: str, name: str, body: dict[str, Any]) -> int:
         """Undo everything applied for a deleted policy; returns how many workloads were released."""

@@ -35,7 +35,7 @@ from .metrics import Metrics
 from .reconcile import Event
 from .settings import REENABLE_ANNOTATION, Settings
 from .slo.client import PrometheusClientConfig, PrometheusSource, resolve_client_config
-from .status import Cond, merge_conditions, now_rfc3339
+from .status import GUARD_CONDITION_TYPES, Cond, merge_conditions, now_rfc3339
 from .status_writer import write_status
 from .tiers import tier_states
 
@@ -191,7 +191,7 @@ def guard_tick_sync(host: GuardHost, namespace: str, name: str,
     new = guard_status(status, decision, generation, now)
     # The reconcile owns status.tiers; it must run when the tiers it derives from this state differ.
     result.tiers_changed = tier_states(spec, {**status, "slo": new["slo"]}, now) != (status.get("tiers") or [])
-    write_status(host.kube, host.metrics, pol, new, _same_guard_basis(pol))
+    write_status(host.kube, host.metrics, pol, new, _same_guard_basis(pol), conditions=GUARD_CONDITION_TYPES)
     if acknowledged:
         left = [t for t in reenable if t not in acknowledged and t != "*"]
         host.kube.patch(policy_path(namespace, name),
@@ -215,7 +215,7 @@ def _misconfigured(host: GuardHost, pol: dict[str, Any], message: str, interval:
     result = TickResult(interval=interval, body=pol, verdict="error")
     host.metrics.errors.labels("slo-InvalidConfiguration").inc()
     # A new or changed problem: one status write and one Event, not one per interval.
-    if write_status(host.kube, host.metrics, pol, new, _same_guard_basis(pol)):
+    if write_status(host.kube, host.metrics, pol, new, _same_guard_basis(pol), conditions=GUARD_CONDITION_TYPES):
         result.events.append(Event("Warning", "InvalidSLOConfiguration", message))
         log.warning("SLO guard of %s/%s cannot evaluate: %s", meta["namespace"], meta["name"], message)
     return result

@@ -11,20 +11,29 @@ from typing import Any, Callable, Optional
 
 from .kube import ApiError, Kube, policy_path
 from .metrics import Metrics
-from .status import status_patch
+from .status import overlay_conditions, status_patch
 
 ATTEMPTS = 3
 
 
 def write_status(kube: Kube, metrics: Metrics, policy: dict[str, Any], fields: dict[str, Any],
-                 same_basis: Callable[[dict[str, Any]], bool]) -> bool:
-    """Write ``fields`` (the writer's own) onto ``policy``'s status; True when something was written."""
+                 same_basis: Callable[[dict[str, Any]], bool], conditions: tuple[str, ...] = ()) -> bool:
+    """Write ``fields`` (the writer's own) onto ``policy``'s status; True when something was written.
+
+    ``conditions``: the condition types this writer owns. ``status.conditions`` is one list shared by both
+    writers, so on every attempt the writer's own entries are laid over the list as it is now, never the list
+    it read (re-sending that would erase a condition the other writer added in between).
+    """
     meta = policy["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     current: Optional[dict[str, Any]] = policy
+    ours = [c for c in fields.get("conditions") or [] if c.get("type") in conditions]
     for _ in range(ATTEMPTS):
         assert current is not None
-        patch = status_patch(current.get("status") or {}, fields)
+        status = current.get("status") or {}
+        if "conditions" in fields:
+            fields = {**fields, "conditions": overlay_conditions(status.get("conditions") or [], ours)}
+        patch = status_patch(status, fields)
         if patch is None:
             return False
         try:
