@@ -3,8 +3,10 @@
 A policy is re-planned when what it renders from changed: its generation (the spec), its selector, its
 ``kvtier.io/reenable`` annotation, or its deletion. Its own status writes, kopf's finalizer patch and label edits
 are not that. A workload event matters unless it is the echo of the operator's own apply (same resourceVersion)
-or only its status moved (same generation and labels: a rollout's progress, which updates ``Progressing`` and
-is coalesced by the caller). Pure bookkeeping, no I/O, so it is tested without kopf.
+or only its status moved without finishing or restarting a rollout: a status-only update matters only when it
+flips whether the controller has caught up (what ``Progressing`` reports; the caller coalesces it). A rollout
+updates a Deployment's status several times; each used to cost a reconcile. Pure bookkeeping, no I/O, so it is
+tested without kopf.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any, Hashable, Literal, Mapping, Optional
 
 from .settings import REENABLE_ANNOTATION
 
-WorkloadChange = Literal["echo", "status", "change", "deleted"]
+WorkloadChange = Literal["echo", "quiet", "status", "change", "deleted"]
 
 
 @dataclass(frozen=True)
@@ -59,17 +61,22 @@ class EventFilter:
         """The operator's own write left the workload at ``resource_version``: its event is an echo."""
         self._own_writes[key] = resource_version
 
-    def workload(self, key: Hashable, event_type: str, meta: Mapping[str, Any]) -> WorkloadChange:
+    def workload(self, key: Hashable, event_type: str, meta: Mapping[str, Any],
+                 rolled_out: bool = False) -> WorkloadChange:
+        """``echo``: the operator's own write; ``quiet``: status moved, nothing a plan shows changed;
+        ``status``: a rollout finished or restarted; ``change``: spec or labels; ``deleted``."""
         if event_type == "DELETED":
             self._workloads.pop(key, None)
             self._own_writes.pop(key, None)
             return "deleted"
-        if self._own_writes.get(key) == meta.get("resourceVersion"):
-            return "echo"
-        seen = (meta.get("generation"), json.dumps(dict(meta.get("labels") or {}), sort_keys=True))
-        status_only = self._workloads.get(key) == seen
+        before = self._workloads.get(key)
+        seen = (meta.get("generation"), json.dumps(dict(meta.get("labels") or {}), sort_keys=True), rolled_out)
         self._workloads[key] = seen
-        return "status" if status_only else "change"
+        if self._own_writes.get(key) == meta.get("resourceVersion"):
+            return "echo"  # remembered, so the controller's updates after our apply are status-only
+        if before is None or before[:2] != seen[:2]:
+            return "change"
+        return "quiet" if before[2] == rolled_out else "status"
 
     def remembers(self, key: Hashable) -> bool:
         """Whether anything about workload ``key`` is kept (nothing is, once it is deleted: no growth with churn)."""

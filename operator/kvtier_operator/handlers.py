@@ -305,8 +305,9 @@ class Operator:
             @kopf.on.event("apps", "v1", plural, id=f"{plural}-event", registry=registry)
             async def workload_event(type: str, name: str, namespace: str, body: Any, meta: Any,
                                      kvtier_policies: kopf.Index, **_: Any) -> None:
-                change = op.events.workload((namespace, body.get("kind") or "", name), type, meta)
-                if change == "echo":
+                change = op.events.workload((namespace, body.get("kind") or "", name), type, meta,
+                                            rolled_out=Workload(body).rolled_out())
+                if change in ("echo", "quiet"):
                     return
                 labels = dict(meta.get("labels") or {})
                 wanted = {p["name"] for p in kvtier_policies.get(namespace, []) if matches(p["selector"], labels)}

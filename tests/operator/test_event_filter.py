@@ -32,11 +32,34 @@ def test_a_policy_wakes_on_spec_selector_annotation_and_deletion_only():
 def test_workload_echo_status_change_and_delete():
     f, key = EventFilter(), ("ns", "Deployment", "llm")
     assert f.workload(key, "ADDED", meta(labels={"app": "llm"})) == "change"
-    f.wrote(key, "7")
-    assert f.workload(key, "MODIFIED", meta(generation=2, rv="7", labels={"app": "llm"})) == "echo"
-    assert f.workload(key, "MODIFIED", meta(generation=2, rv="8", labels={"app": "llm"})) == "change"
-    assert f.workload(key, "MODIFIED", meta(generation=2, rv="9", labels={"app": "llm"})) == "status"
-    assert f.workload(key, "MODIFIED", meta(generation=2, rv="10", labels={"app": "x"})) == "change"
-    assert f.workload(key, "DELETED", meta(generation=2, rv="7", labels={"app": "x"})) == "deleted"
+    f.wrote(key, "7")   # the operator's apply: new generation, its label
+    labels = {"app": "llm", "kvtier.io/policy": "p"}
+    assert f.workload(key, "MODIFIED", meta(generation=2, rv="7", labels=labels)) == "echo"
+    # The controller catching up: only the flip of "rolled out" is worth a reconcile (Progressing).
+    assert f.workload(key, "MODIFIED", meta(generation=2, rv="8", labels=labels)) == "quiet"
+    assert f.workload(key, "MODIFIED", meta(generation=2, rv="9", labels=labels), rolled_out=True) == "status"
+    assert f.workload(key, "MODIFIED", meta(generation=2, rv="10", labels=labels), rolled_out=True) == "quiet"
+    assert f.workload(key, "MODIFIED", meta(generation=3, rv="11", labels=labels), rolled_out=True) == "change"
+    assert f.workload(key, "MODIFIED", meta(generation=3, rv="12", labels={"app": "x"}), rolled_out=True) == "change"
+    assert f.workload(key, "DELETED", meta(generation=3, rv="7", labels={"app": "x"})) == "deleted"
+    assert not f.remembers(key)
     # After a delete nothing is remembered: a re-created workload with an old resourceVersion is no echo.
     assert f.workload(key, "ADDED", meta(rv="7", labels={"app": "x"})) == "change"
+
+
+def test_a_rollout_of_many_status_updates_wakes_its_policy_once():
+    from kvtier_operator.workload import Workload
+
+    f, key = EventFilter(), ("ns", "Deployment", "llm")
+    obj = {"kind": "Deployment", "metadata": {"generation": 2, "resourceVersion": "7", "labels": {}},
+           "spec": {"replicas": 2}, "status": {"observedGeneration": 1}}
+    f.wrote(key, "7")
+    assert f.workload(key, "MODIFIED", obj["metadata"], Workload(obj).rolled_out()) == "echo"
+    wakes = []
+    for rv, status in enumerate([{"observedGeneration": 2}, {"observedGeneration": 2, "updatedReplicas": 1},
+                                 {"observedGeneration": 2, "updatedReplicas": 2},
+                                 {"observedGeneration": 2, "updatedReplicas": 2, "availableReplicas": 1},
+                                 {"observedGeneration": 2, "updatedReplicas": 2, "availableReplicas": 2}], 8):
+        obj = {**obj, "metadata": {**obj["metadata"], "resourceVersion": str(rv)}, "status": status}
+        wakes.append(f.workload(key, "MODIFIED", obj["metadata"], Workload(obj).rolled_out()))
+    assert wakes == ["quiet", "quiet", "status", "quiet", "quiet"]
