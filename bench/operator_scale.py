@@ -122,6 +122,11 @@ def run_size(kubeconfig: str, n: int, timeout: float, settings: dict | None = No
     while len(seen) < n and time.monotonic() < deadline:
         time.sleep(0.05)
     end = max(seen.values()) if seen else time.monotonic()
+    # A workload carries its hash before its reconcile has written status and returned: let the reconciles that
+    # configured the last workloads finish before reading the counters (bounded).
+    settle = time.monotonic() + 30
+    while (len(reconciled) < len(seen) or time.monotonic() - end < 2) and time.monotonic() < settle:
+        time.sleep(0.1)
     reconciles = runner.op.metrics.value("kvtier_operator_reconciles_total", {"result": "ok"})
     writes = {k: runner.op.metrics.value("kvtier_operator_api_writes_total", {"kind": k})
               for k in ("workload", "configmap", "status")}
