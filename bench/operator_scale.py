@@ -3,16 +3,22 @@
 
 For each N: create N Deployments (server-side apply as a GitOps tool would), start the operator, create the N
 policies back to back, and watch the Deployments until each carries its ``kvtier.io/config-hash``. Prints, per N:
-latency from a policy's creation to its workload carrying the hash (p50/p99/max), reconciles per second, and the
-reference measured in the same run: the latency of one direct server-side apply of the same patch (the floor any
-operator pays), with the ratio p50 / reference.
+latency from a policy's creation to its workload carrying the hash (p50/p99/max), reconciles per policy and per
+second, the part of the latency until the policy's first reconcile finished, and the reference measured in the
+same run: the latency of one direct server-side apply of the same patch (the floor any operator pays), with the
+ratio p50 / reference.
 
-    python bench/operator_scale.py --sizes 10,100,500             # starts a control plane (e2e/controlplane/run)
-    python bench/operator_scale.py --kubeconfig KUBECONFIG ...      # or uses a running one (CRDs applied)
+``--mode cold``: each N runs in a fresh Python process (nothing imported, parsed or connected before the
+operator starts, as after a pod start). ``--mode warm``: one process; a warm-up round of 20 policies in its own
+namespace first, then each N with a fresh operator (the process's imports and caches are warm).
+
+    python bench/operator_scale.py --sizes 10,100,500 --mode cold   # starts a control plane (e2e/controlplane/run)
+    python bench/operator_scale.py --kubeconfig KUBECONFIG ...        # or uses a running one (CRDs applied)
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -74,7 +80,7 @@ def reference_apply_latency(kube: Kube, ns: str, samples: int = 30) -> float:
     return statistics.median(times)
 
 
-def run_size(kubeconfig: str, n: int, timeout: float) -> dict:
+def run_size(kubeconfig: str, n: int, timeout: float, settings: dict | None = None) -> dict:
     kube = Kube(kubeconfig)
     ns = f"bench-{n}-{uuid.uuid4().hex[:6]}"
     kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
@@ -101,9 +107,11 @@ def run_size(kubeconfig: str, n: int, timeout: float) -> dict:
 
     thread = threading.Thread(target=watcher, daemon=True)
     thread.start()
+    reconciled: dict[str, float] = {}
     runner = OperatorThread(Settings(namespaces=(ns,), standalone=True, liveness_endpoint=None, metrics_port=None,
-                                     read_nodes=False, kubeconfig=kubeconfig), Kube(kubeconfig)).start()
-    time.sleep(0.5)
+                                     read_nodes=False, kubeconfig=kubeconfig, **(settings or {})), Kube(kubeconfig))
+    runner.op.on_reconciled.append(lambda key, outcome: reconciled.setdefault(key[1], time.monotonic()))
+    runner.start()
     created: dict[str, float] = {}
     start = time.monotonic()
     for i in range(n):
@@ -114,6 +122,11 @@ def run_size(kubeconfig: str, n: int, timeout: float) -> dict:
     while len(seen) < n and time.monotonic() < deadline:
         time.sleep(0.05)
     end = max(seen.values()) if seen else time.monotonic()
+    # A workload carries its hash before its reconcile has written status and returned: let the reconciles that
+    # configured the last workloads finish before reading the counters (bounded).
+    settle = time.monotonic() + 30
+    while (len(reconciled) < len(seen) or time.monotonic() - end < 2) and time.monotonic() < settle:
+        time.sleep(0.1)
     reconciles = runner.op.metrics.value("kvtier_operator_reconciles_total", {"result": "ok"})
     writes = {k: runner.op.metrics.value("kvtier_operator_api_writes_total", {"kind": k})
               for k in ("workload", "configmap", "status")}
@@ -122,6 +135,7 @@ def run_size(kubeconfig: str, n: int, timeout: float) -> dict:
     runner.stop()
     runner.op.kube.close()
     latencies = [seen[k] - created[k] for k in seen]
+    to_reconcile = [reconciled[k] - created[k] for k in seen if k in reconciled]
     # Leave nothing behind: release the finalizers (the operator is stopped) and drop the namespace.
     for i in range(n):
         try:
@@ -132,6 +146,7 @@ def run_size(kubeconfig: str, n: int, timeout: float) -> dict:
     kube.close()
     return {"n": n, "done": len(seen), "create_s": create_s, "p50": pct(latencies, 0.5) if latencies else None,
             "p99": pct(latencies, 0.99) if latencies else None, "max": max(latencies) if latencies else None,
+            "reconciled_p99": pct(to_reconcile, 0.99) if to_reconcile else None,
             "reconciles": reconciles, "reconciles_per_s": reconciles / max(end - start, 1e-9),
             "retries": retries, "writes": writes,
             "reference": reference}
@@ -149,28 +164,51 @@ def start_controlplane() -> tuple[str, Path]:
     return kubeconfig, state
 
 
+def cold(kubeconfig: str, n: int, timeout: float, settings: str) -> dict:
+    """One size in a fresh interpreter: the operator starts with nothing imported or cached."""
+    out = subprocess.run([sys.executable, __file__, "--kubeconfig", kubeconfig, "--one", str(n), "--timeout",
+                          str(timeout), "--settings", settings], capture_output=True, text=True,
+                         timeout=timeout + 300)
+    if out.returncode != 0:
+        raise RuntimeError(f"N={n} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10,100,500")
+    parser.add_argument("--mode", choices=("cold", "warm"), default="cold")
     parser.add_argument("--kubeconfig", default=os.environ.get("KVTIER_CONTROLPLANE_KUBECONFIG"))
     parser.add_argument("--timeout", type=float, default=300.0, help="per size, seconds")
+    parser.add_argument("--settings", default="{}", help="operator Settings overrides, JSON (for experiments)")
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # internal: one size, JSON on stdout
     args = parser.parse_args()
+    if args.one:
+        print(json.dumps(run_size(args.kubeconfig, args.one, args.timeout, json.loads(args.settings))))
+        return 0
     state = None
     kubeconfig = args.kubeconfig
     if not kubeconfig:
         kubeconfig, state = start_controlplane()
     try:
-        rows = [run_size(kubeconfig, int(n), args.timeout) for n in args.sizes.split(",")]
+        sizes = [int(n) for n in args.sizes.split(",")]
+        if args.mode == "cold":
+            rows = [cold(kubeconfig, n, args.timeout, args.settings) for n in sizes]
+        else:
+            run_size(kubeconfig, 20, args.timeout, json.loads(args.settings))  # warm-up, not reported
+            rows = [run_size(kubeconfig, n, args.timeout, json.loads(args.settings)) for n in sizes]
     finally:
         if state is not None:
             subprocess.run([str(ROOT / "e2e" / "controlplane" / "run"), "stop", str(state)], capture_output=True)
-    print(f"{'N':>5} {'done':>5} {'create s':>9} {'p50 s':>7} {'p99 s':>7} {'max s':>7} {'rec/s':>7} "
-          f"{'ref apply s':>11} {'p50/ref':>8}")
+    print(f"mode {args.mode}, settings {args.settings}")
+    print(f"{'N':>5} {'done':>5} {'create s':>9} {'p50 s':>7} {'p99 s':>7} {'max s':>7} {'1st rec p99':>11} "
+          f"{'rec/pol':>7} {'rec/s':>7} {'ref apply s':>11} {'p50/ref':>8}")
     for r in rows:
         fmt = (lambda v: f"{v:7.3f}" if v is not None else "    n/a")
         ratio = f"{r['p50'] / r['reference']:8.1f}" if r["p50"] is not None else "     n/a"
         print(f"{r['n']:>5} {r['done']:>5} {r['create_s']:9.2f} {fmt(r['p50'])} {fmt(r['p99'])} {fmt(r['max'])} "
-              f"{r['reconciles_per_s']:7.1f} {r['reference']:11.4f} {ratio}")
+              f"{fmt(r['reconciled_p99']):>11} {r['reconciles'] / r['n']:7.2f} {r['reconciles_per_s']:7.1f} "
+              f"{r['reference']:11.4f} {ratio}")
     print()
     for r in rows:
         print(f"N={r['n']}: {r['reconciles']:.0f} reconciles ({r['reconciles'] / r['n']:.1f} per policy), "

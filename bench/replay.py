@@ -126,7 +126,7 @@ def main() -> None:
     ap.add_argument("--oracles", action="store_true", help="also print two future-knowledge bounds (not policies)")
     ap.add_argument("--policies", help="comma-separated specs for the speed table (default: all of SPECS)")
     ap.add_argument("--gap", action="store_true", help="gap-closure table over the trace and generated shapes")
-    ap.add_argument("--gap-policies", default=f"{config.DEFAULT_EVICTION_POLICY},prefix2q")
+    ap.add_argument("--gap-policies", default=f"{config.RECOMMENDED_EVICTION_POLICY},prefix2q")
     ap.add_argument("--requests", type=int, default=3000, help="--gap: requests per generated trace")
     ap.add_argument("--seed", type=int, default=1, help="--gap: generator seed")
     args = ap.parse_args()
@@ -150,7 +150,7 @@ def main() -> None:
     opt = {c: prefix_hit_count(opt_hits(keys, c), lengths) / n for c in caps}
     ref_all: list[float] = []
     print(f"trace: {pathlib.Path(args.trace).name}, {n} block accesses, {trace.n_distinct} distinct blocks; "
-          f"capacities {caps[0]} (5%) and {caps[1]} (10%) blocks; default policy {config.DEFAULT_EVICTION_POLICY}")
+          f"capacities {caps[0]} (5%) and {caps[1]} (10%) blocks; default policy {config.RECOMMENDED_EVICTION_POLICY}")
     print(f"{'policy':<20} {'accesses/s':>11} {'vs raw LRU':>10} "
           f"{'prefix@5%':>10} {'of OPT':>7} {'prefix@10%':>11} {'of OPT':>7}")
     print(f"{'OPT (Belady)':<20} {'':>11} {'':>10} {opt[caps[0]]:>10.4f} {'100%':>7} {opt[caps[1]]:>11.4f} {'100%':>7}")

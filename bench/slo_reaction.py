@@ -43,7 +43,7 @@ def run_config(started: Started, prom, interval: float, window: float, cb: int, 
     out = []
     for _ in range(reps):
         engine.set(ttft=0.05)
-        spec = {"tiers": [{"name": "host"}, {"name": "nvme"}],
+        spec = {"selector": {"matchLabels": {"app": "llm"}}, "tiers": [{"name": "host", "medium": "cpu", "size": "1Gi"}, {"name": "nvme", "medium": "filesystem", "size": "10Gi", "path": "/mnt/nvme", "volume": {"emptyDir": {}}}],
                 "slo": {"prometheus": {"url": prom.url}, "ttftP99": "1s", "window": f"{window:g}s",
                         "interval": f"{interval:g}s", "consecutiveBreaches": cb, "cooldown": "1h"}}
         settings = SLOSettings.from_spec(spec)

@@ -35,11 +35,11 @@ def test_the_default_policy_is_never_worse_than_lru(trace) -> None:
     short = []
     for pct in PERCENTS:
         cap = capacity_blocks(f"{pct}%", trace.n_distinct)
-        hits, _ = replay_single(trace.requests, PolicySpec(config.DEFAULT_EVICTION_POLICY).build(cap))
+        hits, _ = replay_single(trace.requests, PolicySpec(config.RECOMMENDED_EVICTION_POLICY).build(cap))
         ratio, lru = prefix_hit_count(hits, lengths) / n, curve.prefix_hit_ratio(cap)
         if ratio < lru - FLOOR:
             short.append(f"{pct}%: {ratio:.4f} < LRU {lru:.4f} - {FLOOR}")
-    assert not short, f"{config.DEFAULT_EVICTION_POLICY} below the LRU floor on {trace.source}: {short}"
+    assert not short, f"{config.RECOMMENDED_EVICTION_POLICY} below the LRU floor on {trace.source}: {short}"
 
 
 def test_the_floor_test_can_fail(mooncake_trace, tmp_path) -> None:

@@ -93,6 +93,7 @@ def test_registry_names_match_the_config_contract() -> None:
 
     assert set(config.EVICTION_POLICIES) <= set(POLICIES)
     assert config.DEFAULT_EVICTION_POLICY in POLICIES
+    assert config.RECOMMENDED_EVICTION_POLICY in POLICIES
     assert set(config.ADMISSION_POLICIES) == set(ADMISSIONS)
 
 

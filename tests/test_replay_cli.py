@@ -122,7 +122,7 @@ def test_list_policies_names_them_all(capsys) -> None:
     out = capsys.readouterr().out
     for name in list(POLICIES) + list(ADMISSIONS):
         assert f"  {name}" in out
-    assert f"{config.DEFAULT_EVICTION_POLICY} (default)" in out
+    assert f"{config.RECOMMENDED_EVICTION_POLICY} (default)" in out
 
 
 def test_sweep_writes_a_png_with_one_line_per_policy_and_opt(capsys, tmp_path) -> None:

@@ -28,12 +28,12 @@ def test_every_policy_stays_under_opt_block_hits(mooncake_trace, policy) -> None
     assert 0 < res.tiers[0].hits <= res.tiers[0].opt_hits
 
 
-def test_the_default_policy_beats_lru_on_the_shared_trace(mooncake_trace) -> None:
+def test_the_recommended_policy_beats_lru_on_the_shared_trace(mooncake_trace) -> None:
     from kvtier_runtime import config
 
     for blocks in (2196, 4392):
         lru = replay(mooncake_trace, [blocks], [PolicySpec("lru")], with_opt=False)
-        default = replay(mooncake_trace, [blocks], [PolicySpec(config.DEFAULT_EVICTION_POLICY)], with_opt=False)
+        default = replay(mooncake_trace, [blocks], [PolicySpec(config.RECOMMENDED_EVICTION_POLICY)], with_opt=False)
         assert default.total_prefix_hits > lru.total_prefix_hits
 
 

@@ -160,8 +160,8 @@ def test_list_policies_as_json(capsys) -> None:
 
     d = run_json(capsys, ["--list-policies"])
     assert [p["name"] for p in d["eviction_policies"]] == list(POLICIES)
-    assert d["default"] == config.DEFAULT_EVICTION_POLICY
-    assert [p["name"] for p in d["eviction_policies"] if p["default"]] == [config.DEFAULT_EVICTION_POLICY]
+    assert d["default"] == config.RECOMMENDED_EVICTION_POLICY
+    assert [p["name"] for p in d["eviction_policies"] if p["default"]] == [config.RECOMMENDED_EVICTION_POLICY]
 
 
 @pytest.mark.parametrize("argv", [["--block-tokens", "-5"], ["summarize"], ["--no-such-option"],

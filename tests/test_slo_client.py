@@ -176,7 +176,7 @@ def test_secrets_resolve_into_a_client_config(tmp_path, tls_prometheus):
     prom, ca = tls_prometheus
     secrets = {("prom-basic", "username"): TEST_USER, ("prom-basic", "password"): TEST_PASSWORD,
                ("prom-ca", "ca.crt"): ca.read_text()}
-    spec = {"tiers": [], "slo": {"ttftP99": "1s", "prometheus": {
+    spec = {"selector": {"matchLabels": {"app": "llm"}}, "tiers": [], "slo": {"ttftP99": "1s", "prometheus": {
         "url": prom.url, "caBundle": {"name": "prom-ca", "key": "ca.crt"},
         "auth": {"username": {"name": "prom-basic", "key": "username"},
                  "password": {"name": "prom-basic", "key": "password"}}}}}

@@ -30,7 +30,7 @@ def spec(**slo: Any) -> dict[str, Any]:
     base = {"prometheus": {"url": "http://prometheus:9090"}, "ttftP99": "2s", "itlP99": "150ms", "window": "10s",
             "interval": "1s", "consecutiveBreaches": 3, "cooldown": "20s"}
     base.update(slo)
-    out: dict[str, Any] = {"tiers": [{"name": "host"}, {"name": "nvme"}], "slo": base}
+    out: dict[str, Any] = {"selector": {"matchLabels": {"app": "llm"}}, "tiers": [{"name": "host", "medium": "cpu", "size": "1Gi"}, {"name": "nvme", "medium": "filesystem", "size": "10Gi", "path": "/mnt/nvme", "volume": {"emptyDir": {}}}], "slo": base}
     if rollout:
         out["rollout"] = rollout
     return out
@@ -235,7 +235,7 @@ def test_auto_reenable_waits_for_a_clean_evaluation():
     d = driver(reenable={"mode": "auto", "after": "30s", "probation": "10s"}, consecutiveBreaches=3)
     d.run(SLOW, 3)
     d.settings = SLOSettings.from_spec(spec(reenable={"mode": "auto", "after": "30s", "probation": "10s"},
-                                            consecutiveBreaches=1000))
+                                            consecutiveBreaches=100))  # the API maximum: no second rollback
     d.run(OK, 20)
     d.run(SLOW, 15)               # still breaching when the wait is over: no re-enable
     assert d.enabled == ["host"]
@@ -336,7 +336,7 @@ def test_history_is_bounded():
 def test_removed_tier_leaves_the_state():
     d = driver()
     d.run(SLOW, 3)
-    d.settings = SLOSettings.from_spec({**spec(), "tiers": [{"name": "host"}]})
+    d.settings = SLOSettings.from_spec({**spec(), "tiers": spec()["tiers"][:1]})
     d.step(OK)
     assert d.state["disabled"] == {} and d.enabled == ["host"]
 

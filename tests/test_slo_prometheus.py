@@ -41,7 +41,7 @@ class Ctx:
 
     def loop(self, state: dict[str, Any] | None = None, rollout: dict[str, Any] | None = None,
              **slo: Any) -> GuardLoop:
-        spec: dict[str, Any] = {"tiers": [{"name": "host"}, {"name": "nvme"}],
+        spec: dict[str, Any] = {"selector": {"matchLabels": {"app": "llm"}}, "tiers": [{"name": "host", "medium": "cpu", "size": "1Gi"}, {"name": "nvme", "medium": "filesystem", "size": "10Gi", "path": "/mnt/nvme", "volume": {"emptyDir": {}}}],
                                 "slo": {"prometheus": {"url": self.prometheus.url}, **BASE_SLO, **slo}}
         if rollout:
             spec["rollout"] = rollout

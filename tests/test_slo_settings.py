@@ -1,20 +1,27 @@
-"""Parsing spec.slo / spec.rollout into SLOSettings, and PromQL building; every rejection names its field."""
+"""SLOSettings derived from the API models (the one parser of spec.slo / spec.rollout), and PromQL building;
+every rejection names its field and rule, in the API's words."""
 from __future__ import annotations
-
-from datetime import timedelta
 
 import pytest
 
-from kvtier_operator.slo import SLOSettings, SLOSpecError, Scope, build_queries, parse_duration
+from kvtier_operator.api.units import parse_duration
+from kvtier_operator.slo import SLOSettings, SLOSpecError, Scope, build_queries
 from kvtier_operator.slo.queries import promql_duration
 
 
 def spec(slo=None, rollout=None, tiers=("host", "nvme")):
-    out = {"tiers": [{"name": t} for t in tiers],
+    declared = [{"name": t, "medium": "cpu", "size": "1Gi"} if i == 0 else
+                {"name": t, "medium": "filesystem", "size": "10Gi", "path": f"/mnt/{t}{i}", "volume": {"emptyDir": {}}}
+                for i, t in enumerate(tiers)]
+    out = {"selector": {"matchLabels": {"app": "llm"}}, "tiers": declared,
            "slo": {"prometheus": {"url": "http://prometheus.monitoring:9090"}, "ttftP99": "2s", **(slo or {})}}
     if rollout is not None:
         out["rollout"] = rollout
     return out
+
+
+def drop_none(d):
+    return {k: drop_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}
 
 
 def test_issue_example_parses_to_seconds():
@@ -29,42 +36,52 @@ def test_issue_example_parses_to_seconds():
 
 
 @pytest.mark.parametrize("slo,rollout,expected", [
-    ({"window": "5x"}, None, "spec.slo.window: '5x' is not a duration"),
-    ({"interval": "0s"}, None, "spec.slo.interval: '0s' must be greater than zero"),
-    ({"consecutiveBreaches": 0}, None, "spec.slo.consecutiveBreaches: 0 must be an integer >= 1"),
-    ({"onNoData": "ignore"}, None, "spec.slo.onNoData: 'ignore' is not one of hold, breach"),
-    ({"minRequestRate": -1}, None, "spec.slo.minRequestRate: -1 must be a number >= 0"),
-    ({"reenable": {"mode": "sometimes"}}, None, "spec.slo.reenable.mode: 'sometimes' is not one of manual, auto"),
-    ({"dryRun": "yes"}, None, "spec.slo.dryRun: 'yes' must be true or false"),
-    ({"prometheus": {"url": "prometheus:9090"}}, None, "spec.slo.prometheus.url: 'prometheus:9090' must be"),
-    ({"prometheus": None}, None, "spec.slo.prometheus.url: required"),
-    ({"ttftP99": None}, None, "spec.slo: at least one of ttftP99, itlP99"),
-    ({"ttftP99MaxRatio": 1.2}, None, "spec.slo.ttftP99MaxRatio: needs spec.rollout.strategy: staged"),
-    ({"ttftP99MaxRatio": 1}, {"strategy": "staged"}, "spec.slo.ttftP99MaxRatio: 1 must be a number > 1"),
+    ({"window": "5x"}, None, "spec.slo.window: '5x' does not match"),
+    ({"consecutiveBreaches": 0}, None, "spec.slo.consecutiveBreaches: 0: Input should be greater than or equal to 1"),
+    ({"onNoData": "ignore"}, None, "spec.slo.onNoData: 'ignore': Input should be 'hold' or 'breach'"),
+    ({"minRequestRate": -1}, None, "spec.slo.minRequestRate: -1: Input should be greater than or equal to 0"),
+    ({"reenable": {"mode": "sometimes"}}, None, "spec.slo.reenable.mode: 'sometimes': Input should be"),
+    ({"dryRun": "maybe"}, None, "spec.slo.dryRun: 'maybe': Input should be a valid boolean"),
+    ({"prometheus": {"url": "prometheus:9090"}}, None, "spec.slo.prometheus.url: 'prometheus:9090' does not match"),
+    ({"prometheus": None}, None, "spec.slo.prometheus: required"),
+    ({"ttftP99": None}, None, "spec.slo: an SLO needs at least one of ttftP99, itlP99"),
+    ({"ttftP99MaxRatio": 1.2}, None, "spec.slo: relative thresholds (ttftP99MaxRatio, itlP99MaxRatio) need"),
+    ({"ttftP99MaxRatio": 1}, {"strategy": "staged"}, "spec.slo.ttftP99MaxRatio: 1: Input should be greater than 1"),
     ({"prometheus": {"url": "http://p:9090", "auth": {"username": {"name": "s", "key": "u"}}}}, None,
      "spec.slo.prometheus.auth: username and password go together"),
     ({"prometheus": {"url": "http://p:9090", "auth": {"bearerToken": {"name": "s"}}}}, None,
-     "spec.slo.prometheus.auth.bearerToken: must be an object with name and key"),
-    ({"queries": {"p50": "up"}}, None, "spec.slo.queries.p50: unknown"),
-    ({}, {"strategy": "canary"}, "spec.rollout.strategy: 'canary' is not one of immediate, staged"),
-    ({}, {"stageObservation": "forever"}, "spec.rollout.stageObservation: 'forever' is not a duration"),
+     "spec.slo.prometheus.auth.bearerToken.key: required"),
+    ({"queries": {"p50": "up"}}, None, "spec.slo.queries.p50: unknown field"),
+    ({}, {"strategy": "canary"}, "spec.rollout.strategy: 'canary': Input should be 'immediate' or 'staged'"),
+    ({}, {"stageObservation": "forever"}, "spec.rollout.stageObservation: 'forever' does not match"),
 ])
 def test_rejections_name_the_field_and_the_rule(slo, rollout, expected):
     with pytest.raises(SLOSpecError) as info:
-        SLOSettings.from_spec(spec(slo, rollout))
+        SLOSettings.from_spec(drop_none(spec(slo, rollout)))
     assert any(p.startswith(expected) for p in info.value.problems), info.value.problems
 
 
 def test_all_problems_are_reported_at_once():
     with pytest.raises(SLOSpecError) as info:
-        SLOSettings.from_spec(spec({"window": "x", "interval": "y"}, tiers=("host", "host")))
-    assert len(info.value.problems) == 3
-    assert "spec.tiers[1].name: 'host' is not unique" in info.value.problems
+        SLOSettings.from_spec(spec({"window": "x", "interval": "y"}))
+    assert len(info.value.problems) == 2, info.value.problems
+
+
+def test_defaults_are_the_models():
+    from kvtier_operator.api import v1alpha1 as api
+
+    s = SLOSettings.from_spec(spec())
+    slo = api.SLOSpec.model_validate({"prometheus": {"url": "http://p:9090"}, "ttftP99": "1s"})
+    assert (s.window_s, s.interval_s, s.cooldown_s) == tuple(parse_duration(v) for v in
+                                                               (slo.window, slo.interval, slo.cooldown))
+    assert (s.reenable_after_s, s.probation_s) == (parse_duration(slo.reenable.after),
+                                                   parse_duration(slo.reenable.probation))
+    assert s.stage_observation_s == parse_duration(api.RolloutSpec().stage_observation)
+    assert s.history_limit == api.HISTORY_LIMIT == api.KVCachePolicyStatus.model_fields["history"].metadata[0].max_length
 
 
 def test_durations():
-    assert parse_duration(timedelta(minutes=5)) == 300
-    assert parse_duration("1h30m") == 5400 and parse_duration("150ms") == 0.15 and parse_duration(2) == 2.0
+    assert parse_duration("1h30m") == 5400 and parse_duration("150ms") == 0.15
     assert promql_duration(300) == "5m" and promql_duration(2.5) == "2500ms" and promql_duration(3600) == "1h"
     with pytest.raises(ValueError):
         parse_duration("-1s")

@@ -3,8 +3,12 @@
 Foreign Deployments and StatefulSets get only an index-free ``on.event`` handler, which writes nothing to them
 (kopf's changing handlers would annotate them: drift for GitOps). Policies get an index (kopf fills every index
 before any daemon starts, so conflicts are known from the first reconcile), an event handler that wakes the
-policy's daemon, the daemon that reconciles, a deletion handler behind the ``kvtier.io/finalizer`` finalizer,
-and, for policies with ``spec.slo``, the SLO guard's daemon.
+policy's daemon, the daemon that reconciles, and a deletion handler behind the ``kvtier.io/finalizer`` finalizer.
+The SLO guard's daemon is registered by ``main`` from ``slo_timer`` (which does not import this module).
+
+The handlers are adapters: ``event_filter`` decides whether an event means work, ``wakeups`` wakes the policy's
+daemon, ``reconcile.plan`` decides everything, and this module only reads the cluster and performs the plan
+(status through ``status_writer``).
 """
 from __future__ import annotations
 
@@ -18,17 +22,31 @@ from typing import Any, Callable, Optional
 import kopf
 
 from . import reconcile as rc
+from .api import v1alpha1 as api
 from .api.units import parse_quantity
-from .kube import NODES, STRATEGIC, ApiError, Kube, config_map_path, is_transient, policy_path, workload_path
+from .event_filter import EventFilter
+from .kube import (
+    NODES,
+    STRATEGIC,
+    ApiError,
+    Kube,
+    config_map_path,
+    error_reason,
+    is_transient,
+    policy_path,
+    workload_path,
+)
 from .metrics import Metrics
 from .selectors import matches, to_query
-from .settings import FINALIZER, POLICY_LABEL, PREFIX, REENABLE_ANNOTATION, Settings
-from .status import now_rfc3339, status_patch
+from .settings import FINALIZER, POLICY_LABEL, PREFIX, Settings
+from .status import CONDITION_TYPES, now_rfc3339
+from .status_writer import write_status
 from .trust import owns_config_map
+from .wakeups import Wakeups, backoff
 from .workload import KINDS, Workload, removal_patch
 
 log = logging.getLogger("kvtier.operator")
-POLICY = ("kvtier.io", "v1alpha1", "kvcachepolicies")
+POLICY = (api.GROUP, api.VERSION, api.PLURAL)
 Key = tuple[str, str]
 CONFIG_MAP_TTL = 30.0
 STATUS_ONLY_DELAY = 0.5  # coalesces the controller's status updates after a rollout
@@ -65,44 +83,27 @@ class Operator:
         self.settings = settings
         self.kube = kube
         self.metrics = metrics or Metrics()
-        self.triggers: dict[Key, asyncio.Event] = {}
+        self.wakeups = Wakeups()
         self.locks: dict[Key, asyncio.Lock] = {}
-        self.seen: dict[Key, tuple[Any, ...]] = {}
-        self.own_writes: dict[tuple[str, str, str], str] = {}  # (ns, kind, name) -> resourceVersion we produced
+        self.events = EventFilter()
         self.applied_config_maps: dict[tuple[str, str], tuple[float, str]] = {}
-        self.workload_seen: dict[tuple[str, str, str], tuple[Any, ...]] = {}
-        self.delayed: set[Key] = set()
         self._nodes: tuple[float, Optional[int]] = (0.0, None)
         self._nodes_readable = settings.read_nodes
-        # Hooks for tests and the benchmark: called after every reconcile with (key, outcome).
+        # Observers for tests and the benchmark: called after every reconcile with (key, outcome).
         self.on_reconciled: list[Callable[[Key, Outcome], None]] = []
-        self.slo_hook: Optional[Callable[..., Any]] = None
-        self.tier_states_fn: Optional[rc.TierStatesFn] = None  # set when the SLO guard is wired in
         self.slo_source: Optional[Callable[[str, str], Any]] = None  # test seam: measurements instead of Prometheus
 
     # ----------------------------------------------------------------------------------------- triggers
 
     def trigger(self, key: Key) -> None:
-        self.triggers.setdefault(key, asyncio.Event()).set()
+        self.wakeups.trigger(key)
 
     def trigger_later(self, key: Key, delay: float) -> None:
         """One deferred wake-up per policy: a burst of status updates costs one reconcile."""
-        if key in self.delayed:
-            return
-        self.delayed.add(key)
-
-        def fire() -> None:
-            self.delayed.discard(key)
-            self.trigger(key)
-
-        asyncio.get_running_loop().call_later(delay, fire)
+        self.wakeups.trigger_later(key, delay)
 
     def lock(self, key: Key) -> asyncio.Lock:
         return self.locks.setdefault(key, asyncio.Lock())
-
-    def forget(self, key: Key) -> None:
-        self.triggers.pop(key, None)
-        self.seen.pop(key, None)
 
     # ----------------------------------------------------------------------------------------- sync I/O
 
@@ -154,13 +155,13 @@ class Operator:
             if t.apply is not None:
                 result = self.kube.apply(path, t.apply)
                 self.metrics.api_writes.labels("workload").inc()
-                self.own_writes[(namespace, t.kind, t.name)] = result["metadata"]["resourceVersion"]
+                self.events.wrote((namespace, t.kind, t.name), result["metadata"]["resourceVersion"])
                 outcome.applied[t.ref] = t.config_hash or ""
             if t.remove:
                 result = self.kube.apply(path, removal_patch(Workload({"kind": t.kind, "metadata": {
                     "name": t.name, "namespace": namespace}})))
                 self.metrics.api_writes.labels("workload-release").inc()
-                self.own_writes[(namespace, t.kind, t.name)] = result["metadata"]["resourceVersion"]
+                self.events.wrote((namespace, t.kind, t.name), result["metadata"]["resourceVersion"])
         except ApiError as err:
             if err.field_conflict:
                 failures[t.ref] = (f"{t.ref}: another field manager owns a field kvtier applies, and kvtier never "
@@ -184,8 +185,8 @@ class Operator:
         others_objs = [{"metadata": {"name": o["name"]}, "spec": {"selector": o.get("selector")}} for o in others]
         now = now_rfc3339()
         plan = rc.plan(policy, workloads, others_objs, now=now, node_allocatable=self.node_allocatable(),
-                       cleanup_image=self.settings.cleanup_image, tier_states_fn=self.tier_states_fn,
-                       server_validated=True, host_path_prefixes=self.settings.host_path_prefixes)
+                       cleanup_image=self.settings.cleanup_image, server_validated=True,
+                       host_path_prefixes=self.settings.host_path_prefixes)
         outcome = Outcome(policy)
         # The ConfigMap first, so pods rolled by the new hash read the new files.
         if plan.config_map is not None:
@@ -209,32 +210,14 @@ class Operator:
         return outcome
 
     def _write_status(self, namespace: str, name: str, policy: dict[str, Any], status: dict[str, Any]) -> None:
-        """One merge patch of what changed, guarded by the resourceVersion the plan was computed from.
-
-        A 409 caused by a change that left the generation alone (kopf adding its finalizer, a label) does not
-        invalidate the plan: the patch is recomputed against the fresh status and sent again at once. A new
-        generation raises the 409, and the caller plans again from the new spec.
-        """
-        current = policy
-        for _ in range(3):
-            patch = status_patch(current.get("status") or {}, status)
-            if patch is None:
-                return
-            try:
-                self.kube.patch(policy_path(namespace, name, status=True),
-                                {"metadata": {"resourceVersion": current["metadata"]["resourceVersion"]},
-                                 "status": patch})
-                self.metrics.api_writes.labels("status").inc()
-                return
-            except ApiError as err:
-                if err.status != 409:
-                    raise
-                self.metrics.errors.labels("StatusConflict").inc()  # re-sent at once, not a retry
-                fresh = self.kube.get(policy_path(namespace, name))
-                if fresh is None or fresh["metadata"].get("generation") != policy["metadata"].get("generation"):
-                    raise
-                current = fresh
-        raise ApiError(409, {"reason": "Conflict", "message": "status kept changing under the operator"})
+        """The reconcile's fields, conflict-checked. A 409 from a change that left the spec and the guard's state
+        alone (kopf adding its finalizer, a label, the guard's verdict) does not invalidate the plan; anything
+        else raises it and the caller plans again."""
+        generation, guard = policy["metadata"].get("generation"), (policy.get("status") or {}).get("slo")
+        write_status(self.kube, self.metrics, policy, status,
+                     lambda fresh: (fresh["metadata"].get("generation") == generation
+                                    and (fresh.get("status") or {}).get("slo") == guard),
+                     conditions=CONDITION_TYPES)
 
     def release_sync(self, namespace: str, name: str, body: dict[str, Any]) -> int:
         """Undo everything applied for a deleted policy; returns how many workloads were released."""
@@ -311,50 +294,38 @@ class Operator:
                                kvtier_policies: kopf.Index, kvtier_deployments: kopf.Index,
                                kvtier_statefulsets: kopf.Index, **_: Any) -> None:
             key = (namespace, name)
-            workloads = op._workload_labels(namespace, kvtier_deployments, kvtier_statefulsets)
-            before = op.seen.get(key)
+            selector = dict(spec).get("selector") if type != "DELETED" else None
+            change = op.events.policy(key, type, meta, selector)
+            if change is None:
+                return  # our own status write, kopf's finalizer, a label: nothing to re-render
             if type == "DELETED":
-                op.forget(key)
-                if before is not None:
-                    op._wake_neighbours(namespace, name, json.loads(before[2]), None, kvtier_policies, workloads)
-                else:  # never seen (e.g. deleted while the operator was down): wake the namespace
+                op.wakeups.forget(key)
+                if not change.known:  # never seen (e.g. deleted while the operator was down): wake the namespace
                     for p in kvtier_policies.get(namespace, []):
                         op.trigger((namespace, p["name"]))
-                return
-            selector = dict(spec).get("selector")
-            fingerprint = (meta.get("generation"), (meta.get("annotations") or {}).get(REENABLE_ANNOTATION),
-                           json.dumps(selector, sort_keys=True), bool(meta.get("deletionTimestamp")))
-            if before == fingerprint:
-                return  # our own status write, kopf's finalizer, a label: nothing to re-render
-            op.seen[key] = fingerprint
-            op.trigger(key)
-            if before is None or before[2:] != fingerprint[2:]:
+                    return
+            else:
+                op.trigger(key)
+            if change.retargeted:
                 # A new, re-targeted or deleting policy changes who conflicts with whom, on the workloads it
                 # selects (or selected): wake the other policies selecting those.
-                old_selector = json.loads(before[2]) if before is not None else None
-                op._wake_neighbours(namespace, name, old_selector, selector, kvtier_policies, workloads)
+                workloads = op._workload_labels(namespace, kvtier_deployments, kvtier_statefulsets)
+                op._wake_neighbours(namespace, name, change.old_selector, selector, kvtier_policies, workloads)
 
         for plural in ("deployments", "statefulsets"):
             @kopf.on.event("apps", "v1", plural, id=f"{plural}-event", registry=registry)
             async def workload_event(type: str, name: str, namespace: str, body: Any, meta: Any,
                                      kvtier_policies: kopf.Index, **_: Any) -> None:
-                kind = body.get("kind") or ""
-                wkey = (namespace, kind, name)
-                if type != "DELETED" and op.own_writes.get(wkey) == meta.get("resourceVersion"):
-                    return  # the echo of our own apply
+                change = op.events.workload((namespace, body.get("kind") or "", name), type, meta,
+                                            rolled_out=Workload(body).rolled_out())
+                if change in ("echo", "quiet"):
+                    return
                 labels = dict(meta.get("labels") or {})
-                seen = (meta.get("generation"), json.dumps(labels, sort_keys=True))
-                status_only = type != "DELETED" and op.workload_seen.get(wkey) == seen
-                if type == "DELETED":
-                    op.workload_seen.pop(wkey, None)
-                    op.own_writes.pop(wkey, None)
-                else:
-                    op.workload_seen[wkey] = seen
                 wanted = {p["name"] for p in kvtier_policies.get(namespace, []) if matches(p["selector"], labels)}
                 if labels.get(POLICY_LABEL):
                     wanted.add(labels[POLICY_LABEL])
                 for policy_name in wanted:
-                    if status_only:
+                    if change == "status":
                         op.trigger_later((namespace, policy_name), STATUS_ONLY_DELAY)
                     else:
                         op.trigger((namespace, policy_name))
@@ -376,14 +347,12 @@ class Operator:
                 except kopf.TemporaryError:
                     raise
                 except Exception as err:  # noqa: BLE001 - every failure is retried; the finalizer waits
-                    op.metrics.errors.labels(_reason(err)).inc()
+                    op.metrics.errors.labels(error_reason(err)).inc()
                     raise kopf.TemporaryError(f"releasing workloads failed: {err}",
                                               delay=backoff_delay(op.settings, retry))
             logger.info("released %d workload(s)", count)
-            op.triggers.pop(key, None)  # what it selected is forgotten on the DELETED event
+            op.wakeups.forget(key)  # what it selected is forgotten on the DELETED event
 
-        if self.slo_hook is not None:
-            self.slo_hook(registry, self)
 
     @staticmethod
     def _workload_labels(namespace: str, deployments: kopf.Index,
@@ -420,7 +389,7 @@ class Operator:
                           index: kopf.Index, workload_indexes: Optional[dict[str, kopf.Index]] = None) -> None:
         key = (namespace, name)
         self.trigger(key)  # reconcile once on start (operator start or new policy)
-        delay = self.settings.backoff_initial
+        failures = 0
 
         async def _stopped() -> None:
             await stopped.wait()
@@ -428,23 +397,20 @@ class Operator:
         stop_task = asyncio.ensure_future(_stopped())
         try:
             while not stopped:
-                event = self.triggers.setdefault(key, asyncio.Event())
-                wake = asyncio.ensure_future(event.wait())
-                await asyncio.wait({wake, stop_task}, timeout=self.settings.resync_seconds,
-                                   return_when=asyncio.FIRST_COMPLETED)
-                wake.cancel()
+                await self.wakeups.wait(key, self.settings.resync_seconds, stop_task)
                 if stopped:
                     break
-                event.clear()
                 others = [dict(p) for p in index.get(namespace, []) if p["name"] != name]
                 mine = next((p for p in index.get(namespace, []) if p["name"] == name), None)
                 hints = (self._hints(name, mine["selector"], workload_indexes, namespace)
                          if workload_indexes and mine else None)
                 try:
                     await self.run_reconcile(namespace, name, others, hints)
-                    delay = self.settings.backoff_initial
+                    failures = 0
                 except Exception as err:  # noqa: BLE001 - retried with backoff; never a crash loop
-                    reason = _reason(err)
+                    failures += 1
+                    delay = backoff(self.settings.backoff_initial, self.settings.backoff_max, failures)
+                    reason = error_reason(err)
                     self.metrics.errors.labels(reason).inc()
                     self.metrics.reconciles.labels("retry").inc()
                     if is_transient(err):
@@ -452,7 +418,6 @@ class Operator:
                     else:
                         logger.exception("reconcile of %s/%s failed; retrying in %.1fs", namespace, name, delay)
                     await asyncio.wait({stop_task}, timeout=delay)
-                    delay = min(delay * 2, self.settings.backoff_max)
                     self.trigger(key)
         finally:
             stop_task.cancel()
@@ -460,13 +425,7 @@ class Operator:
 
 def backoff_delay(settings: Settings, retry: int) -> float:
     """Exponential backoff for kopf's retries (``retry`` counts the failures so far), capped at backoff_max."""
-    return min(settings.backoff_initial * 2 ** min(retry, 32), settings.backoff_max)
-
-
-def _reason(err: BaseException) -> str:
-    if isinstance(err, ApiError):
-        return "Conflict" if err.status == 409 else f"HTTP{err.status}"
-    return type(err).__name__
+    return backoff(settings.backoff_initial, settings.backoff_max, retry + 1)
 
 
 def _plain(body: Any) -> dict[str, Any]:

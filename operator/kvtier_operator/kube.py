@@ -134,6 +134,13 @@ class Kube:
             raise
 
 
+def error_reason(err: BaseException) -> str:
+    """A short label for an error (metrics, logs): Conflict, HTTP<status>, or the exception's type."""
+    if isinstance(err, ApiError):
+        return "Conflict" if err.status == 409 else f"HTTP{err.status}"
+    return type(err).__name__
+
+
 def is_transient(err: BaseException) -> bool:
     if isinstance(err, ApiError):
         return err.transient

@@ -14,6 +14,7 @@ import kopf
 from .handlers import Operator, kopf_settings
 from .kube import Kube
 from .metrics import Metrics
+from .reconcile import prime
 from .settings import Settings, from_args
 
 log = logging.getLogger("kvtier.operator")
@@ -22,24 +23,25 @@ log = logging.getLogger("kvtier.operator")
 def build(settings: Settings, kube: Optional[Kube] = None,
           metrics: Optional[Metrics] = None) -> tuple[Operator, kopf.OperatorRegistry]:
     op = Operator(settings, kube or Kube(settings.kubeconfig), metrics)
-    _wire_slo(op)
     registry = kopf.OperatorRegistry()
     op.register(registry)
+    _register_slo(registry, op)
     return op, registry
 
 
-def _wire_slo(op: Operator) -> None:
+def _register_slo(registry: kopf.OperatorRegistry, op: Operator) -> None:
     if importlib.util.find_spec(f"{__package__}.slo") is None:
         log.warning("the SLO guard (kvtier_operator.slo) is not installed; spec.slo is not enforced")
         return
     from .slo_timer import register_slo  # a broken guard fails loudly, never silently off
 
-    op.slo_hook = register_slo
+    register_slo(registry, op)
 
 
 async def run(op: Operator, registry: kopf.OperatorRegistry, *, stop_flag: Optional[threading.Event] = None,
               ready_flag: Optional[threading.Event] = None) -> None:
     s = op.settings
+    prime()
     loop = asyncio.get_running_loop()
     # Reconciles run the blocking client in threads; two cores still overlap many small API calls.
     loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvtier"))

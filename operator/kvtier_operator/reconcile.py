@@ -5,12 +5,11 @@ No I/O here: ``handlers`` reads the cluster, calls ``plan`` and performs what it
 """
 from __future__ import annotations
 
-import functools
-import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from .api import v1alpha1 as api
+from . import parsed
 from .api.validation import PolicyInvalid, Problem, parse_policy
 from .render import CONFIG_DIR, CONFIG_FILE, RenderedConfig, RenderError, detect_engine, render
 from .selectors import matches
@@ -29,40 +28,6 @@ from .workload import (
     with_config_args,
     without_config_args,
 )
-
-def _no_rule(rule: dict[str, Any]) -> bool:
-    return False
-
-
-@functools.lru_cache(maxsize=4096)
-def _parse_cached(doc_json: str, server_validated: bool) -> api.KVCachePolicy:
-    # Objects read from the API server passed the CRD's CEL rules at admission; re-running them in Python
-    # would cost ~0.1 s a reconcile. Raw objects (tests, files) get every rule.
-    return parse_policy(json.loads(doc_json), cel_rules=_no_rule if server_validated else None)
-
-
-@functools.lru_cache(maxsize=4096)
-def _with_engine_cached(doc_json: str, engine: str) -> api.KVCachePolicy:
-    # The server saw no engine; once detected, the rules that depend on it are checked here (once per spec).
-    # Only rules that name this engine can fail because of it: the engine rules are all written
-    # "!(has(self.engine) && self.engine == '<engine>' && ...) || ...".
-    doc = json.loads(doc_json)
-    doc["spec"]["engine"] = engine
-    return parse_policy(doc, cel_rules=lambda rule: "self.engine" in rule["rule"] and f"'{engine}'" in rule["rule"])
-
-
-def _doc_json(policy_obj: dict[str, Any]) -> str:
-    doc = {"apiVersion": policy_obj.get("apiVersion", api.API_VERSION), "kind": policy_obj.get("kind", api.KIND),
-           "metadata": {"name": policy_obj["metadata"]["name"]}, "spec": policy_obj.get("spec")}
-    return json.dumps(doc, sort_keys=True)
-
-
-TierStatesFn = Callable[[api.KVCachePolicySpec, dict[str, Any], str], list[dict[str, Any]]]
-
-
-def _default_tier_states(spec: api.KVCachePolicySpec, policy_obj: dict[str, Any], now: str) -> list[dict[str, Any]]:
-    return tier_states(spec, (policy_obj.get("status") or {}).get("tiers") or [], now)
-
 
 # Target states (status.targets[].state).
 APPLIED = "Applied"
@@ -104,6 +69,16 @@ class TargetPlan:
         return out
 
 
+@dataclass(frozen=True)
+class Observed:
+    """What a plan's status was computed from, so ``with_failures`` recomputes it from the same inputs."""
+
+    tier_states: list[dict[str, Any]]
+    enabled_tiers: list[str]
+    engine: Optional[str]
+    workloads: list[Workload]
+
+
 @dataclass
 class Plan:
     config_map: Optional[dict[str, Any]]
@@ -111,7 +86,7 @@ class Plan:
     status: dict[str, Any]
     events: list[Event] = field(default_factory=list)
     invalid: bool = False
-    context: Optional[tuple[Any, ...]] = None  # what the status was computed from, for with_failures()
+    context: Optional[Observed] = None
 
 
 def config_map_name(policy_name: str) -> str:
@@ -173,8 +148,8 @@ def _release(w: Workload, spec: Optional[api.KVCachePolicySpec], reason: str) ->
     return t
 
 
-def _target(policy: api.KVCachePolicy, w: Workload, enabled_tiers: list[str], *, node_allocatable: Optional[int],
-            cleanup_image: str) -> tuple[TargetPlan, Optional[RenderedConfig]]:
+def _target(policy: api.KVCachePolicy, doc_key: str, w: Workload, enabled_tiers: list[str], *,
+            node_allocatable: Optional[int], cleanup_image: str) -> tuple[TargetPlan, Optional[RenderedConfig]]:
     spec, name = policy.spec, policy.metadata["name"]
     container = w.container(spec.container)
     if container is None:
@@ -183,10 +158,8 @@ def _target(policy: api.KVCachePolicy, w: Workload, enabled_tiers: list[str], *,
                                                  f"(containers: {names})"), None
     try:
         if spec.engine is None:
-            # Validate with the detected engine here (cached) so render() need not re-parse the policy.
-            engine = detect_engine(facts_of(container))
-            policy = _with_engine_cached(_doc_json(policy.model_dump(by_alias=True, exclude_none=True,
-                                                                     mode="json")), engine)
+            # Validate with the detected engine here (cached per spec) so render() need not re-parse the policy.
+            policy = parsed.with_engine(doc_key, detect_engine(facts_of(container)))
         rendered = render(policy, facts_of(container), enabled_tiers=enabled_tiers,
                           config_map_name=config_map_name(name))
     except RenderError as err:
@@ -222,13 +195,12 @@ def _target(policy: api.KVCachePolicy, w: Workload, enabled_tiers: list[str], *,
 
 def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_policies: Iterable[dict[str, Any]],
          *, now: str, node_allocatable: Optional[int] = None, cleanup_image: str = "busybox:1.37.0",
-         tier_states_fn: Optional[TierStatesFn] = None, server_validated: bool = False,
-         host_path_prefixes: Iterable[str] = ()) -> Plan:
+         server_validated: bool = False, host_path_prefixes: Iterable[str] = ()) -> Plan:
     """Everything one reconcile of ``policy_obj`` must write.
 
     ``workloads``: Deployments and StatefulSets of the namespace that match the selector or carry our policy
-    label. ``other_policies``: the namespace's other live policies (for conflicts). ``tier_states_fn``: where
-    tier states come from when the SLO guard is wired in (default: seeded from the spec, kept from status).
+    label. ``other_policies``: the namespace's other live policies (for conflicts). Tier states come from
+    ``tiers.tier_states`` (the spec and the SLO guard's state in ``status.slo``).
     ``server_validated``: the object comes from the API server, which already ran the CRD's CEL rules.
     ``host_path_prefixes``: node paths the admin lets tiers mount (operator settings); default none.
     """
@@ -236,8 +208,9 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
     name, generation = meta["name"], meta.get("generation")
     old = policy_obj.get("status") or {}
     ws = _unique(workloads)
+    doc_key = parsed.key(policy_obj)
     try:
-        policy = _parse_cached(_doc_json(policy_obj), server_validated)
+        policy = parsed.parse(doc_key, server_validated)
         if len(name) > api.MAX_POLICY_NAME:
             # Stored before the CRD refused such names: the name cannot become a label value, so nothing can
             # be applied; say so instead of failing every write.
@@ -260,7 +233,7 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
                     invalid=True)
 
     spec = policy.spec
-    states = (tier_states_fn or _default_tier_states)(spec, policy_obj, now)
+    states = tier_states(spec, old, now)
     on = enabled(states)
     others = [p for p in other_policies if p["metadata"]["name"] != name]
     targets: list[TargetPlan] = []
@@ -283,7 +256,8 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
             else:
                 targets.append(TargetPlan(w.kind, w.name, NOT_OPTED_IN, not_opted_in_message(w.ref, name)))
             continue
-        t, rendered = _target(policy, w, on, node_allocatable=node_allocatable, cleanup_image=cleanup_image)
+        t, rendered = _target(policy, doc_key, w, on, node_allocatable=node_allocatable,
+                              cleanup_image=cleanup_image)
         targets.append(t)
         if rendered is not None and (t.apply is not None or t.unchanged):
             rendered_by_target[t.ref] = rendered
@@ -305,22 +279,23 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
         files = render(policy, enabled_tiers=on, config_map_name=config_map_name(name)).files
     config_map = config_map_body(policy_obj, files) if files is not None else None
 
-    status, events = _summarize(policy_obj, states, on, engine, targets, ws, now)
-    return Plan(config_map, targets, status, events, context=(states, on, engine, ws))
+    observed = Observed(states, on, engine, ws)
+    status, events = _summarize(policy_obj, observed, targets, now)
+    return Plan(config_map, targets, status, events, context=observed)
 
 
-def _summarize(policy_obj: dict[str, Any], states: list[dict[str, Any]], on: list[str], engine: Optional[str],
-               targets: list[TargetPlan], ws: list[Workload], now: str) -> tuple[dict[str, Any], list[Event]]:
+def _summarize(policy_obj: dict[str, Any], observed: Observed, targets: list[TargetPlan],
+               now: str) -> tuple[dict[str, Any], list[Event]]:
     meta, old = policy_obj["metadata"], policy_obj.get("status") or {}
     generation = meta.get("generation")
     selected = [t for t in targets if t.state != RELEASED]
-    conds = _conditions(selected, ws, meta.get("namespace", ""))
+    conds = _conditions(selected, observed.workloads, meta.get("namespace", ""))
     status: dict[str, Any] = {
         "observedGeneration": generation,
         "conditions": merge_conditions(old.get("conditions") or [], conds, generation, now),
-        "engine": engine,
-        "activeTiers": ",".join(on) or "none",
-        "tiers": states,
+        "engine": observed.engine,
+        "activeTiers": ",".join(observed.enabled_tiers) or "none",
+        "tiers": observed.tier_states,
         "targets": [t.status() for t in selected],
     }
     return status, _events(old.get("conditions") or [], status["conditions"], targets, old)
@@ -334,8 +309,7 @@ def with_failures(result: Plan, policy_obj: dict[str, Any], failures: dict[str, 
     for t in result.targets:
         if t.ref in failures:
             t.state, t.message, t.config_hash = ERROR, failures[t.ref], None
-    states, on, engine, ws = result.context
-    status, events = _summarize(policy_obj, states, on, engine, result.targets, ws, now)
+    status, events = _summarize(policy_obj, result.context, result.targets, now)
     return Plan(result.config_map, result.targets, status, events, context=result.context)
 
 
@@ -416,3 +390,18 @@ def release_plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]]
         spec = None
     return [_release(w, spec, f"policy {name} deleted")
             for w in _unique(workloads) if w.applied_by == name]
+
+
+def prime() -> None:
+    """Run one plan per engine on made-up objects, before the operator starts: the first real reconciles then do
+    not pay for building validators, the CRD schema walk and first-call code paths (a cold operator that meets
+    a burst of new policies would otherwise start behind)."""
+    for image in ("vllm/vllm-openai", "nvcr.io/nvidia/tensorrt-llm/release"):
+        policy = {"apiVersion": api.API_VERSION, "kind": api.KIND,
+                  "metadata": {"name": "prime", "namespace": "prime", "uid": "prime", "generation": 1},
+                  "spec": {"selector": {"matchLabels": {"app": "prime"}},
+                           "tiers": [{"name": "cpu", "medium": "cpu", "size": "1Gi"}]}}
+        workload = {"apiVersion": "apps/v1", "kind": "Deployment",
+                    "metadata": {"name": "prime", "namespace": "prime", "labels": {"app": "prime"}},
+                    "spec": {"template": {"spec": {"containers": [{"name": "engine", "image": image}]}}}}
+        plan(policy, [workload], [], now="1970-01-01T00:00:00Z", server_validated=True)

@@ -10,8 +10,12 @@ from datetime import datetime, timezone
 from typing import Any, Iterable, Optional
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Conflict")
-# Fields of status the reconcile owns; the SLO guard owns slo, sloState and history, and tier states it flips.
+GUARD_CONDITION_TYPES = ("SLOUnknown", "SLOBreached", "TierRolledBack")
+# Each status field has one writer. The reconcile derives tier states (tiers.tier_states) from the spec and the
+# guard's state; the guard owns its state, its verdict and the history. Conditions are shared by type: each
+# writer recomputes only its own types (merge_conditions keeps the others).
 RECONCILE_FIELDS = ("observedGeneration", "conditions", "engine", "activeTiers", "targets", "tiers")
+GUARD_FIELDS = ("slo", "sloState", "history", "conditions")
 
 
 def now_rfc3339() -> str:
@@ -47,6 +51,13 @@ def merge_conditions(old: Iterable[dict[str, Any]], new: Iterable[Cond], generat
     # Keep the stored order (two writers each recomputing their own types must not reorder the list).
     out = [computed.pop(c.get("type"), c) for c in old]
     return out + list(computed.values())
+
+
+def overlay_conditions(current: Iterable[dict[str, Any]], ours: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``current`` with the entries of ``ours`` in place of the same types (stored order kept, new types last)."""
+    mine = {c["type"]: c for c in ours}
+    out = [mine.pop(c.get("type"), c) for c in current]
+    return out + list(mine.values())
 
 
 def transitions(old: Iterable[dict[str, Any]], new: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -169,10 +169,9 @@ class MemoryPlan:
 
 def plan_memory(workload: Workload, container: dict[str, Any], rendered: RenderedConfig,
                 node_allocatable: Optional[int]) -> MemoryPlan:
-    increase = int(rendered.resources.get("memoryLimitIncreaseBytes", 0))
-    if not increase:
+    if rendered.host_memory is None:
         return MemoryPlan()
-    cpu = int(rendered.resources.get("cpuTierBytes", 0))
+    increase, cpu = rendered.host_memory.limit_increase_bytes, rendered.host_memory.cpu_tier_bytes
     resources = container.get("resources") or {}
     request_raw = (resources.get("requests") or {}).get("memory")
     limit_raw = (resources.get("limits") or {}).get("memory")

@@ -6,6 +6,7 @@ key breaks a test instead of a deployment.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
@@ -13,9 +14,16 @@ from typing import Any, Mapping
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "arc", "s3fifo", "prefix2q", "adaptive")
 ADMISSION_POLICIES: tuple[str, ...] = ("none", "doorkeeper", "threshold")
 CODECS: tuple[str, ...] = ("none", "fp8", "fp8_e5m2", "int8", "int4")
-# adaptive stays within 0.005 of LRU's prefix hit ratio (usually above it) on every trace shape measured, where
-# prefix2q loses up to 0.06 to LRU on multi-turn conversations (docs/performance.md, issue 18).
-DEFAULT_EVICTION_POLICY = "adaptive"
+# The one default of a tier's eviction policy, on both sides (API ``evictionPolicy``, runtime configs): lru, the
+# one every backend supports (native takes lru or arc, lmcache lru only).
+DEFAULT_EVICTION_POLICY = "lru"
+# What the replay tools try when no policy is named, and what docs recommend with backend kvtier: adaptive stays
+# within 0.005 of LRU's prefix hit ratio (usually above it) on every trace shape measured, where prefix2q loses up
+# to 0.06 to LRU on multi-turn conversations (docs/performance.md, issue 18). A recommendation, not the API default:
+# backends native and lmcache cannot run it.
+RECOMMENDED_EVICTION_POLICY = "adaptive"
+# With admission "threshold": a block is stored on its Nth offer unless spec.offload.storeThreshold says otherwise.
+DEFAULT_ADMISSION_THRESHOLD = 2
 
 # vLLM loads out-of-tree pieces by class name + module path (CachePolicyFactory, SecondaryTierFactory).
 # All vLLM imports live in this one adapter module.
@@ -23,15 +31,56 @@ VLLM_ADAPTER_MODULE = "kvtier_runtime.engines.vllm_adapter"
 VLLM_SECONDARY_TIER_CLASS = "KvtierFilesystemTier"
 
 
-def vllm_cache_policy_class(eviction: str, admission: str = "none") -> str:
+_STEMS = {"lru": "LRU", "arc": "ARC", "s3fifo": "S3FIFO", "prefix2q": "Prefix2Q", "adaptive": "Adaptive"}
+_CACHE_POLICY_CLASS = re.compile(
+    r"^Kvtier(?P<stem>%s)(?P<admission>%s)?(?P<threshold>[1-9][0-9]{0,5})?CachePolicy$" % (
+        "|".join(sorted(_STEMS.values(), key=len, reverse=True)),
+        "|".join(a.capitalize() for a in ADMISSION_POLICIES if a != "none")))
+
+
+@dataclass(frozen=True)
+class CachePolicyChoice:
+    """What a vLLM ``CachePolicy`` class name carries: eviction, admission and the admission threshold.
+
+    vLLM builds the CPU tier's policy as ``cls(cache_capacity)``: the class name is the only channel from the
+    rendered config to the policy object, so a threshold other than the default is part of the name
+    (``KvtierLRUThreshold5CachePolicy``); the default keeps the short name (``KvtierLRUThresholdCachePolicy``).
+    """
+
+    eviction: str = DEFAULT_EVICTION_POLICY
+    admission: str = "none"
+    admission_threshold: int = DEFAULT_ADMISSION_THRESHOLD
+
+    def __post_init__(self) -> None:
+        _one_of("evictionPolicy", self.eviction, EVICTION_POLICIES)
+        _one_of("admission", self.admission, ADMISSION_POLICIES)
+        _positive_int("admission_threshold", self.admission_threshold)
+
+    @property
+    def class_name(self) -> str:
+        suffix = "" if self.admission == "none" else self.admission.capitalize()
+        if self.admission == "threshold" and self.admission_threshold != DEFAULT_ADMISSION_THRESHOLD:
+            suffix += str(self.admission_threshold)
+        return f"Kvtier{_STEMS[self.eviction]}{suffix}CachePolicy"
+
+    @classmethod
+    def from_class_name(cls, name: str) -> "CachePolicyChoice":
+        match = _CACHE_POLICY_CLASS.match(name)
+        if not match:
+            raise ConfigError(f"eviction_policy: {name!r} is not a kvtier CachePolicy class "
+                              "(Kvtier<Eviction>[<Admission>[<threshold>]]CachePolicy)")
+        eviction = next(k for k, v in _STEMS.items() if v == match["stem"])
+        admission = (match["admission"] or "none").lower()
+        if match["threshold"] and admission != "threshold":
+            raise ConfigError(f"eviction_policy: {name!r}: only threshold admission takes a number")
+        threshold = int(match["threshold"]) if match["threshold"] else DEFAULT_ADMISSION_THRESHOLD
+        return cls(eviction, admission, threshold)
+
+
+def vllm_cache_policy_class(eviction: str, admission: str = "none",
+                            admission_threshold: int = DEFAULT_ADMISSION_THRESHOLD) -> str:
     """Class name of the vLLM ``CachePolicy`` for an eviction/admission pair, e.g. ``KvtierS3FIFOCachePolicy``."""
-    if eviction not in EVICTION_POLICIES:
-        raise ValueError(f"evictionPolicy: {eviction!r} is not one of {', '.join(EVICTION_POLICIES)}")
-    if admission not in ADMISSION_POLICIES:
-        raise ValueError(f"admission: {admission!r} is not one of {', '.join(ADMISSION_POLICIES)}")
-    stem = {"lru": "LRU", "arc": "ARC", "s3fifo": "S3FIFO", "prefix2q": "Prefix2Q", "adaptive": "Adaptive"}[eviction]
-    suffix = "" if admission == "none" else admission.capitalize()
-    return f"Kvtier{stem}{suffix}CachePolicy"
+    return CachePolicyChoice(eviction, admission, admission_threshold).class_name
 
 
 MAX_IO_TIMEOUT_S = 3600.0
@@ -51,7 +100,7 @@ class FilesystemTierConfig:
     eviction_policy: str = DEFAULT_EVICTION_POLICY
     admission: str = "none"
     # With admission "threshold": a block is stored on its Nth offer.
-    admission_threshold: int = 2
+    admission_threshold: int = DEFAULT_ADMISSION_THRESHOLD
     n_read_threads: int = 16
     n_write_threads: int = 16
     # Blocks whose measured codec error exceeds the codec's budget are stored with a wider codec.
@@ -132,8 +181,10 @@ class OffloadSpecConfig:
     """
 
     cpu_bytes_to_use: int
-    eviction_policy: str = "lru"
+    eviction_policy: str = DEFAULT_EVICTION_POLICY
     admission: str = "none"
+    # With admission "threshold": a block is stored on its Nth offer (spec.offload.storeThreshold).
+    admission_threshold: int = DEFAULT_ADMISSION_THRESHOLD
     host_shm_dir: str = DEFAULT_HOST_SHM_DIR
     fs_tiers: tuple[FilesystemTierConfig, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
@@ -142,6 +193,7 @@ class OffloadSpecConfig:
         _positive_int("cpu_bytes_to_use", self.cpu_bytes_to_use)
         _one_of("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         _one_of("admission", self.admission, ADMISSION_POLICIES)
+        _positive_int("admission_threshold", self.admission_threshold)
         if not isinstance(self.host_shm_dir, str) or not self.host_shm_dir.startswith("/"):
             raise ConfigError(f"host_shm_dir: {self.host_shm_dir!r} must be an absolute path")
 
@@ -166,7 +218,7 @@ class OffloadSpecConfig:
         roots = [t.root_dir for t in tiers]
         if len(set(roots)) != len(roots):
             raise ConfigError(f"{prefix}fs_tiers: root_dir values must be distinct, got {roots}")
-        known = {"cpu_bytes_to_use", "eviction_policy", "admission", "host_shm_dir"}
+        known = {"cpu_bytes_to_use", "eviction_policy", "admission", "admission_threshold", "host_shm_dir"}
         try:
             return cls(
                 **{k: extra[k] for k in known if k in extra},
@@ -182,6 +234,8 @@ class OffloadSpecConfig:
             "eviction_policy": self.eviction_policy,
             "admission": self.admission,
         }
+        if self.admission_threshold != DEFAULT_ADMISSION_THRESHOLD:
+            out["admission_threshold"] = self.admission_threshold
         if self.host_shm_dir != DEFAULT_HOST_SHM_DIR:
             out["host_shm_dir"] = self.host_shm_dir
         if self.fs_tiers:

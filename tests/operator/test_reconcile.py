@@ -159,7 +159,7 @@ def test_unmatched_workload_with_our_label_is_released():
 
 def test_only_enabled_tiers_are_rendered():
     tiers = [{"name": "cpu", "medium": "cpu", "size": "16Gi"}, nvme_tier()]
-    status = {"tiers": [{"name": "cpu", "state": "Enabled", "reason": "Declared", "since": NOW},
+    status = {"tiers": [{"name": "cpu", "state": "Enabled", "reason": "Enabled", "since": NOW},
                         {"name": "nvme", "state": "Disabled", "reason": "SLOBreach", "since": NOW}]}
     p = rc.plan(policy(tiers=tiers, status=status), [observed(deployment())], [], now=LATER,
                 host_path_prefixes=("/mnt/disks",))

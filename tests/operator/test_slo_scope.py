@@ -8,7 +8,7 @@ from kvtier_operator.slo_timer import scope_for
 
 
 def pod_regex(status, spec=None):
-    scope = scope_for("ns", status, spec or {"slo": {}})
+    scope = scope_for("ns", status, (spec or {"slo": {}})["slo"].get("modelName"))
     return scope.pod_regex, scope.matchers()
 
 

@@ -207,7 +207,8 @@ def test_a_negative_reading_is_an_error_not_within_the_slo(value):
 
 @pytest.mark.parametrize("ttft", [-1.0, -math.inf, math.nan])
 def test_the_decision_engine_never_calls_an_invalid_latency_within_the_slo(ttft):
-    settings = SLOSettings.from_spec({"tiers": [{"name": "cpu"}], "slo": {
+    settings = SLOSettings.from_spec({"selector": {"matchLabels": {"app": "llm"}},
+                                      "tiers": [{"name": "cpu", "medium": "cpu", "size": "1Gi"}], "slo": {
         "prometheus": {"url": "https://prom"}, "ttftP99": "1s"}})
     verdict = assess(settings, Measurements.of(ttft, None, 5.0), None)
     assert verdict.verdict == "error", verdict

@@ -6,14 +6,22 @@ Cross-field rules are written once, as CEL, on the model they constrain.
 """
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
-from kvtier_runtime.config import ADMISSION_POLICIES, CODECS, EVICTION_POLICIES
+from kvtier_runtime.config import (
+    ADMISSION_POLICIES,
+    CODECS,
+    DEFAULT_ADMISSION_THRESHOLD,
+    DEFAULT_EVICTION_POLICY,
+    EVICTION_POLICIES,
+)
 
-from .units import DURATION_PATTERN, POSITIVE_QUANTITY_PATTERN
+from .guard_state import SLOGuardState
+from .units import DURATION_PATTERN, POSITIVE_QUANTITY_PATTERN, parse_duration, parse_quantity
 
 GROUP = "kvtier.io"
 VERSION = "v1alpha1"
@@ -24,6 +32,8 @@ SINGULAR = "kvcachepolicy"
 SHORT_NAMES = ["kvp"]
 
 MAX_TIERS = 4
+# status.history keeps the newest entries up to this many (the guard trims to it; the CRD bounds the list).
+HISTORY_LIMIT = 50
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 ABS_PATH_PATTERN = r"^/[^\x00]*$"
 # `[.]` rather than `\.`: the pattern is embedded in a CEL string literal, where `\.` is not a valid escape.
@@ -56,6 +66,16 @@ def _rule(rule: str, message: str | None = None, *, message_expression: str | No
     if reason:
         out["reason"] = reason
     return out
+
+
+# Rule texts that depend on spec.engine, by engine. The operator detects an unset engine from the container and
+# re-checks exactly these (the API server saw no engine); declared here, next to each rule, not guessed from its text.
+ENGINE_RULES: dict[str, set[str]] = {}
+
+
+def _engine_rule(engine: str, rule: str, *args: Any, **kwargs: Any) -> dict[str, str]:
+    ENGINE_RULES.setdefault(engine, set()).add(rule)
+    return _rule(rule, *args, **kwargs)
 
 
 def _cel(*rules: dict[str, str]) -> dict[str, Any]:
@@ -209,7 +229,7 @@ class TierSpec(_Model):
     enabled: bool = Field(True, description="Set false to declare a tier without using it. The SLO guard "
                                             "disables tiers in status, never here.")
     eviction_policy: Literal[EVICTION_POLICIES] = Field(  # type: ignore[valid-type]
-        "lru", description="Eviction policy: lru or arc with backend native; lru with lmcache; lru, arc, "
+        DEFAULT_EVICTION_POLICY, description="Eviction policy: lru or arc with backend native; lru with lmcache; lru, arc, "
                            "s3fifo, prefix2q or adaptive (prefix-aware and never below LRU on the traces measured, "
                            "see docs/replay.md) with backend kvtier.")
     admission: Literal[ADMISSION_POLICIES] = Field(  # type: ignore[valid-type]
@@ -230,6 +250,11 @@ class TierSpec(_Model):
     write_threads: int = Field(16, ge=1, le=256, description="I/O threads writing to a filesystem tier.")
     compression: Literal[CODECS] = Field(  # type: ignore[valid-type]
         "none", description="Codec for blocks stored in a filesystem tier (backend kvtier only).")
+
+    # Typed views (units parsed once, here; renderers read these, never the strings).
+    @cached_property
+    def size_bytes(self) -> int:
+        return parse_quantity(self.size)
 
 
 # ---------------------------------------------------------------------------------------------- offload
@@ -256,6 +281,13 @@ class OffloadSpec(_Model):
     min_priority: int = Field(35, ge=0, le=100, description="TensorRT-LLM secondary_offload_min_priority: "
                                                             "blocks with this retention priority or more are "
                                                             "offloaded.")
+
+    # Typed views.
+    @property
+    def admission_threshold(self) -> int:
+        """The offer on which ``admission: threshold`` stores a block: storeThreshold when set, else the
+        runtime's default (storeThreshold 0 means "every offer" to vLLM, not "threshold 0")."""
+        return self.store_threshold if self.store_threshold >= 2 else DEFAULT_ADMISSION_THRESHOLD
 
 
 # ---------------------------------------------------------------------------------------------- SLO
@@ -301,6 +333,11 @@ class PrometheusSpec(_Model):
     timeout: str = _duration("Total time one query may take (connect, wait and read).", "10s", positive=True,
                              maximum=MAX_PROMETHEUS_TIMEOUT)
 
+    # Typed views.
+    @cached_property
+    def timeout_s(self) -> float:
+        return parse_duration(self.timeout)
+
 
 class QueryOverrides(_Model):
     """PromQL that replaces the built-in queries; each must return one scalar-like sample."""
@@ -321,6 +358,15 @@ class ReenableSpec(_Model):
     after: str = _duration("With mode auto: time after the rollback before the tier is tried again.", "1h")
     probation: str = _duration("With mode auto: a breach within this time after re-enabling disables the tier "
                                "again and stops automatic re-enabling until a person acts.", "30m")
+
+    # Typed views.
+    @cached_property
+    def after_s(self) -> float:
+        return parse_duration(self.after)
+
+    @cached_property
+    def probation_s(self) -> float:
+        return parse_duration(self.probation)
 
 
 class SLOSpec(_Model):
@@ -355,6 +401,27 @@ class SLOSpec(_Model):
                                                         "instead of pod names.", max_length=253)
     queries: Optional[QueryOverrides] = Field(None, description="Replace the built-in PromQL.")
 
+    # Typed views.
+    @cached_property
+    def ttft_p99_s(self) -> Optional[float]:
+        return None if self.ttft_p99 is None else parse_duration(self.ttft_p99)
+
+    @cached_property
+    def itl_p99_s(self) -> Optional[float]:
+        return None if self.itl_p99 is None else parse_duration(self.itl_p99)
+
+    @cached_property
+    def window_s(self) -> float:
+        return parse_duration(self.window)
+
+    @cached_property
+    def interval_s(self) -> float:
+        return parse_duration(self.interval)
+
+    @cached_property
+    def cooldown_s(self) -> float:
+        return parse_duration(self.cooldown)
+
 
 class RolloutSpec(_Model):
     """How tiers are switched on."""
@@ -363,6 +430,11 @@ class RolloutSpec(_Model):
         "immediate", description="immediate: all enabled tiers at once; staged: GPU-only first, then one tier "
                                  "per observation period while the SLO holds (needs spec.slo).")
     stage_observation: str = _duration("How long each stage must hold the SLO before the next.", "30m")
+
+    # Typed views.
+    @cached_property
+    def stage_observation_s(self) -> float:
+        return parse_duration(self.stage_observation)
 
 
 class InjectionSpec(_Model):
@@ -409,26 +481,26 @@ class KVCachePolicySpec(_Model):
                   "backend lmcache supports evictionPolicy lru only", field_path=".backend"),
             _rule("self.backend != 'lmcache' || self.tiers.filter(t, t.medium == 'filesystem').size() <= 1",
                   "backend lmcache supports one filesystem tier (local_disk)", field_path=".tiers"),
-            _rule("!(has(self.engine) && self.engine == 'trtllm' && self.backend == 'lmcache')",
+            _engine_rule("trtllm", "!(has(self.engine) && self.engine == 'trtllm' && self.backend == 'lmcache')",
                   "engine trtllm does not support backend lmcache (LMCache integrates with vLLM)",
                   field_path=".backend"),
-            _rule("!(has(self.engine) && self.engine == 'trtllm' && self.backend == 'kvtier')",
+            _engine_rule("trtllm", "!(has(self.engine) && self.engine == 'trtllm' && self.backend == 'kvtier')",
                   "engine trtllm does not support backend kvtier (its plug-ins load into vLLM)",
                   field_path=".backend"),
-            _rule("!(has(self.engine) && self.engine == 'trtllm') || self.tiers.all(t, t.evictionPolicy == 'lru')",
+            _engine_rule("trtllm", "!(has(self.engine) && self.engine == 'trtllm') || self.tiers.all(t, t.evictionPolicy == 'lru')",
                   "engine trtllm has one eviction policy for offloaded blocks: set evictionPolicy lru",
                   field_path=".tiers"),
-            _rule("!(has(self.engine) && self.engine == 'trtllm') || self.gpu.kvCacheDtype in ['auto', 'fp8']",
+            _engine_rule("trtllm", "!(has(self.engine) && self.engine == 'trtllm') || self.gpu.kvCacheDtype in ['auto', 'fp8']",
                   "engine trtllm supports gpu.kvCacheDtype auto or fp8", field_path=".gpu.kvCacheDtype"),
-            _rule("!(has(self.engine) && self.engine == 'trtllm') || "
+            _engine_rule("trtllm", "!(has(self.engine) && self.engine == 'trtllm') || "
                   "self.tiers.filter(t, t.medium == 'filesystem').size() <= 1",
                   "engine trtllm supports one filesystem tier (disk_cache_path)", field_path=".tiers"),
-            _rule("!(has(self.engine) && self.engine == 'trtllm') || "
+            _engine_rule("trtllm", "!(has(self.engine) && self.engine == 'trtllm') || "
                   "self.blockSize in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]",
                   message_expression="'TensorRT-LLM tokens_per_block must be a power of 2, not %d'"
                                      ".format([self.blockSize])",
                   field_path=".blockSize"),
-            _rule("!(has(self.engine) && self.engine == 'trtllm' && "
+            _engine_rule("trtllm", "!(has(self.engine) && self.engine == 'trtllm' && "
                   "self.tiers.exists(t, t.medium == 'filesystem')) || "
                   f"(has(self.engineVersion) && self.engineVersion.matches('{TRTLLM_DISK_CACHE_VERSION}'))",
                   "a filesystem tier with engine trtllm needs spec.engineVersion 1.3 or later (disk_cache_*)",
@@ -474,6 +546,11 @@ class KVCachePolicySpec(_Model):
                                  description="How tiers are switched on.")
     injection: InjectionSpec = Field(default_factory=InjectionSpec, json_schema_extra=_object_default(InjectionSpec),
                                      description="How the operator touches the workload.")
+
+    # Typed views.
+    @cached_property
+    def host_memory_headroom_bytes(self) -> int:
+        return parse_quantity(self.host_memory_headroom)
 
 
 # ---------------------------------------------------------------------------------------------- status
@@ -525,6 +602,10 @@ class HistoryEntry(_Model):
     threshold: Optional[float] = Field(None, description="Threshold it was compared with, seconds.")
 
 
+# Typed in Python (api.guard_state), schemaless in the CRD: the API server keeps what a newer guard writes.
+GuardStateField = Annotated[SLOGuardState, WithJsonSchema({"additionalProperties": True, "type": "object"})]
+
+
 class KVCachePolicyStatus(_Model):
     """Observed state, written by the operator."""
 
@@ -539,10 +620,10 @@ class KVCachePolicyStatus(_Model):
     slo_state: Optional[str] = Field(None, description="OK, Breaching, Unknown, NoData or Off (printer column).")
     tiers: list[TierStatus] = Field(default_factory=list, description="Per-tier state.")
     targets: list[TargetStatus] = Field(default_factory=list, description="Per-workload state.")
-    slo: Optional[dict[str, Any]] = Field(
+    slo: Optional[GuardStateField] = Field(
         None, description="SLO guard state: last values, counters, baseline, stage (kept here so restarts lose "
                           "nothing).", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
-    history: list[HistoryEntry] = Field(default_factory=list, max_length=50,
+    history: list[HistoryEntry] = Field(default_factory=list, max_length=HISTORY_LIMIT,
                                         description="Recent tier changes, newest last (bounded).")
 
 

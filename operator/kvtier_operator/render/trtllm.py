@@ -8,11 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import yaml
-
 from ..api import v1alpha1 as api
-from ..api.units import parse_quantity
-from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, workload_storage
+from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, dump_yaml, workload_storage
 
 
 def render_trtllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config_map_name: str) -> RenderedConfig:
@@ -21,22 +18,22 @@ def render_trtllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config
         kv["free_gpu_memory_fraction"] = spec.gpu.memory_utilization
     if spec.gpu.kv_cache_dtype != "auto":
         kv["dtype"] = "fp8"
-    volumes, mounts, resources = workload_storage(spec, tiers, config_map_name, cpu_tier_in_shm=False)
-    if "cpuTierBytes" in resources:
-        kv["host_cache_size"] = resources["cpuTierBytes"]
+    volumes, mounts, memory = workload_storage(spec, tiers, config_map_name, cpu_tier_in_shm=False)
+    if memory is not None:
+        kv["host_cache_size"] = memory.cpu_tier_bytes
         kv["secondary_offload_min_priority"] = spec.offload.min_priority
     disk = next((t for t in tiers if t.medium == "filesystem"), None)
     if disk is not None:
-        kv["disk_cache_size"] = parse_quantity(disk.size)
+        kv["disk_cache_size"] = disk.size_bytes
         kv["disk_cache_path"] = disk.path
     document = {"kv_cache_config": kv}
     return RenderedConfig(
         engine="trtllm",
         args=["--extra_llm_api_options", f"{CONFIG_DIR}/{CONFIG_FILE}"],
         config_args=["--extra_llm_api_options", f"{CONFIG_DIR}/{CONFIG_FILE}"],
-        files={CONFIG_FILE: yaml.safe_dump(document, sort_keys=False)},
+        files={CONFIG_FILE: dump_yaml(document, sort_keys=False)},
         volumes=volumes,
         volume_mounts=mounts,
-        resources=resources,
+        host_memory=memory,
         tiers=[t.name for t in tiers],
     )

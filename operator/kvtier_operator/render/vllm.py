@@ -14,8 +14,6 @@ import json
 from typing import Any
 from urllib.parse import quote
 
-import yaml
-
 from kvtier_runtime.config import (
     VLLM_ADAPTER_MODULE,
     VLLM_OFFLOADING_SPEC_CLASS,
@@ -24,8 +22,7 @@ from kvtier_runtime.config import (
 )
 
 from ..api import v1alpha1 as api
-from ..api.units import parse_quantity
-from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, normalized_path, workload_storage
+from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, dump_yaml, normalized_path, workload_storage
 
 LMCACHE_FILE = "lmcache.yaml"
 
@@ -44,9 +41,10 @@ def _kvtier_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec])
     and codecs (loaded by vLLM's OffloadingSpecFactory from ``spec_module_path``)."""
     cpu, secondary = tiers[0], [t for t in tiers[1:] if t.medium == "filesystem"]
     config = OffloadSpecConfig(
-        cpu_bytes_to_use=parse_quantity(cpu.size),
+        cpu_bytes_to_use=cpu.size_bytes,
         eviction_policy=cpu.eviction_policy,
         admission=cpu.admission,
+        admission_threshold=spec.offload.admission_threshold,
         fs_tiers=tuple(_fs_tier_config(spec, t) for t in secondary),
     )
     extra: dict[str, Any] = {"spec_name": VLLM_OFFLOADING_SPEC_CLASS, "spec_module_path": VLLM_ADAPTER_MODULE,
@@ -61,11 +59,11 @@ def _fs_tier_config(spec: api.KVCachePolicySpec, tier: api.TierSpec) -> Filesyst
     assert tier.path is not None
     return FilesystemTierConfig(
         root_dir=tier.path,
-        capacity_bytes=parse_quantity(tier.size),
+        capacity_bytes=tier.size_bytes,
         codec=tier.compression,
         eviction_policy=tier.eviction_policy,
         admission=tier.admission,
-        admission_threshold=max(2, spec.offload.store_threshold),
+        admission_threshold=spec.offload.admission_threshold,
         n_read_threads=tier.read_threads,
         n_write_threads=tier.write_threads,
     )
@@ -77,12 +75,15 @@ def _offloading_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSp
     cpu, secondary = tiers[0], [t for t in tiers[1:] if t.medium == "filesystem"]
     extra: dict[str, Any] = {
         "spec_name": "TieringOffloadingSpec" if secondary else "CPUOffloadingSpec",
-        "cpu_bytes_to_use": parse_quantity(cpu.size),
+        "cpu_bytes_to_use": cpu.size_bytes,
         "offload_prompt_only": spec.offload.prompt_only,
     }
     if spec.offload.chunk_tokens is not None:
         extra["block_size"] = spec.offload.chunk_tokens
-    if spec.offload.store_threshold and not secondary:
+    # kvtier's threshold admission on the cpu tier takes the threshold itself; vLLM's store_threshold in front
+    # of it would count the same offers a second time.
+    kvtier_threshold = spec.backend == "kvtier" and cpu.admission == "threshold"
+    if spec.offload.store_threshold and not secondary and not kvtier_threshold:
         extra["store_threshold"] = spec.offload.store_threshold
     extra["eviction_policy"] = cpu.eviction_policy
     if secondary:
@@ -103,14 +104,14 @@ def _lmcache_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec]) -> d
     config: dict[str, Any] = {
         "chunk_size": spec.offload.chunk_tokens or 256,
         "local_cpu": True,
-        "max_local_cpu_size": round(parse_quantity(cpu.size) / 2**30, 3),
+        "max_local_cpu_size": round(cpu.size_bytes / 2**30, 3),
         "cache_policy": "LRU",
     }
     disk = next((t for t in tiers if t.medium == "filesystem"), None)
     if disk is not None:
         # A URL: a path with spaces, '%' or '#' must be percent-encoded or LMCache reads another path.
         config["local_disk"] = f"file://{quote(normalized_path(disk.path).rstrip('/'))}/"
-        config["max_local_disk_size"] = round(parse_quantity(disk.size) / 2**30, 3)
+        config["max_local_disk_size"] = round(disk.size_bytes / 2**30, 3)
     return config
 
 
@@ -121,7 +122,7 @@ def render_vllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config_m
     if tiers and spec.backend == "lmcache":
         flags["kv-transfer-config"] = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both",
                                        "kv_load_failure_policy": "recompute"}
-        files[LMCACHE_FILE] = yaml.safe_dump(_lmcache_config(spec, tiers), sort_keys=True)
+        files[LMCACHE_FILE] = dump_yaml(_lmcache_config(spec, tiers), sort_keys=True)
         env["LMCACHE_CONFIG_FILE"] = f"{CONFIG_DIR}/{LMCACHE_FILE}"
     elif tiers:
         flags["kv-transfer-config"] = {
@@ -130,13 +131,13 @@ def render_vllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config_m
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": _offloading_extra_config(spec, tiers),
         }
-    files[CONFIG_FILE] = yaml.safe_dump(flags, sort_keys=False)
+    files[CONFIG_FILE] = dump_yaml(flags, sort_keys=False)
 
     args: list[str] = []
     for key, value in flags.items():
         args += [f"--{key}", json.dumps(value, sort_keys=True) if isinstance(value, dict) else str(value)]
 
-    volumes, mounts, resources = workload_storage(spec, tiers, config_map_name, cpu_tier_in_shm=True)
+    volumes, mounts, memory = workload_storage(spec, tiers, config_map_name, cpu_tier_in_shm=True)
     return RenderedConfig(
         engine="vllm",
         args=args,
@@ -145,6 +146,6 @@ def render_vllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config_m
         files=files,
         volumes=volumes,
         volume_mounts=mounts,
-        resources=resources,
+        host_memory=memory,
         tiers=[t.name for t in tiers],
     )

@@ -19,11 +19,11 @@ from .decisions import (
 from .guard import queries_for, scope_for, tick
 from .measurements import Measurements, Reading
 from .queries import QuerySet, Scope, build_queries
-from .settings import PrometheusSettings, SecretKeyRef, SLOSettings, SLOSpecError, parse_duration
+from .settings import PrometheusSettings, SecretKeyRef, SLOSettings, SLOSpecError
 
 __all__ = [
     "AcknowledgeReenable", "Action", "Decision", "DisableTier", "EnableTier", "Measurements",
     "PrometheusSettings", "QuerySet", "Reading", "RecordEvent", "SLOSettings", "SLOSpecError", "Scope",
     "SecretKeyRef", "SetCondition", "action_to_dict", "assess", "build_queries", "enabled_tiers", "evaluate",
-    "initial_state", "parse_duration", "queries_for", "scope_for", "thresholds", "tick", "tier_states",
+    "initial_state", "queries_for", "scope_for", "thresholds", "tick", "tier_states",
 ]

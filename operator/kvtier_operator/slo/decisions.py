@@ -21,19 +21,20 @@ Rules (issue 10):
 """
 from __future__ import annotations
 
-import copy
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable, Literal, NamedTuple, Union
 
+from ..api import guard_state
+from ..tiers import derive
 from .measurements import Measurements, Reading
 from .settings import SLOSettings
 
-STATE_VERSION = 1
+STATE_VERSION = guard_state.STATE_VERSION
 MAX_BASELINE_SAMPLES = 240
-METRICS = ("ttftP99", "itlP99")
+METRICS = guard_state.METRICS
 
 Verdict = Literal["ok", "breach", "noData", "lowTraffic", "error"]
 
@@ -136,44 +137,13 @@ def parse_time(text: str | None) -> float | None:
 
 # -------------------------------------------------------------------------------------------------- state
 def initial_state() -> dict[str, Any]:
-    return {
-        "version": STATE_VERSION,
-        "observedGeneration": None,
-        "lastEvaluation": None,
-        "verdict": None,
-        "reason": None,
-        "last": {"ttftP99": None, "itlP99": None, "requestRate": None, "thresholds": {}},
-        "consecutiveBreaches": 0,
-        "consecutiveErrors": 0,
-        "lastError": None,
-        "counts": {"evaluations": 0, "breaches": 0, "errors": 0, "noData": 0, "lowTraffic": 0, "rollbacks": 0},
-        "lastRollback": None,
-        "disabled": {},          # tier -> {since, reason, metric, value, threshold, dryRun, probationFailed}
-        "probation": {},         # tier -> {since, until}
-        "autoReenableBlocked": False,
-        "gpuOnlyBreachReported": False,
-        "baseline": None,        # {"ttftP99", "itlP99", "samples", "recordedAt"}
-        "rollout": None,         # {"strategy", "rolled": [...], "stageStart", "stageOk", "samples": {...}}
-        "history": [],
-    }
+    return guard_state.initial()
 
 
 def _load(settings: SLOSettings, state: dict[str, Any] | None, now: float) -> dict[str, Any]:
-    """A deep copy of the stored state with defaults filled in and bookkeeping for tiers that left the spec."""
-    st = initial_state()
-    if state:
-        if state.get("version", STATE_VERSION) > STATE_VERSION:
-            raise ValueError(f"status.slo.version: {state['version']} is newer than this operator understands")
-        st.update(copy.deepcopy(dict(state)))
-        st["version"] = STATE_VERSION
-        for key, value in initial_state().items():
-            if isinstance(value, dict) and not isinstance(st.get(key), dict):
-                st[key] = value
-            if key == "counts":
-                st[key] = {**value, **st[key]}
-        if not isinstance(st.get("history"), list):
-            st["history"] = []
-    _repair(st, now)
+    """The stored state read through its model (a fresh copy; unreadable fields take their defaults, see
+    ``api.guard_state``), with bookkeeping for tiers that left the spec."""
+    st = guard_state.load(state, format_time(now)).model_dump(by_alias=True)
     tiers = set(settings.tiers)
     st["disabled"] = {t: v for t, v in st["disabled"].items() if t in tiers}
     st["probation"] = {t: v for t, v in st["probation"].items() if t in tiers}
@@ -204,53 +174,6 @@ def _rolled(settings: SLOSettings, st: dict[str, Any]) -> set[str]:
     return set()
 
 
-def _is_time(value: Any) -> bool:
-    try:
-        return isinstance(value, str) and parse_time(value) is not None
-    except ValueError:
-        return False
-
-
-def _repair(st: dict[str, Any], now: float) -> None:
-    """Make a hand-edited or half-written status.slo safe to use instead of crashing the timer. Rolled-back
-    tiers stay rolled back (with a fresh time if theirs is unreadable); anything else unreadable is reset."""
-    for key in ("consecutiveBreaches", "consecutiveErrors"):
-        if isinstance(st.get(key), bool) or not isinstance(st.get(key), int) or st[key] < 0:
-            st[key] = 0
-    st["counts"] = {k: v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
-                    for k, v in st["counts"].items()}
-    for key in ("lastRollback", "lastEvaluation"):
-        if st.get(key) is not None and not _is_time(st[key]):
-            st[key] = format_time(now) if key == "lastRollback" else None
-    disabled = {}
-    for tier, entry in st["disabled"].items():
-        entry = dict(entry) if isinstance(entry, dict) else {"reason": "Restored"}
-        if not _is_time(entry.get("since")):
-            entry["since"] = format_time(now)
-        disabled[tier] = entry
-    st["disabled"] = disabled
-    st["probation"] = {t: e for t, e in st["probation"].items() if isinstance(e, dict) and _is_time(e.get("since"))}
-    st["autoReenableBlocked"] = bool(st.get("autoReenableBlocked"))
-    baseline = st.get("baseline")
-    if baseline is not None and not (isinstance(baseline, dict) and all(
-            isinstance(baseline.get(m), (int, float, type(None))) for m in METRICS)):
-        st["baseline"] = None
-    ro = st.get("rollout")
-    if isinstance(ro, dict):
-        if ro.get("strategy") == "staged" and not _is_time(ro.get("stageStart")):
-            ro["stageStart"] = format_time(now)
-        if not isinstance(ro.get("stageOk"), int):
-            ro["stageOk"] = 0
-        samples = ro.get("samples")
-        if not isinstance(samples, dict):
-            ro["samples"] = samples = {}
-        for m in METRICS:
-            if not isinstance(samples.get(m), list):
-                samples[m] = []
-            samples[m] = [v for v in samples[m] if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    st["history"] = [h for h in st["history"] if isinstance(h, dict)]
-
-
 def enabled_tiers(settings: SLOSettings, state: dict[str, Any] | None) -> list[str]:
     """Tiers the renderer must include, hottest first (spec order minus Disabled and staged-Pending tiers)."""
     st = state or {}
@@ -260,26 +183,10 @@ def enabled_tiers(settings: SLOSettings, state: dict[str, Any] | None) -> list[s
 
 
 def tier_states(settings: SLOSettings, state: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """``status.tiers[]`` entries: name, state (Enabled|Disabled|Pending), reason, since. Tiers declared with
-    ``enabled: false`` come last, as Disabled/DisabledInSpec."""
-    st = state or {}
-    disabled = st.get("disabled") or {}
-    probation = st.get("probation") or {}
-    enabled = set(enabled_tiers(settings, st))
-    out = []
-    for tier in settings.tiers:
-        d = disabled.get(tier)
-        if d and not d.get("dryRun"):
-            out.append({"name": tier, "state": "Disabled", "reason": d.get("reason"), "since": d.get("since")})
-        elif tier in enabled:
-            reason = "Probation" if tier in probation else ("DryRunWouldDisable" if d else "Enabled")
-            since = (probation.get(tier) or {}).get("since") or (d or {}).get("since")
-            out.append({"name": tier, "state": "Enabled", "reason": reason, "since": since})
-        else:
-            out.append({"name": tier, "state": "Pending", "reason": "StagedRollout", "since": None})
-    out += [{"name": t, "state": "Disabled", "reason": "DisabledInSpec", "since": None}
-            for t in settings.spec_disabled_tiers]
-    return out
+    """``status.tiers[]`` entries as the operator derives them (:func:`kvtier_operator.tiers.derive`); tiers
+    declared with ``enabled: false`` come last."""
+    declared = [(t, True) for t in settings.tiers] + [(t, False) for t in settings.spec_disabled_tiers]
+    return derive(declared, settings.rollout_strategy == "staged", state or {})
 
 
 # ---------------------------------------------------------------------------------------------- verdicts

@@ -69,7 +69,9 @@ except ImportError:  # pragma: no cover - depends on the installed vLLM
 
 from ..config import (
     ADMISSION_POLICIES,
+    DEFAULT_ADMISSION_THRESHOLD,
     EVICTION_POLICIES,
+    CachePolicyChoice,
     ConfigError,
     FilesystemTierConfig,
     OffloadSpecConfig,
@@ -117,6 +119,7 @@ class KvtierCachePolicy(CachePolicy):
 
     eviction: ClassVar[str] = "lru"
     admission: ClassVar[str] = "none"
+    admission_threshold: ClassVar[int] = DEFAULT_ADMISSION_THRESHOLD
     # Only these policies read the request context (request id, position); for the others building one per
     # access is pure overhead on vLLM's scheduler thread.
     CONTEXT_AWARE: ClassVar[frozenset[str]] = frozenset({"prefix2q"})
@@ -124,7 +127,8 @@ class KvtierCachePolicy(CachePolicy):
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         self.policy: EvictionPolicy = get_policy(
-            self.eviction, max(1, int(cache_capacity)), admission=None if self.admission == "none" else self.admission
+            self.eviction, max(1, int(cache_capacity)), admission=None if self.admission == "none" else self.admission,
+            admission_threshold=self.admission_threshold,
         )
         self._chunks: dict[OffloadKey, ChunkStatus] = {}
         self._probation: OrderedDict[OffloadKey, None] = OrderedDict()
@@ -282,6 +286,20 @@ def _make_policy_classes() -> dict[str, type[KvtierCachePolicy]]:
 CACHE_POLICY_CLASSES: dict[str, type[KvtierCachePolicy]] = _make_policy_classes()
 # CachePolicyFactory resolves ``getattr(import_module(cache_policy_module_path), eviction_policy)``.
 globals().update(CACHE_POLICY_CLASSES)
+
+
+def __getattr__(name: str) -> type[KvtierCachePolicy]:
+    """Classes whose name carries a threshold (``KvtierLRUThreshold5CachePolicy``), made on first use."""
+    try:
+        choice = CachePolicyChoice.from_class_name(name)
+    except ValueError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    cls = type(name, (KvtierCachePolicy,), {
+        "eviction": choice.eviction, "admission": choice.admission,
+        "admission_threshold": choice.admission_threshold, "__module__": __name__, "__qualname__": name,
+        "__doc__": f"kvtier's {choice.eviction} eviction, storing on offer {choice.admission_threshold}."})
+    globals()[name] = cls
+    return cls
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -598,7 +616,7 @@ class KvtierOffloadingManager(OffloadingManager):
         host = MemoryTier(
             "host", (spec.row_bytes,), torch.uint8, spec.n_rows * spec.row_bytes,
             eviction_policy=cfg.eviction_policy, admission=None if cfg.admission == "none" else cfg.admission,
-            slab=self.region.rows,
+            admission_threshold=cfg.admission_threshold, slab=self.region.rows,
         )
         suffix = namespace_suffix(run_identity(spec, "/"))
         tiers: list[FilesystemTier] = []

@@ -204,7 +204,8 @@ class FilesystemTier:
         # Keys whose file failed to read while someone else had them pinned: gone from the index, their
         # accounting and file are dropped at the last unpin.
         self._bad: set[bytes] = set()
-        self._policy = get_policy(config.eviction_policy, config.capacity_bytes, admission=config.admission)
+        self._policy = get_policy(config.eviction_policy, config.capacity_bytes, admission=config.admission,
+                                  admission_threshold=config.admission_threshold)
         self._jobs: dict[int, _Job] = {}
         self._finished: OrderedDict[int, JobResult] = OrderedDict()
         # Jobs someone is blocked on in wait(): their results go to the waiter, never to get_finished().

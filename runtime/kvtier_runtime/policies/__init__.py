@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ..config import DEFAULT_ADMISSION_THRESHOLD
 from .adaptive import AdaptivePolicy
 from .admission import DoorkeeperAdmission, ThresholdAdmission
 from .arc import ARCPolicy
@@ -31,23 +32,32 @@ ADMISSIONS: dict[str, Callable[[], AdmissionFilter] | None] = {
 }
 
 
-def get_admission(name: str | AdmissionFilter | None) -> AdmissionFilter | None:
-    """An admission filter by name (``None``/``"none"`` for no filter); an instance is returned as is."""
+def get_admission(name: str | AdmissionFilter | None, threshold: int | None = None) -> AdmissionFilter | None:
+    """An admission filter by name (``None``/``"none"`` for no filter); an instance is returned as is.
+
+    ``threshold``: the offer on which ``threshold`` admission stores a block (its default when None). Every
+    configured value must reach the filter: a configured threshold silently replaced by the default was a bug.
+    """
     if name is None or isinstance(name, AdmissionFilter):
         return name
     if name not in ADMISSIONS:
         raise ValueError(f"admission: {name!r} is not one of {', '.join(ADMISSIONS)}")
     factory = ADMISSIONS[name]
-    return None if factory is None else factory()
+    if factory is None:
+        return None
+    if name == ThresholdAdmission.name:
+        return ThresholdAdmission(DEFAULT_ADMISSION_THRESHOLD if threshold is None else threshold)
+    return factory()
 
 
 def get_policy(
-    name: str, capacity_bytes: int, admission: str | AdmissionFilter | None = None
+    name: str, capacity_bytes: int, admission: str | AdmissionFilter | None = None,
+    admission_threshold: int | None = None,
 ) -> EvictionPolicy:
     """A fresh policy by name with an optional admission filter (name or instance)."""
     if name not in POLICIES:
         raise ValueError(f"eviction policy: {name!r} is not one of {', '.join(POLICIES)}")
-    return POLICIES[name](capacity_bytes, admission=get_admission(admission))
+    return POLICIES[name](capacity_bytes, admission=get_admission(admission, admission_threshold))
 
 
 __all__ = [

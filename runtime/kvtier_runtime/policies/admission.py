@@ -9,6 +9,7 @@ import hashlib
 from collections import OrderedDict
 from typing import TYPE_CHECKING, ClassVar
 
+from ..config import DEFAULT_ADMISSION_THRESHOLD
 from .base import AccessContext, AdmissionFilter, Key
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ class ThresholdAdmission(AdmissionFilter):
 
     name: ClassVar[str] = "threshold"
 
-    def __init__(self, n: int = 2, max_tracked: int = 1 << 20) -> None:
+    def __init__(self, n: int = DEFAULT_ADMISSION_THRESHOLD, max_tracked: int = 1 << 20) -> None:
         if n < 1:
             raise ValueError(f"n: {n!r} must be >= 1")
         self.n = n

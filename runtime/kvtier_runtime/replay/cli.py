@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per hash id (512 for Mooncake traces)")
     parser.add_argument("--policy", action="append", metavar="NAME[+ADMISSION]",
                         help=f"eviction policy, optionally with an admission filter, e.g. s3fifo+doorkeeper; once "
-                             f"for all tiers or once per tier (default {config.DEFAULT_EVICTION_POLICY})")
+                             f"for all tiers or once per tier (default {config.RECOMMENDED_EVICTION_POLICY})")
     parser.add_argument("--capacity", action="append", metavar="N[%]",
                         help="a tier's capacity in blocks, or N%% of the trace's distinct blocks; repeat for "
                              "several tiers, fastest first (default 10%%)")
@@ -104,8 +104,8 @@ def _first_doc_line(obj) -> str:
 
 def policies_dict() -> dict:
     return {
-        "default": config.DEFAULT_EVICTION_POLICY,
-        "eviction_policies": [{"name": name, "default": name == config.DEFAULT_EVICTION_POLICY,
+        "default": config.RECOMMENDED_EVICTION_POLICY,
+        "eviction_policies": [{"name": name, "default": name == config.RECOMMENDED_EVICTION_POLICY,
                                "description": _first_doc_line(cls)} for name, cls in POLICIES.items()],
         "admission_filters": [{"name": name, "description": "admit every offer" if f is None else _first_doc_line(f)}
                               for name, f in ADMISSIONS.items()],
@@ -116,7 +116,7 @@ def list_policies() -> str:
     lines = ["eviction policies:"]
     for name, cls in POLICIES.items():
         doc = (cls.__doc__ or sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
-        mark = " (default)" if name == config.DEFAULT_EVICTION_POLICY else ""
+        mark = " (default)" if name == config.RECOMMENDED_EVICTION_POLICY else ""
         lines.append(f"  {name}{mark}: {doc}")
     lines.append("admission filters (append as NAME+FILTER):")
     for name, factory in ADMISSIONS.items():
@@ -244,7 +244,7 @@ def _run(args: argparse.Namespace) -> int:
     if trace.skipped_lines and not args.json:
         print(f"skipped {trace.skipped_lines} malformed lines, e.g. {trace.skipped_reasons[0]}", file=sys.stderr)
     n_distinct = trace.n_distinct
-    specs = [PolicySpec.parse(p) for p in (args.policy or [config.DEFAULT_EVICTION_POLICY])]
+    specs = [PolicySpec.parse(p) for p in (args.policy or [config.RECOMMENDED_EVICTION_POLICY])]
 
     if args.action == "analyze":
         return _analyze(args, trace, specs)

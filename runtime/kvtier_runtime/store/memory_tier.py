@@ -25,6 +25,7 @@ class MemoryTier:
         *,
         eviction_policy: str = "lru",
         admission: str | None = None,
+        admission_threshold: int | None = None,
         pin_memory: bool | None = None,
         slab: torch.Tensor | None = None,
     ) -> None:
@@ -54,7 +55,8 @@ class MemoryTier:
             self.pinned_memory = bool(pin_memory) and self.device.type == "cpu"
         # One view per slot, made once: indexing the slab per transfer costs more than the bookkeeping around it.
         self._views = list(self.slab.unbind(0))
-        self.policy = get_policy(eviction_policy, self.n_slots * self.block_nbytes, admission=admission)
+        self.policy = get_policy(eviction_policy, self.n_slots * self.block_nbytes, admission=admission,
+                                 admission_threshold=admission_threshold)
         self._free = list(range(self.n_slots - 1, -1, -1))
         self._slot_of: dict[bytes, int] = {}
         # Reserved slots whose bytes have not arrived yet: present for placement, absent for reading.
