@@ -2,7 +2,7 @@
 
 Real parts: kube-apiserver + etcd + kube-controller-manager (e2e/controlplane), Prometheus (Debian's binary),
 the operator as a process. Stand-in: the pods, which no kubelet runs here; they are synthetic engine processes
-fed the rendered engine.yaml through the Deployment's own volume and mount (kvtier_operator.scenario.kubelet).
+fed the rendered engine.yaml through the Deployment's own volume and mount (e2e/scenario/kubelet.py).
 A failure prints the operator log, events, policy status and pod logs.
 """
 from __future__ import annotations
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from kvtier_operator.scenario.local import LocalOptions
-from kvtier_operator.scenario.manifests import Names
-from kvtier_operator.scenario.processes import Supervisor
-from kvtier_operator.scenario.report import Reporter
-from kvtier_operator.scenario.steps import ScenarioFailed, run_local
+from scenario.local import LocalOptions
+from scenario.manifests import Names
+from scenario.processes import Supervisor
+from scenario.report import Reporter
+from scenario.steps import ScenarioFailed, run_local
 from plugins.prometheus import require_prometheus
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.prometheus, pytest.mark.slow]

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import copy
 import random
+from pathlib import Path
 
 import pytest
 import yaml
 
 from kvtier_operator.api.validation import parse_policy
 from kvtier_operator.render import render
-from kvtier_operator.scenario import manifests, observe
-from kvtier_operator.scenario.kubelet import PodFailed, config_source, current_replica_set, pod_name
-from kvtier_operator.scenario.repo import RepoNotFound, find_repo
+from scenario import manifests, observe
+from scenario.kubelet import PodFailed, config_source, current_replica_set, pod_name
+from scenario.repo import RepoNotFound, find_repo
 
 NAMES = manifests.Names()
 
@@ -126,7 +127,7 @@ def test_waiting_for_a_process_to_answer_fails_fast_when_it_exits_and_returns_wh
     import sys
     import time
 
-    from kvtier_operator.scenario.processes import ScenarioError, Supervisor, wait_http_ok
+    from scenario.processes import ScenarioError, Supervisor, wait_http_ok
 
     sup = Supervisor()
     try:
@@ -152,3 +153,31 @@ def test_waiting_for_a_process_to_answer_fails_fast_when_it_exits_and_returns_wh
     finally:
         sup.close()
     assert server.process.poll() is not None  # the supervisor stopped what it started
+
+
+def test_the_product_package_holds_no_scenario_code():
+    """The scenario is test and demo code in e2e/scenario; the operator package may only delegate to it."""
+    import kvtier_operator
+
+    package = Path(kvtier_operator.__file__).parent
+    assert not (package / "scenario").exists() and not (package / "demo.py").exists()
+    offenders = [str(p.relative_to(package)) for p in package.rglob("*.py")
+                 if any(line.lstrip().startswith(("import scenario", "from scenario"))
+                        for line in p.read_text().splitlines())]
+    assert offenders == []
+
+
+def test_kvtier_demo_outside_a_checkout_says_where_the_demo_lives(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo / "operator"), str(repo / "runtime")])}
+    env.pop("KVTIER_REPO", None)
+    proc = subprocess.run([sys.executable, "-m", "kvtier_operator.cli", "demo", "--help"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "needs a kvtier checkout" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "kvtier_operator.cli", "demo", "--repo", str(repo), "--help"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "python -m scenario" in proc.stdout, proc.stderr

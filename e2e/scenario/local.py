@@ -18,8 +18,8 @@ from typing import Callable, Optional
 
 import kvtier_operator
 
-from ..api.crd import crd
-from ..kube import ApiError, Kube
+from kvtier_operator.api.crd import crd
+from kvtier_operator.kube import ApiError, Kube
 from .kubelet import KubeletStandIn
 from .manifests import HEALTHY, USER_FIELD_MANAGER, Names
 from .processes import ScenarioError, Started, Supervisor, tail, wait_http_ok

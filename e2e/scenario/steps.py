@@ -13,9 +13,9 @@ from typing import Any, Callable, Optional
 
 import yaml
 
-from ..kube import MERGE, ApiError, policy_path, workload_path
-from ..render import CONFIG_FILE
-from ..settings import CONFIG_HASH_ANNOTATION, REENABLE_ANNOTATION
+from kvtier_operator.kube import MERGE, ApiError, policy_path, workload_path
+from kvtier_operator.render import CONFIG_FILE
+from kvtier_operator.settings import CONFIG_HASH_ANNOTATION, REENABLE_ANNOTATION
 from . import manifests, observe
 from .local import LocalEnvironment, LocalOptions
 from .processes import ScenarioError, Supervisor, tail, wait_until

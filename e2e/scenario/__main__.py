@@ -1,9 +1,11 @@
-"""``kvtier demo``: the end-to-end scenario on the local provider, narrated for a newcomer.
+"""The demo: the end-to-end scenario on the local provider, narrated for a newcomer (``make demo``).
+
+Run from a checkout: ``PYTHONPATH=e2e python -m scenario`` (``kvtier demo`` delegates here).
 
 It starts a local control plane, Prometheus, the operator and stand-in pods, applies a workload and a policy,
 makes latency rise, watches the SLO guard roll back the newest tier, lets latency recover and re-enables the
 tier, printing a status table as it goes. Everything it starts stops when it ends, also on Ctrl-C. Logs stay
-in the work directory it prints. The scenario itself lives in ``kvtier_operator.scenario``.
+in the work directory it prints. The steps live in ``steps``.
 """
 from __future__ import annotations
 
@@ -14,11 +16,17 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+# The scenario belongs to this checkout: drive this checkout's operator, not some other installed copy.
+_CHECKOUT = Path(__file__).resolve().parents[2]
+for _sub in ("runtime", "operator"):
+    if (_CHECKOUT / _sub).is_dir() and str(_CHECKOUT / _sub) not in sys.path:
+        sys.path.insert(0, str(_CHECKOUT / _sub))
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvtier demo", description="Run the end-to-end scenario on a local control plane, narrated.")
+    p = argparse.ArgumentParser(prog="python -m scenario", description="Run the end-to-end scenario on a local control plane, narrated.")
     p.add_argument("--repo", help="the kvtier checkout (its e2e/ folder builds the control plane and holds the "
-                                  "synthetic engine); default: $KVTIER_REPO, the package's own checkout, or the "
+                                  "synthetic engine); default: $KVTIER_REPO, the checkout holding this scenario, or the "
                                   "current directory")
     p.add_argument("--workdir", help="where logs and state go (default: a new /tmp/kvtier-demo-* directory)")
     p.add_argument("--kubeconfig", help="use this already running API server instead of starting one (it must run "
@@ -30,13 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(list(argv or []))
-    from .scenario.local import LocalOptions
-    from .scenario.manifests import Names
-    from .scenario.processes import terminate_as_interrupt
-    from .scenario.repo import RepoNotFound, find_repo
-    from .scenario.report import Reporter
-    from .scenario.steps import ScenarioFailed, run_local
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    from .local import LocalOptions
+    from .manifests import Names
+    from .processes import terminate_as_interrupt
+    from .repo import RepoNotFound, find_repo
+    from .report import Reporter
+    from .steps import ScenarioFailed, run_local
 
     try:
         repo = find_repo(args.repo)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Optional
 
-from ..kube import Kube, config_map_path, workload_path
+from kvtier_operator.kube import Kube, config_map_path, workload_path
 from .processes import ScenarioError, Started, Supervisor, stop_process, tail
 from .prometheus import Prometheus
 

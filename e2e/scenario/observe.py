@@ -11,10 +11,10 @@ from typing import Any, Iterable, Optional
 
 import yaml
 
-from ..kube import Kube, config_map_path, policy_path, workload_path
-from ..reconcile import config_map_name
-from ..render import CONFIG_FILE
-from ..settings import CONFIG_HASH_ANNOTATION
+from kvtier_operator.kube import Kube, config_map_path, policy_path, workload_path
+from kvtier_operator.reconcile import config_map_name
+from kvtier_operator.render import CONFIG_FILE
+from kvtier_operator.settings import CONFIG_HASH_ANNOTATION
 
 
 def _strings(node: Any) -> Iterable[str]:
