@@ -91,3 +91,77 @@ def _positive_int(key: str, value: Any) -> None:
 def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+
+
+# kvtier's own vLLM offloading spec (``spec_name: KvtierOffloadingSpec``), loaded by vLLM's OffloadingSpecFactory.
+VLLM_OFFLOADING_SPEC_CLASS = "KvtierOffloadingSpec"
+DEFAULT_HOST_SHM_DIR = "/dev/shm"
+
+
+@dataclass(frozen=True)
+class OffloadSpecConfig:
+    """The ``kv_connector_extra_config`` keys :class:`KvtierOffloadingSpec` reads.
+
+    ``cpu_bytes_to_use`` sizes the host tier (a shared-memory region under ``host_shm_dir``, read by vLLM's worker
+    and by the scheduler's disk I/O threads); ``eviction_policy``/``admission`` are its kvtier policies;
+    ``fs_tiers`` are the durable tiers behind it, in lookup order (each a :class:`FilesystemTierConfig`).
+    Keys vLLM itself reads (``spec_name``, ``block_size``, ``offload_prompt_only``...) are kept in ``extra``.
+    """
+
+    cpu_bytes_to_use: int
+    eviction_policy: str = "lru"
+    admission: str = "none"
+    host_shm_dir: str = DEFAULT_HOST_SHM_DIR
+    fs_tiers: tuple[FilesystemTierConfig, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _positive_int("cpu_bytes_to_use", self.cpu_bytes_to_use)
+        _one_of("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
+        _one_of("admission", self.admission, ADMISSION_POLICIES)
+        if not isinstance(self.host_shm_dir, str) or not self.host_shm_dir.startswith("/"):
+            raise ConfigError(f"host_shm_dir: {self.host_shm_dir!r} must be an absolute path")
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> "OffloadSpecConfig":
+        """Parse vLLM's ``kv_connector_extra_config``; a bad value raises :class:`ConfigError` whose message starts
+        with the key's full path (``kv_connector_extra_config.fs_tiers[0].codec: ...``)."""
+        prefix = "kv_connector_extra_config."
+        if "cpu_bytes_to_use" not in extra:
+            raise ConfigError(f"{prefix}cpu_bytes_to_use: required (bytes of kvtier's host tier)")
+        raw_tiers = extra.get("fs_tiers") or []
+        if not isinstance(raw_tiers, (list, tuple)):
+            raise ConfigError(f"{prefix}fs_tiers: {raw_tiers!r} must be a list of tier mappings")
+        tiers: list[FilesystemTierConfig] = []
+        for i, raw in enumerate(raw_tiers):
+            if not isinstance(raw, Mapping):
+                raise ConfigError(f"{prefix}fs_tiers[{i}]: {raw!r} must be a mapping")
+            try:
+                tiers.append(FilesystemTierConfig.from_kwargs(raw))
+            except ConfigError as err:
+                raise ConfigError(f"{prefix}fs_tiers[{i}].{err}") from None
+        roots = [t.root_dir for t in tiers]
+        if len(set(roots)) != len(roots):
+            raise ConfigError(f"{prefix}fs_tiers: root_dir values must be distinct, got {roots}")
+        known = {"cpu_bytes_to_use", "eviction_policy", "admission", "host_shm_dir"}
+        try:
+            return cls(
+                **{k: extra[k] for k in known if k in extra},
+                fs_tiers=tuple(tiers),
+                extra={k: v for k, v in extra.items() if k not in known and k != "fs_tiers"},
+            )
+        except ConfigError as err:
+            raise ConfigError(f"{prefix}{err}") from None
+
+    def to_extra_config(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "cpu_bytes_to_use": self.cpu_bytes_to_use,
+            "eviction_policy": self.eviction_policy,
+            "admission": self.admission,
+        }
+        if self.host_shm_dir != DEFAULT_HOST_SHM_DIR:
+            out["host_shm_dir"] = self.host_shm_dir
+        if self.fs_tiers:
+            out["fs_tiers"] = [t.to_kwargs() for t in self.fs_tiers]
+        out.update(self.extra)
+        return out

@@ -113,9 +113,10 @@ def test_kvtier_example_renders_s3fifo_doorkeeper_and_both_codecs():
     extra = json.loads(json.dumps(rendered("vllm-kvtier-compressed.yaml")))
     engine = yaml.safe_load(extra["files"]["engine.yaml"])
     config = engine["kv-transfer-config"]["kv_connector_extra_config"]
-    assert config["eviction_policy"] == "KvtierS3FIFODoorkeeperCachePolicy"
-    assert config["cache_policy_module_path"] == "kvtier_runtime.engines.vllm_adapter"
-    assert [(t["root_dir"], t["codec"]) for t in config["secondary_tiers"]] == [
+    assert (config["spec_name"], config["spec_module_path"]) == (
+        "KvtierOffloadingSpec", "kvtier_runtime.engines.vllm_adapter")
+    assert (config["eviction_policy"], config["admission"]) == ("s3fifo", "doorkeeper")
+    assert [(t["root_dir"], t["codec"]) for t in config["fs_tiers"]] == [
         ("/mnt/kvcache-nvme", "fp8"), ("/mnt/kvcache-archive", "int4")]
 
 

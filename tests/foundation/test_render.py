@@ -13,7 +13,13 @@ import yaml
 from foundation.policies import cpu, disk, policy
 from kvtier_operator.api.validation import parse_policy
 from kvtier_operator.render import RenderError, TargetFacts, detect_engine, render
-from kvtier_runtime.config import VLLM_ADAPTER_MODULE, VLLM_SECONDARY_TIER_CLASS
+from kvtier_runtime.config import (
+    VLLM_ADAPTER_MODULE,
+    VLLM_OFFLOADING_SPEC_CLASS,
+    VLLM_SECONDARY_TIER_CLASS,
+    FilesystemTierConfig,
+    OffloadSpecConfig,
+)
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 GiB = 2**30
@@ -59,6 +65,9 @@ VLLM_FLAGS = {"block-size", "gpu-memory-utilization", "kv-cache-dtype", "kv-tran
 KV_TRANSFER_KEYS = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_load_failure_policy"}
 OFFLOADING_KEYS = {"spec_name", "cpu_bytes_to_use", "block_size", "eviction_policy", "cache_policy_module_path",
                    "offload_prompt_only", "store_threshold", "secondary_tiers"}
+# kvtier's own spec (backend kvtier) reads these; vLLM reads the OFFLOADING_KEYS among them.
+KVTIER_SPEC_KEYS = {"spec_name", "spec_module_path", "cpu_bytes_to_use", "block_size", "offload_prompt_only",
+                    "eviction_policy", "admission", "host_shm_dir", "fs_tiers"}
 FS_TIER_KEYS = {"type", "root_dir", "n_read_threads", "n_write_threads"}
 TRT_KV_KEYS = {"enable_block_reuse", "host_cache_size", "free_gpu_memory_fraction", "tokens_per_block", "dtype",
                "secondary_offload_min_priority", "disk_cache_size", "disk_cache_path"}
@@ -92,6 +101,10 @@ def test_vllm_keys_are_vllm_033_keys(name):
         return
     assert ktc["kv_connector"] == "OffloadingConnector"
     extra = ktc["kv_connector_extra_config"]
+    if extra["spec_name"] == VLLM_OFFLOADING_SPEC_CLASS:
+        assert set(extra) <= KVTIER_SPEC_KEYS and extra["spec_module_path"] == VLLM_ADAPTER_MODULE
+        assert OffloadSpecConfig.from_extra_config(extra).cpu_bytes_to_use == 16 * GiB  # the runtime parses it
+        return
     assert set(extra) <= OFFLOADING_KEYS
     assert extra["cpu_bytes_to_use"] == 16 * GiB and isinstance(extra["cpu_bytes_to_use"], int)
     assert extra["spec_name"] == ("TieringOffloadingSpec" if "secondary_tiers" in extra else "CPUOffloadingSpec")
@@ -109,15 +122,15 @@ def test_vllm_keys_are_vllm_033_keys(name):
     assert rendered.resources["memoryLimitIncreaseBytes"] == 17 * GiB
 
 
-def test_vllm_kvtier_backend_names_the_runtime_plugins():
+def test_vllm_kvtier_backend_renders_kvtiers_own_spec():
     extra = _vllm_file(_render("vllm-kvtier-cpu-fs"))["kv-transfer-config"]["kv_connector_extra_config"]
-    assert extra["eviction_policy"] == "KvtierS3FIFOCachePolicy"
-    assert extra["cache_policy_module_path"] == VLLM_ADAPTER_MODULE
-    nvme, hdd = extra["secondary_tiers"]
-    assert nvme["codec"] == "int4" and nvme["capacity_bytes"] == 500 * GiB and nvme["n_read_threads"] == 32
-    assert nvme["eviction_policy"] == "arc" and hdd["root_dir"] == "/mnt/hdd"
+    assert (extra["spec_name"], extra["spec_module_path"]) == (VLLM_OFFLOADING_SPEC_CLASS, VLLM_ADAPTER_MODULE)
+    assert extra["eviction_policy"] == "s3fifo" and extra["admission"] == "none"
+    nvme, hdd = (FilesystemTierConfig.from_kwargs(t) for t in extra["fs_tiers"])
+    assert nvme.codec == "int4" and nvme.capacity_bytes == 500 * GiB and nvme.n_read_threads == 32
+    assert nvme.eviction_policy == "arc" and hdd.root_dir == "/mnt/hdd"
     extra = _vllm_file(_render("vllm-kvtier-cpu"))["kv-transfer-config"]["kv_connector_extra_config"]
-    assert extra["eviction_policy"] == "KvtierS3FIFODoorkeeperCachePolicy"
+    assert (extra["eviction_policy"], extra["admission"]) == ("s3fifo", "doorkeeper") and "fs_tiers" not in extra
 
 
 def test_only_enabled_tiers_are_rendered():

@@ -5,7 +5,8 @@ Facts (checked against the vllm 0.33.0 wheel): the OffloadingConnector reads ``k
 ``cpu_bytes_to_use`` is bytes across all TP workers; ``block_size`` is tokens per offloaded chunk;
 ``eviction_policy`` names a built-in policy or, with ``cache_policy_module_path``, a class; secondary tier dicts
 carry ``type`` (+ ``module_path`` out of tree) and the tier's constructor kwargs. ``--kv-offloading-size`` is not
-used: it silently overwrites the connector.
+used: it silently overwrites the connector. ``backend: kvtier`` renders kvtier's own spec (``spec_name:
+KvtierOffloadingSpec`` + ``spec_module_path``), which vLLM 0.32 and 0.33 load through ``OffloadingSpecFactory``.
 """
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ import yaml
 
 from kvtier_runtime.config import (
     VLLM_ADAPTER_MODULE,
-    VLLM_SECONDARY_TIER_CLASS,
+    VLLM_OFFLOADING_SPEC_CLASS,
     FilesystemTierConfig,
-    vllm_cache_policy_class,
+    OffloadSpecConfig,
 )
 
 from ..api import v1alpha1 as api
@@ -37,7 +38,41 @@ def _engine_flags(spec: api.KVCachePolicySpec) -> dict[str, Any]:
     return flags
 
 
+def _kvtier_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec]) -> dict[str, Any]:
+    """kvtier's own offloading spec: its host tier (the cpu tier) and filesystem tiers, with kvtier's policies
+    and codecs (loaded by vLLM's OffloadingSpecFactory from ``spec_module_path``)."""
+    cpu, secondary = tiers[0], [t for t in tiers[1:] if t.medium == "filesystem"]
+    config = OffloadSpecConfig(
+        cpu_bytes_to_use=parse_quantity(cpu.size),
+        eviction_policy=cpu.eviction_policy,
+        admission=cpu.admission,
+        fs_tiers=tuple(_fs_tier_config(spec, t) for t in secondary),
+    )
+    extra: dict[str, Any] = {"spec_name": VLLM_OFFLOADING_SPEC_CLASS, "spec_module_path": VLLM_ADAPTER_MODULE,
+                             "offload_prompt_only": spec.offload.prompt_only}
+    if spec.offload.chunk_tokens is not None:
+        extra["block_size"] = spec.offload.chunk_tokens
+    extra.update(config.to_extra_config())
+    return extra
+
+
+def _fs_tier_config(spec: api.KVCachePolicySpec, tier: api.TierSpec) -> FilesystemTierConfig:
+    assert tier.path is not None
+    return FilesystemTierConfig(
+        root_dir=tier.path,
+        capacity_bytes=parse_quantity(tier.size),
+        codec=tier.compression,
+        eviction_policy=tier.eviction_policy,
+        admission=tier.admission,
+        admission_threshold=max(2, spec.offload.store_threshold),
+        n_read_threads=tier.read_threads,
+        n_write_threads=tier.write_threads,
+    )
+
+
 def _offloading_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec]) -> dict[str, Any]:
+    if spec.backend == "kvtier":
+        return _kvtier_extra_config(spec, tiers)
     cpu, secondary = tiers[0], [t for t in tiers[1:] if t.medium == "filesystem"]
     extra: dict[str, Any] = {
         "spec_name": "TieringOffloadingSpec" if secondary else "CPUOffloadingSpec",
@@ -48,11 +83,7 @@ def _offloading_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSp
         extra["block_size"] = spec.offload.chunk_tokens
     if spec.offload.store_threshold and not secondary:
         extra["store_threshold"] = spec.offload.store_threshold
-    if spec.backend == "kvtier":
-        extra["eviction_policy"] = vllm_cache_policy_class(cpu.eviction_policy, cpu.admission)
-        extra["cache_policy_module_path"] = VLLM_ADAPTER_MODULE
-    else:
-        extra["eviction_policy"] = cpu.eviction_policy
+    extra["eviction_policy"] = cpu.eviction_policy
     if secondary:
         extra["secondary_tiers"] = [_secondary_tier(spec, t) for t in secondary]
     return extra
@@ -60,18 +91,6 @@ def _offloading_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSp
 
 def _secondary_tier(spec: api.KVCachePolicySpec, tier: api.TierSpec) -> dict[str, Any]:
     assert tier.path is not None
-    if spec.backend == "kvtier":
-        kwargs = FilesystemTierConfig(
-            root_dir=tier.path,
-            capacity_bytes=parse_quantity(tier.size),
-            codec=tier.compression,
-            eviction_policy=tier.eviction_policy,
-            admission=tier.admission,
-            admission_threshold=max(2, spec.offload.store_threshold),
-            n_read_threads=tier.read_threads,
-            n_write_threads=tier.write_threads,
-        ).to_kwargs()
-        return {"type": VLLM_SECONDARY_TIER_CLASS, "module_path": VLLM_ADAPTER_MODULE, **kwargs}
     # vLLM's own fs tier has no size limit: the volume's size limit is the only bound (see docs).
     return {"type": "fs", "root_dir": tier.path, "n_read_threads": tier.read_threads,
             "n_write_threads": tier.write_threads}

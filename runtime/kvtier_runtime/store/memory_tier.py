@@ -1,5 +1,9 @@
 """A memory tier: one slab of block slots allocated once (device memory, or host memory pinned under CUDA),
-with an eviction policy deciding which slot is reused. No allocation happens after construction."""
+with an eviction policy deciding which slot is reused. No allocation happens after construction.
+
+The slab may also be given (``slab=``): kvtier's vLLM offloading spec keeps its host tier in a shared-memory
+region that vLLM's worker process copies KV pages into, and this tier keeps that region's books in the scheduler.
+"""
 from __future__ import annotations
 
 import math
@@ -22,6 +26,7 @@ class MemoryTier:
         eviction_policy: str = "lru",
         admission: str | None = None,
         pin_memory: bool | None = None,
+        slab: torch.Tensor | None = None,
     ) -> None:
         self.name = name
         self.block_shape = tuple(int(d) for d in block_shape)
@@ -34,11 +39,19 @@ class MemoryTier:
                 f"{name}.capacity_bytes: {capacity_bytes!r} must be an integer >= one block ({self.block_nbytes})"
             )
         self.n_slots = capacity_bytes // self.block_nbytes
-        if pin_memory is None:
-            pin_memory = self.device.type == "cpu" and torch.cuda.is_available()
-        self.slab = torch.empty((self.n_slots, *self.block_shape), dtype=dtype, device=self.device,
-                                pin_memory=bool(pin_memory) and self.device.type == "cpu")
-        self.pinned_memory = bool(pin_memory) and self.device.type == "cpu"
+        if slab is not None:
+            if tuple(slab.shape[1:]) != self.block_shape or slab.dtype != dtype or slab.shape[0] < 1:
+                raise ValueError(f"{name}.slab: {slab.dtype}{list(slab.shape)} is not a stack of "
+                                 f"{dtype}{list(self.block_shape)} blocks")
+            self.n_slots = min(self.n_slots, int(slab.shape[0]))
+            self.slab = slab
+            self.pinned_memory = bool(pin_memory)
+        else:
+            if pin_memory is None:
+                pin_memory = self.device.type == "cpu" and torch.cuda.is_available()
+            self.slab = torch.empty((self.n_slots, *self.block_shape), dtype=dtype, device=self.device,
+                                    pin_memory=bool(pin_memory) and self.device.type == "cpu")
+            self.pinned_memory = bool(pin_memory) and self.device.type == "cpu"
         # One view per slot, made once: indexing the slab per transfer costs more than the bookkeeping around it.
         self._views = list(self.slab.unbind(0))
         self.policy = get_policy(eviction_policy, self.n_slots * self.block_nbytes, admission=admission)
@@ -76,6 +89,9 @@ class MemoryTier:
 
     def slot_view(self, slot: int) -> torch.Tensor:
         return self._views[slot]
+
+    def slot_of(self, key: bytes) -> int:
+        return self._slot_of[key]
 
     def touch(self, key: bytes, ctx: AccessContext | None = None) -> bool:
         return self.policy.touch(key, ctx)

@@ -1,0 +1,206 @@
+"""The vllm-free parts of kvtier's vLLM offloading spec: the books (host tier + filesystem tiers), the shared host
+region, the page copier and the spec's configuration. Real tiers on a temporary directory, real shared memory;
+the engine itself is exercised in tests/engine.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from kvtier_runtime.config import ConfigError, FilesystemTierConfig, OffloadSpecConfig
+from kvtier_runtime.engines.host_region import HostRegion, region_path, remove_stale_regions
+from kvtier_runtime.engines.offload_books import DISK, HIT, HIT_PENDING, HOST, MISS, RETRY, OffloadBooks
+from kvtier_runtime.engines.page_copy import PageCopier
+from kvtier_runtime.fs.format import HEADER_BYTES
+from kvtier_runtime.fs.tier import FilesystemTier
+from kvtier_runtime.store.memory_tier import MemoryTier
+
+ROW = 4096
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(32, "big") + b"\0\0\0\0"
+
+
+def _books(tmp_path, n_rows: int = 4, fs_capacity: int = 1 << 20, codec: str = "none"):
+    region = HostRegion(str(tmp_path / "shm"), f"books-{time.monotonic_ns()}", n_rows, ROW)
+    host = MemoryTier("host", (ROW,), torch.uint8, n_rows * ROW, slab=region.rows)
+    view = region.rows.view(torch.float32 if codec != "none" else torch.float16)
+    cfg = FilesystemTierConfig(root_dir=str(tmp_path / "fs"), capacity_bytes=fs_capacity, codec=codec,
+                               n_read_threads=2, n_write_threads=2)
+    tier = FilesystemTier(cfg, (view.shape[1],), view.dtype, name=f"t{time.monotonic_ns()}")
+    return OffloadBooks(host, [tier], fs_rows=[view], key_suffix=b"run"), region
+
+
+def _store(books: OffloadBooks, region: HostRegion, keys: list[bytes], fill) -> None:
+    out = books.prepare_store(keys)
+    assert out is not None
+    to_store, slots, _ = out
+    for key, slot in zip(to_store, slots):
+        region.rows[slot].copy_(fill(key))  # what vLLM's worker does between prepare_store and complete_store
+    books.complete_store(to_store)
+    books.drain()  # write-through pins the rows until the disk has them
+
+
+def _fill(key: bytes) -> torch.Tensor:
+    g = torch.Generator().manual_seed(int.from_bytes(key[:32], "big") % (2**31))
+    return torch.randint(0, 255, (ROW,), generator=g, dtype=torch.uint8)
+
+
+def _settle(books: OffloadBooks, key: bytes, timeout_s: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        books.drain(timeout_s)
+        state = books.lookup(key)
+        if state != RETRY or time.monotonic() > deadline:
+            return state
+
+
+def test_store_then_host_hit_and_write_through(tmp_path) -> None:
+    books, region = _books(tmp_path)
+    keys = [_key(i) for i in range(3)]
+    out = books.prepare_store(keys)
+    assert out is not None and out[0] == keys and len(set(out[1])) == 3
+    assert books.lookup(keys[0]) == HIT_PENDING  # the worker's copy is in flight
+    for key, slot in zip(out[0], out[1]):
+        region.rows[slot].copy_(_fill(key))
+    books.complete_store(keys)
+    assert [books.lookup(k) for k in keys] == [HIT] * 3 and books.source(keys[0]) == HOST
+    books.drain()
+    assert books.counters["fs_stores"] == 3 and len(books.fs_tiers[0]) == 3
+    slots = books.prepare_load(keys)
+    assert all(torch.equal(region.rows[s], _fill(k)) for s, k in zip(slots, keys))
+    # Pinned for the load: a store that needs every slot cannot evict them.
+    assert books.prepare_store([_key(10 + i) for i in range(4)])[0] == [_key(10)]
+    books.complete_load(keys)
+    books.close()
+    region.close(unlink=True)
+
+
+def test_evicted_block_is_promoted_from_disk_with_identical_bytes(tmp_path) -> None:
+    books, region = _books(tmp_path, n_rows=2)
+    first = _key(1)
+    _store(books, region, [first], _fill)
+    books.drain()
+    _store(books, region, [_key(2), _key(3)], _fill)  # evicts `first` from the 2-row host tier
+    assert first not in books.host and books.counters["host_evictions"] >= 1
+    assert books.lookup(first) == RETRY  # a promotion from disk started
+    assert _settle(books, first) == HIT and books.source(first) == DISK
+    (slot,) = books.prepare_load([first])
+    assert torch.equal(region.rows[slot], _fill(first))
+    books.complete_load([first])
+    books.close()
+    region.close(unlink=True)
+
+
+def test_corrupt_file_is_a_counted_miss_never_a_hit(tmp_path) -> None:
+    books, region = _books(tmp_path, n_rows=2)
+    victim = _key(7)
+    _store(books, region, [victim], _fill)
+    books.drain()
+    path = books.fs_tiers[0].block_path(books.fs_key(victim))
+    with open(path, "r+b") as f:
+        f.seek(HEADER_BYTES + 10)  # inside the payload
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    _store(books, region, [_key(8), _key(9)], _fill)  # evict it from the host tier
+    assert books.lookup(victim) == RETRY
+    assert _settle(books, victim) == MISS
+    assert books.load_failures["corrupt"] == 1 and victim not in books.host
+    books.close()
+    region.close(unlink=True)
+
+
+def test_prepare_store_is_none_when_every_slot_is_pinned(tmp_path) -> None:
+    books, region = _books(tmp_path, n_rows=2)
+    keys = [_key(1), _key(2)]
+    out = books.prepare_store(keys)
+    assert out is not None and out[0] == keys
+    assert books.prepare_store([_key(3)]) is None  # both slots hold stores in flight
+    books.complete_store(keys, success=False)
+    assert [books.lookup(k) for k in keys] == [MISS, MISS]
+    books.close()
+    region.close(unlink=True)
+
+
+def test_lossy_codec_round_trip_through_promotion(tmp_path) -> None:
+    books, region = _books(tmp_path, n_rows=2, codec="fp8")
+    floats = region.rows.view(torch.float32)
+    key = _key(5)
+    out = books.prepare_store([key])
+    values = torch.linspace(-2, 2, floats.shape[1])
+    floats[out[1][0]].copy_(values)
+    books.complete_store([key])
+    books.drain()
+    _store(books, region, [_key(6), _key(7)], lambda k: torch.zeros(ROW, dtype=torch.uint8))
+    assert _settle(books, key) == HIT
+    (slot,) = books.prepare_load([key])
+    assert torch.allclose(floats[slot], values, rtol=0.07, atol=0.02)
+    books.close()
+    region.close(unlink=True)
+
+
+def test_host_region_is_shared_and_stale_files_are_removed(tmp_path) -> None:
+    shm = str(tmp_path)
+    a = HostRegion(shm, "eng/1", 3, 64)
+    b = HostRegion(shm, "eng/1", 3, 64)
+    a.rows[2, 5] = 42
+    assert int(b.rows[2, 5]) == 42 and a.path == region_path(shm, "eng/1") and "/" not in os.path.basename(a.path)
+    # Held by a and b: not stale even when old.
+    assert remove_stale_regions(shm, now=time.time() + 3600) == []
+    a.close()
+    b.close()
+    assert remove_stale_regions(shm, now=time.time() + 3600) == [a.path] and not os.path.exists(a.path)
+
+
+def test_page_copier_round_trip_with_chunks_and_skip() -> None:
+    torch.manual_seed(0)
+    kv = [torch.randint(-128, 127, (10, 48), dtype=torch.int8), torch.randint(-128, 127, (10, 32), dtype=torch.int8)]
+    rows = torch.zeros(4, 2 * (48 + 32), dtype=torch.uint8)
+    copier = PageCopier(kv, [48, 32], rows, blocks_per_chunk=2)
+    # Engine blocks 3, 7, 1 -> chunks 2 and 0, entering chunk 2 at its second block.
+    pairs = copier.pairs([3, 7, 1], [2, 0], skip=1)
+    assert pairs == [(3, 2, 1), (7, 0, 0), (1, 0, 1)]
+    copier.submit(11, pairs, to_host=True)
+    (done,) = copier.finished()
+    assert (done.job_id, done.success, done.nbytes) == (11, True, 3 * 80)
+    saved = [t.clone() for t in kv]
+    for t in kv:
+        t.zero_()
+    copier.submit(12, copier.pairs([3, 7, 1], [2, 0], skip=1), to_host=False)
+    assert [r.job_id for r in copier.finished()] == [12]
+    for t, s in zip(kv, saved):
+        assert torch.equal(t[[3, 7, 1]], s[[3, 7, 1]])
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({}, "kv_connector_extra_config.cpu_bytes_to_use: required"),
+        ({"cpu_bytes_to_use": "4Gi"}, "kv_connector_extra_config.cpu_bytes_to_use: '4Gi' must be a positive integer"),
+        ({"cpu_bytes_to_use": 1, "host_shm_dir": "shm"}, "kv_connector_extra_config.host_shm_dir: 'shm' must be an"),
+        ({"cpu_bytes_to_use": 1, "fs_tiers": [{"root_dir": "/a", "capacity_bytes": 1, "codec": "zstd"}]},
+         "kv_connector_extra_config.fs_tiers[0].codec: 'zstd' is not one of"),
+        ({"cpu_bytes_to_use": 1, "fs_tiers": [{"root_dir": "/a", "capacity_bytes": "10G"}]},
+         "kv_connector_extra_config.fs_tiers[0].capacity_bytes: '10G' must be a positive integer"),
+        ({"cpu_bytes_to_use": 1, "fs_tiers": [{"root_dir": "rel", "capacity_bytes": 1}]},
+         "kv_connector_extra_config.fs_tiers[0].root_dir: 'rel' must be an absolute path"),
+        ({"cpu_bytes_to_use": 1, "eviction_policy": "mru"}, "kv_connector_extra_config.eviction_policy: 'mru'"),
+    ],
+)
+def test_spec_config_errors_name_the_key(extra, message) -> None:
+    with pytest.raises(ConfigError) as err:
+        OffloadSpecConfig.from_extra_config(extra)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_spec_config_round_trip_keeps_vllms_keys() -> None:
+    extra = {"spec_name": "KvtierOffloadingSpec", "block_size": 64, "cpu_bytes_to_use": 1 << 30,
+             "eviction_policy": "s3fifo", "fs_tiers": [{"root_dir": "/d", "capacity_bytes": 1 << 40, "codec": "fp8"}]}
+    cfg = OffloadSpecConfig.from_extra_config(extra)
+    assert cfg.fs_tiers[0].codec == "fp8" and cfg.extra == {"spec_name": "KvtierOffloadingSpec", "block_size": 64}
+    assert OffloadSpecConfig.from_extra_config(cfg.to_extra_config()) == cfg
