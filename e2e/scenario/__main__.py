@@ -116,8 +116,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"Done in {time.monotonic() - started:.0f}s (set-up {timings.setup:.0f}s, engine starts "
               f"{', '.join(f'{t:.0f}s' for t in timings.engine_start)}). Measured here: TTFT "
               + "; ".join(str(timings.ttft[p]) for p in ("healthy", "slowed", "rolled back"))
-              + f". Slowdown -> {options.names.fs_tier} disabled {timings.breach_to_disable:.1f}s (first breach -> "
-              f"disabled {timings.first_breach_to_disable:.1f}s, bound {timings.breach_bound:.0f}s).")
+              + f". Slowdown -> {options.names.fs_tier} disabled {timings.breach_to_disable:.1f}s (first request over "
+              f"the budget -> disabled {timings.first_breach_to_disable:.1f}s, bound {timings.breach_bound:.0f}s).")
         print(f"Every process, the slow device and its cgroup are gone. Operator log: {options.workdir / 'operator.log'}")
         return 0
     print(f"Done in {time.monotonic() - started:.0f}s (set-up {timings.setup:.0f}s). Measured here: "

@@ -76,9 +76,11 @@ class LocalEnvironment:
         self.supervisor.on_close("API client", self.kube.close)
         self._crd()
         self._namespace()
-        self.prometheus = Prometheus(self.supervisor, self.o.workdir / "prometheus")
+        # A busy CPU engine can take over a second to answer /metrics: a 2 s scrape for it.
+        scrape = "2s" if self.o.real else "1s"
+        self.prometheus = Prometheus(self.supervisor, self.o.workdir / "prometheus", scrape_interval=scrape)
         self.prometheus.start()
-        self.say(f"Prometheus {self.prometheus.url} scrapes the pods every second (namespace and pod labels, as "
+        self.say(f"Prometheus {self.prometheus.url} scrapes the pods every {scrape} (namespace and pod labels, as "
                  "a Kubernetes pod scrape adds them)")
         self._operator()
         launcher = self._real_engine() if self.o.real else None

@@ -117,8 +117,8 @@ def real_policy(names: Names, prometheus_url: str) -> dict[str, Any]:
 
 def slo_bound_seconds() -> float:
     """Breach -> tier Disabled, at most: the window fills with slow requests, then consecutiveBreaches
-    evaluations an interval apart, plus a 1 s scrape."""
+    evaluations an interval apart, plus a 2 s scrape."""
     from kvtier_operator.api.units import parse_duration
 
     return (parse_duration(REAL_SLO["window"]) + REAL_SLO["consecutiveBreaches"]
-            * parse_duration(REAL_SLO["interval"]) + 1.0)
+            * parse_duration(REAL_SLO["interval"]) + 2.0)

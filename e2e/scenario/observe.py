@@ -253,5 +253,5 @@ def row(s: Snapshot, consecutive_needed: Optional[int] = None) -> str:
                  _vs(last.get("itlP99"), thresholds.get("itlP99")), f"{s.breaches}{need}",
                  (s.workload_hash or "-")[:10], pods))
     if s.engine:
-        line += "\n" + " " * (WIDTHS[0] + 2) + engine_cells(s.engine)
+        line += "\n" + " " * (6 + WIDTHS[0] + 2) + engine_cells(s.engine)  # under the row, which Reporter indents by 6
     return line

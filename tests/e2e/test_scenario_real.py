@@ -116,6 +116,7 @@ def test_make_demo_on_a_real_engine_breaches_because_of_the_slow_tier_and_recove
     assert p99["slowed"] > budget >= p99["rolled back"], (p99, budget)
     assert re.search(r"while slow: [1-9]\d* prompt tokens served from nvme", out)
     assert "event Warning TierDisabled: disabled tier nvme" in out
+    assert re.search(r"after the first request over the budget: within the bound", out), "breach -> rollback bound"
     assert took < 600, f"make demo must finish in under 10 minutes once installed; took {took:.0f}s"
     assert _wait_none_left(tmp_path / "demo") == []
 
