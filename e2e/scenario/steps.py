@@ -27,11 +27,11 @@ STEPS = 7
 LOAD_REQUESTS = 400
 LOAD_MAX_BLOCKS = 8
 LOAD_RATE = 2.0
-WARMUP_S = 20
+WARMUP_S = 15
 HEALTHY_S = 40
 SLOWED_TIMEOUT_S = 180
 ROLL_TIMEOUT_S = 480
-RECOVER_S = 25
+RECOVER_S = 20
 
 
 @dataclass
@@ -367,6 +367,7 @@ class Scenario:
                     f"Expected: requests whose prefix is on {n.fs_tier} wait for its reads, p99 TTFT breaches, "
                     f"the guard disables {n.fs_tier},\nthe config is re-rendered without it and the engine restarts "
                     "on it.")
+        before_hash = s.workload_hash  # the config with both tiers, before anything is slow
         m_slow0 = self.pod_metrics()
         reads0 = disk.reads_served()
         slowed_at = time.monotonic()
@@ -401,7 +402,6 @@ class Scenario:
                   f"bound window + {manifests.REAL_SLO['consecutiveBreaches']} x interval + scrape = "
                   f"{self.timings.breach_bound:.0f}s")
         self._check_rollback_recorded(s)
-        before_hash = s.workload_hash
         load.set_phase("restarting")
         s = self.wait("the engine restarted on the re-rendered config, every part agreeing",
                       lambda s: self.agree(s) and s.workload_hash != before_hash and s.enabled_tiers == [n.cpu_tier],
@@ -448,7 +448,8 @@ class Scenario:
         fmt = lambda v: "-" if v is None else f"{v:.2f}s/GiB"  # noqa: E731
         self.r.note(f"while slow: {disk_tokens:.0f} prompt tokens served from {n.fs_tier} (disk), "
                     f"promotions +{after.get('promotions', 0) - before.get('promotions', 0):.0f}, "
-                    f"kv_offload load time {fmt(healthy_rate)} healthy -> {fmt(slow_rate)} slowed"
+                    f"kv_offload load time {fmt(healthy_rate)} healthy -> {fmt(slow_rate)} slowed (host -> engine "
+                    "copies only: the disk reads are the promotions, outside that timer)"
                     + (f", {reads} reads through the throttle" if reads is not None else ""))
         if disk_tokens <= 0:
             raise ScenarioError(f"the breach did not come from the slowed tier: while {n.fs_tier}'s device was slow "
@@ -530,6 +531,8 @@ def _kv_summary(config: Optional[dict[str, Any]]) -> str:
         parts.append(f"cpu {int(extra['cpu_bytes_to_use']) / 2**30:g}GiB")
     for t in extra.get("secondary_tiers") or []:
         parts.append(f"{t.get('type')} {t.get('root_dir', '')}".strip())
+    for t in extra.get("fs_tiers") or []:  # kvtier's own spec
+        parts.append(f"fs {t.get('root_dir', '')}".strip())
     return ", ".join(parts)
 
 
