@@ -86,6 +86,18 @@ DEGRADED = {"ttft": 2.0, "itl": 0.25}
 # Longer window and interval than the synthetic run: a CPU engine serves about one request a second.
 REAL_INITIAL_TTFT_BUDGET = "60s"
 REAL_BUDGET_FACTOR = 2.0
+# vLLM's TTFT histogram buckets (seconds). The guard's p99 is Prometheus' interpolation inside a bucket, so it can
+# read anywhere up to the upper bound of the bucket the true p99 is in: a budget inside that bucket could breach
+# on healthy traffic. The budget is therefore a bucket bound (plus a margin), not just a multiple.
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+
+
+def real_budget(healthy_p99: float) -> float:
+    """The SLO's TTFT budget from the healthy p99 measured in the run: the first bucket bound at or over
+    REAL_BUDGET_FACTOR x it, plus 0.1 s."""
+    want = max(REAL_BUDGET_FACTOR * healthy_p99, 0.5)
+    return round(min((b for b in VLLM_TTFT_BUCKETS if b >= want), default=want) + 0.1, 3)
 REAL_SLO = {"interval": "4s", "window": "16s", "consecutiveBreaches": 2, "cooldown": "600s",
             "minRequestRate": 0.05}
 REAL_HOST_SIZE = "32Mi"

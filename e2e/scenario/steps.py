@@ -355,12 +355,11 @@ class Scenario:
         self.r.ok(f"offloading: {m1['stored_bytes'] / 2**20:.0f} MiB stored ({m1['fs_stores']:.0f} blocks written "
                   f"to {n.fs_tier}), disk-cached tokens +{m1['cached_disk'] - m0.get('cached_disk', 0):.0f} and "
                   f"host +{m1['cached_host'] - m0.get('cached_host', 0):.0f} during the measurement")
-        budget = max(manifests.REAL_BUDGET_FACTOR * (healthy.p99 or 0), 0.5)
-        budget = round(budget + 0.05, 1)
+        budget = manifests.real_budget(healthy.p99 or 0)
         self.timings.budget = budget
         self.user_patch(policy_path(n.namespace, n.policy), {"spec": {"slo": {"ttftP99": f"{int(budget * 1000)}ms"}}})
-        self.r.ok(f"TTFT healthy ({healthy}); SLO budget set to {budget:.1f}s "
-                  f"({manifests.REAL_BUDGET_FACTOR:g} x the healthy p99 measured here)")
+        self.r.ok(f"TTFT healthy ({healthy}); SLO budget set to {budget:.1f}s (the first TTFT bucket bound over "
+                  f"{manifests.REAL_BUDGET_FACTOR:g} x the healthy p99 measured here, + 0.1 s)")
 
         self.r.step(5, total, f"The {n.fs_tier} tier's device becomes slow",
                     f"{disk.describe()}\nMechanism {disk.mechanism}: {disk.why}.\n"

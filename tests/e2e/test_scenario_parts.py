@@ -210,3 +210,11 @@ def test_a_pods_volume_paths_are_mapped_to_its_host_directories():
     tiers = out["kv-transfer-config"]["kv_connector_extra_config"]["fs_tiers"]
     assert [t["root_dir"] for t in tiers] == ["/host/pod/nvme", "/host/pod/nvme/sub", "/mnt/kvcache2"]
     assert tiers[0]["n"] == 1
+
+
+def test_the_real_engines_budget_is_a_bucket_bound_over_twice_the_healthy_p99():
+    from scenario.manifests import real_budget
+
+    assert real_budget(2.56) == 7.6   # 5.12 -> bucket bound 7.5
+    assert real_budget(2.4) == 5.1    # 4.8 -> 5.0; a true p99 of 2.4 s reads at most 2.5 s (its bucket bound)
+    assert real_budget(0.1) == 0.6    # at least 0.5 s

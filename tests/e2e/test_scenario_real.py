@@ -22,9 +22,12 @@ import pytest
 from plugins.prometheus import require_prometheus
 from scenario import slowdisk
 
-pytestmark = [pytest.mark.controlplane, pytest.mark.prometheus, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.controlplane, pytest.mark.prometheus, pytest.mark.slow, pytest.mark.timeout(1800)]
 REPO = Path(__file__).resolve().parents[2]
 TRACE = REPO / "tests" / "data" / "mooncake-synthetic.jsonl"
+# The goal: `make demo` under 10 minutes once installed. A machine shared by many jobs (vLLM's start-up
+# alone took 250-300 s per engine on the busy 2-core development machine) may raise it, and the test says so.
+LIMIT_S = float(os.environ.get("KVTIER_DEMO_LIMIT_S", "600"))
 
 
 def _vllm_python() -> str:
@@ -70,7 +73,7 @@ def _wait_none_left(workdir: Path, timeout: float = 30) -> list[str]:
 
 
 def _demo(workdir: Path, python: str, *, stop_at: str | None = None, sig: int = signal.SIGINT,
-          timeout: float = 840) -> tuple[int, str, float]:
+          timeout: float = 1500) -> tuple[int, str, float]:
     env = {**os.environ, "PYTHONPATH": str(REPO / "e2e"), "PYTHONUNBUFFERED": "1",
            "KVTIER_VLLM_CPU_PYTHON": python}
     started = time.monotonic()
@@ -117,7 +120,9 @@ def test_make_demo_on_a_real_engine_breaches_because_of_the_slow_tier_and_recove
     assert re.search(r"while slow: [1-9]\d* prompt tokens served from nvme", out)
     assert "event Warning TierDisabled: disabled tier nvme" in out
     assert re.search(r"after the first request over the budget: within the bound", out), "breach -> rollback bound"
-    assert took < 600, f"make demo must finish in under 10 minutes once installed; took {took:.0f}s"
+    starts = re.search(r"engine starts ([0-9s, ]+)\)", out)
+    assert took < LIMIT_S, (f"make demo must finish in under {LIMIT_S:.0f}s once installed; took {took:.0f}s "
+                            f"(engine starts: {starts.group(1) if starts else '?'})")
     assert _wait_none_left(tmp_path / "demo") == []
 
 
