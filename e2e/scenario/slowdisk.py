@@ -38,8 +38,8 @@ BLKIO_ROOT = Path("/sys/fs/cgroup/blkio")
 STATE_DIR = Path("/run/kvtier-slowdisk") if Path("/run").is_dir() else Path("/tmp/kvtier-slowdisk")
 SECTOR = 512
 # Slow: every read waits this long on dm-delay; the throttle allows this many reads a second.
-DELAY_MS = 200
-IOPS = 8
+DELAY_MS = 500
+IOPS = 2
 
 
 class SlowDiskUnavailable(RuntimeError):
