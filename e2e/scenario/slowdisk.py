@@ -261,6 +261,14 @@ def _teardown(state: dict) -> list[str]:
     problems: list[str] = []
     cgroup = Path(state["cgroup"]) if state.get("cgroup") else None
     if cgroup is not None and cgroup.exists():
+        # Lift the throttle first: a process waiting on throttled reads cannot die until they are served.
+        limits = cgroup / "blkio.throttle.read_iops_device"
+        for line in limits.read_text().splitlines():
+            if line.split()[:1]:
+                try:
+                    limits.write_text(f"{line.split()[0]} 0\n")
+                except OSError:
+                    pass
         for _ in range(50):
             pids = [int(p) for p in (cgroup / "cgroup.procs").read_text().split()]
             if not pids:
