@@ -131,16 +131,36 @@ def _operator_main() -> Callable[[Sequence[str]], int]:
 
 
 def _demo_main() -> Callable[[Sequence[str]], int]:
-    from .demo import main
+    return _delegate_demo
 
-    return main
+
+def _delegate_demo(argv: Sequence[str]) -> int:
+    """The demo is test code in a checkout (``e2e/scenario``), not part of this package: find the checkout
+    (``--repo``, ``$KVTIER_REPO``, the current directory or a parent) and hand over to ``python -m scenario``."""
+    import os
+
+    argv = list(argv)
+    explicit = next((a.split("=", 1)[1] for a in argv if a.startswith("--repo=")), None)
+    if explicit is None and "--repo" in argv and argv.index("--repo") + 1 < len(argv):
+        explicit = argv[argv.index("--repo") + 1]
+    if explicit or os.environ.get("KVTIER_REPO"):
+        candidates = [Path(explicit or os.environ["KVTIER_REPO"])]
+    else:
+        candidates = [Path.cwd(), *Path.cwd().parents]
+    repo = next((c.resolve() for c in candidates if (c / "e2e" / "scenario" / "__main__.py").is_file()), None)
+    if repo is None:
+        return _fail("demo: needs a kvtier checkout (its e2e/ folder holds the scenario); run it from the checkout "
+                     "or pass --repo PATH", EXIT_USAGE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo / "e2e"), os.environ.get("PYTHONPATH")]))}
+    os.execve(sys.executable, [sys.executable, "-m", "scenario", *argv], env)
+    return 0  # not reached
 
 
 # Subcommands with parsers of their own, loaded only when used.
 _EXTERNAL = [
     ("replay", _replay_main, "replay a trace to size tiers and compare policies (kvtier replay --help)"),
     ("operator", _operator_main, "run the operator (kvtier operator --help)"),
-    ("demo", _demo_main, "run the end-to-end scenario on a local control plane (kvtier demo --help)"),
+    ("demo", _demo_main, "run the end-to-end scenario from a checkout: python -m scenario in its e2e/ (kvtier demo --help)"),
 ]
 
 

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from kvtier_operator.api.validation import validate_text
-from kvtier_operator.scenario import manifests
+from scenario import manifests
 from kvtier_operator.workload import has_config_args
 
 REPO = Path(__file__).resolve().parents[2]

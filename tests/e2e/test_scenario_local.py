@@ -1,8 +1,13 @@
-"""The end-to-end scenario on the local provider, as CI runs it, and ``kvtier demo`` as a newcomer runs it.
+"""The end-to-end scenario on the local provider with SYNTHETIC engines, and the demo's command line.
+
+Why synthetic here: these tests check the SLO guard's whole state machine end to end (breach, rollback, the
+recovery inside the cooldown, a manual re-enable) with exact latency control and in about a minute; a real CPU
+engine's latency is neither exact nor that fast. The real engine, a device really made slow and the breach it
+causes are tests/e2e/test_scenario_real.py.
 
 Real parts: kube-apiserver + etcd + kube-controller-manager (e2e/controlplane), Prometheus (Debian's binary),
 the operator as a process. Stand-in: the pods, which no kubelet runs here; they are synthetic engine processes
-fed the rendered engine.yaml through the Deployment's own volume and mount (kvtier_operator.scenario.kubelet).
+fed the rendered engine.yaml through the Deployment's own volume and mount (e2e/scenario/kubelet.py).
 A failure prints the operator log, events, policy status and pod logs.
 """
 from __future__ import annotations
@@ -17,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from kvtier_operator.scenario.local import LocalOptions
-from kvtier_operator.scenario.manifests import Names
-from kvtier_operator.scenario.processes import Supervisor
-from kvtier_operator.scenario.report import Reporter
-from kvtier_operator.scenario.steps import ScenarioFailed, run_local
+from scenario.local import LocalOptions
+from scenario.manifests import Names
+from scenario.processes import Supervisor
+from scenario.report import Reporter
+from scenario.steps import ScenarioFailed, run_local
 from plugins.prometheus import require_prometheus
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.prometheus, pytest.mark.slow]
@@ -75,7 +80,7 @@ def run_demo(workdir: Path, interrupt_at: str | None = None, timeout: float = 24
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO / "runtime")]),
            "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "kvtier_operator.cli", "demo", "--workdir", str(workdir),
-                             "--no-color", "--namespace", "demo"], stdout=subprocess.PIPE,
+                             "--no-color", "--namespace", "demo", "--engine", "synthetic"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
     lines: list[str] = []
     deadline = time.monotonic() + timeout

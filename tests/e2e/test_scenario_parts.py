@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import copy
 import random
+from pathlib import Path
 
 import pytest
 import yaml
 
 from kvtier_operator.api.validation import parse_policy
 from kvtier_operator.render import render
-from kvtier_operator.scenario import manifests, observe
-from kvtier_operator.scenario.kubelet import PodFailed, config_source, current_replica_set, pod_name
-from kvtier_operator.scenario.repo import RepoNotFound, find_repo
+from scenario import manifests, observe
+from scenario.kubelet import PodFailed, config_source, current_replica_set, pod_name
+from scenario.repo import RepoNotFound, find_repo
 
 NAMES = manifests.Names()
 
@@ -126,7 +127,7 @@ def test_waiting_for_a_process_to_answer_fails_fast_when_it_exits_and_returns_wh
     import sys
     import time
 
-    from kvtier_operator.scenario.processes import ScenarioError, Supervisor, wait_http_ok
+    from scenario.processes import ScenarioError, Supervisor, wait_http_ok
 
     sup = Supervisor()
     try:
@@ -152,3 +153,68 @@ def test_waiting_for_a_process_to_answer_fails_fast_when_it_exits_and_returns_wh
     finally:
         sup.close()
     assert server.process.poll() is not None  # the supervisor stopped what it started
+
+
+def test_the_product_package_holds_no_scenario_code():
+    """The scenario is test and demo code in e2e/scenario; the operator package may only delegate to it."""
+    import kvtier_operator
+
+    package = Path(kvtier_operator.__file__).parent
+    assert not (package / "scenario").exists() and not (package / "demo.py").exists()
+    offenders = [str(p.relative_to(package)) for p in package.rglob("*.py")
+                 if any(line.lstrip().startswith(("import scenario", "from scenario"))
+                        for line in p.read_text().splitlines())]
+    assert offenders == []
+
+
+def test_kvtier_demo_outside_a_checkout_says_where_the_demo_lives(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo / "operator"), str(repo / "runtime")])}
+    env.pop("KVTIER_REPO", None)
+    proc = subprocess.run([sys.executable, "-m", "kvtier_operator.cli", "demo", "--help"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "needs a kvtier checkout" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "kvtier_operator.cli", "demo", "--repo", str(repo), "--help"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "python -m scenario" in proc.stdout, proc.stderr
+
+
+def test_trace_replay_keeps_the_traces_prefix_sharing_and_refuses_a_bad_record(tmp_path):
+    from scenario.load import BLOCK_TOKENS, PhaseStats, trace_prompts
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "hash_ids": [1, 2, 3]}\n{"timestamp": 1, "hash_ids": [9]}\n'
+                     '{"timestamp": 2, "hash_ids": [1, 2, 4, 5]}\n')
+    prompts = trace_prompts(trace, limit=10, max_blocks=3)
+    assert len(prompts) == 2  # [9] shares its first block with no one: not replayed
+    a, b = prompts
+    assert len(a) == len(b) == 3 * BLOCK_TOKENS
+    assert a[:2 * BLOCK_TOKENS] == b[:2 * BLOCK_TOKENS] and a[2 * BLOCK_TOKENS:] != b[2 * BLOCK_TOKENS:]
+    trace.write_text('{"timestamp": 0, "hash_ids": "abc"}\n')
+    with pytest.raises(ValueError, match=r"t.jsonl:1: not a Mooncake trace record"):
+        trace_prompts(trace, limit=10, max_blocks=3)
+    stats = PhaseStats.of("slowed", [0.1] * 98 + [3.0, 4.0])
+    assert stats.n == 100 and stats.p50 == 0.1 and stats.p99 == 3.0 and "p99 3.00s over 100" in str(stats)  # nearest rank
+
+
+def test_a_pods_volume_paths_are_mapped_to_its_host_directories():
+    from scenario.vllm_pod import map_paths
+
+    config = {"kv-transfer-config": {"kv_connector_extra_config": {"fs_tiers": [
+        {"root_dir": "/mnt/kvcache", "n": 1}, {"root_dir": "/mnt/kvcache/sub"}, {"root_dir": "/mnt/kvcache2"}]}}}
+    out = map_paths(config, {"/mnt/kvcache": Path("/host/pod/nvme")})
+    tiers = out["kv-transfer-config"]["kv_connector_extra_config"]["fs_tiers"]
+    assert [t["root_dir"] for t in tiers] == ["/host/pod/nvme", "/host/pod/nvme/sub", "/mnt/kvcache2"]
+    assert tiers[0]["n"] == 1
+
+
+def test_the_real_engines_budget_is_a_bucket_bound_over_twice_the_healthy_p99():
+    from scenario.manifests import real_budget
+
+    assert real_budget(2.56) == 7.6   # 5.12 -> bucket bound 7.5
+    assert real_budget(2.4) == 5.1    # 4.8 -> 5.0; a true p99 of 2.4 s reads at most 2.5 s (its bucket bound)
+    assert real_budget(0.1) == 0.6    # at least 0.5 s

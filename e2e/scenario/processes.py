@@ -1,9 +1,12 @@
 """Every process the scenario starts, and stopping all of them: in reverse order, on success, failure, Ctrl-C or
 SIGTERM. Children run in their own sessions, so a terminal's Ctrl-C reaches only the scenario, which then stops
-them in order (operator before the API server it talks to)."""
+them in order (operator before the API server it talks to). A scenario killed with SIGKILL cannot stop anything:
+each child is started through ``setpriv --pdeathsig KILL``, so the kernel kills it when the scenario dies (the
+control plane has its own owner watchdog; the slow device's leftovers are removed by the next run)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -34,7 +37,7 @@ class Supervisor:
               cwd: Optional[Path] = None, grace_s: float = 10.0) -> Started:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(with_parent_death_signal(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, cwd=cwd, start_new_session=True)
         started = Started(name, proc, log_path, grace_s)
         self.started.append(started)
@@ -57,6 +60,13 @@ class Supervisor:
         finally:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
+
+
+def with_parent_death_signal(cmd: Sequence[str]) -> list[str]:
+    """``cmd``, killed by the kernel when the process that started it dies (util-linux setpriv; exec keeps the
+    pid, so the process group and the stop below are unchanged). Without setpriv, ``cmd`` as is."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--", *cmd] if setpriv else list(cmd)
 
 
 def stop_process(started: Started) -> None:

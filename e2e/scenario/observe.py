@@ -11,10 +11,10 @@ from typing import Any, Iterable, Optional
 
 import yaml
 
-from ..kube import Kube, config_map_path, policy_path, workload_path
-from ..reconcile import config_map_name
-from ..render import CONFIG_FILE
-from ..settings import CONFIG_HASH_ANNOTATION
+from kvtier_operator.kube import Kube, config_map_path, policy_path, workload_path
+from kvtier_operator.reconcile import config_map_name
+from kvtier_operator.render import CONFIG_FILE
+from kvtier_operator.settings import CONFIG_HASH_ANNOTATION
 
 
 def _strings(node: Any) -> Iterable[str]:
@@ -63,6 +63,7 @@ class Snapshot:
     config_map: Optional[dict[str, Any]]
     workload: Optional[dict[str, Any]]
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)  # pod name -> config it loaded
+    engine: dict[str, Any] = field(default_factory=dict)  # a real engine's metrics, as Prometheus has them
 
     # -- policy
     @property
@@ -158,14 +159,54 @@ class Snapshot:
 
 
 def snapshot(kube: Kube, namespace: str, policy: str, workload: str, at: float,
-             pods: Optional[dict[str, dict[str, Any]]] = None) -> Snapshot:
+             pods: Optional[dict[str, dict[str, Any]]] = None, engine: Optional[dict[str, Any]] = None) -> Snapshot:
     return Snapshot(
         at=at,
         policy=kube.get(policy_path(namespace, policy)),
         config_map=kube.get(config_map_path(namespace, config_map_name(policy))),
         workload=kube.get(workload_path("Deployment", namespace, workload)),
         pods=dict(pods or {}),
+        engine=dict(engine or {}),
     )
+
+
+# ---------------------------------------------------------------------------------------------- a real engine
+
+def _metric(name: str) -> str:
+    # Prometheus 2.x stores vLLM's `vllm:` names as `vllm_` (OpenMetrics negotiation); match both.
+    return f'{{__name__=~"vllm[:_]{name}"'
+
+
+def engine_queries(namespace: str, window: str) -> dict[str, str]:
+    sel = f'namespace="{namespace}"'
+    return {
+        "ttft_p99": f"histogram_quantile(0.99, sum by (le) (rate({_metric('time_to_first_token_seconds_bucket')},"
+                    f"{sel}}}[{window}])))",
+        "stored_bytes": f"sum({_metric('kv_offload_store_bytes_total')},{sel}}})",
+        "loaded_bytes": f"sum({_metric('kv_offload_load_bytes_total')},{sel}}})",
+        "cached_device": f"sum({_metric('prompt_tokens_cached_by_source_total')},{sel},source=\"device\"}})",
+        "cached_host": f"sum({_metric('prompt_tokens_cached_by_source_total')},{sel},source=\"host\"}})",
+        "cached_disk": f"sum({_metric('prompt_tokens_cached_by_source_total')},{sel},source=\"disk\"}})",
+    }
+
+
+def engine_cells(engine: dict[str, Any]) -> str:
+    """The real engine's columns: its p99 TTFT, KV bytes offloaded and loaded back, prompt tokens cached by
+    source (device = vLLM's own cache, host and disk = kvtier's tiers)."""
+    if not engine:
+        return ""
+
+    def mib(key: str) -> str:
+        v = engine.get(key)
+        return "-" if v is None else f"{v / 2**20:.0f}"
+
+    def tok(key: str) -> str:
+        v = engine.get(key)
+        return "-" if v is None else f"{v:.0f}"
+    ttft = engine.get("ttft_p99")
+    return (f"engine p99 TTFT {_seconds(ttft)}; kv_offload MiB stored/loaded {mib('stored_bytes')}/"
+            f"{mib('loaded_bytes')}; cached_by_source tokens device/host/disk {tok('cached_device')}/"
+            f"{tok('cached_host')}/{tok('cached_disk')}")
 
 
 # ---------------------------------------------------------------------------------------------- the table
@@ -175,7 +216,7 @@ WIDTHS = (5, 8, 26, 10, 16, 16, 8, 11, 0)
 
 
 def _seconds(value: Any) -> str:
-    if value is None:
+    if value is None or value != value:  # None or NaN (no requests in the window)
         return "-"
     v = float(value)
     return f"{v * 1000:.0f}ms" if v < 1 else f"{v:.2f}s"
@@ -207,6 +248,10 @@ def row(s: Snapshot, consecutive_needed: Optional[int] = None) -> str:
                      for name, t in s.pod_tiers().items()) or "-"
     need = f"/{consecutive_needed}" if consecutive_needed else ""
     ready = "Ready" if s.ready else (s.condition("Ready").get("reason") or "-")
-    return _row((f"{s.at:4.0f}s", ready[:8], tiers, s.slo_state, _vs(last.get("ttftP99"), thresholds.get("ttftP99")),
+    line = _row((f"{s.at:4.0f}s", ready[:8], tiers, s.slo_state,
+                 _vs(last.get("ttftP99"), thresholds.get("ttftP99")),
                  _vs(last.get("itlP99"), thresholds.get("itlP99")), f"{s.breaches}{need}",
                  (s.workload_hash or "-")[:10], pods))
+    if s.engine:
+        line += "\n" + " " * (6 + WIDTHS[0] + 2) + engine_cells(s.engine)  # under the row, which Reporter indents by 6
+    return line

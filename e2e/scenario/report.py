@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from typing import Optional, TextIO
 
 from . import observe
@@ -20,6 +21,8 @@ class Reporter:
         self.consecutive = consecutive
         self._last_row: Optional[str] = None
         self._header_shown = False
+        self._last_print = 0.0
+        self.engine_every_s = 5.0
         self.lines: list[str] = []
 
     def _c(self, code: str, text: str) -> str:
@@ -56,9 +59,13 @@ class Reporter:
 
     def table(self, snap: observe.Snapshot, force: bool = False) -> None:
         row = observe.row(snap, self.consecutive)
-        content = observe.row(dataclasses.replace(snap, at=0.0), self.consecutive)  # all but the time
-        if not force and content == self._last_row:
+        # All but the time and a real engine's ever-moving counters: those print every engine_every_s at most.
+        content = observe.row(dataclasses.replace(snap, at=0.0, engine={}), self.consecutive)
+        now = time.monotonic()
+        if not force and content == self._last_row and not (
+                snap.engine and now - self._last_print >= self.engine_every_s):
             return
+        self._last_print = now
         if not self._header_shown:
             self._print(self._c(DIM, "      " + observe.header()))
             self._header_shown = True

@@ -8,20 +8,30 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import yaml
 
-from ..kube import MERGE, ApiError, policy_path, workload_path
-from ..render import CONFIG_FILE
-from ..settings import CONFIG_HASH_ANNOTATION, REENABLE_ANNOTATION
+from kvtier_operator.kube import MERGE, ApiError, policy_path, workload_path
+from kvtier_operator.render import CONFIG_FILE
+from kvtier_operator.settings import CONFIG_HASH_ANNOTATION, REENABLE_ANNOTATION
 from . import manifests, observe
 from .local import LocalEnvironment, LocalOptions
 from .processes import ScenarioError, Supervisor, tail, wait_until
 from .report import Reporter
 
 STEPS = 7
+# The real engine's run (seconds, requests): short, so `make demo` stays well under 10 minutes.
+LOAD_REQUESTS = 400
+LOAD_MAX_BLOCKS = 8
+LOAD_RATE = 2.0
+WARMUP_S = 15
+HEALTHY_S = 40
+SLOWED_TIMEOUT_S = 180
+ROLL_TIMEOUT_S = 480
+RECOVER_S = 20
 
 
 @dataclass
@@ -35,6 +45,12 @@ class Timings:
     recovery: float = 0.0          # latency restored -> sloState OK
     reenable: float = 0.0          # annotation set -> tier Enabled and pods on the full config
     total: float = 0.0
+    # Real engine only.
+    engine_start: list = None  # type: ignore[assignment]  # seconds to a healthy vllm serve, per pod
+    breach_bound: float = 0.0       # the guard's own bound for breach -> Disabled
+    first_breach_to_disable: float = 0.0  # first breaching evaluation seen -> tier Disabled
+    ttft: dict = None  # type: ignore[assignment]  # phase -> PhaseStats (client-measured)
+    budget: float = 0.0
 
 
 class Scenario:
@@ -47,6 +63,7 @@ class Scenario:
         self.timings = Timings()
         self._seen_events: set[str] = set()
         self._pods_running = False
+        self._hold_pods = False  # while True, ticks leave the pods alone (a measurement must not restart them)
         self.last: Optional[observe.Snapshot] = None
 
     # ------------------------------------------------------------------------------------------ helpers
@@ -62,14 +79,54 @@ class Scenario:
 
     def snap(self) -> observe.Snapshot:
         pods = self.kubelet.loaded_configs() if self._pods_running else {}
+        engine = self.engine_from_prometheus() if self.env.o.real and self._pods_running else {}
         self.last = observe.snapshot(self.kube, self.names.namespace, self.names.policy, self.names.workload,
-                                     time.monotonic() - self.t0, pods)
+                                     time.monotonic() - self.t0, pods, engine)
         return self.last
+
+    def engine_from_prometheus(self) -> dict[str, Any]:
+        assert self.env.prometheus is not None
+        out: dict[str, Any] = {}
+        for key, q in observe.engine_queries(self.names.namespace, manifests.REAL_SLO["window"]).items():
+            try:
+                result = self.env.prometheus.query(q)
+                out[key] = float(result[0]["value"][1]) if result else None
+            except (OSError, KeyError, ValueError, IndexError):
+                out[key] = None
+        return out
+
+    def pod_metrics(self) -> dict[str, float]:
+        """The serving pod's offload counters, read from the engine itself (exact, for the checks)."""
+        from vllm_cpu.server import parse_metrics
+
+        pods = self.kubelet.pods
+        if not pods:
+            return {}
+        req = urllib.request.Request(pods[0].url + "/metrics", headers={"Accept": "text/plain;version=0.0.4"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                samples = parse_metrics(r.read().decode())
+        except OSError:
+            return {}
+
+        def total(name: str, **labels: str) -> float:
+            want = set(labels.items())
+            return sum(v for (n, lab), v in samples.items() if n == name and want <= set(lab))
+        return {
+            "stored_bytes": total("vllm:kv_offload_store_bytes_total"),
+            "loaded_bytes": total("vllm:kv_offload_load_bytes_total"),
+            "load_time": total("vllm:kv_offload_load_time_total"),
+            "fs_stores": total("vllm:kv_offload_kvtier_fs_stores_total"),
+            "promotions": total("vllm:kv_offload_kvtier_promotions_total"),
+            "cached_device": total("vllm:prompt_tokens_cached_by_source_total", source="device"),
+            "cached_host": total("vllm:prompt_tokens_cached_by_source_total", source="host"),
+            "cached_disk": total("vllm:prompt_tokens_cached_by_source_total", source="disk"),
+        }
 
     def tick(self) -> None:
         """Between polls: keep pods on the current ReplicaSet (as a kubelet would), print changes."""
         self.env.check_alive()
-        if self._pods_running:
+        if self._pods_running and not self._hold_pods:
             self.kubelet.sync()
         self.r.table(self.snap())
         self.print_events()
@@ -110,6 +167,8 @@ class Scenario:
 
     # ------------------------------------------------------------------------------------------ the scenario
     def run(self) -> Timings:
+        if self.env.o.real:
+            return self.run_real()
         n = self.names
         self.r.step(1, STEPS, "Install", "A real kube-apiserver, etcd and kube-controller-manager on loopback, the "
                     "KVCachePolicy CRD,\na real Prometheus, and the kvtier operator as a process.")
@@ -215,6 +274,190 @@ class Scenario:
         self.timings.total = self.elapsed()
         return self.timings
 
+    # ------------------------------------------------------------------------------------------ the real engine
+    def _hold(self, what: str, seconds: float) -> observe.Snapshot:
+        until = time.monotonic() + seconds
+        return self.wait(what, lambda s: time.monotonic() >= until, seconds + 60)
+
+    def run_real(self) -> Timings:
+        """The scenario on real engines: vllm serve with kvtier's offloading spec, the filesystem tier on a device
+        that really becomes slow, the load a trace replay. Fails loudly if nothing was offloaded or if the breach
+        did not come from the slowed tier."""
+        from .load import TraceLoad, trace_prompts
+
+        n, total = self.names, 6
+        self.timings.engine_start, self.timings.ttft = [], {}
+        self.r.step(1, total, "Install", "A real kube-apiserver, etcd and kube-controller-manager on loopback, the "
+                    "KVCachePolicy CRD, a real Prometheus,\nthe kvtier operator as a process, the vllm-cpu engine "
+                    "and its model, and the block device the filesystem tier will live on.")
+        self.env.up()
+        self.timings.setup = self.elapsed()
+        disk = self.env.disk
+        assert disk is not None and self.env.prometheus is not None
+        trace = self.env.o.trace or self.env.o.repo / "tests" / "data" / "mooncake-synthetic.jsonl"
+        if not trace.is_file():
+            raise ScenarioError(f"the load replays {trace}, which does not exist (pass --trace FILE, a Mooncake-format "
+                                "JSONL trace)")
+        prompts = trace_prompts(trace, limit=LOAD_REQUESTS, max_blocks=LOAD_MAX_BLOCKS)
+        self.r.note(f"load: {len(prompts)} prefix-sharing requests replayed from {trace.name} ({LOAD_MAX_BLOCKS} "
+                    "blocks of 32 tokens at most each), one at a time")
+
+        self.r.step(2, total, "Apply a workload and a policy",
+                    f"Deployment {n.workload}: vLLM, whose args name the config file once (--config "
+                    "/etc/kvtier/engine.yaml).\n"
+                    f"KVCachePolicy {n.policy}: backend kvtier, tiers {n.cpu_tier} (cpu {manifests.REAL_HOST_SIZE}) "
+                    f"then {n.fs_tier} (filesystem {n.fs_path}, {manifests.REAL_FS_SIZE}), SLO on p99 TTFT\n"
+                    f"every {manifests.REAL_SLO['interval']} over {manifests.REAL_SLO['window']}; "
+                    f"{manifests.REAL_SLO['consecutiveBreaches']} breaches in a row roll back the newest tier.")
+        self.kube.apply(workload_path("Deployment", n.namespace, n.workload), manifests.deployment(n),
+                        manager=manifests.USER_FIELD_MANAGER)
+        self.kube.create(policy_path(n.namespace), manifests.real_policy(n, self.env.prometheus.url))
+        self.env.supervisor.on_close(f"policy {n.policy}", self._delete_policy)
+        self.r.note(f"applied Deployment {n.namespace}/{n.workload} and KVCachePolicy {n.namespace}/{n.policy}")
+
+        self.r.step(3, total, "The workload carries its rendered configuration",
+                    "The operator renders vLLM's engine.yaml (kvtier's offloading spec) into a ConfigMap and injects "
+                    "only volumes, mounts\nand a config-hash annotation into the Deployment.")
+        s = self.wait("the policy Ready and the Deployment carrying its config hash",
+                      lambda s: s.ready and s.status_hash and s.workload_hash == s.status_hash
+                      and s.rendered_tiers == [n.cpu_tier, n.fs_tier], 60)
+        self.r.ok("ConfigMap kvtier-{}: {} -> {}".format(n.policy, CONFIG_FILE, _kv_summary(s.rendered)))
+        self._show_args(s)
+
+        self.r.step(4, total, "A real engine serves, offloading to both tiers",
+                    "No kubelet here: a stand-in runs the pod as `vllm serve` (vllm-cpu) on the mounted engine.yaml; "
+                    f"the {n.fs_tier} volume\nis a directory on the slow device. Prometheus scrapes the engine; the "
+                    "load replays the trace. TTFT is measured healthy,\nthen the SLO budget is set from it.")
+        self.kubelet.sync()
+        self._pods_running = True
+        self.timings.engine_start.append(self.kubelet.pods[0].start_seconds)
+        load = TraceLoad(prompts, url=lambda: self.kubelet.pods[0].url if self.kubelet.pods else None,
+                         rate=LOAD_RATE)
+        self.env.supervisor.on_close("load", load.stop)  # runs before the pods stop
+        load.set_phase("warm-up")
+        load.start()
+        s = self.wait("SLO state OK with both tiers enabled, every part agreeing",
+                      lambda s: s.slo_state == "OK" and s.enabled_tiers == [n.cpu_tier, n.fs_tier] and self.agree(s),
+                      180)
+        self._hold("a warm-up under load", WARMUP_S)
+        load.set_phase("healthy")
+        m0 = self.pod_metrics()
+        self._hold("a healthy measurement", HEALTHY_S)
+        m1 = self.pod_metrics()
+        if not m1 or m1["stored_bytes"] <= 0 or m1["fs_stores"] <= 0:
+            raise ScenarioError(f"the engine's offload counters stayed at zero: nothing was offloaded (kv_offload "
+                                f"store bytes {m1.get('stored_bytes')}, kvtier fs stores {m1.get('fs_stores')}); "
+                                "the tiers are not in use, so nothing below would mean anything")
+        healthy = load.summary("healthy")
+        if not healthy.n:
+            raise ScenarioError("no request completed during the healthy measurement")
+        self.timings.ttft["healthy"] = healthy
+        self.r.ok(f"offloading: {m1['stored_bytes'] / 2**20:.0f} MiB stored ({m1['fs_stores']:.0f} blocks written "
+                  f"to {n.fs_tier}), disk-cached tokens +{m1['cached_disk'] - m0.get('cached_disk', 0):.0f} and "
+                  f"host +{m1['cached_host'] - m0.get('cached_host', 0):.0f} during the measurement")
+        budget = manifests.real_budget(healthy.p99 or 0)
+        self.timings.budget = budget
+        self.user_patch(policy_path(n.namespace, n.policy), {"spec": {"slo": {"ttftP99": f"{int(budget * 1000)}ms"}}})
+        self.r.ok(f"TTFT healthy ({healthy}); SLO budget set to {budget:.1f}s (the first TTFT bucket bound over "
+                  f"{manifests.REAL_BUDGET_FACTOR:g} x the healthy p99 measured here, + 0.1 s)")
+
+        self.r.step(5, total, f"The {n.fs_tier} tier's device becomes slow",
+                    f"{disk.describe()}\nMechanism {disk.mechanism}: {disk.why}.\n"
+                    f"Expected: requests whose prefix is on {n.fs_tier} wait for its reads, p99 TTFT breaches, "
+                    f"the guard disables {n.fs_tier},\nthe config is re-rendered without it and the engine restarts "
+                    "on it.")
+        before_hash = s.workload_hash  # the config with both tiers, before anything is slow
+        m_slow0 = self.pod_metrics()
+        reads0 = disk.reads_served()
+        slowed_at = time.monotonic()
+        disk.slow()
+        load.set_phase("slowed")
+        seen: dict[str, Any] = {"m": m_slow0, "first_breach": None}
+
+        def disabled(s: observe.Snapshot) -> bool:
+            if s.tier_states.get(n.fs_tier) == "Disabled":
+                return True
+            m = self.pod_metrics()
+            if m:
+                seen["m"] = m
+            if s.breaches >= 1 and seen["first_breach"] is None:
+                seen["first_breach"] = time.monotonic()
+            return False
+        self._hold_pods = True  # the slowed engine's counters are read until the very rollback
+        s = self.wait(f"tier {n.fs_tier} Disabled in status.tiers", disabled, SLOWED_TIMEOUT_S)
+        disabled_at = time.monotonic()
+        self._hold_pods = False
+        reads = (disk.reads_served() or 0) - (reads0 or 0) if reads0 is not None else None
+        self.timings.breach_to_disable = disabled_at - slowed_at
+        # The breach starts when the first request over the budget completes (its TTFT enters the histogram).
+        over = [x.at for x in list(load.samples) if x.phase == "slowed" and x.ttft is not None and x.ttft > budget]
+        self.timings.first_breach_to_disable = disabled_at - (min(over) if over else seen["first_breach"] or slowed_at)
+        self.timings.breach_bound = manifests.slo_bound_seconds()
+        self.timings.ttft["slowed"] = load.summary("slowed")
+        self._check_breach_from_tier(m0, m1, m_slow0, seen["m"], reads)
+        within = "within" if self.timings.first_breach_to_disable <= self.timings.breach_bound else "OVER"
+        self.r.ok(f"{n.fs_tier} Disabled {self.timings.breach_to_disable:.1f}s after the device became slow, "
+                  f"{self.timings.first_breach_to_disable:.1f}s after the first request over the budget: {within} the "
+                  f"bound window + {manifests.REAL_SLO['consecutiveBreaches']} x interval + scrape = "
+                  f"{self.timings.breach_bound:.0f}s")
+        self._check_rollback_recorded(s)
+        load.set_phase("restarting")
+        s = self.wait("the engine restarted on the re-rendered config, every part agreeing",
+                      lambda s: self.agree(s) and s.workload_hash != before_hash and s.enabled_tiers == [n.cpu_tier],
+                      ROLL_TIMEOUT_S)
+        self.timings.disable_to_rolled = time.monotonic() - disabled_at
+        self.timings.engine_start.append(self.kubelet.pods[0].start_seconds)
+        self.r.ok(f"pod {self.kubelet.pods[0].name} serves on {'+'.join(s.enabled_tiers)} "
+                  f"{self.timings.disable_to_rolled:.0f}s after the rollback (engine start "
+                  f"{self.kubelet.pods[0].start_seconds:.0f}s); the device is still slow")
+
+        self.r.step(6, total, "TTFT recovers", f"Same load, same slow device; {n.fs_tier} is out of the engine's "
+                    "config. The guard's window soon measures healthy p99s again.")
+        load.set_phase("rolled back")
+        recovered_at = time.monotonic()
+        self._hold("a measurement on the rolled-back engine", RECOVER_S)
+        s = self.wait("SLO state OK", lambda s: s.slo_state == "OK", 120)
+        self.timings.recovery = time.monotonic() - recovered_at
+        rolled = load.summary("rolled back")
+        self.timings.ttft["rolled back"] = rolled
+        load.stop()
+        if not rolled.n or (rolled.p99 or 0) > budget:
+            raise ScenarioError(f"TTFT did not recover after the rollback: {rolled}, budget {budget:.1f}s")
+        self.r.ok(f"SLO OK again; {n.fs_tier} stays off until a person re-enables it")
+        self.r.note("")
+        self.r.note("Measured in this run (client-side TTFT, vllm serve on vllm-cpu):")
+        for phase in ("healthy", "slowed", "rolled back"):
+            self.r.note(f"  {self.timings.ttft[phase]}")
+        self.r.note(f"  breach -> {n.fs_tier} disabled: {self.timings.breach_to_disable:.1f}s after the slowdown, "
+                    f"{self.timings.first_breach_to_disable:.1f}s after the first request over the budget "
+                    f"(bound {self.timings.breach_bound:.0f}s); "
+                    f"disabled -> engine serving the new config {self.timings.disable_to_rolled:.0f}s")
+        self.timings.total = self.elapsed()
+        return self.timings
+
+    def _check_breach_from_tier(self, m0: dict, m1: dict, before: dict, after: dict, reads: Optional[int]) -> None:
+        """The breach must have come from the slowed tier: the engine read KV from it while it was slow."""
+        n = self.names
+        disk_tokens = after.get("cached_disk", 0) - before.get("cached_disk", 0)
+
+        def per_gib(a: dict, b: dict) -> Optional[float]:
+            loaded = b.get("loaded_bytes", 0) - a.get("loaded_bytes", 0)
+            return (b.get("load_time", 0) - a.get("load_time", 0)) / (loaded / 2**30) if loaded > 0 else None
+        healthy_rate, slow_rate = per_gib(m0, m1), per_gib(before, after)
+        fmt = lambda v: "-" if v is None else f"{v:.2f}s/GiB"  # noqa: E731
+        self.r.note(f"while slow: {disk_tokens:.0f} prompt tokens served from {n.fs_tier} (disk), "
+                    f"promotions +{after.get('promotions', 0) - before.get('promotions', 0):.0f}, "
+                    f"kv_offload load time {fmt(healthy_rate)} healthy -> {fmt(slow_rate)} slowed (host -> engine "
+                    "copies only: the disk reads are the promotions, outside that timer)"
+                    + (f", {reads} reads through the throttle" if reads is not None else ""))
+        if disk_tokens <= 0:
+            raise ScenarioError(f"the breach did not come from the slowed tier: while {n.fs_tier}'s device was slow "
+                                "the engine served no prompt tokens from it (prompt_tokens_cached_by_source{source="
+                                "disk} did not move), so something else made TTFT breach")
+        if reads is not None and reads <= 0:
+            raise ScenarioError("the breach did not come from the slowed tier: no read went through the device's "
+                                "throttle while it was slow")
+
     # ------------------------------------------------------------------------------------------ checks
     def _show_args(self, s: observe.Snapshot) -> None:
         containers = (((s.workload or {}).get("spec") or {}).get("template") or {}).get("spec", {}).get(
@@ -287,6 +530,8 @@ def _kv_summary(config: Optional[dict[str, Any]]) -> str:
         parts.append(f"cpu {int(extra['cpu_bytes_to_use']) / 2**30:g}GiB")
     for t in extra.get("secondary_tiers") or []:
         parts.append(f"{t.get('type')} {t.get('root_dir', '')}".strip())
+    for t in extra.get("fs_tiers") or []:  # kvtier's own spec
+        parts.append(f"fs {t.get('root_dir', '')}".strip())
     return ", ".join(parts)
 
 

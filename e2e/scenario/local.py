@@ -18,8 +18,8 @@ from typing import Callable, Optional
 
 import kvtier_operator
 
-from ..api.crd import crd
-from ..kube import ApiError, Kube
+from kvtier_operator.api.crd import crd
+from kvtier_operator.kube import ApiError, Kube
 from .kubelet import KubeletStandIn
 from .manifests import HEALTHY, USER_FIELD_MANAGER, Names
 from .processes import ScenarioError, Started, Supervisor, tail, wait_http_ok
@@ -35,6 +35,14 @@ class LocalOptions:
     kubeconfig: Optional[Path] = None  # an API server that is already running (then not started or stopped)
     names: Names = field(default_factory=Names)
     seed: Optional[int] = None
+    engine: str = "synthetic"              # or "vllm-cpu": real vLLM engines on a slow device
+    vllm_python: Optional[str] = None      # the vllm-cpu env's python (default: the checkout's .venv-vllm-cpu)
+    model_cache: Optional[Path] = None     # where the harness's small Llama is generated once
+    trace: Optional[Path] = None           # Mooncake-format trace (default: tests/data/mooncake-synthetic.jsonl)
+
+    @property
+    def real(self) -> bool:
+        return self.engine == "vllm-cpu"
 
 
 class LocalEnvironment:
@@ -48,6 +56,8 @@ class LocalEnvironment:
         self.operator: Optional[Started] = None
         self.kubelet: Optional[KubeletStandIn] = None
         self.controlplane_dir: Optional[Path] = None
+        self.disk = None  # the slow device (real engine only)
+        self.vllm_settings = None
         options.workdir.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -66,15 +76,45 @@ class LocalEnvironment:
         self.supervisor.on_close("API client", self.kube.close)
         self._crd()
         self._namespace()
-        self.prometheus = Prometheus(self.supervisor, self.o.workdir / "prometheus")
+        # A busy CPU engine can take over a second to answer /metrics: a 2 s scrape for it.
+        scrape = "2s" if self.o.real else "1s"
+        self.prometheus = Prometheus(self.supervisor, self.o.workdir / "prometheus", scrape_interval=scrape)
         self.prometheus.start()
-        self.say(f"Prometheus {self.prometheus.url} scrapes the pods every second (namespace and pod labels, as "
+        self.say(f"Prometheus {self.prometheus.url} scrapes the pods every {scrape} (namespace and pod labels, as "
                  "a Kubernetes pod scrape adds them)")
         self._operator()
+        launcher = self._real_engine() if self.o.real else None
         self.kubelet = KubeletStandIn(
             self.kube, self.o.names.namespace, self.o.names.workload, supervisor=self.supervisor,
             prometheus=self.prometheus, engine_script=self.o.repo / "e2e" / "synthetic_engine" / "engine.py",
-            workdir=self.o.workdir / "pods", knobs=dict(HEALTHY), seed=self.o.seed)
+            workdir=self.o.workdir / "pods", knobs=dict(HEALTHY), seed=self.o.seed, launcher=launcher,
+            say=self.say)
+
+    def _real_engine(self):
+        """The vllm-cpu env, the harness's model, and the slow device the filesystem tier will live on."""
+        from .slowdisk import SlowDisk
+        from .vllm_pod import VllmCpuLauncher, VllmCpuSettings, find_vllm_python
+
+        python = find_vllm_python(self.o.repo, self.o.vllm_python)
+        cache = self.o.model_cache or Path.home() / ".cache" / "kvtier" / "models"
+        started = time.monotonic()
+        proc = subprocess.run([str(python), "-c", "import sys; from vllm_cpu.model import ensure_model; "
+                               "print(ensure_model(sys.argv[1]))", str(cache)], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(self.o.repo / "e2e")}, timeout=600)
+        if proc.returncode != 0:
+            raise ScenarioError(f"generating the harness model failed:\n{proc.stderr[-2000:]}")
+        model = Path(proc.stdout.strip().splitlines()[-1])
+        self.say(f"engine: vllm-cpu ({python}); model {model.name} (a small local Llama, random weights; "
+                 f"ready in {time.monotonic() - started:.0f}s)")
+        disk = SlowDisk(self.o.workdir / "slowdisk", say=self.say)
+        # Registered before any pod: clean-up runs in reverse, so the device goes after every engine stopped.
+        self.supervisor.on_close("slow device", disk.close)
+        disk.setup()
+        self.disk = disk
+        self.say(f"slow device for tier {self.o.names.fs_tier}: {disk.describe()}")
+        self.say(f"  mechanism {disk.mechanism}: {disk.why}")
+        self.vllm_settings = VllmCpuSettings(python=python, model_dir=model)
+        return VllmCpuLauncher(self.vllm_settings, self.supervisor, self.o.repo, disk)
 
     def _controlplane(self) -> None:
         if self.kubeconfig is not None:

