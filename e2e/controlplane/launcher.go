@@ -14,7 +14,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
-	"strings"
+
 	"syscall"
 	"time"
 
@@ -33,20 +33,6 @@ const (
 	// apiserverDrain bounds the API server's graceful shutdown; `run stop` allows 30s for the whole stop.
 	apiserverDrain = 10 * time.Second
 )
-
-// controllers are the kube-controller-manager loops that a cluster without nodes still needs for the objects
-// kvtier touches: Deployments make ReplicaSets (which make Pods that stay Pending: there is no kubelet),
-// deleted namespaces empty out, owner references cascade, every namespace gets its "default" ServiceAccount
-// and kube-root-ca.crt, and the aggregated ClusterRoles (admin/edit/view) are filled in.
-var controllers = []string{
-	"deployment-controller",
-	"replicaset-controller",
-	"namespace-controller",
-	"garbage-collector-controller",
-	"serviceaccount-controller",
-	"root-ca-certificate-publisher-controller",
-	"clusterrole-aggregation-controller",
-}
 
 // layout names the files of one control plane under its directory.
 type layout struct{ dir string }
@@ -294,12 +280,7 @@ func apiserverArgs(l layout, p ports) []string {
 func controllerManagerArgs(l layout) []string {
 	return []string{
 		"--kubeconfig=" + l.kubeconfig(),
-		"--secure-port=0", // nothing scrapes it; one port fewer to race for
-		"--leader-elect=false",
-		"--controllers=" + strings.Join(controllers, ","),
 		"--root-ca-file=" + l.pki("ca.crt"),
-		"--service-account-private-key-file=" + l.pki("sa.key"),
-		"--cluster-name=kvtier",
 	}
 }
 
@@ -309,8 +290,8 @@ type child struct {
 	done chan struct{}
 }
 
-// startControllerManager runs kube-controller-manager as a child process of this binary: it registers the
-// same process-global metrics as the API server, so it cannot share the process. Pdeathsig and the owner
+// startControllerManager runs the controller manager (controllers.go) as a child process of this binary: its
+// controllers register the same process-global metrics as the API server, so it cannot share the process. Pdeathsig and the owner
 // watch both end it when this process ends, however this process ends.
 func startControllerManager(l layout) (*child, error) {
 	self, err := os.Executable()

@@ -1,6 +1,7 @@
 // Command kvtier-controlplane is one multi-call binary holding a real Kubernetes control plane for kvtier's
-// tests and local demo: kube-apiserver (with etcd embedded in the same process), kube-controller-manager and
-// kubectl, all compiled from the published k8s.io/kubernetes v1.37 modules.
+// tests and local demo: kube-apiserver (with etcd embedded in the same process), a controller manager running
+// seven upstream controllers (controllers.go) and kubectl, all compiled from the published k8s.io/kubernetes
+// v1.37 modules.
 //
 // One binary instead of four keeps the link step (the slowest single step on a 2-core machine) to one, and the
 // packages the components share are compiled once. The mode is taken from the name it was called by
@@ -22,7 +23,6 @@ import (
 	kubectlcmd "k8s.io/kubectl/pkg/cmd"
 	kubectlutil "k8s.io/kubectl/pkg/cmd/util"
 	apiserverapp "k8s.io/kubernetes/cmd/kube-apiserver/app"
-	kcmapp "k8s.io/kubernetes/cmd/kube-controller-manager/app"
 
 	"kvtier.io/e2e/controlplane/internal/owner"
 
@@ -35,7 +35,7 @@ modes:
   up --dir DIR [--owner-pid PID]   run etcd + kube-apiserver (+ kube-controller-manager) until stopped
   kubectl ARGS...                  kubectl
   kube-apiserver ARGS...           upstream kube-apiserver command
-  kube-controller-manager ARGS...  upstream kube-controller-manager command
+  kube-controller-manager ARGS...  the seven controllers the launcher runs (see controllers.go)
 `
 
 func main() {
@@ -64,9 +64,7 @@ func runMode(mode string, args []string) int {
 		cmd.SetArgs(args)
 		return cli.Run(cmd)
 	case "kube-controller-manager":
-		cmd := kcmapp.NewControllerManagerCommand()
-		cmd.SetArgs(args)
-		return cli.Run(cmd)
+		return runControllerManager(args)
 	default:
 		fmt.Fprintf(os.Stderr, "kvtier-controlplane: unknown mode %q\n%s", mode, usage)
 		return 2

@@ -84,3 +84,99 @@ def test_namespaces_get_their_default_service_account(bare_controlplane: Control
                 raise
 
         eventually(default_sa, 60, f"ServiceAccount default in {namespace}")
+
+
+def _absent(read: Callable[[], object]) -> bool | None:
+    """True once `read` answers 404, None while the object is still there."""
+    try:
+        read()
+    except ApiException as exc:
+        if exc.status == 404:
+            return True
+        raise
+    return None
+
+
+def test_owner_references_cascade(bare_controlplane: ControlPlane, namespace: str) -> None:
+    # The garbage collector deletes a dependent once its owner is gone (background propagation).
+    with bare_controlplane.api_client() as api:
+        core = client.CoreV1Api(api)
+        owner = core.create_namespaced_config_map(
+            namespace, client.V1ConfigMap(metadata=client.V1ObjectMeta(name="owner"))
+        )
+        ref = client.V1OwnerReference(api_version="v1", kind="ConfigMap", name="owner", uid=owner.metadata.uid)
+        core.create_namespaced_config_map(
+            namespace, client.V1ConfigMap(metadata=client.V1ObjectMeta(name="dependent", owner_references=[ref]))
+        )
+        core.create_namespaced_config_map(namespace, client.V1ConfigMap(metadata=client.V1ObjectMeta(name="bystander")))
+        core.delete_namespaced_config_map("owner", namespace, propagation_policy="Background")
+        eventually(
+            lambda: _absent(lambda: core.read_namespaced_config_map("dependent", namespace)),
+            60,
+            "dependent ConfigMap collected after its owner was deleted",
+        )
+        assert core.read_namespaced_config_map("bystander", namespace).metadata.name == "bystander"
+
+
+def test_foreground_deletion_waits_for_dependents(bare_controlplane: ControlPlane, namespace: str) -> None:
+    # Foreground: the owner stays (with the foregroundDeletion finalizer) until the GC has deleted its dependents.
+    with bare_controlplane.api_client() as api:
+        core = client.CoreV1Api(api)
+        owner = core.create_namespaced_config_map(
+            namespace, client.V1ConfigMap(metadata=client.V1ObjectMeta(name="owner"))
+        )
+        ref = client.V1OwnerReference(
+            api_version="v1", kind="ConfigMap", name="owner", uid=owner.metadata.uid, block_owner_deletion=True
+        )
+        core.create_namespaced_config_map(
+            namespace, client.V1ConfigMap(metadata=client.V1ObjectMeta(name="dependent", owner_references=[ref]))
+        )
+        core.delete_namespaced_config_map("owner", namespace, propagation_policy="Foreground")
+        for name in ("dependent", "owner"):
+            eventually(
+                lambda name=name: _absent(lambda: core.read_namespaced_config_map(name, namespace)),
+                60,
+                f"ConfigMap {name} gone after foreground deletion",
+            )
+
+
+def test_deleted_namespace_is_emptied_and_removed(bare_controlplane: ControlPlane) -> None:
+    with bare_controlplane.api_client() as api:
+        core = client.CoreV1Api(api)
+        name = core.create_namespace(
+            client.V1Namespace(metadata=client.V1ObjectMeta(generate_name="kvtier-test-delete-"))
+        ).metadata.name
+        core.create_namespaced_config_map(name, client.V1ConfigMap(metadata=client.V1ObjectMeta(name="content")))
+        core.delete_namespace(name)
+        # The namespace controller deletes the content, then removes the "kubernetes" finalizer.
+        eventually(lambda: _absent(lambda: core.read_namespace(name)), 90, f"namespace {name} deleted")
+
+
+def test_namespaces_get_the_root_ca_config_map(bare_controlplane: ControlPlane, namespace: str) -> None:
+    with bare_controlplane.api_client() as api:
+        core = client.CoreV1Api(api)
+
+        def root_ca() -> client.V1ConfigMap | None:
+            try:
+                return core.read_namespaced_config_map("kube-root-ca.crt", namespace)
+            except ApiException as exc:
+                if exc.status == 404:
+                    return None
+                raise
+
+        published = eventually(root_ca, 60, f"ConfigMap kube-root-ca.crt in {namespace}")
+        # The CA that signed the API server's certificate, i.e. the one the admin kubeconfig trusts.
+        with open(api.configuration.ssl_ca_cert, encoding="ascii") as ca_file:
+            assert published.data["ca.crt"].strip() == ca_file.read().strip()
+
+
+def test_aggregated_cluster_roles_are_filled(bare_controlplane: ControlPlane) -> None:
+    # admin/edit/view carry only an aggregationRule at bootstrap; the aggregation controller fills their rules.
+    with bare_controlplane.api_client() as api:
+        rbac = client.RbacAuthorizationV1Api(api)
+        view = eventually(
+            lambda: (lambda role: role if role.rules else None)(rbac.read_cluster_role("view")),
+            60,
+            "rules aggregated into ClusterRole view",
+        )
+        assert any("pods" in (rule.resources or []) for rule in view.rules)
