@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import yaml
@@ -137,7 +139,6 @@ def _demo_main() -> Callable[[Sequence[str]], int]:
 def _delegate_demo(argv: Sequence[str]) -> int:
     """The demo is test code in a checkout (``e2e/scenario``), not part of this package: find the checkout
     (``--repo``, ``$KVTIER_REPO``, the current directory or a parent) and hand over to ``python -m scenario``."""
-    import os
 
     argv = list(argv)
     explicit = next((a.split("=", 1)[1] for a in argv if a.startswith("--repo=")), None)
