@@ -28,25 +28,10 @@ from scenario.processes import Supervisor
 from scenario.report import Reporter
 from scenario.steps import ScenarioFailed, run_local
 from plugins.prometheus import require_prometheus
+from plugins.processes import processes_mentioning
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.prometheus, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
-
-
-def processes_mentioning(text: str) -> list[str]:
-    """Live processes whose command line contains ``text`` (the scenario's work directory)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if text in cmdline and state != "Z":
-            found.append(f"{pid}: {cmdline[:200]}")
-    return found
 
 
 def test_local_scenario_rolls_back_the_newest_tier_and_re_enables_it(controlplane, tmp_path):

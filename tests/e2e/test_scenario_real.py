@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from plugins.prometheus import require_prometheus
+from plugins.processes import processes_mentioning
 from scenario import slowdisk
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.prometheus, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -48,25 +49,10 @@ def _vllm_python() -> str:
     return python
 
 
-def _processes_mentioning(text: str) -> list[str]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if text in cmdline and state != "Z":
-            found.append(f"{pid}: {cmdline[:200]}")
-    return found
-
-
 def _wait_none_left(workdir: Path, timeout: float = 30) -> list[str]:
     deadline = time.monotonic() + timeout
     while True:
-        left = _processes_mentioning(str(workdir)) + slowdisk.leftovers()
+        left = processes_mentioning(str(workdir)) + slowdisk.leftovers()
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.5)
@@ -144,9 +130,9 @@ def test_a_sigkilled_real_demo_is_cleaned_up_by_the_kernel_and_the_next_run(tmp_
     assert rc == -signal.SIGKILL
     # Its children die with it (parent-death signal; the control plane's owner watchdog) ...
     deadline = time.monotonic() + 60
-    while _processes_mentioning(str(tmp_path / "demo")) and time.monotonic() < deadline:
+    while processes_mentioning(str(tmp_path / "demo")) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _processes_mentioning(str(tmp_path / "demo")) == []
+    assert processes_mentioning(str(tmp_path / "demo")) == []
     # ... but the loop device, mount and cgroup are still there: the next run removes them first.
     assert slowdisk.leftovers() != []
     reap = subprocess.run([sys.executable, "-m", "scenario.slowdisk", "--reap"], capture_output=True, text=True,
