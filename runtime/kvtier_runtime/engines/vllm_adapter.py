@@ -24,7 +24,9 @@ without vLLM.
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -89,7 +91,8 @@ from .page_copy import KvLayout, PageCopier
 from .vllm_support import POLICY_REFUSALS, block_view_dtype, job_outcome, kv_torch_dtype, namespace_suffix
 from ..store.memory_tier import MemoryTier
 
-_log = logging.getLogger(__name__)
+# Under vLLM's logger tree: vLLM's handlers print only that tree, and this is where the engine's operators read.
+_log = logging.getLogger(f"vllm.{__name__}")
 
 # ---------------------------------------------------------------------------------------------------------------
 # CachePolicy: kvtier's eviction and admission policies for vLLM's CPU tier
@@ -558,9 +561,10 @@ def _layout(config: Any, page_bytes: tuple[int, ...] = ()) -> KvLayout:
 def _model_kv_shape(config: Any) -> tuple[int | None, int | None]:
     """(KV heads per worker, head size) as vLLM's ``ModelConfig`` derives them. The spec only receives vLLM's
     ``OffloadingConfig`` (no model facts), so: the current ``VllmConfig`` where the process has one set, else the
-    model's Hugging Face config read with vLLM's own reader (``get_num_kv_heads``/``get_head_size`` for plain
-    decoder configs). ``(None, None)`` when neither works; ``chunk_layout`` cross-checks both against the bytes
-    vLLM reports per block."""
+    model's ``config.json`` (a local directory, or the Hugging Face cache vLLM filled at start-up; never the
+    network), read as vLLM reads a plain decoder's: ``num_key_value_heads`` (default ``num_attention_heads``)
+    divided over tensor-parallel ranks, ``head_dim`` (default ``hidden_size / num_attention_heads``). ``(None,
+    None)`` when neither works; ``chunk_layout`` cross-checks both against the bytes vLLM reports per block."""
     try:
         from vllm.config import get_current_vllm_config_or_none
 
@@ -568,20 +572,28 @@ def _model_kv_shape(config: Any) -> tuple[int | None, int | None]:
         if vllm_config is not None and vllm_config.model_config is not None:
             mc = vllm_config.model_config
             return mc.get_num_kv_heads(vllm_config.parallel_config), mc.get_head_size()
-    except Exception as exc:  # an older/newer vLLM without these helpers: try the model's config below
+    except Exception as exc:  # a vLLM without these helpers: read the model's config below
         _log.debug("kvtier: no current vLLM config (%s)", exc)
+    name = str(config.model.name)
     try:
-        from vllm.transformers_utils.config import get_config
+        path: str | None = os.path.join(name, "config.json")
+        if not os.path.isfile(path):
+            from huggingface_hub import try_to_load_from_cache
 
-        hf = get_config(config.model.name, trust_remote_code=False)
-        text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
-        heads = int(text.num_attention_heads)
-        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-        head_dim = getattr(text, "head_dim", None) or int(text.hidden_size) // heads
+            found = try_to_load_from_cache(name, "config.json")
+            path = found if isinstance(found, str) else None
+        if path is None:
+            raise FileNotFoundError("no config.json in the model directory or the Hugging Face cache")
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        text = doc.get("text_config") or doc
+        heads = int(text["num_attention_heads"])
+        kv_heads = int(text.get("num_key_value_heads") or heads)
+        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
         tp = max(1, int(config.parallel.tp_size))
-        return max(1, kv_heads // tp), int(head_dim)
-    except Exception as exc:  # remote code, an unusual architecture: the flat codec, with the reason logged
-        _log.info("kvtier: cannot read KV heads/head size of %s: %s", config.model.name, exc)
+        return max(1, kv_heads // tp), head_dim
+    except Exception as exc:  # another config format, remote code: the flat codec, with the reason logged
+        _log.info("kvtier: cannot read the KV heads/head size of %s: %s", name, exc)
         return None, None
 
 
