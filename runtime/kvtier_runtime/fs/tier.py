@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from .. import metrics
-from ..codecs import Codec, CodecError, decode, get_codec, peek_header
+from ..codecs import Codec, CodecError, KVChunkCodec, decode, get_codec, peek_header
 from ..config import ConfigError, FilesystemTierConfig
 from ..policies import AccessContext, get_policy
 from .fileio import AlignedBuffer, FileOps, probe_o_direct, read_whole, regular_size, write_atomic
@@ -139,6 +139,13 @@ def _read_mac_key(path: str | None) -> bytes | None:
 def _torch_dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
+
+
+def _may_fall_back(codec: Codec | KVChunkCodec) -> bool:
+    """Whether a block may be stored with a wider codec than ``codec.name`` (the block's own header then says)."""
+    if isinstance(codec, KVChunkCodec):  # the engine path's layout-aware codec: a verifying one walks its chain
+        return len(codec.chain) > 1
+    return bool(codec.fallback and codec.fallback_codec is not None)
 
 class FilesystemTier:
     """Blocks of one fixed shape and dtype, stored as checksummed files under ``root_dir``, bounded in bytes."""
@@ -715,7 +722,7 @@ class FilesystemTier:
     def _written_codec(self, blob: torch.Tensor) -> str:
         # Parsing the blob's header costs ~0.4 ms of GIL-held Python per block (measured in the fs bench
         # breakdown); only a codec that can fall back needs it to learn what it wrote.
-        if not (self._codec.fallback and self._codec.fallback_codec is not None):
+        if not _may_fall_back(self._codec):
             return self._codec.name
         return peek_header(blob).codec
 
