@@ -269,7 +269,8 @@ def _teardown(state: dict) -> list[str]:
                     limits.write_text(f"{line.split()[0]} 0\n")
                 except OSError:
                     pass
-        for _ in range(50):
+        # Bounded, and generous: a killed engine freeing gigabytes on a loaded machine takes seconds to exit.
+        for _ in range(300):
             pids = [int(p) for p in (cgroup / "cgroup.procs").read_text().split()]
             if not pids:
                 break
@@ -300,10 +301,15 @@ def _teardown(state: dict) -> list[str]:
         else:
             problems.append(f"cannot detach {loop}")
     if cgroup is not None and cgroup.exists():
-        try:
-            cgroup.rmdir()
-        except OSError as err:
-            problems.append(f"cannot remove cgroup {cgroup}: {err.strerror}")
+        for attempt in range(20):
+            try:
+                cgroup.rmdir()
+                break
+            except OSError as err:
+                # EBUSY while the last killed task is still being reaped by the kernel: wait, bounded.
+                if attempt == 19:
+                    problems.append(f"cannot remove cgroup {cgroup}: {err.strerror}")
+                time.sleep(0.5)
     if image:
         Path(image).unlink(missing_ok=True)
     return problems
