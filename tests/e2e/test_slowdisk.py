@@ -92,8 +92,8 @@ def test_ctrl_c_tears_everything_down(tmp_path):
     assert _gone(child), "the process started inside the slowed device's cgroup was stopped"
 
 
-@pytest.mark.xfail(strict=False, reason="KNOWN FLAKE (2026-12-01): inside the full suite the reaped blkio cgroup "
-                   "stayed busy (EBUSY) after its tasks were killed; passes alone; not yet root-caused")
+@pytest.mark.xfail(strict=False, reason="KNOWN DEFECT (2026-12-01): after a SIGKILL the reaped blkio cgroup "
+                   "stayed busy (EBUSY) after its tasks were killed; a reap seconds later removes it; not yet root-caused")
 def test_after_a_sigkill_the_next_run_removes_the_leftovers(tmp_path):
     _require_mechanism()
     proc, child = _hold(tmp_path / "killed")
