@@ -100,8 +100,11 @@ class AdaptivePolicy(EvictionPolicy):
     # ---- the hedge -----------------------------------------------------------------------------------------
     def _observe(self, key: Key, size: int, ctx: AccessContext | None, hit: bool) -> None:
         verdict = self._shadow.observe(key, size, ctx, hit)
-        if verdict is None:
-            return
+        if verdict is not None:
+            self._hedge(verdict)
+
+    def _hedge(self, verdict: float) -> None:
+        """A window closed: trust the model less while it trails recency by more than the tolerance, else more."""
         step = -self.hedge_step if verdict < -self.hedge_tolerance else self.hedge_step
         # Rounded so that ten steps down reach exactly 0 (plain leaf-first LRU), not 1e-16.
         self._trust = round(min(1.0, max(0.0, self._trust + step)), 9)
