@@ -3,7 +3,8 @@
     python bench/replay.py [--trace tests/data/mooncake-synthetic.jsonl]
     python bench/replay.py --gap [--gap-policies adaptive,prefix2q] [--requests 3000] [--seed 1]
 
-``--gap`` prints, for the shared trace and every generated shape (kvtier_runtime.replay.synth), the share of the
+``--gap`` prints, for the shared trace, the held-out real conversation trace (tests/data/mooncake-conversation.jsonl)
+and every generated shape (kvtier_runtime.replay.synth), the share of the
 LRU -> OPT prefix-hit gap each policy closes at 1-30% capacity, its margin over LRU, and the LRU capacity
 matching it (capacity equivalence).
 
@@ -137,6 +138,9 @@ def main() -> None:
         from kvtier_runtime.replay.synth import SHAPES, generate, write_jsonl
 
         traces = [(pathlib.Path(args.trace).stem, trace)]
+        held_out = ROOT / "tests" / "data" / "mooncake-conversation.jsonl"
+        if pathlib.Path(args.trace).resolve() != held_out:
+            traces.append((f"{held_out.stem} (held out)", load_trace(held_out)))
         with tempfile.TemporaryDirectory() as tmp:
             for shape in SHAPES:
                 path = pathlib.Path(tmp) / f"{shape}.jsonl"

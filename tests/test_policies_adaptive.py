@@ -1,7 +1,7 @@
 """The adaptive policy's own ordering on hand-worked sequences (the shared contract is in test_policies_contract)."""
 from __future__ import annotations
 
-from kvtier_runtime.policies import AccessContext, AdaptivePolicy
+from kvtier_runtime.policies import AccessContext, AdaptivePolicy, LRUPolicy
 
 
 def access(p: AdaptivePolicy, rid: int, keys: list[int]) -> list[int]:
@@ -64,3 +64,84 @@ def test_without_request_context_it_is_a_weighted_lru() -> None:
         p.insert(k, 1)
     p.touch(1)
     assert p.insert(4, 1) == [2]
+
+
+# ---- the hedge against recency (issue 25) ---------------------------------------------------------------------
+class Unhedged(AdaptivePolicy):
+    hedge_step = 0.0
+
+
+class Traced(AdaptivePolicy):
+    """Remembers the lowest trust it reached."""
+
+    lowest = 1.0
+
+    def _temper(self) -> None:
+        super()._temper()
+        self.lowest = min(self.lowest, self.trust)
+
+
+def recency_wins(n: int):
+    """Each step: a block read twice and never again (a "repeat" the model protects), a new block, and the new
+    block of two steps ago read again. Recency keeps exactly what is reused; the model keeps the dead repeats."""
+    for i in range(n):
+        yield from (10_000 + i, 10_000 + i, i)
+        if i >= 2:
+            yield i - 2
+
+
+def hits(p, keys) -> int:
+    n = 0
+    for k in keys:
+        if p.touch(k):
+            n += 1
+        else:
+            p.insert(k, 1)
+    return n
+
+
+def test_when_recency_wins_trust_falls_and_the_hedge_recovers_most_of_the_loss() -> None:
+    lru, unhedged, hedged = LRUPolicy(7), Unhedged(7), Traced(7)
+    h_lru, h_model, h_hedged = (hits(p, recency_wins(4000)) for p in (lru, unhedged, hedged))
+    assert h_model < h_lru - 200, "the stream must make the unhedged model lose to recency"
+    assert hedged.lowest == 0.0, "the hedge went all the way to plain leaf-first LRU at least once"
+    assert h_hedged - h_model > (h_lru - h_model) / 3
+
+
+def test_when_the_model_wins_the_hedge_keeps_it() -> None:
+    # At 5 entries the model keeps the live blocks and LRU thrashes (it hits 4,001 of 16,000).
+    lru, unhedged, hedged = LRUPolicy(5), Unhedged(5), Traced(5)
+    h_lru, h_model, h_hedged = (hits(p, recency_wins(4000)) for p in (lru, unhedged, hedged))
+    assert h_model > 1.5 * h_lru
+    assert h_hedged == h_model and hedged.lowest == 1.0
+
+
+def test_trust_zero_is_exactly_leaf_first_lru() -> None:
+    p, flat = AdaptivePolicy(6), Flat(6)
+    p._trust = 0.0
+    p._temper()
+    for q in (p, flat):
+        access(q, 0, [1, 2, 3])
+        access(q, 1, [10, 11, 12])
+    assert access(p, 2, [20, 21]) == access(flat, 2, [20, 21]) == [3, 2]
+
+
+def test_clear_forgets_the_hedge() -> None:
+    p = Traced(7)
+    hits(p, recency_wins(2000))
+    p._trust = 0.3
+    p.clear()
+    assert p.trust == 1.0 and len(p) == 0
+
+
+def test_a_running_requests_head_outlives_its_tail() -> None:
+    # vLLM's request-aware lru contract: while a request runs, its newest chunks are evicted before its prefix,
+    # since a prefix without its tail still serves a hit and a tail without its prefix never does. The same with
+    # vLLM's ReqContext as kvtier's CachePolicy plug-in passes it (end-token positions, no request length).
+    for ctx_of in (lambda pos: AccessContext("r", pos, 6), lambda pos: AccessContext("r", (pos + 1) * 16)):
+        p = AdaptivePolicy(4)
+        evicted = []
+        for pos, k in enumerate([1, 2, 3, 4, 5, 6]):
+            if not p.touch(k, ctx_of(pos)):
+                evicted += p.insert(k, 1, ctx_of(pos))
+        assert evicted == [4, 5] and {1, 2, 3} <= set(p)

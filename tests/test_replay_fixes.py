@@ -80,12 +80,25 @@ def test_analyze_sizes_from_the_best_policy_and_says_where_chunks_were_measured(
     a = run_json(capsys, ["analyze", "--trace", str(path)])
     pick = next(c for c in a["capacity_curve"] if c["capacity_blocks"] == a["recommended_capacity_blocks"])
     assert set(pick["by_policy"]) == set(POLICIES)
-    assert pick["prefix_hit_ratio"] == max(pick["by_policy"].values())
+    assert pick["prefix_hit_ratio"] == max(v for k, v in pick["by_policy"].items() if k not in a["policies_below_lru"])
     assert a["recommended_policy"] == pick["policy"] and pick["policy"] in a["recommended_capacity_reason"]
     assert a["chunk_sizes_measured_at"] == {"capacity_blocks": pick["capacity_blocks"], "policy": pick["policy"]}
     assert a["chunk_sizes"][0]["prefix_hit_ratio"] == pytest.approx(pick["prefix_hit_ratio"])
     assert main(["analyze", "--trace", str(path)]) == 0
     assert f"measured at {pick['capacity_blocks']} blocks" in capsys.readouterr().out
+
+
+def test_analyze_never_recommends_a_policy_that_falls_below_lru_at_another_size(capsys, tmp_path) -> None:
+    # On conversations prefix2q is the best at the smallest sizes and 0.04 below LRU at larger ones: advice from
+    # it would not hold on the user's next hour of traffic (issue 25).
+    path = gen_trace(tmp_path, "conversation", n=800)
+    a = run_json(capsys, ["analyze", "--trace", str(path)])
+    smallest = a["capacity_curve"][0]["by_policy"]
+    assert max(smallest, key=smallest.get) == "prefix2q"
+    assert "prefix2q" in a["policies_below_lru"]
+    assert all(c["policy"] != "prefix2q" for c in a["capacity_curve"])
+    assert main(["analyze", "--trace", str(path)]) == 0
+    assert "not recommended" in capsys.readouterr().out
 
 
 # ---- per-tier OPT ---------------------------------------------------------------------------------------------

@@ -60,7 +60,7 @@ def test_shapes_differ_where_policies_care() -> None:
 
 def test_bad_arguments_are_named() -> None:
     with pytest.raises(ValueError, match="shape"):
-        generate("chat", 10)
+        generate("video", 10)
     with pytest.raises(ValueError, match="requests"):
         generate("agent", 0)
 

@@ -14,14 +14,23 @@ from typing import Any, Mapping
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "arc", "s3fifo", "prefix2q", "adaptive")
 ADMISSION_POLICIES: tuple[str, ...] = ("none", "doorkeeper", "threshold")
 CODECS: tuple[str, ...] = ("none", "fp8", "fp8_e5m2", "int8", "int4")
-# The one default of a tier's eviction policy, on both sides (API ``evictionPolicy``, runtime configs): lru, the
-# one every backend supports (native takes lru or arc, lmcache lru only).
-DEFAULT_EVICTION_POLICY = "lru"
-# What the replay tools try when no policy is named, and what docs recommend with backend kvtier: adaptive stays
-# within 0.005 of LRU's prefix hit ratio (usually above it) on every trace shape measured, where prefix2q loses up
-# to 0.06 to LRU on multi-turn conversations (docs/performance.md, issue 18). A recommendation, not the API default:
-# backends native and lmcache cannot run it.
+# The eviction policy of kvtier's own tiers when none is named, and what the replay tools try first: adaptive
+# hedges its learned ordering against plain recency, so it stays within 0.005 of LRU's prefix hit ratio (usually
+# well above it) on every trace shape measured, a held-out real conversation trace included (docs/performance.md).
 RECOMMENDED_EVICTION_POLICY = "adaptive"
+# vLLM's own default and the only policy every backend supports (lmcache and TensorRT-LLM run LRU only).
+DEFAULT_EVICTION_POLICY = "lru"
+# The policies vLLM's CPU manager has built in; any other name with backend native loads kvtier's CachePolicy
+# plug-in, so the serving image needs kvtier's runtime package.
+VLLM_BUILTIN_EVICTION_POLICIES: tuple[str, ...] = ("lru", "arc")
+
+
+def default_eviction_policy(backend: str) -> str:
+    """A tier's eviction policy when the KVCachePolicy names none: kvtier's recommendation where kvtier's code
+    runs the tier (backend kvtier), the engine's own LRU elsewhere (native needs no kvtier code in the pod)."""
+    return RECOMMENDED_EVICTION_POLICY if backend == "kvtier" else DEFAULT_EVICTION_POLICY
+
+
 # With admission "threshold": a block is stored on its Nth offer unless spec.offload.storeThreshold says otherwise.
 DEFAULT_ADMISSION_THRESHOLD = 2
 
@@ -97,7 +106,7 @@ class FilesystemTierConfig:
     root_dir: str
     capacity_bytes: int
     codec: str = "none"
-    eviction_policy: str = DEFAULT_EVICTION_POLICY
+    eviction_policy: str = RECOMMENDED_EVICTION_POLICY
     admission: str = "none"
     # With admission "threshold": a block is stored on its Nth offer.
     admission_threshold: int = DEFAULT_ADMISSION_THRESHOLD
@@ -181,7 +190,7 @@ class OffloadSpecConfig:
     """
 
     cpu_bytes_to_use: int
-    eviction_policy: str = DEFAULT_EVICTION_POLICY
+    eviction_policy: str = RECOMMENDED_EVICTION_POLICY
     admission: str = "none"
     # With admission "threshold": a block is stored on its Nth offer (spec.offload.storeThreshold).
     admission_threshold: int = DEFAULT_ADMISSION_THRESHOLD

@@ -46,6 +46,8 @@ VALID = [
     policy(tiers=[]),
     policy(tiers=[cpu()]),
     policy(tiers=[cpu(evictionPolicy="arc")], offload={"chunkTokens": 256, "storeThreshold": 2}),
+    # kvtier's own policies run in vLLM's own manager through kvtier's CachePolicy plug-in.
+    policy(tiers=[cpu(evictionPolicy="adaptive"), disk()]),
     policy(backend="kvtier", tiers=[cpu(evictionPolicy="s3fifo", admission="doorkeeper"),
                                     disk(compression="int4"), disk("ssd", compression="fp8")]),
     policy(backend="lmcache", tiers=[cpu(), disk()]),
@@ -69,7 +71,7 @@ INVALID = [
      "spec.tiers[0].compression: compression applies to filesystem tiers only"),
     (policy(tiers=[cpu(), disk(compression="fp8")]), "spec.backend: compression needs backend kvtier"),
     (policy(tiers=[cpu(admission="doorkeeper")]), "spec.backend: admission filters need backend kvtier"),
-    (policy(tiers=[cpu(evictionPolicy="s3fifo")]), "spec.backend: backend native supports evictionPolicy lru or arc; s3fifo, prefix2q and adaptive"),
+    (policy(tiers=[cpu(), disk(evictionPolicy="adaptive")]), "spec.backend: backend native runs vLLM's own filesystem tier, which evicts nothing"),
     (policy(backend="lmcache", tiers=[cpu(evictionPolicy="arc")]), "spec.backend: backend lmcache supports evictionPolicy lru"),
     (policy(engine="trtllm", backend="lmcache", tiers=[cpu()]), "spec.backend: engine trtllm does not support "
                                                                 "backend lmcache"),

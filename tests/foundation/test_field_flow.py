@@ -331,15 +331,26 @@ def test_store_threshold_builds_threshold_admission_with_its_value():
     assert "store_threshold" not in extra  # kvtier's filter counts the offers; vLLM's would count them again
 
 
-def test_eviction_default_is_one_value_on_both_sides():
-    from kvtier_runtime.config import DEFAULT_EVICTION_POLICY
+def test_eviction_default_is_one_function_on_both_sides():
+    """An unset evictionPolicy means default_eviction_policy(backend), in the API and in kvtier's runtime configs;
+    vLLM's CachePolicy plug-in keeps vLLM's own default (lru)."""
+    from kvtier_runtime.config import DEFAULT_EVICTION_POLICY, RECOMMENDED_EVICTION_POLICY, default_eviction_policy
 
-    assert api.TierSpec.model_fields["eviction_policy"].default == DEFAULT_EVICTION_POLICY
+    assert api.TierSpec.model_fields["eviction_policy"].default is None
+    from kvtier_operator.api.validation import parse_policy
+    from foundation.policies import cpu, policy
+
+    for backend in ("native", "lmcache", "kvtier"):
+        spec = parse_policy(policy(backend=backend, tiers=[cpu()])).spec
+        assert spec.tiers[0].eviction == default_eviction_policy(backend)
+        assert spec.tiers[0].eviction_policy is None, "the stored field stays unset"
+    assert default_eviction_policy("kvtier") == RECOMMENDED_EVICTION_POLICY == "adaptive"
+    assert default_eviction_policy("native") == DEFAULT_EVICTION_POLICY == "lru"
     assert {f.name: f.default for f in dataclasses.fields(FilesystemTierConfig)}["eviction_policy"] == \
-        DEFAULT_EVICTION_POLICY
-    assert CachePolicyChoice().eviction == DEFAULT_EVICTION_POLICY
+        RECOMMENDED_EVICTION_POLICY
     assert {f.name: f.default for f in dataclasses.fields(OffloadSpecConfig)}["eviction_policy"] == \
-        DEFAULT_EVICTION_POLICY
+        RECOMMENDED_EVICTION_POLICY
+    assert CachePolicyChoice().eviction == DEFAULT_EVICTION_POLICY
 
 
 def test_the_fast_yaml_emitter_writes_the_same_bytes_as_the_pure_python_one():

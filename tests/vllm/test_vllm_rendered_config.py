@@ -191,3 +191,34 @@ def test_kvtier_plugins_load_through_vllms_tiering_spec(tmp_path, engine_id):
         sched.finish(ctx)
     finally:
         sched.shutdown()
+
+
+def test_rendered_native_policy_runs_kvtiers_adaptive_inside_vllms_own_manager(tmp_path, engine_id):
+    """backend native with a policy vLLM lacks renders kvtier's CachePolicy plug-in into vLLM's own manager."""
+    doc = policy(backend="native", tiers=[cpu(size="256Ki", evictionPolicy="adaptive")])
+    out = render(parse_policy(doc))
+    extra = yaml.safe_load(out.files["engine.yaml"])["kv-transfer-config"]["kv_connector_extra_config"]
+    assert extra["spec_name"] == "CPUOffloadingSpec"
+    assert extra["eviction_policy"] == vllm_cache_policy_class("adaptive") == "KvtierAdaptiveCachePolicy"
+    assert extra["cache_policy_module_path"] == VLLM_ADAPTER_MODULE
+
+    sched = Scheduler.start(engine_id, extra)
+    try:
+        policy_obj = sched.manager.primary_tier._policy
+        assert type(policy_obj).__name__ == "KvtierAdaptiveCachePolicy"
+        assert policy_obj.policy.uses_context and policy_obj._uses_context, "adaptive must see request context"
+        n = sched.manager.primary_tier._num_chunks
+        payloads = {key(i): os.urandom(BLOCK_BYTES) for i in range(n + 8)}
+        ctx = sched.context()
+        for start in range(0, len(payloads), 4):
+            sched.store(ctx, list(payloads)[start : start + 4], payloads)
+            sched.settle()
+        sched.finish(ctx)
+        sched.settle()
+        # One request longer than the tier: its head was kept, its tail evicted (vLLM's request-aware contract).
+        ctx = sched.context()
+        assert sched.lookup_until_settled(key(0), ctx) is LookupResult.HIT
+        assert len(sched.load(ctx, [key(0)])[key(0)]) == BLOCK_BYTES
+        sched.finish(ctx)
+    finally:
+        sched.shutdown()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 
 from kvtier_runtime.config import (
@@ -18,6 +18,7 @@ from kvtier_runtime.config import (
     DEFAULT_ADMISSION_THRESHOLD,
     DEFAULT_EVICTION_POLICY,
     EVICTION_POLICIES,
+    default_eviction_policy,
 )
 
 from .guard_state import SLOGuardState
@@ -228,10 +229,19 @@ class TierSpec(_Model):
     size: Quantity = _quantity("Capacity of the tier as a Kubernetes quantity, total across tensor-parallel ranks.")
     enabled: bool = Field(True, description="Set false to declare a tier without using it. The SLO guard "
                                             "disables tiers in status, never here.")
-    eviction_policy: Literal[EVICTION_POLICIES] = Field(  # type: ignore[valid-type]
-        DEFAULT_EVICTION_POLICY, description="Eviction policy: lru or arc with backend native; lru with lmcache; lru, arc, "
-                           "s3fifo, prefix2q or adaptive (prefix-aware and never below LRU on the traces measured, "
-                           "see docs/replay.md) with backend kvtier.")
+    eviction_policy: Optional[Literal[EVICTION_POLICIES]] = Field(  # type: ignore[valid-type]
+        None, description="Eviction policy. Unset: adaptive with backend kvtier (it hedges its learned ordering "
+                          "against plain recency and stays within 0.005 of LRU, see docs/replay.md), lru otherwise. "
+                          "Backend native runs lru and arc itself and any other policy of the cpu tier through "
+                          "kvtier's CachePolicy plug-in (the serving image needs kvtier's runtime); lmcache and "
+                          "trtllm run lru only.")
+    _default_eviction: str = PrivateAttr(DEFAULT_EVICTION_POLICY)
+
+    @property
+    def eviction(self) -> str:
+        """The tier's eviction policy: the one named, else the backend's default (set by KVCachePolicySpec)."""
+        return self.eviction_policy or self._default_eviction
+
     admission: Literal[ADMISSION_POLICIES] = Field(  # type: ignore[valid-type]
         "none", description="Admission filter in front of eviction (backend kvtier only): none; doorkeeper "
                             "(store a block only once it is seen again, TinyLFU style); threshold (store after "
@@ -474,10 +484,11 @@ class KVCachePolicySpec(_Model):
                   "compression needs backend kvtier", field_path=".backend"),
             _rule("self.backend == 'kvtier' || self.tiers.all(t, t.admission == 'none')",
                   "admission filters need backend kvtier", field_path=".backend"),
-            _rule("self.backend != 'native' || self.tiers.all(t, t.evictionPolicy in ['lru', 'arc'])",
-                  "backend native supports evictionPolicy lru or arc; s3fifo, prefix2q and adaptive need backend kvtier",
-                  field_path=".backend"),
-            _rule("self.backend != 'lmcache' || self.tiers.all(t, t.evictionPolicy == 'lru')",
+            _rule("self.backend != 'native' || self.tiers.all(t, t.medium == 'cpu' || !has(t.evictionPolicy) || "
+                  "t.evictionPolicy in ['lru', 'arc'])",
+                  "backend native runs vLLM's own filesystem tier, which evicts nothing: set evictionPolicy lru "
+                  "or arc on filesystem tiers, or use backend kvtier", field_path=".backend"),
+            _rule("self.backend != 'lmcache' || self.tiers.all(t, !has(t.evictionPolicy) || t.evictionPolicy == 'lru')",
                   "backend lmcache supports evictionPolicy lru only", field_path=".backend"),
             _rule("self.backend != 'lmcache' || self.tiers.filter(t, t.medium == 'filesystem').size() <= 1",
                   "backend lmcache supports one filesystem tier (local_disk)", field_path=".tiers"),
@@ -487,7 +498,7 @@ class KVCachePolicySpec(_Model):
             _engine_rule("trtllm", "!(has(self.engine) && self.engine == 'trtllm' && self.backend == 'kvtier')",
                   "engine trtllm does not support backend kvtier (its plug-ins load into vLLM)",
                   field_path=".backend"),
-            _engine_rule("trtllm", "!(has(self.engine) && self.engine == 'trtllm') || self.tiers.all(t, t.evictionPolicy == 'lru')",
+            _engine_rule("trtllm", "!(has(self.engine) && self.engine == 'trtllm') || self.tiers.all(t, !has(t.evictionPolicy) || t.evictionPolicy == 'lru')",
                   "engine trtllm has one eviction policy for offloaded blocks: set evictionPolicy lru",
                   field_path=".tiers"),
             _engine_rule("trtllm", "!(has(self.engine) && self.engine == 'trtllm') || self.gpu.kvCacheDtype in ['auto', 'fp8']",
@@ -551,6 +562,14 @@ class KVCachePolicySpec(_Model):
     @cached_property
     def host_memory_headroom_bytes(self) -> int:
         return parse_quantity(self.host_memory_headroom)
+
+    @model_validator(mode="after")
+    def _resolve_eviction_policies(self) -> "KVCachePolicySpec":
+        # The default depends on the backend, which OpenAPI defaults cannot express: resolved once here, read as
+        # TierSpec.eviction. The field itself stays unset, so a dump equals what the API server stores.
+        for tier in self.tiers:
+            tier._default_eviction = default_eviction_policy(self.backend)
+        return self
 
 
 # ---------------------------------------------------------------------------------------------- status

@@ -16,7 +16,9 @@ from urllib.parse import quote
 
 from kvtier_runtime.config import (
     VLLM_ADAPTER_MODULE,
+    VLLM_BUILTIN_EVICTION_POLICIES,
     VLLM_OFFLOADING_SPEC_CLASS,
+    CachePolicyChoice,
     FilesystemTierConfig,
     OffloadSpecConfig,
 )
@@ -42,7 +44,7 @@ def _kvtier_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec])
     cpu, secondary = tiers[0], [t for t in tiers[1:] if t.medium == "filesystem"]
     config = OffloadSpecConfig(
         cpu_bytes_to_use=cpu.size_bytes,
-        eviction_policy=cpu.eviction_policy,
+        eviction_policy=cpu.eviction,
         admission=cpu.admission,
         admission_threshold=spec.offload.admission_threshold,
         fs_tiers=tuple(_fs_tier_config(spec, t) for t in secondary),
@@ -61,7 +63,7 @@ def _fs_tier_config(spec: api.KVCachePolicySpec, tier: api.TierSpec) -> Filesyst
         root_dir=tier.path,
         capacity_bytes=tier.size_bytes,
         codec=tier.compression,
-        eviction_policy=tier.eviction_policy,
+        eviction_policy=tier.eviction,
         admission=tier.admission,
         admission_threshold=spec.offload.admission_threshold,
         n_read_threads=tier.read_threads,
@@ -85,7 +87,11 @@ def _offloading_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSp
     kvtier_threshold = spec.backend == "kvtier" and cpu.admission == "threshold"
     if spec.offload.store_threshold and not secondary and not kvtier_threshold:
         extra["store_threshold"] = spec.offload.store_threshold
-    extra["eviction_policy"] = cpu.eviction_policy
+    if cpu.eviction in VLLM_BUILTIN_EVICTION_POLICIES:
+        extra["eviction_policy"] = cpu.eviction
+    else:  # kvtier's policy inside vLLM's own manager, through vLLM's CachePolicyFactory
+        extra["eviction_policy"] = CachePolicyChoice(cpu.eviction).class_name
+        extra["cache_policy_module_path"] = VLLM_ADAPTER_MODULE
     if secondary:
         extra["secondary_tiers"] = [_secondary_tier(spec, t) for t in secondary]
     return extra

@@ -128,9 +128,6 @@ class KvtierCachePolicy(CachePolicy):
     eviction: ClassVar[str] = "lru"
     admission: ClassVar[str] = "none"
     admission_threshold: ClassVar[int] = DEFAULT_ADMISSION_THRESHOLD
-    # Only these policies read the request context (request id, position); for the others building one per
-    # access is pure overhead on vLLM's scheduler thread.
-    CONTEXT_AWARE: ClassVar[frozenset[str]] = frozenset({"prefix2q"})
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
@@ -140,7 +137,10 @@ class KvtierCachePolicy(CachePolicy):
         )
         self._chunks: dict[OffloadKey, ChunkStatus] = {}
         self._probation: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._uses_context = self.eviction in self.CONTEXT_AWARE
+        # Only policies that read the request context get one: building it per access is pure overhead on vLLM's
+        # scheduler thread for the others. vLLM's ReqContext carries the request id and each key's end-token
+        # position, not the request's length, so adaptive runs here without its prompt-tail class.
+        self._uses_context = self.policy.uses_context
 
     # ---- lookups ------------------------------------------------------------------------------------------
     def get(self, key: OffloadKey) -> ChunkStatus | None:

@@ -22,9 +22,11 @@ class GhostList:
         old = self._sizes.pop(key, None)
         if old is not None:
             self.used_bytes -= old
-        self._sizes[key] = size
+        sizes = self._sizes
+        sizes[key] = size
         self.used_bytes += size
-        self.trim(self.capacity_bytes)
+        while self.used_bytes > self.capacity_bytes:  # trim(), inlined: add() runs once per miss
+            self.used_bytes -= sizes.popitem(last=False)[1]
 
     def refresh(self, key: Key, size: int) -> None:
         """``add`` for the common case of a key already remembered with the same size: just make it the newest."""

@@ -9,6 +9,10 @@ from .engine import PolicySpec, replay_single
 from .metrics import flatten, prefix_hit_count
 from .trace import Trace
 
+# How far below LRU a policy may fall at any measured size and still be recommended (the floor the recommended
+# policy is tested against, tests/test_policies_floor.py).
+LRU_FLOOR = 0.005
+
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
 
 
@@ -150,7 +154,10 @@ def analyze(trace: Trace, block_tokens: int, specs: Sequence[PolicySpec] | Polic
     max_blocks = distinct
     if budgets.capacity_bytes and block_bytes:
         max_blocks = max(1, min(distinct, budgets.capacity_bytes // block_bytes))
+    from .lru_curve import LRUCurve  # it imports reuse_distances from here
+
     pcts = (1, 2, 5, 10, 20, 30, 50, 100)
+    lru_curve = LRUCurve(keys, lengths)
     curve = []
     for pct in pcts:
         cap = max(1, round(distinct * pct / 100))
@@ -162,11 +169,21 @@ def analyze(trace: Trace, block_tokens: int, specs: Sequence[PolicySpec] | Polic
             by_policy[str(spec)] = ph / n
             if progress:
                 progress()
-        best = max(by_policy, key=lambda name: (by_policy[name], -list(by_policy).index(name)))
-        curve.append({"capacity_blocks": cap, "prefix_hit_ratio": by_policy[best], "policy": best,
+        curve.append({"capacity_blocks": cap, "lru_prefix_hit_ratio": lru_curve.prefix_hit_ratio(cap),
                       "by_policy": by_policy})
         if cap == max_blocks:
             break
+    # A policy that wins at one size but falls below LRU at another learned this trace, not the workload: advice
+    # must hold on the traffic the user has not replayed yet, so only policies that stay within the floor of LRU
+    # at every measured size are recommended (all of them if none does).
+    names = [str(s) for s in specs]
+    holds = [name for name in names
+             if all(p["by_policy"][name] >= p["lru_prefix_hit_ratio"] - LRU_FLOOR for p in curve)] or names
+    out["policies_below_lru"] = [name for name in names if name not in holds]
+    for point in curve:
+        by_policy = point["by_policy"]
+        best = max(holds, key=lambda name: (by_policy[name], -names.index(name)))
+        point["policy"], point["prefix_hit_ratio"] = best, by_policy[best]
     goal = 0.9 * out["infinite_cache_prefix_hit_ratio"]
     pick = next((p for p in curve if p["prefix_hit_ratio"] >= goal), curve[-1])
     out["capacity_curve"] = curve
@@ -230,6 +247,9 @@ def format_analysis(a: dict) -> str:
     if a.get("recommended_capacity_bytes"):
         cap += f" ({a['recommended_capacity_bytes'] / 2**30:.2f} GiB)"
     lines.append(cap + f" -- {a['recommended_capacity_reason']}")
+    if a.get("policies_below_lru"):
+        lines.append("not recommended (more than " + f"{LRU_FLOOR} below LRU's prefix hit ratio at some measured size, "
+                     "so unlikely to hold on traffic not replayed here): " + ", ".join(a["policies_below_lru"]))
     at = a["chunk_sizes_measured_at"]
     lines.append(f"chunk sizes, measured at {at['capacity_blocks']} blocks (the recommended capacity) with {at['policy']}:")
     for c in a["chunk_sizes"]:

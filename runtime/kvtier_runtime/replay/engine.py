@@ -134,6 +134,17 @@ def replay_single(requests: Sequence[Sequence[int]], policy: EvictionPolicy) -> 
                     insert(key, 1)  # size 1 always fits: nothing is pinned during replay
         return hits, len(hits) - sum(hits)
     use_ctx = policy.uses_context
+    if policy.admission is None:  # a context-aware policy without a filter: every miss is stored
+        for rid, req in enumerate(requests):
+            n = len(req)
+            for pos, key in enumerate(req):
+                ctx = AccessContext(rid, pos, n)
+                if touch(key, ctx):
+                    append(True)
+                else:
+                    append(False)
+                    insert(key, 1, ctx)
+        return hits, len(hits) - sum(hits)
     for rid, req in enumerate(requests):
         n = len(req)
         for pos, key in enumerate(req):

@@ -14,6 +14,13 @@ Shapes (each a plain function of a :class:`random.Random`, so a seed gives the s
 * ``document`` -- one-shot documents (RAG / summarisation): most documents are read once, a Zipf-popular few
   again and again, each with a short unique question after the document.
 * ``mixture`` -- the three above interleaved on one timeline (a shared serving fleet).
+* ``chat`` -- long multi-turn chats whose next turn follows within seconds (an assistant in a live session):
+  each turn extends the previous one, so the most recent blocks are nearly always the next ones reused and plain
+  recency is close to optimal. A shape where any learned protection of older blocks can only lose.
+* ``sysprompt`` -- system-prompt-heavy traffic: a few hundred apps, each with a long system prompt shared by all
+  its requests, popularity Zipf-distributed and shifting as apps come and go; the user part is short and one-shot.
+* ``drift`` -- conversation, agent and document traffic whose shares change over time (conversation-heavy first,
+  document-heavy last), so a policy that learned the first hour must unlearn it.
 
 Block ids are prefix-chained like Mooncake's: block i's id names the whole prefix up to block i, the last
 (partial) block of a prompt gets its own id, and ``len(hash_ids) == ceil(input_length / block_tokens)``.
@@ -27,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-SHAPES = ("conversation", "agent", "document", "mixture")
+SHAPES = ("conversation", "agent", "document", "mixture", "chat", "sysprompt", "drift")
 # Calibration (measured by tests/test_replay_synth.py): ~24 blocks/request, ~41% of reuses first reuses,
 # ~27% of blocks ever reused, infinite-cache hit ratio ~0.39 -- near Mooncake's conversation trace (24, 42%, 24%, 0.37).
 CONV_MULTI, CONV_CONTINUE, CONV_FIRST, CONV_NEXT = 0.25, 0.55, 6000, 1500
@@ -171,8 +178,62 @@ def mixture(rng: random.Random, ids: _Ids, n_requests: int, block_tokens: int,
             + document(rng, ids, n_requests - 2 * third, block_tokens, duration_ms))
 
 
+def chat(rng: random.Random, ids: _Ids, n_requests: int, block_tokens: int,
+         duration_ms: float) -> list[_Request]:
+    out: list[_Request] = []
+    while len(out) < n_requests:
+        t = rng.random() * duration_ms
+        ctx = _Context()  # no shared system prompt: nothing is worth keeping but the live sessions
+        turns = 2 + int(_lognormal(rng, 12, 0.7, 0, 80))
+        for turn in range(turns):
+            if len(out) >= n_requests:
+                break
+            user = int(_lognormal(rng, 2000 if turn == 0 else 250, 1.0, 5, 30000))
+            n_in, hash_ids = ctx.extend(ids, user, block_tokens)
+            n_out = int(_lognormal(rng, 250, 0.8, 1, 3000))
+            out.append(_Request(t, n_in, n_out, hash_ids))
+            ctx.tokens += n_out
+            t += n_out * 30 + _lognormal(rng, 8_000, 1.2, 500, 600_000)  # the next turn within seconds, mostly
+    return out
+
+
+def sysprompt(rng: random.Random, ids: _Ids, n_requests: int, block_tokens: int,
+              duration_ms: float) -> list[_Request]:
+    n_apps = 300
+    prompts = [ids.take(int(_lognormal(rng, 6, 0.7, 2, 40))) for _ in range(n_apps)]
+    pop = _zipf_cumulative(n_apps, 0.9)
+    out: list[_Request] = []
+    for i in range(n_requests):
+        t = duration_ms * i / n_requests
+        # Apps come and go: the popularity ranking rotates by one app every 1% of the trace.
+        app = (_zipf_index(rng, pop) + i * 100 // n_requests) % n_apps
+        ctx = _Context(len(prompts[app]) * block_tokens, list(prompts[app]))
+        n_in, hash_ids = ctx.extend(ids, int(_lognormal(rng, 300, 1.0, 5, 6000)), block_tokens)
+        out.append(_Request(t, n_in, int(_lognormal(rng, 200, 0.8, 1, 2000)), hash_ids))
+    return out
+
+
+def drift(rng: random.Random, ids: _Ids, n_requests: int, block_tokens: int,
+          duration_ms: float) -> list[_Request]:
+    # Three phases of equal length; within each, the share of each kind is fixed, and the shares move from
+    # conversation-heavy to document-heavy. Each phase's requests are generated on the phase's own timeline.
+    shares = ((0.7, 0.2, 0.1), (0.3, 0.4, 0.3), (0.1, 0.2, 0.7))
+    phase_ms = duration_ms / len(shares)
+    out: list[_Request] = []
+    for p, (c, a, d) in enumerate(shares):
+        n = n_requests // len(shares) if p < len(shares) - 1 else n_requests - len(out)
+        n_c, n_a = int(n * c), int(n * a)
+        part = (conversation(rng, ids, n_c, block_tokens, phase_ms) + agent(rng, ids, n_a, block_tokens, phase_ms)
+                + document(rng, ids, n - n_c - n_a, block_tokens, phase_ms))
+        for r in part:
+            r.timestamp_ms = p * phase_ms + min(r.timestamp_ms, phase_ms - 1)
+        out += part
+    return out
+
+
 _GENERATORS: dict[str, Callable[..., list[_Request]]] = {
     "conversation": conversation, "agent": agent, "document": document, "mixture": mixture,
+    "chat": chat, "sysprompt": sysprompt, "drift": drift,
 }
 
 
