@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping, Optional
 from urllib.parse import SplitResult, urlsplit
 
 from .api import v1alpha1 as api
+from .api.paths import segments
 from .settings import FIELD_MANAGER, OPT_IN_ANY, OPT_IN_LABEL, POLICY_LABEL
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -38,8 +39,7 @@ def not_opted_in_message(ref: str, policy: str) -> str:
 # ---------------------------------------------------------------------------------------------- host paths
 
 
-def _segments(path: str) -> list[str]:
-    return [p for p in path.split("/") if p]
+_segments = segments  # the one normaliser's segments (api.paths)
 
 
 def check_host_path_prefix(prefix: str) -> Optional[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
 from kvtier_runtime.config import (
@@ -20,6 +20,8 @@ from kvtier_runtime.config import (
     EVICTION_POLICIES,
 )
 
+from . import paths
+from .. import selectors
 from .guard_state import SLOGuardState
 from .units import DURATION_PATTERN, POSITIVE_QUANTITY_PATTERN, parse_duration, parse_quantity
 
@@ -45,12 +47,10 @@ MAX_POLICY_NAME = 63
 MAX_QUANTITY = "1Pi"
 # Longest wait for one Prometheus query: an evaluation runs three, and it must finish well within an interval.
 MAX_PROMETHEUS_TIMEOUT = "60s"
-# Mount paths that would shadow what the container (or the operator's own mounts: /etc/kvtier, /dev/shm) needs.
-# A tier path equal to, below, or above one of these is refused: `/var` would hide /var/run/secrets.
-SYSTEM_PATH_RULE = (r"^/+((bin|boot|dev|etc|lib|lib32|lib64|proc|root|run|sbin|sys|usr|var/run|var/lib/kubelet)"
-                    r"(/|$)|(var)?/*$)")
-# A "." or ".." path segment: refused so that the path the API server and the node see is the one written.
-DOT_SEGMENT_RULE = r"(^|/)[.][.]?(/|$)"
+# Path rules live in api.paths (the one normaliser); the CEL texts below are built from them.
+SYSTEM_PATH_RULE = paths.SYSTEM_PATH_RULE
+NOT_NORMAL_RULE = paths.NOT_NORMAL_RULE
+DOT_SEGMENT_RULE = paths.DOT_SEGMENT_RULE
 CEL_DURATION_PATTERN = r"^([0-9]+([.][0-9]+)?(ms|s|m|h))+$"
 
 
@@ -84,6 +84,21 @@ def _cel(*rules: dict[str, str]) -> dict[str, Any]:
 
 # Kubernetes quantities may be written as integers (bytes) or suffixed strings; both are kept as written.
 Quantity = Annotated[str, BeforeValidator(lambda v: str(v) if isinstance(v, int) and not isinstance(v, bool) else v)]
+
+
+def _checked(check: Any) -> Any:
+    def run(value: str) -> str:
+        problem = check(value)
+        if problem:
+            raise paths.PathError(problem)
+        return value
+    return AfterValidator(run)
+
+
+# Paths judged by api.paths on their normal form (the operator re-checks stored objects with these, so a policy
+# stored before a CEL rule existed is refused with a message, never rendered or retried forever).
+MountPath = Annotated[str, Field(pattern=ABS_PATH_PATTERN, max_length=4096), _checked(paths.mount_path_problem)]
+HostPath = Annotated[str, Field(pattern=ABS_PATH_PATTERN, max_length=4096), _checked(paths.form_problem)]
 
 
 def _quantity(description: str, **kwargs: Any) -> Any:
@@ -177,11 +192,11 @@ class EmptyDirSource(_Model):
 class HostPathSource(_Model):
     """A hostPath volume, e.g. a node-local NVMe mount."""
 
-    path: str = Field(description="Path on the node; it must lie under a prefix the operator's admin allows "
-                                  "(operator setting hostPathPrefixes).", pattern=ABS_PATH_PATTERN,
-                      max_length=4096,
-                      json_schema_extra=_cel(_rule(f"!self.matches('{DOT_SEGMENT_RULE}')",
-                                                   "must not contain '.' or '..' segments")))
+    path: HostPath = Field(description="Path on the node, in normal form; it must lie under a prefix the "
+                                       "operator's admin allows (operator setting hostPathPrefixes).",
+                           json_schema_extra=_cel(
+                               _rule(f"!self.matches('{DOT_SEGMENT_RULE}')", paths.DOT_SEGMENT_MESSAGE),
+                               _rule(f"!self.matches('{NOT_NORMAL_RULE}')", paths.NOT_NORMAL_MESSAGE)))
     type: Optional[Literal["", "Directory", "DirectoryOrCreate"]] = Field(None, description="hostPath type.")
 
 
@@ -236,15 +251,16 @@ class TierSpec(_Model):
         "none", description="Admission filter in front of eviction (backend kvtier only): none; doorkeeper "
                             "(store a block only once it is seen again, TinyLFU style); threshold (store after "
                             "spec.offload.storeThreshold offers).")
-    path: Optional[str] = Field(
-        None, description="Mount path of a filesystem tier in the serving container; not a system path (/, /etc, "
-                          "/dev, /proc, /usr, /var/run, ...) nor the operator's own /etc/kvtier and /dev/shm.",
-        pattern=ABS_PATH_PATTERN, max_length=4096,
+    path: Optional[MountPath] = Field(
+        None, description="Mount path of a filesystem tier in the serving container, in normal form (no '//', "
+                          "'.' or '..' segments, no trailing '/'); not a system path (/, /etc, /dev, /proc, /usr, "
+                          "/var/run, ...) nor the operator's own /etc/kvtier and /dev/shm.",
         json_schema_extra=_cel(
-            _rule(f"!self.matches('{DOT_SEGMENT_RULE}')", "must not contain '.' or '..' segments"),
-            _rule(f"!self.matches('{SYSTEM_PATH_RULE}')",
-                  "must not be or contain a system path (/, /bin, /dev, /etc, /lib, /proc, /run, /sys, /usr, "
-                  "/var/run, ...), nor the operator's own mounts /etc/kvtier and /dev/shm")))
+            _rule(f"!self.matches('{DOT_SEGMENT_RULE}')", paths.DOT_SEGMENT_MESSAGE),
+            _rule(f"!self.matches('{NOT_NORMAL_RULE}')", paths.NOT_NORMAL_MESSAGE),
+            # Guarded so a non-normal path gets the rules above only: on normal paths it is paths.is_system_path.
+            _rule(f"self.matches('{DOT_SEGMENT_RULE}') || self.matches('{NOT_NORMAL_RULE}') || "
+                  f"!self.matches('{SYSTEM_PATH_RULE}')", paths.SYSTEM_PATH_MESSAGE)))
     volume: Optional[VolumeSource] = Field(None, description="Volume that backs a filesystem tier.")
     read_threads: int = Field(16, ge=1, le=256, description="I/O threads reading from a filesystem tier.")
     write_threads: int = Field(16, ge=1, le=256, description="I/O threads writing to a filesystem tier.")
@@ -460,10 +476,10 @@ class KVCachePolicySpec(_Model):
                   field_path=".tiers"),
             _rule("self.tiers.filter(t, t.medium == 'cpu').size() <= 1", "at most one cpu tier",
                   field_path=".tiers"),
-            # /mnt/a and /mnt/a/ are one directory.
+            # Paths are in normal form (the rule on each path), so two paths name one directory only when equal.
             # Pairwise with all(), not filter().size(): the API server's cost estimate refuses the latter here.
             _rule("self.tiers.all(t, self.tiers.all(u, t == u || !has(t.path) || !has(u.path) || "
-                  "(u.path != t.path && u.path != t.path + '/' && u.path + '/' != t.path)))",
+                  "u.path != t.path))",
                   "filesystem tiers need distinct paths", field_path=".tiers"),
             _rule("!has(self.offload.chunkTokens) || self.offload.chunkTokens % self.blockSize == 0",
                   # format(), not string() + concatenation: the API server prices string(int) as unbounded.

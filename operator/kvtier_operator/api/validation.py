@@ -15,6 +15,7 @@ import celpy
 from pydantic import ValidationError
 
 from . import v1alpha1 as api
+from .paths import RuleError
 from .crd import openapi_schema
 from .metadata import metadata_problems
 from .units import POSITIVE_QUANTITY_PATTERN, parse_quantity
@@ -65,6 +66,8 @@ def _pydantic_problems(err: ValidationError) -> list[Problem]:
             message = "unknown field"
         elif kind == "string_pattern_mismatch" and e.get("ctx", {}).get("pattern") == POSITIVE_QUANTITY_PATTERN:
             message = f"{value!r} is not a positive Kubernetes quantity (e.g. 16Gi, 500G)"
+        elif kind == "value_error" and isinstance(e.get("ctx", {}).get("error"), RuleError):
+            message = str(e["ctx"]["error"])  # word for word the CEL rule's message (the API server's)
         elif kind == "string_pattern_mismatch":
             message = f"{value!r} does not match {e['ctx']['pattern']}"
         else:

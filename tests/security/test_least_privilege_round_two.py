@@ -1,0 +1,52 @@
+"""Least privilege, round two (issue 24): each class of weakness the adversarial probe found, on the real API
+server, as the low-privilege author "mallory" of test_least_privilege (KVCachePolicy objects in one namespace,
+nothing else). Each test names its class; the operator runs with the chart's trust settings as in
+tests/plugins/operator.py unless a test says otherwise.
+
+A. a path check before normalisation       B. adopting a foreign object
+C. conflict before opt-in                  D. a URL allowlist on raw text
+E. progress the author can write           F. unbounded output and oracles
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+from kvtier_operator.kube import ApiError, config_map_path, policy_path, workload_path
+from kvtier_operator.settings import OPT_IN_LABEL, POLICY_LABEL
+
+from plugins.operator import (cond, deployment, get_policy, get_workload, make_policy, template_hash, user_apply,
+                              wait_applied, wait_for)
+from security.test_least_privilege import AUTHOR, CPU, _slo_policy, _token_secret, author, listener  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.controlplane
+
+
+def _disk(path: str, name: str = "disk", volume: dict | None = None) -> dict:
+    return {"name": name, "medium": "filesystem", "size": "1Gi", "path": path, "volume": volume or {"emptyDir": {}}}
+
+
+def _refused(author, namespace: str, body: dict) -> ApiError:
+    with pytest.raises(ApiError) as refused:
+        author.create(policy_path(namespace), body)
+    assert refused.value.status == 422, refused.value
+    return refused.value
+
+
+# ---------------------------------------------------------------------------------------------- A
+
+@pytest.mark.parametrize("tiers, field", [
+    # The probe's case: '//' passed the system-path rule, and the renderer mounted the tier over the token.
+    ([CPU, _disk("/var//run/secrets/kubernetes.io/serviceaccount")], "spec.tiers[1].path"),
+    ([CPU, _disk("/var/lib//kubelet")], "spec.tiers[1].path"),
+    ([CPU, _disk("/mnt/kv/")], "spec.tiers[1].path"),
+    # Two spellings of one directory: the policy was stuck, retried forever without status.
+    ([CPU, _disk("/mnt/kv", "a"), _disk("/mnt//kv", "b")], "spec.tiers[2].path"),
+    ([CPU, _disk("/mnt/k", volume={"hostPath": {"path": "/mnt/disks//kv"}})], "spec.tiers[1].volume.hostPath.path"),
+])
+def test_class_a_paths_are_judged_in_normal_form_never_normalised(namespace, author, tiers, field):
+    error = _refused(author, namespace, make_policy("p", namespace, backend="kvtier", tiers=tiers))
+    assert field in error.message and "normal form" in error.message, error.message
