@@ -243,18 +243,21 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
             if w.applied_by == name:
                 targets.append(_release(w, spec, f"{w.ref} no longer matches the selector"))
             continue
-        rivals = sorted(p["metadata"]["name"] for p in others if matches(_selector_of(p), w.labels))
-        if rivals:
-            targets.append(TargetPlan(w.kind, w.name, CONFLICT,
-                                      f"{w.ref} is also selected by KVCachePolicy {', '.join(rivals)}; no policy "
-                                      f"changes it until only one selects it"))
-            continue
+        # Opt-in first (class C): a policy the workload's owner did not opt in to has no say over it, so it can
+        # neither conflict with the policy the owner chose nor freeze it.
         if not opted_in(w.labels, name):
             # The policy's author may not be allowed to edit this workload; its owner must consent.
             if w.applied_by == name:
                 targets.append(_release(w, spec, f"{w.ref} no longer opts in ({not_opted_in_message(w.ref, name)})"))
             else:
                 targets.append(TargetPlan(w.kind, w.name, NOT_OPTED_IN, not_opted_in_message(w.ref, name)))
+            continue
+        rivals = sorted(p["metadata"]["name"] for p in others
+                        if matches(_selector_of(p), w.labels) and opted_in(w.labels, p["metadata"]["name"]))
+        if rivals:
+            targets.append(TargetPlan(w.kind, w.name, CONFLICT,
+                                      f"{w.ref} is also selected by KVCachePolicy {', '.join(rivals)}, which it "
+                                      f"opted in to too; no policy changes it until only one selects it"))
             continue
         t, rendered = _target(policy, doc_key, w, on, node_allocatable=node_allocatable,
                               cleanup_image=cleanup_image)

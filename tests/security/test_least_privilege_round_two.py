@@ -50,3 +50,36 @@ def _refused(author, namespace: str, body: dict) -> ApiError:
 def test_class_a_paths_are_judged_in_normal_form_never_normalised(namespace, author, tiers, field):
     error = _refused(author, namespace, make_policy("p", namespace, backend="kvtier", tiers=tiers))
     assert field in error.message and "normal form" in error.message, error.message
+
+
+# ---------------------------------------------------------------------------------------------- C
+
+def test_class_c_a_policy_not_opted_in_to_neither_conflicts_nor_freezes(kube, namespace, author, run_operator):
+    user_apply(kube, deployment("llm", namespace, opt_in="owner"))  # the owner chose policy "owner"
+    run_operator()
+    selector = {"matchLabels": {"app": "llm"}}
+    kube.create(policy_path(namespace), make_policy("owner", namespace, selector=selector))
+    _, wl = wait_applied(kube, namespace, "owner", "llm")
+    author.create(policy_path(namespace), make_policy("intruder", namespace, selector=selector))
+    wait_for(lambda: cond(get_policy(kube, namespace, "intruder"), "Ready").get("reason") == "NotOptedIn", 30,
+             what="the intruder NotOptedIn")
+    time.sleep(1)
+    owner = get_policy(kube, namespace, "owner")
+    assert cond(owner, "Conflict").get("status") == "False", cond(owner, "Conflict")
+    assert [t["state"] for t in owner["status"]["targets"]] == ["Applied"]  # its SLO scope keeps the workload
+    # The owner's later change still reaches the workload.
+    kube.request("PATCH", policy_path(namespace, "owner"), body={"spec": {"tiers": [{**CPU, "size": "2Gi"}]}},
+                 content_type="application/merge-patch+json")
+    wait_for(lambda: template_hash(get_workload(kube, namespace, "llm")) not in (None, template_hash(wl)), 30,
+             what="the owner's change applied")
+
+
+@pytest.mark.parametrize("selector", [
+    {"matchExpressions": [{"key": "unused", "operator": "DoesNotExist"}]},
+    {"matchExpressions": [{"key": "app", "operator": "NotIn", "values": ["x"]}]},
+    {"matchExpressions": [{"key": "app", "operator": "NotIn"}]},
+    {"matchLabels": {}},
+])
+def test_class_c_catch_all_selectors_are_refused_at_admission(namespace, author, selector):
+    error = _refused(author, namespace, make_policy("p", namespace, selector=selector))
+    assert "spec.selector" in error.message, error.message

@@ -51,6 +51,11 @@ MAX_PROMETHEUS_TIMEOUT = "60s"
 SYSTEM_PATH_RULE = paths.SYSTEM_PATH_RULE
 NOT_NORMAL_RULE = paths.NOT_NORMAL_RULE
 DOT_SEGMENT_RULE = paths.DOT_SEGMENT_RULE
+# Class C (catch-all selectors in disguise): the Python side is selectors.has_positive_term/requirement_problem.
+SELECTOR_POSITIVE_RULE = ("(has(self.matchLabels) && self.matchLabels.size() > 0) || (has(self.matchExpressions) && "
+                          "self.matchExpressions.exists(e, e.operator == 'In' || e.operator == 'Exists'))")
+SELECTOR_VALUES_RULE = ("(self.operator == 'In' || self.operator == 'NotIn') ? "
+                        "(has(self.values) && self.values.size() > 0) : (!has(self.values) || self.values.size() == 0)")
 CEL_DURATION_PATTERN = r"^([0-9]+([.][0-9]+)?(ms|s|m|h))+$"
 
 
@@ -141,26 +146,44 @@ class _Model(BaseModel):
 class LabelSelectorRequirement(_Model):
     """One label requirement, as in a Kubernetes LabelSelector."""
 
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            _rule(SELECTOR_VALUES_RULE, selectors.VALUES_MESSAGE),
+        )
+    )
     key: str = Field(description="The label key the requirement applies to.", max_length=317)
     operator: Literal["In", "NotIn", "Exists", "DoesNotExist"] = Field(description="How key and values relate.")
     values: Optional[list[str]] = Field(
-        None, description="Values for In and NotIn; must be empty for Exists and DoesNotExist.", max_length=64
+        None, description="Values for In and NotIn (at least one); must be empty for Exists and DoesNotExist.",
+        max_length=64
     )
+
+    @model_validator(mode="after")
+    def _values(self) -> "LabelSelectorRequirement":
+        problem = selectors.requirement_problem(self.operator, self.values)
+        if problem:
+            raise paths.RuleError(problem)
+        return self
 
 
 class LabelSelector(_Model):
-    """Selects Deployments and StatefulSets in the policy's namespace by their labels."""
+    """Selects Deployments and StatefulSets in the policy's namespace by their labels. It must name at least one
+    label a workload carries (a matchLabels entry, or an In or Exists term): NotIn and DoesNotExist alone match
+    every workload, and a catch-all selector would conflict with every policy of the namespace."""
 
     model_config = ConfigDict(
-        json_schema_extra=_cel(
-            _rule("has(self.matchLabels) || has(self.matchExpressions)",
-                  "a selector must name matchLabels or matchExpressions; an empty selector would select everything")
-        )
+        json_schema_extra=_cel(_rule(SELECTOR_POSITIVE_RULE, selectors.CATCH_ALL_MESSAGE))
     )
     match_labels: Optional[dict[str, str]] = Field(None, description="Labels a workload must carry, all of them.")
     match_expressions: Optional[list[LabelSelectorRequirement]] = Field(
         None, description="Label requirements a workload must meet, all of them.", max_length=16
     )
+
+    @model_validator(mode="after")
+    def _not_catch_all(self) -> "LabelSelector":
+        if not selectors.has_positive_term(self.model_dump(by_alias=True, exclude_none=True)):
+            raise paths.RuleError(selectors.CATCH_ALL_MESSAGE)
+        return self
 
 
 # ---------------------------------------------------------------------------------------------- GPU
