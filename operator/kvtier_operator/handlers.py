@@ -41,7 +41,7 @@ from .selectors import matches, to_query
 from .settings import FINALIZER, POLICY_LABEL, PREFIX, Settings
 from .status import CONDITION_TYPES, now_rfc3339
 from .status_writer import write_status
-from .trust import owns_config_map
+from .trust import foreign_holder_message, owns_config_map
 from .wakeups import Wakeups, backoff
 from .workload import KINDS, Workload, removal_patch
 
@@ -49,6 +49,7 @@ log = logging.getLogger("kvtier.operator")
 POLICY = (api.GROUP, api.VERSION, api.PLURAL)
 Key = tuple[str, str]
 CONFIG_MAP_TTL = 30.0
+FOREIGN_OBJECT = "ForeignObject"  # Ready/Degraded reason: an object kvtier names is held by someone else
 STATUS_ONLY_DELAY = 0.5  # coalesces the controller's status updates after a rollout
 
 
@@ -196,9 +197,19 @@ class Operator:
             # The same ConfigMap applied moments ago is not re-sent (bursts of events); after the TTL it is,
             # so a deleted or edited ConfigMap heals on the next reconcile.
             if last != body or time.monotonic() - at > CONFIG_MAP_TTL:
-                self.kube.apply(config_map_path(namespace, cm_key[1]), plan.config_map)
-                self.metrics.api_writes.labels("configmap").inc()
-                self.applied_config_maps[cm_key] = (time.monotonic(), body)
+                # Whose is it? A server-side apply would merge our labels, owner reference and keys into a
+                # ConfigMap of the same name made by someone else, and deleting the policy would then delete it
+                # (class B). A foreign holder is reported and left alone, and no workload is pointed at it.
+                path = config_map_path(namespace, cm_key[1])
+                existing = self.kube.get(path)
+                if existing is not None and not owns_config_map(existing, name, policy["metadata"].get("uid")):
+                    self.applied_config_maps.pop(cm_key, None)
+                    plan = rc.refusal(policy, FOREIGN_OBJECT, foreign_holder_message("ConfigMap", cm_key[1]), now,
+                                      "that ConfigMap is gone or the policy is renamed")
+                else:
+                    self.kube.apply(path, plan.config_map)
+                    self.metrics.api_writes.labels("configmap").inc()
+                    self.applied_config_maps[cm_key] = (time.monotonic(), body)
         failures: dict[str, str] = {}
         for t in plan.targets:
             self._write_workload(namespace, t, failures, outcome)

@@ -224,13 +224,7 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
     else:
         reason = "HostPathNotAllowed"
     if refused:
-        problems = "; ".join(refused)
-        conds = [Cond("Ready", "False", reason, problems), Cond("Degraded", "True", reason, problems),
-                 Cond("Progressing", "False", reason, "nothing is applied until the policy is fixed")]
-        status = {"observedGeneration": generation,
-                  "conditions": merge_conditions(old.get("conditions") or [], conds, generation, now)}
-        return Plan(None, [], status, _events(old.get("conditions") or [], status["conditions"], [], old),
-                    invalid=True)
+        return refusal(policy_obj, reason, "; ".join(refused), now)
 
     spec = policy.spec
     states = tier_states(spec, old, now)
@@ -285,6 +279,18 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
     observed = Observed(states, on, engine, ws)
     status, events = _summarize(policy_obj, observed, targets, now)
     return Plan(config_map, targets, status, events, context=observed)
+
+
+def refusal(policy_obj: dict[str, Any], reason: str, problems: str, now: str,
+            what_fixes: str = "the policy is fixed") -> Plan:
+    """A plan that writes nothing but status: Ready False and Degraded True with ``reason`` (Events follow from
+    the transitions)."""
+    generation, old = policy_obj["metadata"].get("generation"), policy_obj.get("status") or {}
+    conds = [Cond("Ready", "False", reason, problems), Cond("Degraded", "True", reason, problems),
+             Cond("Progressing", "False", reason, f"nothing is applied until {what_fixes}")]
+    status = {"observedGeneration": generation,
+              "conditions": merge_conditions(old.get("conditions") or [], conds, generation, now)}
+    return Plan(None, [], status, _events(old.get("conditions") or [], status["conditions"], [], old), invalid=True)
 
 
 def _summarize(policy_obj: dict[str, Any], observed: Observed, targets: list[TargetPlan],

@@ -9,7 +9,8 @@ what of it the operator carries out:
 - a tier may mount a node path only under a prefix the cluster admin allowed (operator settings; default none);
 - the SLO guard queries, and sends credentials to, only Prometheus endpoints the admin allowed, over https unless
   http was allowed, and never a URL carrying credentials, a query or a fragment;
-- releasing a policy deletes only the ConfigMap kvtier created for it.
+- kvtier writes and deletes only the ConfigMap it created for the policy (an owner reference to it); one of the
+  same name held by anyone else is reported, never adopted.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from urllib.parse import SplitResult, urlsplit
 
 from .api import v1alpha1 as api
 from .api.paths import segments
-from .settings import FIELD_MANAGER, OPT_IN_ANY, OPT_IN_LABEL, POLICY_LABEL
+from .settings import OPT_IN_ANY, OPT_IN_LABEL
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -76,16 +77,24 @@ def host_path_problems(spec: api.KVCachePolicySpec, prefixes: Iterable[str]) -> 
 
 
 def owns_config_map(config_map: Optional[Mapping[str, Any]], policy_name: str, policy_uid: Optional[str]) -> bool:
-    """Whether kvtier created ``config_map`` for this policy (owner reference, or kvtier's own labels)."""
+    """Whether kvtier created ``config_map`` for this very policy: an owner reference to it, by uid when known.
+
+    Labels are no proof (whoever creates a ConfigMap can write them), and neither is the name: a ConfigMap
+    ``kvtier-<name>`` made by someone else is theirs (class B, adopting a foreign object)."""
     if not config_map:
         return False
     meta = config_map.get("metadata") or {}
     for ref in meta.get("ownerReferences") or []:
-        if ref.get("kind") == api.KIND and ref.get("name") == policy_name and (
-                policy_uid is None or ref.get("uid") == policy_uid):
+        if ref.get("apiVersion", api.API_VERSION).split("/")[0] == api.GROUP and ref.get("kind") == api.KIND \
+                and ref.get("name") == policy_name and (policy_uid is None or ref.get("uid") == policy_uid):
             return True
-    labels = meta.get("labels") or {}
-    return labels.get("app.kubernetes.io/managed-by") == FIELD_MANAGER and labels.get(POLICY_LABEL) == policy_name
+    return False
+
+
+def foreign_holder_message(kind: str, name: str) -> str:
+    return (f"{kind} {name} already exists and was not made by kvtier for this policy (it has no owner reference "
+            f"to it): kvtier neither writes nor deletes it, and applies nothing until it is gone or the policy is "
+            f"renamed")
 
 
 # ---------------------------------------------------------------------------------------------- Prometheus

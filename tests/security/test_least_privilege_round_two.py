@@ -52,6 +52,37 @@ def test_class_a_paths_are_judged_in_normal_form_never_normalised(namespace, aut
     assert field in error.message and "normal form" in error.message, error.message
 
 
+# ---------------------------------------------------------------------------------------------- B
+
+def test_class_b_a_foreign_config_map_is_neither_adopted_nor_deleted(kube, namespace, author, run_operator):
+    path = config_map_path(namespace, "kvtier-llm")
+    kube.create(f"/api/v1/namespaces/{namespace}/configmaps", {
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "kvtier-llm", "labels": {"team": "db"}},
+        "data": {"db.conf": "precious"}})
+    before = kube.get(path)
+    wl_before = user_apply(kube, deployment("llm", namespace))  # opted in, with the config argument
+    run_operator()
+    author.create(policy_path(namespace), make_policy("llm", namespace, engine="vllm"))
+    pol = wait_for(lambda: (p := get_policy(kube, namespace, "llm")) and
+                   cond(p, "Ready").get("reason") == "ForeignObject" and p, 30, what="Ready ForeignObject")
+    assert "ConfigMap kvtier-llm" in cond(pol, "Degraded")["message"]
+    events = wait_for(lambda: [e for e in kube.list(f"/api/v1/namespaces/{namespace}/events")
+                               if e.get("reason") == "ForeignObject" and e.get("type") == "Warning"], 15,
+                      what="a Warning Event")
+    assert events
+    time.sleep(1)
+    after = kube.get(path)
+    assert after["data"] == before["data"] and after["metadata"].get("labels") == {"team": "db"}
+    assert not after["metadata"].get("ownerReferences")
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]  # never written
+    # No workload is pointed at someone else's ConfigMap either.
+    assert get_workload(kube, namespace, "llm")["spec"]["template"] == wl_before["spec"]["template"]
+    author.delete(policy_path(namespace, "llm"))
+    wait_for(lambda: get_policy(kube, namespace, "llm") is None, 30, what="the policy deleted")
+    time.sleep(1)
+    assert kube.get(path)["data"] == {"db.conf": "precious"}
+
+
 # ---------------------------------------------------------------------------------------------- C
 
 def test_class_c_a_policy_not_opted_in_to_neither_conflicts_nor_freezes(kube, namespace, author, run_operator):

@@ -93,8 +93,9 @@ def test_config_map_ownership():
                                                                    "uid": "u1"}]}}
     assert owns_config_map(cm, "llm", "u1")
     assert not owns_config_map(cm, "llm", "u2")
+    # Class B (adopting a foreign object): labels anyone can write are no proof of ownership.
     labelled = {"metadata": {"labels": {"app.kubernetes.io/managed-by": "kvtier-operator", POLICY_LABEL: "llm"}}}
-    assert owns_config_map(labelled, "llm", "u1")
+    assert not owns_config_map(labelled, "llm", "u1")
     assert not owns_config_map({"metadata": {"name": "kvtier-llm"}}, "llm", "u1")
     assert not owns_config_map(None, "llm", "u1")
 
