@@ -15,7 +15,9 @@ what of it the operator carries out:
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Optional
-from urllib.parse import SplitResult, urlsplit
+import re
+from dataclasses import dataclass
+from urllib.parse import SplitResult, unquote, urlsplit
 
 from .api import v1alpha1 as api
 from .api.paths import segments
@@ -100,6 +102,12 @@ def foreign_holder_message(kind: str, name: str) -> str:
 # ---------------------------------------------------------------------------------------------- Prometheus
 
 
+ANY_PORT = "*"
+# Percent-encoded '.', '/' and '\\': a server that decodes before routing would see another path than the one
+# the allowlist judged, so such URLs are refused outright, never decoded and accepted.
+_ENCODED_SEPARATOR = re.compile(r"%(2e|2f|5c)", re.IGNORECASE)
+
+
 def _split(url: str) -> Optional[SplitResult]:
     try:
         parts = urlsplit(url)
@@ -113,15 +121,53 @@ def _port(parts: SplitResult) -> Optional[int]:
     return parts.port or DEFAULT_PORTS.get(parts.scheme)
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """An allowlist entry: scheme (None: http or https), host, port (None: any, only when written host:*), and
+    the path prefix as segments."""
+
+    scheme: Optional[str]
+    host: str
+    port: Optional[int]
+    any_port: bool
+    path: tuple[str, ...]
+
+
+def _entry(entry: str) -> Optional[_Entry]:
+    explicit = "://" in entry
+    any_port = not explicit and entry.endswith(":" + ANY_PORT)
+    text = entry[: -len(ANY_PORT) - 1] if any_port else entry
+    e = _split(text if explicit else "//" + text)
+    if e is None or not e.hostname:
+        return None
+    if explicit and e.scheme not in DEFAULT_PORTS:
+        return None
+    if _path_problem(e.path or "/"):
+        return None
+    return _Entry(e.scheme if explicit else None, e.hostname.lower(), e.port, any_port,
+                  tuple(segments(unquote(e.path or "/"))))
+
+
+def _path_problem(raw: str) -> Optional[str]:
+    """Why a URL path is refused before any comparison, or None. Compared decoded and segment by segment."""
+    if _ENCODED_SEPARATOR.search(raw) or "\\" in raw:
+        return "must not contain percent-encoded '.', '/' or '\\' (nor a backslash)"
+    if any(p in (".", "..") for p in unquote(raw).split("/")):
+        return "must not contain '.' or '..' path segments"
+    return None
+
+
 def check_endpoint_entry(entry: str) -> Optional[str]:
-    """Why an admin-supplied allowlist entry (host, host:port or http(s) URL prefix) is unusable, or None."""
-    parts = _split(entry if "://" in entry else "//" + entry)
-    if parts is None or not parts.hostname:
-        return "must be a host, host:port or an http(s):// URL"
-    if "://" in entry and parts.scheme not in DEFAULT_PORTS:
-        return "a URL must start with http:// or https://"
-    if parts.username is not None or parts.query or parts.fragment or "?" in entry or "#" in entry:
+    """Why an admin-supplied allowlist entry is unusable, or None. Entries: ``host`` (the scheme's default port:
+    443 for https, 80 for http), ``host:port``, ``host:*`` (any port: say so explicitly) or an http(s):// URL
+    prefix (its port, explicit or the scheme's default, and its path prefix)."""
+    if "?" in entry or "#" in entry or "@" in entry:
         return "must not carry credentials, a query or a fragment"
+    if "://" in entry and entry.split("://", 1)[0] not in DEFAULT_PORTS:
+        return "a URL must start with http:// or https://"
+    if _entry(entry) is None:
+        return ("must be a host, host:port, host:* or an http(s):// URL whose path has no '.' or '..' segments "
+                "and no percent-encoded '.', '/' or '\\'")
     return None
 
 
@@ -136,7 +182,10 @@ def redacted(url: str) -> str:
 
 
 def endpoint_problem(url: str, allowed: Iterable[str], allow_http: bool) -> Optional[str]:
-    """Why the SLO guard must not query ``url`` (nor send credentials there), or None when it may."""
+    """Why the SLO guard must not query ``url`` (nor send credentials there), or None when it may.
+
+    Matched on scheme, host, port (explicit or the scheme's default) and the percent-decoded path, segment by
+    segment (class D: an allowlist on raw text let ``/prom/%2e%2e/admin`` out of ``/prom``)."""
     parts = _split(url)
     if parts is None or parts.scheme not in DEFAULT_PORTS or not parts.hostname:
         return "spec.slo.prometheus.url: must be an http:// or https:// URL with a host"
@@ -144,21 +193,23 @@ def endpoint_problem(url: str, allowed: Iterable[str], allow_http: bool) -> Opti
         return "spec.slo.prometheus.url: must not contain credentials (user:password@)"
     if parts.query or parts.fragment or "?" in url or "#" in url:
         return "spec.slo.prometheus.url: must not contain '?' or '#'"
+    problem = _path_problem(parts.path or "/")
+    if problem:
+        return f"spec.slo.prometheus.url: the path {problem}"
     host, port = parts.hostname.lower(), _port(parts)
-    for entry in allowed:
-        explicit = "://" in entry
-        e = _split(entry if explicit else "//" + entry)
-        if e is None or not e.hostname or e.hostname.lower() != host:
+    path = segments(unquote(parts.path or "/"))
+    for text in allowed:
+        e = _entry(text)
+        if e is None or e.host != host:
             continue
-        if explicit:
-            if e.scheme != parts.scheme or _port(e) != port:
-                continue
-            if not under_prefix(parts.path or "/", e.path or "/"):
-                continue
-        elif e.port is not None and e.port != port:
+        if e.scheme is not None and e.scheme != parts.scheme:
+            continue
+        if not e.any_port and (e.port or DEFAULT_PORTS[e.scheme or parts.scheme]) != port:
+            continue
+        if tuple(path[: len(e.path)]) != e.path:
             continue
         # An entry written as http://... allows http to exactly that endpoint.
-        if parts.scheme == "http" and not allow_http and not (explicit and e.scheme == "http"):
+        if parts.scheme == "http" and not allow_http and e.scheme != "http":
             return (f"spec.slo.prometheus.url: {redacted(url)} uses plain http, which the operator's admin has not "
                     "allowed (operator setting prometheusAllowHttp); use https")
         return None

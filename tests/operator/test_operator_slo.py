@@ -85,7 +85,7 @@ def test_sustained_breach_disables_the_newest_tier_and_rerenders(kube, namespace
 def test_missing_prometheus_secret_is_slo_unknown_naming_the_field(kube, namespace, run_operator):
     # No scripted source: the guard must resolve spec.slo.prometheus itself, and the Secret it names is absent.
     user_apply(kube, deployment("llm", namespace))
-    runner = run_operator(prometheus_allowed=("prometheus.invalid",))  # the admin allows it; the Secret is absent
+    runner = run_operator(prometheus_allowed=("prometheus.invalid:9090",))  # the admin allows it; the Secret is absent
     kube.create(policy_path(namespace), make_policy(
         "llm", namespace, slo={"prometheus": {"url": "http://prometheus.invalid:9090",
                                               "auth": {"bearerToken": {"name": "prom-token", "key": "token"}}},

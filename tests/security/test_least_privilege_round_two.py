@@ -114,3 +114,30 @@ def test_class_c_a_policy_not_opted_in_to_neither_conflicts_nor_freezes(kube, na
 def test_class_c_catch_all_selectors_are_refused_at_admission(namespace, author, selector):
     error = _refused(author, namespace, make_policy("p", namespace, selector=selector))
     assert "spec.selector" in error.message, error.message
+
+
+# ---------------------------------------------------------------------------------------------- D
+
+@pytest.mark.parametrize("entry, suffix, words", [
+    # An allowed prefix /prom let /prom/%2e%2e/admin out to servers that normalise paths.
+    ("{url}/prom", "/prom/%2e%2e/admin", "percent-encoded"),
+    ("{url}/prom", "/prom/%2E%2E%2Fadmin", "percent-encoded"),
+    ("{url}/prom", "/prom/../admin", "'.' or '..'"),
+    # A host-only entry is the scheme's default port, not every port of the host.
+    ("127.0.0.1", "", "not a Prometheus endpoint the operator's admin allows"),
+])
+def test_class_d_the_allowlist_matches_scheme_host_port_and_decoded_path(kube, namespace, author, run_operator,
+                                                                         listener, entry, suffix, words):
+    _token_secret(kube, namespace)
+    run_operator(prometheus_allowed=(entry.format(url=listener.url),), prometheus_allow_http=True)
+    pol = _slo_policy("exfil", namespace, listener.url + suffix)
+    try:
+        author.create(policy_path(namespace), pol)
+    except ApiError as err:  # refused at admission is as good: nothing is ever sent
+        assert err.status == 422
+    else:
+        pol = wait_for(lambda: (p := get_policy(kube, namespace, "exfil")) and
+                       cond(p, "SLOUnknown").get("status") == "True" and p, 30, what="SLOUnknown")
+        assert words in cond(pol, "SLOUnknown")["message"], cond(pol, "SLOUnknown")
+        time.sleep(2.5)  # a few more intervals
+    assert listener.received == []  # not one connection, so no token

@@ -101,14 +101,28 @@ def test_config_map_ownership():
 
 
 ALLOWED = ("prometheus.monitoring.svc", "thanos:10902", "https://metrics.example.com/prom",
-           "http://plain.monitoring:9090")
+           "http://plain.monitoring:9090", "any.monitoring:*")
 
 
 @pytest.mark.parametrize("url, allow_http, refused", [
-    ("https://prometheus.monitoring.svc:9090", False, None),
-    ("https://PROMETHEUS.monitoring.svc", False, None),
-    ("http://prometheus.monitoring.svc:9090", False, "plain http"),
-    ("http://prometheus.monitoring.svc:9090", True, None),
+    ("https://prometheus.monitoring.svc", False, None),
+    ("https://PROMETHEUS.monitoring.svc:443", False, None),
+    ("http://prometheus.monitoring.svc", False, "plain http"),
+    ("http://prometheus.monitoring.svc", True, None),
+    # Class D (an allowlist on raw text): a host-only entry means the scheme's default port, not every port.
+    ("https://prometheus.monitoring.svc:9090", False, "not a Prometheus endpoint the operator's admin allows"),
+    ("http://prometheus.monitoring.svc:443", True, "not a Prometheus endpoint"),
+    ("https://any.monitoring:12345", False, None),  # host:* says "any port" explicitly
+    # ... and the path is compared decoded, segment by segment; encoded separators are refused outright.
+    ("https://metrics.example.com/prom/%2e%2e/admin", False, "percent-encoded"),
+    ("https://metrics.example.com/prom/%2E%2E%2Fadmin", False, "percent-encoded"),
+    ("https://metrics.example.com/prom%2fx", False, "percent-encoded"),
+    ("https://metrics.example.com/prom/../admin", False, "'.' or '..'"),
+    ("https://metrics.example.com/prom/./v1", False, "'.' or '..'"),
+    ("https://metrics.example.com/prom\\..\\admin", False, "backslash"),
+    ("https://metrics.example.com/%70rom/v1", False, None),  # decoded: /prom/v1
+    ("https://metrics.example.com:443/prom", False, None),  # the entry's port is the scheme's default
+    ("https://metrics.example.com:8443/prom", False, "not a Prometheus endpoint"),
     ("https://thanos:10902/api", False, None),
     ("https://thanos:9090", False, "not a Prometheus endpoint the operator's admin allows"),
     ("https://metrics.example.com/prom", False, None),
