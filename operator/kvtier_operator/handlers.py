@@ -49,6 +49,9 @@ log = logging.getLogger("kvtier.operator")
 POLICY = (api.GROUP, api.VERSION, api.PLURAL)
 Key = tuple[str, str]
 CONFIG_MAP_TTL = 30.0
+KOPF_PROGRESS_FIELD = "status.kopf.progress"
+KOPF_TOUCH_FIELD = "status.kopf.dummy"
+KOPF_DIFFBASE_FIELD = "status.kopf.lastHandledConfiguration"
 FOREIGN_OBJECT = "ForeignObject"  # Ready/Degraded reason: an object kvtier names is held by someone else
 STATUS_ONLY_DELAY = 0.5  # coalesces the controller's status updates after a rollout
 
@@ -66,9 +69,13 @@ def kopf_settings(settings: Settings) -> kopf.OperatorSettings:
     s = kopf.OperatorSettings()
     # Our own prefix everywhere kopf persists something, never kopf.zalando.org.
     s.persistence.finalizer = FINALIZER
-    s.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
-    s.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=PREFIX,
-                                                                     key="last-handled-configuration")
+    # kopf's progress (which handlers ran; the release handler's "done") and its diff base live in status.kopf,
+    # written through the status subresource: a policy author may edit the policy (annotations included) but not
+    # its status (the chart's aggregated edit role grants kvcachepolicies only), so forged progress cannot skip
+    # the release (class E). Annotations with these keys left by older versions are ignored.
+    s.persistence.progress_storage = kopf.StatusProgressStorage(name="kopf", field=KOPF_PROGRESS_FIELD,
+                                                                touch_field=KOPF_TOUCH_FIELD)
+    s.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(name="kopf", field=KOPF_DIFFBASE_FIELD)
     s.posting.level = logging.WARNING  # kopf's own log lines are not user-facing Events; ours are posted explicitly
     s.posting.reporting_component = "kvtier-operator"
     s.posting.event_name_prefix = "kvtier-"
@@ -263,6 +270,19 @@ class Operator:
 
     # ----------------------------------------------------------------------------------------- async side
 
+    async def release_orphans(self, namespace: str, name: str, body: dict[str, Any]) -> None:
+        """Release what a deleted policy left applied (its finalizer removed by someone else); never raises."""
+        async with self.lock((namespace, name)):
+            try:
+                count = await asyncio.to_thread(self.release_sync, namespace, name, body)
+            except Exception as err:  # noqa: BLE001 - logged and counted; the next resync of others is unaffected
+                self.metrics.errors.labels(error_reason(err)).inc()
+                log.warning("releasing workloads of deleted policy %s/%s failed: %s", namespace, name, err)
+                return
+        if count:
+            log.warning("policy %s/%s was deleted without its release (finalizer removed); released %d "
+                        "workload(s)", namespace, name, count)
+
     async def run_reconcile(self, namespace: str, name: str, others: list[dict[str, Any]],
                             hints: Optional[dict[str, tuple[bool, bool]]] = None) -> Outcome:
         key = (namespace, name)
@@ -301,7 +321,7 @@ class Operator:
             return {namespace: {"name": name, "labels": dict(labels)}}
 
         @kopf.on.event(*POLICY, id="policy-event", registry=registry)
-        async def policy_event(type: str, name: str, namespace: str, meta: Any, spec: Any,
+        async def policy_event(type: str, name: str, namespace: str, meta: Any, spec: Any, body: Any,
                                kvtier_policies: kopf.Index, kvtier_deployments: kopf.Index,
                                kvtier_statefulsets: kopf.Index, **_: Any) -> None:
             key = (namespace, name)
@@ -311,6 +331,11 @@ class Operator:
                 return  # our own status write, kopf's finalizer, a label: nothing to re-render
             if type == "DELETED":
                 op.wakeups.forget(key)
+                # Backstop for the finalizer (class E): an author may remove kvtier's finalizer before deleting,
+                # which skips the release handler. Whatever still carries this policy's label is released now,
+                # unless a policy of that name is back already.
+                if not any(p["name"] == name and not p.get("deleting") for p in kvtier_policies.get(namespace, [])):
+                    await op.release_orphans(namespace, name, _plain(body))
                 if not change.known:  # never seen (e.g. deleted while the operator was down): wake the namespace
                     for p in kvtier_policies.get(namespace, []):
                         op.trigger((namespace, p["name"]))

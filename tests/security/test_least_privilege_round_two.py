@@ -141,3 +141,48 @@ def test_class_d_the_allowlist_matches_scheme_host_port_and_decoded_path(kube, n
         assert words in cond(pol, "SLOUnknown")["message"], cond(pol, "SLOUnknown")
         time.sleep(2.5)  # a few more intervals
     assert listener.received == []  # not one connection, so no token
+
+
+# ---------------------------------------------------------------------------------------------- E
+
+def _released(kube, namespace: str, name: str) -> bool:
+    wl = get_workload(kube, namespace, name)
+    volumes = [v["name"] for v in wl["spec"]["template"]["spec"].get("volumes") or []]
+    return POLICY_LABEL not in (wl["metadata"].get("labels") or {}) and not any(v.startswith("kvtier") for v in volumes)
+
+
+def test_class_e_forged_progress_does_not_skip_the_release(kube, namespace, author, run_operator):
+    user_apply(kube, deployment("llm", namespace))
+    run_operator()
+    author.create(policy_path(namespace), make_policy("llm", namespace))
+    wait_applied(kube, namespace, "llm", "llm")
+    done = {"started": "2026-01-01T00:00:00.000000+00:00", "stopped": "2026-01-01T00:00:01.000000+00:00",
+            "delayed": None, "purpose": "delete", "retries": 1, "success": True, "failure": False, "message": None}
+    # kopf's progress record for the release handler, as an author could write it where kopf kept it.
+    author.request("PATCH", policy_path(namespace, "llm"), body={"metadata": {"annotations": {
+        "kvtier.io/release": json.dumps(done)}}}, content_type="application/merge-patch+json")
+    # ... and where it keeps it now: the status subresource, which the author may not write.
+    with pytest.raises(ApiError) as denied:
+        author.request("PATCH", policy_path(namespace, "llm", status=True),
+                       body={"status": {"kopf": {"progress": {"release": done}}}},
+                       content_type="application/merge-patch+json")
+    assert denied.value.status == 403
+    author.delete(policy_path(namespace, "llm"))
+    wait_for(lambda: get_policy(kube, namespace, "llm") is None, 30, what="the policy deleted")
+    wait_for(lambda: _released(kube, namespace, "llm"), 30, what="the workload released")
+
+
+def test_class_e_removing_the_finalizer_does_not_skip_the_release(kube, namespace, author, run_operator):
+    user_apply(kube, deployment("llm", namespace))
+    run_operator()
+    author.create(policy_path(namespace), make_policy("llm", namespace))
+    wait_applied(kube, namespace, "llm", "llm")
+    author.request("PATCH", policy_path(namespace, "llm"), body={"metadata": {"finalizers": None}},
+                   content_type="application/merge-patch+json")
+    author.delete(policy_path(namespace, "llm"))
+    wait_for(lambda: get_policy(kube, namespace, "llm") is None, 30, what="the policy deleted")
+    wait_for(lambda: _released(kube, namespace, "llm"), 30, what="the workload released")
+
+
+# The chart's side of class E (its aggregated edit role grants no kvcachepolicies/status) is checked on the real
+# API server by tests/chart/test_chart_controlplane.py::test_aggregated_roles_let_users_view_and_edit_policies.

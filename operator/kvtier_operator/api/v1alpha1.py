@@ -664,6 +664,10 @@ class KVCachePolicyStatus(_Model):
                           "nothing).", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
     history: list[HistoryEntry] = Field(default_factory=list, max_length=HISTORY_LIMIT,
                                         description="Recent tier changes, newest last (bounded).")
+    kopf: Optional[dict[str, Any]] = Field(
+        None, description="The operator framework's handler progress, kept in status (which policy authors cannot "
+                          "write) rather than in annotations (which they can).",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
 
 
 class KVCachePolicy(_Model):
