@@ -194,7 +194,8 @@ class Operator:
         now = now_rfc3339()
         plan = rc.plan(policy, workloads, others_objs, now=now, node_allocatable=self.node_allocatable(),
                        cleanup_image=self.settings.cleanup_image, server_validated=True,
-                       host_path_prefixes=self.settings.host_path_prefixes)
+                       host_path_prefixes=self.settings.host_path_prefixes,
+                       pvc_allowed=self.settings.pvc_allowed)
         outcome = Outcome(policy)
         # The ConfigMap first, so pods rolled by the new hash read the new files.
         if plan.config_map is not None:

@@ -6,7 +6,8 @@ what of it the operator carries out:
 
 - a workload is touched only if its owner opted in with the ``kvtier.io/opt-in`` label (the operator never writes
   that label, so only someone who may edit the workload can grant it);
-- a tier may mount a node path only under a prefix the cluster admin allowed (operator settings; default none);
+- a tier may mount a node path only under a prefix the cluster admin allowed, and a PersistentVolumeClaim only if
+  the admin allowed it (operator settings; default none);
 - the SLO guard queries, and sends credentials to, only Prometheus endpoints the admin allowed, over https unless
   http was allowed, and never a URL carrying credentials, a query or a fragment;
 - kvtier writes and deletes only the ConfigMap it created for the policy (an owner reference to it); one of the
@@ -72,6 +73,37 @@ def host_path_problems(spec: api.KVCachePolicySpec, prefixes: Iterable[str]) -> 
         out.append(f"spec.tiers[{i}].volume.hostPath.path: {host.path!r} is not under a node path the cluster "
                    f"admin allows for tiers ({where}); use a persistentVolumeClaim or emptyDir, or ask the admin "
                    "to add a hostPath prefix to the operator's settings")
+    return out
+
+
+def check_pvc_entry(entry: str) -> Optional[str]:
+    """Why an admin-supplied PVC allowlist entry (NAMESPACE/CLAIM, '*' for either part) is unusable, or None."""
+    parts = entry.split("/")
+    if len(parts) != 2 or not all(parts) or any(p != "*" and not re.fullmatch(api.NAME_PATTERN, p) for p in parts):
+        return "must be NAMESPACE/CLAIM (either may be '*')"
+    return None
+
+
+def pvc_allowed(namespace: str, claim: str, allowed: Iterable[str]) -> bool:
+    for entry in allowed:
+        ns, _, name = entry.partition("/")
+        if ns in ("*", namespace) and name in ("*", claim):
+            return True
+    return False
+
+
+def pvc_problems(spec: api.KVCachePolicySpec, namespace: str, allowed: Iterable[str]) -> list[str]:
+    """One ``field: rule`` line per tier whose PersistentVolumeClaim the admin has not allowed: a claim holds
+    someone's data, and a policy author may not be allowed to read or write it (issue 24, class F)."""
+    entries = list(allowed)
+    out = []
+    for i, tier in enumerate(spec.tiers):
+        pvc = tier.volume.persistent_volume_claim if tier.volume is not None else None
+        if pvc is None or pvc_allowed(namespace, pvc.claim_name, entries):
+            continue
+        out.append(f"spec.tiers[{i}].volume.persistentVolumeClaim.claimName: {pvc.claim_name!r} is not a claim the "
+                   "cluster admin lets tiers mount (operator setting pvcAllowed, NAMESPACE/CLAIM); use an emptyDir, "
+                   "or ask the admin to allow the claim")
     return out
 
 

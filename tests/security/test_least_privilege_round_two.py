@@ -186,3 +186,67 @@ def test_class_e_removing_the_finalizer_does_not_skip_the_release(kube, namespac
 
 # The chart's side of class E (its aggregated edit role grants no kvcachepolicies/status) is checked on the real
 # API server by tests/chart/test_chart_controlplane.py::test_aggregated_roles_let_users_view_and_edit_policies.
+
+
+# ---------------------------------------------------------------------------------------------- F
+
+def test_class_f_condition_messages_stay_bounded_with_300_targets(kube, namespace, author, run_operator):
+    for i in range(300):
+        # Opted in but without the config argument: every target has a long MissingConfigArgument message.
+        user_apply(kube, deployment(f"llm-{i:03d}-{'x' * 40}", namespace, labels={"app": "many"},
+                                    args=["--model", "m"]))
+    run_operator()
+    author.create(policy_path(namespace), make_policy("many", namespace, selector={"matchLabels": {"app": "many"}}))
+    pol = wait_for(lambda: (p := get_policy(kube, namespace, "many")) and
+                   len((p.get("status") or {}).get("targets") or []) == 300 and p, 120,
+                   what="status written for 300 targets")
+    ready = cond(pol, "Ready")
+    assert ready["reason"] == "MissingConfigArgument"
+    assert len(ready["message"]) < 8192 and "and 295 more (295 MissingConfigArgument" in ready["message"], \
+        len(ready["message"])
+
+
+def test_class_f_query_overrides_need_the_admins_flag(kube, namespace, author, run_operator, listener):
+    _token_secret(kube, namespace)
+    run_operator()  # the admin allows this Prometheus, but not query overrides
+    pol = _slo_policy("q", namespace, listener.url)
+    pol["spec"]["slo"]["queries"] = {"requestRate": "sum(rate(anything_at_all[5m]))"}
+    author.create(policy_path(namespace), pol)
+    pol = wait_for(lambda: (p := get_policy(kube, namespace, "q")) and
+                   cond(p, "SLOUnknown").get("status") == "True" and p, 30, what="SLOUnknown")
+    assert "allowQueryOverrides" in cond(pol, "SLOUnknown")["message"]
+    time.sleep(2.5)
+    assert listener.received == []
+
+
+def test_class_f_secret_port_and_reason_phrase_failures_read_the_same(kube, namespace, author, run_operator,
+                                                                      listener):
+    _token_secret(kube, namespace)
+    run_operator()
+    closed = "http://127.0.0.1:9"
+    cases = {"nosecret": (closed, "nosecret"), "refused": (closed, "prom-token"),
+             "answered": (listener.url, "prom-token")}  # the listener answers 500 with a reason phrase
+    for name, (url, secret) in cases.items():
+        author.create(policy_path(namespace), _slo_policy(name, namespace, url, secret=secret))
+    seen = {}
+    for name, (url, _) in cases.items():
+        pol = wait_for(lambda: (p := get_policy(kube, namespace, name)) and
+                       cond(p, "SLOUnknown").get("status") == "True" and p, 30, what=f"SLOUnknown on {name}")
+        c = cond(pol, "SLOUnknown")
+        # The count of failures in a row differs with timing; everything else must be the same words.
+        seen[name] = (c["reason"], re.sub(r"^[0-9]+ ", "N ", c["message"].replace(url, "URL")))
+    assert len(set(seen.values())) == 1, seen
+    assert "Internal Server Error" not in str(seen) and "500" not in str(seen)
+
+
+def test_class_f_pvc_tiers_need_the_admins_allowlist(kube, namespace, author, run_operator):
+    before = user_apply(kube, deployment("llm", namespace))
+    run_operator()
+    author.create(policy_path(namespace), make_policy("llm", namespace, tiers=[
+        CPU, _disk("/mnt/kv", volume={"persistentVolumeClaim": {"claimName": "someone-elses-data"}})]))
+    pol = wait_for(lambda: (p := get_policy(kube, namespace, "llm")) and
+                   cond(p, "Ready").get("reason") == "PersistentVolumeClaimNotAllowed" and p, 30,
+                   what="PersistentVolumeClaimNotAllowed")
+    assert "spec.tiers[1].volume.persistentVolumeClaim.claimName" in cond(pol, "Ready")["message"]
+    time.sleep(1)
+    assert get_workload(kube, namespace, "llm")["spec"]["template"] == before["spec"]["template"]

@@ -180,3 +180,39 @@ def test_a_stored_policy_with_a_name_too_long_for_a_label_gets_a_condition():
                 server_validated=True)
     assert p.invalid and p.targets == [] and p.config_map is None
     assert "metadata.name: must be at most 63" in condition(p.status, "Ready")["message"]
+
+
+# ---------------------------------------------------------------------------------------------- issue 24, class F
+
+def test_class_f_pvc_tiers_need_the_admins_allowlist():
+    pvc = {"name": "disk", "medium": "filesystem", "size": "1Gi", "path": "/mnt/kv",
+           "volume": {"persistentVolumeClaim": {"claimName": "data"}}}
+    pol = policy(tiers=[CPU, pvc])
+    refused = rc.plan(pol, [observed(deployment())], [], now=NOW)
+    assert refused.invalid and refused.targets == []
+    assert condition(refused.status, "Ready")["reason"] == "PersistentVolumeClaimNotAllowed"
+    for allowed in (("default/data",), ("default/*",), ("*/data",)):
+        assert not rc.plan(pol, [observed(deployment())], [], now=NOW, pvc_allowed=allowed).invalid, allowed
+    for other in (("other/data",), ("default/datax",)):
+        assert rc.plan(pol, [observed(deployment())], [], now=NOW, pvc_allowed=other).invalid, other
+
+
+def test_class_f_admin_switches_default_off_and_parse():
+    assert Settings().pvc_allowed == () and not Settings().allow_query_overrides
+    s = from_args(["--pvc-allow", "serving/kv", "--allow-query-overrides"], env={})
+    assert s.pvc_allowed == ("serving/kv",) and s.allow_query_overrides
+    s = from_args([], env={"KVTIER_PVC_ALLOWED": "a/*, */b", "KVTIER_ALLOW_QUERY_OVERRIDES": "true"})
+    assert s.pvc_allowed == ("a/*", "*/b") and s.allow_query_overrides
+    for bad in ("claim", "a/b/c", "A/b", "/b"):
+        with pytest.raises(SystemExit, match="NAMESPACE/CLAIM"):
+            from_args(["--pvc-allow", bad], env={})
+
+
+def test_class_f_condition_messages_are_bounded_whatever_the_number_of_targets():
+    workloads = [observed(deployment(f"llm-{i:03d}", labels={"app": "llm"}, args=["--model", "m"]))
+                 for i in range(300)]
+    p = rc.plan(policy(), workloads, [], now=NOW)
+    assert len(p.targets) == 300
+    for c in p.status["conditions"]:
+        assert len(c["message"]) < 8192, (c["type"], len(c["message"]))
+    assert "and 295 more (295 MissingConfigArgument" in condition(p.status, "Ready")["message"]

@@ -19,7 +19,7 @@ from .paths import RuleError
 from .crd import openapi_schema
 from .metadata import metadata_problems
 from .units import POSITIVE_QUANTITY_PATTERN, parse_quantity
-from .yamlload import YAMLInputError, load_all
+from .yamlload import Budget, YAMLInputError, load_all
 
 
 @dataclass(frozen=True)
@@ -203,10 +203,11 @@ def parse_policy(obj: dict[str, Any],
     return policy
 
 
-def load_documents(text: str, source: str = "<input>") -> list[tuple[str, dict[str, Any]]]:
+def load_documents(text: str, source: str = "<input>",
+                   budget: Optional[Budget] = None) -> list[tuple[str, dict[str, Any]]]:
     """KVCachePolicy documents in a YAML stream, each with a label naming file and document index."""
     try:
-        docs = [d for d in load_all(text, source) if d is not None]
+        docs = [d for d in load_all(text, source, budget) if d is not None]
     except YAMLInputError as err:
         # The message already names the source (and line); the problem carries it whole.
         raise PolicyInvalid([Problem(str(err), "")]) from None
@@ -220,16 +221,22 @@ def load_documents(text: str, source: str = "<input>") -> list[tuple[str, dict[s
     return out
 
 
-def validate_text(text: str, source: str = "<input>") -> list[str]:
-    """Problems (``file: path: rule``) in every KVCachePolicy of a YAML stream; empty when all are valid."""
+def validate_text(text: str, source: str = "<input>", budget: Optional[Budget] = None) -> list[str]:
+    """Problems (``file: path: rule``) in every KVCachePolicy of a YAML stream; empty when all are valid.
+    ``budget`` bounds the whole input (documents, bytes, values, time), shared across the streams of one run."""
+    budget = budget if budget is not None else Budget()
     try:
-        docs = load_documents(text, source)
+        docs = load_documents(text, source, budget)
     except PolicyInvalid as err:
         return [str(p) for p in err.problems]
     if not docs:
         return [f"{source}: no KVCachePolicy (kind: {api.KIND}) in this file"]
     problems = []
     for label, doc in docs:
+        try:
+            budget.check_time(label)
+        except YAMLInputError as err:
+            return problems + [str(err)]
         try:
             parse_policy(doc)
         except PolicyInvalid as err:
