@@ -215,7 +215,14 @@ class Operator:
                     plan = rc.refusal(policy, FOREIGN_OBJECT, foreign_holder_message("ConfigMap", cm_key[1]), now,
                                       "that ConfigMap is gone or the policy is renamed")
                 else:
-                    self.kube.apply(path, plan.config_map)
+                    body_to_apply = plan.config_map
+                    if existing is not None:
+                        # A precondition: replaced by someone else since it was read, the apply is refused (409)
+                        # and the next attempt reads the new holder, instead of merging into it.
+                        body_to_apply = {**plan.config_map, "metadata": {
+                            **plan.config_map["metadata"],
+                            "resourceVersion": existing["metadata"]["resourceVersion"]}}
+                    self.kube.apply(path, body_to_apply)
                     self.metrics.api_writes.labels("configmap").inc()
                     self.applied_config_maps[cm_key] = (time.monotonic(), body)
         failures: dict[str, str] = {}
