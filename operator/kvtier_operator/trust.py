@@ -137,7 +137,8 @@ def foreign_holder_message(kind: str, name: str) -> str:
 ANY_PORT = "*"
 # Percent-encoded '.', '/' and '\\': a server that decodes before routing would see another path than the one
 # the allowlist judged, so such URLs are refused outright, never decoded and accepted.
-_ENCODED_SEPARATOR = re.compile(r"%(2e|2f|5c)", re.IGNORECASE)
+# An encoded '%' too: a server (or proxy) that decodes twice would turn %252e into '.'.
+_ENCODED_SEPARATOR = re.compile(r"%(2e|2f|5c|25)", re.IGNORECASE)
 
 
 def _split(url: str) -> Optional[SplitResult]:
@@ -183,8 +184,9 @@ def _entry(entry: str) -> Optional[_Entry]:
 def _path_problem(raw: str) -> Optional[str]:
     """Why a URL path is refused before any comparison, or None. Compared decoded and segment by segment."""
     if _ENCODED_SEPARATOR.search(raw) or "\\" in raw:
-        return "must not contain percent-encoded '.', '/' or '\\' (nor a backslash)"
-    if any(p in (".", "..") for p in unquote(raw).split("/")):
+        return "must not contain percent-encoded '.', '/', '\\' or '%' (nor a backslash)"
+    # ';' starts path parameters that some servers strip before resolving (`..;` is `..` to them).
+    if any(p.split(";")[0] in (".", "..") for p in unquote(raw).split("/")):
         return "must not contain '.' or '..' path segments"
     return None
 

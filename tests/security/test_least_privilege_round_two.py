@@ -123,6 +123,8 @@ def test_class_c_catch_all_selectors_are_refused_at_admission(namespace, author,
     ("{url}/prom", "/prom/%2e%2e/admin", "percent-encoded"),
     ("{url}/prom", "/prom/%2E%2E%2Fadmin", "percent-encoded"),
     ("{url}/prom", "/prom/../admin", "'.' or '..'"),
+    ("{url}/prom", "/prom/..;/admin", "'.' or '..'"),
+    ("{url}/prom", "/prom/%252e%252e/admin", "percent-encoded"),
     # A host-only entry is the scheme's default port, not every port of the host.
     ("127.0.0.1", "", "not a Prometheus endpoint the operator's admin allows"),
 ])

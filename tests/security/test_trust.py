@@ -119,6 +119,8 @@ ALLOWED = ("prometheus.monitoring.svc", "thanos:10902", "https://metrics.example
     ("https://metrics.example.com/prom%2fx", False, "percent-encoded"),
     ("https://metrics.example.com/prom/../admin", False, "'.' or '..'"),
     ("https://metrics.example.com/prom/./v1", False, "'.' or '..'"),
+    ("https://metrics.example.com/prom/..;/admin", False, "'.' or '..'"),
+    ("https://metrics.example.com/prom/%252e%252e/admin", False, "percent-encoded"),
     ("https://metrics.example.com/prom\\..\\admin", False, "backslash"),
     ("https://metrics.example.com/%70rom/v1", False, None),  # decoded: /prom/v1
     ("https://metrics.example.com:443/prom", False, None),  # the entry's port is the scheme's default
