@@ -192,7 +192,7 @@ class LocalEnvironment:
         cmd = [sys.executable, "-m", "kvtier_operator.cli", "operator", "--kubeconfig", str(self.kubeconfig),
                "--namespace", self.o.names.namespace, "--standalone", "--liveness",
                f"http://127.0.0.1:{port}/healthz", "--metrics-port", "-1", "--resync", "60", "--backoff-max", "5",
-               "--no-read-nodes", "--prometheus-allow", "127.0.0.1", "--prometheus-allow-http"]
+               "--no-read-nodes", "--prometheus-allow", "127.0.0.1:*", "--prometheus-allow-http"]
         self.operator = self.supervisor.start("operator", cmd, self.operator_log, env=env, grace_s=15)
         wait_http_ok(self.operator, f"http://127.0.0.1:{port}/healthz", 60)
         self.say(f"operator running (kvtier operator --namespace {self.o.names.namespace}); its log: "

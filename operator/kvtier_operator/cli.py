@@ -34,10 +34,12 @@ def _fail(message: str, code: int = EXIT_INVALID) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from .api.validation import validate_text
+    from .api.yamlload import Budget
 
     problems = []
+    budget = Budget()  # one bound for the whole input, not per file or per document
     for path in args.files:
-        problems += validate_text(_read(path), path)
+        problems += validate_text(_read(path), path, budget)
     for line in problems:
         print(line, file=sys.stderr)
     if not problems:

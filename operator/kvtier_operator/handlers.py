@@ -41,7 +41,7 @@ from .selectors import matches, to_query
 from .settings import FINALIZER, POLICY_LABEL, PREFIX, Settings
 from .status import CONDITION_TYPES, now_rfc3339
 from .status_writer import write_status
-from .trust import owns_config_map
+from .trust import foreign_holder_message, owns_config_map
 from .wakeups import Wakeups, backoff
 from .workload import KINDS, Workload, removal_patch
 
@@ -49,6 +49,10 @@ log = logging.getLogger("kvtier.operator")
 POLICY = (api.GROUP, api.VERSION, api.PLURAL)
 Key = tuple[str, str]
 CONFIG_MAP_TTL = 30.0
+KOPF_PROGRESS_FIELD = "status.kopf.progress"
+KOPF_TOUCH_FIELD = "status.kopf.dummy"
+KOPF_DIFFBASE_FIELD = "status.kopf.lastHandledConfiguration"
+FOREIGN_OBJECT = "ForeignObject"  # Ready/Degraded reason: an object kvtier names is held by someone else
 STATUS_ONLY_DELAY = 0.5  # coalesces the controller's status updates after a rollout
 
 
@@ -65,9 +69,13 @@ def kopf_settings(settings: Settings) -> kopf.OperatorSettings:
     s = kopf.OperatorSettings()
     # Our own prefix everywhere kopf persists something, never kopf.zalando.org.
     s.persistence.finalizer = FINALIZER
-    s.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
-    s.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=PREFIX,
-                                                                     key="last-handled-configuration")
+    # kopf's progress (which handlers ran; the release handler's "done") and its diff base live in status.kopf,
+    # written through the status subresource: a policy author may edit the policy (annotations included) but not
+    # its status (the chart's aggregated edit role grants kvcachepolicies only), so forged progress cannot skip
+    # the release (class E). Annotations with these keys left by older versions are ignored.
+    s.persistence.progress_storage = kopf.StatusProgressStorage(name="kopf", field=KOPF_PROGRESS_FIELD,
+                                                                touch_field=KOPF_TOUCH_FIELD)
+    s.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(name="kopf", field=KOPF_DIFFBASE_FIELD)
     s.posting.level = logging.WARNING  # kopf's own log lines are not user-facing Events; ours are posted explicitly
     s.posting.reporting_component = "kvtier-operator"
     s.posting.event_name_prefix = "kvtier-"
@@ -186,7 +194,8 @@ class Operator:
         now = now_rfc3339()
         plan = rc.plan(policy, workloads, others_objs, now=now, node_allocatable=self.node_allocatable(),
                        cleanup_image=self.settings.cleanup_image, server_validated=True,
-                       host_path_prefixes=self.settings.host_path_prefixes)
+                       host_path_prefixes=self.settings.host_path_prefixes,
+                       pvc_allowed=self.settings.pvc_allowed)
         outcome = Outcome(policy)
         # The ConfigMap first, so pods rolled by the new hash read the new files.
         if plan.config_map is not None:
@@ -196,9 +205,26 @@ class Operator:
             # The same ConfigMap applied moments ago is not re-sent (bursts of events); after the TTL it is,
             # so a deleted or edited ConfigMap heals on the next reconcile.
             if last != body or time.monotonic() - at > CONFIG_MAP_TTL:
-                self.kube.apply(config_map_path(namespace, cm_key[1]), plan.config_map)
-                self.metrics.api_writes.labels("configmap").inc()
-                self.applied_config_maps[cm_key] = (time.monotonic(), body)
+                # Whose is it? A server-side apply would merge our labels, owner reference and keys into a
+                # ConfigMap of the same name made by someone else, and deleting the policy would then delete it
+                # (class B). A foreign holder is reported and left alone, and no workload is pointed at it.
+                path = config_map_path(namespace, cm_key[1])
+                existing = self.kube.get(path)
+                if existing is not None and not owns_config_map(existing, name, policy["metadata"].get("uid")):
+                    self.applied_config_maps.pop(cm_key, None)
+                    plan = rc.refusal(policy, FOREIGN_OBJECT, foreign_holder_message("ConfigMap", cm_key[1]), now,
+                                      "that ConfigMap is gone or the policy is renamed")
+                else:
+                    body_to_apply = plan.config_map
+                    if existing is not None:
+                        # A precondition: replaced by someone else since it was read, the apply is refused (409)
+                        # and the next attempt reads the new holder, instead of merging into it.
+                        body_to_apply = {**plan.config_map, "metadata": {
+                            **plan.config_map["metadata"],
+                            "resourceVersion": existing["metadata"]["resourceVersion"]}}
+                    self.kube.apply(path, body_to_apply)
+                    self.metrics.api_writes.labels("configmap").inc()
+                    self.applied_config_maps[cm_key] = (time.monotonic(), body)
         failures: dict[str, str] = {}
         for t in plan.targets:
             self._write_workload(namespace, t, failures, outcome)
@@ -252,6 +278,19 @@ class Operator:
 
     # ----------------------------------------------------------------------------------------- async side
 
+    async def release_orphans(self, namespace: str, name: str, body: dict[str, Any]) -> None:
+        """Release what a deleted policy left applied (its finalizer removed by someone else); never raises."""
+        async with self.lock((namespace, name)):
+            try:
+                count = await asyncio.to_thread(self.release_sync, namespace, name, body)
+            except Exception as err:  # noqa: BLE001 - logged and counted; the next resync of others is unaffected
+                self.metrics.errors.labels(error_reason(err)).inc()
+                log.warning("releasing workloads of deleted policy %s/%s failed: %s", namespace, name, err)
+                return
+        if count:
+            log.warning("policy %s/%s was deleted without its release (finalizer removed); released %d "
+                        "workload(s)", namespace, name, count)
+
     async def run_reconcile(self, namespace: str, name: str, others: list[dict[str, Any]],
                             hints: Optional[dict[str, tuple[bool, bool]]] = None) -> Outcome:
         key = (namespace, name)
@@ -290,7 +329,7 @@ class Operator:
             return {namespace: {"name": name, "labels": dict(labels)}}
 
         @kopf.on.event(*POLICY, id="policy-event", registry=registry)
-        async def policy_event(type: str, name: str, namespace: str, meta: Any, spec: Any,
+        async def policy_event(type: str, name: str, namespace: str, meta: Any, spec: Any, body: Any,
                                kvtier_policies: kopf.Index, kvtier_deployments: kopf.Index,
                                kvtier_statefulsets: kopf.Index, **_: Any) -> None:
             key = (namespace, name)
@@ -300,6 +339,11 @@ class Operator:
                 return  # our own status write, kopf's finalizer, a label: nothing to re-render
             if type == "DELETED":
                 op.wakeups.forget(key)
+                # Backstop for the finalizer (class E): an author may remove kvtier's finalizer before deleting,
+                # which skips the release handler. Whatever still carries this policy's label is released now,
+                # unless a policy of that name is back already.
+                if not any(p["name"] == name and not p.get("deleting") for p in kvtier_policies.get(namespace, [])):
+                    await op.release_orphans(namespace, name, _plain(body))
                 if not change.known:  # never seen (e.g. deleted while the operator was down): wake the namespace
                     for p in kvtier_policies.get(namespace, []):
                         op.trigger((namespace, p["name"]))

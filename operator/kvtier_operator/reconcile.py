@@ -16,7 +16,7 @@ from .selectors import matches
 from .settings import FIELD_MANAGER, POLICY_LABEL
 from .status import Cond, merge_conditions, transitions
 from .tiers import enabled, tier_states
-from .trust import host_path_problems, not_opted_in_message, opted_in
+from .trust import host_path_problems, not_opted_in_message, opted_in, pvc_problems
 from .workload import (
     Workload,
     already_applied,
@@ -63,7 +63,7 @@ class TargetPlan:
         return f"{self.kind}/{self.name}"
 
     def status(self) -> dict[str, Any]:
-        out = {"kind": self.kind, "name": self.name, "state": self.state, "message": self.message}
+        out = {"kind": self.kind, "name": self.name, "state": self.state, "message": _short(self.message)}
         if self.config_hash:
             out["configHash"] = self.config_hash
         return out
@@ -195,7 +195,8 @@ def _target(policy: api.KVCachePolicy, doc_key: str, w: Workload, enabled_tiers:
 
 def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_policies: Iterable[dict[str, Any]],
          *, now: str, node_allocatable: Optional[int] = None, cleanup_image: str = "busybox:1.37.0",
-         server_validated: bool = False, host_path_prefixes: Iterable[str] = ()) -> Plan:
+         server_validated: bool = False, host_path_prefixes: Iterable[str] = (),
+         pvc_allowed: Iterable[str] = ()) -> Plan:
     """Everything one reconcile of ``policy_obj`` must write.
 
     ``workloads``: Deployments and StatefulSets of the namespace that match the selector or carry our policy
@@ -203,6 +204,7 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
     ``tiers.tier_states`` (the spec and the SLO guard's state in ``status.slo``).
     ``server_validated``: the object comes from the API server, which already ran the CRD's CEL rules.
     ``host_path_prefixes``: node paths the admin lets tiers mount (operator settings); default none.
+    ``pvc_allowed``: claims the admin lets tiers mount (NAMESPACE/CLAIM, '*' for either part); default none.
     """
     meta = policy_obj["metadata"]
     name, generation = meta["name"], meta.get("generation")
@@ -218,19 +220,15 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
                                                           "is the kvtier.io/policy label's value); recreate the "
                                                           "policy under a shorter name")])
         refused = host_path_problems(policy.spec, host_path_prefixes)
+        claims = pvc_problems(policy.spec, meta.get("namespace", ""), pvc_allowed)
     except PolicyInvalid as err:
         refused = [str(p) for p in err.problems]
         reason = "InvalidPolicy"
     else:
-        reason = "HostPathNotAllowed"
+        reason = "HostPathNotAllowed" if refused else "PersistentVolumeClaimNotAllowed"
+        refused += claims
     if refused:
-        problems = "; ".join(refused)
-        conds = [Cond("Ready", "False", reason, problems), Cond("Degraded", "True", reason, problems),
-                 Cond("Progressing", "False", reason, "nothing is applied until the policy is fixed")]
-        status = {"observedGeneration": generation,
-                  "conditions": merge_conditions(old.get("conditions") or [], conds, generation, now)}
-        return Plan(None, [], status, _events(old.get("conditions") or [], status["conditions"], [], old),
-                    invalid=True)
+        return refusal(policy_obj, reason, "; ".join(refused), now)
 
     spec = policy.spec
     states = tier_states(spec, old, now)
@@ -243,18 +241,21 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
             if w.applied_by == name:
                 targets.append(_release(w, spec, f"{w.ref} no longer matches the selector"))
             continue
-        rivals = sorted(p["metadata"]["name"] for p in others if matches(_selector_of(p), w.labels))
-        if rivals:
-            targets.append(TargetPlan(w.kind, w.name, CONFLICT,
-                                      f"{w.ref} is also selected by KVCachePolicy {', '.join(rivals)}; no policy "
-                                      f"changes it until only one selects it"))
-            continue
+        # Opt-in first (class C): a policy the workload's owner did not opt in to has no say over it, so it can
+        # neither conflict with the policy the owner chose nor freeze it.
         if not opted_in(w.labels, name):
             # The policy's author may not be allowed to edit this workload; its owner must consent.
             if w.applied_by == name:
                 targets.append(_release(w, spec, f"{w.ref} no longer opts in ({not_opted_in_message(w.ref, name)})"))
             else:
                 targets.append(TargetPlan(w.kind, w.name, NOT_OPTED_IN, not_opted_in_message(w.ref, name)))
+            continue
+        rivals = sorted(p["metadata"]["name"] for p in others
+                        if matches(_selector_of(p), w.labels) and opted_in(w.labels, p["metadata"]["name"]))
+        if rivals:
+            targets.append(TargetPlan(w.kind, w.name, CONFLICT,
+                                      f"{w.ref} is also selected by KVCachePolicy {', '.join(rivals)}, which it "
+                                      f"opted in to too; no policy changes it until only one selects it"))
             continue
         t, rendered = _target(policy, doc_key, w, on, node_allocatable=node_allocatable,
                               cleanup_image=cleanup_image)
@@ -282,6 +283,19 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
     observed = Observed(states, on, engine, ws)
     status, events = _summarize(policy_obj, observed, targets, now)
     return Plan(config_map, targets, status, events, context=observed)
+
+
+def refusal(policy_obj: dict[str, Any], reason: str, problems: str, now: str,
+            what_fixes: str = "the policy is fixed") -> Plan:
+    """A plan that writes nothing but status: Ready False and Degraded True with ``reason`` (Events follow from
+    the transitions)."""
+    generation, old = policy_obj["metadata"].get("generation"), policy_obj.get("status") or {}
+    problems = _short(problems, 8192)
+    conds = [Cond("Ready", "False", reason, problems), Cond("Degraded", "True", reason, problems),
+             Cond("Progressing", "False", reason, f"nothing is applied until {what_fixes}")]
+    status = {"observedGeneration": generation,
+              "conditions": merge_conditions(old.get("conditions") or [], conds, generation, now)}
+    return Plan(None, [], status, _events(old.get("conditions") or [], status["conditions"], [], old), invalid=True)
 
 
 def _summarize(policy_obj: dict[str, Any], observed: Observed, targets: list[TargetPlan],
@@ -313,9 +327,38 @@ def with_failures(result: Plan, policy_obj: dict[str, Any], failures: dict[str, 
     return Plan(result.config_map, result.targets, status, events, context=result.context)
 
 
+# Condition messages name at most this many targets, each message at most TARGET_MESSAGE_CHARS, plus counts:
+# the CRD bounds a message (32 KiB), and a message joined over every target of a large policy outgrew it and
+# was refused (422) on every retry (issue 24, class F).
+MESSAGE_TARGETS = 5
+TARGET_MESSAGE_CHARS = 512
+
+
+def _short(text: str, limit: int = TARGET_MESSAGE_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def bounded_messages(chosen: list[TargetPlan]) -> str:
+    """The first few targets' messages, then counts by state for the rest."""
+    head = "; ".join(_short(t.message) for t in chosen[:MESSAGE_TARGETS])
+    rest = chosen[MESSAGE_TARGETS:]
+    if not rest:
+        return head
+    counts: dict[str, int] = {}
+    for t in rest:
+        counts[t.state] = counts.get(t.state, 0) + 1
+    more = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+    return f"{head}; and {len(rest)} more ({more}; see status.targets)"
+
+
+def bounded_refs(refs: list[str]) -> str:
+    head = ", ".join(refs[:MESSAGE_TARGETS])
+    return head if len(refs) <= MESSAGE_TARGETS else f"{head} and {len(refs) - MESSAGE_TARGETS} more"
+
+
 def _conditions(targets: list[TargetPlan], workloads: list[Workload], namespace: str) -> list[Cond]:
     def msgs(states: set[str]) -> str:
-        return "; ".join(t.message for t in targets if t.state in states)
+        return bounded_messages([t for t in targets if t.state in states])
 
     by_ref = {w.ref: w for w in workloads}
     conflicts = [t for t in targets if t.state == CONFLICT]
@@ -350,7 +393,7 @@ def _conditions(targets: list[TargetPlan], workloads: list[Workload], namespace:
             rolling.append(t.ref)
     if rolling:
         out.append(Cond("Progressing", "True", "RollingOut", "waiting for the new pod template on: " +
-                        ", ".join(rolling)))
+                        bounded_refs(rolling)))
     else:
         out.append(Cond("Progressing", "False", "RolledOut" if targets else "NoTargets", ""))
     return out

@@ -4,10 +4,36 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 
-def matches(selector: Optional[Mapping[str, Any]], labels: Optional[Mapping[str, str]]) -> bool:
-    """Whether ``labels`` satisfy a Kubernetes LabelSelector (camelCase keys, as stored)."""
+CATCH_ALL_MESSAGE = ("a selector must name at least one label a workload carries: a matchLabels entry, or a "
+                     "matchExpressions term with operator In or Exists (an empty selector, or NotIn and DoesNotExist "
+                     "alone, select every workload of the namespace)")
+VALUES_MESSAGE = "operators In and NotIn need at least one value; Exists and DoesNotExist take none"
+
+
+def has_positive_term(selector: Optional[Mapping[str, Any]]) -> bool:
+    """Whether the selector names a label a workload must carry (the rule against catch-alls in disguise; the
+    CRD's CEL rule on LabelSelector says the same)."""
     if not selector:
-        return False  # the CRD forbids an empty selector; never treat one as "everything"
+        return False
+    if selector.get("matchLabels"):
+        return True
+    return any(isinstance(r, Mapping) and r.get("operator") in ("In", "Exists")
+               for r in selector.get("matchExpressions") or [])
+
+
+def requirement_problem(operator: Optional[str], values: Optional[list]) -> Optional[str]:
+    if operator in ("In", "NotIn"):
+        return None if values else VALUES_MESSAGE
+    return VALUES_MESSAGE if values else None
+
+
+def matches(selector: Optional[Mapping[str, Any]], labels: Optional[Mapping[str, str]]) -> bool:
+    """Whether ``labels`` satisfy a Kubernetes LabelSelector (camelCase keys, as stored).
+
+    A selector that names no label a workload must carry matches nothing here: the CRD refuses it, and one stored
+    before that rule must not select, nor conflict with, every workload of its namespace."""
+    if not has_positive_term(selector):
+        return False
     labels = labels or {}
     for key, value in (selector.get("matchLabels") or {}).items():
         if labels.get(key) != value:

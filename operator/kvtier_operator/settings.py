@@ -42,6 +42,11 @@ class Settings:
     host_path_prefixes: tuple[str, ...] = ()
     prometheus_allowed: tuple[str, ...] = ()
     prometheus_allow_http: bool = False
+    # PersistentVolumeClaims tiers may mount, as namespace/claim ('*' for either part); default none. And whether
+    # spec.slo.queries may replace the built-in PromQL (it runs with the namespace's Prometheus credentials and
+    # is not scoped to the policy's targets); default no.
+    pvc_allowed: tuple[str, ...] = ()
+    allow_query_overrides: bool = False
 
 
 _ENV = "KVTIER_"
@@ -91,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "URL prefix (repeatable; env KVTIER_PROMETHEUS_ALLOWED, comma separated); default: none")
     p.add_argument("--prometheus-allow-http", action="store_true", default=None,
                    help="also allow plain http to the allowed endpoints (env KVTIER_PROMETHEUS_ALLOW_HTTP)")
+    p.add_argument("--pvc-allow", action="append", dest="pvc_allowed",
+                   help="PersistentVolumeClaim tiers may mount, as NAMESPACE/CLAIM, '*' for either part (repeatable; "
+                        "env KVTIER_PVC_ALLOWED, comma separated); default: none, PVC tiers are refused")
+    p.add_argument("--allow-query-overrides", action="store_true", default=None,
+                   help="let spec.slo.queries replace the built-in PromQL (arbitrary queries with the namespace's "
+                        "Prometheus credentials; env KVTIER_ALLOW_QUERY_OVERRIDES); default: refused")
     p.add_argument("--kubeconfig", help="kubeconfig file (env KUBECONFIG; default in-cluster credentials)")
     p.add_argument("--verbose", "-v", action="store_true", default=None, help="debug logging")
     return p
@@ -123,14 +134,16 @@ def from_args(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> Setti
     def listed(flag: Optional[list[str]], name: str) -> list[str]:
         return [v.strip() for v in (flag or env.get(_ENV + name, "").split(",")) if v.strip()]
 
-    from .trust import check_endpoint_entry, check_host_path_prefix
+    from .trust import check_endpoint_entry, check_host_path_prefix, check_pvc_entry
 
     prefixes = listed(args.host_path_prefixes, "HOSTPATH_PREFIXES")
     allowed = listed(args.prometheus_allowed, "PROMETHEUS_ALLOWED")
+    pvcs = listed(args.pvc_allowed, "PVC_ALLOWED")
     for value, check, flag, name in [(v, check_host_path_prefix, "--hostpath-prefix", "HOSTPATH_PREFIXES")
                                      for v in prefixes] + \
                                     [(v, check_endpoint_entry, "--prometheus-allow", "PROMETHEUS_ALLOWED")
-                                     for v in allowed]:
+                                     for v in allowed] + \
+                                    [(v, check_pvc_entry, "--pvc-allow", "PVC_ALLOWED") for v in pvcs]:
         problem = check(value)
         if problem:
             raise SystemExit(f"kvtier operator: {flag} ({_ENV}{name}): {value!r}: {problem}")
@@ -153,5 +166,8 @@ def from_args(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> Setti
         host_path_prefixes=tuple(prefixes),
         prometheus_allowed=tuple(allowed),
         prometheus_allow_http=bool(pick(args.prometheus_allow_http, "PROMETHEUS_ALLOW_HTTP",
+                                        lambda v: _env_bool(v, False), False)),
+        pvc_allowed=tuple(pvcs),
+        allow_query_overrides=bool(pick(args.allow_query_overrides, "ALLOW_QUERY_OVERRIDES",
                                         lambda v: _env_bool(v, False), False)),
     )

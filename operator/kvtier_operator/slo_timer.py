@@ -34,7 +34,7 @@ from .lanes import Lanes
 from .metrics import Metrics
 from .reconcile import Event
 from .settings import REENABLE_ANNOTATION, Settings
-from .slo.client import PrometheusClientConfig, PrometheusSource, resolve_client_config
+from .slo.client import PrometheusClientConfig, PrometheusSource, Unavailable, resolve_client_config
 from .status import GUARD_CONDITION_TYPES, Cond, merge_conditions, now_rfc3339
 from .status_writer import write_status
 from .tiers import tier_states
@@ -44,6 +44,9 @@ log = logging.getLogger("kvtier.slo")
 POLICY = (api.GROUP, api.VERSION, api.PLURAL)
 # The API's default spec.slo.interval, used until the spec can be read.
 DEFAULT_INTERVAL = parse_duration(api.SLOSpec.model_fields["interval"].default)
+QUERY_OVERRIDES_REFUSED = ("spec.slo.queries: query overrides are not allowed by the operator's admin (operator "
+                           "setting allowQueryOverrides); remove spec.slo.queries to use the built-in queries, "
+                           "which are scoped to this policy's targets")
 SLO_STATE = {"ok": "OK", "breach": "Breaching", "error": "Unknown", "noData": "NoData", "lowTraffic": "NoData"}
 
 
@@ -155,6 +158,10 @@ def guard_tick_sync(host: GuardHost, namespace: str, name: str,
     result = TickResult(interval=settings.interval_s, body=pol)
     reenable = [t.strip() for t in (pol["metadata"].get("annotations") or {}).get(REENABLE_ANNOTATION, "").split(",")
                 if t.strip()]
+    if settings.queries and not host.settings.allow_query_overrides:
+        # An override is arbitrary PromQL sent with the namespace's Prometheus credentials, not scoped to the
+        # policy's targets, and its numbers come back in status: the admin must allow it (issue 24, class F).
+        return _misconfigured(host, pol, QUERY_OVERRIDES_REFUSED, settings.interval_s)
     if source is None and host.slo_source is not None:
         source = host.slo_source(namespace, name)
     own_source = source is None
@@ -168,9 +175,12 @@ def guard_tick_sync(host: GuardHost, namespace: str, name: str,
             return _misconfigured(host, pol, refused, settings.interval_s)
         try:
             config = client_config(host.kube, namespace, settings.prometheus)
-        except ValueError as err:  # a missing Secret or key, a bad CA bundle: the message names the field
-            return _misconfigured(host, pol, str(err), settings.interval_s)
-        source = PrometheusSource(config)
+        except ValueError:
+            # A missing, forbidden or malformed Secret reads exactly like an unreachable endpoint: same reason,
+            # same words (class F: whether a Secret exists is not told).
+            source = Unavailable(settings.prometheus.url)
+        else:
+            source = PrometheusSource(config)
     try:
         decision = slo.tick(settings, status.get("slo"), source, scope_for(namespace, status, settings.model_name),
                             time.time(), engine=status.get("engine"), reenable_requests=reenable,

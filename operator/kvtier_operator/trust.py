@@ -6,18 +6,23 @@ what of it the operator carries out:
 
 - a workload is touched only if its owner opted in with the ``kvtier.io/opt-in`` label (the operator never writes
   that label, so only someone who may edit the workload can grant it);
-- a tier may mount a node path only under a prefix the cluster admin allowed (operator settings; default none);
+- a tier may mount a node path only under a prefix the cluster admin allowed, and a PersistentVolumeClaim only if
+  the admin allowed it (operator settings; default none);
 - the SLO guard queries, and sends credentials to, only Prometheus endpoints the admin allowed, over https unless
   http was allowed, and never a URL carrying credentials, a query or a fragment;
-- releasing a policy deletes only the ConfigMap kvtier created for it.
+- kvtier writes and deletes only the ConfigMap it created for the policy (an owner reference to it); one of the
+  same name held by anyone else is reported, never adopted.
 """
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Optional
-from urllib.parse import SplitResult, urlsplit
+import re
+from dataclasses import dataclass
+from urllib.parse import SplitResult, unquote, urlsplit
 
 from .api import v1alpha1 as api
-from .settings import FIELD_MANAGER, OPT_IN_ANY, OPT_IN_LABEL, POLICY_LABEL
+from .api.paths import segments
+from .settings import OPT_IN_ANY, OPT_IN_LABEL
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -38,8 +43,7 @@ def not_opted_in_message(ref: str, policy: str) -> str:
 # ---------------------------------------------------------------------------------------------- host paths
 
 
-def _segments(path: str) -> list[str]:
-    return [p for p in path.split("/") if p]
+_segments = segments  # the one normaliser's segments (api.paths)
 
 
 def check_host_path_prefix(prefix: str) -> Optional[str]:
@@ -72,23 +76,69 @@ def host_path_problems(spec: api.KVCachePolicySpec, prefixes: Iterable[str]) -> 
     return out
 
 
+def check_pvc_entry(entry: str) -> Optional[str]:
+    """Why an admin-supplied PVC allowlist entry (NAMESPACE/CLAIM, '*' for either part) is unusable, or None."""
+    parts = entry.split("/")
+    if len(parts) != 2 or not all(parts) or any(p != "*" and not re.fullmatch(api.NAME_PATTERN, p) for p in parts):
+        return "must be NAMESPACE/CLAIM (either may be '*')"
+    return None
+
+
+def pvc_allowed(namespace: str, claim: str, allowed: Iterable[str]) -> bool:
+    for entry in allowed:
+        ns, _, name = entry.partition("/")
+        if ns in ("*", namespace) and name in ("*", claim):
+            return True
+    return False
+
+
+def pvc_problems(spec: api.KVCachePolicySpec, namespace: str, allowed: Iterable[str]) -> list[str]:
+    """One ``field: rule`` line per tier whose PersistentVolumeClaim the admin has not allowed: a claim holds
+    someone's data, and a policy author may not be allowed to read or write it (issue 24, class F)."""
+    entries = list(allowed)
+    out = []
+    for i, tier in enumerate(spec.tiers):
+        pvc = tier.volume.persistent_volume_claim if tier.volume is not None else None
+        if pvc is None or pvc_allowed(namespace, pvc.claim_name, entries):
+            continue
+        out.append(f"spec.tiers[{i}].volume.persistentVolumeClaim.claimName: {pvc.claim_name!r} is not a claim the "
+                   "cluster admin lets tiers mount (operator setting pvcAllowed, NAMESPACE/CLAIM); use an emptyDir, "
+                   "or ask the admin to allow the claim")
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- ConfigMaps
 
 
 def owns_config_map(config_map: Optional[Mapping[str, Any]], policy_name: str, policy_uid: Optional[str]) -> bool:
-    """Whether kvtier created ``config_map`` for this policy (owner reference, or kvtier's own labels)."""
+    """Whether kvtier created ``config_map`` for this very policy: an owner reference to it, by uid when known.
+
+    Labels are no proof (whoever creates a ConfigMap can write them), and neither is the name: a ConfigMap
+    ``kvtier-<name>`` made by someone else is theirs (class B, adopting a foreign object)."""
     if not config_map:
         return False
     meta = config_map.get("metadata") or {}
     for ref in meta.get("ownerReferences") or []:
-        if ref.get("kind") == api.KIND and ref.get("name") == policy_name and (
-                policy_uid is None or ref.get("uid") == policy_uid):
+        if ref.get("apiVersion", api.API_VERSION).split("/")[0] == api.GROUP and ref.get("kind") == api.KIND \
+                and ref.get("name") == policy_name and (policy_uid is None or ref.get("uid") == policy_uid):
             return True
-    labels = meta.get("labels") or {}
-    return labels.get("app.kubernetes.io/managed-by") == FIELD_MANAGER and labels.get(POLICY_LABEL) == policy_name
+    return False
+
+
+def foreign_holder_message(kind: str, name: str) -> str:
+    return (f"{kind} {name} already exists and was not made by kvtier for this policy (it has no owner reference "
+            f"to it): kvtier neither writes nor deletes it, and applies nothing until it is gone or the policy is "
+            f"renamed")
 
 
 # ---------------------------------------------------------------------------------------------- Prometheus
+
+
+ANY_PORT = "*"
+# Percent-encoded '.', '/' and '\\': a server that decodes before routing would see another path than the one
+# the allowlist judged, so such URLs are refused outright, never decoded and accepted.
+# An encoded '%' too: a server (or proxy) that decodes twice would turn %252e into '.'.
+_ENCODED_SEPARATOR = re.compile(r"%(2e|2f|5c|25)", re.IGNORECASE)
 
 
 def _split(url: str) -> Optional[SplitResult]:
@@ -104,15 +154,54 @@ def _port(parts: SplitResult) -> Optional[int]:
     return parts.port or DEFAULT_PORTS.get(parts.scheme)
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """An allowlist entry: scheme (None: http or https), host, port (None: any, only when written host:*), and
+    the path prefix as segments."""
+
+    scheme: Optional[str]
+    host: str
+    port: Optional[int]
+    any_port: bool
+    path: tuple[str, ...]
+
+
+def _entry(entry: str) -> Optional[_Entry]:
+    explicit = "://" in entry
+    any_port = not explicit and entry.endswith(":" + ANY_PORT)
+    text = entry[: -len(ANY_PORT) - 1] if any_port else entry
+    e = _split(text if explicit else "//" + text)
+    if e is None or not e.hostname:
+        return None
+    if explicit and e.scheme not in DEFAULT_PORTS:
+        return None
+    if _path_problem(e.path or "/"):
+        return None
+    return _Entry(e.scheme if explicit else None, e.hostname.lower(), e.port, any_port,
+                  tuple(segments(unquote(e.path or "/"))))
+
+
+def _path_problem(raw: str) -> Optional[str]:
+    """Why a URL path is refused before any comparison, or None. Compared decoded and segment by segment."""
+    if _ENCODED_SEPARATOR.search(raw) or "\\" in raw:
+        return "must not contain percent-encoded '.', '/', '\\' or '%' (nor a backslash)"
+    # ';' starts path parameters that some servers strip before resolving (`..;` is `..` to them).
+    if any(p.split(";")[0] in (".", "..") for p in unquote(raw).split("/")):
+        return "must not contain '.' or '..' path segments"
+    return None
+
+
 def check_endpoint_entry(entry: str) -> Optional[str]:
-    """Why an admin-supplied allowlist entry (host, host:port or http(s) URL prefix) is unusable, or None."""
-    parts = _split(entry if "://" in entry else "//" + entry)
-    if parts is None or not parts.hostname:
-        return "must be a host, host:port or an http(s):// URL"
-    if "://" in entry and parts.scheme not in DEFAULT_PORTS:
-        return "a URL must start with http:// or https://"
-    if parts.username is not None or parts.query or parts.fragment or "?" in entry or "#" in entry:
+    """Why an admin-supplied allowlist entry is unusable, or None. Entries: ``host`` (the scheme's default port:
+    443 for https, 80 for http), ``host:port``, ``host:*`` (any port: say so explicitly) or an http(s):// URL
+    prefix (its port, explicit or the scheme's default, and its path prefix)."""
+    if "?" in entry or "#" in entry or "@" in entry:
         return "must not carry credentials, a query or a fragment"
+    if "://" in entry and entry.split("://", 1)[0] not in DEFAULT_PORTS:
+        return "a URL must start with http:// or https://"
+    if _entry(entry) is None:
+        return ("must be a host, host:port, host:* or an http(s):// URL whose path has no '.' or '..' segments "
+                "and no percent-encoded '.', '/' or '\\'")
     return None
 
 
@@ -127,7 +216,10 @@ def redacted(url: str) -> str:
 
 
 def endpoint_problem(url: str, allowed: Iterable[str], allow_http: bool) -> Optional[str]:
-    """Why the SLO guard must not query ``url`` (nor send credentials there), or None when it may."""
+    """Why the SLO guard must not query ``url`` (nor send credentials there), or None when it may.
+
+    Matched on scheme, host, port (explicit or the scheme's default) and the percent-decoded path, segment by
+    segment (class D: an allowlist on raw text let ``/prom/%2e%2e/admin`` out of ``/prom``)."""
     parts = _split(url)
     if parts is None or parts.scheme not in DEFAULT_PORTS or not parts.hostname:
         return "spec.slo.prometheus.url: must be an http:// or https:// URL with a host"
@@ -135,21 +227,23 @@ def endpoint_problem(url: str, allowed: Iterable[str], allow_http: bool) -> Opti
         return "spec.slo.prometheus.url: must not contain credentials (user:password@)"
     if parts.query or parts.fragment or "?" in url or "#" in url:
         return "spec.slo.prometheus.url: must not contain '?' or '#'"
+    problem = _path_problem(parts.path or "/")
+    if problem:
+        return f"spec.slo.prometheus.url: the path {problem}"
     host, port = parts.hostname.lower(), _port(parts)
-    for entry in allowed:
-        explicit = "://" in entry
-        e = _split(entry if explicit else "//" + entry)
-        if e is None or not e.hostname or e.hostname.lower() != host:
+    path = segments(unquote(parts.path or "/"))
+    for text in allowed:
+        e = _entry(text)
+        if e is None or e.host != host:
             continue
-        if explicit:
-            if e.scheme != parts.scheme or _port(e) != port:
-                continue
-            if not under_prefix(parts.path or "/", e.path or "/"):
-                continue
-        elif e.port is not None and e.port != port:
+        if e.scheme is not None and e.scheme != parts.scheme:
+            continue
+        if not e.any_port and (e.port or DEFAULT_PORTS[e.scheme or parts.scheme]) != port:
+            continue
+        if tuple(path[: len(e.path)]) != e.path:
             continue
         # An entry written as http://... allows http to exactly that endpoint.
-        if parts.scheme == "http" and not allow_http and not (explicit and e.scheme == "http"):
+        if parts.scheme == "http" and not allow_http and e.scheme != "http":
             return (f"spec.slo.prometheus.url: {redacted(url)} uses plain http, which the operator's admin has not "
                     "allowed (operator setting prometheusAllowHttp); use https")
         return None

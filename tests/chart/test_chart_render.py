@@ -156,6 +156,23 @@ def test_ports_and_namespaces_follow_the_values(helm):
     assert service["spec"]["ports"] == [{"name": "metrics", "port": 9191, "targetPort": "metrics", "protocol": "TCP"}]
 
 
+def test_admin_trust_settings_become_operator_flags(helm):
+    # Issue 24: the PVC allowlist and the query-override switch are admin settings, off by default; each value
+    # becomes the flag `kvtier operator` parses (tests/security/test_trust.py checks the parsing).
+    values = {"operator": {"pvcAllowed": ["serving/kv-cache", "staging/*"]}, "slo": {"allowQueryOverrides": True,
+              "prometheus": {"allowed": ["prometheus.monitoring.svc:9090"]}}}
+    args = one(helm.template(values), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [a for a in args if a.startswith(("--pvc-allow", "--allow-query", "--prometheus-allow"))] == [
+        "--prometheus-allow=prometheus.monitoring.svc:9090", "--pvc-allow=serving/kv-cache", "--pvc-allow=staging/*",
+        "--allow-query-overrides"]
+    from kvtier_operator.settings import from_args
+    s = from_args(args, env={})
+    assert s.pvc_allowed == ("serving/kv-cache", "staging/*") and s.allow_query_overrides
+    with pytest.raises(AssertionError) as err:
+        helm.template({"operator": {"pvcAllowed": ["just-a-claim"]}})
+    assert "pvcAllowed" in str(err.value)
+
+
 def test_image_digest_wins_over_tag(helm):
     docs = helm.template({"image": {"tag": "9.9.9", "digest": "sha256:" + "b" * 64}})
     image = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]

@@ -102,7 +102,8 @@ def observe(spec: dict[str, Any], image: str = deployment()["spec"]["template"][
     config_flag = "--extra_llm_api_options" if image == TRTLLM_IMAGE else "--config"
     wl = observed(deployment(labels={"app": "llm", "tier": "gold"}, image=image, container=container,
                              args=args or ["--model", "m", config_flag, "/etc/kvtier/engine.yaml"]))
-    plan = rc.plan(policy_obj(spec), [wl], [], now=NOW, host_path_prefixes=HOST_PATH_PREFIXES)
+    plan = rc.plan(policy_obj(spec), [wl], [], now=NOW, host_path_prefixes=HOST_PATH_PREFIXES,
+                   pvc_allowed=("*/*",))
     files = plan.config_map["data"] if plan.config_map else {}
     targets = [{k: v for k, v in vars(t).items() if k != "config_hash"} for t in plan.targets]
     guard = None

@@ -82,10 +82,12 @@ def test_sustained_breach_disables_the_newest_tier_and_rerenders(kube, namespace
                for h in get_policy(kube, namespace, "llm")["status"]["history"])
 
 
-def test_missing_prometheus_secret_is_slo_unknown_naming_the_field(kube, namespace, run_operator):
+def test_missing_prometheus_secret_is_slo_unknown_like_an_unreachable_endpoint(kube, namespace, run_operator):
     # No scripted source: the guard must resolve spec.slo.prometheus itself, and the Secret it names is absent.
+    # Issue 24 (class F, oracles): the condition reads exactly as for an endpoint that cannot be reached, so a
+    # policy author cannot tell whether a Secret exists; the guard keeps evaluating, and nothing is sent.
     user_apply(kube, deployment("llm", namespace))
-    runner = run_operator(prometheus_allowed=("prometheus.invalid",))  # the admin allows it; the Secret is absent
+    runner = run_operator(prometheus_allowed=("prometheus.invalid:9090",))  # the admin allows it; the Secret is absent
     kube.create(policy_path(namespace), make_policy(
         "llm", namespace, slo={"prometheus": {"url": "http://prometheus.invalid:9090",
                                               "auth": {"bearerToken": {"name": "prom-token", "key": "token"}}},
@@ -93,15 +95,13 @@ def test_missing_prometheus_secret_is_slo_unknown_naming_the_field(kube, namespa
     pol = wait_for(lambda: (p := get_policy(kube, namespace, "llm")) and
                    cond(p, "SLOUnknown").get("status") == "True" and p, 20, what="SLOUnknown on a missing Secret")
     unknown = cond(pol, "SLOUnknown")
-    assert unknown["reason"] == "InvalidConfiguration"
-    assert "spec.slo.prometheus.auth" in unknown["message"] and "prom-token" in unknown["message"]
+    assert unknown["reason"] == "QueryError"
+    assert "no usable answer from http://prometheus.invalid:9090" in unknown["message"]
+    assert "prom-token" not in unknown["message"]
     assert pol["status"]["sloState"] == "Unknown"
     since = unknown["lastTransitionTime"]
-    before = runner.op.metrics.value("kvtier_operator_reconcile_errors_total", {"reason": "slo-InvalidConfiguration"})
-    wait_for(lambda: runner.op.metrics.value("kvtier_operator_reconcile_errors_total",
-                                             {"reason": "slo-InvalidConfiguration"}) >= before + 3, 20,
-             what="three more evaluations")
-    # The same problem on every interval: the transition time holds and the Event is not repeated.
+    before = runner.op.metrics.value("kvtier_operator_slo_evaluations_total", {"verdict": "error"})
+    wait_for(lambda: runner.op.metrics.value("kvtier_operator_slo_evaluations_total",
+                                             {"verdict": "error"}) >= before + 3, 20, what="three more evaluations")
+    # The same problem on every interval: the transition time holds.
     assert cond(get_policy(kube, namespace, "llm"), "SLOUnknown")["lastTransitionTime"] == since
-    events = kube.list(f"/api/v1/namespaces/{namespace}/events")
-    assert sum(e.get("reason") == "InvalidSLOConfiguration" for e in events) == 1

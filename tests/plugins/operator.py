@@ -238,7 +238,7 @@ def run_operator(kube, namespace, controlplane):
                                       metrics_port=None, resync_seconds=60.0, backoff_initial=0.2, backoff_max=2.0,
                                       read_nodes=False, kubeconfig=str(controlplane.kubeconfig),
                                       # The admin trusts the test's node path and its local Prometheus.
-                                      host_path_prefixes=("/mnt/disks",), prometheus_allowed=("127.0.0.1",),
+                                      host_path_prefixes=("/mnt/disks",), prometheus_allowed=("127.0.0.1:*",),
                                       prometheus_allow_http=True)
         values.update(overrides)
         runner = OperatorThread(Settings(**values), Kube(str(controlplane.kubeconfig)))

@@ -93,21 +93,38 @@ def test_config_map_ownership():
                                                                    "uid": "u1"}]}}
     assert owns_config_map(cm, "llm", "u1")
     assert not owns_config_map(cm, "llm", "u2")
+    # Class B (adopting a foreign object): labels anyone can write are no proof of ownership.
     labelled = {"metadata": {"labels": {"app.kubernetes.io/managed-by": "kvtier-operator", POLICY_LABEL: "llm"}}}
-    assert owns_config_map(labelled, "llm", "u1")
+    assert not owns_config_map(labelled, "llm", "u1")
     assert not owns_config_map({"metadata": {"name": "kvtier-llm"}}, "llm", "u1")
     assert not owns_config_map(None, "llm", "u1")
 
 
 ALLOWED = ("prometheus.monitoring.svc", "thanos:10902", "https://metrics.example.com/prom",
-           "http://plain.monitoring:9090")
+           "http://plain.monitoring:9090", "any.monitoring:*")
 
 
 @pytest.mark.parametrize("url, allow_http, refused", [
-    ("https://prometheus.monitoring.svc:9090", False, None),
-    ("https://PROMETHEUS.monitoring.svc", False, None),
-    ("http://prometheus.monitoring.svc:9090", False, "plain http"),
-    ("http://prometheus.monitoring.svc:9090", True, None),
+    ("https://prometheus.monitoring.svc", False, None),
+    ("https://PROMETHEUS.monitoring.svc:443", False, None),
+    ("http://prometheus.monitoring.svc", False, "plain http"),
+    ("http://prometheus.monitoring.svc", True, None),
+    # Class D (an allowlist on raw text): a host-only entry means the scheme's default port, not every port.
+    ("https://prometheus.monitoring.svc:9090", False, "not a Prometheus endpoint the operator's admin allows"),
+    ("http://prometheus.monitoring.svc:443", True, "not a Prometheus endpoint"),
+    ("https://any.monitoring:12345", False, None),  # host:* says "any port" explicitly
+    # ... and the path is compared decoded, segment by segment; encoded separators are refused outright.
+    ("https://metrics.example.com/prom/%2e%2e/admin", False, "percent-encoded"),
+    ("https://metrics.example.com/prom/%2E%2E%2Fadmin", False, "percent-encoded"),
+    ("https://metrics.example.com/prom%2fx", False, "percent-encoded"),
+    ("https://metrics.example.com/prom/../admin", False, "'.' or '..'"),
+    ("https://metrics.example.com/prom/./v1", False, "'.' or '..'"),
+    ("https://metrics.example.com/prom/..;/admin", False, "'.' or '..'"),
+    ("https://metrics.example.com/prom/%252e%252e/admin", False, "percent-encoded"),
+    ("https://metrics.example.com/prom\\..\\admin", False, "backslash"),
+    ("https://metrics.example.com/%70rom/v1", False, None),  # decoded: /prom/v1
+    ("https://metrics.example.com:443/prom", False, None),  # the entry's port is the scheme's default
+    ("https://metrics.example.com:8443/prom", False, "not a Prometheus endpoint"),
     ("https://thanos:10902/api", False, None),
     ("https://thanos:9090", False, "not a Prometheus endpoint the operator's admin allows"),
     ("https://metrics.example.com/prom", False, None),
@@ -165,3 +182,39 @@ def test_a_stored_policy_with_a_name_too_long_for_a_label_gets_a_condition():
                 server_validated=True)
     assert p.invalid and p.targets == [] and p.config_map is None
     assert "metadata.name: must be at most 63" in condition(p.status, "Ready")["message"]
+
+
+# ---------------------------------------------------------------------------------------------- issue 24, class F
+
+def test_class_f_pvc_tiers_need_the_admins_allowlist():
+    pvc = {"name": "disk", "medium": "filesystem", "size": "1Gi", "path": "/mnt/kv",
+           "volume": {"persistentVolumeClaim": {"claimName": "data"}}}
+    pol = policy(tiers=[CPU, pvc])
+    refused = rc.plan(pol, [observed(deployment())], [], now=NOW)
+    assert refused.invalid and refused.targets == []
+    assert condition(refused.status, "Ready")["reason"] == "PersistentVolumeClaimNotAllowed"
+    for allowed in (("default/data",), ("default/*",), ("*/data",)):
+        assert not rc.plan(pol, [observed(deployment())], [], now=NOW, pvc_allowed=allowed).invalid, allowed
+    for other in (("other/data",), ("default/datax",)):
+        assert rc.plan(pol, [observed(deployment())], [], now=NOW, pvc_allowed=other).invalid, other
+
+
+def test_class_f_admin_switches_default_off_and_parse():
+    assert Settings().pvc_allowed == () and not Settings().allow_query_overrides
+    s = from_args(["--pvc-allow", "serving/kv", "--allow-query-overrides"], env={})
+    assert s.pvc_allowed == ("serving/kv",) and s.allow_query_overrides
+    s = from_args([], env={"KVTIER_PVC_ALLOWED": "a/*, */b", "KVTIER_ALLOW_QUERY_OVERRIDES": "true"})
+    assert s.pvc_allowed == ("a/*", "*/b") and s.allow_query_overrides
+    for bad in ("claim", "a/b/c", "A/b", "/b"):
+        with pytest.raises(SystemExit, match="NAMESPACE/CLAIM"):
+            from_args(["--pvc-allow", bad], env={})
+
+
+def test_class_f_condition_messages_are_bounded_whatever_the_number_of_targets():
+    workloads = [observed(deployment(f"llm-{i:03d}", labels={"app": "llm"}, args=["--model", "m"]))
+                 for i in range(300)]
+    p = rc.plan(policy(), workloads, [], now=NOW)
+    assert len(p.targets) == 300
+    for c in p.status["conditions"]:
+        assert len(c["message"]) < 8192, (c["type"], len(c["message"]))
+    assert "and 295 more (295 MissingConfigArgument" in condition(p.status, "Ready")["message"]

@@ -75,7 +75,8 @@ watched namespace otherwise. Each rule names only what the operator does with th
   resources: ["deployments", "statefulsets"]
   verbs: ["get", "list", "watch", "patch"]
 # The rendered engine configuration lives in a ConfigMap the operator owns: server-side apply creates and
-# updates it (create, patch), deleting the policy removes it. The operator never lists or reads it back.
+# updates it (create, patch), deleting the policy removes it. It is read by name (get) only to check who owns it
+# before writing or deleting: one of the same name held by anyone else is never adopted. It is never listed.
 - apiGroups: [""]
   resources: ["configmaps"]
   verbs: ["get", "create", "patch", "delete"]

@@ -9,7 +9,8 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, WithJsonSchema, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, WithJsonSchema,
+                      model_validator)
 from pydantic.alias_generators import to_camel
 
 from kvtier_runtime.config import (
@@ -21,6 +22,8 @@ from kvtier_runtime.config import (
     default_eviction_policy,
 )
 
+from . import paths
+from .. import selectors
 from .guard_state import SLOGuardState
 from .units import DURATION_PATTERN, POSITIVE_QUANTITY_PATTERN, parse_duration, parse_quantity
 
@@ -46,12 +49,15 @@ MAX_POLICY_NAME = 63
 MAX_QUANTITY = "1Pi"
 # Longest wait for one Prometheus query: an evaluation runs three, and it must finish well within an interval.
 MAX_PROMETHEUS_TIMEOUT = "60s"
-# Mount paths that would shadow what the container (or the operator's own mounts: /etc/kvtier, /dev/shm) needs.
-# A tier path equal to, below, or above one of these is refused: `/var` would hide /var/run/secrets.
-SYSTEM_PATH_RULE = (r"^/+((bin|boot|dev|etc|lib|lib32|lib64|proc|root|run|sbin|sys|usr|var/run|var/lib/kubelet)"
-                    r"(/|$)|(var)?/*$)")
-# A "." or ".." path segment: refused so that the path the API server and the node see is the one written.
-DOT_SEGMENT_RULE = r"(^|/)[.][.]?(/|$)"
+# Path rules live in api.paths (the one normaliser); the CEL texts below are built from them.
+SYSTEM_PATH_RULE = paths.SYSTEM_PATH_RULE
+NOT_NORMAL_RULE = paths.NOT_NORMAL_RULE
+DOT_SEGMENT_RULE = paths.DOT_SEGMENT_RULE
+# Class C (catch-all selectors in disguise): the Python side is selectors.has_positive_term/requirement_problem.
+SELECTOR_POSITIVE_RULE = ("(has(self.matchLabels) && self.matchLabels.size() > 0) || (has(self.matchExpressions) && "
+                          "self.matchExpressions.exists(e, e.operator == 'In' || e.operator == 'Exists'))")
+SELECTOR_VALUES_RULE = ("(self.operator == 'In' || self.operator == 'NotIn') ? "
+                        "(has(self.values) && self.values.size() > 0) : (!has(self.values) || self.values.size() == 0)")
 CEL_DURATION_PATTERN = r"^([0-9]+([.][0-9]+)?(ms|s|m|h))+$"
 
 
@@ -85,6 +91,21 @@ def _cel(*rules: dict[str, str]) -> dict[str, Any]:
 
 # Kubernetes quantities may be written as integers (bytes) or suffixed strings; both are kept as written.
 Quantity = Annotated[str, BeforeValidator(lambda v: str(v) if isinstance(v, int) and not isinstance(v, bool) else v)]
+
+
+def _checked(check: Any) -> Any:
+    def run(value: str) -> str:
+        problem = check(value)
+        if problem:
+            raise paths.PathError(problem)
+        return value
+    return AfterValidator(run)
+
+
+# Paths judged by api.paths on their normal form (the operator re-checks stored objects with these, so a policy
+# stored before a CEL rule existed is refused with a message, never rendered or retried forever).
+MountPath = Annotated[str, Field(pattern=ABS_PATH_PATTERN, max_length=4096), _checked(paths.mount_path_problem)]
+HostPath = Annotated[str, Field(pattern=ABS_PATH_PATTERN, max_length=4096), _checked(paths.form_problem)]
 
 
 def _quantity(description: str, **kwargs: Any) -> Any:
@@ -127,26 +148,44 @@ class _Model(BaseModel):
 class LabelSelectorRequirement(_Model):
     """One label requirement, as in a Kubernetes LabelSelector."""
 
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            _rule(SELECTOR_VALUES_RULE, selectors.VALUES_MESSAGE),
+        )
+    )
     key: str = Field(description="The label key the requirement applies to.", max_length=317)
     operator: Literal["In", "NotIn", "Exists", "DoesNotExist"] = Field(description="How key and values relate.")
     values: Optional[list[str]] = Field(
-        None, description="Values for In and NotIn; must be empty for Exists and DoesNotExist.", max_length=64
+        None, description="Values for In and NotIn (at least one); must be empty for Exists and DoesNotExist.",
+        max_length=64
     )
+
+    @model_validator(mode="after")
+    def _values(self) -> "LabelSelectorRequirement":
+        problem = selectors.requirement_problem(self.operator, self.values)
+        if problem:
+            raise paths.RuleError(problem)
+        return self
 
 
 class LabelSelector(_Model):
-    """Selects Deployments and StatefulSets in the policy's namespace by their labels."""
+    """Selects Deployments and StatefulSets in the policy's namespace by their labels. It must name at least one
+    label a workload carries (a matchLabels entry, or an In or Exists term): NotIn and DoesNotExist alone match
+    every workload, and a catch-all selector would conflict with every policy of the namespace."""
 
     model_config = ConfigDict(
-        json_schema_extra=_cel(
-            _rule("has(self.matchLabels) || has(self.matchExpressions)",
-                  "a selector must name matchLabels or matchExpressions; an empty selector would select everything")
-        )
+        json_schema_extra=_cel(_rule(SELECTOR_POSITIVE_RULE, selectors.CATCH_ALL_MESSAGE))
     )
     match_labels: Optional[dict[str, str]] = Field(None, description="Labels a workload must carry, all of them.")
     match_expressions: Optional[list[LabelSelectorRequirement]] = Field(
         None, description="Label requirements a workload must meet, all of them.", max_length=16
     )
+
+    @model_validator(mode="after")
+    def _not_catch_all(self) -> "LabelSelector":
+        if not selectors.has_positive_term(self.model_dump(by_alias=True, exclude_none=True)):
+            raise paths.RuleError(selectors.CATCH_ALL_MESSAGE)
+        return self
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -178,11 +217,11 @@ class EmptyDirSource(_Model):
 class HostPathSource(_Model):
     """A hostPath volume, e.g. a node-local NVMe mount."""
 
-    path: str = Field(description="Path on the node; it must lie under a prefix the operator's admin allows "
-                                  "(operator setting hostPathPrefixes).", pattern=ABS_PATH_PATTERN,
-                      max_length=4096,
-                      json_schema_extra=_cel(_rule(f"!self.matches('{DOT_SEGMENT_RULE}')",
-                                                   "must not contain '.' or '..' segments")))
+    path: HostPath = Field(description="Path on the node, in normal form; it must lie under a prefix the "
+                                       "operator's admin allows (operator setting hostPathPrefixes).",
+                           json_schema_extra=_cel(
+                               _rule(f"!self.matches('{DOT_SEGMENT_RULE}')", paths.DOT_SEGMENT_MESSAGE),
+                               _rule(f"!self.matches('{NOT_NORMAL_RULE}')", paths.NOT_NORMAL_MESSAGE)))
     type: Optional[Literal["", "Directory", "DirectoryOrCreate"]] = Field(None, description="hostPath type.")
 
 
@@ -246,15 +285,16 @@ class TierSpec(_Model):
         "none", description="Admission filter in front of eviction (backend kvtier only): none; doorkeeper "
                             "(store a block only once it is seen again, TinyLFU style); threshold (store after "
                             "spec.offload.storeThreshold offers).")
-    path: Optional[str] = Field(
-        None, description="Mount path of a filesystem tier in the serving container; not a system path (/, /etc, "
-                          "/dev, /proc, /usr, /var/run, ...) nor the operator's own /etc/kvtier and /dev/shm.",
-        pattern=ABS_PATH_PATTERN, max_length=4096,
+    path: Optional[MountPath] = Field(
+        None, description="Mount path of a filesystem tier in the serving container, in normal form (no '//', "
+                          "'.' or '..' segments, no trailing '/'); not a system path (/, /etc, /dev, /proc, /usr, "
+                          "/var/run, ...) nor the operator's own /etc/kvtier and /dev/shm.",
         json_schema_extra=_cel(
-            _rule(f"!self.matches('{DOT_SEGMENT_RULE}')", "must not contain '.' or '..' segments"),
-            _rule(f"!self.matches('{SYSTEM_PATH_RULE}')",
-                  "must not be or contain a system path (/, /bin, /dev, /etc, /lib, /proc, /run, /sys, /usr, "
-                  "/var/run, ...), nor the operator's own mounts /etc/kvtier and /dev/shm")))
+            _rule(f"!self.matches('{DOT_SEGMENT_RULE}')", paths.DOT_SEGMENT_MESSAGE),
+            _rule(f"!self.matches('{NOT_NORMAL_RULE}')", paths.NOT_NORMAL_MESSAGE),
+            # Guarded so a non-normal path gets the rules above only: on normal paths it is paths.is_system_path.
+            _rule(f"self.matches('{DOT_SEGMENT_RULE}') || self.matches('{NOT_NORMAL_RULE}') || "
+                  f"!self.matches('{SYSTEM_PATH_RULE}')", paths.SYSTEM_PATH_MESSAGE)))
     volume: Optional[VolumeSource] = Field(None, description="Volume that backs a filesystem tier.")
     read_threads: int = Field(16, ge=1, le=256, description="I/O threads reading from a filesystem tier.")
     write_threads: int = Field(16, ge=1, le=256, description="I/O threads writing to a filesystem tier.")
@@ -470,10 +510,10 @@ class KVCachePolicySpec(_Model):
                   field_path=".tiers"),
             _rule("self.tiers.filter(t, t.medium == 'cpu').size() <= 1", "at most one cpu tier",
                   field_path=".tiers"),
-            # /mnt/a and /mnt/a/ are one directory.
+            # Paths are in normal form (the rule on each path), so two paths name one directory only when equal.
             # Pairwise with all(), not filter().size(): the API server's cost estimate refuses the latter here.
             _rule("self.tiers.all(t, self.tiers.all(u, t == u || !has(t.path) || !has(u.path) || "
-                  "(u.path != t.path && u.path != t.path + '/' && u.path + '/' != t.path)))",
+                  "u.path != t.path))",
                   "filesystem tiers need distinct paths", field_path=".tiers"),
             _rule("!has(self.offload.chunkTokens) || self.offload.chunkTokens % self.blockSize == 0",
                   # format(), not string() + concatenation: the API server prices string(int) as unbounded.
@@ -644,6 +684,10 @@ class KVCachePolicyStatus(_Model):
                           "nothing).", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
     history: list[HistoryEntry] = Field(default_factory=list, max_length=HISTORY_LIMIT,
                                         description="Recent tier changes, newest last (bounded).")
+    kopf: Optional[dict[str, Any]] = Field(
+        None, description="The operator framework's handler progress, kept in status (which policy authors cannot "
+                          "write) rather than in annotations (which they can).",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
 
 
 class KVCachePolicy(_Model):

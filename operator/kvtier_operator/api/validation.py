@@ -15,10 +15,11 @@ import celpy
 from pydantic import ValidationError
 
 from . import v1alpha1 as api
+from .paths import RuleError
 from .crd import openapi_schema
 from .metadata import metadata_problems
 from .units import POSITIVE_QUANTITY_PATTERN, parse_quantity
-from .yamlload import YAMLInputError, load_all
+from .yamlload import Budget, YAMLInputError, load_all
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ def _pydantic_problems(err: ValidationError) -> list[Problem]:
             message = "unknown field"
         elif kind == "string_pattern_mismatch" and e.get("ctx", {}).get("pattern") == POSITIVE_QUANTITY_PATTERN:
             message = f"{value!r} is not a positive Kubernetes quantity (e.g. 16Gi, 500G)"
+        elif kind == "value_error" and isinstance(e.get("ctx", {}).get("error"), RuleError):
+            message = str(e["ctx"]["error"])  # word for word the CEL rule's message (the API server's)
         elif kind == "string_pattern_mismatch":
             message = f"{value!r} does not match {e['ctx']['pattern']}"
         else:
@@ -200,10 +203,11 @@ def parse_policy(obj: dict[str, Any],
     return policy
 
 
-def load_documents(text: str, source: str = "<input>") -> list[tuple[str, dict[str, Any]]]:
+def load_documents(text: str, source: str = "<input>",
+                   budget: Optional[Budget] = None) -> list[tuple[str, dict[str, Any]]]:
     """KVCachePolicy documents in a YAML stream, each with a label naming file and document index."""
     try:
-        docs = [d for d in load_all(text, source) if d is not None]
+        docs = [d for d in load_all(text, source, budget) if d is not None]
     except YAMLInputError as err:
         # The message already names the source (and line); the problem carries it whole.
         raise PolicyInvalid([Problem(str(err), "")]) from None
@@ -217,16 +221,22 @@ def load_documents(text: str, source: str = "<input>") -> list[tuple[str, dict[s
     return out
 
 
-def validate_text(text: str, source: str = "<input>") -> list[str]:
-    """Problems (``file: path: rule``) in every KVCachePolicy of a YAML stream; empty when all are valid."""
+def validate_text(text: str, source: str = "<input>", budget: Optional[Budget] = None) -> list[str]:
+    """Problems (``file: path: rule``) in every KVCachePolicy of a YAML stream; empty when all are valid.
+    ``budget`` bounds the whole input (documents, bytes, values, time), shared across the streams of one run."""
+    budget = budget if budget is not None else Budget()
     try:
-        docs = load_documents(text, source)
+        docs = load_documents(text, source, budget)
     except PolicyInvalid as err:
         return [str(p) for p in err.problems]
     if not docs:
         return [f"{source}: no KVCachePolicy (kind: {api.KIND}) in this file"]
     problems = []
     for label, doc in docs:
+        try:
+            budget.check_time(label)
+        except YAMLInputError as err:
+            return problems + [str(err)]
         try:
             parse_policy(doc)
         except PolicyInvalid as err:

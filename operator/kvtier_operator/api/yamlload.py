@@ -10,6 +10,7 @@ raises :class:`YAMLInputError` with one line that names the file, line and colum
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -19,8 +20,44 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 MAX_BYTES = 1 << 20          # a policy file is a few KiB; 1 MiB leaves room for many policies in one stream
 MAX_DEPTH = 64               # a policy nests about 8 levels deep
 MAX_NODES = 100_000          # per document, aliases expanded
-MAX_DOCUMENTS = 1000
+# For the whole input (every document of every file of one `kvtier validate`): a policy is ~100 values and its
+# CEL rules cost ~0.1 s, so these admit hundreds of real policies and refuse a thousand near-limit documents,
+# which cost minutes of CPU when only each document was bounded (issue 24, class F).
+MAX_DOCUMENTS = 200
+MAX_TOTAL_BYTES = 4 << 20
+MAX_TOTAL_NODES = 200_000
+MAX_SECONDS = 20.0
 MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class Budget:
+    """What one invocation may still spend, across all its files and documents; every bound raises
+    :class:`YAMLInputError` naming the source and the bound."""
+
+    def __init__(self) -> None:
+        self.documents, self.bytes, self.nodes, self.seconds = (MAX_DOCUMENTS, MAX_TOTAL_BYTES, MAX_TOTAL_NODES,
+                                                                MAX_SECONDS)
+        self.deadline = time.monotonic() + self.seconds
+
+    def spend_bytes(self, n: int, source: str) -> None:
+        self.bytes -= n
+        if self.bytes < 0:
+            raise YAMLInputError(f"{source}: the input is larger than {MAX_TOTAL_BYTES} bytes in all")
+
+    def spend_document(self, nodes: int, source: str) -> None:
+        self.documents -= 1
+        self.nodes -= nodes
+        if self.documents < 0:
+            raise YAMLInputError(f"{source}: more than {MAX_DOCUMENTS} documents in all")
+        if self.nodes < 0:
+            raise YAMLInputError(f"{source}: more than {MAX_TOTAL_NODES} values in all documents (aliases "
+                                 "expanded)")
+        self.check_time(source)
+
+    def check_time(self, source: str) -> None:
+        if time.monotonic() > self.deadline:
+            raise YAMLInputError(f"{source}: stopped after {self.seconds:g}s (the bound on one invocation's "
+                                 "work); split the input")
 
 
 class YAMLInputError(ValueError):
@@ -108,10 +145,13 @@ def _expanded_shape(root: Node, limit: int) -> tuple[int, int]:
     return shapes[id(root)]
 
 
-def load_all(text: str, source: str = "<input>") -> list[Any]:
-    """Every document of a YAML stream, or :class:`YAMLInputError`."""
+def load_all(text: str, source: str = "<input>", budget: Budget | None = None) -> list[Any]:
+    """Every document of a YAML stream, or :class:`YAMLInputError`. ``budget``: shared by every stream of one
+    invocation (default: this stream's own)."""
     if len(text) > MAX_BYTES:
         raise YAMLInputError(f"{source}: larger than {MAX_BYTES} bytes")
+    budget = budget if budget is not None else Budget()
+    budget.spend_bytes(len(text), source)
     docs: list[Any] = []
     loader = None
     try:
@@ -121,12 +161,11 @@ def load_all(text: str, source: str = "<input>") -> list[Any]:
             node = loader.get_node()
             if node is None:
                 continue
-            if len(docs) >= MAX_DOCUMENTS:
-                raise YAMLInputError(f"{source}: more than {MAX_DOCUMENTS} documents")
             size, depth = _expanded_shape(node, MAX_NODES)
             if size > MAX_NODES:
                 raise loader._fail(f"more than {MAX_NODES} values once aliases are expanded (an alias bomb?)",
                                    node)
+            budget.spend_document(size, source)
             if depth > MAX_DEPTH:
                 raise loader._fail(f"nested deeper than {MAX_DEPTH} levels once aliases are expanded", node)
             docs.append(loader.construct_document(node))

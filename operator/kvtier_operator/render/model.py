@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import yaml
 
+from ..api import paths
 from ..api import v1alpha1 as api
 
 # libyaml's emitter when PyYAML has it: it writes the same bytes as the pure-Python one (tested on every
@@ -112,12 +113,17 @@ def tier_volume(tier: api.TierSpec) -> tuple[dict[str, Any], dict[str, Any]]:
     source = tier.volume.model_dump(by_alias=True, exclude_none=True, mode="json")
     if "emptyDir" in source and "sizeLimit" not in source["emptyDir"]:
         source["emptyDir"]["sizeLimit"] = tier.size
-    return {"name": name, **source}, {"name": name, "mountPath": normalized_path(tier.path)}
+    return {"name": name, **source}, {"name": name, "mountPath": mount_path(tier)}
 
 
-def normalized_path(path: str) -> str:
-    """``/mnt/kvcache/`` and ``/mnt/kvcache`` are one mount point (the CRD refuses "." and ".." segments)."""
-    return "/" + "/".join(part for part in path.split("/") if part)
+def mount_path(tier: api.TierSpec) -> str:
+    """The tier's mount path, judged by the same rules as at admission (api.paths), on the path that is mounted.
+    The models already refuse a bad path; this re-check makes a renderer unable to emit one whatever its input."""
+    assert tier.path is not None
+    problem = paths.mount_path_problem(tier.path)
+    if problem:
+        raise RenderError(f"spec.tiers[{tier.name}].path: {tier.path!r} {problem}")
+    return paths.normal_path(tier.path)
 
 
 def tier_volume_name(tier_name: str) -> str:
@@ -163,6 +169,10 @@ def workload_storage(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], con
     for tier in tiers:
         if tier.medium == "filesystem":
             volume, mount = tier_volume(tier)
+            if any(m["mountPath"] == mount["mountPath"] for m in mounts):
+                # Two mounts at one path: the API server would refuse the workload on every retry.
+                raise RenderError(f"spec.tiers[{tier.name}].path: {mount['mountPath']!r} is already a mount point; "
+                                  "filesystem tiers need distinct paths")
             volumes.append(volume)
             mounts.append(mount)
     return volumes, mounts, memory

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..api import v1alpha1 as api
-from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, dump_yaml, workload_storage
+from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, dump_yaml, mount_path, workload_storage
 
 
 def render_trtllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config_map_name: str) -> RenderedConfig:
@@ -25,7 +25,7 @@ def render_trtllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config
     disk = next((t for t in tiers if t.medium == "filesystem"), None)
     if disk is not None:
         kv["disk_cache_size"] = disk.size_bytes
-        kv["disk_cache_path"] = disk.path
+        kv["disk_cache_path"] = mount_path(disk)
     document = {"kv_cache_config": kv}
     return RenderedConfig(
         engine="trtllm",

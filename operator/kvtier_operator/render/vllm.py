@@ -24,7 +24,7 @@ from kvtier_runtime.config import (
 )
 
 from ..api import v1alpha1 as api
-from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, dump_yaml, normalized_path, workload_storage
+from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, dump_yaml, mount_path, workload_storage
 
 LMCACHE_FILE = "lmcache.yaml"
 
@@ -60,7 +60,7 @@ def _kvtier_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec])
 def _fs_tier_config(spec: api.KVCachePolicySpec, tier: api.TierSpec) -> FilesystemTierConfig:
     assert tier.path is not None
     return FilesystemTierConfig(
-        root_dir=tier.path,
+        root_dir=mount_path(tier),
         capacity_bytes=tier.size_bytes,
         codec=tier.compression,
         eviction_policy=tier.eviction,
@@ -100,7 +100,7 @@ def _offloading_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSp
 def _secondary_tier(spec: api.KVCachePolicySpec, tier: api.TierSpec) -> dict[str, Any]:
     assert tier.path is not None
     # vLLM's own fs tier has no size limit: the volume's size limit is the only bound (see docs).
-    return {"type": "fs", "root_dir": tier.path, "n_read_threads": tier.read_threads,
+    return {"type": "fs", "root_dir": mount_path(tier), "n_read_threads": tier.read_threads,
             "n_write_threads": tier.write_threads}
 
 
@@ -116,7 +116,7 @@ def _lmcache_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec]) -> d
     disk = next((t for t in tiers if t.medium == "filesystem"), None)
     if disk is not None:
         # A URL: a path with spaces, '%' or '#' must be percent-encoded or LMCache reads another path.
-        config["local_disk"] = f"file://{quote(normalized_path(disk.path).rstrip('/'))}/"
+        config["local_disk"] = f"file://{quote(mount_path(disk).rstrip('/'))}/"
         config["max_local_disk_size"] = round(disk.size_bytes / 2**30, 3)
     return config
 

@@ -29,6 +29,29 @@ DEFAULT_MAX_BYTES = 4 * 1024 * 1024
 _ERROR_TYPE = re.compile(r"^[a-z_]{1,32}$")
 
 
+def unavailable(where: str) -> str:
+    """The one wording of every failure that must not be told apart: no connection, a timeout, TLS, an answer
+    that is not Prometheus's, and a Secret that is missing, forbidden or unusable (see :class:`Unavailable`)."""
+    return (f"no usable answer from {where}: it could not be reached or did not answer as Prometheus, or the "
+            "credentials in spec.slo.prometheus could not be used (the operator does not say which)")
+
+
+class Unavailable:
+    """A source whose every query fails with :func:`unavailable`: what the guard queries when the Secrets that
+    ``spec.slo.prometheus`` names cannot be used, so that a missing Secret reads exactly like an unreachable
+    endpoint (the condition must not tell a policy author whether a Secret exists)."""
+
+    def __init__(self, url: str):
+        self._error = unavailable(redacted(url))
+
+    def close(self) -> None:
+        pass
+
+    def measure(self, queries: QuerySet) -> Measurements:
+        return Measurements(Reading.failed(self._error, queries.ttft_p99), Reading.failed(self._error, queries.itl_p99),
+                            Reading.failed(self._error, queries.request_rate))
+
+
 @dataclass(frozen=True)
 class PrometheusClientConfig:
     """Resolved connection settings (the operator reads the Secrets named in the spec and fills these in)."""
@@ -90,24 +113,22 @@ class PrometheusSource:
                               deadline_s=c.timeout_s, max_bytes=c.max_bytes, ca_file=c.ca_file,
                               insecure=c.insecure_skip_verify)
         except http.HTTPFailure as exc:
-            if exc.kind == "timeout":
-                return Reading.failed(f"timed out after {c.timeout_s:g}s waiting for {self._where}", promql)
-            if exc.kind == "tls":
-                return Reading.failed(f"TLS error talking to {self._where}: {exc}", promql)
-            if exc.kind == "connect":
-                return Reading.failed(f"cannot reach {self._where}: {exc}", promql)
-            return Reading.failed(f"bad answer from {self._where}: {exc}", promql)
+            # Timeout, refused, TLS or a non-HTTP answer: one wording, so that a policy author cannot map which
+            # ports of an allowed host are open (issue 24, class F).
+            return Reading.failed(unavailable(self._where), promql, detail=f"{exc.kind}: {exc}")
         try:
             doc = json.loads(answer.body)
         except ValueError:
             doc = None
         if not 200 <= answer.status < 300:
-            # Only the status line and Prometheus's errorType token: the body of an arbitrary URL is not echoed.
+            # Prometheus's own errorType token (its answer to a bad query) is told; anything else (a status code,
+            # a reason phrase, the body of an arbitrary URL) is not echoed: one wording with the failures above.
             error_type = doc.get("errorType") if isinstance(doc, dict) else None
-            detail = f" ({error_type})" if isinstance(error_type, str) and _ERROR_TYPE.match(error_type) else ""
-            return Reading.failed(f"query rejected: {answer.status_line}{detail}", promql)
+            if isinstance(error_type, str) and _ERROR_TYPE.match(error_type):
+                return Reading.failed(f"query rejected by Prometheus ({error_type})", promql)
+            return Reading.failed(unavailable(self._where), promql, detail=f"HTTP {answer.status}")
         if not isinstance(doc, dict) or doc.get("status") != "success" or not isinstance(doc.get("data"), dict):
-            return Reading.failed(f"bad answer from {self._where}: not a Prometheus query result", promql)
+            return Reading.failed(unavailable(self._where), promql, detail="not a Prometheus query result")
         data = doc["data"]
         if data.get("resultType") == "scalar":
             return _scalar([{"value": data.get("result")}], promql)
@@ -117,7 +138,7 @@ class PrometheusSource:
 
     def measure(self, queries: QuerySet) -> Measurements:
         rate = self.query_scalar(queries.request_rate)
-        if rate.is_error and rate.error and rate.error.startswith(("cannot reach", "timed out", "TLS error")):
+        if rate.is_error and rate.error == unavailable(self._where):
             # One unreachable server is one error, not three timeouts in a row.
             return Measurements(Reading.failed(rate.error, queries.ttft_p99),
                                 Reading.failed(rate.error, queries.itl_p99), rate)

@@ -38,7 +38,7 @@ class Response:
 
     @property
     def status_line(self) -> str:
-        return f"HTTP {self.status} {self.reason}".strip()
+        return f"HTTP {self.status}"  # never the reason phrase: it is the server's text, not to be reflected
 
 
 def sanitise(text: str, limit: int = 40) -> str:

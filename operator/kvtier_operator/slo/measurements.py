@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -12,6 +12,9 @@ class Reading:
     value: float | None = None
     error: str | None = None
     query: str = ""
+    # What exactly failed (timeout, refused, too large, HTTP status), for tests and the operator's own log only:
+    # ``error`` is what status shows, and it does not tell these apart (see slo.client.unavailable).
+    detail: str = field(default="", compare=False)
 
     @classmethod
     def of(cls, value: float, query: str = "") -> "Reading":
@@ -22,8 +25,8 @@ class Reading:
         return cls(query=query)
 
     @classmethod
-    def failed(cls, error: str, query: str = "") -> "Reading":
-        return cls(error=error, query=query)
+    def failed(cls, error: str, query: str = "", detail: str = "") -> "Reading":
+        return cls(error=error, query=query, detail=detail)
 
     @property
     def is_error(self) -> bool:
