@@ -73,8 +73,12 @@ def test_store_then_host_hit_and_write_through(tmp_path) -> None:
     assert books.counters["fs_stores"] == 3 and len(books.fs_tiers[0]) == 3
     slots = books.prepare_load(keys)
     assert all(torch.equal(region.rows[s], _fill(k)) for s, k in zip(slots, keys))
-    # Pinned for the load: a store that needs every slot cannot evict them.
-    assert books.prepare_store([_key(10 + i) for i in range(4)])[0] == [_key(10)]
+    # Pinned for the load: a store that needs every slot cannot evict them, and only the whole offer is stored
+    # (vLLM's contract: not enough room is None, nothing changes), never the part that fits.
+    assert books.prepare_store([_key(10 + i) for i in range(4)]) is None
+    assert books.lookup(_key(10)) == MISS
+    out = books.prepare_store([_key(10)])
+    assert out is not None and out[0] == [_key(10)]
     books.complete_load(keys)
     books.close()
     region.close(unlink=True)
@@ -100,9 +104,12 @@ def test_reset_host_keeps_the_disk_copy(tmp_path) -> None:
     books, region = _books(tmp_path, n_rows=4)
     keys = [_key(1), _key(2)]
     _store(books, region, keys, _fill)
-    books.prepare_load([keys[1]])  # a load in flight keeps its chunk
-    assert books.reset_host() == 1 and keys[0] not in books.host and keys[1] in books.host
+    books.prepare_load([keys[1]])  # a load in flight keeps its slot (fenced), not its key
+    assert books.reset_host() == 1 and keys[0] not in books.host and keys[1] not in books.host
+    assert books.fenced_slots == 1
     assert _settle(books, keys[0]) == HIT and books.source(keys[0]) == DISK
+    books.complete_load([keys[1]])
+    assert books.fenced_slots == 0
     books.close()
     region.close(unlink=True)
 
