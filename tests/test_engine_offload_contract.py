@@ -20,6 +20,7 @@ from kvtier_runtime.config import FilesystemTierConfig
 from kvtier_runtime.engines.host_region import HostRegion
 from kvtier_runtime.engines.offload_books import HIT, HIT_PENDING, MISS, RETRY, OffloadBooks
 from kvtier_runtime.fs.tier import FilesystemTier
+from kvtier_runtime.policies import AccessContext
 from kvtier_runtime.store.memory_tier import MemoryTier
 
 ROW = 1024
@@ -197,5 +198,48 @@ def test_events_are_off_unless_enabled(tmp_path) -> None:
     _store(books, [_key(1)])
     books.drain()
     assert books.take_events() == []
+    _close(books, region)
+
+
+
+# ---- `lru` means vLLM 0.33's lru: request-aware ------------------------------------------------------------------
+def _ctx(request: str, position: int) -> AccessContext:
+    return AccessContext(request_id=request, position=position)
+
+
+def test_lru_evicts_a_running_requests_tail_before_its_prefix(tmp_path) -> None:
+    books, region = _books(tmp_path, n_rows=4)
+    keys = [_key(k) for k in (1, 2, 3)]
+    out = books.prepare_store(keys, [_ctx("r", 16 * (i + 1)) for i in range(3)])
+    assert out is not None
+    books.complete_store(keys)
+    _store(books, [_key(9)])  # a later chunk of no request
+    out = books.prepare_store([_key(10), _key(11)])
+    # Plain LRU evicted the request's head (1, then 2): every chunk behind it was then unreachable.
+    assert out is not None and out[2] == [_key(3), _key(2)]
+    assert books.lookup(_key(1)) == HIT
+    _close(books, region)
+
+
+def test_lru_a_finished_requests_head_is_its_most_recent_chunk(tmp_path) -> None:
+    books, region = _books(tmp_path, n_rows=3)
+    keys = [_key(k) for k in (1, 2, 3)]
+    out = books.prepare_store(keys, [_ctx("r", 16 * (i + 1)) for i in range(3)])
+    books.complete_store(out[0])
+    books.request_finished(keys, "r")  # tail to head: 1 becomes the most recent
+    out = books.prepare_store([_key(7), _key(8)])
+    assert out is not None and out[2] == [_key(3), _key(2)]
+    _close(books, region)
+
+
+def test_lru_a_load_by_a_newer_request_outranks_an_older_requests_tail(tmp_path) -> None:
+    books, region = _books(tmp_path, n_rows=3)
+    out = books.prepare_store([_key(1), _key(2)], [_ctx("old", 16), _ctx("old", 32)])
+    books.complete_store(out[0])
+    _store(books, [_key(5)])
+    books.prepare_load([_key(2)], [_ctx("new", 16)])  # a newer request reads chunk 2
+    books.complete_load([_key(2)])
+    out = books.prepare_store([_key(7)])
+    assert out is not None and out[2] == [_key(1)]
     _close(books, region)
 

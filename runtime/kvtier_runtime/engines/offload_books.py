@@ -84,6 +84,7 @@ class OffloadBooks:
         fs_rows: Sequence[torch.Tensor] | None = None,
         key_suffix: bytes = b"",
         enable_events: bool = False,
+        fs_events: Sequence[bool] | None = None,
     ) -> None:
         self.host = host
         self.fs_tiers = list(fs_tiers)
@@ -100,9 +101,13 @@ class OffloadBooks:
         # Cache resets: the generation, and per fenced key the engine transfers (stores + loads) still holding it.
         self.generation = 0
         self._fenced: dict[_Fence, int] = {}
+        # KV cache events: the host tier's when enable_events, a filesystem tier's when also fs_events[i] (vLLM's
+        # rule for secondary tiers: the global flag and the tier's own ``enable_kv_events``).
         self.events: list[TierEvent] | None = [] if enable_events else None
-        if enable_events:
-            for tier in self.fs_tiers:
+        wanted = list(fs_events) if fs_events is not None else [True] * len(self.fs_tiers)
+        self._fs_events = [bool(enable_events and w) for w in wanted]
+        for tier, on in zip(self.fs_tiers, self._fs_events):
+            if on:
                 tier.record_removals()
 
     # ---- keys ---------------------------------------------------------------------------------------------
@@ -141,13 +146,35 @@ class OffloadBooks:
         return True
 
     # ---- loads (host -> engine) -------------------------------------------------------------------------
-    def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+    @property
+    def request_aware(self) -> bool:
+        """Whether the host policy orders a request's chunks (``lru``, as vLLM's): it is then told of each chunk a
+        request reads or re-offers, and of the request's end (:meth:`request_finished`)."""
+        return bool(getattr(self.host.policy, "request_aware", False))
+
+    def prepare_load(self, keys: Sequence[bytes], ctx: Sequence[AccessContext | None] | None = None) -> list[int]:
         slots = []
-        for key in keys:
+        aware = ctx is not None and self.request_aware
+        for i, key in enumerate(keys):
             self.host.pin(key)
             self._loading[key] += 1
             slots.append(self.host.slot_of(key))
+            c = ctx[i] if aware else None  # type: ignore[index]
+            if c is not None and c.request_id is not None:  # a place in a request's prefix: vLLM's request access
+                self.host.touch(key, c)
         return slots
+
+    def request_finished(self, keys_head_to_tail: Sequence[bytes], request_id: object = None) -> None:
+        """A request ended: its chunks become the most recent, its head most of all (vLLM lru's
+        ``on_request_finished``: a finished prefix outlives the tails of requests still running)."""
+        if not self.request_aware:
+            return
+        for key in reversed(keys_head_to_tail):
+            if key in self.host:
+                self.host.touch(key, None)
+        forget = getattr(self.host.policy, "forget_request", None)
+        if forget is not None and request_id is not None:
+            forget(request_id)
 
     def complete_load(self, keys: Iterable[bytes]) -> None:
         for key in keys:
@@ -182,8 +209,15 @@ class OffloadBooks:
         contexts = ctx if isinstance(ctx, (list, tuple)) and not isinstance(ctx, AccessContext) else None
         new: list[bytes] = []
         new_ctx: list[AccessContext | None] = []
+        aware = self.request_aware
         for i, key in enumerate(keys):
-            if key in self.host or self._on_disk(key):
+            if key in self.host:
+                if aware and self.host.is_ready(key):  # a re-offered chunk is a use by this request
+                    c = contexts[i] if contexts is not None else ctx
+                    if isinstance(c, AccessContext) and c.request_id is not None:
+                        self.host.touch(key, c)
+                continue
+            if self._on_disk(key):
                 continue
             new.append(key)
             new_ctx.append(contexts[i] if contexts is not None else ctx)  # type: ignore[arg-type]
@@ -246,7 +280,7 @@ class OffloadBooks:
         return any(t.state(fkey) is not KeyState.MISS for t in self.fs_tiers)
 
     def _event(self, keys: Sequence[bytes], tier: int, *, removed: bool, metadata_only: bool = False) -> None:
-        if self.events is not None and keys:
+        if self.events is not None and keys and (tier < 0 or self._fs_events[tier]):
             self.events.append(TierEvent(tuple(keys), tier, removed, metadata_only))
 
     def take_events(self) -> list[TierEvent]:
@@ -256,10 +290,19 @@ class OffloadBooks:
             return []
         self.poll()
         for i, tier in enumerate(self.fs_tiers):
-            gone = [k[: len(k) - len(self._suffix)] if self._suffix else k for k in tier.take_removals()]
+            n = len(self._suffix)
+            gone = [k[: len(k) - n] if n else k for k in tier.take_removals() if k.endswith(self._suffix)]
             self._event(gone, i, removed=True)
         events, self.events = self.events, []
-        return events
+        out = []
+        for event in events:
+            if event.metadata_only:  # a retry may own the key again by now: it was not released after all
+                keys = tuple(k for k in event.keys if k not in self.host)
+                if not keys:
+                    continue
+                event = TierEvent(keys, event.tier, event.removed, True)
+            out.append(event)
+        return out
 
     def _forget(self, victims: Sequence[tuple[bytes, int]]) -> list[bytes]:
         keys = [k for k, _ in victims]

@@ -42,12 +42,14 @@ from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
     OffloadingCounterMetadata,
+    OffloadingEvent,
     OffloadingGaugeMetadata,
     OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
 )
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
@@ -104,7 +106,9 @@ def _access_context(key: OffloadKey, req_context: ReqContext | None) -> AccessCo
     if req_context is None:
         return None
     position = req_context.get_offload_key_position(key)
-    return AccessContext(request_id=req_context.req_id, position=position or 0)
+    if position is None:  # no place in a request's prefix known: an access outside any request's order
+        return AccessContext(request_id=None, position=0)
+    return AccessContext(request_id=req_context.req_id, position=position)
 
 
 class KvtierCachePolicy(CachePolicy):
@@ -130,7 +134,7 @@ class KvtierCachePolicy(CachePolicy):
     admission_threshold: ClassVar[int] = DEFAULT_ADMISSION_THRESHOLD
     # Only these policies read the request context (request id, position); for the others building one per
     # access is pure overhead on vLLM's scheduler thread.
-    CONTEXT_AWARE: ClassVar[frozenset[str]] = frozenset({"prefix2q"})
+    CONTEXT_AWARE: ClassVar[frozenset[str]] = frozenset({"prefix2q", "lru"})
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
@@ -141,6 +145,7 @@ class KvtierCachePolicy(CachePolicy):
         self._chunks: dict[OffloadKey, ChunkStatus] = {}
         self._probation: OrderedDict[OffloadKey, None] = OrderedDict()
         self._uses_context = self.eviction in self.CONTEXT_AWARE
+        self._request_aware = bool(getattr(self.policy, "request_aware", False))
 
     # ---- lookups ------------------------------------------------------------------------------------------
     def get(self, key: OffloadKey) -> ChunkStatus | None:
@@ -209,14 +214,23 @@ class KvtierCachePolicy(CachePolicy):
             self.policy.touch(key, ctx)
 
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
-        for key in keys:
-            self._reuse(key, req_context)
+        # A use outside any request's order (vLLM's lru: the head ends up the most recent).
+        for key in reversed(list(keys)):
+            if self._request_aware and key in self.policy:
+                self.policy.touch(key, None)
+            else:
+                self._reuse(key, None)
 
     def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         return  # the keys are not resident yet; insert() sees them (and asks the admission filter)
 
     def on_request_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         # vLLM passes each key once per request, in the order the request observed it (head to tail).
+        if self._request_aware:  # vLLM's lru: the request's rank, tail before head, in flight or not
+            for key in keys:
+                if key in self.policy:
+                    self.policy.touch(key, _access_context(key, req_context))
+            return
         for key in keys:
             self._reuse(key, req_context)
 
@@ -227,7 +241,17 @@ class KvtierCachePolicy(CachePolicy):
         reused_keys: set[OffloadKey],
         req_context: ReqContext,
     ) -> None:
-        return  # every reuse was recorded when first observed (on_request_access); counting again would double it
+        if not self._request_aware:
+            return  # every reuse was recorded when first observed (on_request_access); counting again would double it
+        # vLLM's lru: the finished request's chunks become the most recent, head most of all.
+        keys = [k for group in key_groups for k in group]
+        positions = {k: p for k in keys if (p := req_context.get_offload_key_position(k)) is not None}
+        if len(positions) == len(keys):
+            keys.sort(key=positions.__getitem__)
+        for key in reversed(keys):
+            if key in self.policy:
+                self.policy.touch(key, None)
+        self.policy.forget_request(req_context.req_id)  # type: ignore[attr-defined]
 
     # ---- eviction -----------------------------------------------------------------------------------------
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, ChunkStatus]] | None:
@@ -392,6 +416,14 @@ class KvtierFilesystemTier(SecondaryTierManager):
         self._stats = OffloadingConnectorStats()
         self._labels = (self.config.root_dir,)
         self._evictions_seen = self._evictions_total()
+        # KV events (vLLM's rule for secondary tiers: the tier's enable_kv_events and the engine's KV events).
+        wanted = _tier_kv_events(self.config.extra)
+        self.events: list[OffloadingEvent] | None = [] if wanted and _kv_events_enabled(offloading_spec) else None
+        if wanted and self.events is None:
+            _log.warning("kvtier: enable_kv_events is set on tier %s but the engine's KV cache events are off",
+                         self.config.root_dir)
+        if self.events is not None:
+            self.tier.record_removals()
 
     # ---- keys ---------------------------------------------------------------------------------------------
     def tier_key(self, key: OffloadKey) -> bytes:
@@ -445,6 +477,9 @@ class KvtierFilesystemTier(SecondaryTierManager):
             self._stats.increase_counter(METRIC_REFUSED_CHUNKS, count, labels + (reason,))
         for kind, count in outcome.failed.items():
             self._stats.increase_counter(METRIC_FAILED_CHUNKS, count, labels + (kind,))
+        if self.events is not None and not job.is_promotion and outcome.success and job.keys:
+            self.events.append(_offloading_event(keys=list(job.keys), medium=self.medium, removed=False,
+                                                 locality=self.locality))
         successful = None
         if job.is_promotion and not outcome.success and outcome.n_ok:
             successful = tuple(k for k, ok in zip(job.keys, done.ok) if ok)
@@ -458,6 +493,19 @@ class KvtierFilesystemTier(SecondaryTierManager):
 
     def has_pending_work(self) -> bool:
         return bool(self._pending)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Stores (whole successful jobs, as vLLM's fs tier) and removals (evicted, corrupt or removed files; vLLM's
+        fs tier never removes), medium STORAGE."""
+        if self.events is None:
+            return
+        n = len(self._suffix)
+        gone = [OffloadKey(k[: len(k) - n] if n else k) for k in self.tier.take_removals()
+                if k.endswith(self._suffix)]  # another run's chunks (another model) are not this engine's
+        events, self.events = self.events, []
+        if gone:
+            events.append(_offloading_event(keys=gone, medium=self.medium, removed=True, locality=self.locality))
+        yield from events
 
     def drain_jobs(self) -> None:
         self.tier.drain(timeout=None)
@@ -540,8 +588,9 @@ METRIC_HOST_EVICTIONS = _SPEC_PREFIX + "host_evictions"
 METRIC_FLAT_CODEC_TIERS = _SPEC_PREFIX + "flat_codec_tiers"
 
 
-class KvtierHostSpec(BlockIDsLoadStoreSpec):
-    """Rows of kvtier's host tier (one chunk each) a worker job reads or writes."""
+class KvtierHostSpec(CPULoadStoreSpec):
+    """Rows of kvtier's host tier (one chunk each) a worker job reads or writes: host-memory chunk ids, as vLLM's
+    own CPU tier names them (``chunk_ids``)."""
 
 
 def _layout(config: Any, page_bytes: tuple[int, ...] = ()) -> KvLayout:
@@ -672,6 +721,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
             block_view_dtype(t.codec, config.model.dtype, self.row_bytes or 2) for t in self.kvtier.fs_tiers
         ]
         self.layout = _layout(config)
+        self.fs_kv_events = [_tier_kv_events(t.extra, i) for i, t in enumerate(self.kvtier.fs_tiers)]
         # Only lossy tiers need the chunk's layout (and reading the model's config to find heads and head size).
         lossy = any(t.codec != "none" for t in self.kvtier.fs_tiers)
         self.layout_decision = chunk_layout(_chunk_facts(config)) if lossy else LayoutDecision(None)
@@ -725,9 +775,12 @@ class KvtierOffloadingManager(OffloadingManager):
         elif decision.layout is not None:
             _log.info("kvtier: compressed filesystem tiers encode chunks of %s with layout-aware scales",
                       describe(decision.layout))
-        self.books = OffloadBooks(host, tiers, fs_rows=rows, key_suffix=suffix)
+        self.books = OffloadBooks(host, tiers, fs_rows=rows, key_suffix=suffix,
+                                  enable_events=_kv_events_enabled(spec),
+                                  fs_events=spec.fs_kv_events)
         self._reported: Counter[str] = Counter()
         self._lock = threading.RLock()
+        self._requests: dict[str, dict[OffloadKey, int | None]] = {}  # request -> chunks it used, their positions
 
     @property
     def lock(self) -> threading.RLock:
@@ -743,11 +796,32 @@ class KvtierOffloadingManager(OffloadingManager):
         return CacheHitSource.DISK if self.books.source(bytes(key)) == "disk" else CacheHitSource.HOST
 
     def prepare_load(self, keys: Any, req_context: ReqContext, **kwargs: Any) -> LoadStoreSpec:
-        return KvtierHostSpec(self.books.prepare_load([bytes(k) for k in keys]))
+        keys = list(keys)
+        self._observe(keys, req_context)
+        ctx = [_access_context(k, req_context) for k in keys] if self.books.request_aware else None
+        return KvtierHostSpec(self.books.prepare_load([bytes(k) for k in keys], ctx))
 
     def touch(self, keys: Any, req_context: ReqContext, **kwargs: Any) -> None:
-        ctx = _access_context(next(iter(keys)), req_context) if keys else None
-        self.books.touch([bytes(k) for k in keys], ctx)
+        # vLLM's touch: a use outside any request's order; the head ends up the most recent.
+        self.books.touch([bytes(k) for k in reversed(list(keys))], None)
+
+    def _observe(self, keys: Sequence[OffloadKey], req_context: ReqContext | None) -> None:
+        """Remember the chunks a request used, for :meth:`on_request_finished` (request-aware policies only)."""
+        if req_context is None or not self.books.request_aware:
+            return
+        seen = self._requests.setdefault(req_context.req_id, {})
+        for key in keys:
+            if key not in seen:
+                seen[key] = req_context.get_offload_key_position(key)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        seen = self._requests.pop(req_context.req_id, None)
+        if not seen:
+            return
+        keys = list(seen)
+        if all(p is not None for p in seen.values()):
+            keys.sort(key=lambda k: seen[k])  # type: ignore[arg-type,return-value]
+        self.books.request_finished([bytes(k) for k in keys], req_context.req_id)
 
     def complete_load(self, keys: Any, req_context: ReqContext, **kwargs: Any) -> None:
         self.books.complete_load([bytes(k) for k in keys])
@@ -755,7 +829,8 @@ class KvtierOffloadingManager(OffloadingManager):
     # ---- stores ----
     def prepare_store(self, keys: Any, req_context: ReqContext, **kwargs: Any) -> PrepareStoreOutput | None:
         keys = list(keys)
-        ctx = _access_context(keys[-1], req_context) if keys else None
+        self._observe(keys, req_context)
+        ctx = [_access_context(k, req_context) for k in keys]
         out = self.books.prepare_store([bytes(k) for k in keys], ctx)
         if out is None:
             return None
@@ -783,6 +858,23 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         self.books.reset_host()
+        self._requests.clear()
+
+    def on_reset_flushed(self) -> None:
+        self.books.reset_flushed()
+
+    def take_events(self) -> Iterable[Any]:
+        """KV cache events of the host tier (medium CPU) and of every filesystem tier (medium STORAGE, local,
+        owned by ``<n>:kvtier-fs``); vLLM's publisher turns them into BlockStored/BlockRemoved."""
+        for event in self.books.take_events():
+            keys = [OffloadKey(k) for k in event.keys]
+            if event.tier < 0:
+                yield _offloading_event(keys=keys, medium=Medium.CPU, removed=event.removed,
+                                        metadata_only=event.metadata_only)
+            else:
+                yield _offloading_event(keys=keys, medium=getattr(Medium, "STORAGE", Medium.CPU),
+                                        removed=event.removed, locality=Locality.LOCAL,
+                                        ownership=f"{event.tier + 1}:kvtier-fs")
 
     # ---- metrics / lifecycle ----
     def get_stats(self) -> OffloadingConnectorStats | None:
@@ -812,6 +904,34 @@ class KvtierOffloadingManager(OffloadingManager):
     def shutdown(self) -> None:
         self.books.close()
         self.region.close(unlink=True)
+
+
+def _kv_events_enabled(spec: OffloadingSpec) -> bool:
+    """vLLM's ``--kv-events-config enable_kv_cache_events`` as the spec sees it (0.33: ``kv_events_config``)."""
+    events = getattr(spec, "kv_events_config", None)
+    if events is not None:
+        return bool(events.enable_kv_cache_events)
+    return bool(getattr(spec.config, "enable_kv_cache_events", False))
+
+
+def _tier_kv_events(extra: Mapping[str, Any], index: int | None = None) -> bool:
+    """A tier's ``enable_kv_events`` (vLLM's secondary-tier key; default false): its events are published only when
+    this and the engine's KV events are both on."""
+    value = extra.get("enable_kv_events", False)
+    if not isinstance(value, bool):
+        where = f"fs_tiers[{index}]" if index is not None else "secondary_tiers[]"
+        raise ConfigError(f"kv_connector_extra_config.{where}.enable_kv_events: {value!r} must be true or false")
+    return value
+
+
+_EVENT_FIELDS = frozenset(getattr(OffloadingEvent, "__dataclass_fields__", ()))
+
+
+def _offloading_event(**fields: Any) -> OffloadingEvent:
+    """An OffloadingEvent with the fields this vLLM has (0.32 has no locality/ownership/metadata_only)."""
+    if fields.get("metadata_only") and "metadata_only" not in _EVENT_FIELDS:
+        fields["removed"] = True
+    return OffloadingEvent(**{k: v for k, v in fields.items() if k in _EVENT_FIELDS})
 
 
 _LOOKUP = {"hit": LookupResult.HIT, "hit_pending": LookupResult.HIT_PENDING, "retry": LookupResult.RETRY,
