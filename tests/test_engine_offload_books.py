@@ -208,6 +208,37 @@ def test_page_copier_round_trip_with_chunks_and_skip() -> None:
         assert torch.equal(t[[3, 7, 1]], s[[3, 7, 1]])
 
 
+@pytest.mark.parametrize("bpc", [1, 2])
+@pytest.mark.parametrize("pages", [(48, 32), (40, 13)])  # int64-wide views, and odd pages that stay bytes
+def test_page_copier_scattered_blocks_take_the_gather_path_with_identical_bytes(bpc, pages) -> None:
+    """Scattered engine blocks (runs of one) were one copy_ per (tensor, block); the gather path moves them in two
+    calls per tensor and must put every byte exactly where the per-run path puts it, both ways."""
+    torch.manual_seed(1)
+    kv = [torch.randint(-128, 127, (40, p), dtype=torch.int8) for p in pages]
+    blocks = [31, 3, 17, 9, 25, 5, 38, 12]
+    chunks = list(range(len(blocks) // bpc))[::-1]
+    out = {}
+    for mode in ("runs", "gather"):
+        rows = torch.zeros(len(chunks) + 1, bpc * sum(pages), dtype=torch.uint8)
+        copier = PageCopier(kv, list(pages), rows, blocks_per_chunk=bpc, scatter=mode)
+        pairs = copier.pairs(blocks, chunks)
+        runs = PageCopier.runs(pairs) if bpc == 1 else [(b, r, j, 1) for b, r, j in pairs]
+        assert copier.use_gather(runs) == (mode == "gather")
+        copier.submit(1, pairs, to_host=True)
+        (done,) = copier.finished()
+        assert done.nbytes == len(blocks) * sum(pages)
+        out[mode] = rows.clone()
+        back = [torch.zeros_like(t) for t in kv]
+        loader = PageCopier(back, list(pages), rows, blocks_per_chunk=bpc, scatter=mode)
+        loader.submit(2, pairs, to_host=False)
+        for t, b in zip(kv, back):
+            assert torch.equal(b[blocks], t[blocks]) and not b[[0, 1, 2]].any()
+    assert torch.equal(out["runs"], out["gather"])
+    auto = PageCopier(kv, list(pages), torch.zeros(8, bpc * sum(pages), dtype=torch.uint8), blocks_per_chunk=bpc)
+    assert auto.use_gather([(b, r, 0, 1) for b, r in zip(blocks, range(8))])  # fragmented: gather
+    assert not auto.use_gather([(0, 0, 0, 8)])  # one run: one copy_ per tensor already
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

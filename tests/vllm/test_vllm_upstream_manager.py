@@ -73,10 +73,6 @@ EXCLUDED: dict[tuple[str, str], str] = {
     ("test_store_threshold_does_not_hide_ready_reuse", "kvtier-spec"):
         _VLLM_INTERNALS.format("manager.stores_skipped_in_current_batch"),
 }
-# The control runs every test vLLM runs; an exclusion that names "*" covers the control too only when the test
-# cannot run outside vLLM's own manager at all -- those run in the control here:
-_CONTROL_RUNS_ALL = True
-
 _ids = itertools.count()
 
 
@@ -99,7 +95,7 @@ def _spec_manager(tmp_path, num_chunks: int = 4, cache_policy: str = "lru",
 @pytest.fixture(autouse=True, params=["vllm", "kvtier-spec", "kvtier-policy"])
 def variant(request, monkeypatch, tmp_path):
     name = request.param
-    if not (_CONTROL_RUNS_ALL and name == "vllm"):
+    if name != "vllm":  # the control runs every test, as vLLM's CI does
         apply_exclusion(EXCLUDED, request, name)
     managers = []
     original = upstream.make_cpu_manager

@@ -56,9 +56,14 @@ def import_upstream(module: str) -> ModuleType:
 
 def apply_exclusion(table: dict[tuple[str, str], str], request: pytest.FixtureRequest, variant: str) -> None:
     """Skip the running test with the reason the module's table gives for (test, variant) or (test, "*")."""
-    name = request.node.originalname if hasattr(request.node, "originalname") else request.node.name
-    cls = request.node.cls.__name__ + "." if request.node.cls is not None else ""
-    for key in ((cls + name, variant), (cls + name, "*"), (cls.rstrip("."), variant), (cls.rstrip("."), "*")):
+    node = request.node
+    name = getattr(node, "originalname", node.name)
+    cls = node.cls.__name__ + "." if node.cls is not None else ""
+    params = getattr(getattr(node, "callspec", None), "params", {})
+    names = [f"{cls}{name}[{k}={v}]" for k, v in params.items() if k != "variant"] + [cls + name]
+    if cls:
+        names.append(cls.rstrip("."))
+    for key in [(n, v) for n in names for v in (variant, "*")]:
         reason = table.get(key)
         if reason:
             pytest.skip(f"not applicable to {variant}: {reason}")

@@ -966,7 +966,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
             self._registered = _host_register(self.region.data_ptr(), self.region.nbytes)
         rank = int(spec.config.parallel.rank)
         self.copier = PageCopier(tensors, pages, self.region.rows, spec.blocks_per_chunk,
-                                 rank_offset=rank * spec.worker_chunk_bytes)
+                                 rank_offset=rank * spec.worker_chunk_bytes,
+                                 batch_copy=_batch_copy_op() if device.type == "cuda" else None)
 
     def _pairs(self, gpu: Any, host: Any) -> list[tuple[int, int, int]]:
         skip = int(gpu.block_indices[0]) % self.spec.blocks_per_chunk if len(gpu.block_indices) else 0
@@ -993,6 +994,18 @@ class KvtierOffloadingWorker(OffloadingWorker):
             self._registered = False
         self.copier.host_rows = torch.empty(0, dtype=torch.uint8)
         self.region.close()
+
+
+def _batch_copy_op() -> Any:
+    """vLLM's batched block-copy op (``swap_blocks_batch``: one call copies every (tensor, block) of a job from
+    address/size arrays), or None where this vLLM build has none (the worker then copies per block)."""
+    try:
+        from vllm import _custom_ops as ops
+
+        return getattr(ops, "swap_blocks_batch", None)
+    except Exception as exc:  # pragma: no cover - depends on the installed vLLM
+        _log.info("kvtier: vLLM's batched block copy is unavailable (%s); copying per block", exc)
+        return None
 
 
 def _host_register(ptr: int, nbytes: int) -> bool:
