@@ -334,6 +334,9 @@ class OffloadBooks:
             self._origin.pop(key, None)
         if not len(self.host):
             self.host.reset_slots()
+        forget = getattr(self.host.policy, "forget_requests", None)
+        if forget is not None:  # a request running across the reset is ranked as a new one (vLLM's lru)
+            forget()
         return dropped
 
     def _fence(self, key: bytes) -> None:

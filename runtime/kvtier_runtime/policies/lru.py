@@ -83,6 +83,10 @@ class LRUPolicy(EvictionPolicy):
         """The request finished: its rank is not needed any more (its chunks keep theirs)."""
         self._request_rank.pop(request_id, None)
 
+    def forget_requests(self) -> None:
+        """A cache reset: a request that goes on afterwards is ranked as new (vLLM's cache generation)."""
+        self._request_rank.clear()
+
     # ---- public -----------------------------------------------------------------------------------------
     def peek_victim(self) -> Key | None:
         if self._ranked:
