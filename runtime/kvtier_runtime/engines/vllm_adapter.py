@@ -362,6 +362,14 @@ METRIC_BACKOFF = _PREFIX + "backoff"
 ROOT_LABEL = "root_dir"
 
 
+@dataclass(frozen=True)
+class _BlockFiles:
+    tier: "KvtierFilesystemTier"
+
+    def get_file_name(self, key: OffloadKey) -> str:
+        return self.tier.tier.block_path(self.tier.tier_key(key))
+
+
 @dataclass
 class _PendingJob:
     vllm_job_id: int
@@ -413,6 +421,7 @@ class KvtierFilesystemTier(SecondaryTierManager):
             name=f"{tier_type}:{self.config.root_dir}",
         )
         self._pending: dict[int, _PendingJob] = {}
+        self._failed_now: list[JobResult] = []  # jobs refused at submission, reported at the next collection
         self._stats = OffloadingConnectorStats()
         self._labels = (self.config.root_dir,)
         self._evictions_seen = self._evictions_total()
@@ -429,6 +438,12 @@ class KvtierFilesystemTier(SecondaryTierManager):
     def tier_key(self, key: OffloadKey) -> bytes:
         """The key a chunk has in the filesystem tier (vLLM's key + the run-identity digest)."""
         return bytes(key) + self._suffix
+
+    @property
+    def file_mapper(self) -> "_BlockFiles":
+        """Where a chunk's file is, under the name vLLM's fs tier gives it (``file_mapper.get_file_name(key)``),
+        for tools that inspect or repair a tier's files."""
+        return _BlockFiles(self)
 
     # ---- the SecondaryTierManager interface ----------------------------------------------------------------
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -450,6 +465,14 @@ class KvtierFilesystemTier(SecondaryTierManager):
 
     def _submit(self, job_metadata: TransferJob, is_promotion: bool) -> None:
         keys = tuple(job_metadata.keys)
+        n_rows = int(self._rows.shape[0])
+        bad = [int(c) for c in job_metadata.chunk_ids if not 0 <= int(c) < n_rows]
+        if bad:  # never raise into vLLM's scheduler: the job fails, as any I/O failure does
+            _log.error("kvtier: job %d names chunk(s) %s outside the CPU tier's %d chunks; failing it",
+                       job_metadata.job_id, bad[:4], n_rows)
+            self._failed_now.append(JobResult(job_id=job_metadata.job_id, success=False, successful_keys=None,
+                                              transfer_time=0.0, transfer_bytes=None))
+            return
         rows = [self._rows[int(c)] for c in job_metadata.chunk_ids]
         ctx = _access_context(keys[-1], job_metadata.req_context) if keys else None
         submit = self.tier.submit_load if is_promotion else self.tier.submit_store
@@ -457,7 +480,7 @@ class KvtierFilesystemTier(SecondaryTierManager):
         self._pending[tier_job] = _PendingJob(job_metadata.job_id, is_promotion, keys, time.monotonic())
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        results: list[JobResult] = []
+        results, self._failed_now = self._failed_now, []
         now = time.monotonic()
         for done in self.tier.get_finished():
             job = self._pending.pop(done.job_id, None)
@@ -482,7 +505,14 @@ class KvtierFilesystemTier(SecondaryTierManager):
                                                  locality=self.locality))
         successful = None
         if job.is_promotion and not outcome.success and outcome.n_ok:
-            successful = tuple(k for k, ok in zip(job.keys, done.ok) if ok)
+            # vLLM's contract for a batched promotion: the keys before the first failed one (a prefix); a chunk
+            # read after a failed one would sit in the CPU tier behind a hole no request can load through.
+            prefix = []
+            for k, ok in zip(job.keys, done.ok):
+                if not ok:
+                    break
+                prefix.append(k)
+            successful = tuple(prefix) or None
         return JobResult(
             job_id=job.vllm_job_id,
             success=outcome.success,
@@ -492,7 +522,7 @@ class KvtierFilesystemTier(SecondaryTierManager):
         )
 
     def has_pending_work(self) -> bool:
-        return bool(self._pending)
+        return bool(self._pending or self._failed_now)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Stores (whole successful jobs, as vLLM's fs tier) and removals (evicted, corrupt or removed files; vLLM's
