@@ -101,6 +101,7 @@ class OffloadBooks:
         # Cache resets: the generation, and per fenced key the engine transfers (stores + loads) still holding it.
         self.generation = 0
         self._fenced: dict[_Fence, int] = {}
+        self.reset_at = 0.0  # time.monotonic() of the last reset
         # KV cache events: the host tier's when enable_events, a filesystem tier's when also fs_events[i] (vLLM's
         # rule for secondary tiers: the global flag and the tier's own ``enable_kv_events``).
         self.events: list[TierEvent] | None = [] if enable_events else None
@@ -322,6 +323,7 @@ class OffloadBooks:
         filesystem tiers are durable and keep their chunks. Returns the number of host chunks dropped."""
         self.poll()
         self.generation += 1
+        self.reset_at = time.monotonic()
         dropped = 0
         for key in list(self.host._slot_of):
             if isinstance(key, _Fence):
@@ -374,6 +376,11 @@ class OffloadBooks:
         for fence, n in list(self._fenced.items()):
             for _ in range(n):
                 self._drop_fence_pin(fence)
+
+    @property
+    def engine_fences(self) -> int:
+        """Engine transfers still holding fenced slots."""
+        return sum(self._fenced.values())
 
     @property
     def fenced_slots(self) -> int:

@@ -881,6 +881,12 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def on_schedule_end(self, context: Any = None) -> None:
         self.books.poll()
+        if (not _HAS_RESET_FLUSHED and self.books.engine_fences
+                and time.monotonic() - self.books.reset_at > RESET_FENCE_GRACE_S):
+            # vLLM 0.32 neither completes the jobs in flight at a reset nor says when the workers are done with
+            # them (0.33's on_reset_flushed). Its workers copy within a step (CPU) or a few ms (CUDA): after the
+            # grace period the fenced rows are free to reuse.
+            self.books.reset_flushed()
 
     def has_pending_work(self) -> bool:
         self.books.poll()
@@ -963,6 +969,10 @@ def _offloading_event(**fields: Any) -> OffloadingEvent:
         fields["removed"] = True
     return OffloadingEvent(**{k: v for k, v in fields.items() if k in _EVENT_FIELDS})
 
+
+# vLLM 0.33 calls on_reset_flushed once the workers reported every job in flight at a reset; 0.32 has no such call.
+_HAS_RESET_FLUSHED = "on_reset_flushed" in vars(OffloadingManager)
+RESET_FENCE_GRACE_S = 30.0
 
 _LOOKUP = {"hit": LookupResult.HIT, "hit_pending": LookupResult.HIT_PENDING, "retry": LookupResult.RETRY,
            "miss": LookupResult.MISS}
