@@ -327,3 +327,35 @@ def test_page_copier_on_cuda_uses_a_side_stream_and_events() -> None:
     assert [r.job_id for r in done] == [2]
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(kv, saved))
+
+
+@pytest.mark.cuda
+def test_page_copier_on_cuda_batched_path_round_trips_through_vllms_swap_blocks_batch() -> None:
+    """The CUDA batched path with vLLM's real op: one swap_blocks_batch call per job, engine pages -> pinned host
+    rows -> engine pages, every byte back in place (needs a CUDA build of vllm; run by bench/gpu_check.sh)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    ops = pytest.importorskip("vllm._custom_ops", reason="vLLM's CUDA ops are needed for the batched path")
+    op = getattr(ops, "swap_blocks_batch", None)
+    if op is None:
+        pytest.skip("this vLLM has no swap_blocks_batch")
+    torch.manual_seed(3)
+    pages = [4096, 4096]
+    kv = [torch.randint(-128, 127, (64, p), dtype=torch.int8, device="cuda") for p in pages]
+    rows = torch.zeros(16, sum(pages), dtype=torch.uint8).pin_memory()
+    copier = PageCopier(kv, pages, rows, batch_copy=op)
+    blocks = [40, 3, 17, 9, 25, 5, 38, 12]
+    pairs = copier.pairs(blocks, list(range(8)))
+    copier.submit(1, pairs, to_host=True)
+    copier.wait({1})
+    assert [r.job_id for r in copier.finished()] == [1]
+    for t, off, p in zip(kv, (0, pages[0]), pages):
+        assert torch.equal(rows[:8, off:off + p].view(torch.int8), t[blocks].cpu())
+    saved = [t.clone() for t in kv]
+    for t in kv:
+        t.zero_()
+    copier.submit(2, pairs, to_host=False)
+    copier.wait({2})
+    copier.finished()
+    for t, s in zip(kv, saved):
+        assert torch.equal(t[blocks], s[blocks])

@@ -16,6 +16,7 @@ every chunk of the run: it never evicts here).
 """
 from __future__ import annotations
 
+import collections
 import json
 import pathlib
 import threading
@@ -38,7 +39,8 @@ GEN_TOKENS = 8
 
 
 class Events:
-    """vLLM's KV-event stream (ZMQ SUB), decoded with vLLM's own msgspec types, collected on a thread."""
+    """vLLM's KV-event stream (a ZMQ SUB socket the engine's publisher connects to), decoded with vLLM's own
+    msgspec types, collected on a thread."""
 
     def __init__(self, endpoint: str) -> None:
         import msgspec
@@ -50,8 +52,10 @@ class Events:
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._sock.setsockopt(zmq.RCVTIMEO, 200)
-        self._sock.connect(endpoint)
+        # vLLM's publisher binds an endpoint with host '*' and connects to any other: the test binds, on loopback.
+        self._sock.bind(endpoint)
         self.events: list = []
+        self.errors: list[str] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -65,7 +69,11 @@ class Events:
                 parts = self._sock.recv_multipart()
             except zmq.Again:
                 continue
-            batch = self._decoder.decode(parts[-1])
+            try:
+                batch = self._decoder.decode(parts[-1])
+            except Exception as exc:  # noqa: BLE001 - reported by the test that reads the stream
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+                continue
             with self._lock:
                 self.events.extend(batch.events)
 
@@ -117,9 +125,8 @@ class Engine:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     eng = Engine(tmp_path_factory.mktemp("contract"))
+    eng.events = Events(eng.events_endpoint)  # bound before the engine's publisher connects
     eng.server.start()
-    eng.events = Events(eng.events_endpoint)
-    time.sleep(0.5)  # ZMQ's slow joiner: let the subscription reach the publisher before the first event
     yield eng
     eng.events.close()
     eng.server.stop()
@@ -144,8 +151,12 @@ def test_kv_event_publisher_shows_kvtier_offloaded_blocks(engine: Engine) -> Non
                 if isinstance(e, BlockStored) and str(getattr(e, "medium", "")).upper() == "CPU"]
 
     # Both prompts' prefixes (19 full chunks each) reach kvtier's host tier and are announced with medium CPU.
-    _wait_for(lambda: sum(len(e.block_hashes) for e in cpu_stores()) >= 2 * (CACHED // 32), 60,
-              "BlockStored events of kvtier's host tier")
+    try:
+        _wait_for(lambda: sum(len(e.block_hashes) for e in cpu_stores()) >= 2 * (CACHED // 32), 60,
+                  "BlockStored events of kvtier's host tier")
+    except AssertionError:
+        seen = collections.Counter((type(e).__name__, getattr(e, "medium", None)) for e in engine.events.snapshot())
+        raise AssertionError(f"events seen: {dict(seen)}; decode errors: {engine.events.errors[:3]}") from None
     hashes = [h for e in cpu_stores() for h in e.block_hashes]
     assert len(set(hashes)) == len(hashes)  # each chunk announced once
 
