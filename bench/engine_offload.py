@@ -151,10 +151,16 @@ def engine_rounds(codec: str, sizes: list[int], reps: int, work: pathlib.Path, s
     return results, engine_rate, drop_how
 
 
-def copy_rates(n_blocks: int, rounds: int, device: str = "cpu") -> tuple[list[float], list[float], list[float]]:
-    """GB/s of the worker's per-block copies (PageCopier) and of one raw copy_ of the same bytes, alternated.
+def copy_rates(n_blocks: int, rounds: int, device: str = "cpu") -> dict[str, list[float]]:
+    """GB/s of the worker's copies (PageCopier, the paths the engine's worker runs) and of one raw copy_ of the same
+    bytes, alternated per round.
 
-    On CUDA: device pages -> pinned host rows, both paths synchronised before the clock stops."""
+    Paths: consecutive blocks (one copy_ per run); scattered blocks through the gather path (CPU: one
+    index_select + index_copy_ per tensor) and forced per-block (``scatter="runs"``, the old path); on CUDA also the
+    batched path (vLLM's ``swap_blocks_batch``, one call per job) when vLLM is importable. On CUDA: device pages ->
+    pinned host rows, every path synchronised before the clock stops."""
+    import random
+
     import torch
 
     from kvtier_runtime.engines.page_copy import PageCopier
@@ -168,35 +174,49 @@ def copy_rates(n_blocks: int, rounds: int, device: str = "cpu") -> tuple[list[fl
     kv = [torch.randint(-128, 127, (n_blocks + 8, page), dtype=torch.int8, device=device)
           for _ in range(spec.num_layers)]
     rows = torch.zeros(n_blocks, page * spec.num_layers, dtype=torch.uint8, pin_memory=cuda)
-    copier = PageCopier(kv, [page] * spec.num_layers, rows)
-    pairs = copier.pairs(list(range(8, 8 + n_blocks)), list(range(n_blocks)))
-    import random
+    pages = [page] * spec.num_layers
+    batch_op = None
+    if cuda:
+        try:
+            from vllm import _custom_ops as ops
 
+            batch_op = getattr(ops, "swap_blocks_batch", None)
+        except Exception as exc:  # noqa: BLE001 - the table says the batched path was not measured
+            print(f"(vLLM's swap_blocks_batch not importable: {exc}; the batched path is not measured)")
+    copiers = {
+        "consecutive": PageCopier(kv, pages, rows),
+        "scattered": PageCopier(kv, pages, rows),  # auto: gather on CPU
+        "scattered-per-block": PageCopier(kv, pages, rows, scatter="runs"),
+    }
+    if batch_op is not None:
+        copiers["scattered-batched"] = PageCopier(kv, pages, rows, batch_copy=batch_op)
+        copiers["consecutive-batched"] = PageCopier(kv, pages, rows, batch_copy=batch_op)
     scattered_ids = list(range(8, 8 + n_blocks))
-    random.Random(0).shuffle(scattered_ids)  # a fragmented engine cache: no two neighbours, one copy_ per block
-    scattered = copier.pairs(scattered_ids, list(range(n_blocks)))
+    random.Random(0).shuffle(scattered_ids)  # a fragmented engine cache: no two neighbours
+    ids = {name: (list(range(8, 8 + n_blocks)) if name.startswith("consecutive") else scattered_ids)
+           for name in copiers}
     raw_dst = torch.empty(n_blocks * page * spec.num_layers, dtype=torch.int8, pin_memory=cuda)
     raw_src = [t[8:8 + n_blocks].reshape(-1) for t in kv]
     nbytes = n_blocks * page * spec.num_layers
-    worker, raw, frag = [], [], []
+    rates: dict[str, list[float]] = {"raw": [], **{name: [] for name in copiers}}
+    names = list(rates)
     for r in range(rounds):
-        order = ("worker", "raw", "frag") if r % 2 == 0 else ("frag", "raw", "worker")
-        for what in order:
+        for what in (names if r % 2 == 0 else names[::-1]):
             t0 = time.perf_counter()
-            if what in ("worker", "frag"):
-                copier.submit(r, pairs if what == "worker" else scattered, to_host=True)
-                copier.wait({r})
-                copier.finished()
-            else:
+            if what == "raw":
                 off = 0
                 for src in raw_src:
                     raw_dst[off:off + src.numel()].copy_(src, non_blocking=cuda)
                     off += src.numel()
                 if cuda:
                     torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            {"worker": worker, "raw": raw, "frag": frag}[what].append(nbytes / dt / 1e9)
-    return worker, raw, frag
+            else:
+                copier = copiers[what]
+                copier.submit(r, copier.pairs(ids[what], list(range(n_blocks))), to_host=True)
+                copier.wait({r})
+                copier.finished()
+            rates[what].append(nbytes / (time.perf_counter() - t0) / 1e9)
+    return rates
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,17 +232,23 @@ def main(argv: list[str] | None = None) -> int:
     work = pathlib.Path(args.work_dir or tempfile.mkdtemp(prefix="kvtier-engine-bench-"))
     work.mkdir(parents=True, exist_ok=True)
 
-    worker, raw, frag = copy_rates(n_blocks=128, rounds=9, device=args.device)
-    wm, w25, w75 = quartiles(worker)
-    fm, f25, f75 = quartiles(frag)
-    rm, r25, r75 = quartiles(raw)
+    rates = copy_rates(n_blocks=128, rounds=9, device=args.device)
+    rm, r25, r75 = quartiles(rates["raw"])
+    labels = {
+        "raw": "raw copy_",
+        "consecutive": "kvtier worker, consecutive blocks (one copy_ per run)",
+        "scattered": "kvtier worker, scattered blocks (default path: gather on CPU, per block on CUDA)",
+        "scattered-per-block": "kvtier worker, scattered blocks, forced one copy_ per block (the old path)",
+        "scattered-batched": "kvtier worker, scattered blocks, vLLM swap_blocks_batch (one call per job)",
+        "consecutive-batched": "kvtier worker, consecutive blocks, vLLM swap_blocks_batch (one call per job)",
+    }
     print("\nWorker page copy vs raw copy_ (128 blocks x 8 layers x 128 KiB, 9 alternated rounds, GB/s)")
     print("| path | median | p25-p75 | ratio to raw |")
     print("|---|---|---|---|")
-    print(f"| raw copy_ | {rm:.2f} | {r25:.2f}-{r75:.2f} | 1.00 |")
-    print(f"| kvtier worker, consecutive blocks (one copy_ per run) | {wm:.2f} | {w25:.2f}-{w75:.2f} | {wm / rm:.2f} |")
-    print(f"| kvtier worker, scattered blocks (one copy_ per block) | {fm:.2f} | {f25:.2f}-{f75:.2f} | {fm / rm:.2f} |")
-    print(f"(device: {args.device}; ratio = median worker / median raw)")
+    for name, xs in rates.items():
+        m, q25, q75 = quartiles(xs)
+        print(f"| {labels[name]} | {m:.2f} | {q25:.2f}-{q75:.2f} | {m / rm:.2f} |")
+    print(f"(device: {args.device}; ratio = median path / median raw)")
     if args.copy_only:
         return 0
 

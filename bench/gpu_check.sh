@@ -29,8 +29,10 @@ timeout 100 python bench/gpu_store.py
 echo "== codecs on the device"
 timeout 60 python bench/gpu_codecs.py
 
-# kvtier's vLLM offloading spec: the worker's CUDA path (side stream, pinned host rows, event polling) and its
-# per-block copy rate against one raw copy_ of the same pages, device -> pinned host.
+# kvtier's vLLM offloading spec: the worker's CUDA path (side stream, pinned host rows, event polling), its batched
+# path (vLLM's swap_blocks_batch: one call per job; needs a CUDA build of vllm in this python, else the table says
+# it was not measured) and the per-block path, against one raw copy_ of the same pages, device -> pinned host.
 echo "== vLLM offloading spec: worker page copies on CUDA"
 timeout 60 python -m pytest -q -p no:cacheprovider -m cuda tests/test_engine_offload_books.py
-timeout 60 python bench/engine_offload.py --copy-only --device cuda
+timeout 60 python -m pytest -q -p no:cacheprovider tests/test_engine_offload_books.py -k "batched or scattered"
+timeout 90 python bench/engine_offload.py --copy-only --device cuda

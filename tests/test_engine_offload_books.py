@@ -73,8 +73,12 @@ def test_store_then_host_hit_and_write_through(tmp_path) -> None:
     assert books.counters["fs_stores"] == 3 and len(books.fs_tiers[0]) == 3
     slots = books.prepare_load(keys)
     assert all(torch.equal(region.rows[s], _fill(k)) for s, k in zip(slots, keys))
-    # Pinned for the load: a store that needs every slot cannot evict them.
-    assert books.prepare_store([_key(10 + i) for i in range(4)])[0] == [_key(10)]
+    # Pinned for the load: a store that needs every slot cannot evict them, and only the whole offer is stored
+    # (vLLM's contract: not enough room is None, nothing changes), never the part that fits.
+    assert books.prepare_store([_key(10 + i) for i in range(4)]) is None
+    assert books.lookup(_key(10)) == MISS
+    out = books.prepare_store([_key(10)])
+    assert out is not None and out[0] == [_key(10)]
     books.complete_load(keys)
     books.close()
     region.close(unlink=True)
@@ -100,9 +104,12 @@ def test_reset_host_keeps_the_disk_copy(tmp_path) -> None:
     books, region = _books(tmp_path, n_rows=4)
     keys = [_key(1), _key(2)]
     _store(books, region, keys, _fill)
-    books.prepare_load([keys[1]])  # a load in flight keeps its chunk
-    assert books.reset_host() == 1 and keys[0] not in books.host and keys[1] in books.host
+    books.prepare_load([keys[1]])  # a load in flight keeps its slot (fenced), not its key
+    assert books.reset_host() == 1 and keys[0] not in books.host and keys[1] not in books.host
+    assert books.fenced_slots == 1
     assert _settle(books, keys[0]) == HIT and books.source(keys[0]) == DISK
+    books.complete_load([keys[1]])
+    assert books.fenced_slots == 0
     books.close()
     region.close(unlink=True)
 
@@ -201,6 +208,72 @@ def test_page_copier_round_trip_with_chunks_and_skip() -> None:
         assert torch.equal(t[[3, 7, 1]], s[[3, 7, 1]])
 
 
+@pytest.mark.parametrize("bpc", [1, 2])
+@pytest.mark.parametrize("pages", [(48, 32), (40, 13)])  # int64-wide views, and odd pages that stay bytes
+def test_page_copier_scattered_blocks_take_the_gather_path_with_identical_bytes(bpc, pages) -> None:
+    """Scattered engine blocks (runs of one) were one copy_ per (tensor, block); the gather path moves them in two
+    calls per tensor and must put every byte exactly where the per-run path puts it, both ways."""
+    torch.manual_seed(1)
+    kv = [torch.randint(-128, 127, (40, p), dtype=torch.int8) for p in pages]
+    blocks = [31, 3, 17, 9, 25, 5, 38, 12]
+    chunks = list(range(len(blocks) // bpc))[::-1]
+    out = {}
+    for mode in ("runs", "gather"):
+        rows = torch.zeros(len(chunks) + 1, bpc * sum(pages), dtype=torch.uint8)
+        copier = PageCopier(kv, list(pages), rows, blocks_per_chunk=bpc, scatter=mode)
+        pairs = copier.pairs(blocks, chunks)
+        runs = PageCopier.runs(pairs) if bpc == 1 else [(b, r, j, 1) for b, r, j in pairs]
+        assert copier.use_gather(runs) == (mode == "gather")
+        copier.submit(1, pairs, to_host=True)
+        (done,) = copier.finished()
+        assert done.nbytes == len(blocks) * sum(pages)
+        out[mode] = rows.clone()
+        back = [torch.zeros_like(t) for t in kv]
+        loader = PageCopier(back, list(pages), rows, blocks_per_chunk=bpc, scatter=mode)
+        loader.submit(2, pairs, to_host=False)
+        for t, b in zip(kv, back):
+            assert torch.equal(b[blocks], t[blocks]) and not b[[0, 1, 2]].any()
+    assert torch.equal(out["runs"], out["gather"])
+    auto = PageCopier(kv, list(pages), torch.zeros(8, bpc * sum(pages), dtype=torch.uint8), blocks_per_chunk=bpc)
+    assert auto.use_gather([(b, r, 0, 1) for b, r in zip(blocks, range(8))])  # fragmented: gather
+    assert not auto.use_gather([(0, 0, 0, 8)])  # one run: one copy_ per tensor already
+
+
+@pytest.mark.parametrize("bpc", [1, 2])
+def test_page_copier_batched_addresses_place_every_page_where_the_per_block_path_does(bpc) -> None:
+    """The CUDA batched path hands vLLM's swap_blocks_batch one (src, dst, size) triple per (tensor, block). Its
+    address arithmetic is checked here on host memory with a memmove standing in for the device op: the bytes must
+    land exactly where the per-block copies put them, for stores and loads, chunks entered mid-way included."""
+    import ctypes
+
+    calls = []
+
+    def memmove_batch(src, dst, sizes, is_src_access_order_any=False):
+        calls.append(is_src_access_order_any)
+        for s_, d_, n_ in zip(src.tolist(), dst.tolist(), sizes.tolist()):
+            ctypes.memmove(d_, s_, n_)
+
+    torch.manual_seed(2)
+    pages = [48, 32]
+    kv = [torch.randint(-128, 127, (20, p + 16), dtype=torch.int8) for p in pages]  # padded pages: row stride > page
+    blocks = [7, 2, 15, 9]
+    chunks = [3, 0, 1, 2][: (len(blocks) + 1 + bpc - 1) // bpc]
+    ref = torch.zeros(5, bpc * sum(pages), dtype=torch.uint8)
+    got = torch.zeros_like(ref)
+    per_block = PageCopier(kv, pages, ref, blocks_per_chunk=bpc, scatter="runs")
+    batched = PageCopier(kv, pages, got, blocks_per_chunk=bpc, batch_copy=memmove_batch)
+    skip = 1 if bpc == 2 else 0
+    per_block.submit(1, per_block.pairs(blocks, chunks, skip), to_host=True)
+    nbytes, _ = batched._batched(batched.pairs(blocks, chunks, skip), to_host=True)
+    assert nbytes == len(blocks) * sum(pages) and torch.equal(got, ref) and calls == [False]
+    back = [torch.zeros_like(t) for t in kv]
+    loader = PageCopier(back, pages, got, blocks_per_chunk=bpc, batch_copy=memmove_batch)
+    loader._batched(loader.pairs(blocks, chunks, skip), to_host=False)
+    assert calls == [False, True]  # host -> engine reads memory no stream writes: any source order
+    for t, b, p in zip(kv, back, pages):
+        assert torch.equal(b[blocks, :p], t[blocks, :p]) and not b[:, p:].any()
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -254,3 +327,35 @@ def test_page_copier_on_cuda_uses_a_side_stream_and_events() -> None:
     assert [r.job_id for r in done] == [2]
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(kv, saved))
+
+
+@pytest.mark.cuda
+def test_page_copier_on_cuda_batched_path_round_trips_through_vllms_swap_blocks_batch() -> None:
+    """The CUDA batched path with vLLM's real op: one swap_blocks_batch call per job, engine pages -> pinned host
+    rows -> engine pages, every byte back in place (needs a CUDA build of vllm; run by bench/gpu_check.sh)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    ops = pytest.importorskip("vllm._custom_ops", reason="vLLM's CUDA ops are needed for the batched path")
+    op = getattr(ops, "swap_blocks_batch", None)
+    if op is None:
+        pytest.skip("this vLLM has no swap_blocks_batch")
+    torch.manual_seed(3)
+    pages = [4096, 4096]
+    kv = [torch.randint(-128, 127, (64, p), dtype=torch.int8, device="cuda") for p in pages]
+    rows = torch.zeros(16, sum(pages), dtype=torch.uint8).pin_memory()
+    copier = PageCopier(kv, pages, rows, batch_copy=op)
+    blocks = [40, 3, 17, 9, 25, 5, 38, 12]
+    pairs = copier.pairs(blocks, list(range(8)))
+    copier.submit(1, pairs, to_host=True)
+    copier.wait({1})
+    assert [r.job_id for r in copier.finished()] == [1]
+    for t, off, p in zip(kv, (0, pages[0]), pages):
+        assert torch.equal(rows[:8, off:off + p].view(torch.int8), t[blocks].cpu())
+    saved = [t.clone() for t in kv]
+    for t in kv:
+        t.zero_()
+    copier.submit(2, pairs, to_host=False)
+    copier.wait({2})
+    copier.finished()
+    for t, s in zip(kv, saved):
+        assert torch.equal(t[blocks], s[blocks])

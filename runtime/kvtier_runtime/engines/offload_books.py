@@ -47,8 +47,29 @@ class _Promotion:
 
 @dataclass
 class _WriteThrough:
+    keys: tuple[object, ...]  # a key, or the _Fence that replaced it at a cache reset
+    tier: int
+
+
+@dataclass(frozen=True)
+class _Fence:
+    """The host slot of a key a transfer still used when the cache was reset: not a key any more (lookups miss),
+    but the slot stays taken until every transfer that held it has finished."""
+
+    key: bytes
+    generation: int
+
+
+@dataclass(frozen=True)
+class TierEvent:
+    """A KV cache event: ``keys`` were stored in (``removed`` False) or removed from a tier. ``tier`` is -1 for
+    the host tier, else the index of the filesystem tier. ``metadata_only``: a failed store released keys that
+    were never announced as stored (vLLM's convention; no public removal)."""
+
     keys: tuple[bytes, ...]
     tier: int
+    removed: bool
+    metadata_only: bool = False
 
 
 class OffloadBooks:
@@ -62,6 +83,8 @@ class OffloadBooks:
         *,
         fs_rows: Sequence[torch.Tensor] | None = None,
         key_suffix: bytes = b"",
+        enable_events: bool = False,
+        fs_events: Sequence[bool] | None = None,
     ) -> None:
         self.host = host
         self.fs_tiers = list(fs_tiers)
@@ -74,6 +97,19 @@ class OffloadBooks:
         self._writing: set[bytes] = set()  # keys whose worker store is in flight
         self.load_failures: Counter[str] = Counter()  # by kind: corrupt, missing, eio, ...
         self.counters: Counter[str] = Counter()  # promotions, promotion_failures, fs_stores, host_evictions...
+        self._loading: Counter[bytes] = Counter()  # key -> engine loads in flight (prepare_load not yet completed)
+        # Cache resets: the generation, and per fenced key the engine transfers (stores + loads) still holding it.
+        self.generation = 0
+        self._fenced: dict[_Fence, int] = {}
+        self.reset_at = 0.0  # time.monotonic() of the last reset
+        # KV cache events: the host tier's when enable_events, a filesystem tier's when also fs_events[i] (vLLM's
+        # rule for secondary tiers: the global flag and the tier's own ``enable_kv_events``).
+        self.events: list[TierEvent] | None = [] if enable_events else None
+        wanted = list(fs_events) if fs_events is not None else [True] * len(self.fs_tiers)
+        self._fs_events = [bool(enable_events and w) for w in wanted]
+        for tier, on in zip(self.fs_tiers, self._fs_events):
+            if on:
+                tier.record_removals()
 
     # ---- keys ---------------------------------------------------------------------------------------------
     def fs_key(self, key: bytes) -> bytes:
@@ -102,7 +138,7 @@ class OffloadBooks:
             self.counters["promotion_no_room"] += 1
             return False
         slot, victims = reserved
-        self._forget(victims)
+        self._event(self._forget(victims), -1, removed=True)
         self.host.pin(key)
         tier = self.fs_tiers[tier_index]
         job = tier.submit_load([self.fs_key(key)], [self._fs_rows[tier_index][slot]], ctx)
@@ -111,17 +147,45 @@ class OffloadBooks:
         return True
 
     # ---- loads (host -> engine) -------------------------------------------------------------------------
-    def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+    @property
+    def request_aware(self) -> bool:
+        """Whether the host policy orders a request's chunks (``lru``, as vLLM's): it is then told of each chunk a
+        request reads or re-offers, and of the request's end (:meth:`request_finished`)."""
+        return self.host.policy.request_aware
+
+    def prepare_load(self, keys: Sequence[bytes], ctx: Sequence[AccessContext | None] | None = None) -> list[int]:
         slots = []
-        for key in keys:
+        aware = ctx is not None and self.request_aware
+        for i, key in enumerate(keys):
             self.host.pin(key)
+            self._loading[key] += 1
             slots.append(self.host.slot_of(key))
+            c = ctx[i] if aware else None  # type: ignore[index]
+            if c is not None and c.request_id is not None:  # a place in a request's prefix: vLLM's request access
+                self.host.touch(key, c)
         return slots
+
+    def request_finished(self, keys_head_to_tail: Sequence[bytes], request_id: object = None) -> None:
+        """A request ended: its chunks become the most recent, its head most of all (vLLM lru's
+        ``on_request_finished``: a finished prefix outlives the tails of requests still running)."""
+        if not self.request_aware:
+            return
+        for key in reversed(keys_head_to_tail):
+            if key in self.host:
+                self.host.touch(key, None)
+        forget = getattr(self.host.policy, "forget_request", None)
+        if forget is not None and request_id is not None:
+            forget(request_id)
 
     def complete_load(self, keys: Iterable[bytes]) -> None:
         for key in keys:
-            if key in self.host and self.host.is_pinned(key):
+            if self._loading[key] > 0:
+                self._loading[key] -= 1
+                if not self._loading[key]:
+                    del self._loading[key]
                 self.host.unpin(key)
+            else:  # a load that was in flight at a cache reset: its slot was fenced
+                self._release_fenced(key)
 
     def touch(self, keys: Iterable[bytes], ctx: AccessContext | None = None) -> None:
         for key in keys:
@@ -130,40 +194,61 @@ class OffloadBooks:
 
     # ---- stores (engine -> host -> disk) ------------------------------------------------------------------
     def prepare_store(
-        self, keys: Sequence[bytes], ctx: AccessContext | None = None
+        self, keys: Sequence[bytes], ctx: AccessContext | Sequence[AccessContext | None] | None = None
     ) -> tuple[list[bytes], list[int], list[bytes]] | None:
-        """(keys to store, their host slots, keys evicted to make room); ``None`` if none can be stored.
+        """(keys to store, their host slots, keys evicted to make room), or ``None``: vLLM's contract.
 
-        Keys already held (host, or a filesystem tier) are skipped. Storing stops at the first key the host tier
-        cannot take (every slot pinned, or refused by admission), so what is stored is a run of the prefix."""
+        * Keys already held (host, or a filesystem tier) are skipped.
+        * What is stored is a prefix of the rest: the admission filter sees every new key (each offer is
+          recorded), and storing stops before the first key it declines. A declined first key is an *empty*
+          store (nothing to do, the request goes on), not ``None``.
+        * Room is made for the whole prefix at once, never by evicting a key of this offer (one already held,
+          or one stored a moment ago by the same request): a store never leaves a hole in its own prefix.
+          Not enough evictable room for the whole prefix is ``None`` (vLLM's allocation failure), and nothing
+          changes."""
         self.poll()
-        to_store: list[bytes] = []
-        slots: list[int] = []
-        evicted: list[bytes] = []
-        refused = False
-        for key in keys:
-            if key in self.host or self._on_disk(key):
+        contexts = ctx if isinstance(ctx, (list, tuple)) and not isinstance(ctx, AccessContext) else None
+        new: list[bytes] = []
+        new_ctx: list[AccessContext | None] = []
+        aware = self.request_aware
+        for i, key in enumerate(keys):
+            if key in self.host:
+                if aware and self.host.is_ready(key):  # a re-offered chunk is a use by this request
+                    c = contexts[i] if contexts is not None else ctx
+                    if isinstance(c, AccessContext) and c.request_id is not None:
+                        self.host.touch(key, c)
                 continue
-            reserved = self.host.reserve(key, ctx)
-            if reserved is None:
-                refused = True
-                self.counters["host_store_refusals"] += 1
-                break
-            slot, victims = reserved
-            evicted += self._forget(victims)
+            if self._on_disk(key):
+                continue
+            new.append(key)
+            new_ctx.append(contexts[i] if contexts is not None else ctx)  # type: ignore[arg-type]
+        admitted = [self.host.admit(key, c) for key, c in zip(new, new_ctx)]
+        n = admitted.index(False) if False in admitted else len(new)
+        if n < len(new):
+            self.counters["host_admission_refusals"] += len(new) - n
+        to_store, new_ctx = new[:n], new_ctx[:n]
+        if not to_store:
+            return [], [], []
+        reserved = self.host.reserve_run(to_store, new_ctx, protected=set(keys))
+        if reserved is None:
+            self.counters["host_store_refusals"] += 1
+            return None
+        slots, victims = reserved
+        evicted = self._forget(victims)
+        for key in to_store:
             self.host.pin(key)
             self._writing.add(key)
             self._origin[key] = HOST
-            to_store.append(key)
-            slots.append(slot)
-        if refused and not to_store:
-            return None
+        if evicted:
+            self._event(evicted, -1, removed=True)
         return to_store, slots, evicted
 
     def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None:
         done: list[bytes] = []
+        failed: list[bytes] = []
         for key in keys:
             if key not in self._writing:
+                self._release_fenced(key)  # a store in flight at a cache reset finished: free its slot
                 continue
             self._writing.discard(key)
             self.host.unpin(key)
@@ -173,7 +258,11 @@ class OffloadBooks:
             else:
                 self.host.remove(key)
                 self._origin.pop(key, None)
+                failed.append(key)
+        if failed:
+            self._event(failed, -1, removed=True, metadata_only=True)
         if done:
+            self._event(done, -1, removed=False)
             self._write_through(done)
 
     def _write_through(self, keys: list[bytes]) -> None:
@@ -191,6 +280,31 @@ class OffloadBooks:
         fkey = self.fs_key(key)
         return any(t.state(fkey) is not KeyState.MISS for t in self.fs_tiers)
 
+    def _event(self, keys: Sequence[bytes], tier: int, *, removed: bool, metadata_only: bool = False) -> None:
+        if self.events is not None and keys and (tier < 0 or self._fs_events[tier]):
+            self.events.append(TierEvent(tuple(keys), tier, removed, metadata_only))
+
+    def take_events(self) -> list[TierEvent]:
+        """The KV cache events since the last call, oldest first (an eviction precedes the store that reused its
+        room); empty unless the books were made with ``enable_events``."""
+        if self.events is None:
+            return []
+        self.poll()
+        for i, tier in enumerate(self.fs_tiers):
+            n = len(self._suffix)
+            gone = [k[: len(k) - n] if n else k for k in tier.take_removals() if k.endswith(self._suffix)]
+            self._event(gone, i, removed=True)
+        events, self.events = self.events, []
+        out = []
+        for event in events:
+            if event.metadata_only:  # a retry may own the key again by now: it was not released after all
+                keys = tuple(k for k in event.keys if k not in self.host)
+                if not keys:
+                    continue
+                event = TierEvent(keys, event.tier, event.removed, True)
+            out.append(event)
+        return out
+
     def _forget(self, victims: Sequence[tuple[bytes, int]]) -> list[bytes]:
         keys = [k for k, _ in victims]
         for key in keys:
@@ -199,13 +313,78 @@ class OffloadBooks:
         return keys
 
     def reset_host(self) -> int:
-        """Drop every host-tier chunk no transfer holds (vLLM's ``reset_cache``, e.g. ``POST
-        /reset_prefix_cache?reset_external=true``); the filesystem tiers are durable and keep theirs."""
-        dropped = [k for k in self.host.keys() if not self.host.is_pinned(k)]
-        for key in dropped:
-            self.host.remove(key)
+        """vLLM's ``reset_cache`` (``POST /reset_prefix_cache?reset_external=true``): every host chunk is gone.
+
+        A chunk no transfer holds is dropped. A chunk a transfer still holds (an engine store or load, a promotion
+        from disk, a write-through to disk) is *fenced*: from now on a lookup of its key is a miss (so a request
+        with the same prompt recomputes and stores it again at once, never waits on a store whose completion
+        vLLM will not report), while its slot stays taken until every transfer that held it has finished
+        (``complete_store``/``complete_load`` or :meth:`reset_flushed`; disk jobs when they finish). The
+        filesystem tiers are durable and keep their chunks. Returns the number of host chunks dropped."""
+        self.poll()
+        self.generation += 1
+        self.reset_at = time.monotonic()
+        dropped = 0
+        for key in list(self.host._slot_of):
+            if isinstance(key, _Fence):
+                continue
+            if not self.host.is_pinned(key):
+                self.host.remove(key)
+                dropped += 1
+            else:
+                self._fence(key)
             self._origin.pop(key, None)
-        return len(dropped)
+        if not len(self.host):
+            self.host.reset_slots()
+        forget = getattr(self.host.policy, "forget_requests", None)
+        if forget is not None:  # a request running across the reset is ranked as a new one (vLLM's lru)
+            forget()
+        return dropped
+
+    def _fence(self, key: bytes) -> None:
+        fence = _Fence(key, self.generation)
+        self.host.rekey(key, fence)
+        engine = self._loading.pop(key, 0) + (1 if key in self._writing else 0)
+        self._writing.discard(key)
+        if engine:
+            self._fenced[fence] = engine
+        for (tier, job), promo in list(self._promotions.items()):
+            if promo.key == key:
+                self._promotions[(tier, job)] = _Promotion(fence, promo.tier, promo.started)  # type: ignore[arg-type]
+        for job, write in self._writes.items():
+            if key in write.keys:
+                write.keys = tuple(fence if k == key else k for k in write.keys)
+
+    def _release_fenced(self, key: bytes) -> None:
+        """An engine transfer of ``key`` that was in flight at a reset finished: drop its hold on the fenced slot."""
+        for fence in [f for f in self._fenced if f.key == key]:
+            self._drop_fence_pin(fence)
+            return
+
+    def _drop_fence_pin(self, fence: _Fence, engine: bool = True) -> None:
+        if engine:
+            self._fenced[fence] -= 1
+            if not self._fenced[fence]:
+                del self._fenced[fence]
+        self.host.unpin(fence)  # type: ignore[arg-type]
+        if not self.host.is_pinned(fence):  # type: ignore[arg-type]
+            self.host.remove(fence)  # type: ignore[arg-type]
+
+    def reset_flushed(self) -> None:
+        """vLLM 0.33's ``on_reset_flushed``: the workers reported every job in flight at the last reset, and vLLM
+        never completes those jobs: release every engine hold on fenced slots."""
+        for fence, n in list(self._fenced.items()):
+            for _ in range(n):
+                self._drop_fence_pin(fence)
+
+    @property
+    def engine_fences(self) -> int:
+        """Engine transfers still holding fenced slots."""
+        return sum(self._fenced.values())
+
+    @property
+    def fenced_slots(self) -> int:
+        return sum(1 for k in self.host._slot_of if isinstance(k, _Fence))
 
     # ---- completions --------------------------------------------------------------------------------------
     def poll(self) -> None:
@@ -219,11 +398,15 @@ class OffloadBooks:
         promo = self._promotions.pop((tier_index, result.job_id), None)
         if promo is not None:
             key = promo.key
+            if isinstance(key, _Fence):  # reset while reading: the bytes are not wanted any more
+                self._drop_fence_pin(key, engine=False)
+                return
             self.host.unpin(key)
             if result.ok[0]:
                 self.host.mark_ready(key)
                 self._origin[key] = DISK
                 self.counters["promotions"] += 1
+                self._event([key], -1, removed=False)
             else:
                 kind = result.errors.get(0, "other")
                 self.load_failures[kind] += 1
@@ -235,10 +418,17 @@ class OffloadBooks:
         write = self._writes.pop((tier_index, result.job_id), None)
         if write is None:
             return
+        stored: list[bytes] = []
         for key, ok in zip(write.keys, result.ok):
-            if key in self.host:
+            if isinstance(key, _Fence):
+                self._drop_fence_pin(key, engine=False)
+                key = key.key
+            elif key in self.host:
                 self.host.unpin(key)
             self.counters["fs_stores" if ok else "fs_store_refusals"] += 1
+            if ok:
+                stored.append(key)
+        self._event(stored, tier_index, removed=False)
 
     def has_pending_work(self) -> bool:
         return bool(self._promotions or self._writes)

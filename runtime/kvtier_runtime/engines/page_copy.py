@@ -5,11 +5,22 @@ the bytes of one block's page in each. A host row holds ``blocks_per_chunk`` con
 tensor ``t``'s pages sit at ``offset[t] + j * page[t]`` (j = block within the chunk), after ``rank_offset`` (this
 worker's share of a tensor-parallel row).
 
-Copies are one ``copy_`` per (tensor, run of consecutive blocks) between plain (contiguous or row-strided) views:
-measured here, int8 advanced indexing (``dst[idx] = src[idx]``) was 17x slower, and a call per block costs ~0.3x
-of a raw copy in dispatch overhead. On CPU the copies run synchronously in the engine's thread (a helper
-thread would only compete for the same cores). On CUDA they run on a side stream into pinned host memory and
-complete through events the worker polls, so the engine step never waits for them.
+Three copy paths, chosen per job:
+
+* *runs* (CPU): one ``copy_`` per (tensor, run of consecutive blocks) between plain (contiguous or row-strided)
+  views. Measured here: int8 advanced indexing (``dst[idx] = src[idx]``) was 17x slower, and a call per block
+  costs ~0.3x of a raw copy in dispatch overhead -- so scattered blocks (runs of one) were slow.
+* *gather* (CPU, scattered blocks): per cache tensor, one ``index_select`` of the engine pages and one
+  ``index_copy_`` into the host rows (or the reverse for a load), on the widest integer view the page size allows
+  (int64 for pages of a multiple of 8 bytes), so a job costs two calls per tensor whatever its fragmentation.
+  ``scatter="auto"`` takes it when most runs are single blocks; ``"runs"``/``"gather"`` force one (benchmarks).
+* *batched* (CUDA, when the engine gives a batched block-copy op, e.g. vLLM's ``ops.swap_blocks_batch``): one
+  call per job for every (tensor, block), from address/size arrays, on a side stream into the pinned host rows.
+  Without the op: one ``copy_`` per (tensor, block) on the side stream.
+
+On CPU the copies run synchronously in the engine's thread (a helper thread would only compete for the same
+cores). On CUDA they run on a side stream into pinned host memory and complete through events the worker polls,
+so the engine step never waits for them.
 
 Seam for layout-aware codecs: :class:`KvLayout` describes the pages (layers, K/V, heads, head_dim, tokens per
 block, dtype) and travels with the worker; a codec that compresses K per channel and V per token takes it.
@@ -18,7 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -44,6 +55,7 @@ class _Pending:
     nbytes: int
     started: float
     event: object | None = None  # a torch.cuda.Event on CUDA
+    keep: object | None = None  # address arrays a batched copy reads until the event fires
 
 
 @dataclass
@@ -63,6 +75,11 @@ class PageCopier:
     host_rows: torch.Tensor
     blocks_per_chunk: int = 1
     rank_offset: int = 0
+    # "auto" (gather when most runs are single blocks), "runs" or "gather": the CPU path for scattered blocks.
+    scatter: str = "auto"
+    # CUDA: fn(src_addrs, dst_addrs, sizes, is_src_access_order_any=bool), int64 CPU tensors (vLLM's
+    # ops.swap_blocks_batch); None = one copy_ per (tensor, block) on the side stream.
+    batch_copy: Callable[..., Any] | None = None
     _offsets: list[int] = field(init=False)
     _host_i8: torch.Tensor = field(init=False)
 
@@ -76,7 +93,26 @@ class PageCopier:
             off += page * self.blocks_per_chunk
         if off > self.host_rows.shape[1]:
             raise ValueError(f"host row of {self.host_rows.shape[1]} bytes cannot hold {off} bytes of pages")
+        if self.scatter not in ("auto", "runs", "gather"):
+            raise ValueError(f"scatter: {self.scatter!r} is not one of auto, runs, gather")
         self._host_i8 = self.host_rows.view(torch.int8)
+        # Per tensor: (engine pages, host rows) seen as the widest integer dtype their page size, offsets and row
+        # stride allow, for the gather path (fewer, wider elements per index_select/index_copy_).
+        self._wide: list[tuple[torch.Tensor, torch.Tensor, int, int]] = []
+        row_bytes = int(self.host_rows.shape[1]) if self.host_rows.dim() == 2 else 0
+        for kv, page, off in zip(self.kv, self.page_bytes, self._offsets):
+            width = 8
+            while width > 1 and (page % width or off % width or row_bytes % width
+                                 or kv.stride(0) % width or kv.storage_offset() % width
+                                 or self._host_i8.storage_offset() % width):
+                width //= 2
+            dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[width]
+            try:
+                kv_w = kv[:, :page].view(dtype) if width > 1 else kv[:, :page]
+                host_w = self._host_i8.view(dtype) if width > 1 else self._host_i8
+            except RuntimeError:  # a view the dtype cannot express: bytes
+                kv_w, host_w, width = kv[:, :page], self._host_i8, 1
+            self._wide.append((kv_w, host_w, off // width, page // width))
         self.device = self.kv[0].device if self.kv else torch.device("cpu")
         self._pending: list[_Pending] = []
         self._done: list[CopyResult] = []
@@ -110,11 +146,63 @@ class PageCopier:
             out.append((block, row, j, 1))
         return out
 
+    def use_gather(self, runs: Sequence[tuple[int, int, int, int]]) -> bool:
+        if self.scatter != "auto":
+            return self.scatter == "gather"
+        return len(runs) >= 4 and 2 * len(runs) > sum(r[3] for r in runs)  # mostly runs of one block
+
+    def _gather(self, pairs: Sequence[tuple[int, int, int]], to_host: bool) -> int:
+        """Scattered blocks: one index_select + one index_copy_ per cache tensor."""
+        blocks = torch.tensor([b for b, _, _ in pairs], dtype=torch.int64, device=self.device)
+        rows = torch.tensor([r for _, r, _ in pairs], dtype=torch.int64)
+        within = {j for _, _, j in pairs}
+        nbytes = 0
+        for t, (kv_w, host_w, base, page_w) in enumerate(self._wide):
+            page = self.page_bytes[t]
+            for j in sorted(within):  # one column band of the host rows per block-in-chunk index
+                sel = [i for i, (_, _, jj) in enumerate(pairs) if jj == j] if len(within) > 1 else None
+                b = blocks if sel is None else blocks[sel]
+                r = rows if sel is None else rows[sel]
+                band = host_w.narrow(1, base + j * page_w, page_w)
+                if to_host:
+                    band.index_copy_(0, r, kv_w.index_select(0, b))
+                else:
+                    kv_w.index_copy_(0, b, band.index_select(0, r))
+                nbytes += page * int(b.numel())
+        return nbytes
+
+    def _batched(self, pairs: Sequence[tuple[int, int, int]], to_host: bool) -> tuple[int, object]:
+        """CUDA: every (tensor, block) of the job in one call of the engine's batched block-copy op."""
+        import numpy as np
+
+        blocks = np.fromiter((b for b, _, _ in pairs), dtype=np.int64, count=len(pairs))
+        rows = np.fromiter((r for _, r, _ in pairs), dtype=np.int64, count=len(pairs))
+        within = np.fromiter((j for _, _, j in pairs), dtype=np.int64, count=len(pairs))
+        host_base = self._host_i8.data_ptr()
+        host_stride = self._host_i8.stride(0)
+        srcs, dsts, sizes = [], [], []
+        for kv, page, off in zip(self.kv, self.page_bytes, self._offsets):
+            dev = kv.data_ptr() + blocks * kv.stride(0) * kv.element_size()
+            host = host_base + rows * host_stride + off + within * page
+            srcs.append(dev if to_host else host)
+            dsts.append(host if to_host else dev)
+            sizes.append(np.full(len(pairs), page, dtype=np.int64))
+        src = torch.from_numpy(np.concatenate(srcs))
+        dst = torch.from_numpy(np.concatenate(dsts))
+        size = torch.from_numpy(np.concatenate(sizes))
+        # Engine -> host reads the live cache the compute stream writes: keep stream order (not "any").
+        self.batch_copy(src, dst, size, is_src_access_order_any=not to_host)  # type: ignore[misc]
+        return int(size.sum()), (src, dst, size)
+
     def _copy(self, pairs: Sequence[tuple[int, int, int]], to_host: bool) -> int:
         nbytes = 0
         non_blocking = self._stream is not None
         # On CUDA every copy stays contiguous on both sides: a strided host destination would make torch stage it
         # through a temporary and lose the asynchronous pinned-memory path.
+        if self._stream is None and self.kv:
+            runs = self.runs(pairs) if self.blocks_per_chunk == 1 else [(b, r, j, 1) for b, r, j in pairs]
+            if self.use_gather(runs):
+                return self._gather(pairs, to_host)
         if self.blocks_per_chunk == 1 and self._stream is None:
             runs = self.runs(pairs)
         else:
@@ -142,11 +230,15 @@ class PageCopier:
         # CUDA: order after what the engine queued so far (the pages it wrote), then copy on the side stream.
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        keep = None
         with torch.cuda.stream(stream):
-            nbytes = self._copy(pairs, to_host)
+            if self.batch_copy is not None and pairs:
+                nbytes, keep = self._batched(pairs, to_host)
+            else:
+                nbytes = self._copy(pairs, to_host)
             event = torch.cuda.Event()
             event.record(stream)
-        self._pending.append(_Pending(job_id, nbytes, started, event))
+        self._pending.append(_Pending(job_id, nbytes, started, event, keep))
 
     def finished(self) -> list[CopyResult]:
         """Jobs done since the last call (never blocks)."""

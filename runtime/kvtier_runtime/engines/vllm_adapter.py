@@ -42,12 +42,14 @@ from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
     OffloadingCounterMetadata,
+    OffloadingEvent,
     OffloadingGaugeMetadata,
     OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
 )
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
@@ -104,7 +106,9 @@ def _access_context(key: OffloadKey, req_context: ReqContext | None) -> AccessCo
     if req_context is None:
         return None
     position = req_context.get_offload_key_position(key)
-    return AccessContext(request_id=req_context.req_id, position=position or 0)
+    if position is None:  # no place in a request's prefix known: an access outside any request's order
+        return AccessContext(request_id=None, position=0)
+    return AccessContext(request_id=req_context.req_id, position=position)
 
 
 class KvtierCachePolicy(CachePolicy):
@@ -137,10 +141,12 @@ class KvtierCachePolicy(CachePolicy):
         )
         self._chunks: dict[OffloadKey, ChunkStatus] = {}
         self._probation: OrderedDict[OffloadKey, None] = OrderedDict()
+        # vLLM's lru contract (request ranks, see policies/lru.py) for policies that implement it.
+        self._request_aware = self.policy.request_aware
         # Only policies that read the request context get one: building it per access is pure overhead on vLLM's
         # scheduler thread for the others. vLLM's ReqContext carries the request id and each key's end-token
         # position, not the request's length, so adaptive runs here without its prompt-tail class.
-        self._uses_context = self.policy.uses_context
+        self._uses_context = self.policy.uses_context or self._request_aware
 
     # ---- lookups ------------------------------------------------------------------------------------------
     def get(self, key: OffloadKey) -> ChunkStatus | None:
@@ -209,14 +215,23 @@ class KvtierCachePolicy(CachePolicy):
             self.policy.touch(key, ctx)
 
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
-        for key in keys:
-            self._reuse(key, req_context)
+        # A use outside any request's order (vLLM's lru: the head ends up the most recent).
+        for key in reversed(list(keys)):
+            if self._request_aware and key in self.policy:
+                self.policy.touch(key, None)
+            else:
+                self._reuse(key, None)
 
     def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         return  # the keys are not resident yet; insert() sees them (and asks the admission filter)
 
     def on_request_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         # vLLM passes each key once per request, in the order the request observed it (head to tail).
+        if self._request_aware:  # vLLM's lru: the request's rank, tail before head, in flight or not
+            for key in keys:
+                if key in self.policy:
+                    self.policy.touch(key, _access_context(key, req_context))
+            return
         for key in keys:
             self._reuse(key, req_context)
 
@@ -227,7 +242,17 @@ class KvtierCachePolicy(CachePolicy):
         reused_keys: set[OffloadKey],
         req_context: ReqContext,
     ) -> None:
-        return  # every reuse was recorded when first observed (on_request_access); counting again would double it
+        if not self._request_aware:
+            return  # every reuse was recorded when first observed (on_request_access); counting again would double it
+        # vLLM's lru: the finished request's chunks become the most recent, head most of all.
+        keys = [k for group in key_groups for k in group]
+        positions = {k: p for k in keys if (p := req_context.get_offload_key_position(k)) is not None}
+        if len(positions) == len(keys):
+            keys.sort(key=positions.__getitem__)
+        for key in reversed(keys):
+            if key in self.policy:
+                self.policy.touch(key, None)
+        self.policy.forget_request(req_context.req_id)  # type: ignore[attr-defined]
 
     # ---- eviction -----------------------------------------------------------------------------------------
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, ChunkStatus]] | None:
@@ -338,6 +363,14 @@ METRIC_BACKOFF = _PREFIX + "backoff"
 ROOT_LABEL = "root_dir"
 
 
+@dataclass(frozen=True)
+class _BlockFiles:
+    tier: "KvtierFilesystemTier"
+
+    def get_file_name(self, key: OffloadKey) -> str:
+        return self.tier.tier.block_path(self.tier.tier_key(key))
+
+
 @dataclass
 class _PendingJob:
     vllm_job_id: int
@@ -389,14 +422,29 @@ class KvtierFilesystemTier(SecondaryTierManager):
             name=f"{tier_type}:{self.config.root_dir}",
         )
         self._pending: dict[int, _PendingJob] = {}
+        self._failed_now: list[JobResult] = []  # jobs refused at submission, reported at the next collection
         self._stats = OffloadingConnectorStats()
         self._labels = (self.config.root_dir,)
         self._evictions_seen = self._evictions_total()
+        # KV events (vLLM's rule for secondary tiers: the tier's enable_kv_events and the engine's KV events).
+        wanted = _tier_kv_events(self.config.extra)
+        self.events: list[OffloadingEvent] | None = [] if wanted and _kv_events_enabled(offloading_spec) else None
+        if wanted and self.events is None:
+            _log.warning("kvtier: enable_kv_events is set on tier %s but the engine's KV cache events are off",
+                         self.config.root_dir)
+        if self.events is not None:
+            self.tier.record_removals()
 
     # ---- keys ---------------------------------------------------------------------------------------------
     def tier_key(self, key: OffloadKey) -> bytes:
         """The key a chunk has in the filesystem tier (vLLM's key + the run-identity digest)."""
         return bytes(key) + self._suffix
+
+    @property
+    def file_mapper(self) -> "_BlockFiles":
+        """Where a chunk's file is, under the name vLLM's fs tier gives it (``file_mapper.get_file_name(key)``),
+        for tools that inspect or repair a tier's files."""
+        return _BlockFiles(self)
 
     # ---- the SecondaryTierManager interface ----------------------------------------------------------------
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -418,6 +466,14 @@ class KvtierFilesystemTier(SecondaryTierManager):
 
     def _submit(self, job_metadata: TransferJob, is_promotion: bool) -> None:
         keys = tuple(job_metadata.keys)
+        n_rows = int(self._rows.shape[0])
+        bad = [int(c) for c in job_metadata.chunk_ids if not 0 <= int(c) < n_rows]
+        if bad:  # never raise into vLLM's scheduler: the job fails, as any I/O failure does
+            _log.error("kvtier: job %d names chunk(s) %s outside the CPU tier's %d chunks; failing it",
+                       job_metadata.job_id, bad[:4], n_rows)
+            self._failed_now.append(JobResult(job_id=job_metadata.job_id, success=False, successful_keys=None,
+                                              transfer_time=0.0, transfer_bytes=None))
+            return
         rows = [self._rows[int(c)] for c in job_metadata.chunk_ids]
         ctx = _access_context(keys[-1], job_metadata.req_context) if keys else None
         submit = self.tier.submit_load if is_promotion else self.tier.submit_store
@@ -425,7 +481,7 @@ class KvtierFilesystemTier(SecondaryTierManager):
         self._pending[tier_job] = _PendingJob(job_metadata.job_id, is_promotion, keys, time.monotonic())
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        results: list[JobResult] = []
+        results, self._failed_now = self._failed_now, []
         now = time.monotonic()
         for done in self.tier.get_finished():
             job = self._pending.pop(done.job_id, None)
@@ -445,9 +501,19 @@ class KvtierFilesystemTier(SecondaryTierManager):
             self._stats.increase_counter(METRIC_REFUSED_CHUNKS, count, labels + (reason,))
         for kind, count in outcome.failed.items():
             self._stats.increase_counter(METRIC_FAILED_CHUNKS, count, labels + (kind,))
+        if self.events is not None and not job.is_promotion and outcome.success and job.keys:
+            self.events.append(_offloading_event(keys=list(job.keys), medium=self.medium, removed=False,
+                                                 locality=self.locality))
         successful = None
         if job.is_promotion and not outcome.success and outcome.n_ok:
-            successful = tuple(k for k, ok in zip(job.keys, done.ok) if ok)
+            # vLLM's contract for a batched promotion: the keys before the first failed one (a prefix); a chunk
+            # read after a failed one would sit in the CPU tier behind a hole no request can load through.
+            prefix = []
+            for k, ok in zip(job.keys, done.ok):
+                if not ok:
+                    break
+                prefix.append(k)
+            successful = tuple(prefix) or None
         return JobResult(
             job_id=job.vllm_job_id,
             success=outcome.success,
@@ -457,7 +523,20 @@ class KvtierFilesystemTier(SecondaryTierManager):
         )
 
     def has_pending_work(self) -> bool:
-        return bool(self._pending)
+        return bool(self._pending or self._failed_now)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Stores (whole successful jobs, as vLLM's fs tier) and removals (evicted, corrupt or removed files; vLLM's
+        fs tier never removes), medium STORAGE."""
+        if self.events is None:
+            return
+        n = len(self._suffix)
+        gone = [OffloadKey(k[: len(k) - n] if n else k) for k in self.tier.take_removals()
+                if k.endswith(self._suffix)]  # another run's chunks (another model) are not this engine's
+        events, self.events = self.events, []
+        if gone:
+            events.append(_offloading_event(keys=gone, medium=self.medium, removed=True, locality=self.locality))
+        yield from events
 
     def drain_jobs(self) -> None:
         self.tier.drain(timeout=None)
@@ -540,8 +619,9 @@ METRIC_HOST_EVICTIONS = _SPEC_PREFIX + "host_evictions"
 METRIC_FLAT_CODEC_TIERS = _SPEC_PREFIX + "flat_codec_tiers"
 
 
-class KvtierHostSpec(BlockIDsLoadStoreSpec):
-    """Rows of kvtier's host tier (one chunk each) a worker job reads or writes."""
+class KvtierHostSpec(CPULoadStoreSpec):
+    """Rows of kvtier's host tier (one chunk each) a worker job reads or writes: host-memory chunk ids, as vLLM's
+    own CPU tier names them (``chunk_ids``)."""
 
 
 def _layout(config: Any, page_bytes: tuple[int, ...] = ()) -> KvLayout:
@@ -672,6 +752,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
             block_view_dtype(t.codec, config.model.dtype, self.row_bytes or 2) for t in self.kvtier.fs_tiers
         ]
         self.layout = _layout(config)
+        self.fs_kv_events = [_tier_kv_events(t.extra, i) for i, t in enumerate(self.kvtier.fs_tiers)]
         # Only lossy tiers need the chunk's layout (and reading the model's config to find heads and head size).
         lossy = any(t.codec != "none" for t in self.kvtier.fs_tiers)
         self.layout_decision = chunk_layout(_chunk_facts(config)) if lossy else LayoutDecision(None)
@@ -725,9 +806,12 @@ class KvtierOffloadingManager(OffloadingManager):
         elif decision.layout is not None:
             _log.info("kvtier: compressed filesystem tiers encode chunks of %s with layout-aware scales",
                       describe(decision.layout))
-        self.books = OffloadBooks(host, tiers, fs_rows=rows, key_suffix=suffix)
+        self.books = OffloadBooks(host, tiers, fs_rows=rows, key_suffix=suffix,
+                                  enable_events=_kv_events_enabled(spec),
+                                  fs_events=spec.fs_kv_events)
         self._reported: Counter[str] = Counter()
         self._lock = threading.RLock()
+        self._requests: dict[str, dict[OffloadKey, int | None]] = {}  # request -> chunks it used, their positions
 
     @property
     def lock(self) -> threading.RLock:
@@ -743,11 +827,32 @@ class KvtierOffloadingManager(OffloadingManager):
         return CacheHitSource.DISK if self.books.source(bytes(key)) == "disk" else CacheHitSource.HOST
 
     def prepare_load(self, keys: Any, req_context: ReqContext, **kwargs: Any) -> LoadStoreSpec:
-        return KvtierHostSpec(self.books.prepare_load([bytes(k) for k in keys]))
+        keys = list(keys)
+        self._observe(keys, req_context)
+        ctx = [_access_context(k, req_context) for k in keys] if self.books.request_aware else None
+        return KvtierHostSpec(self.books.prepare_load([bytes(k) for k in keys], ctx))
 
     def touch(self, keys: Any, req_context: ReqContext, **kwargs: Any) -> None:
-        ctx = _access_context(next(iter(keys)), req_context) if keys else None
-        self.books.touch([bytes(k) for k in keys], ctx)
+        # vLLM's touch: a use outside any request's order; the head ends up the most recent.
+        self.books.touch([bytes(k) for k in reversed(list(keys))], None)
+
+    def _observe(self, keys: Sequence[OffloadKey], req_context: ReqContext | None) -> None:
+        """Remember the chunks a request used, for :meth:`on_request_finished` (request-aware policies only)."""
+        if req_context is None or not self.books.request_aware:
+            return
+        seen = self._requests.setdefault(req_context.req_id, {})
+        for key in keys:
+            if key not in seen:
+                seen[key] = req_context.get_offload_key_position(key)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        seen = self._requests.pop(req_context.req_id, None)
+        if not seen:
+            return
+        keys = list(seen)
+        if all(p is not None for p in seen.values()):
+            keys.sort(key=lambda k: seen[k])  # type: ignore[arg-type,return-value]
+        self.books.request_finished([bytes(k) for k in keys], req_context.req_id)
 
     def complete_load(self, keys: Any, req_context: ReqContext, **kwargs: Any) -> None:
         self.books.complete_load([bytes(k) for k in keys])
@@ -755,7 +860,8 @@ class KvtierOffloadingManager(OffloadingManager):
     # ---- stores ----
     def prepare_store(self, keys: Any, req_context: ReqContext, **kwargs: Any) -> PrepareStoreOutput | None:
         keys = list(keys)
-        ctx = _access_context(keys[-1], req_context) if keys else None
+        self._observe(keys, req_context)
+        ctx = [_access_context(k, req_context) for k in keys]
         out = self.books.prepare_store([bytes(k) for k in keys], ctx)
         if out is None:
             return None
@@ -776,6 +882,12 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def on_schedule_end(self, context: Any = None) -> None:
         self.books.poll()
+        if (not _HAS_RESET_FLUSHED and self.books.engine_fences
+                and time.monotonic() - self.books.reset_at > RESET_FENCE_GRACE_S):
+            # vLLM 0.32 neither completes the jobs in flight at a reset nor says when the workers are done with
+            # them (0.33's on_reset_flushed). Its workers copy within a step (CPU) or a few ms (CUDA): after the
+            # grace period the fenced rows are free to reuse.
+            self.books.reset_flushed()
 
     def has_pending_work(self) -> bool:
         self.books.poll()
@@ -783,6 +895,23 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         self.books.reset_host()
+        self._requests.clear()
+
+    def on_reset_flushed(self) -> None:
+        self.books.reset_flushed()
+
+    def take_events(self) -> Iterable[Any]:
+        """KV cache events of the host tier (medium CPU) and of every filesystem tier (medium STORAGE, local,
+        owned by ``<n>:kvtier-fs``); vLLM's publisher turns them into BlockStored/BlockRemoved."""
+        for event in self.books.take_events():
+            keys = [OffloadKey(k) for k in event.keys]
+            if event.tier < 0:
+                yield _offloading_event(keys=keys, medium=Medium.CPU, removed=event.removed,
+                                        metadata_only=event.metadata_only)
+            else:
+                yield _offloading_event(keys=keys, medium=getattr(Medium, "STORAGE", Medium.CPU),
+                                        removed=event.removed, locality=Locality.LOCAL,
+                                        ownership=f"{event.tier + 1}:kvtier-fs")
 
     # ---- metrics / lifecycle ----
     def get_stats(self) -> OffloadingConnectorStats | None:
@@ -813,6 +942,38 @@ class KvtierOffloadingManager(OffloadingManager):
         self.books.close()
         self.region.close(unlink=True)
 
+
+def _kv_events_enabled(spec: OffloadingSpec) -> bool:
+    """vLLM's ``--kv-events-config enable_kv_cache_events`` as the spec sees it (0.33: ``kv_events_config``)."""
+    events = getattr(spec, "kv_events_config", None)
+    if events is not None:
+        return bool(events.enable_kv_cache_events)
+    return bool(getattr(spec.config, "enable_kv_cache_events", False))
+
+
+def _tier_kv_events(extra: Mapping[str, Any], index: int | None = None) -> bool:
+    """A tier's ``enable_kv_events`` (vLLM's secondary-tier key; default false): its events are published only when
+    this and the engine's KV events are both on."""
+    value = extra.get("enable_kv_events", False)
+    if not isinstance(value, bool):
+        where = f"fs_tiers[{index}]" if index is not None else "secondary_tiers[]"
+        raise ConfigError(f"kv_connector_extra_config.{where}.enable_kv_events: {value!r} must be true or false")
+    return value
+
+
+_EVENT_FIELDS = frozenset(getattr(OffloadingEvent, "__dataclass_fields__", ()))
+
+
+def _offloading_event(**fields: Any) -> OffloadingEvent:
+    """An OffloadingEvent with the fields this vLLM has (0.32 has no locality/ownership/metadata_only)."""
+    if fields.get("metadata_only") and "metadata_only" not in _EVENT_FIELDS:
+        fields["removed"] = True
+    return OffloadingEvent(**{k: v for k, v in fields.items() if k in _EVENT_FIELDS})
+
+
+# vLLM 0.33 calls on_reset_flushed once the workers reported every job in flight at a reset; 0.32 has no such call.
+_HAS_RESET_FLUSHED = "on_reset_flushed" in vars(OffloadingManager)
+RESET_FENCE_GRACE_S = 30.0
 
 _LOOKUP = {"hit": LookupResult.HIT, "hit_pending": LookupResult.HIT_PENDING, "retry": LookupResult.RETRY,
            "miss": LookupResult.MISS}
@@ -846,7 +1007,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
             self._registered = _host_register(self.region.data_ptr(), self.region.nbytes)
         rank = int(spec.config.parallel.rank)
         self.copier = PageCopier(tensors, pages, self.region.rows, spec.blocks_per_chunk,
-                                 rank_offset=rank * spec.worker_chunk_bytes)
+                                 rank_offset=rank * spec.worker_chunk_bytes,
+                                 batch_copy=_batch_copy_op() if device.type == "cuda" else None)
 
     def _pairs(self, gpu: Any, host: Any) -> list[tuple[int, int, int]]:
         skip = int(gpu.block_indices[0]) % self.spec.blocks_per_chunk if len(gpu.block_indices) else 0
@@ -873,6 +1035,18 @@ class KvtierOffloadingWorker(OffloadingWorker):
             self._registered = False
         self.copier.host_rows = torch.empty(0, dtype=torch.uint8)
         self.region.close()
+
+
+def _batch_copy_op() -> Any:
+    """vLLM's batched block-copy op (``swap_blocks_batch``: one call copies every (tensor, block) of a job from
+    address/size arrays), or None where this vLLM build has none (the worker then copies per block)."""
+    try:
+        from vllm import _custom_ops as ops
+
+        return getattr(ops, "swap_blocks_batch", None)
+    except Exception as exc:  # pragma: no cover - depends on the installed vLLM
+        _log.info("kvtier: vLLM's batched block copy is unavailable (%s); copying per block", exc)
+        return None
 
 
 def _host_register(ptr: int, nbytes: int) -> bool:

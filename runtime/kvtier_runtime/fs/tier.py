@@ -204,6 +204,7 @@ class FilesystemTier:
         self._index: dict[bytes, _Entry] = {}
         # Keys whose file is being unlinked (bytes on disk), so the key cannot be stored again before that.
         self._doomed: dict[bytes, int] = {}
+        self._removals: list[bytes] | None = None  # keys that left the tier, for KV events (record_removals)
         # Files that could not be unlinked: their bytes still occupy the disk, so they stay counted against
         # capacity (the policy's capacity shrinks by them) and are retried until really gone.
         self._stuck: dict[bytes, int] = {}
@@ -793,12 +794,29 @@ class FilesystemTier:
             )
 
     # ---- eviction / unlink ------------------------------------------------------------------------------
+    def record_removals(self) -> None:
+        """From now on remember every key that leaves the tier (evicted, corrupt, removed) for
+        :meth:`take_removals`: KV cache events announce them."""
+        with self._lock:
+            if self._removals is None:
+                self._removals = []
+
+    def take_removals(self) -> list[bytes]:
+        """Keys that left the tier since the last call (empty unless :meth:`record_removals` was called)."""
+        with self._lock:
+            if not self._removals:
+                return []
+            out, self._removals = self._removals, []
+            return out
+
     def _doom_locked(self, keys: Sequence[bytes], *, evicted: bool = False) -> list[bytes]:
         """Forget ``keys`` and mark their files for unlinking. Only ``evicted`` ones (chosen by the policy to
         make room) count as evictions: a corrupt block or an explicit remove is not one."""
         for key in keys:
             entry = self._index.pop(key, None)
             self._doomed[key] = entry.nbytes if entry is not None else self._nominal_file_bytes
+            if self._removals is not None and entry is not None and entry.state == "ready":
+                self._removals.append(key)
         if evicted and keys:
             metrics.EVICTIONS.labels(self.name).inc(len(keys))
         return list(keys)

@@ -78,6 +78,9 @@ class EvictionPolicy:
     name: ClassVar[str] = "base"
     # Whether the ordering reads ``ctx``; callers on a hot path (trace replay) skip building contexts otherwise.
     uses_context: ClassVar[bool] = False
+    # Whether the ordering implements vLLM 0.33's request-aware contract (request ranks, a finished request's
+    # chunks touched tail to head without context): the vLLM CachePolicy plug-in drives such a policy that way.
+    request_aware: ClassVar[bool] = False
 
     def __init__(self, capacity_bytes: int, admission: AdmissionFilter | None = None) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:

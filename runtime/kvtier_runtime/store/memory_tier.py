@@ -7,7 +7,7 @@ region that vLLM's worker process copies KV pages into, and this tier keeps that
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 
@@ -57,7 +57,10 @@ class MemoryTier:
         self._views = list(self.slab.unbind(0))
         self.policy = get_policy(eviction_policy, self.n_slots * self.block_nbytes, admission=admission,
                                  admission_threshold=admission_threshold)
-        self._free = list(range(self.n_slots - 1, -1, -1))
+        # Slots are handed out as vLLM's CPU manager hands out chunk ids: never-used slots in increasing order
+        # first, then released ones, last released first.
+        self._n_fresh_used = 0
+        self._free: list[int] = []
         self._slot_of: dict[bytes, int] = {}
         # Reserved slots whose bytes have not arrived yet: present for placement, absent for reading.
         self._pending: set[bytes] = set()
@@ -109,14 +112,83 @@ class MemoryTier:
         evicted = self.policy.insert(key, self.block_nbytes, ctx)
         if evicted is None:
             return None
-        victims = [(k, self._slot_of.pop(k)) for k in evicted]
-        for k, slot in victims:
-            self._pending.discard(k)
-            self._free.append(slot)
-        slot = self._free.pop()
+        victims = self._release(evicted)
+        slot = self._take_slot()
         self._slot_of[key] = slot
         self._pending.add(key)
         return slot, victims
+
+    def admit(self, key: bytes, ctx: AccessContext | None = None) -> bool:
+        """Whether the admission filter would store a missing ``key`` (the offer is recorded)."""
+        return self.policy.admit(key, self.block_nbytes, ctx)
+
+    def reserve_run(
+        self, keys: Sequence[bytes], ctx: Sequence[AccessContext | None] | None = None,
+        protected: Collection[bytes] = (),
+    ) -> tuple[list[int], list[tuple[bytes, int]]] | None:
+        """Slots for every one of ``keys`` (all new, already admitted) or ``None`` and no change at all.
+
+        Room is made first, in one atomic eviction that never picks a key of ``protected`` (the caller passes the
+        whole offer: a store must not evict part of itself or a chunk the same request just stored)."""
+        for key in keys:
+            if key in self._slot_of:
+                raise ValueError(f"key {key!r} is already in tier {self.name}")
+        need = len(keys) * self.block_nbytes - self.policy.free_bytes
+        evicted: list[bytes] = []
+        if need > 0:
+            found = self.policy.evict(need, protected)
+            if found is None:
+                return None
+            evicted = found
+        victims = self._release(evicted)
+        slots: list[int] = []
+        for i, key in enumerate(keys):
+            more = self.policy.insert(key, self.block_nbytes, ctx[i] if ctx is not None else None)
+            if more:  # room was made above; an insert that evicts again would break the slot arithmetic
+                raise AssertionError(f"{self.name}: insert evicted {len(more)} entries after room was made")
+            slot = self._take_slot()
+            self._slot_of[key] = slot
+            self._pending.add(key)
+            slots.append(slot)
+        return slots, victims
+
+    def rekey(self, old: bytes, new: object) -> None:
+        """Hold ``old``'s slot under the key ``new``: ``old`` is gone for lookups, its slot (and its pins) stay
+        until ``new`` is unpinned and removed. A cache reset fences a slot a transfer may still touch this way."""
+        slot = self._slot_of.pop(old)
+        policy = self.policy
+        pins = 0
+        while policy.is_pinned(old):
+            policy.unpin(old)
+            pins += 1
+        policy.remove(old)
+        self._pending.discard(old)
+        if policy.insert(new, self.block_nbytes) != []:
+            raise AssertionError(f"{self.name}: re-keying {old!r} evicted an entry")
+        for _ in range(pins):
+            policy.pin(new)
+        self._slot_of[new] = slot  # type: ignore[index]
+        self._pending.add(new)  # type: ignore[arg-type]
+
+    def reset_slots(self) -> None:
+        """Hand slots out from 0 again (only when the tier is empty, e.g. after a cache reset)."""
+        if self._slot_of:
+            raise ValueError(f"{self.name}: {len(self._slot_of)} slots are still held")
+        self._n_fresh_used = 0
+        self._free.clear()
+
+    def _take_slot(self) -> int:
+        if self._n_fresh_used < self.n_slots:
+            self._n_fresh_used += 1
+            return self._n_fresh_used - 1
+        return self._free.pop()
+
+    def _release(self, keys: Sequence[bytes]) -> list[tuple[bytes, int]]:
+        victims = [(k, self._slot_of.pop(k)) for k in keys]
+        for k, slot in victims:
+            self._pending.discard(k)
+            self._free.append(slot)
+        return victims
 
     def remove(self, key: bytes) -> bool:
         slot = self._slot_of.get(key)
