@@ -33,14 +33,11 @@ crd: setup
 	$(VENV)/bin/kvtier crd > crds/kvtier.io_kvcachepolicies.yaml
 	tools/sync-chart-crds.sh
 
-# A local single-node cluster that stays up until `make cluster-down`: the control plane (e2e/controlplane) and a
-# real node (e2e/node: containerd, runc, CNI bridge, kubelet, kube-scheduler). Needs root. Prints KUBECONFIG=<path>.
-CLUSTER_DIR ?= $(CURDIR)/.cluster
+# A local single-node cluster that stays up until `make cluster-down`: the control plane, a real node
+# (containerd, runc, CNI bridge, kubelet, kube-scheduler), kvtier's images and the operator installed by its
+# chart as a pod (scripts/cluster; docs/node.md). Needs root. Prints KUBECONFIG=<path>.
 cluster: setup
-	@KVTIER_CONTROLPLANE_OWNER_PID=0 e2e/controlplane/run start $(CLUSTER_DIR) >/dev/null
-	@KVTIER_CONTROLPLANE_OWNER_PID=0 e2e/node/run start $(CLUSTER_DIR) >/dev/null || { e2e/controlplane/run stop $(CLUSTER_DIR) >/dev/null; exit 1; }
-	@echo KUBECONFIG=$(CLUSTER_DIR)/kubeconfig
+	@scripts/cluster up
 
 cluster-down:
-	e2e/node/run stop $(CLUSTER_DIR)
-	e2e/controlplane/run stop $(CLUSTER_DIR)
+	@scripts/cluster down

@@ -100,3 +100,58 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.5):
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not after {timeout_s}s")
         time.sleep(interval_s)
+
+
+IMAGES_BUILD = REPO_ROOT / "images" / "build"
+IMAGES_LOAD = REPO_ROOT / "images" / "load"
+HELM = REPO_ROOT / "tools" / "helm.sh"
+CHART = REPO_ROOT / "charts" / "kvtier"
+OPERATOR_NAMESPACE = "kvtier-system"
+OPERATOR_RELEASE = "kvtier"
+IMAGE_BUILD_TIMEOUT_S = 900.0
+
+
+@dataclass
+class NodeCluster:
+    """A control plane with a node, started for the node tests' session (separate from the session's
+    node-less control plane, whose tests expect pods to stay Pending)."""
+
+    cp: "ControlPlane"
+    node: Node
+    hostpath_prefix: Path  # the operator's allowed hostPath prefix (operator.hostPathPrefixes)
+
+
+def image_ref(name: str) -> str:
+    return subprocess.run([str(IMAGES_BUILD), "--name", name], capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.fixture(scope="session")
+def node_cluster(tmp_path_factory: pytest.TempPathFactory):
+    """A control plane, a node, the base and operator images loaded, and the operator installed by its chart."""
+    from plugins.controlplane import ControlPlane, build, start, stop
+
+    require_node()
+    bin_dir = build()
+    build_node()
+    proc = subprocess.run([str(IMAGES_BUILD), "base", "operator"], stdout=subprocess.PIPE, text=True, timeout=IMAGE_BUILD_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise NodeError("images/build failed (its output is above)")
+    cp_dir = tmp_path_factory.mktemp("nodecluster") / "cp"
+    hostpath_prefix = cp_dir.parent / "hostpath"
+    hostpath_prefix.mkdir()
+    kubeconfig = start(cp_dir, owner_pid=os.getpid())
+    try:
+        start_node(cp_dir, owner_pid=os.getpid())
+        subprocess.run([str(IMAGES_LOAD), str(cp_dir), "base", "operator"], check=True, timeout=300)
+        helm_home = cp_dir.parent / "helm"
+        env = {**os.environ, **{f"HELM_{k}_HOME": str(helm_home) for k in ("CACHE", "CONFIG", "DATA")}}
+        subprocess.run(
+            [str(HELM), "install", OPERATOR_RELEASE, str(CHART), "--namespace", OPERATOR_NAMESPACE, "--create-namespace",
+             "--kubeconfig", str(kubeconfig), "--wait", "--timeout", "180s",
+             "--set-json", f"operator.hostPathPrefixes=[\"{hostpath_prefix}\"]"],
+            check=True, env=env, capture_output=True, text=True, timeout=240,
+        )
+        yield NodeCluster(ControlPlane(kubeconfig=kubeconfig, bin_dir=bin_dir, state_dir=cp_dir), Node(cp_dir), hostpath_prefix)
+    finally:
+        stop_node(cp_dir)
+        stop(cp_dir)
