@@ -148,7 +148,9 @@ def node_cluster(tmp_path_factory: pytest.TempPathFactory):
         subprocess.run(
             [str(HELM), "install", OPERATOR_RELEASE, str(CHART), "--namespace", OPERATOR_NAMESPACE, "--create-namespace",
              "--kubeconfig", str(kubeconfig), "--wait", "--timeout", "180s",
-             "--set-json", f"operator.hostPathPrefixes=[\"{hostpath_prefix}\"]"],
+             "--set-json", f"operator.hostPathPrefixes=[\"{hostpath_prefix}\"]",
+             # The injected /dev/shm clean-up runs sh and rm: the base image has both and is on the node.
+             "--set", "initImage.repository=kvtier.local/base", "--set", "initImage.tag=bookworm"],
             check=True, env=env, capture_output=True, text=True, timeout=240,
         )
         yield NodeCluster(ControlPlane(kubeconfig=kubeconfig, bin_dir=bin_dir, state_dir=cp_dir), Node(cp_dir), hostpath_prefix)
