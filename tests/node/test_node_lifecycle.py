@@ -180,3 +180,31 @@ def test_owner_sigkill_tears_the_node_down(tmp_path: Path) -> None:
             owner.kill()
         stop_node(cp_dir)
         stop(cp_dir)
+
+
+def test_a_start_after_the_supervisor_was_sigkilled_clears_its_leftovers_first(tmp_path: Path) -> None:
+    """The supervisor itself killed (not its owner): containerd, the kubelet and the bridge outlive it. The next
+    start in that directory removes them before it sets up (or it would fail on the existing bridge), and the
+    node it starts stops cleanly."""
+    require_node()
+    build()
+    build_node()
+    cp_dir = tmp_path / "cp"
+    start(cp_dir, owner_pid=os.getpid())
+    try:
+        start_node(cp_dir, owner_pid=os.getpid())
+        node_dir = cp_dir / "node"
+        supervisor = int((node_dir / "supervisor.pid").read_text())
+        os.kill(supervisor, signal.SIGKILL)
+        time.sleep(1)
+        left = host_state(node_dir)
+        assert left["links"] and left["processes"], "a SIGKILLed supervisor leaves its node running"
+        start_node(cp_dir, owner_pid=os.getpid())
+        with ControlPlane(kubeconfig=cp_dir / "kubeconfig").api_client() as api:
+            ready = [c.status for c in client.CoreV1Api(api).read_node(NODE_NAME).status.conditions if c.type == "Ready"]
+        assert ready == ["True"]
+        stop_node(cp_dir)
+        assert not any(host_state(node_dir).values()), json.dumps(host_state(node_dir), indent=1)
+    finally:
+        stop_node(cp_dir)
+        stop(cp_dir)
