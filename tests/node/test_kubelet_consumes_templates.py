@@ -347,7 +347,7 @@ def test_an_emptydir_tier_filled_by_kvtiers_filesystem_tier_stays_under_its_size
     assert tier["root_dir"] == "/mnt/kvcache-disk"
     # The pod's emptyDir as the kubelet sees it on the node; kvtier's own tier code (the engine's, run here on
     # the host for want of torch in the base image) fills it to the capacity the operator rendered.
-    host_dir = (cluster.nc.node.dir / "kubelet" / "root" / "pods" / pod.metadata.uid / "volumes"
+    host_dir = (cluster.nc.node.kubelet_root / "pods" / pod.metadata.uid / "volumes"
                 / "kubernetes.io~empty-dir" / volume["name"])
     assert host_dir.is_dir()
     fs_tier = FilesystemTier(FilesystemTierConfig(root_dir=str(host_dir), capacity_bytes=tier["capacity_bytes"],

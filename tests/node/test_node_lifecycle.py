@@ -44,10 +44,11 @@ def host_state(node_dir: Path) -> dict[str, list[str]]:
     """Every trace of one node on the host, by kind; all lists are empty when nothing is left."""
     node_id = (node_dir / "id").read_text().strip()
     run_dir = f"/run/kvtier-node/{node_id}"
+    lib_dir = f"/var/lib/kvtier-node/{node_id}"
     mounts = [
         line.split()[4]
         for line in Path("/proc/self/mountinfo").read_text().splitlines()
-        if line.split()[4].startswith((str(node_dir) + "/", run_dir + "/")) or line.split()[4] == str(node_dir)
+        if line.split()[4].startswith((str(node_dir) + "/", run_dir + "/", lib_dir + "/")) or line.split()[4] in (str(node_dir), lib_dir)
     ]
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
     bridge = f"kvt-{node_id}"
@@ -63,10 +64,10 @@ def host_state(node_dir: Path) -> dict[str, list[str]]:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if str(node_dir) in cmdline or run_dir in cmdline:
+        if str(node_dir) in cmdline or run_dir in cmdline or lib_dir in cmdline:
             processes.append(f"{entry.name}: {cmdline[:200]}")
     cni = [str(p) for p in Path("/var/lib/cni/results").glob(f"kvtier-{node_id}-*")] if Path("/var/lib/cni/results").is_dir() else []
-    state = [run_dir] if Path(run_dir).exists() else []
+    state = [d for d in (run_dir, lib_dir) if Path(d).exists()]
     return {"mounts": mounts, "links": net, "nat": rules, "cgroups": cgroups, "processes": processes, "cni": cni, "state": state}
 
 
@@ -102,7 +103,9 @@ def cluster(tmp_path: Path):
     require_node()
     build()
     build_node()
-    cp_dir = tmp_path / "cp"
+    # A long cluster directory (as pytest's tmp paths are, and users' may be): nothing the node puts in it may be
+    # a unix socket, whose path must stay under 108 bytes.
+    cp_dir = tmp_path / ("a-long-cluster-directory-" * 3) / "cp"
     kubeconfig = start(cp_dir, owner_pid=os.getpid())
     try:
         start_node(cp_dir, owner_pid=os.getpid())

@@ -89,6 +89,11 @@ class Node:
     def dir(self) -> Path:
         return self.cp_dir / "node"
 
+    @property
+    def kubelet_root(self) -> Path:
+        """The kubelet's root directory (short, for its unix sockets: /var/lib/kvtier-node/<id>/kubelet)."""
+        return Path("/var/lib/kvtier-node") / (self.dir / "id").read_text().strip() / "kubelet"
+
 
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.5):
     """Poll `predicate` until it returns a truthy value (returned) or `timeout_s` passes (AssertionError)."""
