@@ -323,11 +323,6 @@ def test_a_tier_cannot_shadow_the_service_account_token(cluster: Cluster, ns: st
         assert refused.value.status == 422 and "spec.tiers[1].path" in refused.value.body, (path, refused.value.body)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "defect: kvtier's filesystem tier counts only its block files against capacity_bytes, while the kubelet "
-    "measures the emptyDir's disk usage. Its two-level fan-out directories (4 KiB each, up to 65,792, never "
-    "removed when emptied) are not counted: a 32 MiB tier filled with 32 KiB blocks used 50.5 MB on ext4, and "
-    "the operator sets the emptyDir's sizeLimit to the tier size, so the kubelet evicts the engine pod"))
 def test_an_emptydir_tier_filled_by_kvtiers_filesystem_tier_stays_under_its_size_limit(cluster: Cluster, ns: str) -> None:
     import torch
 

@@ -212,7 +212,11 @@ class FilesystemTier:
         # Keys whose file failed to read while someone else had them pinned: gone from the index, their
         # accounting and file are dropped at the last unpin.
         self._bad: set[bytes] = set()
-        self._policy = get_policy(config.eviction_policy, config.capacity_bytes, admission=config.admission,
+        # What the block files may occupy: the capacity less the directories they live in. A volume's limit (an
+        # emptyDir's sizeLimit, a quota) counts every byte under it, and the kubelet evicts a pod whose emptyDir
+        # exceeds its sizeLimit: a full tier must stay under the capacity it was given, fan-out included.
+        self._file_budget = file_budget(config.capacity_bytes, self._nominal_file_bytes)
+        self._policy = get_policy(config.eviction_policy, self._file_budget, admission=config.admission,
                                   admission_threshold=config.admission_threshold)
         self._jobs: dict[int, _Job] = {}
         self._finished: OrderedDict[int, JobResult] = OrderedDict()
@@ -828,6 +832,7 @@ class FilesystemTier:
             try:
                 self._ops.unlink(path)
                 gone = True
+                self._prune_fanout(os.path.dirname(path))
             except FileNotFoundError:
                 gone = True
             except OSError:
@@ -841,9 +846,20 @@ class FilesystemTier:
         if keys:
             self._update_occupancy()
 
+    def _prune_fanout(self, leaf: str) -> None:
+        """Remove the block's fan-out directories once they are empty: left behind they grow to 65,792
+        directories (about 260 MiB on ext4) that no capacity counts. A writer that loses the race finds its
+        directory gone and recreates it (_write_block)."""
+        self._made_dirs.discard(leaf)
+        for directory in (leaf, os.path.dirname(leaf)):
+            try:
+                os.rmdir(directory)
+            except OSError:  # not empty (the usual case), already gone, or not ours to remove
+                return
+
     def _stuck_locked(self, path: str, key: bytes | None, nbytes: int) -> None:
         self._stuck[path] = (key, nbytes)
-        self._policy.capacity_bytes = self.config.capacity_bytes - sum(n for _, n in self._stuck.values())
+        self._policy.capacity_bytes = self._file_budget - sum(n for _, n in self._stuck.values())
 
     def _retry_stuck(self) -> None:
         """Try again to delete files that could not be deleted (at most every _STUCK_RETRY_S)."""
@@ -864,7 +880,7 @@ class FilesystemTier:
                 self._stuck.pop(path, None)
                 if key is not None:
                     self._doomed.pop(key, None)
-                self._policy.capacity_bytes = self.config.capacity_bytes - sum(n for _, n in self._stuck.values())
+                self._policy.capacity_bytes = self._file_budget - sum(n for _, n in self._stuck.values())
         self._update_occupancy()
 
     # ---- backoff ----------------------------------------------------------------------------------------
@@ -912,8 +928,10 @@ class FilesystemTier:
                                 self._scan_file(fd2, name, d1, d2, head, stats, found)
                         finally:
                             os.close(fd2)
+                        _rmdir_if_empty(fd1, d2)  # left by an earlier run, or emptied by the scan
                 finally:
                     os.close(fd1)
+                _rmdir_if_empty(top, d1)
         finally:
             os.close(top)
         found.sort()
@@ -993,6 +1011,7 @@ class FilesystemTier:
     def _remove_path_locked(self, path: str) -> None:
         try:
             os.unlink(path)
+            self._prune_fanout(os.path.dirname(path))
         except FileNotFoundError:
             pass
         except OSError:
@@ -1015,6 +1034,13 @@ def _open_dir(name: str, dir_fd: int | None) -> int | None:
         raise
 
 
+def _rmdir_if_empty(dir_fd: int, name: str) -> None:
+    try:
+        os.rmdir(name, dir_fd=dir_fd)
+    except OSError:  # not empty, gone, or not a directory (the scan removed strays already)
+        pass
+
+
 def _remove_entry(dir_fd: int, name: str) -> None:
     """Remove ``name`` from the directory open at ``dir_fd`` without following it: a symlink is unlinked, never
     its target; a directory is removed by descriptors (shutil.rmtree's symlink-safe walk)."""
@@ -1026,3 +1052,18 @@ def _remove_entry(dir_fd: int, name: str) -> None:
             os.unlink(name, dir_fd=dir_fd)
     except OSError:
         pass
+
+
+# Bytes a directory takes on common filesystems (ext4, xfs: one block); a block file lives two fan-out levels down.
+DIRECTORY_BYTES = 4096
+
+
+def file_budget(capacity_bytes: int, file_bytes: int) -> int:
+    """The bytes block files of ``file_bytes`` each may take so that the files and their directories fit in
+    ``capacity_bytes``. Empty fan-out directories are pruned, so there are never more leaf directories, nor more
+    first-level ones, than files: each file is charged two directories, the namespace directory and the volume's
+    own root once each (a du of the volume counts both). At least one file's worth, so that a tiny tier still
+    stores."""
+    per_file = file_bytes + 2 * DIRECTORY_BYTES
+    files = max(1, (capacity_bytes - 2 * DIRECTORY_BYTES) // per_file)
+    return min(capacity_bytes, files * file_bytes)
