@@ -38,7 +38,7 @@ from .kube import (
 )
 from .metrics import Metrics
 from .selectors import matches, to_query
-from .settings import FINALIZER, POLICY_LABEL, PREFIX, Settings
+from .settings import FINALIZER, OPT_IN_ANY, OPT_IN_LABEL, POLICY_LABEL, PREFIX, Settings
 from .status import CONDITION_TYPES, now_rfc3339
 from .status_writer import write_status
 from .trust import foreign_holder_message, owns_config_map
@@ -314,18 +314,21 @@ class Operator:
             return connection_info(op.kube)
 
         @kopf.index(*POLICY, id="kvtier_policies", registry=registry)  # the id is the kwarg name
-        def kvtier_policies(namespace: str, name: str, spec: Any, meta: Any, **_: Any) -> dict[str, Any]:
+        async def kvtier_policies(namespace: str, name: str, spec: Any, meta: Any, **_: Any) -> dict[str, Any]:
             return {namespace: {"name": name, "selector": dict(spec).get("selector"),
                                 "deleting": bool(meta.get("deletionTimestamp"))}}
 
         # Workload labels, indexed (kopf fills indexes before any daemon starts): they route events to the
         # policies concerned and tell a reconcile which lists can return something. Indexing writes nothing.
+        # The index functions are async on purpose: kopf runs a sync handler in its thread executor, and at a
+        # few hundred policies that hand-off (for every watch event of every Deployment) cost kopf's event
+        # workers more than the indexing itself, delaying the daemons' start (bench/operator_scale.py, profiled).
         @kopf.index("apps", "v1", "deployments", id="kvtier_deployments", registry=registry)
-        def kvtier_deployments(namespace: str, name: str, labels: Any, **_: Any) -> dict[str, Any]:
+        async def kvtier_deployments(namespace: str, name: str, labels: Any, **_: Any) -> dict[str, Any]:
             return {namespace: {"name": name, "labels": dict(labels)}}
 
         @kopf.index("apps", "v1", "statefulsets", id="kvtier_statefulsets", registry=registry)
-        def kvtier_statefulsets(namespace: str, name: str, labels: Any, **_: Any) -> dict[str, Any]:
+        async def kvtier_statefulsets(namespace: str, name: str, labels: Any, **_: Any) -> dict[str, Any]:
             return {namespace: {"name": name, "labels": dict(labels)}}
 
         @kopf.on.event(*POLICY, id="policy-event", registry=registry)
@@ -406,10 +409,18 @@ class Operator:
     def _wake_neighbours(self, namespace: str, name: str, old_selector: Optional[dict[str, Any]],
                          new_selector: Optional[dict[str, Any]], policies: kopf.Index,
                          workloads: list[dict[str, str]]) -> None:
-        """Wake the other policies that select a workload this policy selects or selected."""
+        """Wake the other policies that select a workload this policy selects or selected.
+
+        Only a workload opted in to any policy (``OPT_IN_ANY``) can make two policies rivals (``reconcile.plan``
+        counts a rival only where the workload opted in to it too); one opted in to a single policy by name
+        leaves every other policy's plan alone. Skipping the rest keeps a new policy's event from costing
+        O(policies x workloads) matches: at 500 policies in a namespace that was quadratic work on kopf's
+        event loop, delaying every daemon's start (bench/operator_scale.py, profiled).
+        """
         touched = [labels for labels in workloads
-                   if matches(old_selector, labels) or matches(new_selector, labels)
-                   or labels.get(POLICY_LABEL) == name]
+                   if labels.get(OPT_IN_LABEL) == OPT_IN_ANY
+                   and (matches(old_selector, labels) or matches(new_selector, labels)
+                        or labels.get(POLICY_LABEL) == name)]
         if not touched:
             return
         for p in policies.get(namespace, []):
