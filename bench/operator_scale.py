@@ -30,13 +30,13 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "runtime")]
+sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "runtime"), str(ROOT / "tests")]
 
 from kubernetes import client, config, watch  # noqa: E402
 
 from kvtier_operator.kube import Kube, policy_path, workload_path  # noqa: E402
-from kvtier_operator.main import OperatorThread  # noqa: E402
 from kvtier_operator.settings import CONFIG_HASH_ANNOTATION, OPT_IN_LABEL, Settings  # noqa: E402
+from plugins.operator_thread import OperatorThread  # noqa: E402  (the tests' harness: the operator in a thread)
 
 
 def deployment(name: str, ns: str) -> dict:

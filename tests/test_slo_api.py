@@ -69,10 +69,11 @@ def test_status_written_by_the_guard_fits_the_status_models():
 
 
 def test_guard_status_validates_against_the_status_model_and_keeps_transition_times():
-    """What the operator's SLO daemon writes (slo_timer.guard_status), fed by the decision engine, and the tier
-    states the reconcile derives from it (tiers.tier_states, the one writer of status.tiers)."""
+    """What a pass writes for the SLO guard (controller.guard_fields of slo_tick.step_of), fed by the decision
+    engine, and the tier states the pass derives from it (tiers.tier_states, the one derivation of status.tiers)."""
     from kvtier_operator.api.v1alpha1 import KVCachePolicySpec, KVCachePolicyStatus
-    from kvtier_operator.slo_timer import guard_status
+    from kvtier_operator.controller import guard_fields
+    from kvtier_operator.slo_tick import step_of
     from kvtier_operator.tiers import tier_states
 
     spec = json.loads(json.dumps(POLICY["spec"]))
@@ -89,7 +90,8 @@ def test_guard_status_validates_against_the_status_model_and_keeps_transition_ti
     for i, m in enumerate([Measurements.of(0.5, 0.05, 5.0)] * 2 + [Measurements.of(3.0, 0.05, 5.0)] * 3):
         decision = evaluate(s, status.get("slo"), m, 1000.0 + i * 30, generation=4)
         now = f"2026-01-01T00:0{i}:00Z"
-        status = {**status, **guard_status(status, decision, 4, now)}
+        step = step_of(decision, s.interval_s)
+        status = {**status, **guard_fields(step, status.get("conditions") or [], 4, now), "slo": decision.state}
         status["tiers"] = tier_states(KVCachePolicySpec.model_validate(spec), status, now)
         transitions[i] = {c["type"]: c["lastTransitionTime"] for c in status["conditions"]}
     KVCachePolicyStatus.model_validate(json.loads(json.dumps(status)))

@@ -353,7 +353,7 @@ def test_workload_deleted_before_policy_is_not_an_error(kube, namespace, run_ope
     kube.delete(policy_path(namespace, "llm"))
     wait_for(lambda: get_policy(kube, namespace, "llm") is None, 30, what="policy gone")
     # Nothing is remembered about objects that are gone (a long-running operator must not grow with churn).
-    assert not runner.op.events.remembers((namespace, "Deployment", "llm"))
+    assert not runner.shared.events.remembers((namespace, "Deployment", "llm"))
     assert (namespace, "kvtier-llm") not in runner.op.applied_config_maps
 
 

@@ -347,7 +347,7 @@ class _Guard:
     # -- bookkeeping
     def history(self, action: str, tier: str, reason: str = "", metric: str | None = None,
                 value: float | None = None, threshold: float | None = None, dry_run: bool = False) -> None:
-        """One ``status.history`` entry (the API's HistoryEntry: time, tier, action, reason, metric, value,
+        """One ``status.slo.history`` entry (the API's HistoryEntry: time, tier, action, reason, metric, value,
         threshold; nothing else, the model forbids extra keys)."""
         if dry_run:
             action = {"Disabled": "WouldDisable", "ProbationFailed": "WouldDisable",
