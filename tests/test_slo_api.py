@@ -7,6 +7,7 @@ import json
 
 from kvtier_operator.api.v1alpha1 import HistoryEntry, KVCachePolicy, TierStatus
 from kvtier_operator.slo import Measurements, SLOSettings, evaluate, tier_states
+from plugins.slo_harness import slo_settings
 
 POLICY = {
     "apiVersion": "kvtier.io/v1alpha1",
@@ -34,7 +35,7 @@ POLICY = {
 
 def settings_from_model() -> SLOSettings:
     model = KVCachePolicy.model_validate(POLICY)
-    return SLOSettings.from_spec(model.spec.model_dump(by_alias=True, exclude_none=True))
+    return slo_settings(model.spec.model_dump(by_alias=True, exclude_none=True))
 
 
 def test_model_dump_parses_with_the_models_defaults():
@@ -48,7 +49,7 @@ def test_model_dump_parses_with_the_models_defaults():
     assert (p.url, p.timeout_s, p.bearer_token.name, p.ca_bundle.key) == (
         "https://prometheus.monitoring:9090", 10, "prom", "ca.crt")
     # The raw dict kopf hands a handler (no defaults filled in) parses to the same settings.
-    assert SLOSettings.from_spec(POLICY["spec"]) == s
+    assert slo_settings(POLICY["spec"]) == s
 
 
 def test_status_written_by_the_guard_fits_the_status_models():
@@ -81,7 +82,7 @@ def test_guard_status_validates_against_the_status_model_and_keeps_transition_ti
                           "volume": {"emptyDir": {}}, "enabled": False})
     spec["rollout"] = {"strategy": "immediate"}
     del spec["slo"]["ttftP99MaxRatio"]
-    s = SLOSettings.from_spec(spec)
+    s = slo_settings(spec)
     assert s.tiers == ("host", "nvme") and s.spec_disabled_tiers == ("spare",)
     ready = {"type": "Ready", "status": "True", "reason": "Applied", "message": "",
              "lastTransitionTime": "2026-01-01T00:00:00Z"}
