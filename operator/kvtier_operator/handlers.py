@@ -148,7 +148,7 @@ async def workload_event(type: str, name: str, namespace: str, body: Any, meta: 
                                     rolled_out=Workload(body).rolled_out())
     if change in ("echo", "quiet"):
         return
-    for policy in concerned(dict(meta.get("labels") or {}), kvtier_policies.get(namespace, [])):
+    for policy in concerned(change, dict(meta.get("labels") or {}), kvtier_policies.get(namespace, [])):
         if change == "status":
             shared.wakeups.trigger_later((namespace, policy), STATUS_ONLY_DELAY)
         else:
@@ -306,11 +306,16 @@ def neighbours(name: str, old_selector: Optional[dict[str, Any]], new_selector: 
                                          for labels in touched)]
 
 
-def concerned(labels: dict[str, str], policies: list[dict[str, Any]]) -> set[str]:
-    """The policies a workload's event concerns: those selecting it, and the one whose label it carries."""
-    wanted = {p["name"] for p in policies if matches(p["selector"], labels)}
-    if labels.get(POLICY_LABEL):
-        wanted.add(labels[POLICY_LABEL])
+def concerned(change: str, labels: dict[str, str], policies: list[dict[str, Any]]) -> list[str]:
+    """The policies a workload's event concerns. A change of its spec or labels, or its deletion: those selecting
+    it, and the one whose label it carries. A status-only change (a rollout finished or restarted): only the one
+    whose label it carries, since ``Progressing`` is reported for configured targets only; matching every policy
+    of the namespace on each of the controller's status updates was O(policies) per event, quadratic over a
+    burst of new policies."""
+    mine = labels.get(POLICY_LABEL)
+    if change == "status":
+        return [mine] if mine else []
+    wanted = sorted({p["name"] for p in policies if matches(p["selector"], labels)} | ({mine} if mine else set()))
     return wanted
 
 
