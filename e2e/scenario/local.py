@@ -211,7 +211,7 @@ class LocalEnvironment:
             raise ScenarioError(f"the operator exited with {self.operator.process.returncode}:\n"
                                 f"{tail(self.operator_log)}")
         if self.prometheus is not None and self.prometheus.process is not None \
-                and self.prometheus.process.process.poll() is not None:
+                and self.prometheus.process.poll() is not None:
             raise ScenarioError(f"prometheus exited:\n{tail(self.prometheus.log_path)}")
         if self.kubelet is not None:
             self.kubelet.check_alive()
