@@ -9,7 +9,7 @@ through the models first (``tests/plugins/slo_harness.slo_settings``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
 from ..api import v1alpha1 as api
 
