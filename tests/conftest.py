@@ -11,7 +11,7 @@ import importlib.util
 import pathlib
 
 # Plugins whose module imports a package only the operator extra installs.
-_NEEDS_OPERATOR_EXTRA = {"controlplane", "operator"}
+_NEEDS_OPERATOR_EXTRA = {"controlplane", "operator", "operator_thread"}
 _HAS_OPERATOR_EXTRA = importlib.util.find_spec("kubernetes") is not None
 
 pytest_plugins = sorted(
