@@ -255,6 +255,17 @@ class KVChunkCodec:
             return None
         return mask.nonzero().view(-1)
 
+    @staticmethod
+    def _take(t: torch.Tensor, dim: int, sample: torch.Tensor) -> torch.Tensor:
+        """``t``'s entries ``sample`` along ``dim``: a strided view when the sample is one stride (no heavy
+        tokens: the usual case), a gather otherwise."""
+        n = sample.numel()
+        if n > 1:
+            first, step = int(sample[0]), int(sample[1] - sample[0])
+            if step > 0 and int(sample[-1]) == first + step * (n - 1):
+                return t.narrow(dim, first, step * (n - 1) + 1)[(slice(None),) * dim + (slice(None, None, step),)]
+        return t.index_select(dim, sample)
+
     def _sampled_error(self, q: "_Quant", codes: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor,
                        x: torch.Tensor, l0: int, lg: int, sample: torch.Tensor | None) -> float:
         """The attention check of layers l0..l0+lg over the sampled tokens of every page, every head: only they
@@ -271,15 +282,15 @@ class KVChunkCodec:
         mini = KVLayout(num_layers=lg, block_tokens=ts, num_kv_heads=h, head_dim=d, dtype=lay.dtype,
                         page_order="HKTD", pages=p, outer="LP")
         sub = self._scratch.get("vcodes", (lg, p, h, 2, ts, cw), torch.uint8, codes.device)
-        sub.permute(0, 3, 2, 1, 4, 5).copy_(_canonical_as(lay, codes.view(-1), lg, cw)[:, :, :, :, sample])
+        sub.permute(0, 3, 2, 1, 4, 5).copy_(self._take(_canonical_as(lay, codes.view(-1), lg, cw), 4, sample))
         kg = p * t // sk.shape[2]
         sk_s = self._scratch.get("vsk", (lg, h, p, ts, d), F32, codes.device)
         sk_s.copy_(sk.view(lg, h, p, t // kg, d)[:, :, :, sample // kg])
         sv_s = self._scratch.get("vsv", (lg, h, p, ts, sv.shape[3]), F32, codes.device)
-        sv_s.copy_(sv.view(lg, h, p, t, -1)[:, :, :, sample])
+        sv_s.copy_(self._take(sv.view(lg, h, p, t, -1), 3, sample))
         rec = self._scratch.get("vrec", mini.numel, F32, codes.device)
         dequantize(mini, q, sub.view(-1, cw), sk_s.view(lg, h, p * ts, d), sv_s.view(lg, h, p * ts, -1), rec, lg)
-        xs = canonical(lay, x, lg)[:, :, :, :, sample]                          # [lg, 2, H, P, ts, D]
+        xs = self._take(canonical(lay, x, lg), 4, sample)                        # [lg, 2, H, P, ts, D]
         return float(attention_errors(xs, canonical(mini, rec, lg)).max()) / VERIFY_SAMPLE_MARGIN
 
     def _groups(self, codec: str, k_group: int | None, v_group: int | None) -> tuple[int, int]:
