@@ -13,7 +13,9 @@ spans K and V, two layers or two heads. Scales are stored as bf16: int scales ar
 clips), fp8 scales are powers of two (exact, and e4m3's precision does not depend on the scale).
 
 Accuracy check (``verify=True``, the default): every chunk is decoded again and attention over the chunk is
-computed for ``N_QUERIES`` probe queries per (layer, head), with the original and the decoded K and V. The chunk's
+computed for ``N_QUERIES`` probe queries per (layer, head), with the original and the decoded K and V; in chunks
+of 256 tokens or more only over a sample of tokens (``VERIFY_TOKEN_STRIDE``, ``verify_sample``: every layer and
+head, a quarter of each page's tokens plus its heavy ones). The chunk's
 error is the worst relative error of the attention output over layers and heads; above the codec's budget
 (``ATTENTION_BUDGETS``) the chunk is re-encoded with the next codec of ``FALLBACK_CHAINS`` (ending in ``none``,
 which is exact) and counted in ``kvtier_runtime_codec_fallbacks_total{requested_codec, codec}``. Half of the
@@ -643,8 +645,8 @@ def attention_error(x: torch.Tensor, rec: torch.Tensor) -> float:
 
 
 def attention_errors(x: torch.Tensor, rec: torch.Tensor) -> torch.Tensor:
-    """Relative error per (layer, head), flattened [L * H], of softmax(q k^T / sqrt(D)) v for ``N_QUERIES`` probe queries
-    (half isotropic normal, half scaled per channel like K), original ``x`` against decoded ``rec``: canonical
+    """Relative error per (layer, head), flattened [L * H], of softmax(q k^T / sqrt(D)) v for ``N_QUERIES`` probe
+    queries (half isotropic normal, half scaled per channel like K), original ``x`` against decoded ``rec``: canonical
     views [L, 2, H, N, D] (or [L, 2, H, P, T, D]), K then V, any float dtype."""
     if x.dim() == 6:
         x, rec = x.flatten(3, 4), rec.flatten(3, 4)   # copies when pages are not adjacent: fine here
