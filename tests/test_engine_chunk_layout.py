@@ -21,7 +21,7 @@ from kvtier_runtime.engines.chunk_layout import (
     tier_codec,
 )
 from kvtier_runtime.engines.host_region import HostRegion
-from kvtier_runtime.engines.offload_books import HIT, RETRY, OffloadBooks
+from kvtier_runtime.store.books import HIT, RETRY, OffloadBooks
 from kvtier_runtime.fs.format import HEADER_BYTES
 from kvtier_runtime.fs.tier import FilesystemTier
 from kvtier_runtime.store.memory_tier import MemoryTier

@@ -12,7 +12,7 @@ import torch
 
 from kvtier_runtime.config import ConfigError, FilesystemTierConfig, OffloadSpecConfig
 from kvtier_runtime.engines.host_region import HostRegion, region_path, remove_stale_regions
-from kvtier_runtime.engines.offload_books import DISK, HIT, HIT_PENDING, HOST, MISS, RETRY, OffloadBooks
+from kvtier_runtime.store.books import DISK, HIT, HIT_PENDING, HOST, MISS, RETRY, OffloadBooks
 from kvtier_runtime.engines.page_copy import PageCopier
 from kvtier_runtime.fs.format import HEADER_BYTES
 from kvtier_runtime.fs.tier import FilesystemTier

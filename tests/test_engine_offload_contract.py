@@ -18,7 +18,7 @@ import torch
 
 from kvtier_runtime.config import FilesystemTierConfig
 from kvtier_runtime.engines.host_region import HostRegion
-from kvtier_runtime.engines.offload_books import HIT, HIT_PENDING, MISS, RETRY, OffloadBooks
+from kvtier_runtime.store.books import HIT, HIT_PENDING, MISS, RETRY, OffloadBooks
 from kvtier_runtime.fs.tier import FilesystemTier
 from kvtier_runtime.policies import AccessContext
 from kvtier_runtime.store.memory_tier import MemoryTier

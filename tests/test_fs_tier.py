@@ -556,7 +556,7 @@ def test_jobs_after_close_are_refused_before_anything_is_reserved(fs_tier_factor
 
 def test_a_block_being_written_cannot_be_pinned_so_a_failed_write_still_settles(fs_tier_factory) -> None:
     # A pin taken during the write used to make the failed write's cleanup raise PinnedEntryError in the pool
-    # thread: the job never finished and a waiter (TieredStore waits without a timeout) hung for ever.
+    # thread: the job never finished and a waiter without a timeout hung for ever.
     gate, armed = threading.Event(), threading.Event()
 
     class FailsLate(FileOps):

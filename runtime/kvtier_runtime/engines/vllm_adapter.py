@@ -5,7 +5,7 @@ kvtier's own offloading spec (``backend: kvtier``), loaded by vLLM's ``Offloadin
 * ``kv_connector_extra_config: {spec_name: KvtierOffloadingSpec, spec_module_path: <this>, cpu_bytes_to_use: ...,
   eviction_policy: ..., admission: ..., fs_tiers: [{root_dir, capacity_bytes, codec, ...}]}``
   -> :class:`KvtierOffloadingSpec`: its manager (scheduler process) keeps the books with kvtier's policies and
-  tiers (:mod:`.offload_books`), its worker (worker process) copies pages between vLLM's KV cache and kvtier's
+  tiers (:mod:`kvtier_runtime.store.books`), its worker (worker process) copies pages between vLLM's KV cache and kvtier's
   host tier (:mod:`.page_copy`, a shared-memory region: :mod:`.host_region`).
 
 Plug-ins into vLLM's own managers (``backend: native`` users who want kvtier's policies or disk tier), loaded by
@@ -88,7 +88,7 @@ from ..fs.tier import JobResult as TierJobResult
 from ..policies import AccessContext, EvictionPolicy, get_policy
 from .chunk_layout import FLAT_REASONS, ChunkFacts, LayoutDecision, check_worker_pages, chunk_layout, tier_codec
 from .host_region import HostRegion, remove_stale_regions
-from .offload_books import OffloadBooks
+from ..store.books import OffloadBooks
 from .page_copy import KvLayout, PageCopier
 from .vllm_support import POLICY_REFUSALS, block_view_dtype, job_outcome, kv_torch_dtype, namespace_suffix
 from ..store.memory_tier import MemoryTier

@@ -204,8 +204,7 @@ class JobQueue:
 
     def _settled(self, task: Callable[..., bool], job: _Job, i: int, *args: Any) -> None:
         """Run an I/O task and settle its key whatever happens: an exception escaping a task would otherwise
-        vanish in the pool and leave the job unfinished, so a waiter (TieredStore waits without a timeout)
-        would hang."""
+        vanish in the pool and leave the job unfinished, so a waiter without a timeout would hang."""
         ok = False
         with self._lock:
             self._running_tasks += 1
