@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -99,11 +100,13 @@ def test_runtime_imports_neither_kopf_nor_kubernetes() -> None:
     import subprocess
     import sys
 
-    # Every runtime module but the vLLM adapter (it needs vllm; tests/vllm imports it) and the __main__ entry
-    # points (importing runs them), so a new module that pulls in the operator's dependencies fails here.
+    # Every runtime module but the vLLM plug-ins (they need vllm; tests/vllm imports them) and the __main__ entry
+    # points (importing runs them), so a new module that pulls in the operator's dependencies -- or vllm, which
+    # this env does not have -- fails here.
     code = ("import importlib, pkgutil, sys, kvtier_runtime\n"
             "names = [m.name for m in pkgutil.walk_packages(kvtier_runtime.__path__, 'kvtier_runtime.')\n"
-            "         if m.name != 'kvtier_runtime.engines.vllm_adapter' and not m.name.endswith('.__main__')]\n"
+            "         if m.name != 'kvtier_runtime.engines.vllm_adapter'\n"
+            "         and not m.name.startswith('kvtier_runtime.engines.vllm.') and not m.name.endswith('.__main__')]\n"
             "for name in names: importlib.import_module(name)\n"
             "assert len(names) > 30, names\n"
             "bad = [m for m in sys.modules if m.split('.')[0] in ('kopf', 'kubernetes')]\n"
@@ -114,3 +117,19 @@ def test_runtime_imports_neither_kopf_nor_kubernetes() -> None:
                             "kvtier_runtime.fs, kvtier_runtime.fs.format; print('torch' in sys.modules)"],
                            capture_output=True, text=True, env=env, check=True)
     assert light.stdout.strip() == "False", "the package, its config and the fs format must not import torch"
+
+
+def test_only_the_vllm_plug_ins_import_vllm() -> None:
+    # The import walk above skips the plug-ins, so it cannot see a vllm import added to another module that is
+    # only imported by the plug-ins. Read every runtime source instead.
+    import kvtier_runtime
+
+    root = Path(kvtier_runtime.__file__).parent
+    allowed = {root / "engines" / "vllm_adapter.py", *(root / "engines" / "vllm").glob("*.py")}
+    pattern = re.compile(r"^\s*(import vllm\b|from vllm[ .])", re.M)
+    offenders = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                       if p not in allowed and pattern.search(p.read_text()))
+    assert offenders == [], "vllm is imported outside kvtier_runtime/engines/vllm/"
+    assert all(pattern.search(p.read_text()) for p in (root / "engines" / "vllm").glob("*.py")
+               if p.name != "__init__.py"), "the check reads nothing"
+
