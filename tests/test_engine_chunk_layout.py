@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvtier_runtime.codecs import STATS, KVChunkCodec, KVLayout, peek_header
-from kvtier_runtime.codecs.accuracy import attention_cosine
+from plugins.kv_accuracy import attention_cosine
 from kvtier_runtime.config import FilesystemTierConfig
 from kvtier_runtime.engines.chunk_layout import (
     FLAT_REASONS,
