@@ -16,10 +16,8 @@ import torch
 
 from chart.promql_names import metric_names
 from kvtier_runtime.config import FilesystemTierConfig
-from kvtier_runtime.engines.host_region import HostRegion
-from kvtier_runtime.fs import FilesystemTier
-from kvtier_runtime.store import HIT, RETRY, MemoryTier, OffloadBooks
-from plugins.runtime import key_of
+from kvtier_runtime.store import HIT, RETRY, MemoryTier
+from plugins.runtime import close_books, engine_books, key_of
 
 SHAPE = (64, 256)
 NB = 64 * 256 * 4  # bytes of one float32 block
@@ -63,12 +61,9 @@ def test_every_runtime_series_the_dashboard_reads_is_exported_by_the_engine_path
     # lookups, and require a non-zero sample labelled with one of its tiers for every kvtier_runtime_* series the
     # dashboard queries.
     host_name, fs_name = f"host-{time.monotonic_ns()}", f"fs-{time.monotonic_ns()}"
-    region = HostRegion(str(tmp_path / "shm"), f"metrics-{time.monotonic_ns()}", 2, ROW)
-    host = MemoryTier(host_name, (ROW,), torch.uint8, 2 * ROW, slab=region.rows)
     cfg = FilesystemTierConfig(root_dir=str(tmp_path / "fs"), capacity_bytes=1 << 20, n_read_threads=2,
                                n_write_threads=2)
-    view = region.rows.view(torch.float16)  # the rows as the filesystem tier sees them (its codec's dtype)
-    books = OffloadBooks(host, [FilesystemTier(cfg, (view.shape[1],), view.dtype, name=fs_name)], fs_rows=[view])
+    books, region = engine_books(tmp_path, 2, ROW, [(cfg, {"name": fs_name})], host_name=host_name)
     try:
         keys = [key_of(i) for i in range(4)]
         for key in keys:  # two host rows: the first two keys are evicted to the disk copy
@@ -92,8 +87,7 @@ def test_every_runtime_series_the_dashboard_reads_is_exported_by_the_engine_path
                     if labels == {"src": fs_name, "dst": host_name}]
         assert promoted == [1.0], "a disk -> host promotion is labelled with the books' own host tier"
     finally:
-        books.close()
-        region.close(unlink=True)
+        close_books(books, region)
 
 
 def test_runtime_imports_neither_kopf_nor_kubernetes() -> None:
