@@ -10,10 +10,8 @@ import stat
 
 from .. import metrics
 from ..config import ConfigError
-from .format import mac_key_from_bytes
 
 log = logging.getLogger("kvtier_runtime.fs.tier")
-
 
 _IO_ERRNO_KIND = {
     errno.ENOSPC: "enospc", errno.EDQUOT: "enospc", errno.EIO: "eio", errno.EROFS: "erofs",
@@ -23,20 +21,6 @@ _IO_ERRNO_KIND = {
 
 # Kinds that say the disk or directory itself is failing (not one bad file): repeated, they trigger backoff.
 _BACKOFF_KINDS = frozenset({"enospc", "eio", "erofs", "eacces", "timeout"})
-
-
-def _read_mac_key(path: str | None) -> bytes | None:
-    if path is None:
-        return None
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read(4096)
-    except OSError as exc:
-        raise ConfigError(f"mac_key_file: {path} cannot be read ({exc.strerror or exc})") from None
-    try:
-        return mac_key_from_bytes(raw, path)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
 
 
 class TierHealth:

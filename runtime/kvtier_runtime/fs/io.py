@@ -11,6 +11,7 @@ import torch
 
 from .. import metrics
 from ..codecs import Codec, CodecError, KVChunkCodec, decode, peek_header
+from ..config import ConfigError
 from .fileio import AlignedBuffer, read_whole, write_atomic
 from .format import (
     ALIGN,
@@ -21,6 +22,7 @@ from .format import (
     block_mac,
     checksum,
     file_bytes_for,
+    mac_key_from_bytes,
     pack_header,
     parse_header,
     verify_mac,
@@ -29,6 +31,20 @@ from .format import (
 from .health import _BACKOFF_KINDS, _IO_ERRNO_KIND
 from .jobs import _Expired, _Job
 from .paths import TMP_MARK
+
+
+def _read_mac_key(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(4096)
+    except OSError as exc:
+        raise ConfigError(f"mac_key_file: {path} cannot be read ({exc.strerror or exc})") from None
+    try:
+        return mac_key_from_bytes(raw, path)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _may_fall_back(codec: Codec | KVChunkCodec) -> bool:

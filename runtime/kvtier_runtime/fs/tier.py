@@ -33,9 +33,9 @@ from ..config import FilesystemTierConfig
 from ..policies import AccessContext, get_policy
 from .fileio import FileOps, probe_o_direct
 from .format import MAX_KEY_BYTES, file_bytes_for
-from .health import TierHealth, _read_mac_key
+from .health import TierHealth
 from .index import BlockIndex, KeyState, LookupRun, _Entry
-from .io import BlockIO
+from .io import BlockIO, _read_mac_key
 from .jobs import JobQueue, JobResult, _Job
 from .paths import NAMESPACE, block_relpath
 from .scan import StartupScan
