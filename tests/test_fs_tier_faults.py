@@ -23,13 +23,9 @@ from kvtier_runtime.fs import format as fmt
 from kvtier_runtime.fs.fileio import FileOps
 from kvtier_runtime.fs.paths import NAMESPACE, block_relpath
 from kvtier_runtime.store import HIT, MISS, RETRY, MemoryTier, OffloadBooks
-from plugins.runtime import block_file_bytes, block_for, key_of, metric_value
+from plugins.runtime import block_file_bytes, block_for, key_of, metric_value, sentinel
 
 SHAPE = (64, 256)
-
-
-def _sentinel():
-    return torch.full(SHAPE, 12345.0)
 
 
 def _errors(kind: str) -> float:
@@ -62,19 +58,19 @@ def test_a_forged_block_is_served_by_crc_alone_but_is_a_counted_miss_with_the_ma
     plain = fs_tier_factory(root=str(tmp_path / "plain"))
     assert plain.store([key], [block_for(key)]).success
     _forge(plain.block_path(key))
-    out = _sentinel()
+    out = sentinel()
     assert plain.load([key], [out]).success, "CRC32 alone cannot tell a forged block (why the MAC exists)"
     assert not torch.equal(out, block_for(key))
 
     tier = fs_tier_factory(root=str(tmp_path / "mac"), mac_key_file=_key_file(tmp_path))
     assert tier.store([key], [block_for(key)]).success
-    out = _sentinel()
+    out = sentinel()
     assert tier.load([key], [out]).success and torch.equal(out, block_for(key))
     _forge(tier.block_path(key))
     f0 = _errors("forged")
-    out = _sentinel()
+    out = sentinel()
     res = tier.load([key], [out])
-    assert res.errors == {0: "forged"} and torch.equal(out, _sentinel()), "a forged block is never served"
+    assert res.errors == {0: "forged"} and torch.equal(out, sentinel()), "a forged block is never served"
     assert _errors("forged") == f0 + 1
     assert tier.state(key) is KeyState.MISS and not os.path.exists(tier.block_path(key))
 
@@ -87,15 +83,15 @@ def test_blocks_without_the_right_mac_are_refused(fs_tier_factory, tmp_path) -> 
     with_a.close()
     unkeyed = fs_tier_factory(root=root)  # a writer without any key (e.g. another pod, misconfigured)
     assert unkeyed.store(keys[2:], [block_for(k) for k in keys[2:]]).success
-    outs = [_sentinel() for _ in keys]
+    outs = [sentinel() for _ in keys]
     assert unkeyed.load(keys, outs).success, "a tier without a key still reads MAC'd blocks (CRC-checked)"
     unkeyed.close()
     with_b = fs_tier_factory(root=root, mac_key_file=_key_file(tmp_path, "b.key"))
     assert with_b.rebuild_stats["blocks"] == 3
-    outs = [_sentinel() for _ in keys]
+    outs = [sentinel() for _ in keys]
     res = with_b.load(keys, outs)
     assert res.errors == {0: "forged", 1: "forged", 2: "forged"}
-    assert all(torch.equal(o, _sentinel()) for o in outs)
+    assert all(torch.equal(o, sentinel()) for o in outs)
 
 
 @pytest.mark.parametrize("case", ["missing", "short", "directory"])
@@ -116,7 +112,7 @@ def test_a_long_key_file_with_a_trailing_newline_works(fs_tier_factory, tmp_path
     tier = fs_tier_factory(mac_key_file=str(path))
     key = key_of(1)
     assert tier.store([key], [block_for(key)]).success
-    out = _sentinel()
+    out = sentinel()
     assert tier.load([key], [out]).success and torch.equal(out, block_for(key))
 
 
@@ -177,9 +173,9 @@ def test_a_fifo_swapped_in_for_a_block_fails_fast_at_load_and_at_restart(fs_tier
     os.unlink(path)
     os.mkfifo(path)
     t0 = time.monotonic()
-    out = _sentinel()
+    out = sentinel()
     res = tier.load([key], [out], timeout=15)
-    assert time.monotonic() - t0 < 5 and res.errors == {0: "foreign"} and torch.equal(out, _sentinel())
+    assert time.monotonic() - t0 < 5 and res.errors == {0: "foreign"} and torch.equal(out, sentinel())
     tier.close()
     os.unlink(path) if os.path.exists(path) else None
     os.mkfifo(path)
@@ -218,14 +214,14 @@ def test_a_hung_read_times_out_and_never_writes_the_callers_tensor_later(fs_tier
     assert tier.store([key], [block_for(key)]).success
     ops.reads.set()
     t0 = time.monotonic()
-    out = _sentinel()
+    out = sentinel()
     res = tier.load([key], [out], timeout=None)  # no caller timeout: the tier's own bound applies
     assert time.monotonic() - t0 < 3 and res.errors == {0: "timeout"}
     ops.release.set()
     tier.drain(timeout=10)
     time.sleep(0.2)
-    assert torch.equal(out, _sentinel()), "a read finishing after its job expired must not touch the tensor"
-    out2 = _sentinel()
+    assert torch.equal(out, sentinel()), "a read finishing after its job expired must not touch the tensor"
+    out2 = sentinel()
     assert tier.load([key], [out2]).success and torch.equal(out2, block_for(key)), "the block itself is fine"
 
 
@@ -245,7 +241,7 @@ def test_a_hung_write_times_out_for_polling_callers_and_drain_is_bounded(fs_tier
     while tier.state(key) is KeyState.PENDING and time.monotonic() < deadline:
         time.sleep(0.02)
     # the write had copied the block before the job expired, so finishing it stores the right bytes
-    out = _sentinel()
+    out = sentinel()
     assert tier.load([key], [out]).success and torch.equal(out, block_for(key))
 
 
@@ -328,7 +324,7 @@ def test_a_read_only_filesystem_degrades_the_tier_instead_of_raising(fs_tier_fac
     read_only()
     again = fs_tier_factory(root=os.path.join(mnt, "tier"))
     assert again.degraded == "erofs" and again.rebuild_stats["blocks"] == 1
-    out = _sentinel()
+    out = sentinel()
     assert again.load([key], [out]).success and torch.equal(out, block_for(key)), "what is there is still served"
     assert again.store([key_of(2)], [block_for(key_of(2))]).errors == {0: "erofs"}
     fresh = fs_tier_factory(root=os.path.join(mnt, "never-created"))  # the namespace cannot even be made
@@ -387,7 +383,7 @@ def test_close_is_bounded_while_a_read_hangs(fs_tier_factory) -> None:
     key = key_of(1)
     assert tier.store([key], [block_for(key)]).success
     ops.reads.set()
-    tier.submit_load([key], [_sentinel()])
+    tier.submit_load([key], [sentinel()])
     time.sleep(0.1)
     t0 = time.monotonic()
     tier.close()

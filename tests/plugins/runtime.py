@@ -16,6 +16,13 @@ def block_for(key: bytes, shape: tuple[int, ...] = (64, 256)):
     return torch.randn(shape, generator=gen, dtype=torch.float32)
 
 
+def sentinel(shape: tuple[int, ...] = (64, 256)):
+    """An output buffer no stored block equals: a read that did not happen (or wrote other bytes) shows."""
+    import torch
+
+    return torch.full(shape, 12345.0)
+
+
 def key_of(i: int) -> bytes:
     """A vLLM-like key: 32-byte hash + 4-byte big-endian group index."""
     import hashlib
