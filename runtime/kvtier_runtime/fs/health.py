@@ -8,7 +8,6 @@ import logging
 import os
 import stat
 
-from .. import metrics
 from ..config import ConfigError
 
 log = logging.getLogger("kvtier_runtime.fs.tier")
@@ -65,7 +64,7 @@ class TierHealth:
         self.degraded = kind
         log.error("filesystem tier %s: %s is unusable for stores (%s: %s); serving existing blocks only",
                   self.name, self.root, kind, exc.strerror or exc)
-        metrics.FS_ERRORS.labels(self.name, kind).inc()
+        self._metrics.error(kind)
 
     # ---- backoff ----------------------------------------------------------------------------------------
     def _record_io_failure(self) -> None:
@@ -75,4 +74,4 @@ class TierHealth:
             if over >= 0:
                 delay = min(self._backoff_max_s, self._backoff_base_s * (2 ** min(over, 30)))
                 self._backoff_until = self._clock() + delay
-                metrics.FS_BACKOFF.labels(self.name).set(1)
+                self._metrics.backoff(True)

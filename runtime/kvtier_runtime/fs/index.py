@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from .. import metrics
 from ..policies import AccessContext
 from .paths import block_relpath
 
@@ -80,8 +79,7 @@ class BlockIndex:
                     pending = entry is not None
                     break
                 hits += 1
-        metrics.LOOKUPS.labels(self.name).inc(min(len(keys), hits + 1))
-        metrics.HITS.labels(self.name).inc(hits)
+        self._metrics.looked_up(min(len(keys), hits + 1), hits)
         return LookupRun(hits, pending)
 
     def block_path(self, key: bytes) -> str:
@@ -157,7 +155,7 @@ class BlockIndex:
             if self._removals is not None and entry is not None and entry.state == "ready":
                 self._removals.append(key)
         if evicted and keys:
-            metrics.EVICTIONS.labels(self.name).inc(len(keys))
+            self._metrics.evicted(len(keys))
         return list(keys)
 
     def _unlink_doomed(self, keys: Sequence[bytes]) -> None:
@@ -170,7 +168,7 @@ class BlockIndex:
             except FileNotFoundError:
                 gone = True
             except OSError:
-                metrics.FS_ERRORS.labels(self.name, "unlink").inc()
+                self._metrics.error("unlink")
             finally:
                 with self._lock:
                     if gone:
@@ -207,4 +205,4 @@ class BlockIndex:
         self._update_occupancy()
 
     def _update_occupancy(self) -> None:
-        metrics.OCCUPANCY_BYTES.labels(self.name).set(self.used_bytes)
+        self._metrics.occupancy(self.used_bytes)

@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from .. import metrics
 from ..codecs import Codec, CodecError, KVChunkCodec, decode, peek_header
 from ..config import ConfigError
 from .fileio import AlignedBuffer, read_whole, write_atomic
@@ -107,13 +106,11 @@ class BlockIO:
         if ok:
             with self._lock:  # _record_io_failure updates it under the lock from other pool threads
                 self._consecutive_failures = 0
-            metrics.FS_BACKOFF.labels(self.name).set(0)
-            metrics.DEMOTIONS.labels(self.peer, self.name).inc()
-            metrics.BYTES_MOVED.labels(self.peer, self.name).inc(block.numel() * block.element_size())
-            metrics.TRANSFER_SECONDS.labels(self.peer, self.name).observe(time.perf_counter() - started)
+            self._metrics.backoff(False)
+            self._metrics.written(self.peer, block.numel() * block.element_size(), time.perf_counter() - started)
         else:
             if kind != "timeout":  # counted once, when the job expired
-                metrics.FS_ERRORS.labels(self.name, kind).inc()
+                self._metrics.error(kind)
             if kind == "enospc":
                 self._make_real_room(file_bytes_for(self._codec.encoded_nbytes(self.block_shape, self.dtype)))
             if kind in _BACKOFF_KINDS and kind != "timeout":
@@ -193,12 +190,10 @@ class BlockIO:
                         doomed += self._doom_locked([key])
         self._unlink_doomed(doomed)
         if kind:
-            metrics.FS_ERRORS.labels(self.name, kind).inc()
+            self._metrics.error(kind)
             self._update_occupancy()
         else:
-            metrics.PROMOTIONS.labels(self.name, self.peer).inc()
-            metrics.BYTES_MOVED.labels(self.name, self.peer).inc(out.numel() * out.element_size())
-            metrics.TRANSFER_SECONDS.labels(self.name, self.peer).observe(time.perf_counter() - started)
+            self._metrics.read(self.peer, out.numel() * out.element_size(), time.perf_counter() - started)
         return not kind
 
     def _read_block(self, job: _Job, key: bytes, out: torch.Tensor) -> None:

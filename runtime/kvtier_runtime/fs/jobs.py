@@ -12,7 +12,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .. import metrics
 
 log = logging.getLogger("kvtier_runtime.fs.tier")
 
@@ -140,7 +139,7 @@ class JobQueue:
         if late:
             log.warning("filesystem tier %s: %s job %d: %d keys still waiting for the disk after %.1fs",
                         self.name, job.kind, job.job_id, len(late), self._io_timeout_s)
-            metrics.FS_ERRORS.labels(self.name, "timeout").inc(len(late))
+            self._metrics.error("timeout", len(late))
             self._record_io_failure()
         if result is not None and self._on_complete is not None:
             self._on_complete(result)
@@ -214,7 +213,7 @@ class JobQueue:
             log.exception("filesystem tier %s: %s task failed unexpectedly", self.name, job.kind)
             with self._lock:
                 job.errors.setdefault(i, "other")
-            metrics.FS_ERRORS.labels(self.name, "other").inc()
+            self._metrics.error("other")
         finally:
             self._settle(job, i, ok)
             with self._lock:

@@ -8,7 +8,6 @@ import os
 import shutil
 import stat
 
-from .. import metrics
 from ..config import ConfigError
 from .fileio import regular_size
 from .format import HEADER_BYTES, FormatError, parse_header
@@ -96,9 +95,9 @@ class StartupScan:
             stats["blocks"] = len(self._index)
         for kind in ("foreign", "corrupt", "truncated", "mismatch", "version"):
             if stats[kind]:
-                metrics.FS_ERRORS.labels(self.name, kind).inc(stats[kind])
+                self._metrics.error(kind, stats[kind])
         if stats["tmp"]:
-            metrics.FS_ERRORS.labels(self.name, "torn").inc(stats["tmp"])
+            self._metrics.error("torn", stats["tmp"])
         return stats
 
     def _scan_dir(self, parent: int, name: str, stats: dict[str, int]) -> int | None:

@@ -1,8 +1,8 @@
 """The durable, bounded filesystem tier: the public class, assembled from one module per concern.
 
 Modules: :mod:`.index` (index, eviction accounting, unlinking), :mod:`.jobs` (jobs, deadlines, thread pools),
-:mod:`.io` (block files through codecs), :mod:`.scan` (start-up scan), :mod:`.health` (degraded mode, backoff);
-the metrics they export are in :mod:`kvtier_runtime.metrics`.
+:mod:`.io` (block files through codecs), :mod:`.scan` (start-up scan), :mod:`.health` (degraded mode, backoff),
+:mod:`.tier_metrics` (what the tier counts, in :mod:`kvtier_runtime.metrics`).
 
 Non-blocking by construction: ``lookup``/``state`` only read an in-memory index, ``submit_store``/``submit_load``
 only reserve space and enqueue work on separate write and read thread pools, and completions are collected with
@@ -27,7 +27,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .. import metrics
 from ..codecs import Codec, get_codec
 from ..config import FilesystemTierConfig
 from ..policies import AccessContext, get_policy
@@ -39,6 +38,7 @@ from .io import BlockIO, _read_mac_key
 from .jobs import JobQueue, JobResult, _Job
 from .paths import NAMESPACE, block_relpath
 from .scan import StartupScan
+from .tier_metrics import TierMetrics
 
 __all__ = ["FilesystemTier", "JobResult", "KeyState", "LookupRun"]
 
@@ -71,6 +71,7 @@ class FilesystemTier(BlockIndex, JobQueue, BlockIO, StartupScan, TierHealth):
         """``codec`` overrides the codec named by the config (e.g. one with another error budget)."""
         self.config = config
         self.name = name
+        self._metrics = TierMetrics(name, config.capacity_bytes)  # before anything that may count a fault
         # The tier blocks come from and go to, for the promotion/demotion metrics (vLLM's CPU tier by default).
         self.peer = peer
         self.block_shape = tuple(int(d) for d in block_shape)
@@ -127,8 +128,6 @@ class FilesystemTier(BlockIndex, JobQueue, BlockIO, StartupScan, TierHealth):
         self._closed = False
         self._running_tasks = 0
 
-        metrics.CAPACITY_BYTES.labels(name).set(config.capacity_bytes)
-        metrics.FS_BACKOFF.labels(name).set(0)
         self.rebuild_stats = self._rebuild_index() if os.path.isdir(self.root) else {"blocks": 0}
         self._update_occupancy()
         self._start_pools(config, name)
@@ -186,7 +185,7 @@ class FilesystemTier(BlockIndex, JobQueue, BlockIO, StartupScan, TierHealth):
                         doomed = self._doom_locked(evicted, evicted=True)
                         work.append((i, key, block, doomed))
                         continue
-                metrics.STORES_REJECTED.labels(self.name, reason).inc()
+                self._metrics.rejected(reason)
                 job.errors[i] = reason
                 self._settle_locked(job, i, False)
         self._update_occupancy()
