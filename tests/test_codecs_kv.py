@@ -364,3 +364,51 @@ def test_the_filesystem_tier_stores_chunks_through_a_kv_codec(fs_tier_factory):
     for x, y in zip(chunks.values(), outs):
         assert attention_cosine(lay, x, y) >= 0.99
     assert STATS.snapshot()["kvtier_runtime_codec_fallbacks_total"] == {("int4", "int8"): 1}
+
+
+# ---- the sampled attention check -----------------------------------------------------------------------------
+
+SAMPLED = dict(num_layers=2, block_tokens=256, num_kv_heads=4, head_dim=128, dtype="bfloat16", page_order="HKTD")
+
+
+def _token_outliers(lay: KVLayout, seed: int) -> torch.Tensor:
+    """A few huge tokens per K group: the damage (crushed neighbours) is spread over the group's other tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (lay.num_layers, lay.num_kv_heads, lay.tokens, lay.head_dim)
+    k = torch.randn(shape, generator=gen)
+    k[:, :, 3::37] *= 300.0
+    return make_chunk(lay, k=k, v=torch.randn(shape, generator=gen))
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_the_sampled_attention_check_gives_the_full_checks_verdict_at_a_quarter_of_its_work(name):
+    """The check every verified encode runs looks at one token in 4 of each page (rotating), every layer and
+    head, and every heavy token. Over normal, outlier-channel and outlier-token chunks the held-out attention
+    cosine stays >= 0.99 (or no worse than under the full check), a requested codec clearly over budget (twice)
+    is refused as under the full check, and only the sample is dequantised for the check."""
+    lay = KVLayout(**SAMPLED)
+    sampled, full = get_kv_codec(name, lay), get_kv_codec(name, lay, verify_sample=1)
+    assert sampled.verify_sample == 4 and full.verify_sample == 1
+    chunks = [make_chunk(lay, seed=s, outlier=o) for s, o in ((1, 0.0), (2, 5.0), (3, 5.0), (3, 20.0), (4, 50.0))]
+    chunks += [_token_outliers(lay, 5), _token_outliers(lay, 6)]
+    for i, x in enumerate(chunks):
+        y, blob = roundtrip(sampled, x)
+        y_full, _ = roundtrip(full, x)
+        stored = peek_header(blob).codec
+        # a requested codec clearly over budget (twice, by the full check's measure) is refused by the sample too
+        if chunk_error(lay, x, roundtrip(get_kv_codec(name, lay, verify=False), x)[0]) >= 2 * ATTENTION_BUDGETS[name]:
+            assert stored != name, (name, i)
+        # held-out attention: >= 0.99, or no worse than the full check's (a few 300x tokens defeat both alike)
+        cos, cos_full = attention_cosine(lay, x, y, seed=i), attention_cosine(lay, x, y_full, seed=i)
+        assert cos >= 0.99 or cos >= cos_full - 1e-3, (name, i, stored, cos, cos_full)
+    buffers, _ = sampled._scratch._state()
+    rec = [b for (key, *_), b in buffers.items() if key in ("rec", "vrec")]
+    assert rec and max(b.numel() for b in rec) <= lay.numel // 4
+
+
+def test_a_short_chunk_is_checked_whole_and_bad_sample_settings_are_refused():
+    lay = KVLayout(**{**SAMPLED, "block_tokens": 64})      # 64 tokens: a quarter would be 16
+    assert get_kv_codec("int4", lay).verify_sample == 1
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(CodecError, match="verify_sample"):
+            get_kv_codec("int4", lay, verify_sample=bad)

@@ -585,3 +585,34 @@ def test_an_unexpected_fault_in_an_io_task_still_finishes_the_job(fs_tier_factor
     monkeypatch.setattr(tier, "_update_occupancy", broken)
     res = _store(tier, [key_of(1)])
     assert res.errors == {0: "other"}, "the job finishes (failed) instead of hanging its waiter"
+
+
+def _du_bytes(root: str) -> int:
+    """Disk usage as the kubelet measures an emptyDir: every file and directory under root, in allocated blocks."""
+    total = os.lstat(root).st_blocks * 512
+    for d, dirs, names in os.walk(root):
+        total += sum(os.lstat(os.path.join(d, n)).st_blocks * 512 for n in dirs + names)
+    return total
+
+
+def test_a_full_tier_stays_within_its_capacity_directories_included(tmp_path) -> None:
+    # A volume limit (an emptyDir's sizeLimit) counts the fan-out directories too: once, a 32 MiB tier of 36 KiB
+    # files used 50.5 MB, because its directories were neither counted nor removed, and the kubelet evicted the pod.
+    from kvtier_runtime.config import FilesystemTierConfig
+    from kvtier_runtime.fs.tier import FilesystemTier
+
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    capacity = 4 << 20
+    tier = FilesystemTier(FilesystemTierConfig(root_dir=str(volume), capacity_bytes=capacity, n_read_threads=2,
+                                               n_write_threads=2), SHAPE, torch.float32)
+    try:
+        for round_ in range(20):  # ~15x the tier's worth of blocks: it fills, then evicts, as an engine's does
+            keys = [os.urandom(16) for _ in range(50)]
+            assert tier.store(keys, [block_for(k) for k in keys]).success
+            tier.drain(timeout=30)
+            assert _du_bytes(str(volume)) <= capacity, f"round {round_}: {_du_bytes(str(volume))} > {capacity}"
+        leaves = [d for d, dirs, names in os.walk(tier.root) if d.count(os.sep) - tier.root.count(os.sep) == 2]
+        assert len(leaves) <= len(tier), "emptied fan-out directories are removed"
+    finally:
+        tier.close()

@@ -7,6 +7,7 @@ import json
 
 from kvtier_operator.api.v1alpha1 import HistoryEntry, KVCachePolicy, TierStatus
 from kvtier_operator.slo import Measurements, SLOSettings, evaluate, tier_states
+from plugins.slo_harness import slo_settings
 
 POLICY = {
     "apiVersion": "kvtier.io/v1alpha1",
@@ -34,7 +35,7 @@ POLICY = {
 
 def settings_from_model() -> SLOSettings:
     model = KVCachePolicy.model_validate(POLICY)
-    return SLOSettings.from_spec(model.spec.model_dump(by_alias=True, exclude_none=True))
+    return slo_settings(model.spec.model_dump(by_alias=True, exclude_none=True))
 
 
 def test_model_dump_parses_with_the_models_defaults():
@@ -48,7 +49,7 @@ def test_model_dump_parses_with_the_models_defaults():
     assert (p.url, p.timeout_s, p.bearer_token.name, p.ca_bundle.key) == (
         "https://prometheus.monitoring:9090", 10, "prom", "ca.crt")
     # The raw dict kopf hands a handler (no defaults filled in) parses to the same settings.
-    assert SLOSettings.from_spec(POLICY["spec"]) == s
+    assert slo_settings(POLICY["spec"]) == s
 
 
 def test_status_written_by_the_guard_fits_the_status_models():
@@ -69,10 +70,11 @@ def test_status_written_by_the_guard_fits_the_status_models():
 
 
 def test_guard_status_validates_against_the_status_model_and_keeps_transition_times():
-    """What the operator's SLO daemon writes (slo_timer.guard_status), fed by the decision engine, and the tier
-    states the reconcile derives from it (tiers.tier_states, the one writer of status.tiers)."""
+    """What a pass writes for the SLO guard (controller.guard_fields of slo_tick.step_of), fed by the decision
+    engine, and the tier states the pass derives from it (tiers.tier_states, the one derivation of status.tiers)."""
     from kvtier_operator.api.v1alpha1 import KVCachePolicySpec, KVCachePolicyStatus
-    from kvtier_operator.slo_timer import guard_status
+    from kvtier_operator.controller import guard_fields
+    from kvtier_operator.slo_tick import step_of
     from kvtier_operator.tiers import tier_states
 
     spec = json.loads(json.dumps(POLICY["spec"]))
@@ -80,7 +82,7 @@ def test_guard_status_validates_against_the_status_model_and_keeps_transition_ti
                           "volume": {"emptyDir": {}}, "enabled": False})
     spec["rollout"] = {"strategy": "immediate"}
     del spec["slo"]["ttftP99MaxRatio"]
-    s = SLOSettings.from_spec(spec)
+    s = slo_settings(spec)
     assert s.tiers == ("host", "nvme") and s.spec_disabled_tiers == ("spare",)
     ready = {"type": "Ready", "status": "True", "reason": "Applied", "message": "",
              "lastTransitionTime": "2026-01-01T00:00:00Z"}
@@ -89,7 +91,8 @@ def test_guard_status_validates_against_the_status_model_and_keeps_transition_ti
     for i, m in enumerate([Measurements.of(0.5, 0.05, 5.0)] * 2 + [Measurements.of(3.0, 0.05, 5.0)] * 3):
         decision = evaluate(s, status.get("slo"), m, 1000.0 + i * 30, generation=4)
         now = f"2026-01-01T00:0{i}:00Z"
-        status = {**status, **guard_status(status, decision, 4, now)}
+        step = step_of(decision, s.interval_s)
+        status = {**status, **guard_fields(step, status.get("conditions") or [], 4, now), "slo": decision.state}
         status["tiers"] = tier_states(KVCachePolicySpec.model_validate(spec), status, now)
         transitions[i] = {c["type"]: c["lastTransitionTime"] for c in status["conditions"]}
     KVCachePolicyStatus.model_validate(json.loads(json.dumps(status)))

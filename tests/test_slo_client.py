@@ -16,6 +16,7 @@ import pytest
 
 from kvtier_operator.slo import Scope, build_queries
 from kvtier_operator.slo.client import PrometheusClientConfig, PrometheusSource, unavailable
+from plugins.slo_harness import slo_settings
 
 pytestmark = pytest.mark.prometheus
 
@@ -170,7 +171,6 @@ def test_synthetic_engine_refuses_a_config_that_does_not_parse(tmp_path, synthet
 
 
 def test_secrets_resolve_into_a_client_config(tmp_path, tls_prometheus):
-    from kvtier_operator.slo import SLOSettings
     from kvtier_operator.slo.client import resolve_client_config
 
     prom, ca = tls_prometheus
@@ -180,7 +180,7 @@ def test_secrets_resolve_into_a_client_config(tmp_path, tls_prometheus):
         "url": prom.url, "caBundle": {"name": "prom-ca", "key": "ca.crt"},
         "auth": {"username": {"name": "prom-basic", "key": "username"},
                  "password": {"name": "prom-basic", "key": "password"}}}}}
-    settings = SLOSettings.from_spec(spec).prometheus
+    settings = slo_settings(spec).prometheus
     config = resolve_client_config(settings, lambda name, key: secrets[(name, key)], tmp_path / "ca")
     with PrometheusSource(config) as source:
         assert source.query_scalar("vector(3)").value == 3.0

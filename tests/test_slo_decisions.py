@@ -16,6 +16,7 @@ from kvtier_operator.slo import (
     DisableTier, EnableTier, Measurements, Reading, RecordEvent, SetCondition, SLOSettings, enabled_tiers,
     evaluate, tier_states,
 )
+from plugins.slo_harness import slo_settings
 
 OK = Measurements.of(0.5, 0.05, 5.0)        # TTFT 500 ms, ITL 50 ms, 5 req/s
 SLOW = Measurements.of(3.0, 0.05, 5.0)      # TTFT over the 2 s budget
@@ -67,7 +68,7 @@ class Driver:
 
 
 def driver(**slo: Any) -> Driver:
-    return Driver(SLOSettings.from_spec(spec(**slo)))
+    return Driver(slo_settings(spec(**slo)))
 
 
 def test_three_consecutive_breaches_disable_the_newest_tier_only():
@@ -183,7 +184,7 @@ def test_dry_run_records_but_changes_nothing():
     assert [(a.tier, a.dry_run) for a in acts] == [("host", True)]   # what it would do next, faithfully
     assert d.enabled == ["host", "nvme"]
     # Turning dry run off forgets the simulated rollbacks.
-    d.settings = SLOSettings.from_spec(spec(dryRun=False))
+    d.settings = slo_settings(spec(dryRun=False))
     d.step(OK)
     assert d.enabled == ["host", "nvme"] and d.state["disabled"] == {}
 
@@ -234,7 +235,7 @@ def test_auto_reenable_after_wait_then_probation_passes():
 def test_auto_reenable_waits_for_a_clean_evaluation():
     d = driver(reenable={"mode": "auto", "after": "30s", "probation": "10s"}, consecutiveBreaches=3)
     d.run(SLOW, 3)
-    d.settings = SLOSettings.from_spec(spec(reenable={"mode": "auto", "after": "30s", "probation": "10s"},
+    d.settings = slo_settings(spec(reenable={"mode": "auto", "after": "30s", "probation": "10s"},
                                             consecutiveBreaches=100))  # the API maximum: no second rollback
     d.run(OK, 20)
     d.run(SLOW, 15)               # still breaching when the wait is over: no re-enable
@@ -319,7 +320,7 @@ def test_restart_mid_breach_keeps_counting():
     d = driver()
     d.run(SLOW, 2)
     saved = json.dumps(d.state)
-    fresh = Driver(SLOSettings.from_spec(spec()), start=d.now)   # a new operator process
+    fresh = Driver(slo_settings(spec()), start=d.now)   # a new operator process
     fresh.state = json.loads(saved)
     assert [a.tier for a in fresh.step(SLOW)] == ["nvme"]
 
@@ -336,18 +337,18 @@ def test_history_is_bounded():
 def test_removed_tier_leaves_the_state():
     d = driver()
     d.run(SLOW, 3)
-    d.settings = SLOSettings.from_spec({**spec(), "tiers": spec()["tiers"][:1]})
+    d.settings = slo_settings({**spec(), "tiers": spec()["tiers"][:1]})
     d.step(OK)
     assert d.state["disabled"] == {} and d.enabled == ["host"]
 
 
 def test_state_from_a_newer_operator_is_refused():
     with pytest.raises(ValueError, match="status.slo.version"):
-        evaluate(SLOSettings.from_spec(spec()), {"version": 99}, OK, 0.0)
+        evaluate(slo_settings(spec()), {"version": 99}, OK, 0.0)
 
 
 def test_evaluate_does_not_mutate_its_input():
-    settings = SLOSettings.from_spec(spec())
+    settings = slo_settings(spec())
     state = evaluate(settings, None, SLOW, 0.0).state
     before = json.dumps(state, sort_keys=True)
     evaluate(settings, state, SLOW, 1.0)
@@ -355,16 +356,16 @@ def test_evaluate_does_not_mutate_its_input():
 
 
 def test_staged_policy_renders_gpu_only_before_its_first_evaluation():
-    settings = SLOSettings.from_spec(spec(rollout={"strategy": "staged"}))
+    settings = slo_settings(spec(rollout={"strategy": "staged"}))
     assert enabled_tiers(settings, None) == []
     assert [t["state"] for t in tier_states(settings, None)] == ["Pending", "Pending"]
-    assert enabled_tiers(SLOSettings.from_spec(spec()), None) == ["host", "nvme"]
+    assert enabled_tiers(slo_settings(spec()), None) == ["host", "nvme"]
 
 
 def test_switching_a_running_policy_to_staged_keeps_its_tiers():
     d = driver()
     d.run(OK, 3)
-    d.settings = SLOSettings.from_spec(spec(rollout={"strategy": "staged", "stageObservation": "10s"}))
+    d.settings = slo_settings(spec(rollout={"strategy": "staged", "stageObservation": "10s"}))
     d.step(OK)
     assert d.enabled == ["host", "nvme"]
 
@@ -400,7 +401,7 @@ def test_stored_times_round_up_so_no_period_ends_early():
 def test_a_stage_never_ends_before_its_full_observation_period():
     # Stages start at times the store cannot hold exactly (sub-millisecond): the next stage may begin only once
     # the real elapsed time, not the stored one, reaches stageObservation.
-    d = Driver(SLOSettings.from_spec(spec(rollout={"strategy": "staged", "stageObservation": "4s"},
+    d = Driver(slo_settings(spec(rollout={"strategy": "staged", "stageObservation": "4s"},
                                           interval="100ms", ttftP99MaxRatio=5)), start=1795945561.9789543)
     enables = []
     for _ in range(300):

@@ -17,9 +17,9 @@ from typing import Any, Callable
 
 import pytest
 
-from kvtier_operator.slo import SLOSettings, Scope
+from kvtier_operator.slo import Scope
 from kvtier_operator.slo.client import PrometheusClientConfig, PrometheusSource
-from kvtier_operator.slo.runner import GuardLoop
+from plugins.slo_harness import GuardLoop, slo_settings
 from plugins.prometheus import PrometheusProcess, Started, require_prometheus
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.slow]
@@ -45,7 +45,7 @@ class Ctx:
                                 "slo": {"prometheus": {"url": self.prometheus.url}, **BASE_SLO, **slo}}
         if rollout:
             spec["rollout"] = rollout
-        settings = SLOSettings.from_spec(spec)
+        settings = slo_settings(spec)
         source = PrometheusSource(PrometheusClientConfig(self.prometheus.url, timeout_s=2))
         return GuardLoop(settings, source, Scope(namespace=self.name, pod_regex=f"{self.name}-.*"), state=state)
 

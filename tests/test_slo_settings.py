@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvtier_operator.api.units import parse_duration
-from kvtier_operator.slo import SLOSettings, SLOSpecError, Scope, build_queries
+from kvtier_operator.slo import SLOSpecError, Scope, build_queries
 from kvtier_operator.slo.queries import promql_duration
+from plugins.slo_harness import slo_settings
 
 
 def spec(slo=None, rollout=None, tiers=("host", "nvme")):
@@ -25,7 +26,7 @@ def drop_none(d):
 
 
 def test_issue_example_parses_to_seconds():
-    s = SLOSettings.from_spec(spec({"itlP99": "150ms", "window": "5m", "interval": "30s", "consecutiveBreaches": 3,
+    s = slo_settings(spec({"itlP99": "150ms", "window": "5m", "interval": "30s", "consecutiveBreaches": 3,
                                     "onNoData": "hold", "minRequestRate": 0.2, "cooldown": "15m",
                                     "reenable": {"mode": "auto", "after": "1h"}, "dryRun": False},
                                    {"strategy": "staged", "stageObservation": "30m"}))
@@ -57,27 +58,27 @@ def test_issue_example_parses_to_seconds():
 ])
 def test_rejections_name_the_field_and_the_rule(slo, rollout, expected):
     with pytest.raises(SLOSpecError) as info:
-        SLOSettings.from_spec(drop_none(spec(slo, rollout)))
+        slo_settings(drop_none(spec(slo, rollout)))
     assert any(p.startswith(expected) for p in info.value.problems), info.value.problems
 
 
 def test_all_problems_are_reported_at_once():
     with pytest.raises(SLOSpecError) as info:
-        SLOSettings.from_spec(spec({"window": "x", "interval": "y"}))
+        slo_settings(spec({"window": "x", "interval": "y"}))
     assert len(info.value.problems) == 2, info.value.problems
 
 
 def test_defaults_are_the_models():
     from kvtier_operator.api import v1alpha1 as api
 
-    s = SLOSettings.from_spec(spec())
+    s = slo_settings(spec())
     slo = api.SLOSpec.model_validate({"prometheus": {"url": "http://p:9090"}, "ttftP99": "1s"})
     assert (s.window_s, s.interval_s, s.cooldown_s) == tuple(parse_duration(v) for v in
                                                                (slo.window, slo.interval, slo.cooldown))
     assert (s.reenable_after_s, s.probation_s) == (parse_duration(slo.reenable.after),
                                                    parse_duration(slo.reenable.probation))
     assert s.stage_observation_s == parse_duration(api.RolloutSpec().stage_observation)
-    assert s.history_limit == api.HISTORY_LIMIT == api.KVCachePolicyStatus.model_fields["history"].metadata[0].max_length
+    assert s.history_limit == api.HISTORY_LIMIT  # status.slo.history, trimmed by the guard (evaluate)
 
 
 def test_durations():
@@ -119,8 +120,8 @@ def test_scope_for_prefers_model_name_and_never_widens_to_the_namespace():
     from kvtier_operator.slo import scope_for
 
     spec_ = spec({"modelName": "llama-70b"})
-    assert scope_for(SLOSettings.from_spec(spec_), "llm", ["a"]).matchers() == [
+    assert scope_for(slo_settings(spec_), "llm", ["a"]).matchers() == [
         'namespace="llm"', 'model_name="llama-70b"']
-    plain = SLOSettings.from_spec(spec())
+    plain = slo_settings(spec())
     assert scope_for(plain, "llm", ["b", "a", "a"]).matchers() == ['namespace="llm"', 'pod=~"a|b"']
     assert scope_for(plain, "llm", []).matchers() == ['namespace="llm"', 'pod=~"$^"']

@@ -270,9 +270,12 @@ func apiserverArgs(l layout, p ports) []string {
 		"--service-account-signing-key-file=" + l.pki("sa.key"),
 		"--authorization-mode=RBAC",
 		"--service-cluster-ip-range=" + serviceClusterIPRange,
-		// The endpoint reconciler refuses a loopback advertise address, and nothing in-cluster dials the
-		// "kubernetes" Service here (there are no nodes), so it has nothing to maintain.
+		// The endpoint reconciler refuses a loopback advertise address. Pods on a node (e2e/node) reach the
+		// "kubernetes" Service through that node's own NAT rule to this loopback port, not through Endpoints.
 		"--endpoint-reconciler-type=none",
+		// A node (e2e/node) is named kvtier-node, which no resolver knows; reach its kubelet (logs, exec,
+		// port-forward) at its InternalIP, the address of its bridge on this host.
+		"--kubelet-preferred-address-types=InternalIP,Hostname",
 		"--profiling=false",
 	}
 }

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from kvtier_operator.kube import Kube, config_map_path, workload_path
 from .processes import ScenarioError, Started, Supervisor, stop_process, tail
-from .prometheus import Prometheus
+from .prometheus import PrometheusProcess
 
 if TYPE_CHECKING:
     from .vllm_pod import VllmCpuLauncher
@@ -152,7 +152,7 @@ class KubeletStandIn:
     """Runs the pods of one Deployment as synthetic engines and keeps them on its current ReplicaSet."""
 
     def __init__(self, kube: Kube, namespace: str, deployment: str, *, supervisor: Supervisor,
-                 prometheus: Prometheus, engine_script: Path, workdir: Path, engine: str = "vllm",
+                 prometheus: PrometheusProcess, engine_script: Path, workdir: Path, engine: str = "vllm",
                  knobs: Optional[dict[str, float]] = None, seed: Optional[int] = None,
                  launcher: Optional["VllmCpuLauncher"] = None, say: Callable[[str], None] = lambda _: None):
         self.kube, self.namespace, self.deployment = kube, namespace, deployment
@@ -242,7 +242,7 @@ class KubeletStandIn:
             pod = Pod(name, replica_set, annotations.get("kvtier.io/config-hash", ""), config_path, vpod.started,
                       vpod.port, launched_config=vpod.config, start_seconds=vpod.start_seconds)
             self.say(f"pod {name}: vllm serve healthy after {vpod.start_seconds:.0f}s (log {root / 'engine.log'})")
-            self.prometheus.set_target(f"127.0.0.1:{pod.port}", {"namespace": self.namespace, "pod": name})
+            self.prometheus.add_target(f"127.0.0.1:{pod.port}", namespace=self.namespace, pod=name)
             return pod
         port_file = root / "port"
         cmd = [sys.executable, str(self.engine_script), "--engine", self.engine, "--model-name", self.deployment,
@@ -260,7 +260,7 @@ class KubeletStandIn:
             time.sleep(0.05)
         pod = Pod(name, replica_set, annotations.get("kvtier.io/config-hash", ""), config_path, process,
                   int(port_file.read_text()))
-        self.prometheus.set_target(f"127.0.0.1:{pod.port}", {"namespace": self.namespace, "pod": name})
+        self.prometheus.add_target(f"127.0.0.1:{pod.port}", namespace=self.namespace, pod=name)
         return pod
 
     def check_alive(self) -> None:

@@ -23,7 +23,7 @@ from kvtier_operator.kube import ApiError, Kube
 from .kubelet import KubeletStandIn
 from .manifests import HEALTHY, USER_FIELD_MANAGER, Names
 from .processes import ScenarioError, Started, Supervisor, tail, wait_http_ok
-from .prometheus import Prometheus, free_port
+from .prometheus import PrometheusProcess, free_port
 
 CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/kvcachepolicies.kvtier.io"
 
@@ -52,7 +52,7 @@ class LocalEnvironment:
         self.say = say
         self.kube: Optional[Kube] = None
         self.kubeconfig: Optional[Path] = options.kubeconfig
-        self.prometheus: Optional[Prometheus] = None
+        self.prometheus: Optional[PrometheusProcess] = None
         self.operator: Optional[Started] = None
         self.kubelet: Optional[KubeletStandIn] = None
         self.controlplane_dir: Optional[Path] = None
@@ -78,8 +78,16 @@ class LocalEnvironment:
         self._namespace()
         # A busy CPU engine can take over a second to answer /metrics: a 2 s scrape for it.
         scrape = "2s" if self.o.real else "1s"
-        self.prometheus = Prometheus(self.supervisor, self.o.workdir / "prometheus", scrape_interval=scrape)
-        self.prometheus.start()
+        workdir = self.o.workdir / "prometheus"
+        try:
+            self.prometheus = PrometheusProcess(
+                workdir, scrape_interval=scrape,
+                spawn=lambda cmd, log, cwd: self.supervisor.start("prometheus", cmd, log, cwd=cwd).process)
+            # Registered before the process is started (so run after it stopped): the TSDB is of no use afterwards.
+            self.supervisor.on_close("prometheus data", lambda: shutil.rmtree(workdir / "data", ignore_errors=True))
+            self.prometheus.start(timeout=30.0)
+        except RuntimeError as err:  # not installed, exited, not ready: the scenario's own error, with the words
+            raise ScenarioError(str(err)) from None
         self.say(f"Prometheus {self.prometheus.url} scrapes the pods every {scrape} (namespace and pod labels, as "
                  "a Kubernetes pod scrape adds them)")
         self._operator()
@@ -203,7 +211,7 @@ class LocalEnvironment:
             raise ScenarioError(f"the operator exited with {self.operator.process.returncode}:\n"
                                 f"{tail(self.operator_log)}")
         if self.prometheus is not None and self.prometheus.process is not None \
-                and self.prometheus.process.process.poll() is not None:
+                and self.prometheus.process.poll() is not None:
             raise ScenarioError(f"prometheus exited:\n{tail(self.prometheus.log_path)}")
         if self.kubelet is not None:
             self.kubelet.check_alive()

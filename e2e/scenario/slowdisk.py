@@ -256,6 +256,20 @@ class SlowDisk:
         return problems
 
 
+def _kill_members(cgroup: Path) -> list[int]:
+    """SIGKILL every process in ``cgroup``; returns the PIDs found ([] when it is empty or gone)."""
+    try:
+        pids = [int(p) for p in (cgroup / "cgroup.procs").read_text().split()]
+    except OSError:
+        return []
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
 def _teardown(state: dict) -> list[str]:
     """Kill what is left in the cgroup, unmount, remove the dm table, detach the loop device, delete the image."""
     problems: list[str] = []
@@ -271,14 +285,8 @@ def _teardown(state: dict) -> list[str]:
                     pass
         # Bounded, and generous: a killed engine freeing gigabytes on a loaded machine takes seconds to exit.
         for _ in range(300):
-            pids = [int(p) for p in (cgroup / "cgroup.procs").read_text().split()]
-            if not pids:
+            if not _kill_members(cgroup):
                 break
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             time.sleep(0.1)
     mount = state.get("mount")
     if mount and _is_mounted(mount):
@@ -302,11 +310,15 @@ def _teardown(state: dict) -> list[str]:
             problems.append(f"cannot detach {loop}")
     if cgroup is not None and cgroup.exists():
         for attempt in range(20):
+            # A process can join after the kill above: wrap() starts it outside the cgroup and it moves itself in
+            # (`echo $$ > cgroup.procs`). A run SIGKILLed just after starting one leaves it on its way in, and a
+            # reap that comes at once finds the cgroup empty, then busy (EBUSY) once it has arrived. Kill late
+            # joiners before every attempt; one arriving after the rmdir fails to join and exits (`&&`).
+            _kill_members(cgroup)
             try:
                 cgroup.rmdir()
                 break
             except OSError as err:
-                # EBUSY while the last killed task is still being reaped by the kernel: wait, bounded.
                 if attempt == 19:
                     problems.append(f"cannot remove cgroup {cgroup}: {err.strerror}")
                 time.sleep(0.5)

@@ -240,7 +240,7 @@ class Scenario:
                       and s.enabled_tiers == [n.cpu_tier], 60)
         self.timings.disable_to_rolled = time.monotonic() - disabled
         self._check_rollback_recorded(s)
-        self.r.ok(f"status.tiers, the Warning Event, status.history, the ConfigMap ({'+'.join(s.rendered_tiers)}), "
+        self.r.ok(f"status.tiers, the Warning Event, status.slo.history, the ConfigMap ({'+'.join(s.rendered_tiers)}), "
                   f"the Deployment (hash {before_hash} -> {s.workload_hash}) and the pod agree")
 
         self.r.step(6, STEPS, "Latency recovers",
@@ -472,14 +472,14 @@ class Scenario:
         if not warnings or n.fs_tier not in warnings[-1].get("message", ""):
             raise ScenarioError(f"no Warning Event TierDisabled naming {n.fs_tier}; events: "
                                 f"{[(e.get('type'), e.get('reason'), e.get('message')) for e in self.events()]}")
-        history = [h for h in s.status.get("history") or [] if h.get("action") == "Disabled"
-                   and h.get("tier") == n.fs_tier]
+        stored = (s.status.get("slo") or {}).get("history") or []
+        history = [h for h in stored if h.get("action") == "Disabled" and h.get("tier") == n.fs_tier]
         if not history:
-            raise ScenarioError(f"status.history has no Disabled entry for {n.fs_tier}: {s.status.get('history')}")
+            raise ScenarioError(f"status.slo.history has no Disabled entry for {n.fs_tier}: {stored}")
         h = history[-1]
         if h.get("value") is None or h.get("threshold") is None or not h["value"] > h["threshold"]:
-            raise ScenarioError(f"status.history entry does not show a value over its threshold: {h}")
-        self.r.ok(f"status.history: {h['tier']} {h['action']} at {h['time']}: {h.get('metric')} "
+            raise ScenarioError(f"status.slo.history entry does not show a value over its threshold: {h}")
+        self.r.ok(f"status.slo.history: {h['tier']} {h['action']} at {h['time']}: {h.get('metric')} "
                   f"{h['value']:.3g}s > {h['threshold']:.3g}s")
 
     def _delete_policy(self) -> None:

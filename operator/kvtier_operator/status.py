@@ -11,11 +11,10 @@ from typing import Any, Iterable, Optional
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Conflict")
 GUARD_CONDITION_TYPES = ("SLOUnknown", "SLOBreached", "TierRolledBack")
-# Each status field has one writer. The reconcile derives tier states (tiers.tier_states) from the spec and the
-# guard's state; the guard owns its state, its verdict and the history. Conditions are shared by type: each
-# writer recomputes only its own types (merge_conditions keeps the others).
-RECONCILE_FIELDS = ("observedGeneration", "conditions", "engine", "activeTiers", "targets", "tiers")
-GUARD_FIELDS = ("slo", "sloState", "history", "conditions")
+# Status fields that are not the operator's own document: kopf's bookkeeping (written by kopf) and ``history``
+# (before issue 27 a copy of ``slo.history``; dropped from status when a pass writes it).
+NOT_OURS = ("kopf",)
+RETIRED = ("history",)
 
 
 def now_rfc3339() -> str:
@@ -34,8 +33,8 @@ def merge_conditions(old: Iterable[dict[str, Any]], new: Iterable[Cond], generat
                      now: str) -> list[dict[str, Any]]:
     """New conditions, keeping each one's lastTransitionTime unless its status flipped.
 
-    Conditions of types this reconcile does not compute (e.g. ``SLOUnknown`` from the SLO guard) are kept as they
-    are, so the two writers do not erase each other.
+    Conditions of types not computed in this call (e.g. ``SLOUnknown`` when the guard did not evaluate in this
+    pass) are kept as they are.
     """
     old = list(old)
     previous = {c.get("type"): c for c in old}
@@ -48,16 +47,9 @@ def merge_conditions(old: Iterable[dict[str, Any]], new: Iterable[Cond], generat
         if generation is not None:
             entry["observedGeneration"] = generation
         computed[c.type] = entry
-    # Keep the stored order (two writers each recomputing their own types must not reorder the list).
+    # Keep the stored order (a pass that recomputes some types must not reorder the list).
     out = [computed.pop(c.get("type"), c) for c in old]
     return out + list(computed.values())
-
-
-def overlay_conditions(current: Iterable[dict[str, Any]], ours: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``current`` with the entries of ``ours`` in place of the same types (stored order kept, new types last)."""
-    mine = {c["type"]: c for c in ours}
-    out = [mine.pop(c.get("type"), c) for c in current]
-    return out + list(mine.values())
 
 
 def transitions(old: Iterable[dict[str, Any]], new: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -88,9 +80,28 @@ def merge_diff(old: Any, new: Any) -> Any:
 def status_patch(old: dict[str, Any], new: dict[str, Any]) -> Optional[dict[str, Any]]:
     """Merge patch of the fields in ``new`` that differ from ``old``; None when nothing changed.
 
-    Only the keys of ``new`` are considered (each writer owns its own status fields)."""
+    Only the keys of ``new`` are considered (kopf's own fields are not the operator's to send)."""
     changed = {k: merge_diff(old.get(k), v) for k, v in new.items() if old.get(k) != v}
     return changed or None
+
+
+def compose(old: dict[str, Any], computed: dict[str, Any]) -> dict[str, Any]:
+    """The policy's status after a pass: what the pass computed over what is stored, validated as the API's
+    ``KVCachePolicyStatus`` and serialised once. Fields the pass did not compute (a refusal computes no targets;
+    a pass without an SLO evaluation computes no ``slo``) keep their stored values; retired fields are removed.
+    """
+    from .api.v1alpha1 import KVCachePolicyStatus  # pydantic models: loaded with the API, not with this module
+
+    merged = {k: v for k, v in {**old, **computed}.items() if k not in NOT_OURS and k not in RETIRED}
+    guard_state = merged.pop("slo", None)  # already the guard's typed state (api.guard_state, via slo.evaluate)
+    doc = KVCachePolicyStatus.model_validate(merged).model_dump(
+        by_alias=True, exclude_none=True, exclude_unset=True, exclude={"kopf"})
+    if guard_state is not None:
+        doc["slo"] = guard_state
+    for key in RETIRED:
+        if key in old:
+            doc[key] = None
+    return doc
 
 
 def condition(status: dict[str, Any], type_: str) -> Optional[dict[str, Any]]:

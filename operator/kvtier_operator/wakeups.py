@@ -1,23 +1,17 @@
 """Per-policy wake-ups: the operator's one custom queue, and why it is not kopf's.
 
-A policy must be reconciled when *other* objects change (its workloads, the policies it conflicts with, the SLO
-guard's verdict), not only when it does; kopf's change handlers (``on.create``/``on.update``) fire for the
-object's own changes only, and re-running one from another resource's handler is not something kopf offers. So
+A policy must be reconciled when *other* objects change (its workloads, the policies it conflicts with), not only
+when it does; kopf's change handlers (``on.create``/``on.update``) fire for the object's own changes only, and re-running one from another resource's handler is not something kopf offers. So
 each policy has a kopf daemon (kopf starts and stops it with the object, and cancels it on shutdown) that sleeps
 on its wake-up here. Handlers of any resource call :meth:`Wakeups.trigger`; a burst of triggers before the daemon
 wakes costs one reconcile (an ``asyncio.Event`` is set once), and :meth:`Wakeups.trigger_later` coalesces the
-status-only updates a rollout produces into one deferred wake-up. Retries keep kopf's semantics (exponential,
-capped: :func:`backoff`) without giving up the per-policy daemon.
+status-only updates a rollout produces into one deferred wake-up. The daemon also sleeps here until the SLO
+guard's next evaluation, so one loop per policy serves both.
 """
 from __future__ import annotations
 
 import asyncio
 from typing import Hashable, Optional
-
-
-def backoff(initial: float, maximum: float, failures: int) -> float:
-    """Delay before the next try after ``failures`` failures in a row: initial x 2^(failures-1), capped."""
-    return min(initial * 2 ** min(max(failures - 1, 0), 32), maximum)
 
 
 class Wakeups:

@@ -11,6 +11,7 @@ import json
 import pytest
 
 from kvtier_operator.status import status_patch
+from plugins.slo_harness import slo_settings
 
 
 def merge_patch(target, patch):
@@ -50,13 +51,13 @@ def test_applying_the_patch_yields_the_new_fields(old, new):
 
 def test_prometheus_client_config_comes_from_the_slo_settings():
     from kvtier_operator import slo
-    from kvtier_operator.slo_timer import client_config
+    from kvtier_operator.slo_tick import client_config
 
     class NoSecrets:
         def get(self, path):
             raise AssertionError(f"no Secret should be read without auth, got {path}")
 
-    settings = slo.SLOSettings.from_spec({"selector": {"matchLabels": {"app": "llm"}}, "tiers": [{"name": "cpu", "medium": "cpu", "size": "1Gi"}], "slo": {
+    settings = slo_settings({"selector": {"matchLabels": {"app": "llm"}}, "tiers": [{"name": "cpu", "medium": "cpu", "size": "1Gi"}], "slo": {
         "prometheus": {"url": "http://prometheus:9090", "timeout": "3s"}, "ttftP99": "1s"}})
     config = client_config(NoSecrets(), "ns", settings.prometheus)
     assert config.url == "http://prometheus:9090" and config.timeout_s == 3.0 and config.bearer_token is None

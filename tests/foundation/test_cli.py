@@ -38,6 +38,24 @@ def test_validate_ok_and_invalid(tmp_path):
     assert "Traceback" not in out.stderr
 
 
+def test_validate_warns_of_a_codec_the_engine_may_refuse_without_failing(tmp_path):
+    """int4 on a filesystem tier is kept only where kvtier describes the engine's KV layout; elsewhere (every GPU
+    attention backend today) the runtime stores int8. A valid policy asking for it gets a warning naming the
+    field, exit 0; codecs that are always kept, other backends and non-filesystem tiers get none."""
+    from foundation.policies import disk
+
+    asks = write(tmp_path, "int4.yaml", policy(backend="kvtier", tiers=[cpu(), disk(compression="fp8"),
+                                                                       disk("cold", compression="int4")]))
+    out = kvtier("validate", asks)
+    assert out.returncode == 0 and "1 file(s) valid" in out.stdout
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith(f"warning: {asks} (llama): spec.tiers[2].compression: int4 ") and "int8" in line
+    for codec in ("fp8", "int8", "none"):
+        fine = write(tmp_path, f"{codec}.yaml", policy(backend="kvtier", tiers=[cpu(), disk(compression=codec)]))
+        out = kvtier("validate", fine)
+        assert out.returncode == 0 and out.stderr == "", (codec, out.stderr)
+
+
 def test_validate_missing_file_and_garbage(tmp_path):
     out = kvtier("validate", str(tmp_path / "nope.yaml"))
     assert out.returncode == 2 and "No such file" in out.stderr and "Traceback" not in out.stderr

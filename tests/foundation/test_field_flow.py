@@ -23,7 +23,6 @@ from pydantic import BaseModel
 
 from kvtier_operator import reconcile as rc
 from kvtier_operator.api import v1alpha1 as api
-from kvtier_operator.slo import SLOSettings
 from kvtier_runtime.config import (
     VLLM_OFFLOADING_SPEC_CLASS,
     CachePolicyChoice,
@@ -33,6 +32,7 @@ from kvtier_runtime.config import (
 from kvtier_runtime.policies import get_policy
 
 from plugins.operator import TRTLLM_IMAGE, deployment, observed
+from plugins.slo_harness import slo_settings
 
 NOW = "2026-12-01T00:00:00Z"
 # The admin's allowed hostPath prefixes (operator settings): the hostPath flows use paths under it.
@@ -108,7 +108,7 @@ def observe(spec: dict[str, Any], image: str = deployment()["spec"]["template"][
     targets = [{k: v for k, v in vars(t).items() if k != "config_hash"} for t in plan.targets]
     guard = None
     if plan.invalid is False and spec.get("slo"):
-        guard = dataclasses.asdict(SLOSettings.from_spec(api.KVCachePolicySpec.model_validate(spec)))
+        guard = dataclasses.asdict(slo_settings(api.KVCachePolicySpec.model_validate(spec)))
     return {
         "valid": not plan.invalid and all(t.state != rc.ERROR for t in plan.targets),
         "files": files,

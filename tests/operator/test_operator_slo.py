@@ -59,7 +59,7 @@ def test_sustained_breach_disables_the_newest_tier_and_rerenders(kube, namespace
                    15, what="status.activeTiers without nvme")
     volumes = {v["name"] for v in get_workload(kube, namespace, "llm")["spec"]["template"]["spec"]["volumes"]}
     assert "kvtier-tier-nvme" not in volumes and "kvtier-shm" in volumes
-    [entry] = [h for h in pol["status"]["history"] if h["action"] == "Disabled"]
+    [entry] = [h for h in pol["status"]["slo"]["history"] if h["action"] == "Disabled"]
     assert entry["tier"] == "nvme" and entry["metric"] == "ttftP99" and entry["value"] == 5.0
     assert entry["threshold"] == 2.0
     assert cond(pol, "TierRolledBack")["status"] == "True"
@@ -79,7 +79,7 @@ def test_sustained_breach_disables_the_newest_tier_and_rerenders(kube, namespace
     wait_for(lambda: "kvtier-tier-nvme" in {v["name"] for v in get_workload(kube, namespace, "llm")
                                             ["spec"]["template"]["spec"]["volumes"]}, 20, what="nvme mounted again")
     assert any(h["action"] == "Reenabled" and h["tier"] == "nvme"
-               for h in get_policy(kube, namespace, "llm")["status"]["history"])
+               for h in get_policy(kube, namespace, "llm")["status"]["slo"]["history"])
 
 
 def test_missing_prometheus_secret_is_slo_unknown_like_an_unreachable_endpoint(kube, namespace, run_operator):

@@ -1,10 +1,10 @@
-"""Which pods the operator's SLO guard measures (slo_timer.scope_for), checked as regexes the way Prometheus
+"""Which pods the operator's SLO guard measures (slo_tick.scope_for), checked as regexes the way Prometheus
 applies them (fully anchored)."""
 from __future__ import annotations
 
 import re
 
-from kvtier_operator.slo_timer import scope_for
+from kvtier_operator.slo_tick import scope_for
 
 
 def pod_regex(status, spec=None):

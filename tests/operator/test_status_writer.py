@@ -1,13 +1,13 @@
-"""Two writers, one status (status_writer.write_status) against the real API server: a 409 caused by the other
-writer is resolved by laying this writer's fields and condition types over the fresh object, never by erasing
-what the other one wrote in between."""
+"""One writer, one status (status_writer.write_status) against the real API server: a 409 caused by a write that
+left the spec alone (kopf's bookkeeping, a label) is re-sent against the fresh object at once; a 409 from a spec
+change is raised, so the next pass plans from the new spec."""
 from __future__ import annotations
 
 import pytest
 
 from kvtier_operator.kube import ApiError, policy_path
 from kvtier_operator.metrics import Metrics
-from kvtier_operator.status import CONDITION_TYPES, overlay_conditions
+from kvtier_operator.status import compose
 from kvtier_operator.status_writer import write_status
 
 from plugins.operator import create_policy, get_policy, make_policy
@@ -19,42 +19,48 @@ def cond(type_, status="True", reason="R", at="2026-12-01T00:00:00Z"):
     return {"type": type_, "status": status, "reason": reason, "message": "", "lastTransitionTime": at}
 
 
-def test_overlay_keeps_foreign_types_and_order():
-    current = [cond("SLOUnknown"), cond("Ready", "False")]
-    assert overlay_conditions(current, [cond("Ready"), cond("Conflict", "False")]) == [
-        cond("SLOUnknown"), cond("Ready"), cond("Conflict", "False")]
+def test_compose_keeps_what_the_pass_did_not_compute_and_drops_the_retired_history():
+    old = {"observedGeneration": 1, "targets": [{"kind": "Deployment", "name": "llm", "state": "Applied",
+                                                 "message": ""}],
+           "sloState": "OK", "slo": {"verdict": "ok", "history": [{"tier": "nvme"}]},
+           "history": [{"tier": "nvme"}], "kopf": {"progress": {}}}
+    new = compose(old, {"observedGeneration": 2, "conditions": [cond("Ready")]})
+    assert new["observedGeneration"] == 2 and new["targets"] == old["targets"] and new["sloState"] == "OK"
+    assert new["slo"] == old["slo"]  # history lives in status.slo.history only
+    assert new["history"] is None  # removed by the merge patch
+    assert "kopf" not in new  # kopf's own bookkeeping is never sent by the operator
 
 
-def test_a_conflicting_guard_write_survives_the_reconciles_retry(kube, namespace):
+def test_a_409_from_a_write_that_left_the_spec_alone_is_resent(kube, namespace):
     create_policy(kube, make_policy("llm", namespace))
     pol = get_policy(kube, namespace, "llm")
     raced = []
 
-    def guard_writes_first(method, path):
+    def label_first(method, path):
         if not raced and path.endswith("/status"):
             raced.append(path)
-            fresh = get_policy(kube, namespace, "llm")
-            kube.patch(policy_path(namespace, "llm", status=True),
-                       {"metadata": {"resourceVersion": fresh["metadata"]["resourceVersion"]},
-                        "status": {"sloState": "Unknown", "conditions": [cond("SLOUnknown")]}})
+            kube.patch(policy_path(namespace, "llm"), {"metadata": {"labels": {"touched": "yes"}}})
 
-    kube.before_write = guard_writes_first
+    kube.before_write = label_first
     try:
-        fields = {"observedGeneration": 1, "conditions": [cond("Ready"), cond("Conflict", "False")]}
         metrics = Metrics()
-        assert write_status(kube, metrics, pol, fields, lambda fresh: True, conditions=CONDITION_TYPES)
+        status = compose(pol.get("status") or {}, {"observedGeneration": 1, "conditions": [cond("Ready")]})
+        assert write_status(kube, metrics, pol, status)
     finally:
         kube.before_write = None
-    status = get_policy(kube, namespace, "llm")["status"]
+    stored = get_policy(kube, namespace, "llm")
     assert raced and metrics.value("kvtier_operator_reconcile_errors_total", {"reason": "StatusConflict"}) == 1
-    assert [c["type"] for c in status["conditions"]] == ["SLOUnknown", "Ready", "Conflict"]
-    assert status["sloState"] == "Unknown" and status["observedGeneration"] == 1
+    assert stored["status"]["observedGeneration"] == 1 and stored["metadata"]["labels"]["touched"] == "yes"
+    # The same status again: nothing to write.
+    assert not write_status(kube, metrics, stored, status)
 
 
-def test_a_changed_basis_raises_the_conflict_for_the_caller(kube, namespace):
+def test_a_409_from_a_spec_change_is_raised_for_the_next_pass(kube, namespace):
     create_policy(kube, make_policy("llm", namespace))
     pol = get_policy(kube, namespace, "llm")
-    kube.patch(policy_path(namespace, "llm", status=True), {"status": {"sloState": "OK"}})
+    spec = dict(pol["spec"])
+    spec["tiers"] = [{**spec["tiers"][0], "size": "20Gi"}]
+    kube.patch(policy_path(namespace, "llm"), {"spec": spec})
     with pytest.raises(ApiError) as err:
-        write_status(kube, Metrics(), pol, {"observedGeneration": 1}, lambda fresh: False)
+        write_status(kube, Metrics(), pol, {"observedGeneration": 1})
     assert err.value.status == 409

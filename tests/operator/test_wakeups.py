@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvtier_operator.wakeups import Wakeups, backoff
+from kvtier_operator.wakeups import Wakeups
 
 
 def run(coro):
@@ -63,8 +63,3 @@ def test_stop_ends_the_wait_and_forget_drops_a_pending_trigger():
 
     stopped, elapsed, after_forget = run(main())
     assert stopped is False and elapsed < 1 and after_forget is False
-
-
-def test_backoff_doubles_from_the_first_failure_and_caps():
-    assert [backoff(0.5, 30, n) for n in range(1, 9)] == [0.5, 1, 2, 4, 8, 16, 30, 30]
-    assert backoff(0.5, 30, 10_000) == 30

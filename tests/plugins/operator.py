@@ -228,7 +228,7 @@ def namespace(kube) -> Iterator[str]:
 def run_operator(kube, namespace, controlplane):
     """``run_operator(hooks=(), **settings)`` -> a started OperatorThread watching the test's namespace."""
     from kvtier_operator.kube import Kube
-    from kvtier_operator.main import OperatorThread
+    from plugins.operator_thread import OperatorThread
     from kvtier_operator.settings import Settings
 
     started: list[OperatorThread] = []

@@ -30,6 +30,14 @@ def key_of(i: int) -> bytes:
     return hashlib.sha256(str(i).encode()).digest() + (0).to_bytes(4, "big")
 
 
+def tier_bytes_for(n_blocks: int, file_bytes: int) -> int:
+    """A filesystem tier capacity with room for exactly ``n_blocks`` files of ``file_bytes`` and their fan-out
+    directories (the tier charges those too: kvtier_runtime.fs.tier.file_budget)."""
+    from kvtier_runtime.fs.tier import DIRECTORY_BYTES
+
+    return n_blocks * (file_bytes + 2 * DIRECTORY_BYTES) + 2 * DIRECTORY_BYTES
+
+
 def block_file_bytes(shape: tuple[int, ...] = (64, 256), codec: str = "none") -> int:
     """Bytes one float32 block of ``shape`` takes in the filesystem tier."""
     import torch
@@ -101,8 +109,8 @@ def fs_tier_factory(tmp_path) -> Iterator[Callable[..., object]]:
         cfg_keys.setdefault("n_read_threads", 4)
         cfg_keys.setdefault("n_write_threads", 4)
         per_block = block_file_bytes(shape, cfg_keys.get("codec", "none"))
-        cfg = FilesystemTierConfig(root_dir=root or str(tmp_path / "fs"), capacity_bytes=capacity_blocks * per_block,
-                                   **cfg_keys)
+        cfg = FilesystemTierConfig(root_dir=root or str(tmp_path / "fs"),
+                                   capacity_bytes=tier_bytes_for(capacity_blocks, per_block), **cfg_keys)
         tier = FilesystemTier(cfg, shape, torch.float32, **options)
         made.append(tier)
         return tier

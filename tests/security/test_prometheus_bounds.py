@@ -17,8 +17,9 @@ from typing import Callable, Iterator
 
 import pytest
 
-from kvtier_operator.slo import Measurements, SLOSettings, assess
+from kvtier_operator.slo import Measurements, assess
 from kvtier_operator.slo.client import PrometheusClientConfig, PrometheusSource, unavailable
+from plugins.slo_harness import slo_settings
 
 OK_BODY = b'{"status":"success","data":{"resultType":"vector","result":[{"metric":{},"value":[1,"0.25"]}]}}'
 
@@ -209,7 +210,7 @@ def test_a_negative_reading_is_an_error_not_within_the_slo(value):
 
 @pytest.mark.parametrize("ttft", [-1.0, -math.inf, math.nan])
 def test_the_decision_engine_never_calls_an_invalid_latency_within_the_slo(ttft):
-    settings = SLOSettings.from_spec({"selector": {"matchLabels": {"app": "llm"}},
+    settings = slo_settings({"selector": {"matchLabels": {"app": "llm"}},
                                       "tiers": [{"name": "cpu", "medium": "cpu", "size": "1Gi"}], "slo": {
         "prometheus": {"url": "https://prom"}, "ttftP99": "1s"}})
     verdict = assess(settings, Measurements.of(ttft, None, 5.0), None)

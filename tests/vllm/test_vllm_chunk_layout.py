@@ -60,6 +60,8 @@ def test_without_the_attention_backend_a_lossy_tier_keeps_the_flat_codec_and_rep
     try:
         nvme, hdd = manager.books.fs_tiers
         assert not isinstance(nvme._codec, KVChunkCodec)
+        # a GPU engine's path: the int4 tier is refused int4 (nothing checks it on attention) and stores int8
+        assert nvme._codec.name == "int8" and hdd._codec.name == "none"
         stats = manager.get_stats()
         assert stats._values[METRIC_FLAT_CODEC_TIERS] == {("backend_unknown",): 1}  # the int4 tier, not "none"
     finally:

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33.0 is not installed here; see .ci/vllm-env")
 
 import torch  # noqa: E402
+from plugins.runtime import tier_bytes_for  # noqa: E402
 from prometheus_client import REGISTRY  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
 from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
@@ -267,7 +268,7 @@ def test_lossy_codecs_round_trip_within_their_budget_and_use_less_disk(tmp_path,
 
 def test_capacity_is_a_hard_bound_and_the_policy_evicts(tmp_path, sched_factory):
     per_file = file_bytes("none")
-    sched = sched_factory(extra_config(tmp_path, cpu_chunks=4, capacity_bytes=10 * per_file, policy="lru",
+    sched = sched_factory(extra_config(tmp_path, cpu_chunks=4, capacity_bytes=tier_bytes_for(10, per_file), policy="lru",
                                        eviction_policy="lru"))
     payloads = {key(i): os.urandom(ROW) for i in range(30)}
     store_requests(sched, payloads)

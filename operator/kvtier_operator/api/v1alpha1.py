@@ -36,7 +36,7 @@ SINGULAR = "kvcachepolicy"
 SHORT_NAMES = ["kvp"]
 
 MAX_TIERS = 4
-# status.history keeps the newest entries up to this many (the guard trims to it; the CRD bounds the list).
+# status.slo.history keeps the newest entries up to this many (the guard trims to it).
 HISTORY_LIMIT = 50
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 ABS_PATH_PATTERN = r"^/[^\x00]*$"
@@ -681,9 +681,8 @@ class KVCachePolicyStatus(_Model):
     targets: list[TargetStatus] = Field(default_factory=list, description="Per-workload state.")
     slo: Optional[GuardStateField] = Field(
         None, description="SLO guard state: last values, counters, baseline, stage (kept here so restarts lose "
-                          "nothing).", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
-    history: list[HistoryEntry] = Field(default_factory=list, max_length=HISTORY_LIMIT,
-                                        description="Recent tier changes, newest last (bounded).")
+                          "nothing), and slo.history: recent tier changes, newest last (HistoryEntry, bounded).",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
     kopf: Optional[dict[str, Any]] = Field(
         None, description="The operator framework's handler progress, kept in status (which policy authors cannot "
                           "write) rather than in annotations (which they can).",

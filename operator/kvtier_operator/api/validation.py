@@ -221,9 +221,35 @@ def load_documents(text: str, source: str = "<input>",
     return out
 
 
-def validate_text(text: str, source: str = "<input>", budget: Optional[Budget] = None) -> list[str]:
+# Codecs the runtime refuses on a filesystem tier whose KV layout it cannot describe (runtime
+# engines/chunk_layout.py FLAT_REFUSED: without the layout nothing checks them on attention), and what it stores.
+LAYOUT_ONLY_CODECS: dict[str, str] = {"int4": "int8"}
+
+
+def policy_warnings(policy: api.KVCachePolicy) -> list[str]:
+    """What a valid policy asks for that the engine may not do (``path: why``): int4 on a filesystem tier is kept
+    only where kvtier describes the engine's KV layout; elsewhere the tier stores int8, so the capacity planned
+    for int4 holds about half the blocks."""
+    spec = policy.spec
+    out = []
+    if spec.backend != "kvtier" or spec.engine not in (None, "vllm"):
+        return out
+    for i, tier in enumerate(spec.tiers):
+        instead = LAYOUT_ONLY_CODECS.get(tier.compression)
+        if tier.medium == "filesystem" and instead:
+            out.append(f"spec.tiers[{i}].compression: {tier.compression} is stored only where kvtier describes the "
+                       f"engine's KV layout (vLLM's CPU backend with its vec kernels, any tensor-parallel size); "
+                       f"on GPU attention backends, MLA models or pipeline parallelism this tier stores {instead} "
+                       f"instead (counted in kvtier_runtime_codec_refusals_total)")
+    return out
+
+
+def validate_text(text: str, source: str = "<input>", budget: Optional[Budget] = None,
+                  warnings: Optional[list[str]] = None) -> list[str]:
     """Problems (``file: path: rule``) in every KVCachePolicy of a YAML stream; empty when all are valid.
-    ``budget`` bounds the whole input (documents, bytes, values, time), shared across the streams of one run."""
+    ``budget`` bounds the whole input (documents, bytes, values, time), shared across the streams of one run.
+    ``warnings``, when given, receives ``file: path: why`` for what valid policies ask that may not be done
+    (``policy_warnings``); they do not make the input invalid."""
     budget = budget if budget is not None else Budget()
     try:
         docs = load_documents(text, source, budget)
@@ -238,7 +264,11 @@ def validate_text(text: str, source: str = "<input>", budget: Optional[Budget] =
         except YAMLInputError as err:
             return problems + [str(err)]
         try:
-            parse_policy(doc)
+            policy = parse_policy(doc)
+            if warnings is not None:
+                name = policy.metadata.get("name")
+                where = f"{label} ({name})" if name else label
+                warnings.extend(f"{where}: {w}" for w in policy_warnings(policy))
         except PolicyInvalid as err:
             name = doc.get("metadata", {}).get("name") if isinstance(doc.get("metadata"), dict) else None
             where = f"{label} ({name})" if name else label

@@ -28,7 +28,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable, Literal, NamedTuple, Union
 
 from ..api import guard_state
-from ..tiers import derive
+from ..tiers import derive, enabled
 from .measurements import Measurements, Reading
 from .settings import SLOSettings
 
@@ -175,11 +175,9 @@ def _rolled(settings: SLOSettings, st: dict[str, Any]) -> set[str]:
 
 
 def enabled_tiers(settings: SLOSettings, state: dict[str, Any] | None) -> list[str]:
-    """Tiers the renderer must include, hottest first (spec order minus Disabled and staged-Pending tiers)."""
-    st = state or {}
-    disabled = {t for t, v in (st.get("disabled") or {}).items() if not (isinstance(v, dict) and v.get("dryRun"))}
-    rolled = _rolled(settings, st)
-    return [t for t in settings.tiers if t in rolled and t not in disabled]
+    """Tiers the renderer must include, hottest first: the Enabled ones of :func:`tier_states` (the operator's one
+    derivation, ``tiers.derive``; issue 27 removed the second rule set that stood here)."""
+    return enabled(tier_states(settings, state))
 
 
 def tier_states(settings: SLOSettings, state: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -347,7 +345,7 @@ class _Guard:
     # -- bookkeeping
     def history(self, action: str, tier: str, reason: str = "", metric: str | None = None,
                 value: float | None = None, threshold: float | None = None, dry_run: bool = False) -> None:
-        """One ``status.history`` entry (the API's HistoryEntry: time, tier, action, reason, metric, value,
+        """One ``status.slo.history`` entry (the API's HistoryEntry: time, tier, action, reason, metric, value,
         threshold; nothing else, the model forbids extra keys)."""
         if dry_run:
             action = {"Disabled": "WouldDisable", "ProbationFailed": "WouldDisable",

@@ -2,17 +2,16 @@
 decision engine computes with (seconds, names).
 
 Nothing here parses: the API models (``api/v1alpha1.py``) are the one parser of a spec and hold the one default
-of every field; durations arrive already in seconds (the models' ``*_s`` views). A raw mapping goes through the
-models first (:meth:`SLOSettings.from_spec`), so a bad field is rejected with the same ``spec.<path>: <rule>``
-line ``kvtier validate`` and the API server give.
+of every field; durations arrive already in seconds (the models' ``*_s`` views). The operator builds settings
+from a parsed spec only (:meth:`SLOSettings.from_policy_spec`); tests and benchmarks that hold a raw mapping go
+through the models first (``tests/plugins/slo_harness.slo_settings``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
 from ..api import v1alpha1 as api
-from ..api.validation import PolicyInvalid, parse_policy
 
 # spec.slo.queries keys (ttftP99, itlP99, requestRate), from the model that defines them.
 QUERY_OVERRIDE_KEYS = tuple(f.alias or n for n, f in api.QueryOverrides.model_fields.items())
@@ -110,16 +109,3 @@ class SLOSettings:
             queries=queries,
             spec_disabled_tiers=tuple(t.name for t in spec.tiers if not t.enabled),
         )
-
-    @classmethod
-    def from_spec(cls, spec: Mapping[str, Any] | api.KVCachePolicySpec) -> "SLOSettings":
-        """From a parsed spec, or a raw one (camelCase, as stored) validated by the API models and their CEL
-        rules first. Raises :class:`SLOSpecError` listing every problem as ``spec.<path>: <rule>``."""
-        if isinstance(spec, api.KVCachePolicySpec):
-            return cls.from_policy_spec(spec)
-        doc = {"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": {"name": "slo"}, "spec": spec}
-        try:
-            policy = parse_policy(doc)
-        except PolicyInvalid as err:
-            raise SLOSpecError([str(p) for p in err.problems]) from None
-        return cls.from_policy_spec(policy.spec)

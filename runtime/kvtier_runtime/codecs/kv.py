@@ -13,7 +13,9 @@ spans K and V, two layers or two heads. Scales are stored as bf16: int scales ar
 clips), fp8 scales are powers of two (exact, and e4m3's precision does not depend on the scale).
 
 Accuracy check (``verify=True``, the default): every chunk is decoded again and attention over the chunk is
-computed for ``N_QUERIES`` probe queries per (layer, head), with the original and the decoded K and V. The chunk's
+computed for ``N_QUERIES`` probe queries per (layer, head), with the original and the decoded K and V; in chunks
+of 256 tokens or more only over a sample of tokens (``VERIFY_TOKEN_STRIDE``, ``verify_sample``: every layer and
+head, a quarter of each page's tokens plus its heavy ones). The chunk's
 error is the worst relative error of the attention output over layers and heads; above the codec's budget
 (``ATTENTION_BUDGETS``) the chunk is re-encoded with the next codec of ``FALLBACK_CHAINS`` (ending in ``none``,
 which is exact) and counted in ``kvtier_runtime_codec_fallbacks_total{requested_codec, codec}``. Half of the
@@ -26,6 +28,7 @@ chunk was written in; ``KVChunkCodec.decode`` also refuses a block written under
 """
 from __future__ import annotations
 
+import itertools
 import math
 import torch
 
@@ -56,6 +59,21 @@ ATTENTION_BUDGETS: dict[str, float] = {"fp8": 0.14, "fp8_e5m2": 0.14, "int8": 0.
 # (K token group, V channel group); 0 = all tokens of a page / the whole head dim.
 DEFAULT_GROUPS: dict[str, tuple[int, int]] = {"int4": (16, 16), "int8": (0, 0), "fp8": (0, 0), "fp8_e5m2": (0, 0)}
 N_QUERIES = 16
+# The attention check runs on every (layer, head) pair but on one token in VERIFY_TOKEN_STRIDE of each page (a
+# phase that rotates from chunk to chunk): attention over those tokens, original against decoded K and V. K's
+# scales span groups of tokens, so a token that inflates its group's scale damages the group's other tokens,
+# which the sample sees; tokens whose keys are HEAVY_TOKEN times their head's mean dominate the softmax, so they
+# are always in the sample. What it can miss is damage confined to ordinary unsampled tokens (a token whose own
+# codes are off while its group's scale is fine), which codes never cause (scales are rounded up: no code clips);
+# the rest is the difference between attention over the sample and over the page. Cost: about
+# 1 / VERIFY_TOKEN_STRIDE of the full check's; a chunk of fewer than VERIFY_TOKEN_STRIDE * VERIFY_MIN_TOKENS
+# tokens is checked whole. ``verify_sample=1`` checks every token.
+VERIFY_TOKEN_STRIDE = 4
+VERIFY_MIN_TOKENS = 64
+HEAVY_TOKEN = 4.0
+# A sample's error is an estimate: it is judged against this share of the budget, so that near the budget the
+# sampled check errs towards the wider codec (measured: it never stored a narrower codec than the full check).
+VERIFY_SAMPLE_MARGIN = 0.95
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _TINY = torch.finfo(torch.float32).tiny
 # dtype -> (its bits as an integer dtype, mantissa bits, magnitude mask) for the bit-level fp8 encoder
@@ -180,7 +198,8 @@ class KVChunkCodec:
     """Encodes chunks of one ``KVLayout`` with ``name`` (falling back along ``FALLBACK_CHAINS`` when verifying)."""
 
     def __init__(self, name: str, layout: KVLayout, *, k_group: int | None = None, v_group: int | None = None,
-                 verify: bool = True, budgets: dict[str, float] | None = None) -> None:
+                 verify: bool = True, budgets: dict[str, float] | None = None,
+                 verify_sample: int | None = None) -> None:
         if name not in FALLBACK_CHAINS:
             raise CodecError(f"codec: {name!r} is not one of {', '.join(FALLBACK_CHAINS)}")
         if not isinstance(layout, KVLayout):
@@ -205,9 +224,76 @@ class KVChunkCodec:
         self._quants = {c: _QUANTS[c](self._scratch) for c in self.chain if c != "none"}
         heads_tokens_dims = 2 * layout.num_kv_heads * layout.tokens * layout.head_dim
         self._layers_per_step = max(1, min(layout.num_layers, CHUNK_ELEMS // heads_tokens_dims))
+        if verify_sample is None:
+            verify_sample = VERIFY_TOKEN_STRIDE
+        if isinstance(verify_sample, bool) or not isinstance(verify_sample, int) or verify_sample < 1:
+            raise CodecError(f"verify_sample: {verify_sample!r} must be an integer >= 1 (1: every token)")
+        # the attention check takes one token in ``verify_sample`` of each page; every one when that would leave
+        # fewer than VERIFY_MIN_TOKENS of the chunk's (attention over a few tokens is a different quantity)
+        keep = verify_sample <= layout.block_tokens and layout.tokens // verify_sample >= VERIFY_MIN_TOKENS
+        self.verify_sample = verify_sample if keep else 1
+        self._chunks = itertools.count()
 
     def __repr__(self) -> str:
         return f"KVChunkCodec({self.name!r}, {self.declared}, verify={self.verify})"
+
+    def _sample(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """The tokens of a page this chunk's attention check covers; ``None``: all of them. One in
+        ``verify_sample`` (a phase rotating from chunk to chunk), plus every heavy token: a page position where
+        some (layer, head, page) has a key HEAVY_TOKEN times its mean key magnitude (such tokens dominate the
+        softmax, so their own error decides the output's: the sample must not miss them)."""
+        stride, lay = self.verify_sample, self.layout
+        if stride == 1:
+            return None
+        mask = torch.zeros(lay.block_tokens, dtype=torch.bool)
+        mask[next(self._chunks) % stride::stride] = True
+        k = canonical(lay, flat, lay.num_layers)[:, 0]                          # [L, H, P, T, D]
+        peak = self._scratch.get("vpeak", k.shape[:4], k.dtype, flat.device)
+        torch.amax(k.abs(), dim=4, out=peak)
+        peak = peak.float()
+        heavy = peak > HEAVY_TOKEN * peak.mean(dim=3, keepdim=True)
+        mask |= heavy.flatten(0, 2).any(dim=0)
+        if not torch.isfinite(peak).all() or int(mask.sum()) * 2 > lay.block_tokens:
+            return None
+        return mask.nonzero().view(-1)
+
+    @staticmethod
+    def _take(t: torch.Tensor, dim: int, sample: torch.Tensor) -> torch.Tensor:
+        """``t``'s entries ``sample`` along ``dim``: a strided view when the sample is one stride (no heavy
+        tokens: the usual case), a gather otherwise."""
+        n = sample.numel()
+        if n > 1:
+            first, step = int(sample[0]), int(sample[1] - sample[0])
+            if step > 0 and int(sample[-1]) == first + step * (n - 1):
+                return t.narrow(dim, first, step * (n - 1) + 1)[(slice(None),) * dim + (slice(None, None, step),)]
+        return t.index_select(dim, sample)
+
+    def _sampled_error(self, q: "_Quant", codes: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor,
+                       x: torch.Tensor, l0: int, lg: int, sample: torch.Tensor | None) -> float:
+        """The attention check of layers l0..l0+lg over the sampled tokens of every page, every head: only they
+        are dequantised. ``codes`` [rows, D * bits / 8] and ``x`` (the chunk's elements, any float dtype) in
+        chunk order; sk [lg, H, P * T / kg, D], sv [lg, H, P * T, D / vg] fp32 (clobbered)."""
+        lay = self.layout
+        h, p, t, d = lay.num_kv_heads, lay.pages, lay.block_tokens, lay.head_dim
+        if sample is None:
+            rec = self._scratch.get("rec", lg * lay.page_numel * p, F32, codes.device)
+            dequantize(lay, q, codes, sk, sv, rec, lg)
+            return float(attention_errors(canonical(lay, x, lg), canonical(lay, rec, lg)).max())
+        ts, cw = sample.numel(), codes.shape[1]
+        # the sample as a chunk of its own: HKTD, ts tokens a page, each token its own K scale (its group's)
+        mini = KVLayout(num_layers=lg, block_tokens=ts, num_kv_heads=h, head_dim=d, dtype=lay.dtype,
+                        page_order="HKTD", pages=p, outer="LP")
+        sub = self._scratch.get("vcodes", (lg, p, h, 2, ts, cw), torch.uint8, codes.device)
+        sub.permute(0, 3, 2, 1, 4, 5).copy_(self._take(_canonical_as(lay, codes.view(-1), lg, cw), 4, sample))
+        kg = p * t // sk.shape[2]
+        sk_s = self._scratch.get("vsk", (lg, h, p, ts, d), F32, codes.device)
+        sk_s.copy_(sk.view(lg, h, p, t // kg, d)[:, :, :, sample // kg])
+        sv_s = self._scratch.get("vsv", (lg, h, p, ts, sv.shape[3]), F32, codes.device)
+        sv_s.copy_(self._take(sv.view(lg, h, p, t, -1), 3, sample))
+        rec = self._scratch.get("vrec", mini.numel, F32, codes.device)
+        dequantize(mini, q, sub.view(-1, cw), sk_s.view(lg, h, p * ts, d), sv_s.view(lg, h, p * ts, -1), rec, lg)
+        xs = self._take(canonical(lay, x, lg), 4, sample)                        # [lg, 2, H, P, ts, D]
+        return float(attention_errors(xs, canonical(mini, rec, lg)).max()) / VERIFY_SAMPLE_MARGIN
 
     def _groups(self, codec: str, k_group: int | None, v_group: int | None) -> tuple[int, int]:
         n, d = self.layout.block_tokens, self.layout.head_dim   # K groups never straddle pages
@@ -295,6 +381,7 @@ class KVChunkCodec:
             gather_staged(self.declared, flat, stage)
             flat = stage
         err = 0.0
+        sample = self._sample(flat) if self.verify else None
         for codec in self.chain:
             n = HEADER_NBYTES + self.payload_nbytes(codec)
             payload = out[HEADER_NBYTES:n]
@@ -304,9 +391,9 @@ class KVChunkCodec:
             else:
                 measure = self.verify
                 if codec == "fp8" and self.dtype in _FP8_BITS:
-                    err = self._encode_fp8_bits(flat, payload, measure)
+                    err = self._encode_fp8_bits(flat, payload, measure, sample)
                 else:
-                    err = self._encode_payload(codec, flat, payload, measure)
+                    err = self._encode_payload(codec, flat, payload, measure, sample)
                 # ``not <=``: a NaN error (non-finite input) falls back too; ``none`` keeps the bytes as they are.
                 if measure and not err <= self.budgets[codec]:
                     continue
@@ -342,7 +429,8 @@ class KVChunkCodec:
         """(scale bytes, code bytes) of layers l0..l1 in ``payload``."""
         return split_payload(self.layout, codec, self.groups[codec], payload, l0, l1)
 
-    def _encode_payload(self, codec: str, flat: torch.Tensor, payload: torch.Tensor, measure: bool) -> float:
+    def _encode_payload(self, codec: str, flat: torch.Tensor, payload: torch.Tensor, measure: bool,
+                        sample: torch.Tensor | None = None) -> float:
         lay, q, dev = self.layout, self._quants[codec], flat.device
         h, n, d = lay.num_kv_heads, lay.tokens, lay.head_dim
         kg, vg = self.groups[codec]
@@ -360,6 +448,8 @@ class KVChunkCodec:
             sv = self._scratch.get("sv", (lg, h, n, d // vg), F32, dev)
             torch.amax(k_groups(ac, kg), dim=4, out=sk.view(lg, h, lay.pages, -1, d))
             torch.amax(v_groups(ac, vg), dim=5, out=sv.view(lg, h, lay.pages, lay.block_tokens, -1))
+            if measure and not (bool(torch.isfinite(sk).all()) and bool(torch.isfinite(sv).all())):
+                return math.inf     # a non-finite value anywhere, sampled or not: only ``none`` keeps it as it is
             q.scales(sk)
             q.scales(sv)
             scale_bytes, code_bytes = self._split(codec, payload, l0, l1)
@@ -377,12 +467,11 @@ class KVChunkCodec:
             codes = code_bytes.view(ne // d, d * q.bits // 8)
             q.quantize(a.view(ne // d, d), codes)
             if measure:
-                rec = self._scratch.get("rec", ne, F32, dev)
-                dequantize(lay, q, codes, sk, sv, rec, lg)
-                worst = max(worst, attention_error(xc, canonical(lay, rec, lg)))
+                worst = max(worst, self._sampled_error(q, codes, sk, sv, xf, l0, lg, sample))
         return worst
 
-    def _encode_fp8_bits(self, flat: torch.Tensor, payload: torch.Tensor, measure: bool) -> float:
+    def _encode_fp8_bits(self, flat: torch.Tensor, payload: torch.Tensor, measure: bool,
+                         sample: torch.Tensor | None = None) -> float:
         """fp8 (e4m3) from bf16/fp32 without float conversions: with a power-of-two scale, e4m3 is the input's
         sign, its exponent minus a per-group bias and its top 3 mantissa bits, rounded: a handful of integer
         passes instead of converting through fp32 and fp16. Scaled values below e4m3's smallest normal (2^-6,
@@ -405,6 +494,9 @@ class KVChunkCodec:
             # positive floats order like their bit patterns: the max magnitude is the max of the masked bits
             torch.amax(k_groups(mc, kg), dim=4, out=ek.view(lg, h, lay.pages, -1, d))
             torch.amax(v_groups(mc, vg), dim=5, out=ev.view(lg, h, lay.pages, lay.block_tokens, -1))
+            # magnitudes at or above inf's bit pattern are inf or NaN: only ``none`` keeps those as they are
+            if measure and max(int(ek.max()), int(ev.max())) >= 0xFF << mant:
+                return math.inf
             scale_bytes, code_bytes = self._split("fp8", payload, l0, l1)
             sb = self._scratch.get("fsb", (lg, nk + nv), torch.int16, dev)
             for e, sl in ((ek, slice(0, nk)), (ev, slice(nk, nk + nv))):
@@ -426,16 +518,13 @@ class KVChunkCodec:
             codes = code_bytes.view(ne)
             codes.copy_(m)
             if measure:
-                xf = self._scratch.get("xf", ne, F32, dev)
-                xf.copy_(flat[e0:e1])
                 sk = self._scratch.get("sk", (lg, h, n // kg, d), F32, dev)
                 sv = self._scratch.get("sv", (lg, h, n, d // vg), F32, dev)
                 sbf = sb.view(torch.bfloat16)
                 sk.view(lg, nk).copy_(sbf[:, :nk])
                 sv.view(lg, nv).copy_(sbf[:, nk:])
-                rec = self._scratch.get("rec", ne, F32, dev)
-                dequantize(lay, self._quants["fp8"], codes.view(-1, d), sk, sv, rec, lg)
-                worst = max(worst, attention_error(canonical(lay, xf, lg), canonical(lay, rec, lg)))
+                worst = max(worst, self._sampled_error(self._quants["fp8"], codes.view(-1, d), sk, sv,
+                                                       flat[e0:e1], l0, lg, sample))
         return worst
 
     # ---- decode ----------------------------------------------------------------------------------------------
@@ -478,6 +567,13 @@ def scatter_staged(declared: KVLayout, stage: torch.Tensor, chunk: torch.Tensor)
     engine_k, stage_k, engine_v, stage_v = _staged_views(declared, chunk, stage)
     engine_k.copy_(stage_k)
     engine_v.copy_(stage_v)
+
+
+def _canonical_as(lay: KVLayout, t: torch.Tensor, num_layers: int, width: int) -> torch.Tensor:
+    """``canonical`` for a tensor whose innermost dim is ``width`` per head dim (e.g. int4 codes: D / 2 bytes)."""
+    sizes = {"K": 2, "H": lay.num_kv_heads, "T": lay.block_tokens, "D": width}
+    outer = (num_layers, lay.pages) if lay.outer == "LP" else (lay.pages, num_layers)
+    return t.view(outer + tuple(sizes[c] for c in lay.page_order)).permute(lay.canonical_permutation())
 
 
 def canonical(layout: KVLayout, t: torch.Tensor, num_layers: int) -> torch.Tensor:
@@ -543,8 +639,14 @@ def dequantize(lay: KVLayout, q: _Quant, codes: torch.Tensor, sk: torch.Tensor, 
 
 
 def attention_error(x: torch.Tensor, rec: torch.Tensor) -> float:
-    """Worst relative error, over layers and heads, of softmax(q k^T / sqrt(D)) v for ``N_QUERIES`` probe queries
-    (half isotropic normal, half scaled per channel like K), original ``x`` against decoded ``rec``: canonical
+    """Worst relative error, over layers and heads, of the probe attention (``attention_errors``)."""
+    rel = attention_errors(x, rec)
+    return float(rel.max()) if rel.numel() else 0.0
+
+
+def attention_errors(x: torch.Tensor, rec: torch.Tensor) -> torch.Tensor:
+    """Relative error per (layer, head), flattened [L * H], of softmax(q k^T / sqrt(D)) v for ``N_QUERIES`` probe
+    queries (half isotropic normal, half scaled per channel like K), original ``x`` against decoded ``rec``: canonical
     views [L, 2, H, N, D] (or [L, 2, H, P, T, D]), K then V, any float dtype."""
     if x.dim() == 6:
         x, rec = x.flatten(3, 4), rec.flatten(3, 4)   # copies when pages are not adjacent: fine here
@@ -559,12 +661,11 @@ def attention_error(x: torch.Tensor, rec: torch.Tensor) -> float:
     scale = 1.0 / math.sqrt(d)
     o = torch.softmax(torch.bmm(q, k.transpose(1, 2)).mul_(scale), dim=-1) @ v
     o2 = torch.softmax(torch.bmm(q, k2.transpose(1, 2)).mul_(scale), dim=-1) @ v2
-    if not (torch.isfinite(o).all() and torch.isfinite(o2).all()):
-        return math.inf     # non-finite input (or output): only ``none`` keeps such a chunk as it is
     num = (o2 - o).square().sum(dim=(1, 2))
     den = o.square().sum(dim=(1, 2))
-    rel = torch.where(den > 0, num / den.clamp(min=_TINY), torch.where(num > 0, math.inf, 0.0))
-    return float(rel.max().sqrt())
+    rel = torch.where(den > 0, num / den.clamp(min=_TINY), torch.where(num > 0, math.inf, 0.0)).sqrt_()
+    # non-finite input (or output) in a pair: only ``none`` keeps such a chunk as it is
+    return torch.where(torch.isfinite(o).all(dim=(1, 2)) & torch.isfinite(o2).all(dim=(1, 2)), rel, math.inf)
 
 
 _PROBES: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -653,9 +754,11 @@ def check_kv_header(header: CodecHeader) -> None:
 
 
 def get_kv_codec(name: str, layout: KVLayout, *, k_group: int | None = None, v_group: int | None = None,
-                 verify: bool = True, budgets: dict[str, float] | None = None) -> KVChunkCodec:
+                 verify: bool = True, budgets: dict[str, float] | None = None,
+                 verify_sample: int | None = None) -> KVChunkCodec:
     """The layout-aware codec ``name`` for chunks of ``layout``; see the module docstring."""
-    return KVChunkCodec(name, layout, k_group=k_group, v_group=v_group, verify=verify, budgets=budgets)
+    return KVChunkCodec(name, layout, k_group=k_group, v_group=v_group, verify=verify, budgets=budgets,
+                        verify_sample=verify_sample)
 
 
 def chunk_error(layout: KVLayout, original: torch.Tensor, decoded: torch.Tensor) -> float:

@@ -15,8 +15,14 @@ and ``D`` (head dim, always innermost), outermost first. vLLM 0.32 (checked in i
   (``bench/vllm_cpu_layout_check.py``): with ``"vec"`` (fp32, fp16, bf16 without AMX) K is channel-major
   ``[D][T]`` and V token-major ``[T][D]``: ``"CPU_VEC"``. With ``"amx"`` (bf16 on AMX machines) both are
   tiled further and no order here describes them: such caches are refused.
-- FlashAttention / Triton with layout ``LBNHC`` (``[B, N, H, C]``, C = K then V of one head and token, split with
-  ``split(head_size, -1)``): ``"THKD"``; with ``LBHNC``: ``"HTKD"``.
+- FlashAttention / Triton / FlashInfer with layout ``LBNHC`` (``[B, N, H, C]``, FlashInfer's NHD; C = K then V of
+  one head and token, split with ``split(head_size, -1)``): ``"THKD"``; with ``LBHNC`` (FlashInfer's HND):
+  ``"HTKD"``. Unchanged in vLLM 0.33, and checked there against the indexing of ``reshape_and_cache_flash``
+  (``tests/test_codecs_vllm_layouts.py``, which cites the lines). Other ``KVCacheLayout`` members (cross-layer
+  ``BL..``, ``LHBNC``) are not described: refused.
+- MLA caches one latent vector per token (no K/V heads): no page order here describes it; refused.
+- Tensor parallelism: each worker's pages hold its own KV heads only, so a host row of W workers' chunks end to
+  end is W x ``num_layers`` layers of the worker's layout (``engines.chunk_layout``).
 - vLLM before the RFC #42082 layouts (``(2, num_blocks, block_size, num_kv_heads, head_size)`` per layer, K and V
   in separate pages): an engine that copies the K page then the V page of each layer gives ``"KTHD"``.
 

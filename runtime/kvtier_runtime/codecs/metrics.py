@@ -27,6 +27,7 @@ class CodecStats:
             self.encoded_bytes: dict[str, int] = defaultdict(int)
             self.fallbacks: dict[tuple[str, str], int] = defaultdict(int)
             self.decode_errors = 0
+            self.refusals: dict[tuple[str, str, str], int] = defaultdict(int)
 
     def record_encode(self, codec: str, input_bytes: int, encoded_bytes: int) -> None:
         with self._lock:
@@ -40,6 +41,11 @@ class CodecStats:
             listeners = list(self._listeners)
         for listener in listeners:
             listener(requested, used, rel_error)
+
+    def record_refusal(self, requested: str, used: str, reason: str) -> None:
+        """A tier asked for ``requested`` where it cannot be checked (``reason``) and stores ``used`` instead."""
+        with self._lock:
+            self.refusals[(requested, used, reason)] += 1
 
     def record_decode_error(self) -> None:
         with self._lock:
@@ -62,6 +68,7 @@ class CodecStats:
                 "kvtier_runtime_codec_encoded_bytes_total": dict(self.encoded_bytes),
                 "kvtier_runtime_codec_fallbacks_total": dict(self.fallbacks),
                 "kvtier_runtime_codec_decode_errors_total": self.decode_errors,
+                "kvtier_runtime_codec_refusals_total": dict(self.refusals),
             }
 
 
@@ -97,6 +104,14 @@ class CodecMetricsCollector:
         fallbacks: dict = snap["kvtier_runtime_codec_fallbacks_total"]  # type: ignore[assignment]
         for (requested, used), value in sorted(fallbacks.items()):
             fam.add_metric([requested, used], value)
+        yield fam
+        fam = CounterMetricFamily(
+            "kvtier_runtime_codec_refusals",
+            "Tiers that asked for a codec that cannot be checked there (reason) and store a wider one (codec)",
+            labels=["requested_codec", "codec", "reason"])
+        refusals: dict = snap["kvtier_runtime_codec_refusals_total"]  # type: ignore[assignment]
+        for (requested, used, reason), value in sorted(refusals.items()):
+            fam.add_metric([requested, used, reason], value)
         yield fam
         fam = CounterMetricFamily(
             "kvtier_runtime_codec_decode_errors", "Blocks rejected on decode (corrupt or foreign header, truncation)")

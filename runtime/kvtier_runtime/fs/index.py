@@ -38,6 +38,20 @@ class _Entry:
 # How often stores retry unlinking files that could not be deleted (their bytes stay counted until then).
 _STUCK_RETRY_S = 1.0
 
+# Bytes a directory takes on common filesystems (ext4, xfs: one block); a block file lives two fan-out levels down.
+DIRECTORY_BYTES = 4096
+
+
+def file_budget(capacity_bytes: int, file_bytes: int) -> int:
+    """The bytes block files of ``file_bytes`` each may take so that the files and their directories fit in
+    ``capacity_bytes``. Empty fan-out directories are pruned, so there are never more leaf directories, nor more
+    first-level ones, than files: each file is charged two directories, the namespace directory and the volume's
+    own root once each (a du of the volume counts both). At least one file's worth, so that a tiny tier still
+    stores."""
+    per_file = file_bytes + 2 * DIRECTORY_BYTES
+    files = max(1, (capacity_bytes - 2 * DIRECTORY_BYTES) // per_file)
+    return min(capacity_bytes, files * file_bytes)
+
 
 class BlockIndex:
     """Mixin of :class:`~.tier.FilesystemTier`: the in-memory index, eviction accounting and file removal."""
@@ -165,6 +179,7 @@ class BlockIndex:
             try:
                 self._ops.unlink(path)
                 gone = True
+                self._prune_fanout(os.path.dirname(path))
             except FileNotFoundError:
                 gone = True
             except OSError:
@@ -178,9 +193,20 @@ class BlockIndex:
         if keys:
             self._update_occupancy()
 
+    def _prune_fanout(self, leaf: str) -> None:
+        """Remove the block's fan-out directories once they are empty: left behind they grow to 65,792
+        directories (about 260 MiB on ext4) that no capacity counts. A writer that loses the race finds its
+        directory gone and recreates it (_write_block)."""
+        self._made_dirs.discard(leaf)
+        for directory in (leaf, os.path.dirname(leaf)):
+            try:
+                os.rmdir(directory)
+            except OSError:  # not empty (the usual case), already gone, or not ours to remove
+                return
+
     def _stuck_locked(self, path: str, key: bytes | None, nbytes: int) -> None:
         self._stuck[path] = (key, nbytes)
-        self._policy.capacity_bytes = self.config.capacity_bytes - sum(n for _, n in self._stuck.values())
+        self._policy.capacity_bytes = self._file_budget - sum(n for _, n in self._stuck.values())
 
     def _retry_stuck(self) -> None:
         """Try again to delete files that could not be deleted (at most every _STUCK_RETRY_S)."""
@@ -201,7 +227,7 @@ class BlockIndex:
                 self._stuck.pop(path, None)
                 if key is not None:
                     self._doomed.pop(key, None)
-                self._policy.capacity_bytes = self.config.capacity_bytes - sum(n for _, n in self._stuck.values())
+                self._policy.capacity_bytes = self._file_budget - sum(n for _, n in self._stuck.values())
         self._update_occupancy()
 
     def _update_occupancy(self) -> None:

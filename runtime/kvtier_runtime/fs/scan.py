@@ -27,6 +27,13 @@ def _open_dir(name: str, dir_fd: int | None) -> int | None:
         raise
 
 
+def _rmdir_if_empty(dir_fd: int, name: str) -> None:
+    try:
+        os.rmdir(name, dir_fd=dir_fd)
+    except OSError:  # not empty, gone, or not a directory (the scan removed strays already)
+        pass
+
+
 def _remove_entry(dir_fd: int, name: str) -> None:
     """Remove ``name`` from the directory open at ``dir_fd`` without following it: a symlink is unlinked, never
     its target; a directory is removed by descriptors (shutil.rmtree's symlink-safe walk)."""
@@ -75,8 +82,10 @@ class StartupScan:
                                 self._scan_file(fd2, name, d1, d2, head, stats, found)
                         finally:
                             os.close(fd2)
+                        _rmdir_if_empty(fd1, d2)  # left by an earlier run, or emptied by the scan
                 finally:
                     os.close(fd1)
+                _rmdir_if_empty(top, d1)
         finally:
             os.close(top)
         found.sort()
@@ -156,6 +165,7 @@ class StartupScan:
     def _remove_path_locked(self, path: str) -> None:
         try:
             os.unlink(path)
+            self._prune_fanout(os.path.dirname(path))
         except FileNotFoundError:
             pass
         except OSError:

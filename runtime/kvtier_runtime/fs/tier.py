@@ -33,14 +33,14 @@ from ..policies import AccessContext, get_policy
 from .fileio import FileOps, probe_o_direct
 from .format import MAX_KEY_BYTES, file_bytes_for
 from .health import TierHealth
-from .index import BlockIndex, KeyState, LookupRun, _Entry
+from .index import DIRECTORY_BYTES, BlockIndex, KeyState, LookupRun, _Entry, file_budget
 from .io import BlockIO, _read_mac_key
 from .jobs import JobQueue, JobResult, _Job
 from .paths import NAMESPACE, block_relpath
 from .scan import StartupScan
 from .tier_metrics import TierMetrics
 
-__all__ = ["FilesystemTier", "JobResult", "KeyState", "LookupRun"]
+__all__ = ["DIRECTORY_BYTES", "FilesystemTier", "JobResult", "KeyState", "LookupRun", "file_budget"]
 
 
 def _torch_dtype_name(dtype: torch.dtype) -> str:
@@ -114,7 +114,11 @@ class FilesystemTier(BlockIndex, JobQueue, BlockIO, StartupScan, TierHealth):
         # Keys whose file failed to read while someone else had them pinned: gone from the index, their
         # accounting and file are dropped at the last unpin.
         self._bad: set[bytes] = set()
-        self._policy = get_policy(config.eviction_policy, config.capacity_bytes, admission=config.admission,
+        # What the block files may occupy: the capacity less the directories they live in. A volume's limit (an
+        # emptyDir's sizeLimit, a quota) counts every byte under it, and the kubelet evicts a pod whose emptyDir
+        # exceeds its sizeLimit: a full tier must stay under the capacity it was given, fan-out included.
+        self._file_budget = file_budget(config.capacity_bytes, self._nominal_file_bytes)
+        self._policy = get_policy(config.eviction_policy, self._file_budget, admission=config.admission,
                                   admission_threshold=config.admission_threshold)
         self._jobs: dict[int, _Job] = {}
         self._finished: OrderedDict[int, JobResult] = OrderedDict()

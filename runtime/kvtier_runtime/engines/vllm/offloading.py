@@ -35,6 +35,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from ...codecs import KVChunkCodec
 from ...codecs.layout import describe
 from ...config import ConfigError, OffloadSpecConfig
 from ...fs.tier import FilesystemTier
@@ -158,7 +159,7 @@ class KvtierOffloadingManager(OffloadingManager):
         for tcfg, dtype in zip(cfg.fs_tiers, spec.fs_view_dtypes):
             view = self.region.rows.view(dtype)
             codec = tier_codec(tcfg, decision)
-            if tcfg.codec != "none" and codec is None:
+            if tcfg.codec != "none" and not isinstance(codec, KVChunkCodec):  # flat (int4 refused: int8)
                 self.flat_codec_tiers[decision.reason] += 1
             tiers.append(FilesystemTier(tcfg, (view.shape[1],), dtype, name=f"kvtier:{tcfg.root_dir}", peer="host",
                                         codec=codec))
@@ -331,7 +332,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
         self.spec = spec
         self.layout = _layout(spec.config, pages)
         chunk = spec.layout_decision.layout
-        wrong = check_worker_pages(chunk, pages) if chunk is not None else None
+        wrong = (check_worker_pages(chunk, pages, max(1, int(spec.config.parallel.world_size)))
+                 if chunk is not None else None)
         if wrong is not None:  # the scheduler would quantise K as V or across layers: refuse rather than corrupt
             raise ConfigError(f"kv_connector_extra_config.fs_tiers[].codec: {wrong}; use codec 'none' with this "
                               "engine")

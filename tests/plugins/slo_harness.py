@@ -1,19 +1,37 @@
-"""A real-time driver for the guard outside Kubernetes: tick every ``interval``, keep the state as JSON.
+"""The SLO guard outside Kubernetes, for tests and benchmarks (not the product).
 
-The operator runs the same :func:`tick` from a kopf timer and stores the state in ``status.slo``; this driver
-stands in for that in tests, the reaction-time benchmark and ad-hoc dry runs against a live Prometheus.
+- :func:`slo_settings`: a raw ``spec`` mapping (camelCase, as stored) -> ``SLOSettings``, through the API models and
+  their CEL rules first (``SLOSpecError`` lists every problem as ``spec.<path>: <rule>``). The operator itself
+  always has a parsed spec (``SLOSettings.from_policy_spec``).
+- :class:`GuardLoop`: a real-time driver: tick every ``interval``, keep the state as JSON. The operator runs the
+  same ``slo.tick`` as a step of each policy's pass and stores the state in ``status.slo``; this driver stands in
+  for that in tests, the reaction-time benchmark and ad-hoc dry runs against a live Prometheus.
 """
 from __future__ import annotations
 
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
-from .decisions import Action, SetCondition, enabled_tiers, tier_states
-from .guard import MeasurementSource, tick
-from .queries import Scope
-from .settings import SLOSettings
+from kvtier_operator.api import v1alpha1 as api
+from kvtier_operator.api.validation import PolicyInvalid, parse_policy
+from kvtier_operator.slo.decisions import Action, SetCondition, enabled_tiers, tier_states
+from kvtier_operator.slo.guard import MeasurementSource, tick
+from kvtier_operator.slo.queries import Scope
+from kvtier_operator.slo.settings import SLOSettings, SLOSpecError
+
+
+def slo_settings(spec: Mapping[str, Any] | api.KVCachePolicySpec) -> SLOSettings:
+    """From a parsed spec, or a raw one validated by the API models and their CEL rules first."""
+    if isinstance(spec, api.KVCachePolicySpec):
+        return SLOSettings.from_policy_spec(spec)
+    doc = {"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": {"name": "slo"}, "spec": spec}
+    try:
+        policy = parse_policy(doc)
+    except PolicyInvalid as err:
+        raise SLOSpecError([str(p) for p in err.problems]) from None
+    return SLOSettings.from_policy_spec(policy.spec)
 
 
 @dataclass
