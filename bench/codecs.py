@@ -32,11 +32,12 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "runtime"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 
 from kvtier_runtime.codecs import CODEC_CLASSES, ERROR_BUDGETS, decode, get_codec  # noqa: E402
 from kvtier_runtime.codecs import STATS, KVLayout, get_kv_codec  # noqa: E402
 from kvtier_runtime.codecs import base as codec_base  # noqa: E402
-from kvtier_runtime.codecs.accuracy import attention_cosine  # noqa: E402
+from plugins.kv_accuracy import attention_cosine  # noqa: E402  (tests/plugins: a measure, not product code)
 from kvtier_runtime.codecs.kv import chunk_error  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}

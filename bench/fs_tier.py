@@ -33,7 +33,8 @@ import torch  # noqa: E402
 from kvtier_runtime.codecs import get_codec  # noqa: E402
 from kvtier_runtime.config import FilesystemTierConfig  # noqa: E402
 from kvtier_runtime.fs import FilesystemTier  # noqa: E402
-from kvtier_runtime.fs import tier as tier_module  # noqa: E402
+# The block I/O module: where the tier's tasks look up the per-block steps the breakdown times.
+from kvtier_runtime.fs import io as tier_module  # noqa: E402
 from kvtier_runtime.fs.fileio import O_DIRECT, AlignedBuffer, FileOps, probe_o_direct  # noqa: E402
 from kvtier_runtime.fs.format import file_bytes_for  # noqa: E402
 

@@ -18,13 +18,13 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "runtime")]
+sys.path[:0] = [str(ROOT), str(ROOT / "runtime"), str(ROOT / "tests")]
 
 import torch  # noqa: E402
 
 from e2e.vllm_cpu import model as tm  # noqa: E402
 from kvtier_runtime.codecs import KVLayout, get_kv_codec  # noqa: E402
-from kvtier_runtime.codecs.accuracy import compare_logits  # noqa: E402
+from plugins.kv_accuracy import compare_logits  # noqa: E402  (tests/plugins: a measure, not product code)
 
 PREFIX = 608
 

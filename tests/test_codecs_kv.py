@@ -12,7 +12,7 @@ import torch
 from kvtier_runtime.codecs import (
     ATTENTION_BUDGETS, STATS, CodecError, CodecMetricsCollector, KVLayout, decode, get_kv_codec, peek_header,
 )
-from kvtier_runtime.codecs.accuracy import attention_cosine, compare_logits
+from plugins.kv_accuracy import attention_cosine, compare_logits
 from kvtier_runtime.codecs.kv import canonical, chunk_error, scatter_staged, to_stage
 from kvtier_runtime.codecs.layout import PAGE_ORDERS
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from kvtier_runtime.codecs import STATS, KVChunkCodec, KVLayout, peek_header
-from kvtier_runtime.codecs.accuracy import attention_cosine
 from kvtier_runtime.config import FilesystemTierConfig
 from kvtier_runtime.engines.chunk_layout import (
     FLAT_REASONS,
@@ -21,10 +20,10 @@ from kvtier_runtime.engines.chunk_layout import (
     tier_codec,
 )
 from kvtier_runtime.engines.host_region import HostRegion
-from kvtier_runtime.engines.offload_books import HIT, RETRY, OffloadBooks
 from kvtier_runtime.fs.format import HEADER_BYTES
-from kvtier_runtime.fs.tier import FilesystemTier
-from kvtier_runtime.store.memory_tier import MemoryTier
+from kvtier_runtime.store.books import HIT, RETRY, OffloadBooks
+from plugins.kv_accuracy import attention_cosine
+from plugins.runtime import engine_books
 from tests.test_codecs_kv import make_chunk
 
 # vLLM 0.32 on CPU with the e2e model's shape class: 4 layers, 4 KV heads of 64, float32, 16-token blocks, 2 blocks
@@ -102,16 +101,12 @@ def test_tier_codec_is_layout_aware_only_for_a_lossy_tier_with_a_layout(tmp_path
 def _books(tmp_path, lay: KVLayout, codec_name: str, layout_aware: bool, n_rows: int = 4):
     """OffloadBooks over a host region of ``lay``-sized rows and one filesystem tier, built as the spec's manager
     builds them (``tier_codec`` with the layout, or the flat codec)."""
-    row = lay.nbytes
-    region = HostRegion(str(tmp_path / "shm"), f"layout-{time.monotonic_ns()}", n_rows, row)
-    host = MemoryTier("host", (row,), torch.uint8, n_rows * row, slab=region.rows)
-    view = region.rows.view(getattr(torch, lay.dtype))
     cfg = _tier_cfg(tmp_path, codec_name)
     decision = chunk_layout(CPU) if layout_aware else chunk_layout(dataclasses.replace(CPU, backend=None))
     assert decision.layout in (None, lay)
-    tier = FilesystemTier(cfg, (view.shape[1],), view.dtype, name=f"t{time.monotonic_ns()}",
-                          codec=tier_codec(cfg, decision))
-    return OffloadBooks(host, [tier], fs_rows=[view], key_suffix=b"run"), region, tier
+    books, region = engine_books(tmp_path, n_rows, lay.nbytes, [(cfg, {"codec": tier_codec(cfg, decision)})],
+                                 view_dtype=getattr(torch, lay.dtype))
+    return books, region, books.fs_tiers[0]
 
 
 def _reload(books: OffloadBooks, region: HostRegion, key: bytes, chunk: torch.Tensor) -> torch.Tensor:

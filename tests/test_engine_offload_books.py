@@ -12,27 +12,18 @@ import torch
 
 from kvtier_runtime.config import ConfigError, FilesystemTierConfig, OffloadSpecConfig
 from kvtier_runtime.engines.host_region import HostRegion, region_path, remove_stale_regions
-from kvtier_runtime.engines.offload_books import DISK, HIT, HIT_PENDING, HOST, MISS, RETRY, OffloadBooks
 from kvtier_runtime.engines.page_copy import PageCopier
 from kvtier_runtime.fs.format import HEADER_BYTES
-from kvtier_runtime.fs.tier import FilesystemTier
-from kvtier_runtime.store.memory_tier import MemoryTier
+from kvtier_runtime.store.books import DISK, HIT, HIT_PENDING, HOST, MISS, RETRY, OffloadBooks
+from plugins.runtime import engine_books, seq_key
 
 ROW = 4096
 
 
-def _key(i: int) -> bytes:
-    return i.to_bytes(32, "big") + b"\0\0\0\0"
-
-
 def _books(tmp_path, n_rows: int = 4, fs_capacity: int = 1 << 20, codec: str = "none"):
-    region = HostRegion(str(tmp_path / "shm"), f"books-{time.monotonic_ns()}", n_rows, ROW)
-    host = MemoryTier("host", (ROW,), torch.uint8, n_rows * ROW, slab=region.rows)
-    view = region.rows.view(torch.float32 if codec != "none" else torch.float16)
     cfg = FilesystemTierConfig(root_dir=str(tmp_path / "fs"), capacity_bytes=fs_capacity, codec=codec,
                                n_read_threads=2, n_write_threads=2)
-    tier = FilesystemTier(cfg, (view.shape[1],), view.dtype, name=f"t{time.monotonic_ns()}")
-    return OffloadBooks(host, [tier], fs_rows=[view], key_suffix=b"run"), region
+    return engine_books(tmp_path, n_rows, ROW, [cfg], view_dtype=torch.float32 if codec != "none" else None)
 
 
 def _store(books: OffloadBooks, region: HostRegion, keys: list[bytes], fill) -> None:
@@ -61,7 +52,7 @@ def _settle(books: OffloadBooks, key: bytes, timeout_s: float = 10.0) -> str:
 
 def test_store_then_host_hit_and_write_through(tmp_path) -> None:
     books, region = _books(tmp_path)
-    keys = [_key(i) for i in range(3)]
+    keys = [seq_key(i) for i in range(3)]
     out = books.prepare_store(keys)
     assert out is not None and out[0] == keys and len(set(out[1])) == 3
     assert books.lookup(keys[0]) == HIT_PENDING  # the worker's copy is in flight
@@ -75,10 +66,10 @@ def test_store_then_host_hit_and_write_through(tmp_path) -> None:
     assert all(torch.equal(region.rows[s], _fill(k)) for s, k in zip(slots, keys))
     # Pinned for the load: a store that needs every slot cannot evict them, and only the whole offer is stored
     # (vLLM's contract: not enough room is None, nothing changes), never the part that fits.
-    assert books.prepare_store([_key(10 + i) for i in range(4)]) is None
-    assert books.lookup(_key(10)) == MISS
-    out = books.prepare_store([_key(10)])
-    assert out is not None and out[0] == [_key(10)]
+    assert books.prepare_store([seq_key(10 + i) for i in range(4)]) is None
+    assert books.lookup(seq_key(10)) == MISS
+    out = books.prepare_store([seq_key(10)])
+    assert out is not None and out[0] == [seq_key(10)]
     books.complete_load(keys)
     books.close()
     region.close(unlink=True)
@@ -86,10 +77,10 @@ def test_store_then_host_hit_and_write_through(tmp_path) -> None:
 
 def test_evicted_block_is_promoted_from_disk_with_identical_bytes(tmp_path) -> None:
     books, region = _books(tmp_path, n_rows=2)
-    first = _key(1)
+    first = seq_key(1)
     _store(books, region, [first], _fill)
     books.drain()
-    _store(books, region, [_key(2), _key(3)], _fill)  # evicts `first` from the 2-row host tier
+    _store(books, region, [seq_key(2), seq_key(3)], _fill)  # evicts `first` from the 2-row host tier
     assert first not in books.host and books.counters["host_evictions"] >= 1
     assert books.lookup(first) == RETRY  # a promotion from disk started
     assert _settle(books, first) == HIT and books.source(first) == DISK
@@ -102,7 +93,7 @@ def test_evicted_block_is_promoted_from_disk_with_identical_bytes(tmp_path) -> N
 
 def test_reset_host_keeps_the_disk_copy(tmp_path) -> None:
     books, region = _books(tmp_path, n_rows=4)
-    keys = [_key(1), _key(2)]
+    keys = [seq_key(1), seq_key(2)]
     _store(books, region, keys, _fill)
     books.prepare_load([keys[1]])  # a load in flight keeps its slot (fenced), not its key
     assert books.reset_host() == 1 and keys[0] not in books.host and keys[1] not in books.host
@@ -116,7 +107,7 @@ def test_reset_host_keeps_the_disk_copy(tmp_path) -> None:
 
 def test_corrupt_file_is_a_counted_miss_never_a_hit(tmp_path) -> None:
     books, region = _books(tmp_path, n_rows=2)
-    victim = _key(7)
+    victim = seq_key(7)
     _store(books, region, [victim], _fill)
     books.drain()
     path = books.fs_tiers[0].block_path(books.fs_key(victim))
@@ -125,7 +116,7 @@ def test_corrupt_file_is_a_counted_miss_never_a_hit(tmp_path) -> None:
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    _store(books, region, [_key(8), _key(9)], _fill)  # evict it from the host tier
+    _store(books, region, [seq_key(8), seq_key(9)], _fill)  # evict it from the host tier
     assert books.lookup(victim) == RETRY
     assert _settle(books, victim) == MISS
     assert books.load_failures["corrupt"] == 1 and victim not in books.host
@@ -135,10 +126,10 @@ def test_corrupt_file_is_a_counted_miss_never_a_hit(tmp_path) -> None:
 
 def test_prepare_store_is_none_when_every_slot_is_pinned(tmp_path) -> None:
     books, region = _books(tmp_path, n_rows=2)
-    keys = [_key(1), _key(2)]
+    keys = [seq_key(1), seq_key(2)]
     out = books.prepare_store(keys)
     assert out is not None and out[0] == keys
-    assert books.prepare_store([_key(3)]) is None  # both slots hold stores in flight
+    assert books.prepare_store([seq_key(3)]) is None  # both slots hold stores in flight
     books.complete_store(keys, success=False)
     assert [books.lookup(k) for k in keys] == [MISS, MISS]
     books.close()
@@ -148,13 +139,13 @@ def test_prepare_store_is_none_when_every_slot_is_pinned(tmp_path) -> None:
 def test_lossy_codec_round_trip_through_promotion(tmp_path) -> None:
     books, region = _books(tmp_path, n_rows=2, codec="fp8")
     floats = region.rows.view(torch.float32)
-    key = _key(5)
+    key = seq_key(5)
     out = books.prepare_store([key])
     values = torch.linspace(-2, 2, floats.shape[1])
     floats[out[1][0]].copy_(values)
     books.complete_store([key])
     books.drain()
-    _store(books, region, [_key(6), _key(7)], lambda k: torch.zeros(ROW, dtype=torch.uint8))
+    _store(books, region, [seq_key(6), seq_key(7)], lambda k: torch.zeros(ROW, dtype=torch.uint8))
     assert _settle(books, key) == HIT
     (slot,) = books.prepare_load([key])
     assert torch.allclose(floats[slot], values, rtol=0.07, atol=0.02)

@@ -23,17 +23,13 @@ from kvtier_runtime.fs import FilesystemTier, KeyState
 from kvtier_runtime.fs.fileio import FileOps
 from kvtier_runtime.fs.format import HEADER_BYTES
 from kvtier_runtime.fs.paths import NAMESPACE
-from plugins.runtime import block_file_bytes, block_for, key_of, metric_value, run_in_threads
+from plugins.runtime import block_file_bytes, block_for, key_of, metric_value, run_in_threads, sentinel
 
 SHAPE = (64, 256)
 
 
 def _store(tier, keys):
     return tier.store(keys, [block_for(k) for k in keys])
-
-
-def _sentinel():
-    return torch.full(SHAPE, 12345.0)
 
 
 def _files(tier):
@@ -58,7 +54,7 @@ def test_round_trip_and_restart_recovery(fs_tier_factory) -> None:
     again = fs_tier_factory()
     assert again.rebuild_stats["blocks"] == 6
     assert again.used_bytes == 6 * block_file_bytes(SHAPE)
-    outs = [_sentinel() for _ in keys]
+    outs = [sentinel() for _ in keys]
     assert again.load(keys, outs).success
     for k, out in zip(keys, outs):
         assert torch.equal(out, block_for(k))
@@ -96,10 +92,10 @@ def test_flipped_byte_is_a_counted_miss_and_deleted(fs_tier_factory, where: str)
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([b[0] ^ 0x40]))
     before = _errors("corrupt")
-    out = _sentinel()
+    out = sentinel()
     res = tier.load([key], [out])
     assert not res.success and res.errors == {0: "corrupt"}
-    assert torch.equal(out, _sentinel()), "never wrong data: the destination is untouched"
+    assert torch.equal(out, sentinel()), "never wrong data: the destination is untouched"
     assert _errors("corrupt") == before + 1
     assert not os.path.exists(path) and tier.state(key) is KeyState.MISS and tier.used_bytes == 0
 
@@ -111,7 +107,7 @@ def test_truncated_and_deleted_files_are_misses(fs_tier_factory) -> None:
     os.truncate(tier.block_path(a), HEADER_BYTES + 100)
     os.unlink(tier.block_path(b))
     t0, m0 = _errors("truncated"), _errors("missing")
-    res = tier.load([a, b], [_sentinel(), _sentinel()])
+    res = tier.load([a, b], [sentinel(), sentinel()])
     assert res.ok == (False, False) and res.errors == {0: "truncated", 1: "missing"}
     assert (_errors("truncated"), _errors("missing")) == (t0 + 1, m0 + 1)
     assert tier.lookup([a]).hits == 0 and tier.lookup([b]).hits == 0 and tier.used_bytes == 0
@@ -123,9 +119,9 @@ def test_a_file_holding_another_key_is_a_mismatch(fs_tier_factory) -> None:
     a, b = key_of(1), key_of(2)
     _store(tier, [a, b])
     os.replace(tier.block_path(b), tier.block_path(a))  # a's name now holds b's block
-    out = _sentinel()
+    out = sentinel()
     res = tier.load([a], [out])
-    assert res.errors == {0: "mismatch"} and torch.equal(out, _sentinel())
+    assert res.errors == {0: "mismatch"} and torch.equal(out, sentinel())
 
 
 def test_restart_removes_torn_foreign_and_corrupt_files_only_in_its_namespace(fs_tier_factory, tmp_path) -> None:
@@ -264,8 +260,8 @@ def test_eio_on_write_and_read(fs_tier_factory) -> None:
     ops.fail_write = None
     ops.fail_read = errno.EIO
     e0 = _errors("eio")
-    out = _sentinel()
-    assert tier.load([a], [out]).errors == {0: "eio"} and torch.equal(out, _sentinel())
+    out = sentinel()
+    assert tier.load([a], [out]).errors == {0: "eio"} and torch.equal(out, sentinel())
     assert _errors("eio") == e0 + 1 and tier.state(a) is KeyState.MISS
 
 
@@ -295,7 +291,7 @@ def test_real_disk_full_on_tmpfs(fs_tier_factory, small_tmpfs) -> None:
         assert _store(tier, [k]).success or _store(tier, [k]).success
     held = tier.keys()
     assert set(later) <= set(held)
-    outs = [_sentinel() for _ in held]
+    outs = [sentinel() for _ in held]
     assert tier.load(held, outs).success
     assert all(torch.equal(o, block_for(k)) for o, k in zip(outs, held))
 
@@ -341,7 +337,7 @@ def test_kill_9_writer_mid_write_then_restart(fs_tier_factory, tmp_path) -> None
     tier = fs_tier_factory(root=root)
     assert tier.rebuild_stats["tmp"] >= 1 and tier.rebuild_stats["blocks"] >= 3
     keys = tier.keys()
-    outs = [_sentinel() for _ in keys]
+    outs = [sentinel() for _ in keys]
     assert tier.load(keys, outs).success
     assert all(torch.equal(o, block_for(k)) for o, k in zip(outs, keys))
     assert not any(".tmp." in f for f in _files(tier))
@@ -359,14 +355,14 @@ def test_concurrent_stores_and_loads_never_return_wrong_bytes(fs_tier_factory) -
             if rnd.random() < 0.5:
                 tier.store(batch, [block_for(k) for k in batch])
             else:
-                outs = [_sentinel() for _ in batch]
+                outs = [sentinel() for _ in batch]
                 res = tier.load(batch, outs)
                 for k, ok, o in zip(batch, res.ok, outs):
                     if ok:
                         assert torch.equal(o, block_for(k))
                         served[0] += 1
                     else:
-                        assert torch.equal(o, _sentinel())
+                        assert torch.equal(o, sentinel())
 
     run_in_threads(worker)
     assert served[0] > 0
@@ -394,7 +390,7 @@ def test_non_blocking_api_reports_pending_and_completes_by_polling(fs_tier_facto
     assert time.perf_counter() - t0 < 0.5, "submit must not wait for the disk"
     assert tier.state(key) is KeyState.PENDING
     assert tier.lookup([key]) == type(tier.lookup([key]))(0, True)
-    res = tier.load([key], [_sentinel()])
+    res = tier.load([key], [sentinel()])
     assert res.errors == {0: "miss"}, "a block is not served before it is durable"
     # (one call: a second get_finished() would return [] and pass whatever the first one held)
     assert all(r.job_id != job for r in tier.get_finished()), "a job is not finished while its write hangs"
@@ -435,7 +431,7 @@ def test_buffered_fallback_when_o_direct_is_refused(fs_tier_factory) -> None:
     assert tier.direct_io is False
     keys = [key_of(i) for i in range(3)]
     assert _store(tier, keys).success
-    outs = [_sentinel() for _ in keys]
+    outs = [sentinel() for _ in keys]
     assert tier.load(keys, outs).success and all(torch.equal(o, block_for(k)) for o, k in zip(outs, keys))
 
 
@@ -444,7 +440,7 @@ def test_a_lossy_codec_stores_smaller_files_within_its_error_budget(fs_tier_fact
     key = key_of(1)
     assert _store(tier, [key]).success
     assert os.path.getsize(tier.block_path(key)) < block_file_bytes(SHAPE, "none") / 2
-    out = _sentinel()
+    out = sentinel()
     assert tier.load([key], [out]).success
     ref = block_for(key)
     assert (torch.linalg.norm(out - ref) / torch.linalg.norm(ref)).item() <= 0.03
@@ -461,7 +457,7 @@ def test_codec_fallback_to_a_wider_encoding_is_accounted_at_its_real_size(fs_tie
     files = _files(tier)
     assert all(os.path.getsize(f) == block_file_bytes(SHAPE, "none") for f in files)
     assert tier.used_bytes == sum(os.path.getsize(f) for f in files) <= tier.capacity_bytes
-    outs = [_sentinel() for _ in tier.keys()]
+    outs = [sentinel() for _ in tier.keys()]
     assert tier.load(tier.keys(), outs).success
     assert all(torch.equal(o, block_for(k)) for o, k in zip(outs, tier.keys()))
 
@@ -474,7 +470,7 @@ def test_lookups_do_not_reorder_eviction_but_loads_do(fs_tier_factory) -> None:
         assert tier.lookup([a]).hits == 1
     _store(tier, [c])
     assert set(tier.keys()) == {b, c}, "a waiting request's repeated lookups are not accesses"
-    assert tier.load([b], [_sentinel()]).success
+    assert tier.load([b], [sentinel()]).success
     _store(tier, [d])
     assert set(tier.keys()) == {b, d}, "a load is an access"
 
@@ -523,7 +519,7 @@ def test_evictions_count_only_blocks_the_policy_chose(fs_tier_factory) -> None:
     _store(tier, [a, b])
     assert tier.remove(a)
     os.truncate(tier.block_path(b), HEADER_BYTES + 10)
-    assert not tier.load([b], [_sentinel()]).success
+    assert not tier.load([b], [sentinel()]).success
     assert metric_value("kvtier_runtime_evictions_total", tier="fs") == e0
     for k in (a, b, c):  # three blocks into room for two: one eviction
         assert _store(tier, [k]).success
@@ -539,7 +535,7 @@ def test_an_unusable_destination_fails_the_key_and_keeps_the_block(fs_tier_facto
     strided = torch.empty(SHAPE[1], SHAPE[0]).t()  # the tier's shape, not contiguous
     assert tier.load([key], [strided]).errors == {0: "mismatch"}
     assert tier.state(key) is KeyState.HIT and os.path.exists(tier.block_path(key))
-    out = _sentinel()
+    out = sentinel()
     assert tier.load([key], [out]).success and torch.equal(out, block_for(key))
 
 
@@ -550,13 +546,13 @@ def test_jobs_after_close_are_refused_before_anything_is_reserved(fs_tier_factor
     with pytest.raises(RuntimeError, match="closed"):
         tier.submit_store([key], [block_for(key)])
     with pytest.raises(RuntimeError, match="closed"):
-        tier.submit_load([key], [_sentinel()])
+        tier.submit_load([key], [sentinel()])
     assert tier.state(key) is KeyState.MISS and tier.used_bytes == 0
 
 
 def test_a_block_being_written_cannot_be_pinned_so_a_failed_write_still_settles(fs_tier_factory) -> None:
     # A pin taken during the write used to make the failed write's cleanup raise PinnedEntryError in the pool
-    # thread: the job never finished and a waiter (TieredStore waits without a timeout) hung for ever.
+    # thread: the job never finished and a waiter without a timeout hung for ever.
     gate, armed = threading.Event(), threading.Event()
 
     class FailsLate(FileOps):

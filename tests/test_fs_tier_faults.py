@@ -22,14 +22,10 @@ from kvtier_runtime.fs import FilesystemTier, KeyState
 from kvtier_runtime.fs import format as fmt
 from kvtier_runtime.fs.fileio import FileOps
 from kvtier_runtime.fs.paths import NAMESPACE, block_relpath
-from kvtier_runtime.store import TieredStore
-from plugins.runtime import block_file_bytes, block_for, key_of, metric_value
+from kvtier_runtime.store import HIT, MISS, RETRY, MemoryTier, OffloadBooks
+from plugins.runtime import block_file_bytes, block_for, key_of, metric_value, sentinel
 
 SHAPE = (64, 256)
-
-
-def _sentinel():
-    return torch.full(SHAPE, 12345.0)
 
 
 def _errors(kind: str) -> float:
@@ -62,19 +58,19 @@ def test_a_forged_block_is_served_by_crc_alone_but_is_a_counted_miss_with_the_ma
     plain = fs_tier_factory(root=str(tmp_path / "plain"))
     assert plain.store([key], [block_for(key)]).success
     _forge(plain.block_path(key))
-    out = _sentinel()
+    out = sentinel()
     assert plain.load([key], [out]).success, "CRC32 alone cannot tell a forged block (why the MAC exists)"
     assert not torch.equal(out, block_for(key))
 
     tier = fs_tier_factory(root=str(tmp_path / "mac"), mac_key_file=_key_file(tmp_path))
     assert tier.store([key], [block_for(key)]).success
-    out = _sentinel()
+    out = sentinel()
     assert tier.load([key], [out]).success and torch.equal(out, block_for(key))
     _forge(tier.block_path(key))
     f0 = _errors("forged")
-    out = _sentinel()
+    out = sentinel()
     res = tier.load([key], [out])
-    assert res.errors == {0: "forged"} and torch.equal(out, _sentinel()), "a forged block is never served"
+    assert res.errors == {0: "forged"} and torch.equal(out, sentinel()), "a forged block is never served"
     assert _errors("forged") == f0 + 1
     assert tier.state(key) is KeyState.MISS and not os.path.exists(tier.block_path(key))
 
@@ -87,15 +83,15 @@ def test_blocks_without_the_right_mac_are_refused(fs_tier_factory, tmp_path) -> 
     with_a.close()
     unkeyed = fs_tier_factory(root=root)  # a writer without any key (e.g. another pod, misconfigured)
     assert unkeyed.store(keys[2:], [block_for(k) for k in keys[2:]]).success
-    outs = [_sentinel() for _ in keys]
+    outs = [sentinel() for _ in keys]
     assert unkeyed.load(keys, outs).success, "a tier without a key still reads MAC'd blocks (CRC-checked)"
     unkeyed.close()
     with_b = fs_tier_factory(root=root, mac_key_file=_key_file(tmp_path, "b.key"))
     assert with_b.rebuild_stats["blocks"] == 3
-    outs = [_sentinel() for _ in keys]
+    outs = [sentinel() for _ in keys]
     res = with_b.load(keys, outs)
     assert res.errors == {0: "forged", 1: "forged", 2: "forged"}
-    assert all(torch.equal(o, _sentinel()) for o in outs)
+    assert all(torch.equal(o, sentinel()) for o in outs)
 
 
 @pytest.mark.parametrize("case", ["missing", "short", "directory"])
@@ -116,7 +112,7 @@ def test_a_long_key_file_with_a_trailing_newline_works(fs_tier_factory, tmp_path
     tier = fs_tier_factory(mac_key_file=str(path))
     key = key_of(1)
     assert tier.store([key], [block_for(key)]).success
-    out = _sentinel()
+    out = sentinel()
     assert tier.load([key], [out]).success and torch.equal(out, block_for(key))
 
 
@@ -177,9 +173,9 @@ def test_a_fifo_swapped_in_for_a_block_fails_fast_at_load_and_at_restart(fs_tier
     os.unlink(path)
     os.mkfifo(path)
     t0 = time.monotonic()
-    out = _sentinel()
+    out = sentinel()
     res = tier.load([key], [out], timeout=15)
-    assert time.monotonic() - t0 < 5 and res.errors == {0: "foreign"} and torch.equal(out, _sentinel())
+    assert time.monotonic() - t0 < 5 and res.errors == {0: "foreign"} and torch.equal(out, sentinel())
     tier.close()
     os.unlink(path) if os.path.exists(path) else None
     os.makedirs(os.path.dirname(path), exist_ok=True)  # the tier prunes a fan-out directory it emptied
@@ -219,14 +215,14 @@ def test_a_hung_read_times_out_and_never_writes_the_callers_tensor_later(fs_tier
     assert tier.store([key], [block_for(key)]).success
     ops.reads.set()
     t0 = time.monotonic()
-    out = _sentinel()
+    out = sentinel()
     res = tier.load([key], [out], timeout=None)  # no caller timeout: the tier's own bound applies
     assert time.monotonic() - t0 < 3 and res.errors == {0: "timeout"}
     ops.release.set()
     tier.drain(timeout=10)
     time.sleep(0.2)
-    assert torch.equal(out, _sentinel()), "a read finishing after its job expired must not touch the tensor"
-    out2 = _sentinel()
+    assert torch.equal(out, sentinel()), "a read finishing after its job expired must not touch the tensor"
+    out2 = sentinel()
     assert tier.load([key], [out2]).success and torch.equal(out2, block_for(key)), "the block itself is fine"
 
 
@@ -246,33 +242,41 @@ def test_a_hung_write_times_out_for_polling_callers_and_drain_is_bounded(fs_tier
     while tier.state(key) is KeyState.PENDING and time.monotonic() < deadline:
         time.sleep(0.02)
     # the write had copied the block before the job expired, so finishing it stores the right bytes
-    out = _sentinel()
+    out = sentinel()
     assert tier.load([key], [out]).success and torch.equal(out, block_for(key))
 
 
-def test_tiered_store_does_not_hang_on_a_hung_filesystem_tier(tmp_path) -> None:
+def test_the_engine_path_does_not_hang_on_a_hung_filesystem_tier(tmp_path) -> None:
+    # The books answer vLLM's scheduler, which must never block on the disk: a promotion whose read hangs is a
+    # "retry" while it runs, and once the tier's io_timeout_s expires it a counted "timeout" and a miss (vLLM
+    # recomputes), with the host row never handed out.
     ops = _Hang()
     cfg = FilesystemTierConfig(root_dir=str(tmp_path / "fs"), capacity_bytes=64 * block_file_bytes(),
                                eviction_policy="lru", n_read_threads=2, n_write_threads=2, io_timeout_s=0.5)
     fs = FilesystemTier(cfg, SHAPE, torch.float32, file_ops=ops)
-    store = TieredStore(SHAPE, torch.float32, device="cpu", host_capacity_bytes=2 * 64 * 256 * 4, fs=fs,
-                        write={"fs": "through"})
+    host = MemoryTier("host", SHAPE, torch.float32, 2 * 64 * 256 * 4)
+    books = OffloadBooks(host, [fs])
     try:
         keys = [key_of(i) for i in range(4)]
-        assert store.put(keys, [block_for(k) for k in keys]).result(timeout=30).success
-        assert store.lookup(keys)["fs"] == 4
+        for key in keys:  # two host rows: keys 0 and 1 are evicted and then only on disk
+            to_store, slots, _ = books.prepare_store([key])
+            host.slab[slots[0]].copy_(block_for(key))
+            books.complete_store(to_store)
+            books.drain(10)
+        assert books.lookup(keys[3]) == HIT
         ops.reads.set()
-        outs = [_sentinel() for _ in keys]
         t0 = time.monotonic()
-        res = store.load(keys, outs).result(timeout=30)  # keys 0, 1 were evicted from host: they need the disk
-        assert time.monotonic() - t0 < 5 and res.hits == 0 and res.stopped == "timeout"
+        assert books.lookup(keys[0]) == RETRY and time.monotonic() - t0 < 0.2  # queued, not waited for
+        while books.has_pending_work() and time.monotonic() - t0 < 5:
+            books.poll()  # what the scheduler's end-of-step does; each call returns at once
+            assert keys[0] not in host or not host.is_ready(keys[0]), "an unread block is never a hit"
+            time.sleep(0.05)
+        assert time.monotonic() - t0 < 5 and books.load_failures["timeout"] == 1
         ops.release.set()
-        fs.drain(timeout=10)
-        assert all(torch.equal(o, _sentinel()) for o in outs[:2])
+        assert books.lookup(keys[0]) == RETRY  # the timed-out read was a miss; the file itself is still good
     finally:
         ops.release.set()
-        store.close()
-        fs.close()
+        books.close()
 
 
 # ---- EACCES, read-only filesystems, undeletable files, long keys ------------------------------------------------
@@ -321,7 +325,7 @@ def test_a_read_only_filesystem_degrades_the_tier_instead_of_raising(fs_tier_fac
     read_only()
     again = fs_tier_factory(root=os.path.join(mnt, "tier"))
     assert again.degraded == "erofs" and again.rebuild_stats["blocks"] == 1
-    out = _sentinel()
+    out = sentinel()
     assert again.load([key], [out]).success and torch.equal(out, block_for(key)), "what is there is still served"
     assert again.store([key_of(2)], [block_for(key_of(2))]).errors == {0: "erofs"}
     fresh = fs_tier_factory(root=os.path.join(mnt, "never-created"))  # the namespace cannot even be made
@@ -380,7 +384,7 @@ def test_close_is_bounded_while_a_read_hangs(fs_tier_factory) -> None:
     key = key_of(1)
     assert tier.store([key], [block_for(key)]).success
     ops.reads.set()
-    tier.submit_load([key], [_sentinel()])
+    tier.submit_load([key], [sentinel()])
     time.sleep(0.1)
     t0 = time.monotonic()
     tier.close()

@@ -24,11 +24,6 @@ TRANSFER_SECONDS = Histogram(
 OCCUPANCY_BYTES = Gauge("kvtier_runtime_occupancy_bytes", "Bytes held (or reserved) in a tier", ["tier"])
 CAPACITY_BYTES = Gauge("kvtier_runtime_capacity_bytes", "Configured capacity of a tier", ["tier"])
 EVICTIONS = Counter("kvtier_runtime_evictions", "Blocks evicted from a tier", ["tier"])
-PROMOTIONS_SKIPPED = Counter(
-    "kvtier_runtime_promotions_skipped",
-    "Promotions not done because the cost model said recomputing is faster",
-    ["src"],
-)
 STORES_REJECTED = Counter(
     "kvtier_runtime_stores_rejected", "Stores refused before any I/O, by reason", ["tier", "reason"]
 )

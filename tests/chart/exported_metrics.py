@@ -21,7 +21,6 @@ RUNTIME = {
     "kvtier_runtime_occupancy_bytes": "gauge",
     "kvtier_runtime_capacity_bytes": "gauge",
     "kvtier_runtime_evictions": "counter",
-    "kvtier_runtime_promotions_skipped": "counter",
     "kvtier_runtime_stores_rejected": "counter",
     "kvtier_runtime_fs_errors": "counter",
     "kvtier_runtime_fs_backoff": "gauge",

@@ -3,7 +3,7 @@ Llama of e2e/vllm_cpu; 8 KV heads of 64, 32-token blocks, one block per chunk).
 
 What is compared: next-token logits (full-vocabulary log-probabilities from the completions API) at ``POSITIONS``
 teacher-forced positions after a 608-token prefix reloaded from a filesystem tier that holds it compressed, against
-the same after an uncompressed reload (:func:`kvtier_runtime.codecs.accuracy.compare_logits`). vLLM gives prompt
+the same after an uncompressed reload (:func:`plugins.kv_accuracy.compare_logits`). vLLM gives prompt
 logprobs only to requests that skip the prefix cache, so each position is its own one-token request: the prefix
 plus the first i continuation tokens. (Comparing greedy generations instead measures divergence: once one token
 differs, every later position has another context.)
@@ -32,7 +32,7 @@ import torch
 from e2e.vllm_cpu import model, render
 from e2e.vllm_cpu.server import VllmServer
 from kvtier_runtime.codecs import KVLayout, decode, get_kv_codec, peek_header
-from kvtier_runtime.codecs.accuracy import attention_cosine, compare_logits
+from plugins.kv_accuracy import attention_cosine, compare_logits
 from kvtier_runtime.codecs.kv import canonical, scatter_staged, to_stage
 from kvtier_runtime.fs.format import HEADER_BYTES, align_up, checksum, pack_header, parse_header
 

@@ -16,6 +16,13 @@ def block_for(key: bytes, shape: tuple[int, ...] = (64, 256)):
     return torch.randn(shape, generator=gen, dtype=torch.float32)
 
 
+def sentinel(shape: tuple[int, ...] = (64, 256)):
+    """An output buffer no stored block equals: a read that did not happen (or wrote other bytes) shows."""
+    import torch
+
+    return torch.full(shape, 12345.0)
+
+
 def key_of(i: int) -> bytes:
     """A vLLM-like key: 32-byte hash + 4-byte big-endian group index."""
     import hashlib
@@ -39,6 +46,43 @@ def block_file_bytes(shape: tuple[int, ...] = (64, 256), codec: str = "none") ->
     from kvtier_runtime.fs.format import file_bytes_for
 
     return file_bytes_for(get_codec(codec).encoded_nbytes(shape, torch.float32))
+
+
+def seq_key(i: int) -> bytes:
+    """A vLLM offload key whose hash part is ``i`` (readable in failures; ``key_of`` is the hashed kind)."""
+    return i.to_bytes(32, "big") + b"\0\0\0\0"
+
+
+def engine_books(tmp_path, n_rows: int, row_bytes: int, fs=(), *, view_dtype=None, key_suffix: bytes = b"run",
+                 enable_events: bool = False, host_name: str = "host", **host_options):
+    """The engine path's store as kvtier's offloading spec builds it: a shared host region of ``n_rows`` rows of
+    ``row_bytes``, a host MemoryTier over it, and one FilesystemTier per entry of ``fs`` -- a
+    FilesystemTierConfig, or ``(config, FilesystemTier keyword arguments)`` -- reading the rows as ``view_dtype``
+    (float16 unless given). Returns ``(books, region)``; :func:`close_books` closes both."""
+    import time
+
+    import torch
+
+    from kvtier_runtime.engines.host_region import HostRegion
+    from kvtier_runtime.fs import FilesystemTier
+    from kvtier_runtime.store import MemoryTier, OffloadBooks
+
+    region = HostRegion(str(tmp_path / "shm"), f"books-{time.monotonic_ns()}", n_rows, row_bytes)
+    host = MemoryTier(host_name, (row_bytes,), torch.uint8, n_rows * row_bytes, slab=region.rows, **host_options)
+    view = region.rows.view(view_dtype or torch.float16)
+    tiers = []
+    for entry in fs:
+        cfg, options = entry if isinstance(entry, tuple) else (entry, {})
+        options = {"name": f"t{time.monotonic_ns()}", **options}
+        tiers.append(FilesystemTier(cfg, (view.shape[1],), view.dtype, **options))
+    books = OffloadBooks(host, tiers, fs_rows=[view] * len(tiers), key_suffix=key_suffix,
+                         enable_events=enable_events)
+    return books, region
+
+
+def close_books(books, region) -> None:
+    books.close()
+    region.close(unlink=True)
 
 
 def metric_value(name: str, **labels: str) -> float:

@@ -22,7 +22,7 @@ from vllm_driver import offloading_config  # noqa: E402
 
 from kvtier_runtime.codecs import KVChunkCodec  # noqa: E402
 from kvtier_runtime.config import ConfigError  # noqa: E402
-from kvtier_runtime.engines import vllm_adapter  # noqa: E402
+from kvtier_runtime.engines.vllm import model_config  # noqa: E402
 from kvtier_runtime.engines.vllm_adapter import METRIC_FLAT_CODEC_TIERS  # noqa: E402
 
 HEADS, HEAD_DIM, TOKENS = 4, 64, 16
@@ -75,7 +75,7 @@ def test_an_unreadable_model_config_is_shape_unknown(tmp_path, engine_id):
 
 def test_cpu_backend_gives_the_layout_codec_and_the_worker_checks_its_pages(tmp_path, engine_id, monkeypatch):
     # Stands in for vLLM's CPU platform probe only (this machine's vLLM 0.33 has no CPU platform build).
-    monkeypatch.setattr(vllm_adapter, "_attention_backend", lambda dtype, tokens, head_dim: ("CPU_ATTN", "vec"))
+    monkeypatch.setattr(model_config, "_attention_backend", lambda dtype, tokens, head_dim: ("CPU_ATTN", "vec"))
     spec = _spec(tmp_path, engine_id, _model(tmp_path))
     layout = spec.layout_decision.layout
     assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.page_order) == (1, HEADS, HEAD_DIM,

@@ -36,7 +36,8 @@ generic rows); it does not see K, V or heads, so it is not safe on K with outlie
     n = codec.encode(x, out)                 # header + payload, returns bytes written
     y = decode(out[:n])                      # any codec's block: the header says which
 
-``accuracy.compare_logits`` compares next-token logits of two engine runs (compressed vs uncompressed reload).
+The accuracy measures (attention cosine, next-token logits of two engine runs) are test code, in
+tests/plugins/kv_accuracy.py.
 This package imports torch; ``kvtier_runtime`` itself does not import it.
 """
 from .base import Codec

@@ -1,7 +1,7 @@
 """The books of kvtier's vLLM offloading spec: which chunk is where, in the scheduler process (no vllm import).
 
 Tiers: a host tier (:class:`~kvtier_runtime.store.memory_tier.MemoryTier` over the shared
-:class:`~.host_region.HostRegion`, slots chosen by a kvtier eviction policy) and behind it zero or more durable
+:class:`~kvtier_runtime.engines.host_region.HostRegion`, slots chosen by a kvtier eviction policy) and behind it zero or more durable
 filesystem tiers (:class:`~kvtier_runtime.fs.tier.FilesystemTier`, bounded, checksummed, optionally compressed).
 
 Flow, and why it is split this way:
@@ -17,6 +17,11 @@ Flow, and why it is split this way:
 
 Nothing here blocks on the disk: lookups read in-memory indexes, disk work is queued, completions are collected by
 :meth:`poll` (called on every lookup/store and at the end of each scheduler step).
+
+Metrics (``kvtier_runtime_*``, labelled by tier name): the books count the host tier's lookups, hits, evictions,
+occupancy and capacity, and a filesystem tier's lookups and hits for keys the host tier missed; the filesystem
+tiers count their own promotions (disk -> host), demotions (host -> disk), bytes, errors and occupancy. A lookup
+vLLM repeats while a promotion runs counts each time it is asked.
 """
 from __future__ import annotations
 
@@ -28,9 +33,10 @@ from typing import Iterable, Sequence
 
 import torch
 
+from .. import metrics
 from ..fs.tier import FilesystemTier, JobResult, KeyState
 from ..policies import AccessContext
-from ..store.memory_tier import MemoryTier
+from .memory_tier import MemoryTier
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +116,10 @@ class OffloadBooks:
         for tier, on in zip(self.fs_tiers, self._fs_events):
             if on:
                 tier.record_removals()
+        for tier in self.fs_tiers:
+            tier.peer = host.name  # promotions/demotions are labelled with the tier they move to or from
+        metrics.CAPACITY_BYTES.labels(host.name).set(host.capacity_bytes)
+        self._update_occupancy()
 
     # ---- keys ---------------------------------------------------------------------------------------------
     def fs_key(self, key: bytes) -> bytes:
@@ -119,13 +129,17 @@ class OffloadBooks:
     def lookup(self, key: bytes, ctx: AccessContext | None = None) -> str:
         self.poll()
         host = self.host
+        metrics.LOOKUPS.labels(host.name).inc()
         if key in host:
             if not host.is_ready(key):
                 return HIT_PENDING if key in self._writing else RETRY  # a store or a promotion is in flight
+            metrics.HITS.labels(host.name).inc()
             return HIT
         fkey = self.fs_key(key)
         for i, tier in enumerate(self.fs_tiers):
+            metrics.LOOKUPS.labels(tier.name).inc()
             if tier.state(fkey) is KeyState.HIT:
+                metrics.HITS.labels(tier.name).inc()
                 return RETRY if self._promote(key, i, ctx) else MISS
         return MISS
 
@@ -144,6 +158,7 @@ class OffloadBooks:
         job = tier.submit_load([self.fs_key(key)], [self._fs_rows[tier_index][slot]], ctx)
         self._promotions[(tier_index, job)] = _Promotion(key, tier_index, time.monotonic())
         self.counters["promotions_started"] += 1
+        self._update_occupancy()
         return True
 
     # ---- loads (host -> engine) -------------------------------------------------------------------------
@@ -241,6 +256,7 @@ class OffloadBooks:
             self._origin[key] = HOST
         if evicted:
             self._event(evicted, -1, removed=True)
+        self._update_occupancy()
         return to_store, slots, evicted
 
     def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None:
@@ -261,6 +277,7 @@ class OffloadBooks:
                 failed.append(key)
         if failed:
             self._event(failed, -1, removed=True, metadata_only=True)
+            self._update_occupancy()
         if done:
             self._event(done, -1, removed=False)
             self._write_through(done)
@@ -310,7 +327,12 @@ class OffloadBooks:
         for key in keys:
             self._origin.pop(key, None)
         self.counters["host_evictions"] += len(keys)
+        if keys:
+            metrics.EVICTIONS.labels(self.host.name).inc(len(keys))
         return keys
+
+    def _update_occupancy(self) -> None:
+        metrics.OCCUPANCY_BYTES.labels(self.host.name).set(self.host.used_bytes)
 
     def reset_host(self) -> int:
         """vLLM's ``reset_cache`` (``POST /reset_prefix_cache?reset_external=true``): every host chunk is gone.
@@ -339,6 +361,7 @@ class OffloadBooks:
         forget = getattr(self.host.policy, "forget_requests", None)
         if forget is not None:  # a request running across the reset is ranked as a new one (vLLM's lru)
             forget()
+        self._update_occupancy()
         return dropped
 
     def _fence(self, key: bytes) -> None:
@@ -369,6 +392,7 @@ class OffloadBooks:
         self.host.unpin(fence)  # type: ignore[arg-type]
         if not self.host.is_pinned(fence):  # type: ignore[arg-type]
             self.host.remove(fence)  # type: ignore[arg-type]
+            self._update_occupancy()
 
     def reset_flushed(self) -> None:
         """vLLM 0.33's ``on_reset_flushed``: the workers reported every job in flight at the last reset, and vLLM
@@ -414,6 +438,7 @@ class OffloadBooks:
                 self._origin.pop(key, None)
                 log.warning("kvtier: reading a block from %s failed (%s); vLLM recomputes it",
                             self.fs_tiers[tier_index].name, kind)
+                self._update_occupancy()
             return
         write = self._writes.pop((tier_index, result.job_id), None)
         if write is None:

@@ -4,6 +4,9 @@
 fresh random queries, the worst cosine over layers and heads. ``compare_logits`` compares the next-token logits
 of a run whose prefix was reloaded from a compressed tier with those of an uncompressed reload (same prompts,
 same positions); the real-engine harness feeds it, and a deliberately broken layout must fail it.
+
+Test and benchmark code (the runtime never calls it): tests import ``plugins.kv_accuracy``; benchmarks put
+``tests/`` on ``sys.path`` first.
 """
 from __future__ import annotations
 
@@ -12,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import CodecError
-from .kv import canonical, to_stage
-from .layout import KVLayout
+from kvtier_runtime.codecs.errors import CodecError
+from kvtier_runtime.codecs.kv import canonical, to_stage
+from kvtier_runtime.codecs.layout import KVLayout
 
 
 def attention_cosine(layout: KVLayout, original: torch.Tensor, decoded: torch.Tensor, *, n_queries: int = 64,

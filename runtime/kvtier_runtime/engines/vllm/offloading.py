@@ -1,0 +1,404 @@
+"""vLLM ``OffloadingSpec`` plug-in: kvtier's own offloading spec (``spec_name: KvtierOffloadingSpec``).
+
+Its manager (scheduler process) translates vLLM's calls to :class:`~kvtier_runtime.store.books.OffloadBooks`
+(host tier + filesystem tiers, kvtier's policies); its worker (worker process) copies pages between vLLM's KV
+cache and the host rows (:mod:`kvtier_runtime.engines.page_copy`, in a shared region:
+:mod:`kvtier_runtime.engines.host_region`)."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import (
+    LoadStoreSpec,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingManager,
+    OffloadingMetricMetadata,
+    OffloadingSpec,
+    OffloadingWorker,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    TransferResult,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from ...codecs import KVChunkCodec
+from ...codecs.layout import describe
+from ...config import ConfigError, OffloadSpecConfig
+from ...fs.tier import FilesystemTier
+from ...store.books import OffloadBooks
+from ...store.memory_tier import MemoryTier
+from ..chunk_layout import FLAT_REASONS, LayoutDecision, check_worker_pages, chunk_layout, tier_codec
+from ..host_region import HostRegion, remove_stale_regions
+from ..page_copy import PageCopier
+from ..vllm_support import block_view_dtype, namespace_suffix
+from .cache_policy import _access_context
+from .events import _kv_events_enabled, _offloading_event, _tier_kv_events
+from .model_config import _chunk_facts, _layout
+from .secondary_tier import run_identity
+
+# Under vLLM's logger tree: vLLM's handlers print only that tree, and this is where the engine's operators read.
+_log = logging.getLogger(f"vllm.{__name__}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# KvtierOffloadingSpec: kvtier's own offloading spec (host tier + filesystem tiers, kvtier's policies and codecs)
+# ---------------------------------------------------------------------------------------------------------------
+
+_SPEC_PREFIX = "vllm:kv_offload_kvtier_"
+METRIC_HOST_USED_BYTES = _SPEC_PREFIX + "host_used_bytes"
+METRIC_HOST_CAPACITY_BYTES = _SPEC_PREFIX + "host_capacity_bytes"
+METRIC_TIER_USED_BYTES = _SPEC_PREFIX + "tier_used_bytes"
+METRIC_TIER_CAPACITY_BYTES = _SPEC_PREFIX + "tier_capacity_bytes"
+METRIC_LOAD_FAILURES = _SPEC_PREFIX + "load_failures"
+METRIC_PROMOTIONS = _SPEC_PREFIX + "promotions"
+METRIC_FS_STORES = _SPEC_PREFIX + "fs_stores"
+METRIC_HOST_EVICTIONS = _SPEC_PREFIX + "host_evictions"
+METRIC_FLAT_CODEC_TIERS = _SPEC_PREFIX + "flat_codec_tiers"
+
+
+class KvtierHostSpec(CPULoadStoreSpec):
+    """Rows of kvtier's host tier (one chunk each) a worker job reads or writes: host-memory chunk ids, as vLLM's
+    own CPU tier names them (``chunk_ids``)."""
+
+
+class KvtierOffloadingSpec(OffloadingSpec):
+    """vLLM ``OffloadingSpec`` for kvtier. Configuration errors raise :class:`ConfigError` naming the key, in the
+    constructor, so a bad config fails engine start-up before any KV is allocated."""
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        tier = ("tier",)
+        return {
+            METRIC_HOST_USED_BYTES: OffloadingGaugeMetadata("Bytes held by kvtier's host tier."),
+            METRIC_HOST_CAPACITY_BYTES: OffloadingGaugeMetadata("Capacity of kvtier's host tier in bytes."),
+            METRIC_TIER_USED_BYTES: OffloadingGaugeMetadata("Bytes held by a kvtier filesystem tier.", tier),
+            METRIC_TIER_CAPACITY_BYTES: OffloadingGaugeMetadata("Capacity of a kvtier filesystem tier.", tier),
+            METRIC_LOAD_FAILURES: OffloadingCounterMetadata(
+                "Blocks a kvtier filesystem tier could not serve (corrupt, missing, eio...); vLLM recomputed them.",
+                ("kind",),
+            ),
+            METRIC_PROMOTIONS: OffloadingCounterMetadata("Blocks read from a kvtier filesystem tier into the host tier."),
+            METRIC_FS_STORES: OffloadingCounterMetadata("Blocks written through to kvtier's filesystem tiers."),
+            METRIC_HOST_EVICTIONS: OffloadingCounterMetadata("Blocks evicted from kvtier's host tier."),
+            METRIC_FLAT_CODEC_TIERS: OffloadingGaugeMetadata(
+                "Lossy kvtier filesystem tiers encoding with the flat codec because the KV layout could not be "
+                f"described, by reason ({', '.join(FLAT_REASONS)}).", ("reason",)),
+        }
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.kvtier = OffloadSpecConfig.from_extra_config(self.extra_config)
+        world = max(1, int(config.parallel.world_size))
+        self.worker_chunk_bytes = int(config.worker_kv_bytes_per_block) * self.blocks_per_chunk
+        self.row_bytes = self.worker_chunk_bytes * world
+        self.n_rows = self.kvtier.cpu_bytes_to_use // self.row_bytes if self.row_bytes else 0
+        if self.row_bytes and self.n_rows < 1:
+            raise ConfigError(
+                f"kv_connector_extra_config.cpu_bytes_to_use: {self.kvtier.cpu_bytes_to_use} bytes hold no chunk of "
+                f"{self.row_bytes} bytes"
+            )
+        # A lossy codec needs the engine's float KV dtype: refuse fp8 KV with int4 etc. now, not at the first store.
+        self.fs_view_dtypes = [
+            block_view_dtype(t.codec, config.model.dtype, self.row_bytes or 2) for t in self.kvtier.fs_tiers
+        ]
+        self.layout = _layout(config)
+        self.fs_kv_events = [_tier_kv_events(t.extra, i) for i, t in enumerate(self.kvtier.fs_tiers)]
+        # Only lossy tiers need the chunk's layout (and reading the model's config to find heads and head size).
+        lossy = any(t.codec != "none" for t in self.kvtier.fs_tiers)
+        self.layout_decision = chunk_layout(_chunk_facts(config)) if lossy else LayoutDecision(None)
+        self._manager: KvtierOffloadingManager | None = None
+        self._worker: KvtierOffloadingWorker | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            self._manager = KvtierOffloadingManager(self)
+        return self._manager
+
+    def get_worker(self, kv_caches: Any) -> OffloadingWorker:
+        if self._worker is None:
+            self._worker = KvtierOffloadingWorker(self, kv_caches)
+        return self._worker
+
+    def open_region(self) -> HostRegion:
+        return HostRegion(self.kvtier.host_shm_dir, self.config.engine_id, self.n_rows, self.row_bytes)
+
+
+class KvtierOffloadingManager(OffloadingManager):
+    """Scheduler side: vLLM's calls translated to :class:`OffloadBooks`."""
+
+    def __init__(self, spec: KvtierOffloadingSpec) -> None:
+        self.spec = spec
+        cfg = spec.kvtier
+        self.medium = Medium.CPU
+        remove_stale_regions(cfg.host_shm_dir)
+        self.region = spec.open_region()
+        host = MemoryTier(
+            "host", (spec.row_bytes,), torch.uint8, spec.n_rows * spec.row_bytes,
+            eviction_policy=cfg.eviction_policy, admission=None if cfg.admission == "none" else cfg.admission,
+            admission_threshold=cfg.admission_threshold, slab=self.region.rows,
+        )
+        suffix = namespace_suffix(run_identity(spec, "/"))
+        tiers: list[FilesystemTier] = []
+        rows: list[torch.Tensor] = []
+        decision = spec.layout_decision
+        self.flat_codec_tiers: Counter[str] = Counter()
+        for tcfg, dtype in zip(cfg.fs_tiers, spec.fs_view_dtypes):
+            view = self.region.rows.view(dtype)
+            codec = tier_codec(tcfg, decision)
+            if tcfg.codec != "none" and not isinstance(codec, KVChunkCodec):  # flat (int4 refused: int8)
+                self.flat_codec_tiers[decision.reason] += 1
+            tiers.append(FilesystemTier(tcfg, (view.shape[1],), dtype, name=f"kvtier:{tcfg.root_dir}", peer="host",
+                                        codec=codec))
+            rows.append(view)
+        if self.flat_codec_tiers:
+            _log.warning("kvtier: %d compressed filesystem tier(s) use the flat codec, whose scales do not follow K "
+                         "and V (%s: %s)", sum(self.flat_codec_tiers.values()), decision.reason, decision.detail)
+        elif decision.layout is not None:
+            _log.info("kvtier: compressed filesystem tiers encode chunks of %s with layout-aware scales",
+                      describe(decision.layout))
+        self.books = OffloadBooks(host, tiers, fs_rows=rows, key_suffix=suffix,
+                                  enable_events=_kv_events_enabled(spec),
+                                  fs_events=spec.fs_kv_events)
+        self._reported: Counter[str] = Counter()
+        self._lock = threading.RLock()
+        self._requests: dict[str, dict[OffloadKey, int | None]] = {}  # request -> chunks it used, their positions
+
+    @property
+    def lock(self) -> threading.RLock:
+        """vLLM 0.33 holds this around every call (a lookup HIT and the prepare_load that pins it stay atomic)."""
+        return self._lock
+
+    # ---- lookups ----
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        found = self.books.lookup(bytes(key), _access_context(key, req_context))
+        return _LOOKUP[found]
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
+        return CacheHitSource.DISK if self.books.source(bytes(key)) == "disk" else CacheHitSource.HOST
+
+    def prepare_load(self, keys: Any, req_context: ReqContext, **kwargs: Any) -> LoadStoreSpec:
+        keys = list(keys)
+        self._observe(keys, req_context)
+        ctx = [_access_context(k, req_context) for k in keys] if self.books.request_aware else None
+        return KvtierHostSpec(self.books.prepare_load([bytes(k) for k in keys], ctx))
+
+    def touch(self, keys: Any, req_context: ReqContext, **kwargs: Any) -> None:
+        # vLLM's touch: a use outside any request's order; the head ends up the most recent.
+        self.books.touch([bytes(k) for k in reversed(list(keys))], None)
+
+    def _observe(self, keys: Sequence[OffloadKey], req_context: ReqContext | None) -> None:
+        """Remember the chunks a request used, for :meth:`on_request_finished` (request-aware policies only)."""
+        if req_context is None or not self.books.request_aware:
+            return
+        seen = self._requests.setdefault(req_context.req_id, {})
+        for key in keys:
+            if key not in seen:
+                seen[key] = req_context.get_offload_key_position(key)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        seen = self._requests.pop(req_context.req_id, None)
+        if not seen:
+            return
+        keys = list(seen)
+        if all(p is not None for p in seen.values()):
+            keys.sort(key=lambda k: seen[k])  # type: ignore[arg-type,return-value]
+        self.books.request_finished([bytes(k) for k in keys], req_context.req_id)
+
+    def complete_load(self, keys: Any, req_context: ReqContext, **kwargs: Any) -> None:
+        self.books.complete_load([bytes(k) for k in keys])
+
+    # ---- stores ----
+    def prepare_store(self, keys: Any, req_context: ReqContext, **kwargs: Any) -> PrepareStoreOutput | None:
+        keys = list(keys)
+        self._observe(keys, req_context)
+        ctx = [_access_context(k, req_context) for k in keys]
+        out = self.books.prepare_store([bytes(k) for k in keys], ctx)
+        if out is None:
+            return None
+        to_store, slots, evicted = out
+        return PrepareStoreOutput(
+            keys_to_store=[OffloadKey(k) for k in to_store],
+            store_spec=KvtierHostSpec(slots),
+            evicted_keys=[OffloadKey(k) for k in evicted],
+        )
+
+    def complete_store(self, keys: Any, req_context: ReqContext | None = None, success: bool = True,
+                       **kwargs: Any) -> None:
+        self.books.complete_store([bytes(k) for k in keys], success)
+
+    # ---- requests / steps ----
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_schedule_end(self, context: Any = None) -> None:
+        self.books.poll()
+        if (not _HAS_RESET_FLUSHED and self.books.engine_fences
+                and time.monotonic() - self.books.reset_at > RESET_FENCE_GRACE_S):
+            # vLLM 0.32 neither completes the jobs in flight at a reset nor says when the workers are done with
+            # them (0.33's on_reset_flushed). Its workers copy within a step (CPU) or a few ms (CUDA): after the
+            # grace period the fenced rows are free to reuse.
+            self.books.reset_flushed()
+
+    def has_pending_work(self) -> bool:
+        self.books.poll()
+        return self.books.has_pending_work()
+
+    def reset_cache(self) -> None:
+        self.books.reset_host()
+        self._requests.clear()
+
+    def on_reset_flushed(self) -> None:
+        self.books.reset_flushed()
+
+    def take_events(self) -> Iterable[Any]:
+        """KV cache events of the host tier (medium CPU) and of every filesystem tier (medium STORAGE, local,
+        owned by ``<n>:kvtier-fs``); vLLM's publisher turns them into BlockStored/BlockRemoved."""
+        for event in self.books.take_events():
+            keys = [OffloadKey(k) for k in event.keys]
+            if event.tier < 0:
+                yield _offloading_event(keys=keys, medium=Medium.CPU, removed=event.removed,
+                                        metadata_only=event.metadata_only)
+            else:
+                yield _offloading_event(keys=keys, medium=getattr(Medium, "STORAGE", Medium.CPU),
+                                        removed=event.removed, locality=Locality.LOCAL,
+                                        ownership=f"{event.tier + 1}:kvtier-fs")
+
+    # ---- metrics / lifecycle ----
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        books = self.books
+        stats = OffloadingConnectorStats()
+        stats.set_gauge(METRIC_HOST_USED_BYTES, books.host_used_bytes)
+        stats.set_gauge(METRIC_HOST_CAPACITY_BYTES, books.host_capacity_bytes)
+        for reason, n in self.flat_codec_tiers.items():
+            stats.set_gauge(METRIC_FLAT_CODEC_TIERS, n, (reason,))
+        for tier in books.fs_tiers:
+            stats.set_gauge(METRIC_TIER_USED_BYTES, tier.used_bytes, (tier.config.root_dir,))
+            stats.set_gauge(METRIC_TIER_CAPACITY_BYTES, tier.capacity_bytes, (tier.config.root_dir,))
+        for kind, n in books.load_failures.items():
+            self._delta(stats, METRIC_LOAD_FAILURES, "fail:" + kind, n, (kind,))
+        self._delta(stats, METRIC_PROMOTIONS, "promotions", books.counters["promotions"])
+        self._delta(stats, METRIC_FS_STORES, "fs_stores", books.counters["fs_stores"])
+        self._delta(stats, METRIC_HOST_EVICTIONS, "host_evictions", books.counters["host_evictions"])
+        return stats
+
+    def _delta(self, stats: OffloadingConnectorStats, metric: str, key: str, total: int,
+               labels: tuple[str, ...] = ()) -> None:
+        new = total - self._reported[key]
+        if new > 0:
+            stats.increase_counter(metric, new, labels)
+            self._reported[key] = total
+
+    def shutdown(self) -> None:
+        self.books.close()
+        self.region.close(unlink=True)
+
+
+# vLLM 0.33 calls on_reset_flushed once the workers reported every job in flight at a reset; 0.32 has no such call.
+_HAS_RESET_FLUSHED = "on_reset_flushed" in vars(OffloadingManager)
+RESET_FENCE_GRACE_S = 30.0
+
+_LOOKUP = {"hit": LookupResult.HIT, "hit_pending": LookupResult.HIT_PENDING, "retry": LookupResult.RETRY,
+           "miss": LookupResult.MISS}
+
+
+class KvtierOffloadingWorker(OffloadingWorker):
+    """Worker side: per-block copies between vLLM's KV cache tensors and kvtier's host rows."""
+
+    def __init__(self, spec: KvtierOffloadingSpec, kv_caches: Any) -> None:
+        if len(kv_caches.group_data_refs) != 1:
+            raise ConfigError(
+                f"kv_connector_extra_config.spec_name: KvtierOffloadingSpec supports models with one KV cache group, "
+                f"this one has {len(kv_caches.group_data_refs)}"
+            )
+        seen: dict[int, int] = {}
+        for ref in kv_caches.group_data_refs[0]:
+            seen.setdefault(ref.tensor_idx, ref.page_size_bytes)
+        tensors = [kv_caches.tensors[i].tensor for i in seen]
+        pages = tuple(seen.values())
+        self.spec = spec
+        self.layout = _layout(spec.config, pages)
+        chunk = spec.layout_decision.layout
+        wrong = (check_worker_pages(chunk, pages, max(1, int(spec.config.parallel.world_size)))
+                 if chunk is not None else None)
+        if wrong is not None:  # the scheduler would quantise K as V or across layers: refuse rather than corrupt
+            raise ConfigError(f"kv_connector_extra_config.fs_tiers[].codec: {wrong}; use codec 'none' with this "
+                              "engine")
+        self.region = spec.open_region()
+        self._registered = False
+        device = tensors[0].device if tensors else torch.device("cpu")
+        if device.type == "cuda":
+            self._registered = _host_register(self.region.data_ptr(), self.region.nbytes)
+        rank = int(spec.config.parallel.rank)
+        self.copier = PageCopier(tensors, pages, self.region.rows, spec.blocks_per_chunk,
+                                 rank_offset=rank * spec.worker_chunk_bytes,
+                                 batch_copy=_batch_copy_op() if device.type == "cuda" else None)
+
+    def _pairs(self, gpu: Any, host: Any) -> list[tuple[int, int, int]]:
+        skip = int(gpu.block_indices[0]) % self.spec.blocks_per_chunk if len(gpu.block_indices) else 0
+        return self.copier.pairs(gpu.block_ids.tolist(), host.block_ids.tolist(), skip)
+
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any, **kwargs: Any) -> bool:
+        self.copier.submit(job_id, self._pairs(src_spec, dst_spec), to_host=True)
+        return True
+
+    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False, **kwargs: Any) -> bool:
+        self.copier.submit(job_id, self._pairs(dst_spec, src_spec), to_host=False)
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        return [TransferResult(job_id=r.job_id, success=r.success, transfer_size=r.nbytes, transfer_time=r.seconds)
+                for r in self.copier.finished()]
+
+    def wait(self, job_ids: set[int]) -> None:
+        self.copier.wait(job_ids)
+
+    def shutdown(self) -> None:
+        if self._registered:
+            _host_unregister(self.region.data_ptr())
+            self._registered = False
+        self.copier.host_rows = torch.empty(0, dtype=torch.uint8)
+        self.region.close()
+
+
+def _batch_copy_op() -> Any:
+    """vLLM's batched block-copy op (``swap_blocks_batch``: one call copies every (tensor, block) of a job from
+    address/size arrays), or None where this vLLM build has none (the worker then copies per block)."""
+    try:
+        from vllm import _custom_ops as ops
+
+        return getattr(ops, "swap_blocks_batch", None)
+    except Exception as exc:  # pragma: no cover - depends on the installed vLLM
+        _log.info("kvtier: vLLM's batched block copy is unavailable (%s); copying per block", exc)
+        return None
+
+
+def _host_register(ptr: int, nbytes: int) -> bool:
+    """Pin the shared host region for asynchronous copies (vLLM's helper; pageable copies still work without)."""
+    try:
+        from vllm.v1.kv_offload.cpu.host_register import host_register
+    except ImportError:  # pragma: no cover - a vLLM without the helper
+        return torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0) == 0
+    return bool(host_register(ptr, nbytes))
+
+
+def _host_unregister(ptr: int) -> None:
+    try:
+        from vllm.v1.kv_offload.cpu.host_register import host_unregister
+    except ImportError:  # pragma: no cover
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+        return
+    host_unregister(ptr)

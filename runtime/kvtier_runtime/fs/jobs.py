@@ -1,0 +1,220 @@
+"""Jobs of the filesystem tier: ids, per-key settlement, results handed out once (``get_finished`` or a
+``wait``-er), deadlines (``io_timeout_s``: a job past it finishes with its late keys failed as ``timeout``), and
+the read and write thread pools the I/O tasks run on."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+
+log = logging.getLogger("kvtier_runtime.fs.tier")
+
+
+@dataclass(frozen=True)
+class JobResult:
+    job_id: int
+    kind: str  # "store" | "load"
+    keys: tuple[bytes, ...]
+    ok: tuple[bool, ...]
+    # per failed key, why (e.g. "corrupt", "enospc", "backoff", "no-room", "miss")
+    errors: Mapping[int, str] = field(default_factory=dict)
+
+    @property
+    def success(self) -> bool:
+        return all(self.ok)
+
+
+@dataclass
+class _Job:
+    job_id: int
+    kind: str
+    keys: tuple[bytes, ...]
+    ok: list[bool]
+    errors: dict[int, str]
+    remaining: int
+    deadline: float
+    done: threading.Event = field(default_factory=threading.Event)
+    # Held by a task while it reads or writes the caller's tensor; expiring the job takes it, so once a job has
+    # timed out no late task touches memory the caller may already have reused.
+    io_lock: threading.Lock = field(default_factory=threading.Lock)
+    settled: list[bool] = field(default_factory=list)
+    expired: bool = False
+
+
+class _Expired(Exception):
+    """The job timed out before this task touched the caller's tensor: the task gives up."""
+
+
+class JobQueue:
+    """Mixin of :class:`~.tier.FilesystemTier`: job bookkeeping, waiting, expiry and the I/O pools."""
+
+    def _start_pools(self, config: Any, name: str) -> None:
+        self._write_pool = ThreadPoolExecutor(config.n_write_threads, thread_name_prefix=f"kvtier-{name}-w")
+        self._read_pool = ThreadPoolExecutor(config.n_read_threads, thread_name_prefix=f"kvtier-{name}-r")
+
+    def get_finished(self) -> list[JobResult]:
+        """Results of jobs finished since the last call (each result is returned once); a job past its
+        ``io_timeout_s`` finishes here with its unfinished keys failed as ``timeout``."""
+        self._expire_overdue()
+        with self._lock:
+            out = list(self._finished.values())
+            self._finished.clear()
+        return out
+
+    def wait(self, job_id: int, timeout: float | None = None) -> JobResult:
+        """Block until ``job_id`` finished and take its result (it is then not returned by get_finished)."""
+        with self._lock:
+            if job_id in self._finished:
+                return self._finished.pop(job_id)
+            job = self._jobs.get(job_id)
+            if job is None or job_id in self._claimed:
+                raise KeyError(f"job_id: {job_id} is unknown or its result was already taken")
+            self._claimed[job_id] = None
+        # Never longer than the job's own deadline, whatever the caller asked: then the job expires.
+        limit = job.deadline - time.monotonic()
+        if not job.done.wait(max(0.0, limit if timeout is None else min(timeout, limit))):
+            if timeout is None or timeout >= limit:
+                self._expire(job)
+        if not job.done.is_set():
+            with self._lock:  # give the result back to get_finished() when it arrives
+                if self._claimed.get(job_id) is None:
+                    del self._claimed[job_id]
+                else:
+                    self._finished[job_id] = self._claimed.pop(job_id)  # type: ignore[assignment]
+            raise TimeoutError(f"job {job_id} did not finish within {timeout}s")
+        with self._lock:
+            result = self._claimed.pop(job_id)
+        assert result is not None
+        return result
+
+    # ---- blocking conveniences --------------------------------------------------------------------------
+    def store(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor], timeout: float | None = 60) -> JobResult:
+        return self.wait(self.submit_store(keys, blocks), timeout)
+
+    def load(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor], timeout: float | None = 60) -> JobResult:
+        return self.wait(self.submit_load(keys, outs), timeout)
+
+    def drain(self, timeout: float | None = 60) -> None:
+        """Wait until every submitted job finished (results stay available to get_finished). Bounded even with
+        ``timeout=None``: a job past its ``io_timeout_s`` expires."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._expire_overdue()
+            with self._lock:
+                pending = [j for j in self._jobs.values() if not j.done.is_set()]
+            if not pending:
+                return
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            until_expiry = max(0.0, min(j.deadline for j in pending) - time.monotonic()) + 0.001
+            step = until_expiry if left is None else min(left, until_expiry)
+            if not pending[0].done.wait(step) and left is not None and step >= left:
+                raise TimeoutError(f"{len(pending)} jobs still running after {timeout}s")
+
+    def _expire_overdue(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            overdue = [j for j in self._jobs.values() if j.deadline <= now and not j.done.is_set()]
+        for job in overdue:
+            self._expire(job)
+
+    def _expire(self, job: _Job) -> None:
+        """Finish ``job`` now: keys not settled fail as ``timeout``. Taking ``io_lock`` waits for a task that is
+        copying to or from the caller's tensor (memory speed, bounded) and stops every later one."""
+        with job.io_lock:
+            job.expired = True
+        with self._lock:
+            if job.done.is_set():
+                return
+            late = [i for i, settled in enumerate(job.settled) if not settled]
+            for i in late:
+                job.errors[i] = "timeout"
+            job.remaining = 1
+            result = self._settle_locked(job, None, False)
+        if late:
+            log.warning("filesystem tier %s: %s job %d: %d keys still waiting for the disk after %.1fs",
+                        self.name, job.kind, job.job_id, len(late), self._io_timeout_s)
+            self._metrics.error("timeout", len(late))
+            self._record_io_failure()
+        if result is not None and self._on_complete is not None:
+            self._on_complete(result)
+
+    def _check_open(self) -> None:
+        # Before any reservation: a job refused by a shut-down pool would leave its keys "writing" and pinned.
+        if self._closed:
+            raise RuntimeError(f"{self.name}: the filesystem tier is closed")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.drain(timeout=self._io_timeout_s)
+        except TimeoutError:
+            pass
+        deadline = time.monotonic() + self._io_timeout_s
+        while self._running_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+        hung = self._running_tasks > 0
+        # Tasks of expired jobs may still sit in a hung system call: then do not wait for them (they touch no
+        # caller memory any more), so closing is bounded too.
+        self._write_pool.shutdown(wait=not hung, cancel_futures=hung)
+        self._read_pool.shutdown(wait=not hung, cancel_futures=hung)
+
+    # ---- job bookkeeping --------------------------------------------------------------------------------
+    def _new_job(self, kind: str, keys: Sequence[bytes]) -> _Job:
+        keys_t = tuple(bytes(k) for k in keys)
+        job = _Job(next(self._job_ids), kind, keys_t, [False] * len(keys_t), {}, len(keys_t) + 1,
+                   time.monotonic() + self._io_timeout_s, settled=[False] * len(keys_t))
+        with self._lock:
+            # remaining is len(keys) + 1: the extra count keeps the job open until submit_* has queued every
+            # key, and is released by its last line.
+            self._jobs[job.job_id] = job
+        return job
+
+    def _settle(self, job: _Job, i: int | None, ok: bool) -> None:
+        with self._lock:
+            result = self._settle_locked(job, i, ok)
+        if result is not None and self._on_complete is not None:
+            self._on_complete(result)
+
+    def _settle_locked(self, job: _Job, i: int | None, ok: bool) -> JobResult | None:
+        if job.done.is_set():  # expired: a late task's outcome is no longer the caller's
+            return None
+        if i is not None:
+            job.ok[i] = ok
+            job.settled[i] = True
+        job.remaining -= 1
+        if job.remaining:
+            return None
+        result = JobResult(job.job_id, job.kind, job.keys, tuple(job.ok), dict(job.errors))
+        del self._jobs[job.job_id]
+        if job.job_id in self._claimed:
+            self._claimed[job.job_id] = result
+        else:
+            self._finished[job.job_id] = result
+        job.done.set()
+        return result
+
+    def _settled(self, task: Callable[..., bool], job: _Job, i: int, *args: Any) -> None:
+        """Run an I/O task and settle its key whatever happens: an exception escaping a task would otherwise
+        vanish in the pool and leave the job unfinished, so a waiter without a timeout would hang."""
+        ok = False
+        with self._lock:
+            self._running_tasks += 1
+        try:
+            ok = task(job, i, *args)
+        except Exception:
+            log.exception("filesystem tier %s: %s task failed unexpectedly", self.name, job.kind)
+            with self._lock:
+                job.errors.setdefault(i, "other")
+            self._metrics.error("other")
+        finally:
+            self._settle(job, i, ok)
+            with self._lock:
+                self._running_tasks -= 1
