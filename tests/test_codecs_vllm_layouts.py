@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from kvtier_runtime.codecs import CodecError, KVChunkCodec, KVLayout
-from kvtier_runtime.codecs.accuracy import attention_cosine
+from plugins.kv_accuracy import attention_cosine
 from kvtier_runtime.codecs.kv import canonical, to_stage
 from kvtier_runtime.codecs.layout import VLLM_PAGE_ORDERS
 
