@@ -185,8 +185,8 @@ def copy_rates(n_blocks: int, rounds: int, device: str = "cpu") -> dict[str, lis
             print(f"(vLLM's swap_blocks_batch not importable: {exc}; the batched path is not measured)")
     copiers = {
         "consecutive": PageCopier(kv, pages, rows),
-        "scattered": PageCopier(kv, pages, rows),  # auto: gather on CPU
-        "scattered-per-block": PageCopier(kv, pages, rows, scatter="runs"),
+        "scattered": PageCopier(kv, pages, rows),  # the default (auto): one copy_ per block on CPU
+        "scattered-gather": PageCopier(kv, pages, rows, scatter="gather"),
     }
     if batch_op is not None:
         copiers["scattered-batched"] = PageCopier(kv, pages, rows, batch_copy=batch_op)
@@ -237,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     labels = {
         "raw": "raw copy_",
         "consecutive": "kvtier worker, consecutive blocks (one copy_ per run)",
-        "scattered": "kvtier worker, scattered blocks (default path: gather on CPU, per block on CUDA)",
-        "scattered-per-block": "kvtier worker, scattered blocks, forced one copy_ per block (the old path)",
+        "scattered": "kvtier worker, scattered blocks (default path: one copy_ per block)",
+        "scattered-gather": "kvtier worker, scattered blocks, forced gather (index_select + index_copy_ per tensor)",
         "scattered-batched": "kvtier worker, scattered blocks, vLLM swap_blocks_batch (one call per job)",
         "consecutive-batched": "kvtier worker, consecutive blocks, vLLM swap_blocks_batch (one call per job)",
     }

@@ -226,7 +226,7 @@ def test_page_copier_scattered_blocks_take_the_gather_path_with_identical_bytes(
             assert torch.equal(b[blocks], t[blocks]) and not b[[0, 1, 2]].any()
     assert torch.equal(out["runs"], out["gather"])
     auto = PageCopier(kv, list(pages), torch.zeros(8, bpc * sum(pages), dtype=torch.uint8), blocks_per_chunk=bpc)
-    assert auto.use_gather([(b, r, 0, 1) for b, r in zip(blocks, range(8))])  # fragmented: gather
+    assert not auto.use_gather([(b, r, 0, 1) for b, r in zip(blocks, range(8))])  # measured slower on CPU
     assert not auto.use_gather([(0, 0, 0, 8)])  # one run: one copy_ per tensor already
 
 

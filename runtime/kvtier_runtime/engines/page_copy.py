@@ -13,7 +13,9 @@ Three copy paths, chosen per job:
 * *gather* (CPU, scattered blocks): per cache tensor, one ``index_select`` of the engine pages and one
   ``index_copy_`` into the host rows (or the reverse for a load), on the widest integer view the page size allows
   (int64 for pages of a multiple of 8 bytes), so a job costs two calls per tensor whatever its fragmentation.
-  ``scatter="auto"`` takes it when most runs are single blocks; ``"runs"``/``"gather"`` force one (benchmarks).
+  Measured idle (``bench/engine_offload.py --copy-only``, 3 runs): 0.35-0.58 of a raw ``copy_`` against
+  0.69-0.73 for one ``copy_`` per block, so ``scatter="auto"`` takes *runs* on CPU; ``"gather"`` stays for
+  benchmarks and for hosts where its two calls per tensor win.
 * *batched* (CUDA, when the engine gives a batched block-copy op, e.g. vLLM's ``ops.swap_blocks_batch``): one
   call per job for every (tensor, block), from address/size arrays, on a side stream into the pinned host rows.
   Without the op: one ``copy_`` per (tensor, block) on the side stream.
@@ -147,9 +149,8 @@ class PageCopier:
         return out
 
     def use_gather(self, runs: Sequence[tuple[int, int, int, int]]) -> bool:
-        if self.scatter != "auto":
-            return self.scatter == "gather"
-        return len(runs) >= 4 and 2 * len(runs) > sum(r[3] for r in runs)  # mostly runs of one block
+        # "auto" never gathers: measured slower than a copy_ per block on CPU (see the module docstring).
+        return self.scatter == "gather"
 
     def _gather(self, pairs: Sequence[tuple[int, int, int]], to_host: bool) -> int:
         """Scattered blocks: one index_select + one index_copy_ per cache tensor."""
