@@ -155,8 +155,8 @@ def copy_rates(n_blocks: int, rounds: int, device: str = "cpu") -> dict[str, lis
     """GB/s of the worker's copies (PageCopier, the paths the engine's worker runs) and of one raw copy_ of the same
     bytes, alternated per round.
 
-    Paths: consecutive blocks (one copy_ per run); scattered blocks through the gather path (CPU: one
-    index_select + index_copy_ per tensor) and forced per-block (``scatter="runs"``, the old path); on CUDA also the
+    Paths: consecutive blocks (one copy_ per run); scattered blocks through the default path (one copy_ per block)
+    and forced gather (``scatter="gather"``: one index_select + index_copy_ per tensor); on CUDA also the
     batched path (vLLM's ``swap_blocks_batch``, one call per job) when vLLM is importable. On CUDA: device pages ->
     pinned host rows, every path synchronised before the clock stops."""
     import random
@@ -185,7 +185,7 @@ def copy_rates(n_blocks: int, rounds: int, device: str = "cpu") -> dict[str, lis
             print(f"(vLLM's swap_blocks_batch not importable: {exc}; the batched path is not measured)")
     copiers = {
         "consecutive": PageCopier(kv, pages, rows),
-        "scattered": PageCopier(kv, pages, rows),  # the default (auto): one copy_ per block on CPU
+        "scattered": PageCopier(kv, pages, rows),  # the default: one copy_ per block
         "scattered-gather": PageCopier(kv, pages, rows, scatter="gather"),
     }
     if batch_op is not None:

@@ -14,7 +14,7 @@ Three copy paths, chosen per job:
   ``index_copy_`` into the host rows (or the reverse for a load), on the widest integer view the page size allows
   (int64 for pages of a multiple of 8 bytes), so a job costs two calls per tensor whatever its fragmentation.
   Measured idle (``bench/engine_offload.py --copy-only``, 3 runs): 0.35-0.58 of a raw ``copy_`` against
-  0.69-0.73 for one ``copy_`` per block, so ``scatter="auto"`` takes *runs* on CPU; ``"gather"`` stays for
+  0.69-0.73 for one ``copy_`` per block, so the default is ``scatter="runs"``; ``"gather"`` stays for
   benchmarks and for hosts where its two calls per tensor win.
 * *batched* (CUDA, when the engine gives a batched block-copy op, e.g. vLLM's ``ops.swap_blocks_batch``): one
   call per job for every (tensor, block), from address/size arrays, on a side stream into the pinned host rows.
@@ -77,8 +77,8 @@ class PageCopier:
     host_rows: torch.Tensor
     blocks_per_chunk: int = 1
     rank_offset: int = 0
-    # "auto" (gather when most runs are single blocks), "runs" or "gather": the CPU path for scattered blocks.
-    scatter: str = "auto"
+    # The CPU path for scattered blocks: "runs" (one copy_ per run of blocks) or "gather" (see the docstring).
+    scatter: str = "runs"
     # CUDA: fn(src_addrs, dst_addrs, sizes, is_src_access_order_any=bool), int64 CPU tensors (vLLM's
     # ops.swap_blocks_batch); None = one copy_ per (tensor, block) on the side stream.
     batch_copy: Callable[..., Any] | None = None
@@ -95,8 +95,8 @@ class PageCopier:
             off += page * self.blocks_per_chunk
         if off > self.host_rows.shape[1]:
             raise ValueError(f"host row of {self.host_rows.shape[1]} bytes cannot hold {off} bytes of pages")
-        if self.scatter not in ("auto", "runs", "gather"):
-            raise ValueError(f"scatter: {self.scatter!r} is not one of auto, runs, gather")
+        if self.scatter not in ("runs", "gather"):
+            raise ValueError(f"scatter: {self.scatter!r} is not one of runs, gather")
         self._host_i8 = self.host_rows.view(torch.int8)
         # Per tensor: (engine pages, host rows) seen as the widest integer dtype their page size, offsets and row
         # stride allow, for the gather path (fewer, wider elements per index_select/index_copy_).
@@ -148,10 +148,6 @@ class PageCopier:
             out.append((block, row, j, 1))
         return out
 
-    def use_gather(self, runs: Sequence[tuple[int, int, int, int]]) -> bool:
-        # "auto" never gathers: measured slower than a copy_ per block on CPU (see the module docstring).
-        return self.scatter == "gather"
-
     def _gather(self, pairs: Sequence[tuple[int, int, int]], to_host: bool) -> int:
         """Scattered blocks: one index_select + one index_copy_ per cache tensor."""
         blocks = torch.tensor([b for b, _, _ in pairs], dtype=torch.int64, device=self.device)
@@ -200,10 +196,8 @@ class PageCopier:
         non_blocking = self._stream is not None
         # On CUDA every copy stays contiguous on both sides: a strided host destination would make torch stage it
         # through a temporary and lose the asynchronous pinned-memory path.
-        if self._stream is None and self.kv:
-            runs = self.runs(pairs) if self.blocks_per_chunk == 1 else [(b, r, j, 1) for b, r, j in pairs]
-            if self.use_gather(runs):
-                return self._gather(pairs, to_host)
+        if self._stream is None and self.kv and self.scatter == "gather":
+            return self._gather(pairs, to_host)
         if self.blocks_per_chunk == 1 and self._stream is None:
             runs = self.runs(pairs)
         else:
