@@ -164,6 +164,89 @@ class FilesystemTierConfig:
 _OMITTED_AT_DEFAULT = frozenset({"mac_key_file", "io_timeout_s"})
 
 
+REMOTE_URL_SCHEMES: tuple[str, ...] = ("redis", "rediss")
+# A remote store slower than this is a miss (vLLM recomputes): a shared tier may cost a little, never an incident.
+DEFAULT_REMOTE_IO_TIMEOUT_S = 0.5
+MAX_REMOTE_URL_CHARS = 512
+
+
+@dataclass(frozen=True)
+class RemoteTierConfig:
+    """Keyword arguments of kvtier's remote tier: a Valkey/Redis store (standalone or cluster mode) shared by every
+    replica of one model, behind the host and filesystem tiers (the newest tier, so the first rolled back).
+
+    ``url`` names the store only (``redis://host:port[/db]`` or ``rediss://``): credentials never travel in it. The
+    password is read from ``password_file`` (a Secret mounted read-only) when the tier starts. ``capacity_bytes`` is
+    kvtier's budget in the store; the fleet-wide bound is the store's own (maxmemory and its eviction policy).
+    Keys carry the model identity the runtime derives from the engine's config, so replicas of one model share and
+    different models never mix; values carry a keyed MAC when ``mac_key_file`` is set (many writers share the store).
+    """
+
+    url: str
+    capacity_bytes: int
+    codec: str = "none"
+    password_file: str | None = None
+    mac_key_file: str | None = None
+    io_timeout_s: float = DEFAULT_REMOTE_IO_TIMEOUT_S
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_remote_url("url", self.url)
+        _positive_int("capacity_bytes", self.capacity_bytes)
+        _one_of("codec", self.codec, CODECS)
+        for key in ("password_file", "mac_key_file"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or not value.startswith("/")):
+                raise ConfigError(f"{key}: {value!r} must be an absolute path")
+        if (isinstance(self.io_timeout_s, bool) or not isinstance(self.io_timeout_s, (int, float))
+                or not 0 < self.io_timeout_s <= MAX_IO_TIMEOUT_S):
+            raise ConfigError(f"io_timeout_s: {self.io_timeout_s!r} must be a number in (0, {MAX_IO_TIMEOUT_S:g}]")
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, Any]) -> "RemoteTierConfig":
+        known = {f.name for f in fields(cls)} - {"extra"}
+        missing = [k for k in ("url", "capacity_bytes") if k not in kwargs]
+        if missing:
+            raise ConfigError(f"{missing[0]}: required")
+        return cls(**{k: v for k, v in kwargs.items() if k in known},
+                   extra={k: v for k, v in kwargs.items() if k not in known})
+
+    def to_kwargs(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name != "extra" and not (f.name in _REMOTE_OMITTED_AT_DEFAULT and getattr(self, f.name) == f.default)}
+        out.update(self.extra)
+        return out
+
+
+_REMOTE_OMITTED_AT_DEFAULT = frozenset({"codec", "password_file", "mac_key_file", "io_timeout_s"})
+
+
+def check_remote_url(key: str, url: Any) -> None:
+    """The one rule for a remote store's address, shared by the operator's validation and the runtime's parser:
+    ``redis://`` or ``rediss://``, a host and a port, an optional numeric db, and nothing else (no user or password,
+    no query, no fragment: credentials come from a Secret, never from a URL that ends up in status and logs)."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(url, str) or not url or len(url) > MAX_REMOTE_URL_CHARS:
+        raise ConfigError(f"{key}: must be a redis:// or rediss:// URL of at most {MAX_REMOTE_URL_CHARS} characters")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as err:
+        raise ConfigError(f"{key}: {url!r} is not a valid URL ({err})") from None
+    if parts.scheme not in REMOTE_URL_SCHEMES:
+        raise ConfigError(f"{key}: {url!r}: scheme must be one of {', '.join(REMOTE_URL_SCHEMES)}")
+    if parts.username is not None or parts.password is not None:
+        raise ConfigError(f"{key}: {url!r}: credentials may not be part of the URL; use remote.passwordSecret")
+    if not parts.hostname or port is None:
+        raise ConfigError(f"{key}: {url!r}: needs a host and a port (redis://HOST:PORT[/DB])")
+    if parts.query or parts.fragment:
+        raise ConfigError(f"{key}: {url!r}: may not carry a query or a fragment")
+    db = parts.path.lstrip("/")
+    if parts.path not in ("", "/") and not (db.isdigit() and len(db) <= 2 and "/" not in db):
+        raise ConfigError(f"{key}: {url!r}: the path may only be a database number (redis://HOST:PORT/0)")
+
+
 def _positive_int(key: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{key}: {value!r} must be a positive integer")
@@ -196,6 +279,8 @@ class OffloadSpecConfig:
     admission_threshold: int = DEFAULT_ADMISSION_THRESHOLD
     host_shm_dir: str = DEFAULT_HOST_SHM_DIR
     fs_tiers: tuple[FilesystemTierConfig, ...] = ()
+    # Shared tiers behind the filesystem tiers, in lookup order (each a :class:`RemoteTierConfig`).
+    remote_tiers: tuple[RemoteTierConfig, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -227,12 +312,24 @@ class OffloadSpecConfig:
         roots = [t.root_dir for t in tiers]
         if len(set(roots)) != len(roots):
             raise ConfigError(f"{prefix}fs_tiers: root_dir values must be distinct, got {roots}")
+        raw_remote = extra.get("remote_tiers") or []
+        if not isinstance(raw_remote, (list, tuple)):
+            raise ConfigError(f"{prefix}remote_tiers: {raw_remote!r} must be a list of tier mappings")
+        remote: list[RemoteTierConfig] = []
+        for i, raw in enumerate(raw_remote):
+            if not isinstance(raw, Mapping):
+                raise ConfigError(f"{prefix}remote_tiers[{i}]: {raw!r} must be a mapping")
+            try:
+                remote.append(RemoteTierConfig.from_kwargs(raw))
+            except ConfigError as err:
+                raise ConfigError(f"{prefix}remote_tiers[{i}].{err}") from None
         known = {"cpu_bytes_to_use", "eviction_policy", "admission", "admission_threshold", "host_shm_dir"}
         try:
             return cls(
                 **{k: extra[k] for k in known if k in extra},
                 fs_tiers=tuple(tiers),
-                extra={k: v for k, v in extra.items() if k not in known and k != "fs_tiers"},
+                remote_tiers=tuple(remote),
+                extra={k: v for k, v in extra.items() if k not in known and k not in ("fs_tiers", "remote_tiers")},
             )
         except ConfigError as err:
             raise ConfigError(f"{prefix}{err}") from None
@@ -249,5 +346,7 @@ class OffloadSpecConfig:
             out["host_shm_dir"] = self.host_shm_dir
         if self.fs_tiers:
             out["fs_tiers"] = [t.to_kwargs() for t in self.fs_tiers]
+        if self.remote_tiers:
+            out["remote_tiers"] = [t.to_kwargs() for t in self.remote_tiers]
         out.update(self.extra)
         return out
