@@ -224,27 +224,33 @@ _REMOTE_OMITTED_AT_DEFAULT = frozenset({"codec", "password_file", "mac_key_file"
 def check_remote_url(key: str, url: Any) -> None:
     """The one rule for a remote store's address, shared by the operator's validation and the runtime's parser:
     ``redis://`` or ``rediss://``, a host and a port, an optional numeric db, and nothing else (no user or password,
-    no query, no fragment: credentials come from a Secret, never from a URL that ends up in status and logs)."""
+    no query, no fragment: credentials come from a Secret, never from a URL that ends up in status and logs).
+    The messages are the CRD's CEL messages (operator api.v1alpha1.RemoteStoreSpec), word for word."""
     from urllib.parse import urlsplit
 
     if not isinstance(url, str) or not url or len(url) > MAX_REMOTE_URL_CHARS:
         raise ConfigError(f"{key}: must be a redis:// or rediss:// URL of at most {MAX_REMOTE_URL_CHARS} characters")
+    if url.split("://", 1)[0] not in REMOTE_URL_SCHEMES or "://" not in url:
+        raise ConfigError(f"{key}: must start with redis:// or rediss://")
+    if "@" in url.split("://", 1)[1].split("/", 1)[0]:
+        raise ConfigError(f"{key}: {REMOTE_URL_CREDENTIALS_RULE}")
+    if "?" in url or "#" in url:
+        raise ConfigError(f"{key}: {REMOTE_URL_QUERY_RULE}")
     try:
         parts = urlsplit(url)
         port = parts.port
-    except ValueError as err:
-        raise ConfigError(f"{key}: {url!r} is not a valid URL ({err})") from None
-    if parts.scheme not in REMOTE_URL_SCHEMES:
-        raise ConfigError(f"{key}: {url!r}: scheme must be one of {', '.join(REMOTE_URL_SCHEMES)}")
-    if parts.username is not None or parts.password is not None:
-        raise ConfigError(f"{key}: {url!r}: credentials may not be part of the URL; use remote.passwordSecret")
-    if not parts.hostname or port is None:
-        raise ConfigError(f"{key}: {url!r}: needs a host and a port (redis://HOST:PORT[/DB])")
-    if parts.query or parts.fragment:
-        raise ConfigError(f"{key}: {url!r}: may not carry a query or a fragment")
-    db = parts.path.lstrip("/")
-    if parts.path not in ("", "/") and not (db.isdigit() and len(db) <= 2 and "/" not in db):
-        raise ConfigError(f"{key}: {url!r}: the path may only be a database number (redis://HOST:PORT/0)")
+    except ValueError:
+        port, parts = None, None
+    db = parts.path.lstrip("/") if parts is not None else ""
+    if (parts is None or not parts.hostname or port is None or any(c.isspace() for c in url)
+            or (parts.path not in ("", "/") and not (db.isdigit() and len(db) <= 2))):
+        raise ConfigError(f"{key}: {REMOTE_URL_HOST_PORT_RULE}")
+
+
+REMOTE_URL_CREDENTIALS_RULE = "must not contain credentials (user:password@); use remote.passwordSecret"
+REMOTE_URL_QUERY_RULE = "must not carry a query or a fragment"
+REMOTE_URL_HOST_PORT_RULE = ("needs a host and a port, and at most a database number as its path "
+                             "(redis://HOST:PORT[/DB])")
 
 
 def _positive_int(key: str, value: Any) -> None:
