@@ -134,6 +134,11 @@ class OperatorProcess:
                 total += float(m.group(2))
         return total
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU the operator has used so far: less sensitive to other load than wall time."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -206,6 +211,7 @@ def run_size(kubeconfig: str, n: int, timeout: float, settings: dict | None = No
         runner = OperatorProcess(kubeconfig, ns, Path(tempfile.gettempdir()) / f"kvtier-bench-{ns}.log",
                                  os.environ.get("KVTIER_BENCH_PROFILE")).start()
         counter = runner.value
+        cpu_at_start = runner.cpu_seconds()
     created: dict[str, float] = {}
     start = time.monotonic()
     for i in range(n):
@@ -228,6 +234,7 @@ def run_size(kubeconfig: str, n: int, timeout: float, settings: dict | None = No
     reconciles = counter("kvtier_operator_reconciles_total", {"result": "ok"})
     writes = {k: counter("kvtier_operator_api_writes_total", {"kind": k}) for k in ("workload", "configmap", "status")}
     retries = counter("kvtier_operator_reconciles_total", {"result": "retry"})
+    cpu = None if in_thread else runner.cpu_seconds() - cpu_at_start
     done.set()
     runner.stop()
     if in_thread:
@@ -246,7 +253,7 @@ def run_size(kubeconfig: str, n: int, timeout: float, settings: dict | None = No
             "p99": pct(latencies, 0.99) if latencies else None, "max": max(latencies) if latencies else None,
             "reconciled_p99": pct(to_reconcile, 0.99) if to_reconcile else None,
             "reconciles": reconciles, "reconciles_per_s": reconciles / max(end - start, 1e-9),
-            "retries": retries, "writes": writes, "watch_cache_wait_s": cache_wait,
+            "retries": retries, "writes": writes, "watch_cache_wait_s": cache_wait, "operator_cpu_s": cpu,
             "reference": reference}
 
 
@@ -323,7 +330,9 @@ def main() -> int:
     for r in rows:
         print(f"N={r['n']}: {r['reconciles']:.0f} reconciles ({r['reconciles'] / r['n']:.1f} per policy), "
               f"{r['retries']:.0f} retried; writes: " + ", ".join(f"{k} {v:.0f}" for k, v in r["writes"].items())
-              + f"; waited {r['watch_cache_wait_s']:.1f} s for the API server's policy watch cache before starting")
+              + f"; waited {r['watch_cache_wait_s']:.1f} s for the API server's policy watch cache before starting"
+              + ("" if r["operator_cpu_s"] is None else
+                 f"; operator CPU {r['operator_cpu_s']:.1f} s ({r['operator_cpu_s'] / r['n'] * 1e3:.0f} ms per policy)"))
     problems = failures(rows)
     for p in problems:
         print(f"FAIL: {p}", file=sys.stderr)
