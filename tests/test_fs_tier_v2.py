@@ -443,3 +443,40 @@ def test_stores_racing_evictions_that_prune_their_directories_all_succeed(fs_tie
     assert failed == []
     assert os.listdir(os.path.join(tier.root)) in ([], ["ab"])
     assert NAMESPACE in tier.root
+
+
+# ---- a job's blocks still move in parallel ------------------------------------------------------------------------
+def test_the_blocks_of_one_job_are_hashed_and_read_concurrently(fs_tier_factory, direct_dir, monkeypatch) -> None:
+    # The defect class: guarding the caller's memory with the job's one lock across per-block CPU or I/O work,
+    # which serialises every block of a job (a vLLM job is many chunks) on its pool. Two blocks of one job must be
+    # inside the row hash (stores) and inside the read (loads) at the same time.
+    from kvtier_runtime.fs import io as fsio
+
+    both = threading.Barrier(2, timeout=5)
+    real = fsio.checksum
+
+    def meeting_checksum(data, value=0):
+        if len(data) > fmt.ALIGN:  # a row, not the 96-byte codec header
+            both.wait()
+        return real(data, value)
+
+    class MeetingReads(FileOps):
+        armed = False
+
+        def readinto(self, fd, buf, offset):
+            if self.armed and not isinstance(buf, memoryview):
+                both.wait()
+            return super().readinto(fd, buf, offset)
+
+    ops = MeetingReads()
+    tier = fs_tier_factory(root=direct_dir, file_ops=ops, n_write_threads=2, n_read_threads=2)
+    keys = [key_of(1), key_of(2)]
+    monkeypatch.setattr(fsio, "checksum", meeting_checksum)
+    res = tier.store(keys, [aligned(fill=block_for(k)) for k in keys])
+    monkeypatch.setattr(fsio, "checksum", real)
+    assert res.success, res.errors
+    both.reset()
+    ops.armed = True
+    outs = [aligned(), aligned()]
+    assert tier.load(keys, outs).success
+    assert all(torch.equal(o, block_for(k)) for o, k in zip(outs, keys))

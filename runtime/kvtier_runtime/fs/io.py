@@ -231,9 +231,13 @@ class BlockIO:
         page, tail = self._pages()
         n, whole = self._row_bytes, self._row_pages
         blob_header = self._none_blob_header
-        with job.io_lock:  # the only reads of the caller's tensor before the write
+        # The hashes read the caller's tensor: lent (not under io_lock, which would serialise the hashing of
+        # every block of a job), so the job cannot expire under them. A job that expired before keeps its row.
+        with job.io_lock:
             if job.expired:
                 raise _Expired()
+            job.lent += 1
+        try:
             row = raw_view(block.data_ptr(), n)
             crc = checksum(row, checksum(blob_header))
             if n > whole:
@@ -244,6 +248,9 @@ class BlockIO:
             page[_BLOB:] = blob_header
             if self._mac_key is not None:
                 page[MAC_OFFSET : MAC_OFFSET + MAC_BYTES] = block_mac(self._mac_key, page, page[_BLOB:], row)
+        finally:
+            with job.io_lock:
+                job.lent -= 1
         segments = [page]
         if whole:
             segments.append(row[:whole])
@@ -353,6 +360,7 @@ class BlockIO:
             if job.expired or time.monotonic() >= job.deadline:
                 return False
             job.lent += 1  # from here until the matching decrement, _expire leaves the job open
+            job.lent_reads += 1
         try:
             page, tail = self._pages()
             n, whole = self._row_bytes, self._row_pages
@@ -387,6 +395,7 @@ class BlockIO:
         finally:
             with job.io_lock:
                 job.lent -= 1
+                job.lent_reads -= 1
 
     def _check_header(self, header: Any, key: bytes | None) -> None:
         if key is not None and header.key != key:

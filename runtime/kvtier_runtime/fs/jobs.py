@@ -48,10 +48,11 @@ class _Job:
     io_lock: threading.Lock = field(default_factory=threading.Lock)
     settled: list[bool] = field(default_factory=list)
     expired: bool = False
-    # Tasks whose system call is reading straight into the caller's memory (the direct path, under io_lock to
-    # change): while any is, the job cannot expire, since finishing it would hand back memory the kernel may
-    # still write.
+    # Tasks using the caller's memory outside io_lock (format 2's direct path, counted under io_lock): a read
+    # straight into it (``lent_reads``, a system call that cannot be called back) or a store's hashes of it
+    # (memory speed). While any is, the job cannot expire: finishing it would hand back memory still in use.
     lent: int = 0
+    lent_reads: int = 0
     overdue_reported: bool = False
 
 
@@ -142,21 +143,26 @@ class JobQueue:
         """Finish ``job`` now: keys not settled fail as ``timeout``. Taking ``io_lock`` waits for a task that is
         copying to or from the caller's tensor (memory speed, bounded) and stops every later one.
 
-        Except while a task's system call is reading straight into the caller's tensor (``job.lent``, the direct
-        path of format 2): a read cannot be called back, so finishing the job would let it overwrite memory the
-        caller has reused. The job then stays open until the read returns (the next poll or ``get_finished``
-        expires whatever is left); the overrun is logged once, counts towards store backoff, and later loads
-        take the staging path for ``io_timeout_s``, which times out cleanly, so a hung disk holds at most the
-        reads already in flight (``n_read_threads``)."""
-        with job.io_lock:
-            lent = job.lent
-            if not lent:
-                job.expired = True
+        Format 2's direct path uses the caller's tensor outside ``io_lock`` (``job.lent``): a store hashing it is
+        waited for, like a copy (memory speed). A system call reading straight into it (``job.lent_reads``)
+        cannot be called back, so finishing the job would let it overwrite memory the caller has reused: the job
+        then stays open until the read returns (the next poll or ``get_finished`` expires whatever is left); the
+        overrun is logged once, counts towards store backoff, and later loads take the staging path for
+        ``io_timeout_s``, which times out cleanly, so a hung disk holds at most the reads already in flight
+        (``n_read_threads``)."""
+        while True:
+            with job.io_lock:
+                lent, reads = job.lent, job.lent_reads
+                if not lent:
+                    job.expired = True
+            if not lent or reads:
+                break
+            time.sleep(0.001)  # a store hashing the caller's row
         if lent:
             if not job.overdue_reported:
                 job.overdue_reported = True
                 log.warning("filesystem tier %s: load job %d: %d reads into the caller's memory still in the kernel "
-                            "after %.1fs; the job ends when they return", self.name, job.job_id, lent,
+                            "after %.1fs; the job ends when they return", self.name, job.job_id, reads,
                             self._io_timeout_s)
                 self._direct_reads_resume_at = self._clock() + self._io_timeout_s
                 self._record_io_failure()
