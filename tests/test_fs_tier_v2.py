@@ -480,3 +480,16 @@ def test_the_blocks_of_one_job_are_hashed_and_read_concurrently(fs_tier_factory,
     outs = [aligned(), aligned()]
     assert tier.load(keys, outs).success
     assert all(torch.equal(o, block_for(k)) for o, k in zip(outs, keys))
+
+
+def test_the_direct_path_counts_blocks_in_the_codec_metrics_as_an_encode_would(fs_tier_factory, direct_dir) -> None:
+    from kvtier_runtime.codecs import STATS
+
+    def none_blocks() -> float:
+        return STATS.snapshot()["kvtier_runtime_codec_blocks_total"].get("none", 0)
+
+    tier = fs_tier_factory(root=direct_dir)
+    before = none_blocks()
+    assert tier.store([key_of(1)], [aligned(fill=block_for(key_of(1)))]).success
+    assert tier.store([key_of(2)], [unaligned(fill=block_for(key_of(2)))]).success
+    assert none_blocks() == before + 2

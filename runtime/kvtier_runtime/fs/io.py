@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..codecs import Codec, CodecError, CodecHeader, HEADER_NBYTES, KVChunkCodec, decode, peek_header
+from ..codecs import STATS, Codec, CodecError, CodecHeader, HEADER_NBYTES, KVChunkCodec, decode, peek_header
 from ..codecs.base import PassthroughCodec
 from ..codecs.header import FLAG_PER_CHANNEL
 from ..config import ConfigError
@@ -251,6 +251,7 @@ class BlockIO:
         finally:
             with job.io_lock:
                 job.lent -= 1
+        STATS.record_encode("none", n, HEADER_NBYTES + n)  # what codec none's encode would have counted
         segments = [page]
         if whole:
             segments.append(row[:whole])
