@@ -478,3 +478,34 @@ def test_the_direct_path_counts_blocks_in_the_codec_metrics_as_an_encode_would(f
     assert tier.store([key_of(1)], [aligned(fill=block_for(key_of(1)))]).success
     assert tier.store([key_of(2)], [unaligned(fill=block_for(key_of(2)))]).success
     assert none_blocks() == before + 2
+
+
+def test_the_engine_path_rows_are_aligned_so_promotions_and_write_through_never_stage(direct_dir, tmp_path) -> None:
+    # The premise of format 2's direct path, checked on the real memory: kvtier's offloading spec hands the disk
+    # tier rows of its shared host region, which must be page-aligned for a row to move without a copy.
+    from kvtier_runtime.config import FilesystemTierConfig
+    from kvtier_runtime.store.books import HIT, RETRY
+    from plugins.runtime import engine_books, seq_key
+
+    row = 64 * 1024
+    cfg = FilesystemTierConfig(root_dir=direct_dir, capacity_bytes=1 << 22, n_read_threads=2, n_write_threads=2)
+    books, region = engine_books(tmp_path, 2, row, [cfg])  # rows seen as float16, as the spec does
+    try:
+        tier = books.fs_tiers[0]
+        staged = _count_staging(tier)
+        fill = {seq_key(i): torch.randint(0, 255, (row,), dtype=torch.uint8) for i in range(3)}
+        for key in fill:  # two host rows: the first key ends up only on disk
+            to_store, slots, _ = books.prepare_store([key])
+            region.rows[slots[0]].copy_(fill[key])
+            books.complete_store(to_store)
+            books.drain(10)
+        assert books.lookup(seq_key(0)) == RETRY
+        deadline = time.monotonic() + 10
+        while books.lookup(seq_key(0)) == RETRY and time.monotonic() < deadline:
+            books.drain(10)
+        assert books.lookup(seq_key(0)) == HIT
+        assert torch.equal(region.rows[books.host.slot_of(seq_key(0))], fill[seq_key(0)])
+        assert staged == [0], "a row of the host region went through the staging buffer"
+    finally:
+        books.close()
+        region.close(unlink=True)
