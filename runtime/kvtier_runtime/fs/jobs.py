@@ -77,7 +77,9 @@ class JobQueue:
         return out
 
     def wait(self, job_id: int, timeout: float | None = None) -> JobResult:
-        """Block until ``job_id`` finished and take its result (it is then not returned by get_finished)."""
+        """Block until ``job_id`` finished and take its result (it is then not returned by get_finished). With
+        ``timeout=None`` bounded by the job's ``io_timeout_s``, except while a direct read into the caller's
+        memory is still in the kernel (see _expire): then until that read returns."""
         with self._lock:
             if job_id in self._finished:
                 return self._finished.pop(job_id)
