@@ -45,7 +45,7 @@ def _forge(path: str, new_payload_byte: int = 0x5A) -> None:
         raw = bytearray(fh.read())
     header = fmt.parse_header(bytes(raw[: fmt.HEADER_BYTES]))
     raw[fmt.HEADER_BYTES + 100] = new_payload_byte
-    payload = raw[fmt.HEADER_BYTES : fmt.HEADER_BYTES + header.payload_len]
+    payload = raw[header.blob_offset : header.blob_offset + header.payload_len]
     struct.pack_into("<I", raw, 128, fmt.checksum(payload))
     struct.pack_into("<I", raw, 12, fmt.checksum(bytes(raw[16 : fmt.HEADER_USED])))
     with open(path, "wb") as fh:
