@@ -509,3 +509,55 @@ def test_the_engine_path_rows_are_aligned_so_promotions_and_write_through_never_
     finally:
         books.close()
         region.close(unlink=True)
+
+
+def test_a_promotion_whose_direct_read_hangs_is_a_miss_at_the_deadline_and_its_slot_stays_reserved(direct_dir,
+                                                                                                    tmp_path) -> None:
+    # The engine side of the lent-read rule: the tier holds the job open while the read is in the kernel, but the
+    # request must not wait for it (io_timeout_s: a hung disk slows the engine, never stops a request). The books
+    # answer miss at the deadline (vLLM recomputes) and keep the host slot out of use until the read lands, so the
+    # late bytes cannot overwrite a row given to another chunk.
+    from kvtier_runtime.config import FilesystemTierConfig
+    from kvtier_runtime.store.books import MISS, RETRY
+    from plugins.runtime import engine_books, seq_key
+
+    row = 64 * 1024
+    ops = _HangReads()
+    cfg = FilesystemTierConfig(root_dir=direct_dir, capacity_bytes=1 << 22, n_read_threads=2, n_write_threads=2,
+                               io_timeout_s=0.5)
+    books, region = engine_books(tmp_path, 2, row, [(cfg, {"file_ops": ops})])
+    try:
+        fill = {seq_key(i): torch.randint(0, 255, (row,), dtype=torch.uint8) for i in range(3)}
+        for key in fill:  # two host rows: the first key ends up only on disk
+            to_store, slots, _ = books.prepare_store([key])
+            region.rows[slots[0]].copy_(fill[key])
+            books.complete_store(to_store)
+            books.drain(10)
+        ops.armed.set()
+        assert books.lookup(seq_key(0)) == RETRY
+        assert ops.entered.wait(5)
+        reserved = books.fenced_slots
+        deadline = time.monotonic() + 5
+        while books.fenced_slots == reserved and time.monotonic() < deadline:
+            time.sleep(0.05)
+            books.poll()
+        assert books.fenced_slots == reserved + 1, "the slot under the hung read was not kept out of use"
+        assert books.load_failures["timeout"] == 1
+        # The request is not held: asked again until the deadline passes, it is told miss (vLLM recomputes).
+        answers = []
+        deadline = time.monotonic() + 5
+        while MISS not in answers and time.monotonic() < deadline:
+            answers.append(books.lookup(seq_key(0)))
+            time.sleep(0.05)
+        assert MISS in answers, answers[-5:]
+        ops.armed.clear()
+        ops.release.set()
+        deadline = time.monotonic() + 10
+        while books.fenced_slots > reserved and time.monotonic() < deadline:
+            time.sleep(0.05)
+            books.poll()
+        assert books.fenced_slots == reserved, "the slot was not freed once the late read returned"
+    finally:
+        ops.release.set()
+        books.close()
+        region.close(unlink=True)

@@ -138,6 +138,11 @@ class FilesystemTier(BlockIndex, JobQueue, BlockIO, StartupScan, TierHealth):
         self._update_occupancy()
         self._start_pools(config, name)
 
+    @property
+    def io_timeout_s(self) -> float:
+        """How long a transfer may take before the caller treats its keys as missed (the config's io_timeout_s)."""
+        return self._io_timeout_s
+
     @classmethod
     def from_kwargs(
         cls, kwargs: Mapping[str, Any], block_shape: Sequence[int], dtype: torch.dtype, **options: Any
