@@ -3,31 +3,28 @@
 A real kube-apiserver + etcd + kube-controller-manager (``e2e/controlplane/run``) and a real node joined to it
 (``e2e/node/run``: containerd, runc, the CNI bridge, a kubelet and kube-scheduler), kvtier's images built
 (``images/build``, cached by content hash) and loaded into the node, the CRD, a real Prometheus process that
-scrapes the pods at their IPs on the node's bridge, and the operator as a host process (``kvtier operator``,
-logging to a file). The Deployment's pods are started, restarted on the operator's config roll and stopped by
+scrapes the pods at their IPs on the node's bridge, and the operator as a pod, installed by its chart from the
+operator image (its log is saved to the work directory at the end). The Deployment's pods are started, restarted on the operator's config roll and stopped by
 the node's kubelet (``pods.NodePods`` only watches them). Everything is registered with the Supervisor, so it
 stops on success, failure and Ctrl-C.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-import kvtier_operator
-
-from kvtier_operator.api.crd import crd
 from kvtier_operator.kube import ApiError, Kube
 from . import manifests
 from .manifests import HEALTHY, USER_FIELD_MANAGER, Names
 from .pods import NodePods
-from .processes import ScenarioError, Started, Supervisor, tail, wait_http_ok
-from .prometheus import PrometheusProcess, free_port
+from .processes import ScenarioError, Supervisor
+from .prometheus import PrometheusProcess
 
 CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/kvcachepolicies.kvtier.io"
 
@@ -57,7 +54,6 @@ class LocalEnvironment:
         self.kube: Optional[Kube] = None
         self.kubeconfig: Optional[Path] = options.kubeconfig
         self.prometheus: Optional[PrometheusProcess] = None
-        self.operator: Optional[Started] = None
         self.pods: Optional[NodePods] = None
         self.controlplane_dir: Optional[Path] = None   # started here (stopped at the end)
         self.cluster_dir: Optional[Path] = None        # the control plane's and the node's directory
@@ -83,14 +79,14 @@ class LocalEnvironment:
         self._node()
         self.kube = Kube(str(self.kubeconfig))
         self.supervisor.on_close("API client", self.kube.close)
-        self._crd()
         self._namespace()
         # A busy CPU engine can take over a second to answer /metrics: a 2 s scrape for it.
         scrape = "2s" if self.o.real else "1s"
         workdir = self.o.workdir / "prometheus"
         try:
+            # On the node's bridge address: the operator's pod queries it there; it scrapes the pods from there.
             self.prometheus = PrometheusProcess(
-                workdir, scrape_interval=scrape,
+                workdir, scrape_interval=scrape, host=self.bridge_address,
                 spawn=lambda cmd, log, cwd: self.supervisor.start("prometheus", cmd, log, cwd=cwd).process)
             # Registered before the process is started (so run after it stopped): the TSDB is of no use afterwards.
             self.supervisor.on_close("prometheus data", lambda: shutil.rmtree(workdir / "data", ignore_errors=True))
@@ -100,6 +96,7 @@ class LocalEnvironment:
         self.say(f"Prometheus {self.prometheus.url} scrapes the pods at their IPs on the node's bridge every "
                  f"{scrape} (namespace and pod labels, as a Kubernetes pod scrape adds them)")
         self._operator()
+        self._crd()
         disk = self.disk
         self.pods = NodePods(
             self.kube, self.o.names.namespace, self.o.names.workload, prometheus=self.prometheus,
@@ -159,7 +156,7 @@ class LocalEnvironment:
             # no container waits on throttled reads while it is killed.
             self.disk.container_cgroups = self.container_cgroups
             self.supervisor.on_close("slow device throttle", self.disk.heal)
-        names = ["base", "engine"] if self.o.real else ["base", "operator"]
+        names = ["base", "operator", "engine"] if self.o.real else ["base", "operator"]
         started = time.monotonic()
         build = subprocess.run([str(self.o.repo / "images" / "build"), *names], capture_output=True, text=True,
                                timeout=2400)
@@ -244,8 +241,8 @@ class LocalEnvironment:
                 path.unlink()
 
     def _crd(self) -> None:
+        """The chart installed the CRD (its templates hold the one `kvtier crd` prints): wait until it serves."""
         assert self.kube is not None
-        self.kube.apply(CRD_PATH, crd(), manager="kvtier-install")
         deadline = time.monotonic() + 60
         while True:
             obj = self.kube.get(CRD_PATH) or {}
@@ -255,7 +252,7 @@ class LocalEnvironment:
             if time.monotonic() > deadline:
                 raise ScenarioError(f"CRD kvcachepolicies.kvtier.io not Established: {obj.get('status')}")
             time.sleep(0.2)
-        self.say("CRD kvcachepolicies.kvtier.io installed and Established")
+        self.say("CRD kvcachepolicies.kvtier.io (installed by the chart) Established")
 
     def _namespace(self) -> None:
         assert self.kube is not None
@@ -271,32 +268,106 @@ class LocalEnvironment:
                                 "--namespace (the scenario owns its namespace and deletes it at the end)") from None
         self.supervisor.on_close(f"namespace {ns}", lambda: self.kube and self.kube.delete(f"/api/v1/namespaces/{ns}"))
 
+    OPERATOR_RELEASE = "kvtier"
+    OPERATOR_NAMESPACE = "kvtier-system"
+    OPERATOR_SELECTOR = "app.kubernetes.io/instance=kvtier,app.kubernetes.io/component=operator"
+
+    @property
+    def bridge_address(self) -> str:
+        """The node's bridge address (its InternalIP): pods reach the host there, so Prometheus listens on it."""
+        assert self.cluster_dir is not None
+        for line in (self.cluster_dir / "node" / "net.env").read_text().splitlines():
+            key, _, value = line.partition("=")
+            if key.strip() == "gateway":
+                return value.strip()
+        raise ScenarioError(f"{self.cluster_dir / 'node' / 'net.env'} names no gateway")
+
+    def _existing_operator(self) -> Optional[str]:
+        assert self.kube is not None
+        for d in self.kube.list("/apis/apps/v1/deployments", "app.kubernetes.io/part-of=kvtier"):
+            return f"{d['metadata']['namespace']}/{d['metadata']['name']}"
+        return None
+
     def _operator(self) -> None:
-        assert self.kubeconfig is not None
-        port = free_port()
-        # The operator imports this very package, from wherever it was imported here (checkout or install).
-        package_root = Path(kvtier_operator.__file__).resolve().parents[1]
-        runtime_root = package_root.parent / "runtime"
-        path = [str(package_root)] + ([str(runtime_root)] if runtime_root.is_dir() else [])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path + [os.environ.get("PYTHONPATH", "")]).rstrip(
-            os.pathsep), "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "kvtier_operator.cli", "operator", "--kubeconfig", str(self.kubeconfig),
-               "--namespace", self.o.names.namespace, "--standalone", "--liveness",
-               f"http://127.0.0.1:{port}/healthz", "--metrics-port", "-1", "--resync", "60", "--backoff-max", "5",
-               "--no-read-nodes", "--prometheus-allow", "127.0.0.1:*", "--prometheus-allow-http",
-               # The injected /dev/shm clean-up runs sh and rm from the base image, which is on the node.
-               "--cleanup-image", self.images["base"]]
-        if self.disk is not None:
-            cmd += ["--hostpath-prefix", str(self.disk.mount)]
-        self.operator = self.supervisor.start("operator", cmd, self.operator_log, env=env, grace_s=15)
-        wait_http_ok(self.operator, f"http://127.0.0.1:{port}/healthz", 60)
-        self.say(f"operator running (kvtier operator --namespace {self.o.names.namespace}); its log: "
-                 f"{self.operator_log}")
+        """The operator as a pod, installed by its chart from the operator image (as `make cluster` does), scoped
+        to the demo's namespace, allowed to query the demo's Prometheus and, for the real engine, to mount
+        hostPath tiers on the slow device."""
+        assert self.kubeconfig is not None and self.prometheus is not None and self.kube is not None
+        existing = self._existing_operator()
+        if existing is not None:
+            raise ScenarioError(f"a kvtier operator is installed on this cluster already ({existing}; `make cluster` "
+                                "installs one that watches every namespace) and would act on the demo's policy "
+                                "too; the demo installs its own: remove it (make cluster-down) or run the demo "
+                                "without --kubeconfig")
+        helm_home = self.o.workdir / "helm"
+        env = {**os.environ, **{f"HELM_{k}_HOME": str(helm_home) for k in ("CACHE", "CONFIG", "DATA")}}
+        values = {
+            "operator.watchNamespaces": [self.o.names.namespace],
+            "operator.hostPathPrefixes": [str(self.disk.mount)] if self.disk is not None else [],
+            # The demo's short SLO settings want a quick resync and retry.
+            "operator.extraArgs": ["--resync=60", "--backoff-max=5"],
+            "slo.prometheus.allowed": [f"{self.prometheus.host}:{self.prometheus.port}"],
+        }
+        cmd = [str(self.o.repo / "tools" / "helm.sh"), "upgrade", "--install", self.OPERATOR_RELEASE,
+               str(self.o.repo / "charts" / "kvtier"), "--namespace", self.OPERATOR_NAMESPACE, "--create-namespace",
+               "--kubeconfig", str(self.kubeconfig), "--wait", "--timeout", "180s",
+               "--set", "slo.prometheus.allowHttp=true",
+               # The injected /dev/shm clean-up runs sh and rm from the base image, which is on the node (the
+               # chart's default, busybox, would need a registry).
+               "--set", "initImage.repository=kvtier.local/base", "--set", "initImage.tag=bookworm"]
+        for key, value in values.items():
+            cmd += ["--set-json", f"{key}={json.dumps(value)}"]
+        started = time.monotonic()
+        # Registered first: the operator's log is kept even when the install fails half-way.
+        self.supervisor.on_close("operator log", self.save_operator_log)
+        if self.controlplane_dir is None:  # someone else's cluster: remove the release again
+            self.supervisor.on_close("operator release", lambda: subprocess.run(
+                [str(self.o.repo / "tools" / "helm.sh"), "uninstall", self.OPERATOR_RELEASE, "--namespace",
+                 self.OPERATOR_NAMESPACE, "--kubeconfig", str(self.kubeconfig), "--wait", "--timeout", "60s"],
+                env=env, capture_output=True, text=True, timeout=120))
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise ScenarioError(f"helm install of charts/kvtier failed:\n{proc.stderr[-3000:]}\n"
+                                f"{self.operator_pod_log()}")
+        pod = self._operator_pods()[0]["metadata"]["name"]
+        self.say(f"operator running as pod {self.OPERATOR_NAMESPACE}/{pod} from {self.images['operator']}, "
+                 f"installed by its chart (release {self.OPERATOR_RELEASE}, watching namespace "
+                 f"{self.o.names.namespace}) in {time.monotonic() - started:.0f}s; its log is saved to "
+                 f"{self.operator_log} at the end")
+
+    def _operator_pods(self) -> list[dict]:
+        assert self.kube is not None
+        return [p for p in self.kube.list(f"/api/v1/namespaces/{self.OPERATOR_NAMESPACE}/pods", self.OPERATOR_SELECTOR)
+                if not p["metadata"].get("deletionTimestamp")]
+
+    def operator_pod_log(self, lines: int = 5000) -> str:
+        if self.kube is None:
+            return ""
+        from .pods import pod_log
+
+        return "\n".join(pod_log(self.kube, self.OPERATOR_NAMESPACE, p["metadata"]["name"], lines=lines)
+                         for p in self._operator_pods_safe())
+
+    def _operator_pods_safe(self) -> list[dict]:
+        try:
+            return self._operator_pods()
+        except (ApiError, OSError):
+            return []
+
+    def save_operator_log(self) -> None:
+        """The operator pod's log (through the API server), written to operator.log."""
+        text = self.operator_pod_log()
+        if text:
+            self.operator_log.write_text(text)
 
     def check_alive(self) -> None:
-        if self.operator is not None and self.operator.process.poll() is not None:
-            raise ScenarioError(f"the operator exited with {self.operator.process.returncode}:\n"
-                                f"{tail(self.operator_log)}")
+        for p in self._operator_pods_safe():
+            for c in (p.get("status") or {}).get("containerStatuses") or []:
+                last = (c.get("lastState") or {}).get("terminated")
+                if c.get("restartCount", 0) > 0 and last:
+                    raise ScenarioError(f"the operator pod {p['metadata']['name']} exited ({last.get('reason')}, "
+                                        f"exit code {last.get('exitCode')}) and was restarted:\n"
+                                        f"{self.operator_pod_log(60)}")
         if self.prometheus is not None and self.prometheus.process is not None \
                 and self.prometheus.process.poll() is not None:
             raise ScenarioError(f"prometheus exited:\n{tail(self.prometheus.log_path)}")

