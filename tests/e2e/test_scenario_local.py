@@ -8,9 +8,8 @@ causes are tests/e2e/test_scenario_real.py.
 Real parts: kube-apiserver + etcd + kube-controller-manager (e2e/controlplane), a node (e2e/node: containerd,
 runc, the CNI bridge, a kubelet) that runs the Deployment's pods from the operator image, fed the rendered
 engine.yaml through the ConfigMap volume the operator mounted, Prometheus (Debian's binary) scraping the pods at
-their IPs, the operator as a pod installed by its chart from the operator image. The node needs root: without it these tests skip (KVTIER_REQUIRE_NODE=1
-makes that a failure).
-A failure prints the operator log, events, policy status and pod logs.
+their IPs, the operator as a pod installed by its chart from the operator image. The node needs root: without it
+these tests skip (KVTIER_REQUIRE_NODE=1 makes that a failure). A failure prints the operator log, events, policy status and pod logs.
 """
 from __future__ import annotations
 

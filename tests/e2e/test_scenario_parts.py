@@ -201,3 +201,38 @@ def test_the_real_engines_budget_is_a_bucket_bound_over_twice_the_healthy_p99():
     assert real_budget(2.56) == 7.6   # 5.12 -> bucket bound 7.5
     assert real_budget(2.4) == 5.1    # 4.8 -> 5.0; a true p99 of 2.4 s reads at most 2.5 s (its bucket bound)
     assert real_budget(0.1) == 0.6    # at least 0.5 s
+
+
+def test_the_slow_devices_throttle_reaches_containers_started_after_the_slowdown(tmp_path, monkeypatch):
+    """On the node the throttle goes on the container cgroups, and a container the kubelet (re)starts gets a new
+    one: the limit must follow it there (else the rolled-back engine would read a fast device), healing must lift
+    it everywhere, and the reads served must count the groups of containers that are gone."""
+    from scenario.slowdisk import IOPS, SlowDisk
+
+    groups: list = []
+
+    def group(name):
+        g = tmp_path / "kubepods" / "pod1" / name
+        g.mkdir(parents=True)
+        (g / "blkio.throttle.read_iops_device").write_text("")
+        (g / "blkio.throttle.io_serviced").write_text("7:0 Read 0\n7:0 Write 3\n")
+        groups.append(g)
+        return g
+
+    disk = SlowDisk(tmp_path / "disk", container_cgroups=lambda: list(groups))
+    disk.mechanism, disk.loop = "blkio-throttle", "/dev/loop0"
+    monkeypatch.setattr(disk, "_majmin", lambda: "7:0")
+    first = group("c1")
+    disk.slow()
+    assert (first / "blkio.throttle.read_iops_device").read_text() == f"7:0 {IOPS}\n"
+    (first / "blkio.throttle.io_serviced").write_text("7:0 Read 5\n")
+    assert disk.reads_served() == 5
+    groups.remove(first)  # the container restarts: its cgroup goes, a new one comes
+    second = group("c2")
+    assert disk.enforce() == [second]
+    assert (second / "blkio.throttle.read_iops_device").read_text() == f"7:0 {IOPS}\n"
+    assert disk.enforce() == []  # applied once per group
+    (second / "blkio.throttle.io_serviced").write_text("7:0 Read 2\n")
+    assert disk.reads_served() == 7  # the gone container's reads still count
+    disk.heal()
+    assert (second / "blkio.throttle.read_iops_device").read_text() == "7:0 0\n"
