@@ -337,8 +337,10 @@ class LocalEnvironment:
 
     def _operator_pods(self) -> list[dict]:
         assert self.kube is not None
+        # Not the evicted or deleted ones (their containers and logs are gone).
         return [p for p in self.kube.list(f"/api/v1/namespaces/{self.OPERATOR_NAMESPACE}/pods", self.OPERATOR_SELECTOR)
-                if not p["metadata"].get("deletionTimestamp")]
+                if not p["metadata"].get("deletionTimestamp")
+                and (p.get("status") or {}).get("phase") not in ("Failed", "Succeeded")]
 
     def operator_pod_log(self, lines: int = 5000) -> str:
         if self.kube is None:
