@@ -318,13 +318,14 @@ class LocalEnvironment:
         for key, value in values.items():
             cmd += ["--set-json", f"{key}={json.dumps(value)}"]
         started = time.monotonic()
-        # Registered first: the operator's log is kept even when the install fails half-way.
-        self.supervisor.on_close("operator log", self.save_operator_log)
-        if self.controlplane_dir is None:  # someone else's cluster: remove the release again
+        # Registered before the install (clean-up runs in reverse): the release is removed from someone else's
+        # cluster after its log was saved, and the log is kept even when the install fails half-way.
+        if self.controlplane_dir is None:
             self.supervisor.on_close("operator release", lambda: subprocess.run(
                 [str(self.o.repo / "tools" / "helm.sh"), "uninstall", self.OPERATOR_RELEASE, "--namespace",
                  self.OPERATOR_NAMESPACE, "--kubeconfig", str(self.kubeconfig), "--wait", "--timeout", "60s"],
                 env=env, capture_output=True, text=True, timeout=120))
+        self.supervisor.on_close("operator log", self.save_operator_log)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise ScenarioError(f"helm install of charts/kvtier failed:\n{proc.stderr[-3000:]}\n"
