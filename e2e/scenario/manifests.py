@@ -28,7 +28,8 @@ def namespace(names: Names) -> dict[str, Any]:
 
 
 def deployment(names: Names) -> dict[str, Any]:
-    """The user's manifest: it names the config file once and nothing else about KV-cache tiering."""
+    """The user's manifest as it would be written for a GPU cluster: it names the config file once and nothing
+    else about KV-cache tiering (what the operator injects is checked against it)."""
     labels = {"app": names.workload}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
@@ -45,6 +46,107 @@ def deployment(names: Names) -> dict[str, Any]:
                 "args": ["meta-llama/Llama-3.1-8B-Instruct", "--port=8000", "--config", "/etc/kvtier/engine.yaml"],
                 "resources": {"requests": {"memory": "8Gi"}, "limits": {"memory": "16Gi"}},
             }]}},
+        },
+    }
+
+
+SYNTHETIC_CONFIG_MAP = "synthetic-engine"
+SYNTHETIC_DIR = "/opt/synthetic-engine"
+
+
+def synthetic_engine_config_map(names: Names, script: str) -> dict[str, Any]:
+    """The synthetic engine's script, for its pods (a ConfigMap volume: readable by any user, no image build)."""
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": SYNTHETIC_CONFIG_MAP, "namespace": names.namespace},
+            "data": {"engine.py": script}}
+
+
+def synthetic_deployment(names: Names, image: str, knobs: dict[str, float]) -> dict[str, Any]:
+    """A Deployment whose pods run the synthetic engine (e2e/synthetic_engine) on the node, from the operator
+    image (python3 with pyyaml and prometheus-client, which the engine needs). Its args name the config file once,
+    as a vLLM Deployment's do; the pods start healthy and the scenario changes their latency over HTTP."""
+    labels = {"app": names.workload}
+    args = ["--engine", "vllm", "--model-name", names.workload, "--host", "0.0.0.0", "--port", "8000", "--config",
+            "/etc/kvtier/engine.yaml"]
+    for key, value in knobs.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": names.workload, "namespace": names.namespace,
+                     "labels": {**labels, "kvtier.io/opt-in": names.policy}},
+        "spec": {
+            "replicas": 0,  # scaled to 1 once the operator has injected the config (scale_up)
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": {
+                "automountServiceAccountToken": False,
+                "terminationGracePeriodSeconds": 2,
+                "containers": [{
+                    "name": "vllm",
+                    "image": image,
+                    "imagePullPolicy": "Never",
+                    "command": ["python3", f"{SYNTHETIC_DIR}/engine.py"],
+                    "args": args,
+                    "ports": [{"name": "http", "containerPort": 8000}],
+                    "readinessProbe": {"httpGet": {"path": "/control", "port": 8000}, "periodSeconds": 1},
+                    "volumeMounts": [{"name": "engine", "mountPath": SYNTHETIC_DIR, "readOnly": True}],
+                    # The operator demands request + cpu tier (4Gi) + hostMemoryHeadroom (1Gi) as the limit.
+                    "resources": {"requests": {"memory": "64Mi"}, "limits": {"memory": "6Gi"}},
+                }],
+                "volumes": [{"name": "engine", "configMap": {"name": SYNTHETIC_CONFIG_MAP}}],
+            }},
+        },
+    }
+
+
+def scale_up() -> dict[str, Any]:
+    """The user's merge patch that starts the pod. The Deployments above are applied with no replica: a pod
+    started before the operator injected the config volume would find no /etc/kvtier/engine.yaml and crash."""
+    return {"spec": {"replicas": 1}}
+
+
+# The real engine's pod: vllm serve from the engine image (images/build engine) on the harness's small Llama,
+# which the scenario generates on the host and mounts read-only (hostPath). The flags are the engine harness's
+# (e2e/vllm_cpu/server.py): float32, eager mode, a small KV cache so the tiers are used.
+REAL_KV_CACHE_BYTES = 64 << 20
+REAL_MAX_MODEL_LEN = 1024
+
+
+def vllm_deployment(names: Names, image: str, model_dir: str) -> dict[str, Any]:
+    """The vLLM Deployment on the node: the user's args name the local model and the config file once.
+    Strategy Recreate: two CPU engines at once do not fit a small machine, so the old pod goes first."""
+    labels = {"app": names.workload}
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": names.workload, "namespace": names.namespace,
+                     "labels": {**labels, "kvtier.io/opt-in": names.policy}},
+        "spec": {
+            "replicas": 0,  # scaled to 1 once the operator has injected the config (scale_up)
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": {
+                "automountServiceAccountToken": False,
+                "terminationGracePeriodSeconds": 10,
+                "containers": [{
+                    "name": "vllm",
+                    "image": image,
+                    "imagePullPolicy": "Never",
+                    "command": ["vllm", "serve"],
+                    "args": ["/model", "--config", "/etc/kvtier/engine.yaml", "--host", "0.0.0.0", "--port", "8000",
+                             "--served-model-name", "model", "--dtype", "float32", "--enforce-eager",
+                             "--enable-prefix-caching", "--kv-cache-memory-bytes", str(REAL_KV_CACHE_BYTES),
+                             "--max-model-len", str(REAL_MAX_MODEL_LEN), "--max-num-batched-tokens", "1024",
+                             "--max-num-seqs", "4"],
+                    "env": [{"name": k, "value": v} for k, v in env.items()],
+                    "ports": [{"name": "http", "containerPort": 8000}],
+                    "readinessProbe": {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 2},
+                    "volumeMounts": [{"name": "model", "mountPath": "/model", "readOnly": True}],
+                    # The operator demands request + cpu tier + hostMemoryHeadroom (1Gi) as the limit.
+                    "resources": {"requests": {"memory": "2Gi"}, "limits": {"memory": "8Gi"}},
+                }],
+                "volumes": [{"name": "model", "hostPath": {"path": model_dir, "type": "Directory"}}],
+            }},
         },
     }
 
@@ -106,9 +208,10 @@ REAL_HOST_SIZE = "32Mi"
 REAL_FS_SIZE = "768Mi"
 
 
-def real_policy(names: Names, prometheus_url: str) -> dict[str, Any]:
+def real_policy(names: Names, prometheus_url: str, fs_host_path: str) -> dict[str, Any]:
     """kvtier's own offloading spec (backend kvtier): a small host tier, then the filesystem tier on the slow
-    device; block size 32 (vLLM's CPU attention)."""
+    device (a hostPath under the operator's allowed prefix, the device's mount); block size 32 (vLLM's CPU
+    attention)."""
     return {
         "apiVersion": "kvtier.io/v1alpha1", "kind": "KVCachePolicy",
         "metadata": {"name": names.policy, "namespace": names.namespace},
@@ -121,7 +224,7 @@ def real_policy(names: Names, prometheus_url: str) -> dict[str, Any]:
             "tiers": [
                 {"name": names.cpu_tier, "medium": "cpu", "size": REAL_HOST_SIZE},
                 {"name": names.fs_tier, "medium": "filesystem", "size": REAL_FS_SIZE, "path": names.fs_path,
-                 "volume": {"emptyDir": {}}},
+                 "volume": {"hostPath": {"path": fs_host_path, "type": "DirectoryOrCreate"}}},
             ],
             "slo": {"prometheus": {"url": prometheus_url, "timeout": "3s"}, "ttftP99": REAL_INITIAL_TTFT_BUDGET,
                     **REAL_SLO},

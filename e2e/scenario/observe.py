@@ -2,7 +2,7 @@
 
 A snapshot reads the policy (status.tiers, sloState, the guard's last p99s and thresholds, the target's config
 hash), the ConfigMap's engine.yaml, the Deployment's ``kvtier.io/config-hash`` and the configuration each
-stand-in pod actually loaded, so the scenario can check that all of them agree.
+running pod actually loaded, so the scenario can check that all of them agree.
 """
 from __future__ import annotations
 

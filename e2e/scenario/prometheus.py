@@ -1,7 +1,7 @@
 """A real Prometheus process on loopback: the one launcher, used by the scenario (the demo, ``tests/e2e``) and
 by the tests' fixtures (``tests/plugins/prometheus.py``).
 
-Debian's ``prometheus`` 2.42 on 127.0.0.1 (random port, 1 s scrape by default, storage in its work dir). Targets
+Debian's ``prometheus`` 2.42 on 127.0.0.1 or a given address (the demo: the node's bridge; random port, 1 s scrape by default, storage in its work dir). Targets
 come from a file_sd file rewritten as engines come and go; each target carries the ``namespace`` and ``pod``
 labels a Kubernetes pod scrape adds, which is what the SLO guard's queries select on. ``stop()``/``start()``
 keep port and storage, like a restarted pod. Rule files and a web config (TLS, basic auth) are optional.
@@ -41,7 +41,8 @@ class PrometheusProcess:
     """One Prometheus server. ``stop()``/``start()`` keep port and storage, like a restarted pod."""
 
     def __init__(self, workdir: Path, scrape_interval: str = "1s", rule_files: list[Path] | None = None,
-                 web_config: Path | None = None, scheme: str = "http", spawn: Spawn | None = None):
+                 web_config: Path | None = None, scheme: str = "http", spawn: Spawn | None = None,
+                 host: str = "127.0.0.1"):
         self.binary = shutil.which("prometheus")
         if self.binary is None:
             raise RuntimeError(f"prometheus is not installed: {INSTALL_HINT}")
@@ -54,7 +55,8 @@ class PrometheusProcess:
         self.web_config = web_config
         self.scheme = scheme
         self.port = free_port()
-        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        self.host = host  # the address it listens on (the node's bridge address: pods query it there)
+        self.url = f"{scheme}://{host}:{self.port}"
         self.targets: dict[str, dict[str, Any]] = {}
         self._targets_lock = threading.Lock()   # engines may be added from several threads
         self.process: subprocess.Popen[bytes] | None = None
@@ -94,7 +96,7 @@ class PrometheusProcess:
     # -- lifecycle
     def start(self, timeout: float = 20.0) -> None:
         cmd = [self.binary, f"--config.file={self.config_file}", f"--storage.tsdb.path={self.data_dir}",
-               f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle",
+               f"--web.listen-address={self.host}:{self.port}", "--web.enable-lifecycle",
                "--storage.tsdb.retention.time=1h", "--log.level=warn"]
         if self.web_config is not None:
             cmd.append(f"--web.config.file={self.web_config}")
@@ -104,7 +106,7 @@ class PrometheusProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"prometheus exited with {self.process.returncode}: {self.log()}")
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                socket.create_connection((self.host, self.port), timeout=0.2).close()
                 if self.web_config is None:
                     with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as r:
                         if r.status == 200:

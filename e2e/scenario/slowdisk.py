@@ -6,10 +6,14 @@ device, and ``slow()`` makes the device itself slow. Mechanisms, probed in this 
 
 1. ``dm-delay``: device-mapper's ``delay`` target over a loop device (needs the kernel's device-mapper driver).
    Healthy it is a ``linear`` table; ``slow()`` swaps in a ``delay`` table (every read waits).
-2. ``blkio-throttle``: a loop device (direct I/O to its backing file) throttled by a cgroup v1 ``blkio`` group
-   (``blkio.throttle.read_iops_device``). Only processes inside the group are throttled, so the engine
-   is started inside it (``wrap()``); the kvtier fs tier writes and reads with O_DIRECT, so its I/O is
-   submitted by the engine's own threads and counted against the group (buffered writeback would not be).
+2. ``blkio-throttle``: a loop device (direct I/O to its backing file) throttled by cgroup v1 ``blkio``
+   (``blkio.throttle.read_iops_device``). Only processes inside a throttled group are slowed. On the node
+   (``container_cgroups`` given) the limit goes on every container cgroup of the node's pods, where the engine's
+   processes are: cgroup v1 throttling is not hierarchical here (a limit on the pod's cgroup left a container's
+   reads unthrottled), and a restarted container gets a new cgroup, so ``enforce()`` applies it to new ones
+   after every (re)start. Without a node the device has a group of its own and ``wrap()`` starts a process in
+   it. The kvtier fs tier writes and reads with O_DIRECT, so its I/O is submitted by the engine's own threads and
+   counted against their group (buffered writeback would not be).
 
 Only reads are slowed: they are what a request waits for (a load from the tier). Slowed writes would queue up
 the tier's write-through stores behind the throttle, and a process waiting on throttled I/O cannot be killed
@@ -115,12 +119,16 @@ class SlowDisk:
     cgroup: Optional[Path] = None
     mounted: bool = False
     is_slow: bool = False
+    # The node's container cgroups (blkio): the throttle goes on these instead of a group of the device's own.
+    container_cgroups: Optional[Callable[[], list[Path]]] = None
 
     def __post_init__(self) -> None:
         self.name = f"{PREFIX}{os.getpid()}"
         self.image = self.workdir / f"{self.name}.img"
         self.mount = self.workdir / "mnt"
         self.state_file = STATE_DIR / f"{self.name}.json"
+        self._throttled: dict[Path, int] = {}    # container cgroup -> the limit written there
+        self._reads: dict[Path, int] = {}        # container cgroup -> reads it was served (last seen)
 
     # -- set-up
     def setup(self) -> "SlowDisk":
@@ -137,7 +145,9 @@ class SlowDisk:
         elif blkio_problem is None:
             self.mechanism = "blkio-throttle"
             self.why = (f"device-mapper delay is unavailable ({dm_problem}), so a cgroup v1 blkio throttle "
-                        f"({IOPS} reads a second when slow) on a loop device")
+                        f"({IOPS} reads a second when slow) on a loop device"
+                        + (", set on the node's container cgroups (re-applied after every container start)"
+                           if self.container_cgroups is not None else ""))
         else:
             raise SlowDiskUnavailable(f"no way to make a device slow here: device-mapper delay: {dm_problem}; "
                                       f"cgroup v1 blkio throttle: {blkio_problem}")
@@ -171,7 +181,7 @@ class SlowDisk:
             self._save_state()
             _check(["dmsetup", "create", self.dm_name, "--table", self._linear_table()])
             device = f"/dev/mapper/{self.dm_name}"
-        else:
+        elif self.container_cgroups is None:
             self.cgroup = BLKIO_ROOT / self.name
             self.cgroup.mkdir(exist_ok=True)
             self._save_state()
@@ -224,19 +234,57 @@ class SlowDisk:
         _check(["dmsetup", "resume", self.dm_name])
 
     def _throttle(self, iops: int) -> None:
+        if self.container_cgroups is not None:
+            self._limit = iops
+            self._throttled.clear()
+            self.enforce()
+            return
         assert self.cgroup is not None
         (self.cgroup / "blkio.throttle.read_iops_device").write_text(f"{self._majmin()} {iops}\n")
 
-    def reads_served(self) -> Optional[int]:
-        """Reads the throttle let through so far (blkio), None for dm-delay (no such count)."""
-        if self.cgroup is None or self.loop is None:
-            return None
+    def enforce(self) -> list[Path]:
+        """Node mode: the current limit on every container cgroup that does not carry it yet (a container that
+        (re)started since); returns those it was applied to. Also records each group's served reads."""
+        if self.container_cgroups is None or self.loop is None or self.mechanism != "blkio-throttle":
+            return []
+        applied = []
+        limit = getattr(self, "_limit", 0)
+        for group in self.container_cgroups():
+            self._served(group)
+            if self._throttled.get(group) == limit:
+                continue
+            try:
+                (group / "blkio.throttle.read_iops_device").write_text(f"{self._majmin()} {limit}\n")
+            except OSError:
+                continue  # the container is gone already
+            self._throttled[group] = limit
+            applied.append(group)
+        return applied
+
+    def _served(self, group: Path) -> Optional[int]:
         majmin = self._majmin()
-        for line in (self.cgroup / "blkio.throttle.io_serviced").read_text().splitlines():
+        try:
+            text = (group / "blkio.throttle.io_serviced").read_text()
+        except OSError:
+            return None
+        for line in text.splitlines():
             parts = line.split()
             if len(parts) == 3 and parts[0] == majmin and parts[1] == "Read":
+                self._reads[group] = max(self._reads.get(group, 0), int(parts[2]))
                 return int(parts[2])
         return 0
+
+    def reads_served(self) -> Optional[int]:
+        """Reads the throttle let through so far (blkio; on the node summed over every container cgroup seen,
+        gone ones included), None for dm-delay (no such count)."""
+        if self.loop is None or self.mechanism != "blkio-throttle":
+            return None
+        if self.container_cgroups is not None:
+            self.enforce()
+            return sum(self._reads.values())
+        if self.cgroup is None:
+            return None
+        return self._served(self.cgroup) or 0
 
     def describe(self) -> str:
         device = f"/dev/mapper/{self.dm_name} over {self.loop}" if self.dm_name else str(self.loop)

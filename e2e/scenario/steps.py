@@ -63,7 +63,6 @@ class Scenario:
         self.timings = Timings()
         self._seen_events: set[str] = set()
         self._pods_running = False
-        self._hold_pods = False  # while True, ticks leave the pods alone (a measurement must not restart them)
         self.last: Optional[observe.Snapshot] = None
 
     # ------------------------------------------------------------------------------------------ helpers
@@ -73,12 +72,12 @@ class Scenario:
         return self.env.kube
 
     @property
-    def kubelet(self):
-        assert self.env.kubelet is not None
-        return self.env.kubelet
+    def pods(self):
+        assert self.env.pods is not None
+        return self.env.pods
 
     def snap(self) -> observe.Snapshot:
-        pods = self.kubelet.loaded_configs() if self._pods_running else {}
+        pods = self.pods.loaded_configs() if self._pods_running else {}
         engine = self.engine_from_prometheus() if self.env.o.real and self._pods_running else {}
         self.last = observe.snapshot(self.kube, self.names.namespace, self.names.policy, self.names.workload,
                                      time.monotonic() - self.t0, pods, engine)
@@ -99,7 +98,7 @@ class Scenario:
         """The serving pod's offload counters, read from the engine itself (exact, for the checks)."""
         from vllm_cpu.server import parse_metrics
 
-        pods = self.kubelet.pods
+        pods = self.pods.pods
         if not pods:
             return {}
         req = urllib.request.Request(pods[0].url + "/metrics", headers={"Accept": "text/plain;version=0.0.4"})
@@ -124,10 +123,9 @@ class Scenario:
         }
 
     def tick(self) -> None:
-        """Between polls: keep pods on the current ReplicaSet (as a kubelet would), print changes."""
+        """Between polls: follow the pods the kubelet runs (targets, knobs, the slow device's throttle on new
+        containers; a crashed container fails here), print changes."""
         self.env.check_alive()
-        if self._pods_running and not self._hold_pods:
-            self.kubelet.sync()
         self.r.table(self.snap())
         self.print_events()
 
@@ -170,19 +168,21 @@ class Scenario:
         if self.env.o.real:
             return self.run_real()
         n = self.names
-        self.r.step(1, STEPS, "Install", "A real kube-apiserver, etcd and kube-controller-manager on loopback, the "
-                    "KVCachePolicy CRD,\na real Prometheus, and the kvtier operator as a process.")
+        self.r.step(1, STEPS, "Install", "A real kube-apiserver, etcd and kube-controller-manager on loopback, a "
+                    "node (containerd, runc, kubelet),\nkvtier's images loaded into it, the KVCachePolicy CRD, a real "
+                    "Prometheus, and the kvtier operator as a pod, installed by its chart.")
         self.env.up()
         self.timings.setup = self.elapsed()
 
         self.r.step(2, STEPS, "Apply a workload and a policy",
-                    f"Deployment {n.workload}: vLLM, whose args name the config file once "
-                    "(--config /etc/kvtier/engine.yaml).\n"
+                    f"Deployment {n.workload}: a synthetic engine serving vLLM's metrics, whose args name the config "
+                    "file once\n(--config /etc/kvtier/engine.yaml), from the operator image.\n"
                     f"KVCachePolicy {n.policy}: tiers {n.cpu_tier} (cpu, 4Gi) then {n.fs_tier} (filesystem "
                     f"{n.fs_path}),\nSLO p99 TTFT <= {manifests.TTFT_BUDGET} and ITL <= {manifests.ITL_BUDGET}, "
                     "checked every 2s over a 6s window; 3 breaches in a row roll back the newest tier.")
         assert self.env.prometheus is not None
-        self.kube.apply(workload_path("Deployment", n.namespace, n.workload), manifests.deployment(n),
+        self.kube.apply(workload_path("Deployment", n.namespace, n.workload),
+                        manifests.synthetic_deployment(n, self.env.images["operator"], manifests.HEALTHY),
                         manager=manifests.USER_FIELD_MANAGER)
         self.r.note(f"applied Deployment {n.namespace}/{n.workload} (field manager {manifests.USER_FIELD_MANAGER})")
         applied_at = time.monotonic()
@@ -205,15 +205,18 @@ class Scenario:
         self._show_args(s)
 
         self.r.step(4, STEPS, "Pods start on the rendered configuration",
-                    "No kubelet here: a stand-in runs the pod of the Deployment's current ReplicaSet as a synthetic\n"
-                    "engine, fed /etc/kvtier/engine.yaml through the same mount (it refuses a config that does not "
-                    "parse),\nserving vLLM's metrics at a healthy latency. Prometheus scrapes it; the SLO guard "
-                    "reads Prometheus.")
-        self.kubelet.sync()
+                    "The node's kubelet runs the pod of the Deployment's current ReplicaSet: the synthetic engine reads\n"
+                    "/etc/kvtier/engine.yaml from the ConfigMap volume the operator mounted (it refuses a config that "
+                    "does not parse),\nand serves vLLM's metrics at a healthy latency. Prometheus scrapes it at its pod "
+                    "IP; the SLO guard reads Prometheus.")
+        self.user_patch(workload_path("Deployment", n.namespace, n.workload), manifests.scale_up())
+        self.r.note(f"scaled Deployment {n.workload} to 1 replica (it was applied with none, so that no pod starts "
+                    "before its config is mounted)")
+        self.pods.wait_ready(90)
         self._pods_running = True
-        for pod in self.kubelet.pods:
-            self.r.note(f"pod {pod.name} (ReplicaSet {pod.replica_set}) loaded {pod.config_path.name} "
-                        f"-> {_kv_summary(pod.loaded_config())}")
+        for pod in self.pods.pods:
+            self.r.note(f"pod {pod.name} (ReplicaSet {pod.replica_set}, {pod.ip}) loaded /etc/kvtier/engine.yaml "
+                        f"-> {_kv_summary(self.pods.loaded_config(pod))}")
         s = self.wait("SLO state OK with both tiers enabled",
                       lambda s: s.slo_state == "OK" and s.enabled_tiers == [n.cpu_tier, n.fs_tier] and self.agree(s),
                       60)
@@ -227,7 +230,7 @@ class Scenario:
                     "config re-rendered\nwithout it, and the pods roll onto it.")
         before_hash = s.workload_hash
         raised = time.monotonic()
-        self.kubelet.set_knobs(**manifests.DEGRADED)
+        self.pods.set_knobs(**manifests.DEGRADED)
         s = self.wait(f"tier {n.fs_tier} Disabled in status.tiers",
                       lambda s: s.tier_states.get(n.fs_tier) == "Disabled", 90)
         disabled = time.monotonic()
@@ -247,7 +250,7 @@ class Scenario:
                     "The contention is gone (we restore the engine's latency). Within the guard's cooldown nothing "
                     "else is\nrolled back; the 6s window soon measures healthy p99s again.")
         recovered = time.monotonic()
-        self.kubelet.set_knobs(**{k: manifests.HEALTHY[k] for k in manifests.DEGRADED})
+        self.pods.set_knobs(**{k: manifests.HEALTHY[k] for k in manifests.DEGRADED})
         s = self.wait("SLO state OK", lambda s: s.slo_state == "OK"
                       and (s.slo_last.get("ttftP99") or 1e9) <= 0.5, 60)
         self.timings.recovery = time.monotonic() - recovered
@@ -287,9 +290,10 @@ class Scenario:
 
         n, total = self.names, 6
         self.timings.engine_start, self.timings.ttft = [], {}
-        self.r.step(1, total, "Install", "A real kube-apiserver, etcd and kube-controller-manager on loopback, the "
-                    "KVCachePolicy CRD, a real Prometheus,\nthe kvtier operator as a process, the vllm-cpu engine "
-                    "and its model, and the block device the filesystem tier will live on.")
+        self.r.step(1, total, "Install", "A real kube-apiserver, etcd and kube-controller-manager on loopback, a node "
+                    "(containerd, runc, kubelet)\nwith the engine image (vllm-cpu + kvtier) loaded, the KVCachePolicy "
+                    "CRD, a real Prometheus, the kvtier operator as a pod (its chart),\nthe model, and the block device the "
+                    "filesystem tier will live on.")
         self.env.up()
         self.timings.setup = self.elapsed()
         disk = self.env.disk
@@ -303,15 +307,18 @@ class Scenario:
                     "blocks of 32 tokens at most each), one at a time")
 
         self.r.step(2, total, "Apply a workload and a policy",
-                    f"Deployment {n.workload}: vLLM, whose args name the config file once (--config "
-                    "/etc/kvtier/engine.yaml).\n"
+                    f"Deployment {n.workload}: vllm serve from the engine image, whose args name the config file "
+                    "once (--config /etc/kvtier/engine.yaml).\n"
                     f"KVCachePolicy {n.policy}: backend kvtier, tiers {n.cpu_tier} (cpu {manifests.REAL_HOST_SIZE}) "
                     f"then {n.fs_tier} (filesystem {n.fs_path}, {manifests.REAL_FS_SIZE}), SLO on p99 TTFT\n"
                     f"every {manifests.REAL_SLO['interval']} over {manifests.REAL_SLO['window']}; "
                     f"{manifests.REAL_SLO['consecutiveBreaches']} breaches in a row roll back the newest tier.")
-        self.kube.apply(workload_path("Deployment", n.namespace, n.workload), manifests.deployment(n),
+        assert self.env.model_dir is not None
+        self.kube.apply(workload_path("Deployment", n.namespace, n.workload),
+                        manifests.vllm_deployment(n, self.env.images["engine"], str(self.env.model_dir)),
                         manager=manifests.USER_FIELD_MANAGER)
-        self.kube.create(policy_path(n.namespace), manifests.real_policy(n, self.env.prometheus.url))
+        self.kube.create(policy_path(n.namespace), manifests.real_policy(n, self.env.prometheus.url,
+                                                                         self.env.fs_host_path))
         self.env.supervisor.on_close(f"policy {n.policy}", self._delete_policy)
         self.r.note(f"applied Deployment {n.namespace}/{n.workload} and KVCachePolicy {n.namespace}/{n.policy}")
 
@@ -325,13 +332,17 @@ class Scenario:
         self._show_args(s)
 
         self.r.step(4, total, "A real engine serves, offloading to both tiers",
-                    "No kubelet here: a stand-in runs the pod as `vllm serve` (vllm-cpu) on the mounted engine.yaml; "
-                    f"the {n.fs_tier} volume\nis a directory on the slow device. Prometheus scrapes the engine; the "
-                    "load replays the trace. TTFT is measured healthy,\nthen the SLO budget is set from it.")
-        self.kubelet.sync()
+                    "The node's kubelet runs the pod: `vllm serve` (vllm-cpu) from the engine image on the mounted "
+                    f"engine.yaml; the {n.fs_tier} volume\nis a hostPath on the slow device. Prometheus scrapes the "
+                    "engine at its pod IP; the load replays the trace. TTFT is measured healthy,\nthen the SLO budget "
+                    "is set from it.")
+        self.user_patch(workload_path("Deployment", n.namespace, n.workload), manifests.scale_up())
+        self.r.note(f"scaled Deployment {n.workload} to 1 replica (it was applied with none, so that no pod starts "
+                    "before its config is mounted)")
         self._pods_running = True
-        self.timings.engine_start.append(self.kubelet.pods[0].start_seconds)
-        load = TraceLoad(prompts, url=lambda: self.kubelet.pods[0].url if self.kubelet.pods else None,
+        self.pods.wait_ready(ROLL_TIMEOUT_S * self.scale, on_tick=self.tick)
+        self.timings.engine_start.append(self.pods.pods[0].start_seconds)
+        load = TraceLoad(prompts, url=lambda: self.pods.pods[0].url if self.pods.pods else None,
                          rate=LOAD_RATE)
         self.env.supervisor.on_close("load", load.stop)  # runs before the pods stop
         load.set_phase("warm-up")
@@ -383,10 +394,8 @@ class Scenario:
             if s.breaches >= 1 and seen["first_breach"] is None:
                 seen["first_breach"] = time.monotonic()
             return False
-        self._hold_pods = True  # the slowed engine's counters are read until the very rollback
         s = self.wait(f"tier {n.fs_tier} Disabled in status.tiers", disabled, SLOWED_TIMEOUT_S)
         disabled_at = time.monotonic()
-        self._hold_pods = False
         reads = (disk.reads_served() or 0) - (reads0 or 0) if reads0 is not None else None
         self.timings.breach_to_disable = disabled_at - slowed_at
         # The breach starts when the first request over the budget completes (its TTFT enters the histogram).
@@ -406,10 +415,10 @@ class Scenario:
                       lambda s: self.agree(s) and s.workload_hash != before_hash and s.enabled_tiers == [n.cpu_tier],
                       ROLL_TIMEOUT_S)
         self.timings.disable_to_rolled = time.monotonic() - disabled_at
-        self.timings.engine_start.append(self.kubelet.pods[0].start_seconds)
-        self.r.ok(f"pod {self.kubelet.pods[0].name} serves on {'+'.join(s.enabled_tiers)} "
-                  f"{self.timings.disable_to_rolled:.0f}s after the rollback (engine start "
-                  f"{self.kubelet.pods[0].start_seconds:.0f}s); the device is still slow")
+        self.timings.engine_start.append(self.pods.pods[0].start_seconds)
+        self.r.ok(f"pod {self.pods.pods[0].name} serves on {'+'.join(s.enabled_tiers)} "
+                  f"{self.timings.disable_to_rolled:.0f}s after the rollback (created -> Ready "
+                  f"{self.pods.pods[0].start_seconds:.0f}s); the device is still slow")
 
         self.r.step(6, total, "TTFT recovers", f"Same load, same slow device; {n.fs_tier} is out of the engine's "
                     "config. The guard's window soon measures healthy p99s again.")
@@ -494,6 +503,7 @@ class Scenario:
     # ------------------------------------------------------------------------------------------ on failure
     def diagnostics(self) -> str:
         """Operator log, events, policy status, Prometheus targets and pod logs, for a failed run."""
+        self.env.save_operator_log()
         out = [f"== operator log (last 80 lines of {self.env.operator_log})", tail(self.env.operator_log, 80)]
         try:
             out.append("== events")
@@ -509,9 +519,15 @@ class Scenario:
             out += ["== last snapshot disagreements", "\n".join(self.last.agreement()) or "(none)"]
         if self.env.prometheus is not None:
             out += ["== prometheus targets (pod -> up)", json.dumps(self.env.prometheus.scraped_pods())]
-        if self.env.kubelet is not None:
-            for pod in self.env.kubelet.pods + self.env.kubelet.retired[-2:]:
-                out += [f"== pod {pod.name} log", tail(pod.process.log_path, 15)]
+        if self.env.pods is not None:
+            try:
+                items = self.kube.list(f"/api/v1/namespaces/{self.names.namespace}/pods")
+            except (ApiError, OSError):
+                items = []
+            for p in items:
+                name = p["metadata"]["name"]
+                out += [f"== pod {name}: {json.dumps((p.get('status') or {}).get('containerStatuses'))}",
+                        self.env.pods.log(name, lines=15)]
         return "\n".join(out)
 
 

@@ -3,7 +3,6 @@ ReplicaSet, reading tiers out of a rendered config, and the agreement check that
 from __future__ import annotations
 
 import copy
-import random
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import yaml
 from kvtier_operator.api.validation import parse_policy
 from kvtier_operator.render import render
 from scenario import manifests, observe
-from scenario.kubelet import PodFailed, config_source, current_replica_set, pod_name
+from scenario.pods import PodFailed, config_source, current_replica_set
 from scenario.repo import RepoNotFound, find_repo
 
 NAMES = manifests.Names()
@@ -58,11 +57,6 @@ def test_current_replica_set_is_the_one_of_the_deployments_revision():
     assert current_replica_set(dep, [rs("a", "u1", "1"), rs("b", "u2", "2"), rs("c", "u1", "2")])["metadata"][
         "name"] == "c"
     assert current_replica_set({"metadata": {"uid": "u1"}}, [rs("c", "u1", "2")]) is None
-
-
-def test_pod_names_look_like_kubernetes_ones():
-    name = pod_name("llama-demo-5997446f85", random.Random(1))
-    assert name.startswith("llama-demo-5997446f85-") and len(name.rsplit("-", 1)[1]) == 5
 
 
 def rendered_config(enabled):
@@ -201,20 +195,44 @@ def test_trace_replay_keeps_the_traces_prefix_sharing_and_refuses_a_bad_record(t
     assert stats.n == 100 and stats.p50 == 0.1 and stats.p99 == 3.0 and "p99 3.00s over 100" in str(stats)  # nearest rank
 
 
-def test_a_pods_volume_paths_are_mapped_to_its_host_directories():
-    from scenario.vllm_pod import map_paths
-
-    config = {"kv-transfer-config": {"kv_connector_extra_config": {"fs_tiers": [
-        {"root_dir": "/mnt/kvcache", "n": 1}, {"root_dir": "/mnt/kvcache/sub"}, {"root_dir": "/mnt/kvcache2"}]}}}
-    out = map_paths(config, {"/mnt/kvcache": Path("/host/pod/nvme")})
-    tiers = out["kv-transfer-config"]["kv_connector_extra_config"]["fs_tiers"]
-    assert [t["root_dir"] for t in tiers] == ["/host/pod/nvme", "/host/pod/nvme/sub", "/mnt/kvcache2"]
-    assert tiers[0]["n"] == 1
-
-
 def test_the_real_engines_budget_is_a_bucket_bound_over_twice_the_healthy_p99():
     from scenario.manifests import real_budget
 
     assert real_budget(2.56) == 7.6   # 5.12 -> bucket bound 7.5
     assert real_budget(2.4) == 5.1    # 4.8 -> 5.0; a true p99 of 2.4 s reads at most 2.5 s (its bucket bound)
     assert real_budget(0.1) == 0.6    # at least 0.5 s
+
+
+def test_the_slow_devices_throttle_reaches_containers_started_after_the_slowdown(tmp_path, monkeypatch):
+    """On the node the throttle goes on the container cgroups, and a container the kubelet (re)starts gets a new
+    one: the limit must follow it there (else the rolled-back engine would read a fast device), healing must lift
+    it everywhere, and the reads served must count the groups of containers that are gone."""
+    from scenario.slowdisk import IOPS, SlowDisk
+
+    groups: list = []
+
+    def group(name):
+        g = tmp_path / "kubepods" / "pod1" / name
+        g.mkdir(parents=True)
+        (g / "blkio.throttle.read_iops_device").write_text("")
+        (g / "blkio.throttle.io_serviced").write_text("7:0 Read 0\n7:0 Write 3\n")
+        groups.append(g)
+        return g
+
+    disk = SlowDisk(tmp_path / "disk", container_cgroups=lambda: list(groups))
+    disk.mechanism, disk.loop = "blkio-throttle", "/dev/loop0"
+    monkeypatch.setattr(disk, "_majmin", lambda: "7:0")
+    first = group("c1")
+    disk.slow()
+    assert (first / "blkio.throttle.read_iops_device").read_text() == f"7:0 {IOPS}\n"
+    (first / "blkio.throttle.io_serviced").write_text("7:0 Read 5\n")
+    assert disk.reads_served() == 5
+    groups.remove(first)  # the container restarts: its cgroup goes, a new one comes
+    second = group("c2")
+    assert disk.enforce() == [second]
+    assert (second / "blkio.throttle.read_iops_device").read_text() == f"7:0 {IOPS}\n"
+    assert disk.enforce() == []  # applied once per group
+    (second / "blkio.throttle.io_serviced").write_text("7:0 Read 2\n")
+    assert disk.reads_served() == 7  # the gone container's reads still count
+    disk.heal()
+    assert (second / "blkio.throttle.read_iops_device").read_text() == "7:0 0\n"

