@@ -57,6 +57,9 @@ NOMINAL_KEY_BYTES = 36
 # Faults that mean the store itself is unusable (mark it down at once); "timeout" needs TIMEOUTS_TO_DOWN in a row.
 _DOWN_KINDS = frozenset({"down", "auth"})
 TIMEOUTS_TO_DOWN = 3
+# Values refused for what they hold (not for a store fault): logged, since they mean a writer without the key or
+# a damaged store.
+_REFUSED_KINDS = frozenset({"forged", "corrupt", "truncated", "mismatch", "foreign", "unverifiable", "version"})
 
 
 class RemoteMetrics:
@@ -660,11 +663,12 @@ class RemoteTier(JobQueue):
                 except Exception:
                     kind = "other"
             if kind:
-                if kind in ("forged", "corrupt", "truncated", "mismatch", "foreign", "unverifiable"):
-                    log.warning("kvtier remote tier %s: refused a value (%s); vLLM recomputes the chunk",
-                                self.name, kind)
                 self._remember(key, False, kind)
                 self._fail_key(job, i, kind)
+                n = self._metrics.misses[kind]
+                if kind in _REFUSED_KINDS and n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a flood stays quiet
+                    log.warning("kvtier remote tier %s: refused a value (%s, %d so far); vLLM recomputes the chunk",
+                                self.name, kind, n)
             else:
                 nbytes += out.numel() * out.element_size()
                 self._remember(key, True)
