@@ -171,7 +171,7 @@ class RemoteTier(JobQueue):
         peer: str = "host",
         codec: Codec | KVChunkCodec | None = None,
         n_threads: int = 4,
-        max_batch_bytes: int = 32 << 20,
+        max_batch_bytes: int = 16 << 20,
         presence_ttl_s: float = 30.0,
         absent_ttl_s: float = 1.0,
         presence_entries: int = 1 << 18,

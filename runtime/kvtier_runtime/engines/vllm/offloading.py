@@ -40,7 +40,6 @@ from ...codecs import KVChunkCodec
 from ...codecs.layout import describe
 from ...config import ConfigError, OffloadSpecConfig
 from ...fs.tier import FilesystemTier
-from ...remote.tier import RemoteTier
 from ...store.books import REMOTE, OffloadBooks
 from ...store.memory_tier import MemoryTier
 from ..chunk_layout import FLAT_REASONS, LayoutDecision, check_worker_pages, chunk_layout, tier_codec
@@ -196,26 +195,36 @@ class KvtierOffloadingManager(OffloadingManager):
         elif decision.layout is not None:
             _log.info("kvtier: compressed filesystem tiers encode chunks of %s with layout-aware scales",
                       describe(decision.layout))
-        # Remote tiers: a store shared by every replica; the model identity (from vLLM's config) is in each key.
-        remote: list[RemoteTier] = []
-        remote_rows: list[torch.Tensor] = []
-        for rcfg, dtype in zip(cfg.remote_tiers, spec.remote_view_dtypes):
-            view = self.region.rows.view(dtype)
-            # the filesystem tiers' codec choice (layout-aware when the layout is known), verifying as they do
-            codec = tier_codec(SimpleNamespace(codec=rcfg.codec, codec_fallback=True),  # type: ignore[arg-type]
-                               decision)
-            identity = remote_identity(spec, rcfg.codec)
-            remote.append(RemoteTier(rcfg, (view.shape[1],), dtype, identity=identity,
-                                     name=f"kvtier-remote:{rcfg.url}", peer="host", codec=codec))
-            remote_rows.append(view)
-            _log.info("kvtier: remote tier %s for model identity %s (capacity %d chunks of %d bytes)", rcfg.url,
-                      identity, remote[-1].capacity_entries, remote[-1].value_bytes)
+        remote, remote_rows = self._remote_tiers(spec, decision)
         self.books = OffloadBooks(host, tiers, fs_rows=rows, key_suffix=suffix,
                                   enable_events=_kv_events_enabled(spec),
                                   fs_events=spec.fs_kv_events, remote_tiers=remote, remote_rows=remote_rows)
         self._reported: Counter[str] = Counter()
         self._lock = threading.RLock()
         self._requests: dict[str, dict[OffloadKey, int | None]] = {}  # request -> chunks it used, their positions
+
+    def _remote_tiers(self, spec: KvtierOffloadingSpec, decision: LayoutDecision) -> tuple[list[Any], list[Any]]:
+        """The remote tiers (a store shared by every replica; the model identity, derived from vLLM's config, is in
+        each key) and the host rows as each sees them. The tier module (and its client, redis-py) is imported
+        only when one is configured."""
+        if not spec.kvtier.remote_tiers:
+            return [], []
+        from ...remote.tier import RemoteTier
+
+        tiers, rows = [], []
+        for rcfg, dtype in zip(spec.kvtier.remote_tiers, spec.remote_view_dtypes):
+            view = self.region.rows.view(dtype)
+            # the filesystem tiers' codec choice (layout-aware when the layout is known), verifying as they do
+            codec = tier_codec(SimpleNamespace(codec=rcfg.codec, codec_fallback=True),  # type: ignore[arg-type]
+                               decision)
+            identity = remote_identity(spec, rcfg.codec)
+            tier = RemoteTier(rcfg, (view.shape[1],), dtype, identity=identity, name=f"kvtier-remote:{rcfg.url}",
+                              peer="host", codec=codec)
+            _log.info("kvtier: remote tier %s for model identity %s (capacity %d chunks of %d bytes)", rcfg.url,
+                      identity, tier.capacity_entries, tier.value_bytes)
+            tiers.append(tier)
+            rows.append(view)
+        return tiers, rows
 
     @property
     def lock(self) -> threading.RLock:
