@@ -246,3 +246,18 @@ def test_the_books_serve_one_replicas_chunk_to_another_from_the_store(tmp_path, 
     for books, region in replicas:
         books.close()
         region.close(unlink=True)
+
+
+def test_the_model_identity_changes_with_every_fact_and_only_with_them() -> None:
+    facts = {"model": "/models/llama", "kv_cache_dtype": "bfloat16", "block_tokens": 16, "blocks_per_chunk": 16,
+             "layers": 32, "kv_heads": 8, "head_size": 128, "tp_size": 2, "rank": 0, "codec": "none"}
+    base = model_identity(facts)
+    assert base == model_identity(dict(reversed(list(facts.items()))))  # key order does not matter
+    for name, other in [("model", "/models/mistral"), ("kv_cache_dtype", "fp8"), ("block_tokens", 32),
+                        ("blocks_per_chunk", 8), ("layers", 40), ("kv_heads", 4), ("head_size", 64),
+                        ("tp_size", 4), ("rank", 1), ("codec", "fp8")]:
+        assert model_identity({**facts, name: other}) != base, name
+    assert key_prefix(base) == f"kvtier:{base}:".encode()
+    assert chunk_key(key_prefix(base), b"\x01\xff") == f"kvtier:{base}:01ff".encode()
+    with pytest.raises(ValueError, match="^identity: "):
+        key_prefix("{tag}")  # never a hash tag: one model's chunks must spread over every cluster slot
