@@ -41,11 +41,16 @@ GEN_TOKENS = 8
 SEEDS = (1, 2, 3)
 
 
-def _wait_for(predicate, timeout_s: float = 60.0, what: str = "condition") -> None:
+def _wait_for(predicate, timeout_s: float = 60.0, what: str = "condition",
+              server: VllmServer | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            seen = ""
+            if server is not None:  # what the remote tier counted, for the failure message
+                seen = "; " + ", ".join(f"{n}{dict(lab)}={v:g}" for (n, lab), v in sorted(server.metrics().items())
+                                        if n.startswith("vllm:kv_offload_kvtier_remote"))
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}{seen}")
         time.sleep(0.2)
 
 
@@ -62,7 +67,9 @@ class Fleet:
         path = render.render_engine_config(render.policy_document(tiers=tiers), self.tmp / f"{name}.yaml")
         doc = yaml.safe_load(path.read_text())
         doc["kv-transfer-config"]["kv_connector_extra_config"]["remote_tiers"] = [{
-            "url": self.store.url, "capacity_bytes": 128 * MiB, "mac_key_file": str(self.mac), "io_timeout_s": 2.0,
+            "url": self.store.url, "capacity_bytes": 128 * MiB, "mac_key_file": str(self.mac),
+            # generous: the 2-core test machine is shared, and a slow store is (rightly) a miss, not a store
+            "io_timeout_s": 10.0,
         }]
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
         return path
@@ -105,7 +112,8 @@ def test_replica_a_writes_its_prefixes_through_to_the_shared_store(fleet) -> Non
     try:
         for seed in SEEDS:
             fleet.expected[seed] = ask(server, seed)  # cold: the recompute every later answer must equal
-        _wait_for(lambda: remote_metric(server, "stores_total") >= len(SEEDS) * CHUNKS, what="write-through")
+        _wait_for(lambda: remote_metric(server, "stores_total") >= len(SEEDS) * CHUNKS, what="write-through",
+                  server=server)
         assert remote_metric(server, "up", url=fleet.store.url) == 1
         assert 0 < remote_metric(server, "used_bytes", url=fleet.store.url) <= 128 * MiB
         assert remote_metric(server, "hits_total") == 0  # nothing came from the store: A computed it all
@@ -136,7 +144,8 @@ def test_values_altered_in_the_store_are_refused_and_recomputed_correctly(fleet,
     assert altered >= CHUNKS
     before = external(replica_b)
     assert ask(replica_b, 2) == fleet.expected[2]
-    _wait_for(lambda: remote_metric(replica_b, "misses_total", reason="forged") > 0, what="forged misses")
+    _wait_for(lambda: remote_metric(replica_b, "misses_total", reason="forged") > 0, what="forged misses",
+              server=replica_b)
     assert external(replica_b) == before  # not one token of altered KV was served
 
 
@@ -146,5 +155,6 @@ def test_a_dead_store_is_a_recompute_with_the_right_tokens_and_reported_down(fle
     assert ask(replica_b, 3) == fleet.expected[3]
     assert ask(replica_b, 4)  # a new prompt is served too: nothing waits on the store
     assert time.monotonic() - started < 120
-    _wait_for(lambda: remote_metric(replica_b, "up", url=fleet.store.url) == 0, what="the store reported down")
+    _wait_for(lambda: remote_metric(replica_b, "up", url=fleet.store.url) == 0, what="the store reported down",
+              server=replica_b)
     assert remote_metric(replica_b, "misses_total", reason="down") > 0

@@ -1,7 +1,7 @@
 """The store client of the remote tier: redis-py (standalone or cluster mode), short timeouts, no retries.
 
-Mode is detected at connect time (``INFO cluster``: ``cluster_enabled:1`` switches to :class:`redis.cluster.RedisCluster`
-seeded with the same address), so one ``redis://host:port`` works against a single server, a Valkey/Redis with
+Mode is detected at connect time (``INFO cluster``: ``cluster_enabled:1`` switches to
+:class:`redis.cluster.RedisCluster` seeded with the same address), so one ``redis://host:port`` works against a single server, a Valkey/Redis with
 replicas behind a Service, or a cluster. The password comes from ``password_file`` (a Secret mounted read-only),
 never from the URL. Every socket operation is bounded by ``io_timeout_s`` and nothing is retried: a slow or absent
 store must cost the engine a miss, not a retry loop. Faults are classified by :func:`failure_kind` into the reasons

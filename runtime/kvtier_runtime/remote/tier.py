@@ -57,6 +57,9 @@ NOMINAL_KEY_BYTES = 36
 # Faults that mean the store itself is unusable (mark it down at once); "timeout" needs TIMEOUTS_TO_DOWN in a row.
 _DOWN_KINDS = frozenset({"down", "auth"})
 TIMEOUTS_TO_DOWN = 3
+# A store job's deadline, in io_timeout_s: a load's is one (a request waits on it), a write-through may queue
+# behind a burst of them (each SET is still bounded by io_timeout_s on the socket).
+STORE_DEADLINE_FACTOR = 8
 # Values refused for what they hold (not for a store fault): logged, since they mean a writer without the key or
 # a damaged store.
 _REFUSED_KINDS = frozenset({"forged", "corrupt", "truncated", "mismatch", "foreign", "unverifiable", "version"})
@@ -361,8 +364,15 @@ class RemoteTier(JobQueue):
             self._store.reset()
 
     def _record_io_failure(self, kind: str = "timeout") -> None:
-        # JobQueue calls this when a job expires: its keys waited longer than io_timeout_s.
-        self._fault(kind)
+        """JobQueue calls this when a job expires. Not a store fault by itself: the keys may have waited behind a
+        burst in this process's own queue. A slow store shows as socket timeouts (io_timeout_s per operation),
+        which the batches report to :meth:`_fault`."""
+
+    def _new_job(self, kind: str, keys: Sequence[bytes]) -> _Job:
+        job = JobQueue._new_job(self, kind, keys)
+        if kind == "store":  # nobody waits on a write-through but its pinned host rows: let a burst drain
+            job.deadline += (STORE_DEADLINE_FACTOR - 1) * self._io_timeout_s
+        return job
 
     # ---- presence (scheduler thread: no I/O) ------------------------------------------------------------
     def _remember(self, key: bytes, present: bool, reason: str = "absent") -> None:

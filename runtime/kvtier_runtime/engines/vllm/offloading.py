@@ -1,8 +1,8 @@
 """vLLM ``OffloadingSpec`` plug-in: kvtier's own offloading spec (``spec_name: KvtierOffloadingSpec``).
 
 Its manager (scheduler process) translates vLLM's calls to :class:`~kvtier_runtime.store.books.OffloadBooks`
-(host tier + filesystem tiers + remote tiers, kvtier's policies); its worker (worker process) copies pages between vLLM's KV
-cache and the host rows (:mod:`kvtier_runtime.engines.page_copy`, in a shared region:
+(host tier + filesystem tiers + remote tiers, kvtier's policies); its worker (worker process) copies pages between
+vLLM's KV cache and the host rows (:mod:`kvtier_runtime.engines.page_copy`, in a shared region:
 :mod:`kvtier_runtime.engines.host_region`)."""
 from __future__ import annotations
 
