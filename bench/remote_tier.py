@@ -190,7 +190,10 @@ def engine_rounds(store, sizes: list[int], reps: int, work: pathlib.Path) -> dic
                 deadline = time.monotonic() + 120
                 while a.metric("vllm:kv_offload_kvtier_remote_stores_total") < stored:
                     if time.monotonic() > deadline:
-                        raise RuntimeError("replica A's write-through did not reach the store")
+                        seen = {f"{k}{dict(lab)}": v for (k, lab), v in a.metrics().items()
+                                if k.startswith("vllm:kv_offload_kvtier_remote")}
+                        raise RuntimeError(f"replica A's write-through did not reach the store ({stored} chunks): "
+                                           f"{seen}")
                     time.sleep(0.05)
                 results.setdefault((n, "recompute"), []).append(ttft(b, model.prompt_ids(n, seed + 1)))
                 hits = b.metric("vllm:kv_offload_kvtier_remote_hits_total")
@@ -222,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="throughput: alternated rounds")
     ap.add_argument("--threads", type=int, default=4, help="throughput: tier worker threads = raw client threads")
     ap.add_argument("--throughput-only", action="store_true")
+    ap.add_argument("--ttft-only", action="store_true")
     ap.add_argument("--work-dir", default=None)
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -230,23 +234,36 @@ def main(argv: list[str] | None = None) -> int:
     maxmemory = max(1 << 30, 3 * args.chunks * int(args.chunk_mib * MiB))
     store = start_store(work, args.cluster, maxmemory)
     try:
-        rates = throughput(store, args.chunk_mib, args.chunks, args.batch, args.rounds, args.threads)
+        if args.ttft_only:
+            rates = None
+        else:
+            rates = throughput(store, args.chunk_mib, args.chunks, args.batch, args.rounds, args.threads)
         mode = "3-node cluster" if args.cluster else "standalone"
-        print(f"\nRemote tier vs raw redis-py, {args.chunks} chunks of {args.chunk_mib:g} MiB, jobs/pipelines of "
-              f"{args.batch}, {args.threads} threads, {args.rounds} alternated rounds, {mode} redis-server on "
-              "loopback; GB/s of KV")
-        print("| path | median | p25-p75 | ratio to raw |")
-        print("|---|---|---|---|")
-        for path, raw in (("tier store", "raw SET"), ("raw SET", "raw SET"), ("tier load", "raw GET"),
-                          ("raw GET", "raw GET")):
-            m, q25, q75 = quartiles(rates[path])
-            print(f"| {path} | {m:.2f} | {q25:.2f}-{q75:.2f} | {m / quartiles(rates[raw])[0]:.2f} |")
+        if rates is not None:
+            print_throughput(rates, args, mode)
         if args.throughput_only:
             return 0
         results = engine_rounds(store, sizes, args.reps, work)
     finally:
         store.kill()
-    print(f"\nReplica B's TTFT, ms, median (p25-p75) of {args.reps} rounds; ratio = median / recompute median")
+    print_ttft(results, sizes, args.reps)
+    return 0
+
+
+def print_throughput(rates: dict, args: argparse.Namespace, mode: str) -> None:
+    print(f"\nRemote tier vs raw redis-py, {args.chunks} chunks of {args.chunk_mib:g} MiB, jobs/pipelines of "
+          f"{args.batch}, {args.threads} threads, {args.rounds} alternated rounds, {mode} redis-server on "
+          "loopback; GB/s of KV")
+    print("| path | median | p25-p75 | ratio to raw |")
+    print("|---|---|---|---|")
+    for path, raw in (("tier store", "raw SET"), ("raw SET", "raw SET"), ("tier load", "raw GET"),
+                      ("raw GET", "raw GET")):
+        m, q25, q75 = quartiles(rates[path])
+        print(f"| {path} | {m:.2f} | {q25:.2f}-{q75:.2f} | {m / quartiles(rates[raw])[0]:.2f} |")
+
+
+def print_ttft(results: dict, sizes: list[int], reps: int) -> None:
+    print(f"\nReplica B's TTFT, ms, median (p25-p75) of {reps} rounds; ratio = median / recompute median")
     print("| tokens | recompute | remote (A's prefix) | host tier | remote/recompute | host/recompute |")
     print("|---|---|---|---|---|---|")
     for n in sizes:
@@ -257,7 +274,6 @@ def main(argv: list[str] | None = None) -> int:
             cells.append(f"{m * 1e3:.0f} ({p25 * 1e3:.0f}-{p75 * 1e3:.0f})")
         print(f"| {n} | " + " | ".join(cells)
               + f" | {med['remote'] / med['recompute']:.3f} | {med['host'] / med['recompute']:.3f} |")
-    return 0
 
 
 if __name__ == "__main__":

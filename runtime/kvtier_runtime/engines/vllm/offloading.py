@@ -200,6 +200,8 @@ class KvtierOffloadingManager(OffloadingManager):
                                   enable_events=_kv_events_enabled(spec),
                                   fs_events=spec.fs_kv_events, remote_tiers=remote, remote_rows=remote_rows)
         self._reported: Counter[str] = Counter()
+        self._stats_seen: tuple[int, ...] = ()  # _stats_state() when get_stats last ran
+        self._extra_steps = 0
         self._lock = threading.RLock()
         self._requests: dict[str, dict[OffloadKey, int | None]] = {}  # request -> chunks it used, their positions
 
@@ -307,7 +309,21 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def has_pending_work(self) -> bool:
         self.books.poll()
-        return self.books.has_pending_work()
+        if self.books.has_pending_work():
+            return True
+        # The poll above may have just collected the last write-throughs of an idle engine: ask vLLM for one more
+        # step so get_stats reports them (else the counters wait for the next request). Bounded, in case this
+        # vLLM does not collect stats every step.
+        if self._stats_seen != self._stats_state() and self._extra_steps < MAX_STATS_STEPS:
+            self._extra_steps += 1
+            return True
+        return False
+
+    def _stats_state(self) -> tuple[int, ...]:
+        books = self.books
+        return (sum(books.counters.values()), sum(books.load_failures.values()),
+                sum(books.remote_load_failures.values()),
+                *(sum(t.misses.values()) + sum(t.store_failures.values()) for t in books.remote_tiers))
 
     def reset_cache(self) -> None:
         self.books.reset_host()
@@ -332,6 +348,8 @@ class KvtierOffloadingManager(OffloadingManager):
     # ---- metrics / lifecycle ----
     def get_stats(self) -> OffloadingConnectorStats | None:
         books = self.books
+        self._stats_seen = self._stats_state()
+        self._extra_steps = 0
         stats = OffloadingConnectorStats()
         stats.set_gauge(METRIC_HOST_USED_BYTES, books.host_used_bytes)
         stats.set_gauge(METRIC_HOST_CAPACITY_BYTES, books.host_capacity_bytes)
@@ -379,6 +397,8 @@ class KvtierOffloadingManager(OffloadingManager):
 # vLLM 0.33 calls on_reset_flushed once the workers reported every job in flight at a reset; 0.32 has no such call.
 _HAS_RESET_FLUSHED = "on_reset_flushed" in vars(OffloadingManager)
 RESET_FENCE_GRACE_S = 30.0
+# Steps an idle engine is kept stepping so its stats report work finished after its last request.
+MAX_STATS_STEPS = 3
 
 _LOOKUP = {"hit": LookupResult.HIT, "hit_pending": LookupResult.HIT_PENDING, "retry": LookupResult.RETRY,
            "miss": LookupResult.MISS}
