@@ -200,8 +200,10 @@ def engine_rounds(store, sizes: list[int], reps: int, work: pathlib.Path) -> dic
                 results.setdefault((n, "remote"), []).append(ttft(b, p))
                 got = b.metric("vllm:kv_offload_kvtier_remote_hits_total") - hits
                 if got < n // TOKENS_PER_BLOCK - 1:
-                    print(f"warning: {n} tokens round {r + 1}: only {got:.0f} chunks came from the store",
-                          file=sys.stderr)
+                    misses = {dict(lab).get("reason"): v for (k, lab), v in b.metrics().items()
+                              if k == "vllm:kv_offload_kvtier_remote_misses_total"}
+                    print(f"warning: {n} tokens round {r + 1}: only {got:.0f} chunks came from the store "
+                          f"(B's remote misses so far: {misses})", file=sys.stderr)
                 post(b, "/reset_prefix_cache")
                 results.setdefault((n, "host"), []).append(ttft(b, p))
                 post(b, "/reset_prefix_cache")

@@ -57,8 +57,11 @@ NOMINAL_KEY_BYTES = 36
 # Faults that mean the store itself is unusable (mark it down at once); "timeout" needs TIMEOUTS_TO_DOWN in a row.
 _DOWN_KINDS = frozenset({"down", "auth"})
 TIMEOUTS_TO_DOWN = 3
-# A store job's deadline, in io_timeout_s: a load's is one (a request waits on it), a write-through may queue
-# behind a burst of them (each SET is still bounded by io_timeout_s on the socket).
+# Job deadlines, in io_timeout_s. Every socket operation is bounded by io_timeout_s (a slow store fails there and is
+# marked down); a job's deadline is the backstop, and also covers the wait behind this process's own queue: a
+# long prefix is promoted as many loads at once, a prefill as many write-throughs. A request waits on loads (4x);
+# only pinned host rows wait on a write-through (8x).
+LOAD_DEADLINE_FACTOR = 4
 STORE_DEADLINE_FACTOR = 8
 # Values refused for what they hold (not for a store fault): logged, since they mean a writer without the key or
 # a damaged store.
@@ -370,8 +373,8 @@ class RemoteTier(JobQueue):
 
     def _new_job(self, kind: str, keys: Sequence[bytes]) -> _Job:
         job = JobQueue._new_job(self, kind, keys)
-        if kind == "store":  # nobody waits on a write-through but its pinned host rows: let a burst drain
-            job.deadline += (STORE_DEADLINE_FACTOR - 1) * self._io_timeout_s
+        factor = STORE_DEADLINE_FACTOR if kind == "store" else LOAD_DEADLINE_FACTOR
+        job.deadline += (factor - 1) * self._io_timeout_s
         return job
 
     # ---- presence (scheduler thread: no I/O) ------------------------------------------------------------
