@@ -21,7 +21,9 @@ Per prompt size and round, with fresh prompts:
     remote     P on B, after A computed P and wrote it through: B reloads A's prefix from the store
     host       P on B again after POST /reset_prefix_cache (vLLM's device cache only): kvtier's host tier
 
-TTFT is read from B's own histogram (``vllm:time_to_first_token_seconds_sum`` over one request). Goal (issue 26):
+TTFT is read from B's own histogram (``vllm:time_to_first_token_seconds_sum`` over one request). Before P, B's
+write-through of the recompute prompt is let finish (it would compete with P's reads), and each engine's host tier
+holds three prompts (a promotion without a free host row is a recompute). Goal (issue 26):
 remote <= 0.3x recompute at 4k tokens. Run it on an idle machine; figures go to docs/performance.md.
 """
 from __future__ import annotations
@@ -158,7 +160,9 @@ def engine_rounds(store, sizes: list[int], reps: int, work: pathlib.Path) -> dic
     from e2e.vllm_cpu.server import VllmServer
 
     max_len = max(sizes) + 64
-    host_bytes = (max(sizes) // TOKENS_PER_BLOCK + 8) * MiB
+    # Room for three prompts: B's host tier holds the recompute prompt's chunks (pinned while they are written
+    # through to the store) when A's prefix is promoted into it; a promotion without a free row is a recompute.
+    host_bytes = (3 * max(sizes) // TOKENS_PER_BLOCK + 8) * MiB
     remote_bytes = 4 * sum(sizes) * reps // TOKENS_PER_BLOCK * MiB
     model_dir = model.ensure_model(work / "models", max_position_embeddings=max(16384, max_len))
     servers = []
@@ -195,11 +199,20 @@ def engine_rounds(store, sizes: list[int], reps: int, work: pathlib.Path) -> dic
                         raise RuntimeError(f"replica A's write-through did not reach the store ({stored} chunks): "
                                            f"{seen}")
                     time.sleep(0.05)
+                b_stores = b.metric("vllm:kv_offload_kvtier_remote_stores_total")
                 results.setdefault((n, "recompute"), []).append(ttft(b, model.prompt_ids(n, seed + 1)))
+                deadline = time.monotonic() + 60  # B's own write-through of that prompt is not charged to the next
+                while b.metric("vllm:kv_offload_kvtier_remote_stores_total") - b_stores < n // TOKENS_PER_BLOCK - 1 \
+                        and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 hits = b.metric("vllm:kv_offload_kvtier_remote_hits_total")
                 results.setdefault((n, "remote"), []).append(ttft(b, p))
-                got = b.metric("vllm:kv_offload_kvtier_remote_hits_total") - hits
-                if got < n // TOKENS_PER_BLOCK - 1:
+                want = n // TOKENS_PER_BLOCK - 1
+                deadline = time.monotonic() + 5  # vLLM's connector stats reach /metrics after the response
+                while (got := b.metric("vllm:kv_offload_kvtier_remote_hits_total") - hits) < want \
+                        and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                if got < want:
                     misses = {dict(lab).get("reason"): v for (k, lab), v in b.metrics().items()
                               if k == "vllm:kv_offload_kvtier_remote_misses_total"}
                     print(f"warning: {n} tokens round {r + 1}: only {got:.0f} chunks came from the store "
