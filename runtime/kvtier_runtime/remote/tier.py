@@ -180,7 +180,7 @@ class RemoteTier(JobQueue):
         max_batch_bytes: int = 16 << 20,
         presence_ttl_s: float = 30.0,
         absent_ttl_s: float = 1.0,
-        presence_entries: int = 1 << 18,
+        presence_entries: int = 1 << 16,
         backoff_base_s: float = 1.0,
         backoff_max_s: float = 30.0,
         on_complete: Callable[[JobResult], None] | None = None,
