@@ -2,12 +2,15 @@
 to the same disk, measured in the same run (target: ratio >= 0.85).
 
     python bench/fs_tier.py [--dir DIR] [--blocks 128] [--rounds 5] [--threads 16] [--mac] [--breakdown]
+                            [--unaligned]
 
 "raw write" writes the exact bytes the tier writes (blocks x file size) with O_DIRECT, 2 MiB + header per
 ``write``, sequentially into one preallocated-by-writing file, then one fdatasync: the disk's streaming
 ceiling. "raw read" reads that file back the same way. The tier writes one file per block (header + CRC32 +
 tmp file + fdatasync + rename, on --threads writer threads) and reads them back into preallocated tensors
-(O_DIRECT read, CRC check, decode) on --threads reader threads. Rounds alternate raw and tier so drift on a
+(O_DIRECT read, CRC check) on --threads reader threads. The tier's rows are page-aligned slices of one slab,
+as vLLM's CPU-tier rows and kvtier's host region are, so format 2 moves them with no staging copy;
+``--unaligned`` shifts the slab by 64 bytes to measure the staging path (copy in/out) instead. Rounds alternate raw and tier so drift on a
 shared machine hits both; the ratio is the median of per-round ratios. O_DIRECT bypasses the page cache on
 both sides, so neither side is served from memory. ``--mac`` adds the keyed MAC (HMAC-SHA256) (``mac_key_file``).
 ``--breakdown`` then times every phase of the tier's per-block work (each system call through the FileOps
@@ -36,7 +39,7 @@ from kvtier_runtime.fs import FilesystemTier  # noqa: E402
 # The block I/O module: where the tier's tasks look up the per-block steps the breakdown times.
 from kvtier_runtime.fs import io as tier_module  # noqa: E402
 from kvtier_runtime.fs.fileio import O_DIRECT, AlignedBuffer, FileOps, probe_o_direct  # noqa: E402
-from kvtier_runtime.fs.format import file_bytes_for  # noqa: E402
+from kvtier_runtime.fs.format import ALIGN, file_bytes_for  # noqa: E402
 
 BLOCK_SHAPE = (32, 2, 16, 8, 128)  # 32 layers x K/V x 16 tokens x 8 KV heads x 128 dims, bf16 = 2 MiB
 DTYPE = torch.bfloat16
@@ -72,11 +75,25 @@ def raw_read(path: str, buf: AlignedBuffer, n: int, direct: bool) -> float:
     return time.perf_counter() - t
 
 
+def rows(n: int, unaligned: bool) -> tuple[list[torch.Tensor], AlignedBuffer]:
+    """``n`` block rows in one page-aligned slab (each row 2 MiB, so each page-aligned), or 64 bytes off."""
+    row = 1
+    for d in BLOCK_SHAPE:
+        row *= d
+    row *= DTYPE.itemsize
+    shift = 64 if unaligned else 0
+    slab = AlignedBuffer(n * row + ALIGN)
+    flat = torch.frombuffer(slab.mv, dtype=torch.uint8)[shift : shift + n * row].view(DTYPE)
+    view = flat.view(n, *BLOCK_SHAPE)
+    return [view[i] for i in range(n)], slab
+
+
 class PhaseTimer:
     """Thread-time per phase: every FileOps call and the tier's CPU steps, wrapped where the tier looks them up."""
 
     OPS = ("open", "write", "readinto", "fsync", "close", "rename", "unlink", "fstat")
-    STEPS = ("checksum", "block_mac", "verify_mac", "verify_payload", "decode", "pack_header", "parse_header")
+    STEPS = ("checksum", "block_mac", "verify_mac", "verify_payload", "verify_crc", "verify_length", "decode",
+             "pack_header", "parse_header")
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = collections.defaultdict(float)
@@ -133,6 +150,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=16, help="tier reader and writer threads (vLLM and config default: 16)")
     ap.add_argument("--mac", action="store_true", help="verify a keyed MAC (HMAC-SHA256) too (mac_key_file)")
     ap.add_argument("--breakdown", action="store_true", help="time each phase per block in an extra round")
+    ap.add_argument("--unaligned", action="store_true",
+                    help="rows 64 bytes off page alignment: the staging path (a copy per block each way)")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -140,8 +159,10 @@ def main() -> None:
     try:
         direct = probe_o_direct(base)
         n = args.blocks
-        blocks = [torch.randn(BLOCK_SHAPE, dtype=torch.float32).to(DTYPE) for _ in range(n)]
-        outs = [torch.empty(BLOCK_SHAPE, dtype=DTYPE) for _ in range(n)]
+        blocks, src_slab = rows(n, args.unaligned)
+        outs, dst_slab = rows(n, args.unaligned)
+        for b in blocks:
+            b.copy_(torch.randn(BLOCK_SHAPE, dtype=torch.float32))
         key_file = os.path.join(base, "mac.key")
         with open(key_file, "wb") as fh:
             fh.write(os.urandom(32))
@@ -191,9 +212,10 @@ def main() -> None:
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
-    print(f"filesystem tier, {n} x 2 MiB blocks ({total / 2**20:.0f} MiB on disk incl. 4 KiB headers) per round, "
+    print(f"filesystem tier, {n} x 2 MiB blocks ({total / 2**20:.0f} MiB on disk incl. 4 KiB header pages) per round, "
           f"median of {args.rounds} rounds, O_DIRECT={'on' if direct else 'off (unsupported here)'}, "
           f"CRC32 on{', keyed MAC (HMAC-SHA256) on' if args.mac else ''}, {args.threads} tier threads per pool, "
+          f"rows {'64 bytes off page alignment (staging path)' if args.unaligned else 'page-aligned'}, "
           "raw = 1 sequential stream")
     print("| operation | raw O_DIRECT GB/s | fs tier GB/s | ratio | ratio p25-p75 | target |")
     print("|---|---|---|---|---|---|")

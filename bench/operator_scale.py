@@ -8,6 +8,11 @@ second, the part of the latency until the policy's first reconcile finished, and
 same run: the latency of one direct server-side apply of the same patch (the floor any operator pays), with the
 ratio p50 / reference.
 
+The operator runs as it ships, in its own process (``kvtier operator``), so the benchmark's own work (creating
+policies, decoding the watch) does not share the operator's interpreter lock; its counters are read from its
+metrics endpoint. ``--operator thread`` runs it in a thread of the benchmark instead (the tests' harness), which
+also reports when each policy's first reconcile finished.
+
 ``--mode cold``: each N runs in a fresh Python process (nothing imported, parsed or connected before the
 operator starts, as after a pod start). ``--mode warm``: one process; a warm-up round of 20 policies in its own
 namespace first, then each N with a fresh operator (the process's imports and caches are warm).
@@ -20,12 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -82,7 +90,84 @@ def reference_apply_latency(kube: Kube, ns: str, samples: int = 30) -> float:
     return statistics.median(times)
 
 
-def run_size(kubeconfig: str, n: int, timeout: float, settings: dict | None = None) -> dict:
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class OperatorProcess:
+    """``kvtier operator`` in its own process, watching one namespace; ready once its liveness probe answers."""
+
+    def __init__(self, kubeconfig: str, ns: str, log: Path, profile: str | None = None):
+        self.metrics_port, live = _free_port(), _free_port()
+        self.live_url = f"http://127.0.0.1:{live}/healthz"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "operator"), str(ROOT / "runtime")])}
+        self.log = open(log, "w")  # noqa: SIM115 - closed in stop()
+        profiler = ["-m", "cProfile", "-o", profile] if profile else []
+        self.proc = subprocess.Popen(
+            [sys.executable, *profiler, "-m", "kvtier_operator", "operator", "--namespace", ns, "--standalone",
+             "--liveness", self.live_url, "--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1",
+             "--no-read-nodes", "--kubeconfig", kubeconfig], env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def start(self, timeout: float = 60) -> "OperatorProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the operator exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(self.live_url, timeout=1) as resp:
+                    if resp.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.1)
+        raise TimeoutError("the operator did not get ready")
+
+    def value(self, name: str, labels: dict[str, str]) -> float:
+        """A counter from the operator's metrics endpoint (0 when absent)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            m = re.match(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", line)
+            if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
+                total += float(m.group(2))
+        return total
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU the operator has used so far: less sensitive to other load than wall time."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+
+
+def wait_for_watch_cache(api: client.ApiClient, ns: str, timeout: float = 60) -> float:
+    """Seconds until a watch of policies is served. A fresh API server answers watches of a just-created CRD with
+    429 "storage is (re)initializing" for a while; kopf retries after 1 s, which would time the control plane's
+    start, not the operator (a running cluster's caches are long initialised)."""
+    custom = client.CustomObjectsApi(api)
+    start = time.monotonic()
+    while True:
+        try:
+            custom.list_namespaced_custom_object("kvtier.io", "v1alpha1", ns, "kvcachepolicies", watch=True,
+                                                 timeout_seconds=1, _preload_content=False).release_conn()
+            return time.monotonic() - start
+        except client.ApiException as err:
+            if err.status != 429 or time.monotonic() - start > timeout:
+                raise
+            time.sleep(0.2)
+
+
+def run_size(kubeconfig: str, n: int, timeout: float, settings: dict | None = None,
+             in_thread: bool = False, rate: float = 0.0) -> dict:
     kube = Kube(kubeconfig)
     ns = f"bench-{n}-{uuid.uuid4().hex[:6]}"
     kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
@@ -94,14 +179,17 @@ def run_size(kubeconfig: str, n: int, timeout: float, settings: dict | None = No
     done = threading.Event()
     api = config.new_client_from_config(config_file=kubeconfig)
     apps = client.AppsV1Api(api)
+    cache_wait = wait_for_watch_cache(api, ns)
 
     def watcher() -> None:
-        w = watch.Watch()
+        # Plain dicts ("object"), not client models: decoding a V1Deployment per event costs milliseconds of CPU.
+        w = watch.Watch(return_type="object")
         for event in w.stream(apps.list_namespaced_deployment, ns, timeout_seconds=int(timeout) + 30):
             obj = event["object"]
-            ann = (obj.spec.template.metadata.annotations or {}) if obj.spec.template.metadata else {}
-            if CONFIG_HASH_ANNOTATION in ann and obj.metadata.name not in seen:
-                seen[obj.metadata.name] = time.monotonic()
+            ann = ((obj.get("spec") or {}).get("template") or {}).get("metadata", {}).get("annotations") or {}
+            name = obj["metadata"]["name"]
+            if CONFIG_HASH_ANNOTATION in ann and name not in seen:
+                seen[name] = time.monotonic()
                 if len(seen) >= n:
                     w.stop()
             if done.is_set():
@@ -110,13 +198,27 @@ def run_size(kubeconfig: str, n: int, timeout: float, settings: dict | None = No
     thread = threading.Thread(target=watcher, daemon=True)
     thread.start()
     reconciled: dict[str, float] = {}
-    runner = OperatorThread(Settings(namespaces=(ns,), standalone=True, liveness_endpoint=None, metrics_port=None,
-                                     read_nodes=False, kubeconfig=kubeconfig, **(settings or {})), Kube(kubeconfig))
-    runner.op.on_reconciled.append(lambda key, outcome: reconciled.setdefault(key[1], time.monotonic()))
-    runner.start()
+    if in_thread:
+        runner = OperatorThread(Settings(namespaces=(ns,), standalone=True, liveness_endpoint=None,
+                                         metrics_port=None, read_nodes=False, kubeconfig=kubeconfig,
+                                         **(settings or {})), Kube(kubeconfig))
+        runner.op.on_reconciled.append(lambda key, outcome: reconciled.setdefault(key[1], time.monotonic()))
+        runner.start()
+        counter = runner.op.metrics.value
+    else:
+        if settings:
+            raise SystemExit("--settings needs --operator thread (the process takes the flags it ships with)")
+        runner = OperatorProcess(kubeconfig, ns, Path(tempfile.gettempdir()) / f"kvtier-bench-{ns}.log",
+                                 os.environ.get("KVTIER_BENCH_PROFILE")).start()
+        counter = runner.value
+        cpu_at_start = runner.cpu_seconds()
     created: dict[str, float] = {}
     start = time.monotonic()
     for i in range(n):
+        if rate:  # paced arrivals: policy i is due at start + i / rate
+            delay = start + i / rate - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
         created[f"w{i}"] = time.monotonic()
         kube.create(policy_path(ns), policy(f"w{i}", ns, i))
     create_s = time.monotonic() - start
@@ -127,15 +229,16 @@ def run_size(kubeconfig: str, n: int, timeout: float, settings: dict | None = No
     # A workload carries its hash before its reconcile has written status and returned: let the reconciles that
     # configured the last workloads finish before reading the counters (bounded).
     settle = time.monotonic() + 30
-    while (len(reconciled) < len(seen) or time.monotonic() - end < 2) and time.monotonic() < settle:
+    while ((in_thread and len(reconciled) < len(seen)) or time.monotonic() - end < 2) and time.monotonic() < settle:
         time.sleep(0.1)
-    reconciles = runner.op.metrics.value("kvtier_operator_reconciles_total", {"result": "ok"})
-    writes = {k: runner.op.metrics.value("kvtier_operator_api_writes_total", {"kind": k})
-              for k in ("workload", "configmap", "status")}
-    retries = runner.op.metrics.value("kvtier_operator_reconciles_total", {"result": "retry"})
+    reconciles = counter("kvtier_operator_reconciles_total", {"result": "ok"})
+    writes = {k: counter("kvtier_operator_api_writes_total", {"kind": k}) for k in ("workload", "configmap", "status")}
+    retries = counter("kvtier_operator_reconciles_total", {"result": "retry"})
+    cpu = None if in_thread else runner.cpu_seconds() - cpu_at_start
     done.set()
     runner.stop()
-    runner.op.kube.close()
+    if in_thread:
+        runner.op.kube.close()
     latencies = [seen[k] - created[k] for k in seen]
     to_reconcile = [reconciled[k] - created[k] for k in seen if k in reconciled]
     # Leave nothing behind: release the finalizers (the operator is stopped) and drop the namespace.
@@ -150,7 +253,7 @@ def run_size(kubeconfig: str, n: int, timeout: float, settings: dict | None = No
             "p99": pct(latencies, 0.99) if latencies else None, "max": max(latencies) if latencies else None,
             "reconciled_p99": pct(to_reconcile, 0.99) if to_reconcile else None,
             "reconciles": reconciles, "reconciles_per_s": reconciles / max(end - start, 1e-9),
-            "retries": retries, "writes": writes,
+            "retries": retries, "writes": writes, "watch_cache_wait_s": cache_wait, "operator_cpu_s": cpu,
             "reference": reference}
 
 
@@ -166,11 +269,12 @@ def start_controlplane() -> tuple[str, Path]:
     return kubeconfig, state
 
 
-def cold(kubeconfig: str, n: int, timeout: float, settings: str) -> dict:
+def cold(kubeconfig: str, n: int, timeout: float, settings: str, operator: str, rate: float) -> dict:
     """One size in a fresh interpreter: the operator starts with nothing imported or cached."""
     out = subprocess.run([sys.executable, __file__, "--kubeconfig", kubeconfig, "--one", str(n), "--timeout",
-                          str(timeout), "--settings", settings], capture_output=True, text=True,
-                         timeout=timeout + 300)
+                          str(timeout), "--settings", settings, "--operator", operator, "--rate", str(rate)],
+                         capture_output=True,
+                         text=True, timeout=timeout + 300)
     if out.returncode != 0:
         raise RuntimeError(f"N={n} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -182,11 +286,19 @@ def main() -> int:
     parser.add_argument("--mode", choices=("cold", "warm"), default="cold")
     parser.add_argument("--kubeconfig", default=os.environ.get("KVTIER_CONTROLPLANE_KUBECONFIG"))
     parser.add_argument("--timeout", type=float, default=300.0, help="per size, seconds")
-    parser.add_argument("--settings", default="{}", help="operator Settings overrides, JSON (for experiments)")
+    parser.add_argument("--settings", default="{}", help="operator Settings overrides, JSON (for experiments; "
+                                                          "with --operator thread)")
+    parser.add_argument("--rate", type=float, default=20.0,
+                        help="policies created per second (default 20, the arrival rate of issue 27's measurement); "
+                             "0: back to back, as fast as the API server takes them")
+    parser.add_argument("--operator", choices=("process", "thread"), default="process",
+                        help="run the operator in its own process, as it ships (default), or in a thread of the "
+                             "benchmark (the tests' harness; also times each policy's first reconcile)")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # internal: one size, JSON on stdout
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run_size(args.kubeconfig, args.one, args.timeout, json.loads(args.settings))))
+        print(json.dumps(run_size(args.kubeconfig, args.one, args.timeout, json.loads(args.settings),
+                                  in_thread=args.operator == "thread", rate=args.rate)))
         return 0
     state = None
     kubeconfig = args.kubeconfig
@@ -195,14 +307,17 @@ def main() -> int:
     try:
         sizes = [int(n) for n in args.sizes.split(",")]
         if args.mode == "cold":
-            rows = [cold(kubeconfig, n, args.timeout, args.settings) for n in sizes]
+            rows = [cold(kubeconfig, n, args.timeout, args.settings, args.operator, args.rate) for n in sizes]
         else:
-            run_size(kubeconfig, 20, args.timeout, json.loads(args.settings))  # warm-up, not reported
-            rows = [run_size(kubeconfig, n, args.timeout, json.loads(args.settings)) for n in sizes]
+            thread = args.operator == "thread"
+            run_size(kubeconfig, 20, args.timeout, json.loads(args.settings), thread, args.rate)  # warm-up
+            rows = [run_size(kubeconfig, n, args.timeout, json.loads(args.settings), thread, args.rate)
+                    for n in sizes]
     finally:
         if state is not None:
             subprocess.run([str(ROOT / "e2e" / "controlplane" / "run"), "stop", str(state)], capture_output=True)
-    print(f"mode {args.mode}, settings {args.settings}")
+    print(f"mode {args.mode}, operator in a {args.operator}, policies at "
+          f"{f'{args.rate:g}/s' if args.rate else 'full speed'}, settings {args.settings}")
     print(f"{'N':>5} {'done':>5} {'create s':>9} {'p50 s':>7} {'p99 s':>7} {'max s':>7} {'1st rec p99':>11} "
           f"{'rec/pol':>7} {'rec/s':>7} {'ref apply s':>11} {'p50/ref':>8}")
     for r in rows:
@@ -214,7 +329,10 @@ def main() -> int:
     print()
     for r in rows:
         print(f"N={r['n']}: {r['reconciles']:.0f} reconciles ({r['reconciles'] / r['n']:.1f} per policy), "
-              f"{r['retries']:.0f} retried; writes: " + ", ".join(f"{k} {v:.0f}" for k, v in r["writes"].items()))
+              f"{r['retries']:.0f} retried; writes: " + ", ".join(f"{k} {v:.0f}" for k, v in r["writes"].items())
+              + f"; waited {r['watch_cache_wait_s']:.1f} s for the API server's policy watch cache before starting"
+              + ("" if r["operator_cpu_s"] is None else
+                 f"; operator CPU {r['operator_cpu_s']:.1f} s ({r['operator_cpu_s'] / r['n'] * 1e3:.0f} ms per policy)"))
     problems = failures(rows)
     for p in problems:
         print(f"FAIL: {p}", file=sys.stderr)

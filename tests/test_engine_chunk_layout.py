@@ -20,7 +20,7 @@ from kvtier_runtime.engines.chunk_layout import (
     tier_codec,
 )
 from kvtier_runtime.engines.host_region import HostRegion
-from kvtier_runtime.fs.format import HEADER_BYTES
+from kvtier_runtime.fs.format import HEADER_BYTES, parse_header
 from kvtier_runtime.store.books import HIT, RETRY, OffloadBooks
 from plugins.kv_accuracy import attention_cosine
 from plugins.runtime import engine_books
@@ -31,6 +31,11 @@ from tests.test_codecs_kv import make_chunk
 CPU = ChunkFacts(num_layers=4, block_tokens=16, blocks_per_chunk=2, kv_dtype="float32",
                  worker_kv_bytes_per_block=4 * 2 * 4 * 16 * 64 * 4, num_kv_heads=4, head_dim=64,
                  backend="CPU_ATTN", kv_cache_layout="LBHNC", cpu_attn_isa="vec")
+
+
+def _blob_offset(path) -> int:
+    """Where the codec blob starts in a block file (its header says which format)."""
+    return parse_header(path.read_bytes()[:HEADER_BYTES]).blob_offset
 
 
 def test_cpu_facts_give_the_cpu_vec_layout_of_a_host_row():
@@ -135,7 +140,7 @@ def test_compressed_tier_reloads_outlier_keys_within_attention_budget(tmp_path, 
         files = [p for p in (tmp_path).rglob("*") if p.is_file() and "fs-" in str(p) and ".tmp." not in p.name]
         assert len(files) == 1
         blob = torch.frombuffer(bytearray(files[0].read_bytes()), dtype=torch.uint8)
-        header = peek_header(blob[HEADER_BYTES:])
+        header = peek_header(blob[_blob_offset(files[0]):])
         assert header.kv_layout and header.layout_code == lay.code  # a layout-aware block, in the row's order
         assert files[0].stat().st_size < lay.nbytes  # and compressed
     finally:
@@ -161,7 +166,7 @@ def test_a_tier_without_a_layout_never_stores_unchecked_int4(tmp_path, codec_nam
         back = _reload(books, region, b"q" * 36, chunk)
         files = [p for p in tmp_path.rglob("*") if p.is_file() and "fs-" in str(p) and ".tmp." not in p.name]
         assert len(files) == 1
-        header = peek_header(torch.frombuffer(bytearray(files[0].read_bytes()), dtype=torch.uint8)[HEADER_BYTES:])
+        header = peek_header(torch.frombuffer(bytearray(files[0].read_bytes()), dtype=torch.uint8)[_blob_offset(files[0]):])
         assert not header.kv_layout and header.codec == ("int8" if codec_name == "int4" else codec_name)
         assert attention_cosine(lay, chunk, back) >= 0.99
     finally:

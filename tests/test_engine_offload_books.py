@@ -279,6 +279,15 @@ def test_page_copier_batched_addresses_place_every_page_where_the_per_block_path
         ({"cpu_bytes_to_use": 1, "fs_tiers": [{"root_dir": "rel", "capacity_bytes": 1}]},
          "kv_connector_extra_config.fs_tiers[0].root_dir: 'rel' must be an absolute path"),
         ({"cpu_bytes_to_use": 1, "eviction_policy": "mru"}, "kv_connector_extra_config.eviction_policy: 'mru'"),
+        ({"cpu_bytes_to_use": 1, "fs_tiers": {"root_dir": "/a"}}, "kv_connector_extra_config.fs_tiers: {'root_dir'"),
+        ({"cpu_bytes_to_use": 1, "remote_tiers": [{"url": "redis://h:1"}]},
+         "kv_connector_extra_config.remote_tiers[0].capacity_bytes: required"),
+        ({"cpu_bytes_to_use": 1, "remote_tiers": [{"url": "redis://u:pw@h:1", "capacity_bytes": 1}]},
+         "kv_connector_extra_config.remote_tiers[0].url: must not contain credentials"),
+        ({"cpu_bytes_to_use": 1, "remote_tiers": [{"url": "redis://h:1", "capacity_bytes": 1, "password_file": "p"}]},
+         "kv_connector_extra_config.remote_tiers[0].password_file: 'p' must be an absolute path"),
+        ({"cpu_bytes_to_use": 1, "remote_tiers": ["redis://h:1"]},
+         "kv_connector_extra_config.remote_tiers[0]: 'redis://h:1' must be a mapping"),
     ],
 )
 def test_spec_config_errors_name_the_key(extra, message) -> None:
@@ -293,6 +302,16 @@ def test_spec_config_round_trip_keeps_vllms_keys() -> None:
     cfg = OffloadSpecConfig.from_extra_config(extra)
     assert cfg.fs_tiers[0].codec == "fp8" and cfg.extra == {"spec_name": "KvtierOffloadingSpec", "block_size": 64}
     assert OffloadSpecConfig.from_extra_config(cfg.to_extra_config()) == cfg
+
+
+def test_remote_tier_config_round_trips_and_keeps_unknown_keys() -> None:
+    extra = {"cpu_bytes_to_use": 1 << 30, "remote_tiers": [
+        {"url": "rediss://[fd00::1]:6380/2", "capacity_bytes": 1 << 34, "password_file": "/etc/kvtier-remote/s/pw",
+         "future_key": 1}]}
+    cfg = OffloadSpecConfig.from_extra_config(extra)
+    (remote,) = cfg.remote_tiers
+    assert remote.codec == "none" and remote.mac_key_file is None and remote.extra == {"future_key": 1}
+    assert cfg.to_extra_config()["remote_tiers"] == extra["remote_tiers"]  # defaults are not written out
 
 
 @pytest.mark.cuda

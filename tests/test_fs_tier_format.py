@@ -25,7 +25,11 @@ def test_header_round_trip() -> None:
     h = fmt.parse_header(raw)
     assert (h.codec, h.dtype, h.shape, h.payload_len, h.payload_crc, h.key) == (
         "none", "bfloat16", (2, 16, 8, 128), 12345, 77, b"\x01" * 36)
-    assert h.file_bytes == fmt.HEADER_BYTES + fmt.align_up(12345)
+    # format 2: the blob starts 96 bytes before the page-aligned payload; the file is padded to whole pages
+    assert h.version == 2 and h.blob_offset == fmt.HEADER_BYTES - 96
+    assert h.file_bytes == fmt.align_up(fmt.HEADER_BYTES - 96 + 12345) == fmt.HEADER_BYTES + fmt.align_up(12345 - 96)
+    v1 = fmt.parse_header(_header(version=1))
+    assert (v1.version, v1.blob_offset, v1.file_bytes) == (1, fmt.HEADER_BYTES, fmt.HEADER_BYTES + fmt.align_up(12345))
 
 
 @settings(max_examples=200, deadline=None)
@@ -148,25 +152,81 @@ def test_failed_write_leaves_no_file(tmp_path) -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(pos=st.integers(0, fmt.HEADER_BYTES + 5000 - 1), bit=st.integers(0, 7))
-def test_the_mac_covers_header_payload_and_itself(pos: int, bit: int) -> None:
+@given(version=st.sampled_from(fmt.READ_VERSIONS), pos=st.integers(0, fmt.HEADER_BYTES + 5000 - 1),
+       bit=st.integers(0, 7))
+def test_the_mac_covers_header_blob_and_itself(version: int, pos: int, bit: int) -> None:
+    # The blob (the codec's header + payload) starts at 4000 in format 2 (its header ends the header page) and
+    # at 4096 in format 1; the MAC covers the header's fields, itself and every byte of the blob.
     mac_key = b"k" * 32
-    payload = bytes(range(256)) * 20
-    block = bytearray(_header(payload_len=len(payload)) + payload)
-    block[fmt.MAC_OFFSET : fmt.MAC_OFFSET + fmt.MAC_BYTES] = fmt.block_mac(mac_key, block, payload)
-    fmt.verify_mac(mac_key, memoryview(block)[: fmt.HEADER_BYTES], memoryview(block)[fmt.HEADER_BYTES :])
-    covered = pos < fmt.HEADER_USED + fmt.MAC_BYTES or pos >= fmt.HEADER_BYTES
-    block[pos] ^= 1 << bit
+    start = fmt.BLOB_OFFSET[version]
+    blob_len = fmt.HEADER_BYTES + 5000 - start
+    block = bytearray(_header(payload_len=blob_len, version=version)) + bytes(range(256)) * 20
+    block[start:] = bytes(i % 251 for i in range(blob_len))
+    block[fmt.MAC_OFFSET : fmt.MAC_OFFSET + fmt.MAC_BYTES] = fmt.block_mac(mac_key, block, block[start:])
     mv = memoryview(block)
+    fmt.verify_mac(mac_key, mv[: fmt.HEADER_BYTES], mv[start:])
+    fmt.verify_mac(mac_key, mv[: fmt.HEADER_BYTES], mv[start:start + 100], mv[start + 100:])  # in parts, too
+    covered = pos < fmt.HEADER_USED + fmt.MAC_BYTES or pos >= start
+    block[pos] ^= 1 << bit
     if covered:
         with pytest.raises(fmt.FormatError, match="forged"):
-            fmt.verify_mac(mac_key, mv[: fmt.HEADER_BYTES], mv[fmt.HEADER_BYTES :])
+            fmt.verify_mac(mac_key, mv[: fmt.HEADER_BYTES], mv[start:])
     else:  # unused header bytes after the MAC: not part of any field
-        fmt.verify_mac(mac_key, mv[: fmt.HEADER_BYTES], mv[fmt.HEADER_BYTES :])
+        fmt.verify_mac(mac_key, mv[: fmt.HEADER_BYTES], mv[start:])
     with pytest.raises(fmt.FormatError, match="forged"):
-        fmt.verify_mac(b"j" * 32, mv[: fmt.HEADER_BYTES], mv[fmt.HEADER_BYTES :])
+        fmt.verify_mac(b"j" * 32, mv[: fmt.HEADER_BYTES], mv[start:])
+
+
+def test_the_mac_of_one_format_version_does_not_verify_as_the_other() -> None:
+    # Relabelling a block's version (header CRC recomputed by a forger without the key) must not keep its MAC.
+    mac_key = b"k" * 32
+    blob = os.urandom(5000)
+    v1 = bytearray(_header(payload_len=len(blob), version=1))
+    v2 = bytearray(_header(payload_len=len(blob), version=2))
+    v1[fmt.MAC_OFFSET : fmt.MAC_OFFSET + fmt.MAC_BYTES] = fmt.block_mac(mac_key, v1, blob)
+    v2[fmt.MAC_OFFSET : fmt.MAC_OFFSET + fmt.MAC_BYTES] = v1[fmt.MAC_OFFSET : fmt.MAC_OFFSET + fmt.MAC_BYTES]
+    fmt.verify_mac(mac_key, memoryview(v1), blob)
+    with pytest.raises(fmt.FormatError, match="forged"):
+        fmt.verify_mac(mac_key, memoryview(v2), blob)
+
+
+def test_an_unknown_version_is_refused_when_packing_and_reported_when_parsing() -> None:
+    with pytest.raises(ValueError, match=r"^version: 3 is not one of \(1, 2\)$"):
+        _header(version=3)
+    raw = bytearray(_header())
+    raw[8:10] = (3).to_bytes(2, "little")
+    with pytest.raises(fmt.FormatError) as info:
+        fmt.parse_header(bytes(raw))
+    assert info.value.kind == "version"
 
 
 def test_a_short_mac_key_is_refused_naming_the_file() -> None:
     with pytest.raises(ValueError, match=r"^mac_key_file: /k holds 31 bytes, needs at least 32$"):
         fmt.mac_key_from_bytes(b"x" * 31 + b"\n", "/k")
+
+
+def test_a_vectored_block_write_and_read_survive_short_system_calls(tmp_path) -> None:
+    # Format 2 writes a block as segments (header page, the caller's row, a tail page) in one vectored call; a
+    # kernel may return short, and the rest must follow from the right byte of the right segment.
+    from kvtier_runtime.fs.fileio import read_segments
+
+    class Short(FileOps):
+        def write(self, fd, data):
+            first = data[0] if not isinstance(data, memoryview) else data
+            return super().write(fd, [first[:3001]] if not isinstance(data, memoryview) else first[:3001])
+
+        def readinto(self, fd, buf, offset):
+            first = buf[0] if not isinstance(buf, memoryview) else buf
+            return super().readinto(fd, [first[:2999]], offset)
+
+    parts = [os.urandom(4096), os.urandom(10000), b"", os.urandom(77)]
+    final = str(tmp_path / "f.kvb")
+    write_atomic(Short(), final + ".tmp.1", final, [memoryview(p) for p in parts], False)
+    assert open(final, "rb").read() == b"".join(parts)
+    back = [bytearray(len(p)) for p in parts]
+    fd = os.open(final, os.O_RDONLY)
+    try:
+        assert read_segments(Short(), fd, [memoryview(b) for b in back]) == sum(map(len, parts))
+    finally:
+        os.close(fd)
+    assert [bytes(b) for b in back] == parts

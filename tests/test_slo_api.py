@@ -7,30 +7,18 @@ import json
 
 from kvtier_operator.api.v1alpha1 import HistoryEntry, KVCachePolicy, TierStatus
 from kvtier_operator.slo import Measurements, SLOSettings, evaluate, tier_states
+from foundation.policies import policy
 from plugins.slo_harness import slo_settings
 
-POLICY = {
-    "apiVersion": "kvtier.io/v1alpha1",
-    "kind": "KVCachePolicy",
-    "metadata": {"name": "llama", "namespace": "serving"},
-    "spec": {
-        "selector": {"matchLabels": {"app": "llama-70b"}},
-        "engine": "vllm",
-        "tiers": [
-            {"name": "host", "medium": "cpu", "size": "16Gi"},
-            {"name": "nvme", "medium": "filesystem", "size": "500Gi", "path": "/mnt/kvcache",
-             "volume": {"emptyDir": {}}},
-        ],
-        "slo": {
-            "prometheus": {"url": "https://prometheus.monitoring:9090",
-                           "auth": {"bearerToken": {"name": "prom", "key": "token"}},
-                           "caBundle": {"name": "prom-ca", "key": "ca.crt"}},
-            "ttftP99": "2s", "itlP99": "150ms", "ttftP99MaxRatio": 1.5, "modelName": "llama-70b",
-            "reenable": {"mode": "auto"},
-        },
-        "rollout": {"strategy": "staged"},
-    },
-}
+# The foundation tests' base policy (one copy of it), with every SLO setting the guard reads.
+POLICY = policy(
+    slo={"prometheus": {"url": "https://prometheus.monitoring:9090",
+                        "auth": {"bearerToken": {"name": "prom", "key": "token"}},
+                        "caBundle": {"name": "prom-ca", "key": "ca.crt"}},
+         "ttftP99": "2s", "itlP99": "150ms", "ttftP99MaxRatio": 1.5, "modelName": "llama-70b",
+         "reenable": {"mode": "auto"}},
+    rollout={"strategy": "staged"},
+)
 
 
 def settings_from_model() -> SLOSettings:

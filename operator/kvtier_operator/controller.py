@@ -201,7 +201,8 @@ class Operator:
               now: str) -> rc.Plan:
         return rc.plan(policy, workloads, others, now=now, node_allocatable=self.node_allocatable(),
                        cleanup_image=self.settings.cleanup_image, server_validated=True,
-                       host_path_prefixes=self.settings.host_path_prefixes, pvc_allowed=self.settings.pvc_allowed)
+                       host_path_prefixes=self.settings.host_path_prefixes, pvc_allowed=self.settings.pvc_allowed,
+                       remote_stores_allowed=self.settings.remote_stores_allowed)
 
     def _guard(self, policy: dict[str, Any], plan: rc.Plan) -> Optional[GuardStep]:
         meta = policy["metadata"]

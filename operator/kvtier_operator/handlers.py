@@ -126,7 +126,10 @@ async def policy_event(type: str, name: str, namespace: str, meta: Any, spec: An
     if change is None:
         return  # our own status write, kopf's finalizer, a label: nothing to re-render
     policies = list(kvtier_policies.get(namespace, []))
-    workloads = [w["labels"] for index in (kvtier_deployments, kvtier_statefulsets) for w in index.get(namespace, [])]
+    # Only a re-targeted policy looks at workloads (its neighbours); listing them for every event was O(workloads)
+    # on kopf's event loop per policy event.
+    workloads = [w["labels"] for index in (kvtier_deployments, kvtier_statefulsets)
+                 for w in index.get(namespace, [])] if change.retargeted else []
     if type == "DELETED":
         shared.wakeups.forget((namespace, name))
         # Backstop for the finalizer (class E): an author may remove kvtier's finalizer before deleting, which skips
@@ -202,7 +205,9 @@ async def policy_loop(shared: Shared, namespace: str, name: str, stopped: kopf.D
             if stopped:
                 break
             mine = next((p for p in index.get(namespace, []) if p["name"] == name), None)
-            others = [dict(p) for p in index.get(namespace, []) if p["name"] != name]
+            # The index's entries are the dicts kvtier_policies returned, replaced (never changed) on each event:
+            # read as they are, not copied (copying all of them for every pass was quadratic in policies).
+            others = [p for p in index.get(namespace, []) if p["name"] != name]
             hints = hints_for(name, mine["selector"], workload_indexes, namespace) if workload_indexes and mine \
                 else None
             guard_due = time.monotonic() >= guard_at

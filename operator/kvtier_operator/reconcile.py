@@ -16,7 +16,7 @@ from .selectors import matches
 from .settings import FIELD_MANAGER, POLICY_LABEL
 from .status import Cond, merge_conditions, transitions
 from .tiers import enabled, tier_states
-from .trust import host_path_problems, not_opted_in_message, opted_in, pvc_problems
+from .trust import host_path_problems, not_opted_in_message, opted_in, pvc_problems, remote_store_problems
 from .workload import (
     Workload,
     already_applied,
@@ -77,6 +77,8 @@ class Observed:
     enabled_tiers: list[str]
     engine: Optional[str]
     workloads: list[Workload]
+    # The remote tier's size times the replicas configured with it (None without an enabled remote tier).
+    remote_budget_bytes: Optional[int] = None
 
 
 @dataclass
@@ -196,7 +198,7 @@ def _target(policy: api.KVCachePolicy, doc_key: str, w: Workload, enabled_tiers:
 def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_policies: Iterable[dict[str, Any]],
          *, now: str, node_allocatable: Optional[int] = None, cleanup_image: str = "busybox:1.37.0",
          server_validated: bool = False, host_path_prefixes: Iterable[str] = (),
-         pvc_allowed: Iterable[str] = ()) -> Plan:
+         pvc_allowed: Iterable[str] = (), remote_stores_allowed: Iterable[str] = ()) -> Plan:
     """Everything one reconcile of ``policy_obj`` must write.
 
     ``workloads``: Deployments and StatefulSets of the namespace that match the selector or carry our policy
@@ -205,6 +207,7 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
     ``server_validated``: the object comes from the API server, which already ran the CRD's CEL rules.
     ``host_path_prefixes``: node paths the admin lets tiers mount (operator settings); default none.
     ``pvc_allowed``: claims the admin lets tiers mount (NAMESPACE/CLAIM, '*' for either part); default none.
+    ``remote_stores_allowed``: Valkey/Redis stores remote tiers may use (trust.remote_store_problems); default none.
     """
     meta = policy_obj["metadata"]
     name, generation = meta["name"], meta.get("generation")
@@ -221,12 +224,14 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
                                                           "policy under a shorter name")])
         refused = host_path_problems(policy.spec, host_path_prefixes)
         claims = pvc_problems(policy.spec, meta.get("namespace", ""), pvc_allowed)
+        stores = remote_store_problems(policy.spec, remote_stores_allowed)
     except PolicyInvalid as err:
         refused = [str(p) for p in err.problems]
         reason = "InvalidPolicy"
     else:
-        reason = "HostPathNotAllowed" if refused else "PersistentVolumeClaimNotAllowed"
-        refused += claims
+        reason = ("HostPathNotAllowed" if refused else "PersistentVolumeClaimNotAllowed" if claims
+                  else "RemoteStoreNotAllowed")
+        refused += claims + stores
     if refused:
         return refusal(policy_obj, reason, "; ".join(refused), now)
 
@@ -280,9 +285,25 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
         files = render(policy, enabled_tiers=on, config_map_name=config_map_name(name)).files
     config_map = config_map_body(policy_obj, files) if files is not None else None
 
-    observed = Observed(states, on, engine, ws)
+    observed = Observed(states, on, engine, ws, _remote_budget(spec, on, ws, rendered_by_target))
     status, events = _summarize(policy_obj, observed, targets, now)
     return Plan(config_map, targets, status, events, context=observed)
+
+
+def _remote_budget(spec: api.KVCachePolicySpec, enabled: list[str], workloads: list[Workload],
+                   rendered: dict[str, RenderedConfig]) -> Optional[int]:
+    """The most the pods this policy configures may write into the shared store: each pod's remote tier is bounded
+    by its size, so the tier's size times the replicas of the workloads it is rendered into."""
+    tier = next((t for t in spec.tiers if t.medium == "remote" and t.name in enabled), None)
+    if tier is None:
+        return None
+    replicas = sum(_replicas(w) for w in workloads if w.ref in rendered)
+    return tier.size_bytes * replicas
+
+
+def _replicas(w: Workload) -> int:
+    n = (w.obj.get("spec") or {}).get("replicas", 1)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else 1
 
 
 def refusal(policy_obj: dict[str, Any], reason: str, problems: str, now: str,
@@ -311,6 +332,7 @@ def _summarize(policy_obj: dict[str, Any], observed: Observed, targets: list[Tar
         "activeTiers": ",".join(observed.enabled_tiers) or "none",
         "tiers": observed.tier_states,
         "targets": [t.status() for t in selected],
+        "remoteStoreBudgetBytes": observed.remote_budget_bytes,
     }
     return status, _events(old.get("conditions") or [], status["conditions"], targets, old)
 

@@ -47,6 +47,8 @@ class Settings:
     # is not scoped to the policy's targets); default no.
     pvc_allowed: tuple[str, ...] = ()
     allow_query_overrides: bool = False
+    # Valkey/Redis stores remote tiers may use (host:port for TLS, redis://host:port for plain TCP); default none.
+    remote_stores_allowed: tuple[str, ...] = ()
 
 
 _ENV = "KVTIER_"
@@ -99,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pvc-allow", action="append", dest="pvc_allowed",
                    help="PersistentVolumeClaim tiers may mount, as NAMESPACE/CLAIM, '*' for either part (repeatable; "
                         "env KVTIER_PVC_ALLOWED, comma separated); default: none, PVC tiers are refused")
+    p.add_argument("--remote-store-allow", action="append", dest="remote_stores_allowed",
+                   help="Valkey/Redis store remote tiers may use: host:port (TLS only) or redis://host:port (plain "
+                        "TCP) (repeatable; env KVTIER_REMOTE_STORES_ALLOWED, comma separated); default: none, "
+                        "remote tiers are refused")
     p.add_argument("--allow-query-overrides", action="store_true", default=None,
                    help="let spec.slo.queries replace the built-in PromQL (arbitrary queries with the namespace's "
                         "Prometheus credentials; env KVTIER_ALLOW_QUERY_OVERRIDES); default: refused")
@@ -134,16 +140,19 @@ def from_args(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> Setti
     def listed(flag: Optional[list[str]], name: str) -> list[str]:
         return [v.strip() for v in (flag or env.get(_ENV + name, "").split(",")) if v.strip()]
 
-    from .trust import check_endpoint_entry, check_host_path_prefix, check_pvc_entry
+    from .trust import check_endpoint_entry, check_host_path_prefix, check_pvc_entry, check_remote_store_entry
 
     prefixes = listed(args.host_path_prefixes, "HOSTPATH_PREFIXES")
     allowed = listed(args.prometheus_allowed, "PROMETHEUS_ALLOWED")
     pvcs = listed(args.pvc_allowed, "PVC_ALLOWED")
+    stores = listed(args.remote_stores_allowed, "REMOTE_STORES_ALLOWED")
     for value, check, flag, name in [(v, check_host_path_prefix, "--hostpath-prefix", "HOSTPATH_PREFIXES")
                                      for v in prefixes] + \
                                     [(v, check_endpoint_entry, "--prometheus-allow", "PROMETHEUS_ALLOWED")
                                      for v in allowed] + \
-                                    [(v, check_pvc_entry, "--pvc-allow", "PVC_ALLOWED") for v in pvcs]:
+                                    [(v, check_pvc_entry, "--pvc-allow", "PVC_ALLOWED") for v in pvcs] + \
+                                    [(v, check_remote_store_entry, "--remote-store-allow", "REMOTE_STORES_ALLOWED")
+                                     for v in stores]:
         problem = check(value)
         if problem:
             raise SystemExit(f"kvtier operator: {flag} ({_ENV}{name}): {value!r}: {problem}")
@@ -168,6 +177,7 @@ def from_args(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> Setti
         prometheus_allow_http=bool(pick(args.prometheus_allow_http, "PROMETHEUS_ALLOW_HTTP",
                                         lambda v: _env_bool(v, False), False)),
         pvc_allowed=tuple(pvcs),
+        remote_stores_allowed=tuple(stores),
         allow_query_overrides=bool(pick(args.allow_query_overrides, "ALLOW_QUERY_OVERRIDES",
                                         lambda v: _env_bool(v, False), False)),
     )

@@ -101,6 +101,11 @@ def compose(old: dict[str, Any], computed: dict[str, Any]) -> dict[str, Any]:
     for key in RETIRED:
         if key in old:
             doc[key] = None
+    # A field the pass computed as None is cleared (e.g. remoteStoreBudgetBytes once the guard disabled the remote
+    # tier); left out of the patch, the stored value would stay forever.
+    for key, value in computed.items():
+        if value is None and key in old and key not in NOT_OURS:
+            doc[key] = None
     return doc
 
 

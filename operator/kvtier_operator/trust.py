@@ -10,6 +10,8 @@ what of it the operator carries out:
   the admin allowed it (operator settings; default none);
 - the SLO guard queries, and sends credentials to, only Prometheus endpoints the admin allowed, over https unless
   http was allowed, and never a URL carrying credentials, a query or a fragment;
+- a remote tier uses (and gets its Secret mounted for) only a store the admin allowed, over TLS unless the admin
+  listed the store as redis://;
 - kvtier writes and deletes only the ConfigMap it created for the policy (an owner reference to it); one of the
   same name held by anyone else is reported, never adopted.
 """
@@ -249,3 +251,62 @@ def endpoint_problem(url: str, allowed: Iterable[str], allow_http: bool) -> Opti
         return None
     return (f"spec.slo.prometheus.url: {redacted(url)} is not a Prometheus endpoint the operator's admin allows "
             "(operator setting prometheusAllowed); the guard does not query it and sends no credentials to it")
+
+
+# ---------------------------------------------------------------------------------------------- remote stores
+
+REMOTE_SCHEMES = ("redis", "rediss")
+
+
+def _store(text: str) -> Optional[tuple[Optional[str], str, int]]:
+    """(scheme or None, host, port) of an allowlist entry or a store URL; None when unusable."""
+    explicit = "://" in text
+    parts = _split(text if explicit else "//" + text)
+    if parts is None or not parts.hostname or parts.port is None:
+        return None
+    if explicit and parts.scheme not in REMOTE_SCHEMES:
+        return None
+    if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
+        return None
+    if parts.path not in ("", "/") and not (explicit and parts.path.lstrip("/").isdigit()):
+        return None
+    return (parts.scheme if explicit else None), parts.hostname.lower(), parts.port
+
+
+def check_remote_store_entry(entry: str) -> Optional[str]:
+    """Why an admin-supplied remote-store allowlist entry is unusable, or None. Entries: ``host:port`` (TLS only,
+    rediss://) or ``redis://host:port`` / ``rediss://host:port`` (that scheme; redis:// allows plain TCP to exactly
+    that store), as for Prometheus endpoints."""
+    if "@" in entry or "?" in entry or "#" in entry:
+        return "must not carry credentials, a query or a fragment"
+    if _store(entry) is None:
+        return "must be host:port, redis://host:port or rediss://host:port"
+    return None
+
+
+def remote_store_problems(spec: api.KVCachePolicySpec, allowed: Iterable[str]) -> list[str]:
+    """One ``field: rule`` line per remote tier whose store the admin has not allowed. A remote tier sends the
+    password in its Secret to the store, and every replica loads what the store serves, so (as for Prometheus) only
+    stores the cluster admin named are used, over TLS unless the entry itself says redis://."""
+    entries = [e for e in (_store(a) for a in allowed) if e is not None]
+    out = []
+    for i, tier in enumerate(spec.tiers):
+        if tier.remote is None:
+            continue
+        url = tier.remote.url
+        store = _store(url)
+        where = f"spec.tiers[{i}].remote.url"
+        if store is None:
+            out.append(f"{where}: must be redis://HOST:PORT[/DB] or rediss://HOST:PORT[/DB]")
+            continue
+        scheme, host, port = store
+        matching = [e for e in entries if e[1] == host and e[2] == port]
+        if any(e[0] == scheme or (e[0] is None and scheme == "rediss") for e in matching):
+            continue
+        if matching and scheme == "redis":
+            out.append(f"{where}: {redacted(url)} uses plain TCP (redis://), which the operator's admin allows only "
+                       "for stores listed as redis://HOST:PORT; use rediss://")
+        else:
+            out.append(f"{where}: {redacted(url)} is not a store the operator's admin allows (operator setting "
+                       "remoteStoresAllowed); kvtier mounts no credentials for it and renders no tier")
+    return out

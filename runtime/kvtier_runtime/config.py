@@ -99,9 +99,37 @@ class ConfigError(ValueError):
     """A runtime configuration value broke a rule; the message names the key and the rule."""
 
 
+class _TierKwargs:
+    """A tier's keyword arguments as a frozen dataclass: parsed from the rendered tier dict (keys this version does
+    not know are kept in ``extra``, not lost) and written back (keys added later only when set, so configs rendered
+    before stay byte-identical)."""
+
+    REQUIRED: tuple[str, ...] = ()
+    OMITTED_AT_DEFAULT: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, Any]):  # type: ignore[no-untyped-def]
+        known = {f.name for f in fields(cls)} - {"extra"}  # type: ignore[arg-type]
+        missing = [k for k in cls.REQUIRED if k not in kwargs]
+        if missing:
+            raise ConfigError(f"{missing[0]}: required")
+        return cls(**{k: v for k, v in kwargs.items() if k in known},  # type: ignore[call-arg]
+                   extra={k: v for k, v in kwargs.items() if k not in known})
+
+    def to_kwargs(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)  # type: ignore[arg-type]
+               if f.name != "extra"
+               and not (f.name in self.OMITTED_AT_DEFAULT and getattr(self, f.name) == f.default)}
+        out.update(self.extra)  # type: ignore[attr-defined]
+        return out
+
+
 @dataclass(frozen=True)
-class FilesystemTierConfig:
+class FilesystemTierConfig(_TierKwargs):
     """Keyword arguments of kvtier's filesystem tier, as rendered into a vLLM ``secondary_tiers`` entry."""
+
+    REQUIRED = ("root_dir", "capacity_bytes")
+    OMITTED_AT_DEFAULT = frozenset({"mac_key_file", "io_timeout_s"})
 
     root_dir: str
     capacity_bytes: int
@@ -143,25 +171,7 @@ class FilesystemTierConfig:
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> "FilesystemTierConfig":
-        """Parse the tier dict's keys; keys this version does not know are kept in ``extra``, not lost."""
-        known = {f.name for f in fields(cls)} - {"extra"}
-        missing = [k for k in ("root_dir", "capacity_bytes") if k not in kwargs]
-        if missing:
-            raise ConfigError(f"{missing[0]}: required")
-        return cls(
-            **{k: v for k, v in kwargs.items() if k in known},
-            extra={k: v for k, v in kwargs.items() if k not in known},
-        )
-
-    def to_kwargs(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"
-               # keys added later are rendered only when set, so configs rendered before stay byte-identical
-               and not (f.name in _OMITTED_AT_DEFAULT and getattr(self, f.name) == f.default)}
-        out.update(self.extra)
-        return out
-
-
-_OMITTED_AT_DEFAULT = frozenset({"mac_key_file", "io_timeout_s"})
+        return super().from_kwargs(kwargs)
 
 
 REMOTE_URL_SCHEMES: tuple[str, ...] = ("redis", "rediss")
@@ -171,7 +181,7 @@ MAX_REMOTE_URL_CHARS = 512
 
 
 @dataclass(frozen=True)
-class RemoteTierConfig:
+class RemoteTierConfig(_TierKwargs):
     """Keyword arguments of kvtier's remote tier: a Valkey/Redis store (standalone or cluster mode) shared by every
     replica of one model, behind the host and filesystem tiers (the newest tier, so the first rolled back).
 
@@ -181,6 +191,9 @@ class RemoteTierConfig:
     Keys carry the model identity the runtime derives from the engine's config, so replicas of one model share and
     different models never mix; values carry a keyed MAC when ``mac_key_file`` is set (many writers share the store).
     """
+
+    REQUIRED = ("url", "capacity_bytes")
+    OMITTED_AT_DEFAULT = frozenset({"codec", "password_file", "mac_key_file", "io_timeout_s"})
 
     url: str
     capacity_bytes: int
@@ -204,47 +217,55 @@ class RemoteTierConfig:
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> "RemoteTierConfig":
-        known = {f.name for f in fields(cls)} - {"extra"}
-        missing = [k for k in ("url", "capacity_bytes") if k not in kwargs]
-        if missing:
-            raise ConfigError(f"{missing[0]}: required")
-        return cls(**{k: v for k, v in kwargs.items() if k in known},
-                   extra={k: v for k, v in kwargs.items() if k not in known})
-
-    def to_kwargs(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self)
-               if f.name != "extra" and not (f.name in _REMOTE_OMITTED_AT_DEFAULT and getattr(self, f.name) == f.default)}
-        out.update(self.extra)
-        return out
+        return super().from_kwargs(kwargs)
 
 
-_REMOTE_OMITTED_AT_DEFAULT = frozenset({"codec", "password_file", "mac_key_file", "io_timeout_s"})
+def _parse_tiers(extra: Mapping[str, Any], key: str, cls: type, prefix: str) -> list[Any]:
+    """The list of tier mappings under ``key``, each parsed by ``cls.from_kwargs``; errors name the entry."""
+    raw_tiers = extra.get(key) or []
+    if not isinstance(raw_tiers, (list, tuple)):
+        raise ConfigError(f"{prefix}{key}: {raw_tiers!r} must be a list of tier mappings")
+    out = []
+    for i, raw in enumerate(raw_tiers):
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{prefix}{key}[{i}]: {raw!r} must be a mapping")
+        try:
+            out.append(cls.from_kwargs(raw))
+        except ConfigError as err:
+            raise ConfigError(f"{prefix}{key}[{i}].{err}") from None
+    return out
 
 
 def check_remote_url(key: str, url: Any) -> None:
     """The one rule for a remote store's address, shared by the operator's validation and the runtime's parser:
     ``redis://`` or ``rediss://``, a host and a port, an optional numeric db, and nothing else (no user or password,
-    no query, no fragment: credentials come from a Secret, never from a URL that ends up in status and logs)."""
+    no query, no fragment: credentials come from a Secret, never from a URL that ends up in status and logs).
+    The messages are the CRD's CEL messages (operator api.v1alpha1.RemoteStoreSpec), word for word."""
     from urllib.parse import urlsplit
 
     if not isinstance(url, str) or not url or len(url) > MAX_REMOTE_URL_CHARS:
         raise ConfigError(f"{key}: must be a redis:// or rediss:// URL of at most {MAX_REMOTE_URL_CHARS} characters")
+    if url.split("://", 1)[0] not in REMOTE_URL_SCHEMES or "://" not in url:
+        raise ConfigError(f"{key}: must start with redis:// or rediss://")
+    if "@" in url.split("://", 1)[1].split("/", 1)[0]:
+        raise ConfigError(f"{key}: {REMOTE_URL_CREDENTIALS_RULE}")
+    if "?" in url or "#" in url:
+        raise ConfigError(f"{key}: {REMOTE_URL_QUERY_RULE}")
     try:
         parts = urlsplit(url)
         port = parts.port
-    except ValueError as err:
-        raise ConfigError(f"{key}: {url!r} is not a valid URL ({err})") from None
-    if parts.scheme not in REMOTE_URL_SCHEMES:
-        raise ConfigError(f"{key}: {url!r}: scheme must be one of {', '.join(REMOTE_URL_SCHEMES)}")
-    if parts.username is not None or parts.password is not None:
-        raise ConfigError(f"{key}: {url!r}: credentials may not be part of the URL; use remote.passwordSecret")
-    if not parts.hostname or port is None:
-        raise ConfigError(f"{key}: {url!r}: needs a host and a port (redis://HOST:PORT[/DB])")
-    if parts.query or parts.fragment:
-        raise ConfigError(f"{key}: {url!r}: may not carry a query or a fragment")
-    db = parts.path.lstrip("/")
-    if parts.path not in ("", "/") and not (db.isdigit() and len(db) <= 2 and "/" not in db):
-        raise ConfigError(f"{key}: {url!r}: the path may only be a database number (redis://HOST:PORT/0)")
+    except ValueError:
+        port, parts = None, None
+    db = parts.path.lstrip("/") if parts is not None else ""
+    if (parts is None or not parts.hostname or port is None or any(c.isspace() for c in url)
+            or (parts.path not in ("", "/") and not (db.isdigit() and len(db) <= 2))):
+        raise ConfigError(f"{key}: {REMOTE_URL_HOST_PORT_RULE}")
+
+
+REMOTE_URL_CREDENTIALS_RULE = "must not contain credentials (user:password@); use remote.passwordSecret"
+REMOTE_URL_QUERY_RULE = "must not carry a query or a fragment"
+REMOTE_URL_HOST_PORT_RULE = ("needs a host and a port, and at most a database number as its path "
+                             "(redis://HOST:PORT[/DB])")
 
 
 def _positive_int(key: str, value: Any) -> None:
@@ -298,31 +319,11 @@ class OffloadSpecConfig:
         prefix = "kv_connector_extra_config."
         if "cpu_bytes_to_use" not in extra:
             raise ConfigError(f"{prefix}cpu_bytes_to_use: required (bytes of kvtier's host tier)")
-        raw_tiers = extra.get("fs_tiers") or []
-        if not isinstance(raw_tiers, (list, tuple)):
-            raise ConfigError(f"{prefix}fs_tiers: {raw_tiers!r} must be a list of tier mappings")
-        tiers: list[FilesystemTierConfig] = []
-        for i, raw in enumerate(raw_tiers):
-            if not isinstance(raw, Mapping):
-                raise ConfigError(f"{prefix}fs_tiers[{i}]: {raw!r} must be a mapping")
-            try:
-                tiers.append(FilesystemTierConfig.from_kwargs(raw))
-            except ConfigError as err:
-                raise ConfigError(f"{prefix}fs_tiers[{i}].{err}") from None
+        tiers = _parse_tiers(extra, "fs_tiers", FilesystemTierConfig, prefix)
         roots = [t.root_dir for t in tiers]
         if len(set(roots)) != len(roots):
             raise ConfigError(f"{prefix}fs_tiers: root_dir values must be distinct, got {roots}")
-        raw_remote = extra.get("remote_tiers") or []
-        if not isinstance(raw_remote, (list, tuple)):
-            raise ConfigError(f"{prefix}remote_tiers: {raw_remote!r} must be a list of tier mappings")
-        remote: list[RemoteTierConfig] = []
-        for i, raw in enumerate(raw_remote):
-            if not isinstance(raw, Mapping):
-                raise ConfigError(f"{prefix}remote_tiers[{i}]: {raw!r} must be a mapping")
-            try:
-                remote.append(RemoteTierConfig.from_kwargs(raw))
-            except ConfigError as err:
-                raise ConfigError(f"{prefix}remote_tiers[{i}].{err}") from None
+        remote = _parse_tiers(extra, "remote_tiers", RemoteTierConfig, prefix)
         known = {"cpu_bytes_to_use", "eviction_policy", "admission", "admission_threshold", "host_shm_dir"}
         try:
             return cls(

@@ -173,6 +173,21 @@ def test_admin_trust_settings_become_operator_flags(helm):
     assert "pvcAllowed" in str(err.value)
 
 
+def test_remote_store_allowlist_becomes_operator_flags(helm):
+    values = {"operator": {"remoteStoresAllowed": ["valkey.kv.svc:6379", "redis://valkey.kv.svc:6379"]}}
+    args = one(helm.template(values), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [a for a in args if a.startswith("--remote-store-allow")] == [
+        "--remote-store-allow=valkey.kv.svc:6379", "--remote-store-allow=redis://valkey.kv.svc:6379"]
+    from kvtier_operator.settings import from_args
+    assert from_args(args, env={}).remote_stores_allowed == ("valkey.kv.svc:6379", "redis://valkey.kv.svc:6379")
+    default = one(helm.template({}), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not [a for a in default if a.startswith("--remote-store-allow")]
+    for bad in ("valkey", "redis://u:p@v:6379", "http://v:6379"):
+        with pytest.raises(AssertionError) as err:
+            helm.template({"operator": {"remoteStoresAllowed": [bad]}})
+        assert "remoteStoresAllowed" in str(err.value), bad
+
+
 def test_image_digest_wins_over_tag(helm):
     docs = helm.template({"image": {"tag": "9.9.9", "digest": "sha256:" + "b" * 64}})
     image = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]

@@ -34,7 +34,7 @@ from e2e.vllm_cpu.server import VllmServer
 from kvtier_runtime.codecs import KVLayout, decode, get_kv_codec, peek_header
 from plugins.kv_accuracy import attention_cosine, compare_logits
 from kvtier_runtime.codecs.kv import canonical, scatter_staged, to_stage
-from kvtier_runtime.fs.format import HEADER_BYTES, align_up, checksum, pack_header, parse_header
+from kvtier_runtime.fs.format import BLOB_OFFSET, FORMAT_VERSION, HEADER_BYTES, align_up, checksum, pack_header, parse_header
 
 pytestmark = pytest.mark.timeout(1800)  # six passes of 128 full-vocabulary positions
 
@@ -55,7 +55,8 @@ def _files(root: pathlib.Path) -> dict[pathlib.Path, pathlib.Path]:
 def _blob(path: pathlib.Path):
     data = path.read_bytes()
     header = parse_header(data[:HEADER_BYTES])
-    return header, torch.frombuffer(bytearray(data[HEADER_BYTES:HEADER_BYTES + header.payload_len]), dtype=torch.uint8)
+    start = header.blob_offset
+    return header, torch.frombuffer(bytearray(data[start:start + header.payload_len]), dtype=torch.uint8)
 
 
 def _write_block(path: pathlib.Path, like, blob: torch.Tensor) -> None:
@@ -63,8 +64,9 @@ def _write_block(path: pathlib.Path, like, blob: torch.Tensor) -> None:
     payload = blob.numpy().tobytes()
     header = pack_header(codec=peek_header(blob).codec, dtype=like.dtype, shape=like.shape,
                          payload_len=len(payload), payload_crc=checksum(payload), key=like.key)
+    raw = header[: BLOB_OFFSET[FORMAT_VERSION]] + payload  # format 2: the blob's header ends the header page
     tmp = path.with_name(path.name + ".rewrite")
-    tmp.write_bytes(header + payload + b"\0" * (align_up(len(payload)) - len(payload)))
+    tmp.write_bytes(raw + b"\0" * (align_up(len(raw)) - len(raw)))
     tmp.replace(path)
 
 
@@ -198,7 +200,7 @@ def measured(run: Run) -> Measured:
             chunk = chunks[rel] if transform is None else transform(EXPECTED_LAYOUT, chunks[rel])
             n = kv.encode(chunk, out)
             if codec == "int4" and transform is None:  # the test encodes exactly as the engine did
-                identical &= out[:n].numpy().tobytes() == engine_int4[rel][HEADER_BYTES:HEADER_BYTES
+                identical &= out[:n].numpy().tobytes() == engine_int4[rel][header.blob_offset:header.blob_offset
                                                                              + header.payload_len]
             _write_block(path, header, out[:n])
             nbytes += n

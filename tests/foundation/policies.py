@@ -38,6 +38,11 @@ def disk(name: str = "nvme", **kw: Any) -> dict[str, Any]:
             "volume": {"emptyDir": {}}, **kw}
 
 
+def remote(name: str = "shared", url: str = "redis://valkey.kv:6379/0", **kw: Any) -> dict[str, Any]:
+    store = {"url": url, **kw.pop("store", {})}
+    return {"name": name, "medium": "remote", "size": "20Gi", "remote": store, **kw}
+
+
 SLO = {"prometheus": {"url": "http://prometheus.monitoring:9090"}, "ttftP99": "2s"}
 
 # Policies both `kvtier validate` and the API server must accept.
@@ -55,6 +60,10 @@ VALID = [
     policy(engine=None, tiers=[cpu(size=17179869184)]),
     policy(slo=SLO, rollout={"strategy": "staged"}),
     policy(slo={**SLO, "ttftP99MaxRatio": 1.2}, rollout={"strategy": "staged"}),
+    # A shared tier on a Valkey/Redis store, last in lookup order; IPv6 and TLS stores.
+    policy(backend="kvtier", tiers=[cpu(), disk(), remote(compression="fp8", store={
+        "passwordSecret": {"name": "valkey", "key": "password"}, "macKeySecret": {"name": "kv-mac", "key": "k"}})]),
+    policy(backend="kvtier", tiers=[cpu(), remote(url="rediss://[fd00::1]:6380")]),
 ]
 
 # (policy, the problem `kvtier validate` reports: "field path: rule"). The API server rejects each too.
@@ -68,7 +77,26 @@ INVALID = [
      "spec.tiers[1].path: a filesystem tier needs path and volume"),
     (policy(tiers=[cpu(path="/x")]), "spec.tiers[0].medium: a cpu tier takes no path or volume"),
     (policy(backend="kvtier", tiers=[cpu(compression="int4")]),
-     "spec.tiers[0].compression: compression applies to filesystem tiers only"),
+     "spec.tiers[0].compression: compression applies to filesystem and remote tiers only"),
+    # Remote tiers: the store's address, where the tier sits, and which backend runs it.
+    (policy(backend="kvtier", tiers=[cpu(), remote(url="redis://user:pw@valkey:6379")]),
+     "spec.tiers[1].remote.url: must not contain credentials"),
+    (policy(backend="kvtier", tiers=[cpu(), remote(url="redis://valkey")]),
+     "spec.tiers[1].remote.url: needs a host and a port"),
+    (policy(backend="kvtier", tiers=[cpu(), remote(url="redis://valkey:6379/kv")]),
+     "spec.tiers[1].remote.url: needs a host and a port, and at most a database number"),
+    (policy(backend="kvtier", tiers=[cpu(), remote(url="redis://valkey:6379/0?ssl=true")]),
+     "spec.tiers[1].remote.url: must not carry a query or a fragment"),
+    (policy(backend="kvtier", tiers=[cpu(), remote(url="http://valkey:6379")]), "spec.tiers[1].remote.url: "),
+    (policy(backend="kvtier", tiers=[cpu(), {"name": "shared", "medium": "remote", "size": "1Gi"}]),
+     "spec.tiers[1].remote: a remote tier needs remote (url)"),
+    (policy(backend="kvtier", tiers=[cpu(), disk(remote={"url": "redis://valkey:6379"})]),
+     "spec.tiers[1].remote: a remote tier needs remote (url), and only a remote tier takes it"),
+    (policy(backend="kvtier", tiers=[cpu(), remote(path="/mnt/x")]),
+     "spec.tiers[1].medium: a remote tier takes no path or volume"),
+    (policy(tiers=[cpu(), remote()]), "spec.backend: a remote tier needs backend kvtier"),
+    (policy(backend="kvtier", tiers=[cpu(), remote(), remote("other")]), "spec.tiers: at most one remote tier"),
+    (policy(backend="kvtier", tiers=[cpu(), remote(), disk()]), "spec.tiers: the remote tier must be the last tier"),
     (policy(tiers=[cpu(), disk(compression="fp8")]), "spec.backend: compression needs backend kvtier"),
     (policy(tiers=[cpu(admission="doorkeeper")]), "spec.backend: admission filters need backend kvtier"),
     (policy(tiers=[cpu(), disk(evictionPolicy="adaptive")]), "spec.backend: backend native runs vLLM's own filesystem tier, which evicts nothing"),

@@ -28,6 +28,7 @@ from kvtier_runtime.config import (
     CachePolicyChoice,
     FilesystemTierConfig,
     OffloadSpecConfig,
+    RemoteTierConfig,
 )
 from kvtier_runtime.policies import get_policy
 
@@ -37,6 +38,8 @@ from plugins.slo_harness import slo_settings
 NOW = "2026-12-01T00:00:00Z"
 # The admin's allowed hostPath prefixes (operator settings): the hostPath flows use paths under it.
 HOST_PATH_PREFIXES = ("/mnt/disks",)
+# ... and the stores remote tiers may use.
+REMOTE_STORES_ALLOWED = ("redis://valkey:6379", "redis://other:6379")
 GiB = 2**30
 
 SLO = {"prometheus": {"url": "http://prometheus:9090"}, "ttftP99": "2s"}
@@ -79,6 +82,8 @@ def runtime_objects(files: dict[str, str]) -> dict[str, Any]:
             spec.eviction_policy, 1000, admission=None if spec.admission == "none" else spec.admission,
             admission_threshold=spec.admission_threshold))
         tiers = list(spec.fs_tiers)
+        if spec.remote_tiers:
+            out["remote"] = [RemoteTierConfig.from_kwargs(t.to_kwargs()).to_kwargs() for t in spec.remote_tiers]
     else:
         if str(extra.get("eviction_policy", "")).startswith("Kvtier"):
             choice = CachePolicyChoice.from_class_name(extra["eviction_policy"])
@@ -103,7 +108,7 @@ def observe(spec: dict[str, Any], image: str = deployment()["spec"]["template"][
     wl = observed(deployment(labels={"app": "llm", "tier": "gold"}, image=image, container=container,
                              args=args or ["--model", "m", config_flag, "/etc/kvtier/engine.yaml"]))
     plan = rc.plan(policy_obj(spec), [wl], [], now=NOW, host_path_prefixes=HOST_PATH_PREFIXES,
-                   pvc_allowed=("*/*",))
+                   pvc_allowed=("*/*",), remote_stores_allowed=REMOTE_STORES_ALLOWED)
     files = plan.config_map["data"] if plan.config_map else {}
     targets = [{k: v for k, v in vars(t).items() if k != "config_hash"} for t in plan.targets]
     guard = None
@@ -156,6 +161,12 @@ def size_reaches_runtime(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert b["runtime"]["fs"][0]["policy"]["capacity"] == 200 * GiB
 
 
+def remote(**store: Any) -> dict[str, Any]:
+    return {"name": "shared", "medium": "remote", "size": "10Gi",
+            "remote": {"url": "redis://valkey:6379", **store}}
+
+
+REMOTE_SECRETS = {"passwordSecret": {"name": "vk", "key": "pw"}, "macKeySecret": {"name": "mac", "key": "k"}}
 THRESHOLD_TIERS = [dict(CPU, admission="threshold"), dict(DISK, admission="threshold")]
 SECRET = {"name": "prom", "key": "token"}
 TRT = {"engine": "trtllm", "backend": "native", "tiers": [dict(CPU)]}
@@ -210,6 +221,20 @@ FLOWS: dict[str, Flow] = {
     "tiers.readThreads": Flow(setter("tiers[1].readThreads", 4), ("files", "runtime")),
     "tiers.writeThreads": Flow(setter("tiers[1].writeThreads", 4), ("files", "runtime")),
     "tiers.compression": Flow(setter("tiers[1].compression", "int8"), ("files", "runtime")),
+    "tiers.remote.url": Flow(setter("tiers[2].remote.url", "redis://other:6379/1"), ("files", "runtime"),
+                             before=lambda: base(tiers=[CPU, DISK, remote()])),
+    "tiers.remote.passwordSecret.name": Flow(
+        setter("tiers[2].remote.passwordSecret.name", "vk2"), ("targets",),
+        before=lambda: base(tiers=[CPU, DISK, remote(**REMOTE_SECRETS)])),
+    "tiers.remote.passwordSecret.key": Flow(
+        setter("tiers[2].remote.passwordSecret.key", "other"), ("targets",),
+        before=lambda: base(tiers=[CPU, DISK, remote(**REMOTE_SECRETS)])),
+    "tiers.remote.macKeySecret.name": Flow(
+        setter("tiers[2].remote.macKeySecret", {"name": "mac", "key": "k"}), ("targets", "files", "runtime"),
+        before=lambda: base(tiers=[CPU, DISK, remote(passwordSecret={"name": "vk", "key": "pw"})])),
+    "tiers.remote.macKeySecret.key": Flow(
+        setter("tiers[2].remote.macKeySecret.key", "k2"), ("targets",),
+        before=lambda: base(tiers=[CPU, DISK, remote(**REMOTE_SECRETS)])),
     "offload.chunkTokens": Flow(setter("offload.chunkTokens", 64), ("files",)),
     "offload.promptOnly": Flow(setter("offload.promptOnly", True), ("files",)),
     "offload.storeThreshold": Flow(setter("offload.storeThreshold", 5), ("files", "runtime"),

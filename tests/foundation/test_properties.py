@@ -18,9 +18,15 @@ volumes = st.sampled_from([{"emptyDir": {}}, {"hostPath": {"path": "/nvme"}},
 
 @st.composite
 def tiers(draw):
-    tier = {"name": draw(names), "medium": draw(st.sampled_from(["cpu", "filesystem", "gpu"])), "size": draw(sizes)}
+    tier = {"name": draw(names), "medium": draw(st.sampled_from(["cpu", "filesystem", "remote", "gpu"])),
+            "size": draw(sizes)}
     if draw(st.booleans()):
         tier["path"] = draw(st.sampled_from(["/mnt/a", "/mnt/b", "relative"]))
+    if draw(st.booleans()):
+        tier["remote"] = {"url": draw(st.sampled_from(["redis://v:6379", "rediss://v:6380/1", "redis://u:p@v:1",
+                                                       "redis://v", "http://v:6379", "redis://v:1/x?y"]))}
+        if draw(st.booleans()):
+            tier["remote"]["passwordSecret"] = draw(st.sampled_from([{"name": "v", "key": "p"}, {"name": "V"}]))
     if draw(st.booleans()):
         tier["volume"] = draw(volumes)
     for key, values in {"evictionPolicy": ["lru", "arc", "s3fifo", "lfu"], "admission": ["none", "doorkeeper"],
@@ -106,6 +112,13 @@ def valid_policies(draw):
                 tier["compression"] = draw(st.sampled_from(["none", "fp8", "fp8_e5m2", "int8", "int4"]))
                 tier["admission"] = draw(st.sampled_from(["none", "doorkeeper"]))
             tiers_.append(tier)
+        if backend == "kvtier" and len(tiers_) < 4 and draw(st.booleans()):
+            remote = {"name": "shared", "medium": "remote", "size": "20Gi", "enabled": draw(st.booleans()),
+                      "compression": draw(st.sampled_from(["none", "fp8", "int8"])),
+                      "remote": {"url": draw(st.sampled_from(["redis://valkey:6379", "rediss://[fd00::1]:6380/2"]))}}
+            for key in draw(st.sets(st.sampled_from(["passwordSecret", "macKeySecret"]))):
+                remote["remote"][key] = {"name": key.lower(), "key": "k"}
+            tiers_.append(remote)
     spec = {"selector": {"matchLabels": {"app": "x"}}, "engine": engine, "backend": backend, "blockSize": block,
             "tiers": tiers_, "offload": {"chunkTokens": block * draw(st.integers(1, 32))}}
     if engine == "trtllm" and any(t["medium"] == "filesystem" for t in tiers_):
@@ -127,3 +140,14 @@ def test_every_valid_policy_renders_for_any_subset_of_enabled_tiers(doc, data):
         assert rendered.tiers[0] == "host" and rendered.resources["cpuTierBytes"] > 0
     mounted = {m["mountPath"] for m in rendered.volume_mounts}
     assert {t.path for t in policy.spec.tiers if t.name in rendered.tiers and t.path} <= mounted
+    # A rendered remote tier reaches the runtime's parser, and its Secret files are mounted read-only.
+    remote = next((t for t in policy.spec.tiers if t.medium == "remote" and t.name in rendered.tiers), None)
+    if remote is not None:
+        from kvtier_runtime.config import OffloadSpecConfig
+
+        extra = yaml.safe_load(rendered.files["engine.yaml"])["kv-transfer-config"]["kv_connector_extra_config"]
+        (cfg,) = OffloadSpecConfig.from_extra_config(extra).remote_tiers
+        assert cfg.url == remote.remote.url and cfg.capacity_bytes == remote.size_bytes
+        for path in (cfg.password_file, cfg.mac_key_file):
+            assert path is None or any(path.startswith(m["mountPath"] + "/") and m.get("readOnly")
+                                       for m in rendered.volume_mounts)

@@ -17,10 +17,16 @@ def block_for(key: bytes, shape: tuple[int, ...] = (64, 256)):
 
 
 def sentinel(shape: tuple[int, ...] = (64, 256)):
-    """An output buffer no stored block equals: a read that did not happen (or wrote other bytes) shows."""
+    """An output buffer no stored block equals: a read that did not happen (or wrote other bytes) shows.
+
+    Never page-aligned (it starts one float into its storage), so a filesystem tier always loads into it through
+    its staging buffer and a failed load leaves it untouched; a page-aligned row may be read into directly, and
+    then only "never reported loaded" holds (tests/test_fs_tier_v2.py)."""
+    import math
+
     import torch
 
-    return torch.full(shape, 12345.0)
+    return torch.full((math.prod(shape) + 1,), 12345.0)[1:].view(shape)
 
 
 def key_of(i: int) -> bytes:

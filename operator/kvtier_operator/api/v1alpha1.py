@@ -19,6 +19,12 @@ from kvtier_runtime.config import (
     DEFAULT_ADMISSION_THRESHOLD,
     DEFAULT_EVICTION_POLICY,
     EVICTION_POLICIES,
+    MAX_REMOTE_URL_CHARS,
+    REMOTE_URL_CREDENTIALS_RULE,
+    REMOTE_URL_HOST_PORT_RULE,
+    REMOTE_URL_QUERY_RULE,
+    ConfigError,
+    check_remote_url,
     default_eviction_policy,
 )
 
@@ -248,6 +254,50 @@ class VolumeSource(_Model):
     persistent_volume_claim: Optional[PersistentVolumeClaimSource] = Field(None, description="An existing claim.")
 
 
+class SecretKeyRef(_Model):
+    """A key in a Secret in the policy's namespace."""
+
+    name: str = Field(description="Secret name.", pattern=NAME_PATTERN, max_length=253)
+    key: str = Field(description="Key in the Secret.", max_length=253)
+
+
+# The CEL side of kvtier_runtime.config.check_remote_url (the runtime re-checks with that function; the operator's
+# validation runs it too, so `kvtier validate` and the API server agree on every rule below).
+REMOTE_URL_PATTERN = r"^rediss?://[^\s]+$"
+# A host (a name or an address, IPv6 in brackets) and a port, then at most a database number.
+REMOTE_HOST_PORT_RULE = r"^rediss?://[^/?#@]+:[0-9]{1,5}(/[0-9]{0,2})?$"
+
+
+def _remote_url(value: str) -> str:
+    try:
+        check_remote_url("url", value)
+    except ConfigError as err:
+        raise paths.RuleError(str(err).removeprefix("url: ")) from None
+    return value
+
+
+class RemoteStoreSpec(_Model):
+    """A Valkey/Redis store (standalone or cluster mode) that every replica of the model shares."""
+
+    url: Annotated[str, AfterValidator(_remote_url)] = Field(
+        description="Address of the store: redis://HOST:PORT[/DB] or rediss://HOST:PORT[/DB] (TLS). It must be "
+                    "allowed by the operator's admin (operator setting remoteStoresAllowed); no credentials, query "
+                    "or fragment.",
+        pattern=REMOTE_URL_PATTERN, max_length=MAX_REMOTE_URL_CHARS,
+        json_schema_extra=_cel(
+            _rule("!self.matches('^rediss?://[^/?#]*@')", REMOTE_URL_CREDENTIALS_RULE),
+            _rule("!self.contains('?') && !self.contains('#')", REMOTE_URL_QUERY_RULE),
+            _rule(f"self.matches('^rediss?://[^/?#]*@') || self.contains('?') || self.contains('#') || "
+                  f"self.matches('{REMOTE_HOST_PORT_RULE}')", REMOTE_URL_HOST_PORT_RULE)))
+    password_secret: Optional[SecretKeyRef] = Field(
+        None, description="Secret key holding the store's password (AUTH). It is mounted read-only into the serving "
+                          "pods and sent only to an allowed store; the operator never reads it.")
+    mac_key_secret: Optional[SecretKeyRef] = Field(
+        None, description="Secret key holding the key of the MAC on every stored block (many writers share the "
+                          "store). Unset: the password is the MAC key; with neither, blocks carry a checksum only "
+                          "and `kvtier validate` warns.")
+
+
 class TierSpec(_Model):
     """One offload tier below the GPU."""
 
@@ -257,15 +307,23 @@ class TierSpec(_Model):
                   "a filesystem tier needs path and volume", field_path=".path"),
             _rule("self.medium != 'cpu' || (!has(self.path) && !has(self.volume))",
                   "a cpu tier takes no path or volume (it lives in /dev/shm)", field_path=".medium"),
-            _rule("self.compression == 'none' || self.medium == 'filesystem'",
-                  "compression applies to filesystem tiers only", field_path=".compression"),
+            _rule("self.compression == 'none' || self.medium != 'cpu'",
+                  "compression applies to filesystem and remote tiers only", field_path=".compression"),
+            _rule("(self.medium == 'remote') == has(self.remote)",
+                  "a remote tier needs remote (url), and only a remote tier takes it", field_path=".remote"),
+            _rule("self.medium != 'remote' || (!has(self.path) && !has(self.volume))",
+                  "a remote tier takes no path or volume (its bytes live in the store)", field_path=".medium"),
         )
     )
     name: str = Field(description="Tier name, unique in the policy; used in status, events and metrics.",
                       pattern=NAME_PATTERN, max_length=63)
-    medium: Literal["cpu", "filesystem"] = Field(
-        description="cpu: host RAM (at most one, and first); filesystem: a local disk such as NVMe.")
-    size: Quantity = _quantity("Capacity of the tier as a Kubernetes quantity, total across tensor-parallel ranks.")
+    medium: Literal["cpu", "filesystem", "remote"] = Field(
+        description="cpu: host RAM (at most one, and first); filesystem: a local disk such as NVMe; remote: a "
+                    "Valkey/Redis store shared by every replica (backend kvtier; at most one, after the filesystem "
+                    "tiers).")
+    size: Quantity = _quantity("Capacity of the tier as a Kubernetes quantity, total across tensor-parallel ranks. "
+                               "For a remote tier: what each serving pod may use in the store (the fleet-wide bound "
+                               "is the store's own maxmemory).")
     enabled: bool = Field(True, description="Set false to declare a tier without using it. The SLO guard "
                                             "disables tiers in status, never here.")
     eviction_policy: Optional[Literal[EVICTION_POLICIES]] = Field(  # type: ignore[valid-type]
@@ -299,7 +357,8 @@ class TierSpec(_Model):
     read_threads: int = Field(16, ge=1, le=256, description="I/O threads reading from a filesystem tier.")
     write_threads: int = Field(16, ge=1, le=256, description="I/O threads writing to a filesystem tier.")
     compression: Literal[CODECS] = Field(  # type: ignore[valid-type]
-        "none", description="Codec for blocks stored in a filesystem tier (backend kvtier only).")
+        "none", description="Codec for blocks stored in a filesystem or remote tier (backend kvtier only).")
+    remote: Optional[RemoteStoreSpec] = Field(None, description="The store of a remote tier.")
 
     # Typed views (units parsed once, here; renderers read these, never the strings).
     @cached_property
@@ -341,13 +400,6 @@ class OffloadSpec(_Model):
 
 
 # ---------------------------------------------------------------------------------------------- SLO
-
-
-class SecretKeyRef(_Model):
-    """A key in a Secret in the policy's namespace."""
-
-    name: str = Field(description="Secret name.", pattern=NAME_PATTERN, max_length=253)
-    key: str = Field(description="Key in the Secret.", max_length=253)
 
 
 class PrometheusAuth(_Model):
@@ -520,6 +572,16 @@ class KVCachePolicySpec(_Model):
                   message_expression="'%d is not a multiple of spec.blockSize (%d)'"
                                      ".format([self.offload.chunkTokens, self.blockSize])",
                   field_path=".offload.chunkTokens"),
+            _rule("self.backend == 'kvtier' || self.tiers.all(t, t.medium != 'remote')",
+                  "a remote tier needs backend kvtier", field_path=".backend"),
+            _rule("self.tiers.filter(t, t.medium == 'remote').size() <= 1", "at most one remote tier",
+                  field_path=".tiers"),
+            # Lookup order is host, filesystem, remote, and the guard disables the last enabled tier first, so the
+            # list must say the same order: at most one cpu tier (first) and one remote tier (last).
+            _rule("!self.tiers.exists(t, t.medium == 'remote') || "
+                  "self.tiers[self.tiers.size() - 1].medium == 'remote'",
+                  "the remote tier must be the last tier (lookup order: cpu, filesystem, remote)",
+                  field_path=".tiers"),
             _rule("self.backend == 'kvtier' || self.tiers.all(t, t.compression == 'none')",
                   "compression needs backend kvtier", field_path=".backend"),
             _rule("self.backend == 'kvtier' || self.tiers.all(t, t.admission == 'none')",
@@ -679,6 +741,11 @@ class KVCachePolicyStatus(_Model):
     slo_state: Optional[str] = Field(None, description="OK, Breaching, Unknown, NoData or Off (printer column).")
     tiers: list[TierStatus] = Field(default_factory=list, description="Per-tier state.")
     targets: list[TargetStatus] = Field(default_factory=list, description="Per-workload state.")
+    remote_store_budget_bytes: Optional[int] = Field(
+        None, ge=0, description="With an enabled remote tier: the most this policy's serving pods may hold in the "
+                                "shared store (the tier's size times the replicas configured with it). What they hold "
+                                "now is the runtime's kvtier_runtime_remote_bytes metric; the store's maxmemory bounds "
+                                "the fleet.")
     slo: Optional[GuardStateField] = Field(
         None, description="SLO guard state: last values, counters, baseline, stage (kept here so restarts lose "
                           "nothing), and slo.history: recent tier changes, newest last (HistoryEntry, bounded).",

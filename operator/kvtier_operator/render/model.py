@@ -24,6 +24,11 @@ CONFIG_DIR = "/etc/kvtier"
 CONFIG_FILE = "engine.yaml"
 CONFIG_VOLUME = "kvtier-config"
 SHM_VOLUME = "kvtier-shm"
+# A remote tier's Secrets (password, MAC key) are mounted read-only here, one directory per tier: the operator never
+# reads them, the runtime reads the files when the tier starts.
+REMOTE_SECRETS_DIR = "/etc/kvtier-remote"
+REMOTE_PASSWORD_FILE = "password"
+REMOTE_MAC_KEY_FILE = "mac-key"
 
 
 class RenderError(ValueError):
@@ -126,13 +131,39 @@ def mount_path(tier: api.TierSpec) -> str:
     return paths.normal_path(tier.path)
 
 
-def tier_volume_name(tier_name: str) -> str:
+def tier_volume_name(tier_name: str, prefix: str = "kvtier-tier-") -> str:
     """A volume name (at most 63 characters) unique per tier name: long names keep a prefix and a hash, so two
     tiers that share their first 51 characters still get two volumes."""
-    name = f"kvtier-tier-{tier_name}"
+    name = f"{prefix}{tier_name}"
     if len(name) <= 63:
         return name
     return f"{name[:54]}-{hashlib.sha256(tier_name.encode()).hexdigest()[:8]}"
+
+
+def remote_secret_files(tier: api.TierSpec) -> tuple[Optional[str], Optional[str]]:
+    """Paths of the remote tier's password and MAC key files in the container (None where not set). Without its
+    own MAC key the tier keys its MAC with the password: a client of the store without it cannot forge a block."""
+    assert tier.remote is not None
+    base = f"{REMOTE_SECRETS_DIR}/{tier.name}"
+    password = f"{base}/{REMOTE_PASSWORD_FILE}" if tier.remote.password_secret is not None else None
+    mac = f"{base}/{REMOTE_MAC_KEY_FILE}" if tier.remote.mac_key_secret is not None else password
+    return password, mac
+
+
+def remote_secret_volume(tier: api.TierSpec) -> Optional[tuple[dict[str, Any], dict[str, Any]]]:
+    """The read-only volume holding a remote tier's password and MAC key files, or None without either. A projected
+    volume: the two keys may live in different Secrets, only the named keys are projected, and a rotated Secret
+    reaches the pod without a restart (a subPath mount would freeze it)."""
+    assert tier.remote is not None
+    sources = [{"secret": {"name": ref.name, "items": [{"key": ref.key, "path": file}]}}
+               for ref, file in ((tier.remote.password_secret, REMOTE_PASSWORD_FILE),
+                                 (tier.remote.mac_key_secret, REMOTE_MAC_KEY_FILE)) if ref is not None]
+    if not sources:
+        return None
+    # Its own prefix: a filesystem tier named "<this tier>-secrets" must not get the same volume name.
+    name = tier_volume_name(tier.name, prefix="kvtier-remote-")
+    return ({"name": name, "projected": {"sources": sources, "defaultMode": 0o440}},
+            {"name": name, "mountPath": f"{REMOTE_SECRETS_DIR}/{tier.name}", "readOnly": True})
 
 
 def shm_volume(size_bytes: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -175,4 +206,9 @@ def workload_storage(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], con
                                   "filesystem tiers need distinct paths")
             volumes.append(volume)
             mounts.append(mount)
+        elif tier.medium == "remote":
+            secret = remote_secret_volume(tier)
+            if secret is not None:
+                volumes.append(secret[0])
+                mounts.append(secret[1])
     return volumes, mounts, memory

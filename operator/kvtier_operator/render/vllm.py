@@ -21,10 +21,16 @@ from kvtier_runtime.config import (
     CachePolicyChoice,
     FilesystemTierConfig,
     OffloadSpecConfig,
+    RemoteTierConfig,
 )
 
 from ..api import v1alpha1 as api
-from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, dump_yaml, mount_path, workload_storage
+from .model import (CONFIG_DIR, CONFIG_FILE, RenderedConfig, dump_yaml, mount_path, remote_secret_files,
+                    workload_storage)
+
+# Replicas share a remote tier only if their block hashes agree: sha256 over CBOR is reproducible across processes,
+# Python versions and languages (vLLM's default sha256 pickles, which may differ between images).
+SHARED_PREFIX_HASH = "sha256_cbor"
 
 LMCACHE_FILE = "lmcache.yaml"
 
@@ -38,6 +44,10 @@ def _engine_flags(spec: api.KVCachePolicySpec) -> dict[str, Any]:
     return flags
 
 
+def _shared_hash_flags(tiers: list[api.TierSpec]) -> dict[str, Any]:
+    return {"prefix-caching-hash-algo": SHARED_PREFIX_HASH} if any(t.medium == "remote" for t in tiers) else {}
+
+
 def _kvtier_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec]) -> dict[str, Any]:
     """kvtier's own offloading spec: its host tier (the cpu tier) and filesystem tiers, with kvtier's policies
     and codecs (loaded by vLLM's OffloadingSpecFactory from ``spec_module_path``)."""
@@ -48,6 +58,7 @@ def _kvtier_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec])
         admission=cpu.admission,
         admission_threshold=spec.offload.admission_threshold,
         fs_tiers=tuple(_fs_tier_config(spec, t) for t in secondary),
+        remote_tiers=tuple(_remote_tier_config(t) for t in tiers[1:] if t.medium == "remote"),
     )
     extra: dict[str, Any] = {"spec_name": VLLM_OFFLOADING_SPEC_CLASS, "spec_module_path": VLLM_ADAPTER_MODULE,
                              "offload_prompt_only": spec.offload.prompt_only}
@@ -69,6 +80,13 @@ def _fs_tier_config(spec: api.KVCachePolicySpec, tier: api.TierSpec) -> Filesyst
         n_read_threads=tier.read_threads,
         n_write_threads=tier.write_threads,
     )
+
+
+def _remote_tier_config(tier: api.TierSpec) -> RemoteTierConfig:
+    assert tier.remote is not None
+    password, mac = remote_secret_files(tier)
+    return RemoteTierConfig(url=tier.remote.url, capacity_bytes=tier.size_bytes, codec=tier.compression,
+                            password_file=password, mac_key_file=mac)
 
 
 def _offloading_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec]) -> dict[str, Any]:
@@ -131,6 +149,7 @@ def render_vllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config_m
         files[LMCACHE_FILE] = dump_yaml(_lmcache_config(spec, tiers), sort_keys=True)
         env["LMCACHE_CONFIG_FILE"] = f"{CONFIG_DIR}/{LMCACHE_FILE}"
     elif tiers:
+        flags.update(_shared_hash_flags(tiers))
         flags["kv-transfer-config"] = {
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",

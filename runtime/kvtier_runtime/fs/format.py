@@ -1,29 +1,40 @@
 """On-disk format of one filesystem-tier block file (pure functions, no I/O).
 
-A block file is a fixed 4 KiB header followed by the codec's encoded blob, zero-padded to a multiple of 4 KiB so
-that the whole file can be written and read with O_DIRECT. The header carries everything needed to rebuild the
-index after a restart without reading payloads, and a CRC of itself so a torn or flipped header is detected
-before any of its fields are trusted.
+A block file is a 4 KiB header page followed by the codec's payload, zero-padded to a multiple of 4 KiB so that
+the whole file can be written and read with O_DIRECT. The header carries everything needed to rebuild the index
+after a restart without reading payloads, and a CRC of itself so a torn or flipped header is detected before any
+of its fields are trusted.
+
+**Format 2** (written since issue #28): the codec's 96-byte blob header sits at the *end* of the header page
+(bytes [4000, 4096)), so the codec blob (its header, then its payload) runs contiguously from byte 4000 and the
+payload itself starts page-aligned at 4096. An uncompressed block's payload is the caller's row byte for byte,
+so it moves between the file and a page-aligned row with O_DIRECT and no staging copy.
+
+**Format 1** (read, never written): the blob starts at 4096, so the payload sits 96 bytes past a page boundary
+and always goes through the staging buffer. Both versions share the header fields below; they differ only in
+where the blob starts (``BlockHeader.blob_offset``) and in the MAC's domain tag.
 
 Header layout (little-endian)::
 
     0   8s   magic  b"KVTIERB1"
-    8   H    format version
+    8   H    format version (1 or 2)
     10  H    header length covered by the header CRC (HEADER_USED)
     12  I    CRC32 of bytes [16, HEADER_USED) of the header
     16  16s  codec name (ASCII, NUL padded)
     32  16s  dtype name (ASCII, NUL padded), e.g. "bfloat16"
     48  B    ndim (<= MAX_NDIM), then 7 bytes padding
     56  8Q   shape (unused dims are 0)
-    120 Q    payload length in bytes (the codec blob, before padding)
-    128 I    CRC32 of the payload
+    120 Q    blob length in bytes (the codec's header + payload, before padding)
+    128 I    CRC32 of the blob
     132 H    key length (<= MAX_KEY_BYTES)
     134 2x
     136 key bytes (MAX_KEY_BYTES, NUL padded)
-    1160 32s  HMAC-SHA256 of header bytes [0, HEADER_USED) + payload, or zeros without a MAC key
+    1160 32s  HMAC-SHA256 of a per-version domain tag, header bytes [0, HEADER_USED) and the blob, or zeros
+              without a MAC key
+    4000 96s  format 2 only: the codec blob's own header (the blob's first 96 bytes)
 
-The MAC sits outside the header CRC on purpose: files written before it existed read the same, and the MAC
-covers the CRC'd bytes itself. A tier configured with a key serves only blocks whose MAC verifies.
+The MAC sits outside the header CRC on purpose: the MAC covers the CRC'd bytes itself. A tier configured with a
+key serves only blocks whose MAC verifies.
 """
 from __future__ import annotations
 
@@ -33,7 +44,8 @@ import zlib
 from dataclasses import dataclass
 
 MAGIC = b"KVTIERB1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
 ALIGN = 4096
 HEADER_BYTES = ALIGN
 MAX_NDIM = 8
@@ -51,8 +63,12 @@ MIN_MAC_KEY_BYTES = 32
 # (0.35 vs 0.12 GB/s per core on the busy bench machine; docs/performance.md), and the MAC is the tier's
 # largest CPU cost per block.
 _MAC_DIGEST = "sha256"
-_MAC_DOMAIN = b"kvtier-block-v1\0"
-assert HEADER_USED <= MAC_OFFSET and MAC_OFFSET + MAC_BYTES <= HEADER_BYTES
+_MAC_DOMAINS = {1: b"kvtier-block-v1\0", 2: b"kvtier-block-v2\0"}
+# The codec blob's header (kvtier_runtime.codecs.HEADER_NBYTES; this module stays torch-free, io.py checks they
+# agree). Format 2 puts it at the end of the header page so that the payload behind it starts page-aligned.
+BLOB_HEADER_BYTES = 96
+BLOB_OFFSET = {1: HEADER_BYTES, 2: HEADER_BYTES - BLOB_HEADER_BYTES}
+assert HEADER_USED <= MAC_OFFSET and MAC_OFFSET + MAC_BYTES <= BLOB_OFFSET[2]
 
 
 class FormatError(Exception):
@@ -77,19 +93,25 @@ class BlockHeader:
     payload_len: int
     payload_crc: int
     key: bytes
+    version: int = FORMAT_VERSION
+
+    @property
+    def blob_offset(self) -> int:
+        """Where the codec blob starts in the file (format 2: 96 bytes before the page-aligned payload)."""
+        return BLOB_OFFSET[self.version]
 
     @property
     def file_bytes(self) -> int:
-        return file_bytes_for(self.payload_len)
+        return file_bytes_for(self.payload_len, self.version)
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
-def file_bytes_for(payload_len: int) -> int:
+def file_bytes_for(payload_len: int, version: int = FORMAT_VERSION) -> int:
     """Size on disk of a block file whose codec blob is ``payload_len`` bytes."""
-    return HEADER_BYTES + align_up(payload_len)
+    return align_up(BLOB_OFFSET[version] + payload_len)
 
 
 def checksum(data: memoryview | bytes, value: int = 0) -> int:
@@ -106,9 +128,14 @@ def _name_field(field: str, value: str) -> bytes:
 
 
 def pack_header(
-    *, codec: str, dtype: str, shape: tuple[int, ...], payload_len: int, payload_crc: int, key: bytes
+    *, codec: str, dtype: str, shape: tuple[int, ...], payload_len: int, payload_crc: int, key: bytes,
+    version: int = FORMAT_VERSION,
 ) -> bytes:
-    """The 4 KiB header for a block (raises ValueError naming the field when a value cannot be represented)."""
+    """The 4 KiB header for a block (raises ValueError naming the field when a value cannot be represented).
+    Format 2's blob header (bytes [4000, 4096)) is left zero for the caller to fill; ``version=1`` is kept for
+    tests that need format-1 files."""
+    if version not in READ_VERSIONS:
+        raise ValueError(f"version: {version} is not one of {READ_VERSIONS}")
     if len(shape) > MAX_NDIM:
         raise ValueError(f"shape: {len(shape)} dimensions, at most {MAX_NDIM}")
     if any(d < 0 for d in shape):
@@ -119,7 +146,7 @@ def pack_header(
         raise ValueError(f"payload_len: {payload_len} must be >= 0")
     dims = tuple(shape) + (0,) * (MAX_NDIM - len(shape))
     fixed = _FIXED.pack(
-        MAGIC, FORMAT_VERSION, HEADER_USED, 0, _name_field("codec", codec), _name_field("dtype", dtype),
+        MAGIC, version, HEADER_USED, 0, _name_field("codec", codec), _name_field("dtype", dtype),
         len(shape), *dims, payload_len, payload_crc & 0xFFFFFFFF, len(key),
     )
     body = bytearray(HEADER_BYTES)
@@ -140,8 +167,8 @@ def parse_header(buf: bytes | memoryview) -> BlockHeader:
     magic, version, used, crc, codec, dtype, ndim, *rest = _FIXED.unpack_from(mv, 0)
     if magic != MAGIC:
         raise FormatError("foreign", "no block magic")
-    if version != FORMAT_VERSION:
-        raise FormatError("version", f"format version {version}, this build reads {FORMAT_VERSION}")
+    if version not in READ_VERSIONS:
+        raise FormatError("version", f"format version {version}, this build reads {READ_VERSIONS}")
     if used != HEADER_USED or checksum(mv[16:HEADER_USED]) != crc:
         raise FormatError("corrupt", "header checksum mismatch")
     dims, (payload_len, payload_crc, key_len) = rest[:MAX_NDIM], rest[MAX_NDIM:]
@@ -153,33 +180,55 @@ def parse_header(buf: bytes | memoryview) -> BlockHeader:
     except UnicodeDecodeError as exc:
         raise FormatError("corrupt", "codec/dtype name is not ASCII") from exc
     key = bytes(mv[_FIXED.size : _FIXED.size + key_len])
-    return BlockHeader(codec_s, dtype_s, tuple(dims[:ndim]), payload_len, payload_crc, key)
+    return BlockHeader(codec_s, dtype_s, tuple(dims[:ndim]), payload_len, payload_crc, key, version)
 
 
-def verify_payload(header: BlockHeader, file_len: int, payload: memoryview, *, check_crc: bool = True) -> None:
-    """Check a block's length and (unless a MAC is checked instead) payload CRC; raises
-    FormatError(truncated|corrupt)."""
+def verify_length(header: BlockHeader, file_len: int) -> None:
+    """Raise FormatError(truncated|corrupt) unless the file is exactly as long as its header says."""
     expected = header.file_bytes
     if file_len < expected:
         raise FormatError("truncated", f"file is {file_len} bytes, header says {expected}")
     if file_len > expected:
         raise FormatError("corrupt", f"file is {file_len} bytes, header says {expected}")
-    if check_crc and checksum(payload[: header.payload_len]) != header.payload_crc:
+
+
+def verify_crc(header: BlockHeader, *blob: memoryview | bytes) -> None:
+    """Raise FormatError("corrupt") unless the CRC of the blob (given in consecutive parts) is the header's."""
+    crc = 0
+    for part in blob:
+        crc = checksum(part, crc)
+    if crc != header.payload_crc:
         raise FormatError("corrupt", "payload checksum mismatch")
 
 
-def block_mac(mac_key: bytes, header: memoryview | bytes, payload: memoryview | bytes) -> bytes:
-    """HMAC-SHA256 of a domain tag, the header's covered bytes and the payload (OpenSSL; the GIL is released
-    for large inputs)."""
-    h = hmac.new(mac_key, _MAC_DOMAIN, _MAC_DIGEST)
+def verify_payload(header: BlockHeader, file_len: int, payload: memoryview, *, check_crc: bool = True) -> None:
+    """Check a block's length and (unless a MAC is checked instead) the CRC of its contiguous blob ``payload``
+    (at least ``payload_len`` bytes); raises FormatError(truncated|corrupt)."""
+    verify_length(header, file_len)
+    if check_crc:
+        verify_crc(header, payload[: header.payload_len])
+
+
+def block_mac(mac_key: bytes, header: memoryview | bytes, *blob: memoryview | bytes) -> bytes:
+    """HMAC-SHA256 of the header's format version's domain tag, the header's covered bytes and the blob (given in
+    consecutive parts). OpenSSL; the GIL is released for large inputs."""
+    version = struct.unpack_from("<H", header, 8)[0]
+    domain = _MAC_DOMAINS.get(version)
+    if domain is None:
+        raise FormatError("version", f"format version {version} has no MAC")
+    h = hmac.new(mac_key, domain, _MAC_DIGEST)
     h.update(memoryview(header)[:HEADER_USED])
-    h.update(payload)
+    for part in blob:
+        h.update(part)
     return h.digest()
 
 
-def verify_mac(mac_key: bytes, header: memoryview, payload: memoryview) -> None:
-    """Raise FormatError("forged") unless the MAC stored in ``header`` is the MAC of this header and payload."""
-    want = block_mac(mac_key, header, payload)
+def verify_mac(mac_key: bytes, header: memoryview, *blob: memoryview | bytes) -> None:
+    """Raise FormatError("forged") unless the MAC stored in ``header`` is the MAC of this header and blob."""
+    try:
+        want = block_mac(mac_key, header, *blob)
+    except FormatError:  # a version without a MAC domain: no MAC can verify (parse_header refuses it first)
+        raise FormatError("forged", "keyed MAC does not verify") from None
     if not hmac.compare_digest(want, bytes(header[MAC_OFFSET : MAC_OFFSET + MAC_BYTES])):
         raise FormatError("forged", "keyed MAC does not verify")
 

@@ -196,7 +196,7 @@ class BlockIndex:
     def _prune_fanout(self, leaf: str) -> None:
         """Remove the block's fan-out directories once they are empty: left behind they grow to 65,792
         directories (about 260 MiB on ext4) that no capacity counts. A writer that loses the race finds its
-        directory gone and recreates it (_write_block)."""
+        directory gone and recreates it, as often as that happens (_write_file)."""
         self._made_dirs.discard(leaf)
         for directory in (leaf, os.path.dirname(leaf)):
             try:

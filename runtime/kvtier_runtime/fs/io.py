@@ -1,19 +1,46 @@
 """The filesystem tier's block I/O (pool threads): encode with the tier's codec, write a checksummed file
 atomically; read it back, verify header, length, CRC or MAC, and decode into the caller's tensor. A task never
-raises: its outcome is an ``ok`` or an error kind for the key."""
+raises: its outcome is an ``ok`` or an error kind for the key.
+
+Two paths (format 2, see :mod:`.format`):
+
+* **direct** -- codec ``none``, O_DIRECT on, and the caller's tensor page-aligned (vLLM's CPU-tier rows and
+  kvtier's host slab are): one vectored system call moves the header page, the row itself and (when the row is
+  not a whole number of pages) a small tail page between the file and the caller's memory. No staging buffer is
+  allocated. Stores CRC (and MAC) the row first, then write from it; loads read into the row, then check the
+  CRC (or MAC) over it: a block that fails any check is never reported loaded, but the row may hold its bytes.
+* **staging** -- everything else (a compressed codec, which encodes into / decodes from the staging buffer
+  itself; an unaligned tensor; no O_DIRECT, e.g. tmpfs; format-1 files): the whole file goes through a
+  per-thread page-aligned staging buffer, and the caller's tensor is touched only by the codec, under the
+  job's ``io_lock``.
+
+A direct load lends the caller's memory to the kernel for one ``preadv``: if that call is still running when the
+job's ``io_timeout_s`` passes, the job is not finished until it returns (finishing it would hand the caller
+back memory a late read could still overwrite); meanwhile new loads take the staging path, which times out
+cleanly, and stores count the fault towards backoff. See :meth:`~.jobs.JobQueue._expire`.
+"""
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-from ..codecs import Codec, CodecError, KVChunkCodec, decode, peek_header
+from ..codecs import STATS, Codec, CodecError, CodecHeader, HEADER_NBYTES, KVChunkCodec, decode, peek_header
+from ..codecs.base import PassthroughCodec
+from ..codecs.header import FLAG_PER_CHANNEL
 from ..config import ConfigError
-from .fileio import AlignedBuffer, read_whole, write_atomic
+from .fileio import (
+    AlignedBuffer, open_block, raw_view, read_segments, read_whole_fd, regular_size, write_atomic,
+)
 from .format import (
     ALIGN,
+    BLOB_HEADER_BYTES,
+    BLOB_OFFSET,
+    FORMAT_VERSION,
     HEADER_BYTES,
     MAC_BYTES,
     MAC_OFFSET,
@@ -24,12 +51,25 @@ from .format import (
     mac_key_from_bytes,
     pack_header,
     parse_header,
+    verify_crc,
+    verify_length,
     verify_mac,
     verify_payload,
 )
 from .health import _BACKOFF_KINDS, _IO_ERRNO_KIND
 from .jobs import _Expired, _Job
 from .paths import TMP_MARK
+
+assert BLOB_HEADER_BYTES == HEADER_NBYTES, "format 2 reserves the codec header's size at the end of the header page"
+
+log = logging.getLogger("kvtier_runtime.fs.tier")
+
+# Where format 2 puts the codec blob: its 96-byte header ends the header page, its payload starts page-aligned.
+_BLOB = BLOB_OFFSET[FORMAT_VERSION]
+# How often a store retries when the fan-out directory it writes into is pruned under it (each retry recreates
+# the directory; another store's unlink can only prune it between our mkdir and our open, so a handful of tries
+# is plenty).
+_DIR_ATTEMPTS = 8
 
 
 def _read_mac_key(path: str | None) -> bytes | None:
@@ -56,13 +96,45 @@ def _may_fall_back(codec: Codec | KVChunkCodec) -> bool:
 class BlockIO:
     """Mixin of :class:`~.tier.FilesystemTier`: the write and read tasks and the file format around a block."""
 
+    def _init_direct_path(self) -> None:
+        """Decide once whether blocks of this tier can take the direct path (codec ``none``, O_DIRECT), and
+        precompute what every such block shares: its codec header and its split into whole pages and a tail."""
+        codec = self._codec
+        self._direct = bool(self.direct_io) and type(codec) is PassthroughCodec
+        self._direct_reads_resume_at = 0.0  # reads take the staging path until then (a read overran its job)
+        nbytes = 1
+        for d in self.block_shape:
+            nbytes *= d
+        nbytes *= self.dtype.itemsize
+        self._row_bytes = nbytes
+        self._row_pages = nbytes // ALIGN * ALIGN  # the part of a row moved straight to or from the file
+        self._direct_file_bytes = file_bytes_for(HEADER_NBYTES + nbytes)
+        self._none_blob_header = b""
+        if self._direct:
+            self._none_blob_header = CodecHeader(
+                codec="none", codec_version=codec.version, dtype=self.dtype, shape=self.block_shape,
+                group_size=codec.group_size, payload_nbytes=nbytes, requested_codec="none",
+                flags=FLAG_PER_CHANNEL if codec.per_channel else 0,
+            ).pack()
+
     # ---- I/O tasks (pool threads) -----------------------------------------------------------------------
     def _staging(self) -> tuple[AlignedBuffer, torch.Tensor]:
+        """This thread's staging buffer (a whole file of either format), allocated on first use."""
         local = self._local
         if getattr(local, "buf", None) is None:
             local.buf = AlignedBuffer(self._buffer_bytes + ALIGN)
             local.tensor = torch.frombuffer(local.buf.mv, dtype=torch.uint8)
         return local.buf, local.tensor
+
+    def _pages(self) -> tuple[memoryview, memoryview]:
+        """This thread's header page and tail page for the direct path (8 KiB, not a whole file)."""
+        local = self._local
+        if getattr(local, "pages", None) is None:
+            local.pages = AlignedBuffer(2 * ALIGN)
+        return local.pages.mv[:ALIGN], local.pages.mv[ALIGN:]
+
+    def _aligned(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" and t.is_contiguous() and t.data_ptr() % ALIGN == 0
 
     def _write_task(self, job: _Job, i: int, key: bytes, block: torch.Tensor, evicted: list[bytes]) -> bool:
         self._unlink_doomed(evicted)
@@ -119,37 +191,92 @@ class BlockIO:
         return ok
 
     def _write_block(self, job: _Job, key: bytes, block: torch.Tensor) -> int:
+        if self._direct and self._aligned(block):
+            try:
+                return self._write_direct(job, key, block)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                # The filesystem refused the row's alignment after all: staging from now on.
+                log.warning("filesystem tier %s: O_DIRECT refused a write straight from the caller's memory "
+                            "(%s); using the staging buffer", self.name, exc.strerror or exc)
+                self._direct = False
         buf, tensor = self._staging()
         with job.io_lock:  # the only read of the caller's tensor
             if job.expired:
                 raise _Expired()
             src = block if block.is_contiguous() else block.contiguous()
-            nbytes = self._codec.encode(src, tensor[HEADER_BYTES : HEADER_BYTES + self._max_payload])
-        end = HEADER_BYTES + nbytes
+            # The codec writes its blob where format 2 wants it: header at the end of the header page.
+            nbytes = self._codec.encode(src, tensor[_BLOB : _BLOB + self._max_payload])
+        end = _BLOB + nbytes
         total = file_bytes_for(nbytes)
         if end < total:  # zero the padding so no stale bytes of an earlier block reach the disk
             tensor[end:total].zero_()
-        crc = checksum(buf.mv[HEADER_BYTES:end])
+        crc = checksum(buf.mv[_BLOB:end])
         header = pack_header(
             # the codec actually used (after any fallback), from the blob's own header
-            codec=self._written_codec(tensor[HEADER_BYTES:end]), dtype=self._dtype_name, shape=self.block_shape,
+            codec=self._written_codec(tensor[_BLOB:end]), dtype=self._dtype_name, shape=self.block_shape,
             payload_len=nbytes, payload_crc=crc, key=key,
         )
-        buf.mv[:HEADER_BYTES] = header
+        buf.mv[:_BLOB] = header[:_BLOB]  # the blob's header, already in place, stays
         if self._mac_key is not None:
-            buf.mv[MAC_OFFSET : MAC_OFFSET + MAC_BYTES] = block_mac(self._mac_key, buf.mv, buf.mv[HEADER_BYTES:end])
+            buf.mv[MAC_OFFSET : MAC_OFFSET + MAC_BYTES] = block_mac(self._mac_key, buf.mv, buf.mv[_BLOB:end])
+        self._write_file(key, buf.mv[:total])
+        return nbytes
+
+    def _write_direct(self, job: _Job, key: bytes, block: torch.Tensor) -> int:
+        """Codec ``none`` from a page-aligned tensor: CRC (and MAC) the row, then one ``writev`` of the header
+        page, the row's whole pages and a zero-padded tail page. The row is read twice (hash, then DMA) and never
+        copied; should the caller change it in between (only after its job expired), the file fails its check."""
+        page, tail = self._pages()
+        n, whole = self._row_bytes, self._row_pages
+        blob_header = self._none_blob_header
+        # The hashes read the caller's tensor: lent (not under io_lock, which would serialise the hashing of
+        # every block of a job), so the job cannot expire under them. A job that expired before keeps its row.
+        with job.io_lock:
+            if job.expired:
+                raise _Expired()
+            job.lent += 1
+        try:
+            row = raw_view(block.data_ptr(), n)
+            crc = checksum(row, checksum(blob_header))
+            if n > whole:
+                tail[: n - whole] = row[whole:]
+                tail[n - whole :] = bytes(ALIGN - (n - whole))
+            page[:] = pack_header(codec="none", dtype=self._dtype_name, shape=self.block_shape,
+                                  payload_len=HEADER_NBYTES + n, payload_crc=crc, key=key)
+            page[_BLOB:] = blob_header
+            if self._mac_key is not None:
+                page[MAC_OFFSET : MAC_OFFSET + MAC_BYTES] = block_mac(self._mac_key, page, page[_BLOB:], row)
+        finally:
+            with job.io_lock:
+                job.lent -= 1
+        STATS.record_encode("none", n, HEADER_NBYTES + n)  # what codec none's encode would have counted
+        segments = [page]
+        if whole:
+            segments.append(row[:whole])
+        if n > whole:
+            segments.append(tail)
+        self._write_file(key, segments)
+        return HEADER_NBYTES + n
+
+    def _write_file(self, key: bytes, data: memoryview | Sequence[memoryview]) -> None:
+        """Write a block file atomically under its fan-out directory, recreating the directory when it was
+        pruned under us (another store's unlink emptied it) -- as often as that happens, up to _DIR_ATTEMPTS."""
         final = self.block_path(key)
         directory = os.path.dirname(final)
-        if directory not in self._made_dirs:
-            os.makedirs(directory, exist_ok=True)
-            self._made_dirs.add(directory)
         tmp = f"{final}{TMP_MARK}{os.getpid()}.{next(self._tmp_ids)}"
-        try:
-            write_atomic(self._ops, tmp, final, buf.mv[:total], self.direct_io)
-        except FileNotFoundError:  # the fan-out directory was removed behind our back: recreate it once
-            os.makedirs(directory, exist_ok=True)
-            write_atomic(self._ops, tmp, final, buf.mv[:total], self.direct_io)
-        return nbytes
+        for attempt in range(_DIR_ATTEMPTS):
+            if directory not in self._made_dirs:
+                os.makedirs(directory, exist_ok=True)
+                self._made_dirs.add(directory)
+            try:
+                write_atomic(self._ops, tmp, final, data, self.direct_io)
+                return
+            except FileNotFoundError:  # the fan-out directory was removed behind our back
+                self._made_dirs.discard(directory)
+                if attempt == _DIR_ATTEMPTS - 1:
+                    raise
 
     def _written_codec(self, blob: torch.Tensor) -> str:
         # Parsing the blob's header costs ~0.4 ms of GIL-held Python per block (measured in the fs bench
@@ -197,22 +324,79 @@ class BlockIO:
         return not kind
 
     def _read_block(self, job: _Job, key: bytes, out: torch.Tensor) -> None:
-        buf, tensor = self._staging()
-        size = read_whole(self._ops, self.block_path(key), buf.mv, self.direct_io)
+        fd = open_block(self._ops, self.block_path(key), self.direct_io)
+        try:
+            size = regular_size(self._ops, fd)
+            if (self._direct and size == self._direct_file_bytes and self._aligned(out)
+                    and self._clock() >= self._direct_reads_resume_at
+                    and self._read_direct(job, fd, size, key, out)):
+                return
+            buf, tensor = self._staging()
+            size = read_whole_fd(self._ops, fd, buf.mv, self.direct_io)
+        finally:
+            self._ops.close(fd)
         header = parse_header(buf.mv[: min(size, HEADER_BYTES)])
         self._check_header(header, key)
+        start = header.blob_offset
         # With a MAC key the MAC is the integrity check (it catches every change a CRC catches), so the CRC pass
         # over the payload is skipped: one hash per block instead of two.
-        verify_payload(header, size, buf.mv[HEADER_BYTES:], check_crc=self._mac_key is None)
+        verify_payload(header, size, buf.mv[start:], check_crc=self._mac_key is None)
         if header.payload_len > self._max_payload:
             raise FormatError("mismatch", f"payload of {header.payload_len} bytes exceeds {self._max_payload}")
-        payload = buf.mv[HEADER_BYTES : HEADER_BYTES + header.payload_len]
+        blob = buf.mv[start : start + header.payload_len]
         if self._mac_key is not None:
-            verify_mac(self._mac_key, buf.mv[:HEADER_BYTES], payload)
+            verify_mac(self._mac_key, buf.mv[:HEADER_BYTES], blob)
         with job.io_lock:  # the only write of the caller's tensor
             if job.expired:
                 raise _Expired()
-            decode(tensor[HEADER_BYTES : HEADER_BYTES + header.payload_len], out=out)
+            decode(tensor[start : start + header.payload_len], out=out)
+
+    def _read_direct(self, job: _Job, fd: int, size: int, key: bytes, out: torch.Tensor) -> bool:
+        """One ``preadv`` of the header page, the row's whole pages (straight into ``out``) and the tail page,
+        then the checks over ``out``. False (nothing served) when the file is not a format-2 ``none`` block of
+        this row's size after all -- a format-1 file or another codec's of the same length: the caller then
+        reads it again through the staging buffer. Raises FormatError as the staging path does."""
+        with job.io_lock:
+            # Past the deadline (the job is about to expire) lend nothing: the staging path times out cleanly.
+            if job.expired or time.monotonic() >= job.deadline:
+                return False
+            job.lent += 1  # from here until the matching decrement, _expire leaves the job open
+            job.lent_reads += 1
+        try:
+            page, tail = self._pages()
+            n, whole = self._row_bytes, self._row_pages
+            row = raw_view(out.data_ptr(), n)
+            segments = [page]
+            if whole:
+                segments.append(row[:whole])
+            if n > whole:
+                segments.append(tail)
+            try:
+                got = read_segments(self._ops, fd, segments)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                log.warning("filesystem tier %s: O_DIRECT refused a read straight into the caller's memory "
+                            "(%s); using the staging buffer", self.name, exc.strerror or exc)
+                self._direct = False
+                return False
+            header = parse_header(page[: min(got, HEADER_BYTES)])
+            self._check_header(header, key)
+            if (header.version != FORMAT_VERSION or header.codec != "none"
+                    or header.payload_len != HEADER_NBYTES + n or page[_BLOB:] != self._none_blob_header):
+                return False
+            verify_length(header, min(got, size))
+            if n > whole:
+                row[whole:] = tail[: n - whole]
+            if self._mac_key is not None:
+                verify_mac(self._mac_key, page, page[_BLOB:], row)
+            else:
+                verify_crc(header, page[_BLOB:], row)
+            return True
+        finally:
+            with job.io_lock:
+                job.lent -= 1
+                job.lent_reads -= 1
 
     def _check_header(self, header: Any, key: bytes | None) -> None:
         if key is not None and header.key != key:

@@ -15,6 +15,9 @@ import torch
 
 log = logging.getLogger("kvtier_runtime.fs.tier")
 
+# How often a waiter re-checks a job held open by a read into lent memory (see JobQueue._expire).
+_LENT_POLL_S = 0.05
+
 
 @dataclass(frozen=True)
 class JobResult:
@@ -45,6 +48,12 @@ class _Job:
     io_lock: threading.Lock = field(default_factory=threading.Lock)
     settled: list[bool] = field(default_factory=list)
     expired: bool = False
+    # Tasks using the caller's memory outside io_lock (format 2's direct path, counted under io_lock): a read
+    # straight into it (``lent_reads``, a system call that cannot be called back) or a store's hashes of it
+    # (memory speed). While any is, the job cannot expire: finishing it would hand back memory still in use.
+    lent: int = 0
+    lent_reads: int = 0
+    overdue_reported: bool = False
 
 
 class _Expired(Exception):
@@ -68,7 +77,9 @@ class JobQueue:
         return out
 
     def wait(self, job_id: int, timeout: float | None = None) -> JobResult:
-        """Block until ``job_id`` finished and take its result (it is then not returned by get_finished)."""
+        """Block until ``job_id`` finished and take its result (it is then not returned by get_finished). With
+        ``timeout=None`` bounded by the job's ``io_timeout_s``, except while a direct read into the caller's
+        memory is still in the kernel (see _expire): then until that read returns."""
         with self._lock:
             if job_id in self._finished:
                 return self._finished.pop(job_id)
@@ -80,6 +91,10 @@ class JobQueue:
         limit = job.deadline - time.monotonic()
         if not job.done.wait(max(0.0, limit if timeout is None else min(timeout, limit))):
             if timeout is None or timeout >= limit:
+                self._expire(job)
+            # A job whose memory is lent to a running read (see _expire) ends when that read returns.
+            while timeout is None and not job.done.is_set():
+                job.done.wait(_LENT_POLL_S)
                 self._expire(job)
         if not job.done.is_set():
             with self._lock:  # give the result back to get_finished() when it arrives
@@ -101,8 +116,9 @@ class JobQueue:
         return self.wait(self.submit_load(keys, outs), timeout)
 
     def drain(self, timeout: float | None = 60) -> None:
-        """Wait until every submitted job finished (results stay available to get_finished). Bounded even with
-        ``timeout=None``: a job past its ``io_timeout_s`` expires."""
+        """Wait until every submitted job finished (results stay available to get_finished). With
+        ``timeout=None`` bounded by ``io_timeout_s`` (a job past it expires), except for a job whose direct read
+        into the caller's memory is still in the kernel: that one ends when the read returns (see _expire)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._expire_overdue()
@@ -111,7 +127,9 @@ class JobQueue:
             if not pending:
                 return
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            until_expiry = max(0.0, min(j.deadline for j in pending) - time.monotonic()) + 0.001
+            now = time.monotonic()
+            # Jobs past their deadline are waiting for a read into lent memory (see _expire): poll those slowly.
+            until_expiry = min((j.deadline - now for j in pending if j.deadline > now), default=_LENT_POLL_S) + 0.001
             step = until_expiry if left is None else min(left, until_expiry)
             if not pending[0].done.wait(step) and left is not None and step >= left:
                 raise TimeoutError(f"{len(pending)} jobs still running after {timeout}s")
@@ -125,9 +143,32 @@ class JobQueue:
 
     def _expire(self, job: _Job) -> None:
         """Finish ``job`` now: keys not settled fail as ``timeout``. Taking ``io_lock`` waits for a task that is
-        copying to or from the caller's tensor (memory speed, bounded) and stops every later one."""
-        with job.io_lock:
-            job.expired = True
+        copying to or from the caller's tensor (memory speed, bounded) and stops every later one.
+
+        Format 2's direct path uses the caller's tensor outside ``io_lock`` (``job.lent``): a store hashing it is
+        waited for, like a copy (memory speed). A system call reading straight into it (``job.lent_reads``)
+        cannot be called back, so finishing the job would let it overwrite memory the caller has reused: the job
+        then stays open until the read returns (the next poll or ``get_finished`` expires whatever is left); the
+        overrun is logged once, counts towards store backoff, and later loads take the staging path for
+        ``io_timeout_s``, which times out cleanly, so a hung disk holds at most the reads already in flight
+        (``n_read_threads``)."""
+        while True:
+            with job.io_lock:
+                lent, reads = job.lent, job.lent_reads
+                if not lent:
+                    job.expired = True
+            if not lent or reads:
+                break
+            time.sleep(0.001)  # a store hashing the caller's row
+        if lent:
+            if not job.overdue_reported:
+                job.overdue_reported = True
+                log.warning("filesystem tier %s: load job %d: %d reads into the caller's memory still in the kernel "
+                            "after %.1fs; the job ends when they return", self.name, job.job_id, reads,
+                            self._io_timeout_s)
+                self._direct_reads_resume_at = self._clock() + self._io_timeout_s
+                self._record_io_failure()
+            return
         with self._lock:
             if job.done.is_set():
                 return

@@ -31,7 +31,7 @@ from ..codecs import Codec, get_codec
 from ..config import FilesystemTierConfig
 from ..policies import AccessContext, get_policy
 from .fileio import FileOps, probe_o_direct
-from .format import MAX_KEY_BYTES, file_bytes_for
+from .format import MAX_KEY_BYTES, READ_VERSIONS, file_bytes_for
 from .health import TierHealth
 from .index import DIRECTORY_BYTES, BlockIndex, KeyState, LookupRun, _Entry, file_budget
 from .io import BlockIO, _read_mac_key
@@ -96,11 +96,13 @@ class FilesystemTier(BlockIndex, JobQueue, BlockIO, StartupScan, TierHealth):
             self.direct_io = False if direct_io is None else direct_io
         else:
             self.direct_io = probe_o_direct(self.root, self._ops) if direct_io is None else direct_io
-        # Staging buffers hold a whole file; a codec with fallback may emit its wider fallback encoding.
+        # Staging buffers hold a whole file of either format (format 1's is the longer); a codec with fallback
+        # may emit its wider fallback encoding.
         self._max_payload = self._codec.max_encoded_nbytes(self.block_shape, dtype)
         self._nominal_file_bytes = file_bytes_for(self._codec.encoded_nbytes(self.block_shape, dtype))
-        self._buffer_bytes = file_bytes_for(self._max_payload)
+        self._buffer_bytes = max(file_bytes_for(self._max_payload, v) for v in READ_VERSIONS)
         self._local = threading.local()
+        self._init_direct_path()
 
         self._lock = threading.Lock()
         self._index: dict[bytes, _Entry] = {}
@@ -135,6 +137,11 @@ class FilesystemTier(BlockIndex, JobQueue, BlockIO, StartupScan, TierHealth):
         self.rebuild_stats = self._rebuild_index() if os.path.isdir(self.root) else {"blocks": 0}
         self._update_occupancy()
         self._start_pools(config, name)
+
+    @property
+    def io_timeout_s(self) -> float:
+        """How long a transfer may take before the caller treats its keys as missed (the config's io_timeout_s)."""
+        return self._io_timeout_s
 
     @classmethod
     def from_kwargs(

@@ -261,6 +261,12 @@ class RemoteTier(JobQueue):
         return self.config.capacity_bytes
 
     @property
+    def io_timeout_s(self) -> float:
+        """How long a promotion may take before the books treat its key as missed: a load job's deadline (each
+        socket operation is bounded by the config's io_timeout_s; the rest is the wait behind this tier's queue)."""
+        return LOAD_DEADLINE_FACTOR * self._io_timeout_s
+
+    @property
     def used_bytes(self) -> int:
         """kvtier's chunks of this model in the store (as last counted after a store), at the largest value size."""
         return self._entries * self.value_bytes

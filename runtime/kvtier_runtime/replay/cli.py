@@ -67,6 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", action="append", metavar="N[%]",
                         help="a tier's capacity in blocks, or N%% of the trace's distinct blocks; repeat for "
                              "several tiers, fastest first (default 10%%)")
+    parser.add_argument("--replicas", type=_number("--replicas", int), default=1, metavar="N",
+                        help="spread the requests over N replicas in turn (a router without prefix affinity); each "
+                             "replica has its own tiers, of the given capacities (default 1)")
+    parser.add_argument("--shared", action="store_true",
+                        help="with --replicas: the last --capacity is one tier shared by every replica (a remote "
+                             "tier on Valkey/Redis), and the result is compared with private last tiers holding the "
+                             "same bytes in all (capacity / N each)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--list-policies", action="store_true",
                         help="name every policy and admission filter (with --json: as a JSON object)")
@@ -200,6 +207,15 @@ def format_result(d: dict, trace_name: str, skipped: int, no_opt: bool) -> str:
     if eq is not None:
         lines.append(f"capacity equivalence: {d['total']['capacity_blocks']} blocks of this setup load as many blocks as "
                      f"one LRU cache of {eq} blocks (worth {d['total']['memory_factor_vs_lru']:.2f}x the memory)")
+    if d.get("replicas", 1) > 1:
+        lines.append(f"replicas: {d['replicas']} (requests in turn); private tiers' capacity is per replica")
+    alt = d.get("private_alternative")
+    if alt:
+        shared = d["tiers"][-1]
+        lines.append(f"shared last tier: prefix hit {d['total']['prefix_hit_ratio']:.4f} (last tier "
+                     f"{shared['prefix_hit_ratio']:.4f}); the same bytes as private last tiers of "
+                     f"{alt['last_tier_capacity_blocks_per_replica']} blocks each: {alt['prefix_hit_ratio']:.4f} "
+                     f"(last tier {alt['last_tier_prefix_hit_ratio']:.4f})")
     lines.append("OPT thru tier: Belady's OPT with the combined capacity of this tier and those above it")
     lines.append(f"replay speed: {d['replay_accesses_per_second']:,.0f} block accesses/s")
     return "\n".join(lines)
@@ -254,9 +270,19 @@ def _run(args: argparse.Namespace) -> int:
     caps = [capacity_blocks(c, n_distinct) for c in (args.capacity or ["10%"])]
     specs = _per_tier(specs, len(caps), "--policy", None)
     bandwidths = _per_tier(args.bandwidth, len(caps), "--bandwidth", None)
-    res = replay(trace, caps, specs, with_opt=not args.no_opt)
+    if args.shared and args.replicas < 2:
+        raise ReplayError("--shared: needs --replicas 2 or more (one replica has nothing to share)")
+    res = replay(trace, caps, specs, with_opt=not args.no_opt, replicas=args.replicas, shared_last=args.shared)
     d = result_dict(res, args, bandwidths)
-    if not args.no_opt:
+    d["replicas"] = args.replicas
+    if args.shared:
+        # The same bytes in the store, split into private last tiers: what sharing buys at that budget.
+        private = caps[:-1] + [max(1, caps[-1] // args.replicas)]
+        alt = replay(trace, private, specs, with_opt=False, replicas=args.replicas)
+        d["private_alternative"] = {"last_tier_capacity_blocks_per_replica": private[-1],
+                                    "prefix_hit_ratio": alt.ratio(alt.total_prefix_hits),
+                                    "last_tier_prefix_hit_ratio": alt.ratio(alt.tiers[-1].prefix_hits)}
+    if not args.no_opt and args.replicas == 1:
         keys, lengths = flatten(trace.requests)
         d["total"].update(equivalence(LRUCurve(keys, lengths), d["total"]["capacity_blocks"], res.total_prefix_hits))
     d["trace"] = str(args.trace)

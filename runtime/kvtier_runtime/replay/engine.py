@@ -12,6 +12,11 @@ Model (issue 8's definitions, extended to tiers the way vLLM's tiering works):
   block accesses, where each block of the leading run is credited to the tier that served it. Only the leading
   run is *loaded* (an engine cannot use KV after a gap); those are the tier's loaded blocks.
 
+Replicas (``replicas > 1``): requests go to replicas in turn (a router without prefix affinity, the case where a
+shared tier matters most); every tier is private to its replica (each replica has its own tier of the given
+capacity), except the last one when ``shared_last`` is set: one store of that capacity that every replica looks up
+and writes through to, as kvtier's remote tier on a Valkey/Redis store.
+
 OPT for tier i is the marginal gain of a single Belady cache of tiers 1..i's combined capacity over one of tiers
 1..i-1's, so tier figures add up to the total, and the total is OPT at the combined capacity -- an upper bound
 for any hierarchy of that size.
@@ -159,13 +164,17 @@ def replay_single(requests: Sequence[Sequence[int]], policy: EvictionPolicy) -> 
     return hits, stored
 
 
-def _replay_tiers(requests: Sequence[Sequence[int]], policies: list[EvictionPolicy],
+def _replay_tiers(requests: Sequence[Sequence[int]], stacks: list[list[EvictionPolicy]],
                   stats: list[TierStats]) -> list[int]:
-    """Several tiers; returns per access the index of the serving tier, or -1 for a miss."""
+    """Several tiers; ``stacks`` holds one list of tier policies per replica (request i goes to replica
+    i mod len(stacks); a shared tier is the same object in every stack). Returns per access the index of the
+    serving tier, or -1 for a miss."""
     served: list[int] = []
-    use_ctx = any(p.uses_context for p in policies)
-    n_tiers = len(policies)
+    use_ctx = any(p.uses_context for stack in stacks for p in stack)
+    n_tiers = len(stacks[0])
+    n_replicas = len(stacks)
     for rid, req in enumerate(requests):
+        policies = stacks[rid % n_replicas]
         n = len(req)
         for pos, key in enumerate(req):
             ctx = AccessContext(rid, pos, n) if use_ctx else None
@@ -190,23 +199,35 @@ def _replay_tiers(requests: Sequence[Sequence[int]], policies: list[EvictionPoli
     return served
 
 
+MAX_REPLICAS = 4096
+
+
 def replay(trace: Trace, capacities: Sequence[int], policies: Sequence[PolicySpec],
-           with_opt: bool = True) -> ReplayResult:
-    """Replay ``trace`` through tiers of the given capacities (blocks) and policies (one per tier)."""
+           with_opt: bool = True, *, replicas: int = 1, shared_last: bool = False) -> ReplayResult:
+    """Replay ``trace`` through tiers of the given capacities (blocks) and policies (one per tier), on
+    ``replicas`` replicas whose last tier is one shared store when ``shared_last`` (see the module's doc)."""
     if len(capacities) != len(policies):
         raise ReplayError("--policy: give one policy, or one per --capacity")
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= MAX_REPLICAS:
+        raise ReplayError(f"--replicas: {replicas!r} must be an integer in [1, {MAX_REPLICAS}]")
     requests = trace.requests
     keys, lengths = flatten(requests)
     n_distinct = len(set(keys))
     stats = [TierStats(f"tier{i + 1}", c, str(p)) for i, (c, p) in enumerate(zip(capacities, policies))]
-    built = [spec.build(cap) for spec, cap in zip(policies, capacities)]
+    if shared_last:
+        stats[-1].name += " (shared)"
+    shared = policies[-1].build(capacities[-1]) if shared_last else None
+    stacks = [[spec.build(cap) for spec, cap in zip(policies, capacities)] for _ in range(replicas)]
+    if shared is not None:
+        for stack in stacks:
+            stack[-1] = shared
     start = time.perf_counter()
-    if len(built) == 1:
-        hits, stats[0].stored_blocks = replay_single(requests, built[0])
+    if len(capacities) == 1 and replicas == 1:
+        hits, stats[0].stored_blocks = replay_single(requests, stacks[0][0])
         served = [0 if h else -1 for h in hits]
         stats[0].hits = sum(hits)
     else:
-        served = _replay_tiers(requests, built, stats)
+        served = _replay_tiers(requests, stacks, stats)
         hits = [s >= 0 for s in served]
     seconds = time.perf_counter() - start
     _credit_prefix(served, lengths, stats)
@@ -215,8 +236,10 @@ def replay(trace: Trace, capacities: Sequence[int], policies: Sequence[PolicySpe
         t0 = time.perf_counter()
         cumulative = 0
         prev_hits = prev_prefix = 0
-        for st in stats:
-            cumulative += st.capacity_blocks
+        for i, st in enumerate(stats):
+            # The bound of a hierarchy holding this many blocks in all: private tiers count once per replica.
+            private = not (shared_last and i == len(stats) - 1)
+            cumulative += st.capacity_blocks * (replicas if private else 1)
             oh = opt_hits(keys, cumulative)
             h, ph = sum(oh), prefix_hit_count(oh, lengths)
             st.opt_hits, st.opt_prefix_hits = h - prev_hits, ph - prev_prefix

@@ -49,6 +49,10 @@ HIT, HIT_PENDING, RETRY, MISS = "hit", "hit_pending", "retry", "miss"
 HOST, DISK, REMOTE = "host", "disk", "remote"
 
 
+# Keys remembered as "the last promotion failed" (each answered miss once): a bound, not a tuning knob.
+MAX_FAILED_PROMOTIONS = 4096
+
+
 @dataclass
 class _Promotion:
     key: bytes
@@ -114,6 +118,9 @@ class OffloadBooks:
         self._writing: set[bytes] = set()  # keys whose worker store is in flight
         self.load_failures: Counter[str] = Counter()  # by kind: corrupt, missing, eio, ...
         self.remote_load_failures: Counter[str] = Counter()  # by kind: evicted, down, timeout, forged, ...
+        # Keys whose promotion just failed: the next lookup answers miss instead of promoting again, so the request
+        # that waited recomputes (on a hung disk every promotion times out, and retrying would hold it forever).
+        self._promotion_failed: set[bytes] = set()
         self.counters: Counter[str] = Counter()  # promotions, promotion_failures, fs_stores, host_evictions...
         self._loading: Counter[bytes] = Counter()  # key -> engine loads in flight (prepare_load not yet completed)
         # Cache resets: the generation, and per fenced key the engine transfers (stores + loads) still holding it.
@@ -153,6 +160,9 @@ class OffloadBooks:
                 return HIT_PENDING if key in self._writing else RETRY  # a store or a promotion is in flight
             metrics.HITS.labels(host.name).inc()
             return HIT
+        if key in self._promotion_failed:
+            self._promotion_failed.discard(key)
+            return MISS
         fkey = self.fs_key(key)
         for i, tier in enumerate(self.fs_tiers):
             metrics.LOOKUPS.labels(tier.name).inc()
@@ -375,6 +385,7 @@ class OffloadBooks:
         self.poll()
         self.generation += 1
         self.reset_at = time.monotonic()
+        self._promotion_failed.clear()
         dropped = 0
         for key in list(self.host._slot_of):
             if isinstance(key, _Fence):
@@ -446,6 +457,34 @@ class OffloadBooks:
         for i, tier in enumerate(self._tiers):
             for result in tier.get_finished():
                 self._finish(i, result)
+        if self._promotions:
+            self._expire_promotions()
+
+    def _note_failed_promotion(self, key: bytes) -> None:
+        if len(self._promotion_failed) >= MAX_FAILED_PROMOTIONS:  # keys nobody asked for again: forget them
+            self._promotion_failed.clear()
+        self._promotion_failed.add(key)
+
+    def _expire_promotions(self) -> None:
+        """A promotion older than its tier's ``io_timeout_s`` is a miss vLLM recomputes, as the io_timeout_s
+        contract says: a hung disk slows the engine, never stops a request. The tier keeps a job whose read goes
+        straight into the host row open until that read returns (format 2's direct path cannot call a system call
+        back), so the slot is fenced like a reset's: lookups miss, and the slot stays taken until the late read
+        has landed in it and the job finishes (``_finish`` then frees it)."""
+        now = time.monotonic()
+        for (tier_index, job), promo in list(self._promotions.items()):
+            tier = self._tiers[tier_index]
+            if isinstance(promo.key, _Fence) or now - promo.started <= tier.io_timeout_s:
+                continue
+            key = promo.key
+            self._fence(key)
+            self._origin.pop(key, None)
+            self._note_failed_promotion(key)
+            remote = self._is_remote(tier_index)
+            (self.remote_load_failures if remote else self.load_failures)["timeout"] += 1
+            self.counters["promotions_expired"] += 1
+            log.warning("kvtier: reading a block from %s took longer than %.3g s; vLLM recomputes it (the host "
+                        "slot stays reserved until the read returns)", tier.name, tier.io_timeout_s)
 
     def _finish(self, tier_index: int, result: JobResult) -> None:
         promo = self._promotions.pop((tier_index, result.job_id), None)
@@ -466,6 +505,7 @@ class OffloadBooks:
                 (self.remote_load_failures if remote else self.load_failures)[kind] += 1
                 self.host.remove(key)
                 self._origin.pop(key, None)
+                self._note_failed_promotion(key)
                 if not remote:  # a remote tier logs its own faults (an evicted chunk is no incident)
                     log.warning("kvtier: reading a block from %s failed (%s); vLLM recomputes it",
                                 self.fs_tiers[tier_index].name, kind)

@@ -1,0 +1,139 @@
+"""A remote tier's store and credentials (issue #26): the serving pods send the password in a Secret to the store a
+policy names, and load whatever it serves, so only stores the cluster admin listed are used, over TLS unless the
+admin listed the store as redis://, and the Secret is mounted read-only, never read by the operator."""
+from __future__ import annotations
+
+import pytest
+
+from kvtier_operator import reconcile as rc
+from kvtier_operator.settings import Settings, from_args
+from kvtier_operator.status import condition
+from kvtier_operator.trust import check_remote_store_entry, remote_store_problems
+from kvtier_operator.api.validation import parse_policy
+
+from plugins.operator import deployment, observed, policy
+
+NOW = "2026-12-01T08:00:00Z"
+CPU = {"name": "cpu", "medium": "cpu", "size": "16Gi"}
+PASSWORD = {"name": "valkey", "key": "password"}
+
+
+def remote(url: str = "redis://valkey.kv:6379/0", **store) -> dict:
+    return {"name": "shared", "medium": "remote", "size": "8Gi", "remote": {"url": url, **store}}
+
+
+def remote_policy(url: str = "redis://valkey.kv:6379/0", **store) -> dict:
+    return policy(tiers=[CPU, remote(url, **store)], backend="kvtier", engine="vllm")
+
+
+def plan(pol: dict, allowed: tuple[str, ...] = ()) -> rc.Plan:
+    return rc.plan(pol, [observed(deployment())], [], now=NOW, remote_stores_allowed=allowed)
+
+
+def problems(url: str, allowed: tuple[str, ...]) -> list[str]:
+    return remote_store_problems(parse_policy(remote_policy(url)).spec, allowed)
+
+
+def test_nothing_is_allowed_by_default_and_nothing_is_applied_or_mounted():
+    assert Settings().remote_stores_allowed == ()
+    refused = plan(remote_policy(passwordSecret=PASSWORD))
+    assert refused.invalid and refused.targets == [] and refused.config_map is None
+    ready = condition(refused.status, "Ready")
+    assert ready["reason"] == "RemoteStoreNotAllowed"
+    assert "spec.tiers[1].remote.url: redis://valkey.kv:6379/0 is not a store the operator's admin allows" in \
+        ready["message"]
+
+
+@pytest.mark.parametrize("url, allowed, refused", [
+    ("redis://valkey.kv:6379", ("redis://valkey.kv:6379",), None),
+    ("redis://valkey.kv:6379/3", ("redis://valkey.kv:6379",), None),          # any database of an allowed store
+    ("redis://VALKEY.kv:6379", ("redis://valkey.kv:6379",), None),            # host names compare case-free
+    ("rediss://valkey.kv:6380", ("valkey.kv:6380",), None),                   # a bare entry: TLS only
+    ("rediss://valkey.kv:6379", ("rediss://valkey.kv:6379",), None),
+    ("redis://valkey.kv:6379", ("valkey.kv:6379",), "plain TCP"),             # bare entry, plain URL
+    ("redis://valkey.kv:6379", ("rediss://valkey.kv:6379",), "plain TCP"),
+    ("rediss://valkey.kv:6379", ("redis://valkey.kv:6379",), "not a store"),  # the entry names the scheme
+    ("redis://valkey.kv:6380", ("redis://valkey.kv:6379",), "not a store"),   # another port
+    ("redis://valkey.kv.evil:6379", ("redis://valkey.kv:6379",), "not a store"),
+    ("redis://10.0.0.1:6379", ("redis://valkey.kv:6379",), "not a store"),
+    ("redis://[fd00::1]:6379", ("redis://[fd00::1]:6379",), None),
+])
+def test_the_allowlist_matches_scheme_host_and_port(url, allowed, refused):
+    found = problems(url, allowed)
+    if refused is None:
+        assert found == []
+    else:
+        assert len(found) == 1 and refused in found[0] and found[0].startswith("spec.tiers[1].remote.url: ")
+
+
+def test_an_allowed_store_renders_the_tier_and_mounts_only_the_named_keys_read_only():
+    pol = remote_policy(passwordSecret=PASSWORD, macKeySecret={"name": "kv-mac", "key": "k"})
+    p = plan(pol, ("redis://valkey.kv:6379",))
+    assert not p.invalid and p.targets and p.targets[0].apply is not None
+    pod = p.targets[0].apply["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "kvtier-remote-shared")
+    sources = volume["projected"]["sources"]
+    assert sources == [{"secret": {"name": "valkey", "items": [{"key": "password", "path": "password"}]}},
+                       {"secret": {"name": "kv-mac", "items": [{"key": "k", "path": "mac-key"}]}}]
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "kvtier-remote-shared")
+    assert mount == {"name": "kvtier-remote-shared", "mountPath": "/etc/kvtier-remote/shared", "readOnly": True}
+    engine = p.config_map["data"]["engine.yaml"]
+    assert "password_file: /etc/kvtier-remote/shared/password" in engine
+    assert "mac_key_file: /etc/kvtier-remote/shared/mac-key" in engine
+    # The operator renders references to files, never a Secret's value (it cannot read Secrets for this).
+    assert "prefix-caching-hash-algo: sha256_cbor" in engine
+
+
+def test_without_a_mac_key_secret_the_password_keys_the_mac_and_validate_warns_without_either():
+    from kvtier_operator.api.validation import policy_warnings
+
+    p = plan(remote_policy(passwordSecret=PASSWORD), ("redis://valkey.kv:6379",))
+    assert "mac_key_file: /etc/kvtier-remote/shared/password" in p.config_map["data"]["engine.yaml"]
+    bare = plan(remote_policy(), ("redis://valkey.kv:6379",))
+    pod = bare.targets[0].apply["spec"]["template"]["spec"]
+    assert not any(v["name"].startswith("kvtier-remote-") for v in pod["volumes"])
+    assert "mac_key_file" not in bare.config_map["data"]["engine.yaml"]
+    warned = policy_warnings(parse_policy(remote_policy()))
+    assert any(w.startswith("spec.tiers[1].remote: neither passwordSecret nor macKeySecret") for w in warned)
+    assert not any("remote" in w for w in policy_warnings(parse_policy(remote_policy(passwordSecret=PASSWORD))))
+
+
+def test_a_filesystem_tier_cannot_take_the_remote_tiers_volume_name():
+    disk = {"name": "shared-secrets", "medium": "filesystem", "size": "1Gi", "path": "/mnt/kv",
+            "volume": {"emptyDir": {}}}
+    pol = policy(tiers=[CPU, disk, remote(passwordSecret=PASSWORD)], backend="kvtier", engine="vllm")
+    p = plan(pol, ("redis://valkey.kv:6379",))
+    names = [v["name"] for v in p.targets[0].apply["spec"]["template"]["spec"]["volumes"]]
+    assert len(names) == len(set(names)), names
+
+
+def test_admin_entries_parse_from_flags_and_env_and_bad_ones_stop_the_operator():
+    s = from_args(["--remote-store-allow", "valkey.kv:6379", "--remote-store-allow", "redis://v2:6379"], env={})
+    assert s.remote_stores_allowed == ("valkey.kv:6379", "redis://v2:6379")
+    s = from_args([], env={"KVTIER_REMOTE_STORES_ALLOWED": "a:1, redis://b:2"})
+    assert s.remote_stores_allowed == ("a:1", "redis://b:2")
+    for bad in ("valkey", "http://v:6379", "redis://u:p@v:6379", "v:6379?x=1", "redis://v:6379/x"):
+        assert check_remote_store_entry(bad) is not None, bad
+        with pytest.raises(SystemExit, match="--remote-store-allow"):
+            from_args(["--remote-store-allow", bad], env={})
+
+
+def test_status_says_how_much_of_the_store_the_policy_may_use_and_clears_it_when_the_tier_is_off():
+    from kvtier_operator.status import compose, status_patch
+
+    d = deployment()
+    d["spec"]["replicas"] = 3
+    pol = remote_policy()
+    p = rc.plan(pol, [observed(d)], [], now=NOW, remote_stores_allowed=("redis://valkey.kv:6379",))
+    assert p.status["remoteStoreBudgetBytes"] == 3 * 8 * 2**30
+    stored = compose({}, p.status)
+    assert stored["remoteStoreBudgetBytes"] == 3 * 8 * 2**30
+    # The SLO guard disabled the remote tier: the budget goes from status, not just from the plan.
+    pol["status"] = {**stored, "tiers": [{"name": "cpu", "state": "Enabled"},
+                                         {"name": "shared", "state": "Disabled", "reason": "SLOBreach"}],
+                     "slo": {"disabled": ["shared"]}}
+    pol["spec"]["tiers"][1]["enabled"] = False
+    off = rc.plan(pol, [observed(d)], [], now=NOW, remote_stores_allowed=("redis://valkey.kv:6379",))
+    assert off.status["remoteStoreBudgetBytes"] is None
+    patch = status_patch(stored, compose(stored, off.status))
+    assert patch is not None and patch["remoteStoreBudgetBytes"] is None
