@@ -4,7 +4,10 @@ replicas of one model agree on it and share the store, any difference that chang
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
+
+from ...config import ConfigError
 
 from ...remote.identity import model_identity
 from .model_config import _model_kv_shape
@@ -24,6 +27,31 @@ def _model_dtype(config: Any) -> str | None:
     except Exception as exc:  # an older vLLM: the KV dtype (which follows it unless set) still separates
         _log.debug("kvtier: no current vLLM config for the model dtype (%s)", exc)
     return None
+
+
+# Prefix-caching hashes a shared store may be keyed by: collision-resistant ones only. With a non-cryptographic hash
+# (xxhash) a client who can choose prompts can make one with another's block hash, and every replica sharing the
+# store would then load that client's KV for the other's tokens.
+SHARED_HASH_ALGOS = ("sha256", "sha256_cbor")
+
+
+def _hash_facts() -> dict[str, Any]:
+    """The block-hash function, which the store's keys are: replicas agree on keys only if they agree on it. vLLM
+    seeds the first block's parent hash from PYTHONHASHSEED when set, so that is part of it too."""
+    algo = None
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        current = get_current_vllm_config_or_none()
+        if current is not None and current.cache_config is not None:
+            algo = str(current.cache_config.prefix_caching_hash_algo)
+    except Exception as exc:  # an older vLLM: its default, sha256
+        _log.debug("kvtier: no current vLLM config for the prefix-caching hash (%s)", exc)
+    if algo is not None and algo not in SHARED_HASH_ALGOS:
+        raise ConfigError(f"prefix_caching_hash_algo: {algo!r} is not collision resistant; a remote tier shares "
+                          f"blocks between replicas by their hash, so it needs one of {', '.join(SHARED_HASH_ALGOS)} "
+                          "(--prefix-caching-hash-algo sha256_cbor, as kvtier's operator renders)")
+    return {"hash_algo": algo or "sha256", "hash_seed": os.environ.get("PYTHONHASHSEED")}
 
 
 def remote_facts(spec: Any, codec: str) -> dict[str, Any]:
@@ -53,6 +81,7 @@ def remote_facts(spec: Any, codec: str) -> dict[str, Any]:
         "kv_cache_layout": getattr(config, "kv_cache_layout", None),
         "row_bytes": int(spec.row_bytes),
         "codec": codec,
+        **_hash_facts(),
     }
 
 
