@@ -292,18 +292,13 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
 
 def _remote_budget(spec: api.KVCachePolicySpec, enabled: list[str], workloads: list[Workload],
                    rendered: dict[str, RenderedConfig]) -> Optional[int]:
-    """The most the pods this policy configures may write into the shared store: each pod's remote tier is bounded
-    by its size, so the tier's size times the replicas of the workloads it is rendered into."""
+    """The most the pods this policy configures may hold in the shared store. The runtime bounds each model's
+    chunks by the tier's size, shared by the model's replicas (one index per model in the store), and a workload
+    serves one model: the size once per workload the tier is rendered into."""
     tier = next((t for t in spec.tiers if t.medium == "remote" and t.name in enabled), None)
     if tier is None:
         return None
-    replicas = sum(_replicas(w) for w in workloads if w.ref in rendered)
-    return tier.size_bytes * replicas
-
-
-def _replicas(w: Workload) -> int:
-    n = (w.obj.get("spec") or {}).get("replicas", 1)
-    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else 1
+    return tier.size_bytes * sum(1 for w in workloads if w.ref in rendered)
 
 
 def refusal(policy_obj: dict[str, Any], reason: str, problems: str, now: str,

@@ -122,12 +122,13 @@ def test_status_says_how_much_of_the_store_the_policy_may_use_and_clears_it_when
     from kvtier_operator.status import compose, status_patch
 
     d = deployment()
-    d["spec"]["replicas"] = 3
+    d["spec"]["replicas"] = 3  # replicas of one model share one budget in the store (the runtime's index per model)
+    other = deployment("llm-b", labels={"app": "llm"})
     pol = remote_policy()
-    p = rc.plan(pol, [observed(d)], [], now=NOW, remote_stores_allowed=("redis://valkey.kv:6379",))
-    assert p.status["remoteStoreBudgetBytes"] == 3 * 8 * 2**30
+    p = rc.plan(pol, [observed(d), observed(other)], [], now=NOW, remote_stores_allowed=("redis://valkey.kv:6379",))
+    assert p.status["remoteStoreBudgetBytes"] == 2 * 8 * 2**30
     stored = compose({}, p.status)
-    assert stored["remoteStoreBudgetBytes"] == 3 * 8 * 2**30
+    assert stored["remoteStoreBudgetBytes"] == 2 * 8 * 2**30
     # The SLO guard disabled the remote tier: the budget goes from status, not just from the plan.
     pol["status"] = {**stored, "tiers": [{"name": "cpu", "state": "Enabled"},
                                          {"name": "shared", "state": "Disabled", "reason": "SLOBreach"}],

@@ -322,8 +322,8 @@ class TierSpec(_Model):
                     "Valkey/Redis store shared by every replica (backend kvtier; at most one, after the filesystem "
                     "tiers).")
     size: Quantity = _quantity("Capacity of the tier as a Kubernetes quantity, total across tensor-parallel ranks. "
-                               "For a remote tier: what each serving pod may use in the store (the fleet-wide bound "
-                               "is the store's own maxmemory).")
+                               "For a remote tier: kvtier's budget in the store for one model, shared by all its replicas "
+                               "(the fleet-wide bound is the store's own maxmemory).")
     enabled: bool = Field(True, description="Set false to declare a tier without using it. The SLO guard "
                                             "disables tiers in status, never here.")
     eviction_policy: Optional[Literal[EVICTION_POLICIES]] = Field(  # type: ignore[valid-type]
@@ -743,9 +743,9 @@ class KVCachePolicyStatus(_Model):
     targets: list[TargetStatus] = Field(default_factory=list, description="Per-workload state.")
     remote_store_budget_bytes: Optional[int] = Field(
         None, ge=0, description="With an enabled remote tier: the most this policy's serving pods may hold in the "
-                                "shared store (the tier's size times the replicas configured with it). What they hold "
-                                "now is the runtime's kvtier_runtime_remote_bytes metric; the store's maxmemory bounds "
-                                "the fleet.")
+                                "shared store: the tier's size once per workload it configures (the replicas of one "
+                                "model share one budget). What they hold now is the engines' "
+                                "vllm:kv_offload_kvtier_remote_used_bytes; the store's maxmemory bounds the fleet.")
     slo: Optional[GuardStateField] = Field(
         None, description="SLO guard state: last values, counters, baseline, stage (kept here so restarts lose "
                           "nothing), and slo.history: recent tier changes, newest last (HistoryEntry, bounded).",
