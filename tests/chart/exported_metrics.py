@@ -24,6 +24,9 @@ RUNTIME = {
     "kvtier_runtime_stores_rejected": "counter",
     "kvtier_runtime_fs_errors": "counter",
     "kvtier_runtime_fs_backoff": "gauge",
+    "kvtier_runtime_remote_misses": "counter",
+    "kvtier_runtime_remote_store_failures": "counter",
+    "kvtier_runtime_remote_up": "gauge",
 }
 
 OPERATOR = {

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
+from vllm_cpu.render import fs_tier, host_tier, policy_document as engine_policy
 from plugins.controlplane import ControlPlane, build, start, stop
 from plugins.node import build_node, require_node, start_node, stop_node, wait_until
 
@@ -119,13 +120,8 @@ def test_the_engine_image_serves_on_the_node(tmp_path: Path) -> None:
         with ControlPlane(kubeconfig=kubeconfig).api_client() as api:
             core = client.CoreV1Api(api)
             wait_until(lambda: core.list_namespaced_service_account("default").items, 30, "default ServiceAccount")
-            policy = {"apiVersion": "kvtier.io/v1alpha1", "kind": "KVCachePolicy",
-                      "metadata": {"name": "engine-image", "namespace": "default"},
-                      "spec": {"selector": {"matchLabels": {"app": "engine"}}, "engine": "vllm", "backend": "kvtier",
-                               "blockSize": 32, "offload": {"promptOnly": True},
-                               "tiers": [{"name": "host", "medium": "cpu", "size": "16Mi"},
-                                         {"name": "disk", "medium": "filesystem", "size": "256Mi", "path": "/kvcache",
-                                          "volume": {"emptyDir": {}}}]}}
+            # The real-engine tests' base policy (one copy of it, e2e/vllm_cpu/render.py).
+            policy = engine_policy(tiers=[host_tier("16Mi"), fs_tier("/kvcache", "256Mi")])
             config_dir, tier_dir = tmp_path / "config", tmp_path / "tier"
             config_dir.mkdir()
             tier_dir.mkdir()
