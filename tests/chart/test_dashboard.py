@@ -55,6 +55,7 @@ def test_the_check_catches_an_unknown_name_and_an_open_regex():
     ("p99 time to first token", "vllm_time_to_first_token_seconds_bucket"),
     ("p99 inter-token latency", "vllm_inter_token_latency_seconds_bucket"),
     ("rollbacks", "kvtier_operator_tier_rollbacks_total"),
+    ("remote tier", "kvtier_runtime_remote_misses_total"),
 ])
 def test_required_panels_exist(dashboard, words, metric):
     matching = [p for p in _panels(dashboard) if words in p["title"].lower()]
