@@ -250,3 +250,38 @@ def test_the_store_password_keys_the_mac_when_no_mac_key_is_given(tmp_path) -> N
         writer.close()
     finally:
         server.kill()
+
+
+def test_every_remote_series_the_dashboard_reads_is_exported_by_the_engine_path(tmp_path, redis_server) -> None:
+    # The remote-tier panel reads what the books over a real store export: a refused (forged) value is a counted
+    # miss, a full store a counted store failure, and each tier's up gauge is set.
+    from plugins.dashboard import dashboard_runtime_series, samples
+
+    wanted = {s for s in dashboard_runtime_series() if s.startswith("kvtier_runtime_remote_")}
+    assert {"kvtier_runtime_remote_misses_total", "kvtier_runtime_remote_store_failures_total",
+            "kvtier_runtime_remote_up"} <= wanted
+    tier = _tier(redis_server.url, mac_key_file=_mac_file(tmp_path, "mac", b"K"))
+    books, region = engine_books(tmp_path / "b", 4, ROW * 2, [], key_suffix=b"")
+    books = type(books)(books.host, [], remote_tiers=[tier], remote_rows=[region.rows.view(torch.float16)])
+    full = RedisServer(tmp_path / "full", maxmemory=3 << 20, policy="noeviction").start()
+    filling = _tier(full.url, capacity=64 << 20)
+    try:
+        assert tier.wait_connected() and filling.wait_connected()
+        key = key_of(21)
+        forger = _tier(redis_server.url, mac_key_file=_mac_file(tmp_path, "evil", b"E"))
+        assert forger.wait_connected() and forger.store([key], [_block(key)]).success
+        forger.close()
+        deadline = time.monotonic() + 10
+        while books.lookup(key) == RETRY and time.monotonic() < deadline:
+            time.sleep(0.005)
+        for i in range(400):
+            if not filling.store([key_of(100 + i)], [_block(key_of(100 + i))], timeout=5).ok[0]:
+                break
+        for series in sorted(wanted):
+            values = [v for labels, v in samples(series) if labels.get("tier") in (tier.name, filling.name)]
+            assert values and max(values) > 0, f"{series}: no sample from the remote tiers"
+    finally:
+        books.close()
+        filling.close()
+        full.kill()
+        region.close(unlink=True)

@@ -5,7 +5,6 @@ tests/test_fs_tier*.py.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -14,15 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from chart.promql_names import metric_names
 from kvtier_runtime.config import FilesystemTierConfig
 from kvtier_runtime.store import HIT, RETRY, MemoryTier
+from plugins.dashboard import dashboard_runtime_series, samples
 from plugins.runtime import close_books, engine_books, key_of
 
 SHAPE = (64, 256)
 NB = 64 * 256 * 4  # bytes of one float32 block
 ROW = 4096
-DASHBOARD = Path(__file__).resolve().parents[1] / "charts" / "kvtier" / "files" / "grafana-dashboard.json"
 
 
 def test_memory_tier_allocates_once_and_reuses_slots() -> None:
@@ -39,27 +37,11 @@ def test_memory_tier_allocates_once_and_reuses_slots() -> None:
         MemoryTier("host", SHAPE, torch.float32, NB - 1)
 
 
-def _dashboard_runtime_series() -> set[str]:
-    dashboard = json.loads(DASHBOARD.read_text())
-    names: set[str] = set()
-    for panel in dashboard["panels"]:
-        for p in [panel, *panel.get("panels", [])]:
-            for target in p.get("targets", []):
-                names |= {n for n in metric_names(target["expr"]) if n.startswith("kvtier_runtime_")}
-    return names
-
-
-def _samples(name: str) -> list[tuple[dict[str, str], float]]:
-    from prometheus_client import REGISTRY
-
-    return [(s.labels, s.value) for family in REGISTRY.collect() for s in family.samples if s.name == name]
-
-
 def test_every_runtime_series_the_dashboard_reads_is_exported_by_the_engine_path(tmp_path) -> None:
     # A dashboard panel on a metric only a test harness exports shows nothing in production. Drive the engine
     # path's store (books over a host tier and a filesystem tier) through stores, evictions, a disk promotion and
     # lookups, and require a non-zero sample labelled with one of its tiers for every kvtier_runtime_* series the
-    # dashboard queries.
+    # dashboard queries (the remote tier's own series: tests/test_remote_tier_faults.py, against a real store).
     host_name, fs_name = f"host-{time.monotonic_ns()}", f"fs-{time.monotonic_ns()}"
     cfg = FilesystemTierConfig(root_dir=str(tmp_path / "fs"), capacity_bytes=1 << 20, n_read_threads=2,
                                n_write_threads=2)
@@ -78,12 +60,12 @@ def test_every_runtime_series_the_dashboard_reads_is_exported_by_the_engine_path
             books.drain(1)
         assert books.lookup(keys[0]) == HIT
         mine = {host_name, fs_name}
-        wanted = _dashboard_runtime_series()
+        wanted = {s for s in dashboard_runtime_series() if not s.startswith("kvtier_runtime_remote_")}
         assert wanted, "the dashboard reads no kvtier_runtime_* series"
         for series in sorted(wanted):
-            values = [v for labels, v in _samples(series) if mine & set(labels.values())]
+            values = [v for labels, v in samples(series) if mine & set(labels.values())]
             assert values and max(values) > 0, f"{series}: no sample from the engine path's tiers"
-        promoted = [v for labels, v in _samples("kvtier_runtime_promotions_total")
+        promoted = [v for labels, v in samples("kvtier_runtime_promotions_total")
                     if labels == {"src": fs_name, "dst": host_name}]
         assert promoted == [1.0], "a disk -> host promotion is labelled with the books' own host tier"
     finally:
