@@ -33,3 +33,17 @@ FS_ERRORS = Counter(
     ["tier", "kind"],
 )
 FS_BACKOFF = Gauge("kvtier_runtime_fs_backoff", "1 while the filesystem tier refuses stores after errors", ["tier"])
+# The remote (Valkey/Redis) tier: every chunk it could not serve or keep is counted here, by reason, never raised.
+REMOTE_MISSES = Counter(
+    "kvtier_runtime_remote_misses",
+    "Chunks the remote tier did not serve, by reason (absent, evicted, down, timeout, auth, forged, unverifiable, "
+    "corrupt, mismatch, ...); vLLM recomputed them",
+    ["tier", "reason"],
+)
+REMOTE_STORE_FAILURES = Counter(
+    "kvtier_runtime_remote_store_failures",
+    "Chunks the remote tier did not store, by reason (full, down, timeout, auth, mismatch, other)",
+    ["tier", "reason"],
+)
+REMOTE_UP = Gauge("kvtier_runtime_remote_up", "1 while the remote store answers, 0 while kvtier treats it as down",
+                  ["tier"])

@@ -2,7 +2,9 @@
 
 Tiers: a host tier (:class:`~kvtier_runtime.store.memory_tier.MemoryTier` over the shared
 :class:`~kvtier_runtime.engines.host_region.HostRegion`, slots chosen by a kvtier eviction policy) and behind it zero or more durable
-filesystem tiers (:class:`~kvtier_runtime.fs.tier.FilesystemTier`, bounded, checksummed, optionally compressed).
+filesystem tiers (:class:`~kvtier_runtime.fs.tier.FilesystemTier`, bounded, checksummed, optionally compressed),
+then zero or more remote tiers (:class:`~kvtier_runtime.remote.tier.RemoteTier`, a Valkey/Redis store shared by
+every replica of the model). Lookup order: host, filesystem tiers, remote tiers.
 
 Flow, and why it is split this way:
 
@@ -15,8 +17,11 @@ Flow, and why it is split this way:
   that can meet an I/O error or a corrupt file -- happens here, before vLLM is told ``hit``: a failed read is a
   ``miss`` that vLLM recomputes, counted in :attr:`load_failures`, never a wrong block.
 
-Nothing here blocks on the disk: lookups read in-memory indexes, disk work is queued, completions are collected by
-:meth:`poll` (called on every lookup/store and at the end of each scheduler step).
+Nothing here blocks on the disk or the network: lookups read in-memory indexes (a remote tier's presence cache; a
+key it has not seen yet is probed on its own thread while ``lookup`` answers ``retry``), disk and network work is
+queued, completions are collected by :meth:`poll` (called on every lookup/store and at the end of each scheduler
+step). Remote tiers see the plain offload key (their store keys carry the model identity); a failed remote read
+is counted in :attr:`remote_load_failures` instead of :attr:`load_failures`.
 
 Metrics (``kvtier_runtime_*``, labelled by tier name): the books count the host tier's lookups, hits, evictions,
 occupancy and capacity, and a filesystem tier's lookups and hits for keys the host tier missed; the filesystem
@@ -29,7 +34,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -41,7 +46,7 @@ from .memory_tier import MemoryTier
 log = logging.getLogger(__name__)
 
 HIT, HIT_PENDING, RETRY, MISS = "hit", "hit_pending", "retry", "miss"
-HOST, DISK = "host", "disk"
+HOST, DISK, REMOTE = "host", "disk", "remote"
 
 
 # Keys remembered as "the last promotion failed" (each answered miss once): a bound, not a tuning knob.
@@ -95,17 +100,24 @@ class OffloadBooks:
         key_suffix: bytes = b"",
         enable_events: bool = False,
         fs_events: Sequence[bool] | None = None,
+        remote_tiers: Sequence[Any] = (),
+        remote_rows: Sequence[torch.Tensor] | None = None,
     ) -> None:
         self.host = host
         self.fs_tiers = list(fs_tiers)
-        # Per filesystem tier, the host rows as that tier sees them (the KV dtype its codec quantizes); same memory.
+        self.remote_tiers = list(remote_tiers)
+        # Every tier behind the host, in lookup order; a tier index below is an index into this list.
+        self._tiers: list[Any] = [*self.fs_tiers, *self.remote_tiers]
+        # Per tier, the host rows as that tier sees them (the KV dtype its codec quantizes); same memory.
         self._fs_rows = list(fs_rows) if fs_rows is not None else [host.slab] * len(self.fs_tiers)
+        self._fs_rows += list(remote_rows) if remote_rows is not None else [host.slab] * len(self.remote_tiers)
         self._suffix = key_suffix
         self._origin: dict[bytes, str] = {}  # host-resident key -> where its bytes came from
         self._promotions: dict[tuple[int, int], _Promotion] = {}  # (tier, fs job id) -> promotion
         self._writes: dict[tuple[int, int], _WriteThrough] = {}
         self._writing: set[bytes] = set()  # keys whose worker store is in flight
         self.load_failures: Counter[str] = Counter()  # by kind: corrupt, missing, eio, ...
+        self.remote_load_failures: Counter[str] = Counter()  # by kind: evicted, down, timeout, forged, ...
         # Keys whose promotion just failed: the next lookup answers miss instead of promoting again, so the request
         # that waited recomputes (on a hung disk every promotion times out, and retrying would hold it forever).
         self._promotion_failed: set[bytes] = set()
@@ -119,11 +131,11 @@ class OffloadBooks:
         # rule for secondary tiers: the global flag and the tier's own ``enable_kv_events``).
         self.events: list[TierEvent] | None = [] if enable_events else None
         wanted = list(fs_events) if fs_events is not None else [True] * len(self.fs_tiers)
-        self._fs_events = [bool(enable_events and w) for w in wanted]
+        self._fs_events = [bool(enable_events and w) for w in wanted] + [False] * len(self.remote_tiers)
         for tier, on in zip(self.fs_tiers, self._fs_events):
             if on:
                 tier.record_removals()
-        for tier in self.fs_tiers:
+        for tier in self._tiers:
             tier.peer = host.name  # promotions/demotions are labelled with the tier they move to or from
         metrics.CAPACITY_BYTES.labels(host.name).set(host.capacity_bytes)
         self._update_occupancy()
@@ -131,6 +143,12 @@ class OffloadBooks:
     # ---- keys ---------------------------------------------------------------------------------------------
     def fs_key(self, key: bytes) -> bytes:
         return bytes(key) + self._suffix
+
+    def _is_remote(self, tier_index: int) -> bool:
+        return tier_index >= len(self.fs_tiers)
+
+    def _tier_key(self, tier_index: int, key: bytes) -> bytes:
+        return bytes(key) if self._is_remote(tier_index) else self.fs_key(key)
 
     # ---- lookups ------------------------------------------------------------------------------------------
     def lookup(self, key: bytes, ctx: AccessContext | None = None) -> str:
@@ -151,9 +169,17 @@ class OffloadBooks:
             if tier.state(fkey) is KeyState.HIT:
                 metrics.HITS.labels(tier.name).inc()
                 return RETRY if self._promote(key, i, ctx) else MISS
+        for i, tier in enumerate(self.remote_tiers, start=len(self.fs_tiers)):
+            state = tier.state(key)  # counts its own lookups and misses (by reason)
+            if state is KeyState.HIT:
+                return RETRY if self._promote(key, i, ctx) else MISS
+            if state is KeyState.PENDING:  # the tier is asking the store: vLLM asks again next step
+                return RETRY
         return MISS
 
     def source(self, key: bytes) -> str:
+        """Where a host-resident chunk's bytes came from: ``host`` (the engine stored it), ``disk`` or
+        ``remote`` (promoted from a filesystem or remote tier)."""
         return self._origin.get(key, HOST)
 
     def _promote(self, key: bytes, tier_index: int, ctx: AccessContext | None) -> bool:
@@ -164,8 +190,8 @@ class OffloadBooks:
         slot, victims = reserved
         self._event(self._forget(victims), -1, removed=True)
         self.host.pin(key)
-        tier = self.fs_tiers[tier_index]
-        job = tier.submit_load([self.fs_key(key)], [self._fs_rows[tier_index][slot]], ctx)
+        tier = self._tiers[tier_index]
+        job = tier.submit_load([self._tier_key(tier_index, key)], [self._fs_rows[tier_index][slot]], ctx)
         self._promotions[(tier_index, job)] = _Promotion(key, tier_index, time.monotonic())
         self.counters["promotions_started"] += 1
         self._update_occupancy()
@@ -293,14 +319,17 @@ class OffloadBooks:
             self._write_through(done)
 
     def _write_through(self, keys: list[bytes]) -> None:
-        for i, tier in enumerate(self.fs_tiers):
-            todo = [k for k in keys if tier.state(self.fs_key(k)) is KeyState.MISS]
+        for i, tier in enumerate(self._tiers):
+            if self._is_remote(i):  # the store may hold it (another replica): the tier's presence cache says
+                todo = [k for k in keys if not tier.known_present(k)]
+            else:
+                todo = [k for k in keys if tier.state(self.fs_key(k)) is KeyState.MISS]
             if not todo:
                 continue
             for key in todo:
                 self.host.pin(key)  # the row must not be reused before the tier has read it
             rows = [self._fs_rows[i][self.host.slot_of(k)] for k in todo]
-            job = tier.submit_store([self.fs_key(k) for k in todo], rows)
+            job = tier.submit_store([self._tier_key(i, k) for k in todo], rows)
             self._writes[(i, job)] = _WriteThrough(tuple(todo), i)
 
     def _on_disk(self, key: bytes) -> bool:
@@ -425,7 +454,7 @@ class OffloadBooks:
     def poll(self) -> None:
         if not self._promotions and not self._writes:
             return
-        for i, tier in enumerate(self.fs_tiers):
+        for i, tier in enumerate(self._tiers):
             for result in tier.get_finished():
                 self._finish(i, result)
         if self._promotions:
@@ -444,17 +473,18 @@ class OffloadBooks:
         has landed in it and the job finishes (``_finish`` then frees it)."""
         now = time.monotonic()
         for (tier_index, job), promo in list(self._promotions.items()):
-            if isinstance(promo.key, _Fence) or now - promo.started <= self.fs_tiers[tier_index].io_timeout_s:
+            tier = self._tiers[tier_index]
+            if isinstance(promo.key, _Fence) or now - promo.started <= tier.io_timeout_s:
                 continue
             key = promo.key
             self._fence(key)
             self._origin.pop(key, None)
             self._note_failed_promotion(key)
-            self.load_failures["timeout"] += 1
+            remote = self._is_remote(tier_index)
+            (self.remote_load_failures if remote else self.load_failures)["timeout"] += 1
             self.counters["promotions_expired"] += 1
             log.warning("kvtier: reading a block from %s took longer than %.3g s; vLLM recomputes it (the host "
-                        "slot stays reserved until the read returns)", self.fs_tiers[tier_index].name,
-                        self.fs_tiers[tier_index].io_timeout_s)
+                        "slot stays reserved until the read returns)", tier.name, tier.io_timeout_s)
 
     def _finish(self, tier_index: int, result: JobResult) -> None:
         promo = self._promotions.pop((tier_index, result.job_id), None)
@@ -464,19 +494,21 @@ class OffloadBooks:
                 self._drop_fence_pin(key, engine=False)
                 return
             self.host.unpin(key)
+            remote = self._is_remote(tier_index)
             if result.ok[0]:
                 self.host.mark_ready(key)
-                self._origin[key] = DISK
-                self.counters["promotions"] += 1
+                self._origin[key] = REMOTE if remote else DISK
+                self.counters["remote_promotions" if remote else "promotions"] += 1
                 self._event([key], -1, removed=False)
             else:
                 kind = result.errors.get(0, "other")
-                self.load_failures[kind] += 1
+                (self.remote_load_failures if remote else self.load_failures)[kind] += 1
                 self.host.remove(key)
                 self._origin.pop(key, None)
                 self._note_failed_promotion(key)
-                log.warning("kvtier: reading a block from %s failed (%s); vLLM recomputes it",
-                            self.fs_tiers[tier_index].name, kind)
+                if not remote:  # a remote tier logs its own faults (an evicted chunk is no incident)
+                    log.warning("kvtier: reading a block from %s failed (%s); vLLM recomputes it",
+                                self.fs_tiers[tier_index].name, kind)
                 self._update_occupancy()
             return
         write = self._writes.pop((tier_index, result.job_id), None)
@@ -489,7 +521,10 @@ class OffloadBooks:
                 key = key.key
             elif key in self.host:
                 self.host.unpin(key)
-            self.counters["fs_stores" if ok else "fs_store_refusals"] += 1
+            if self._is_remote(tier_index):
+                self.counters["remote_stores" if ok else "remote_store_refusals"] += 1
+            else:
+                self.counters["fs_stores" if ok else "fs_store_refusals"] += 1
             if ok:
                 stored.append(key)
         self._event(stored, tier_index, removed=False)
@@ -506,7 +541,7 @@ class OffloadBooks:
 
     def close(self) -> None:
         self.drain()
-        for tier in self.fs_tiers:
+        for tier in self._tiers:
             tier.close()
 
     # ---- observation --------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """vLLM ``OffloadingSpec`` plug-in: kvtier's own offloading spec (``spec_name: KvtierOffloadingSpec``).
 
 Its manager (scheduler process) translates vLLM's calls to :class:`~kvtier_runtime.store.books.OffloadBooks`
-(host tier + filesystem tiers, kvtier's policies); its worker (worker process) copies pages between vLLM's KV
-cache and the host rows (:mod:`kvtier_runtime.engines.page_copy`, in a shared region:
+(host tier + filesystem tiers + remote tiers, kvtier's policies); its worker (worker process) copies pages between
+vLLM's KV cache and the host rows (:mod:`kvtier_runtime.engines.page_copy`, in a shared region:
 :mod:`kvtier_runtime.engines.host_region`)."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from types import SimpleNamespace
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -39,7 +40,7 @@ from ...codecs import KVChunkCodec
 from ...codecs.layout import describe
 from ...config import ConfigError, OffloadSpecConfig
 from ...fs.tier import FilesystemTier
-from ...store.books import OffloadBooks
+from ...store.books import REMOTE, OffloadBooks
 from ...store.memory_tier import MemoryTier
 from ..chunk_layout import FLAT_REASONS, LayoutDecision, check_worker_pages, chunk_layout, tier_codec
 from ..host_region import HostRegion, remove_stale_regions
@@ -48,6 +49,7 @@ from ..vllm_support import block_view_dtype, namespace_suffix
 from .cache_policy import _access_context
 from .events import _kv_events_enabled, _offloading_event, _tier_kv_events
 from .model_config import _chunk_facts, _layout
+from .remote_identity import remote_identity
 from .secondary_tier import run_identity
 
 # Under vLLM's logger tree: vLLM's handlers print only that tree, and this is where the engine's operators read.
@@ -68,6 +70,13 @@ METRIC_PROMOTIONS = _SPEC_PREFIX + "promotions"
 METRIC_FS_STORES = _SPEC_PREFIX + "fs_stores"
 METRIC_HOST_EVICTIONS = _SPEC_PREFIX + "host_evictions"
 METRIC_FLAT_CODEC_TIERS = _SPEC_PREFIX + "flat_codec_tiers"
+METRIC_REMOTE_USED_BYTES = _SPEC_PREFIX + "remote_used_bytes"
+METRIC_REMOTE_CAPACITY_BYTES = _SPEC_PREFIX + "remote_capacity_bytes"
+METRIC_REMOTE_UP = _SPEC_PREFIX + "remote_up"
+METRIC_REMOTE_HITS = _SPEC_PREFIX + "remote_hits"
+METRIC_REMOTE_MISSES = _SPEC_PREFIX + "remote_misses"
+METRIC_REMOTE_STORES = _SPEC_PREFIX + "remote_stores"
+METRIC_REMOTE_STORE_FAILURES = _SPEC_PREFIX + "remote_store_failures"
 
 
 class KvtierHostSpec(CPULoadStoreSpec):
@@ -97,6 +106,19 @@ class KvtierOffloadingSpec(OffloadingSpec):
             METRIC_FLAT_CODEC_TIERS: OffloadingGaugeMetadata(
                 "Lossy kvtier filesystem tiers encoding with the flat codec because the KV layout could not be "
                 f"described, by reason ({', '.join(FLAT_REASONS)}).", ("reason",)),
+            METRIC_REMOTE_USED_BYTES: OffloadingGaugeMetadata(
+                "Bytes kvtier's chunks of this model take in a remote tier's store (all replicas; an upper bound).",
+                ("url",)),
+            METRIC_REMOTE_CAPACITY_BYTES: OffloadingGaugeMetadata("kvtier's budget in a remote tier's store.",
+                                                                  ("url",)),
+            METRIC_REMOTE_UP: OffloadingGaugeMetadata("1 while a remote tier's store answers, else 0.", ("url",)),
+            METRIC_REMOTE_HITS: OffloadingCounterMetadata("Chunks read from a remote tier into the host tier."),
+            METRIC_REMOTE_MISSES: OffloadingCounterMetadata(
+                "Chunks a remote tier did not serve, by reason (absent, evicted, down, timeout, forged, ...); "
+                "vLLM recomputed them.", ("reason",)),
+            METRIC_REMOTE_STORES: OffloadingCounterMetadata("Chunks written through to remote tiers."),
+            METRIC_REMOTE_STORE_FAILURES: OffloadingCounterMetadata(
+                "Chunks a remote tier did not store, by reason (full, down, timeout, ...).", ("reason",)),
         }
 
     def __init__(self, config: Any) -> None:
@@ -115,10 +137,13 @@ class KvtierOffloadingSpec(OffloadingSpec):
         self.fs_view_dtypes = [
             block_view_dtype(t.codec, config.model.dtype, self.row_bytes or 2) for t in self.kvtier.fs_tiers
         ]
+        self.remote_view_dtypes = [
+            block_view_dtype(t.codec, config.model.dtype, self.row_bytes or 2) for t in self.kvtier.remote_tiers
+        ]
         self.layout = _layout(config)
         self.fs_kv_events = [_tier_kv_events(t.extra, i) for i, t in enumerate(self.kvtier.fs_tiers)]
         # Only lossy tiers need the chunk's layout (and reading the model's config to find heads and head size).
-        lossy = any(t.codec != "none" for t in self.kvtier.fs_tiers)
+        lossy = any(t.codec != "none" for t in (*self.kvtier.fs_tiers, *self.kvtier.remote_tiers))
         self.layout_decision = chunk_layout(_chunk_facts(config)) if lossy else LayoutDecision(None)
         self._manager: KvtierOffloadingManager | None = None
         self._worker: KvtierOffloadingWorker | None = None
@@ -170,12 +195,38 @@ class KvtierOffloadingManager(OffloadingManager):
         elif decision.layout is not None:
             _log.info("kvtier: compressed filesystem tiers encode chunks of %s with layout-aware scales",
                       describe(decision.layout))
+        remote, remote_rows = self._remote_tiers(spec, decision)
         self.books = OffloadBooks(host, tiers, fs_rows=rows, key_suffix=suffix,
                                   enable_events=_kv_events_enabled(spec),
-                                  fs_events=spec.fs_kv_events)
+                                  fs_events=spec.fs_kv_events, remote_tiers=remote, remote_rows=remote_rows)
         self._reported: Counter[str] = Counter()
+        self._stats_seen: tuple[int, ...] = ()  # _stats_state() when get_stats last ran
+        self._extra_steps = 0
         self._lock = threading.RLock()
         self._requests: dict[str, dict[OffloadKey, int | None]] = {}  # request -> chunks it used, their positions
+
+    def _remote_tiers(self, spec: KvtierOffloadingSpec, decision: LayoutDecision) -> tuple[list[Any], list[Any]]:
+        """The remote tiers (a store shared by every replica; the model identity, derived from vLLM's config, is in
+        each key) and the host rows as each sees them. The tier module (and its client, redis-py) is imported
+        only when one is configured."""
+        if not spec.kvtier.remote_tiers:
+            return [], []
+        from ...remote.tier import RemoteTier
+
+        tiers, rows = [], []
+        for rcfg, dtype in zip(spec.kvtier.remote_tiers, spec.remote_view_dtypes):
+            view = self.region.rows.view(dtype)
+            # the filesystem tiers' codec choice (layout-aware when the layout is known), verifying as they do
+            codec = tier_codec(SimpleNamespace(codec=rcfg.codec, codec_fallback=True),  # type: ignore[arg-type]
+                               decision)
+            identity = remote_identity(spec, rcfg.codec)
+            tier = RemoteTier(rcfg, (view.shape[1],), dtype, identity=identity, name=f"kvtier-remote:{rcfg.url}",
+                              peer="host", codec=codec)
+            _log.info("kvtier: remote tier %s for model identity %s (capacity %d chunks of %d bytes)", rcfg.url,
+                      identity, tier.capacity_entries, tier.value_bytes)
+            tiers.append(tier)
+            rows.append(view)
+        return tiers, rows
 
     @property
     def lock(self) -> threading.RLock:
@@ -188,7 +239,10 @@ class KvtierOffloadingManager(OffloadingManager):
         return _LOOKUP[found]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
-        return CacheHitSource.DISK if self.books.source(bytes(key)) == "disk" else CacheHitSource.HOST
+        source = self.books.source(bytes(key))
+        if source == REMOTE:  # vLLM has no "remote" source; this is its bucket for a remote store
+            return CacheHitSource.EXTERNAL_UNSPECIFIED
+        return CacheHitSource.DISK if source == "disk" else CacheHitSource.HOST
 
     def prepare_load(self, keys: Any, req_context: ReqContext, **kwargs: Any) -> LoadStoreSpec:
         keys = list(keys)
@@ -255,7 +309,21 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def has_pending_work(self) -> bool:
         self.books.poll()
-        return self.books.has_pending_work()
+        if self.books.has_pending_work():
+            return True
+        # The poll above may have just collected the last write-throughs of an idle engine: ask vLLM for one more
+        # step so get_stats reports them (else the counters wait for the next request). Bounded, in case this
+        # vLLM does not collect stats every step.
+        if self._stats_seen != self._stats_state() and self._extra_steps < MAX_STATS_STEPS:
+            self._extra_steps += 1
+            return True
+        return False
+
+    def _stats_state(self) -> tuple[int, ...]:
+        books = self.books
+        return (sum(books.counters.values()), sum(books.load_failures.values()),
+                sum(books.remote_load_failures.values()),
+                *(sum(t.misses.values()) + sum(t.store_failures.values()) for t in books.remote_tiers))
 
     def reset_cache(self) -> None:
         self.books.reset_host()
@@ -280,6 +348,8 @@ class KvtierOffloadingManager(OffloadingManager):
     # ---- metrics / lifecycle ----
     def get_stats(self) -> OffloadingConnectorStats | None:
         books = self.books
+        self._stats_seen = self._stats_state()
+        self._extra_steps = 0
         stats = OffloadingConnectorStats()
         stats.set_gauge(METRIC_HOST_USED_BYTES, books.host_used_bytes)
         stats.set_gauge(METRIC_HOST_CAPACITY_BYTES, books.host_capacity_bytes)
@@ -293,6 +363,23 @@ class KvtierOffloadingManager(OffloadingManager):
         self._delta(stats, METRIC_PROMOTIONS, "promotions", books.counters["promotions"])
         self._delta(stats, METRIC_FS_STORES, "fs_stores", books.counters["fs_stores"])
         self._delta(stats, METRIC_HOST_EVICTIONS, "host_evictions", books.counters["host_evictions"])
+        for tier in books.remote_tiers:
+            url = (tier.config.url,)
+            stats.set_gauge(METRIC_REMOTE_USED_BYTES, tier.used_bytes, url)
+            stats.set_gauge(METRIC_REMOTE_CAPACITY_BYTES, tier.capacity_bytes, url)
+            stats.set_gauge(METRIC_REMOTE_UP, 1 if tier.health == "up" else 0, url)
+        if books.remote_tiers:
+            misses: Counter[str] = Counter()
+            failures: Counter[str] = Counter()
+            for tier in books.remote_tiers:
+                misses.update(dict(tier.misses))
+                failures.update(dict(tier.store_failures))
+            for reason, n in misses.items():
+                self._delta(stats, METRIC_REMOTE_MISSES, "remote_miss:" + reason, n, (reason,))
+            for reason, n in failures.items():
+                self._delta(stats, METRIC_REMOTE_STORE_FAILURES, "remote_store_failure:" + reason, n, (reason,))
+            self._delta(stats, METRIC_REMOTE_HITS, "remote_hits", books.counters["remote_promotions"])
+            self._delta(stats, METRIC_REMOTE_STORES, "remote_stores", books.counters["remote_stores"])
         return stats
 
     def _delta(self, stats: OffloadingConnectorStats, metric: str, key: str, total: int,
@@ -310,6 +397,8 @@ class KvtierOffloadingManager(OffloadingManager):
 # vLLM 0.33 calls on_reset_flushed once the workers reported every job in flight at a reset; 0.32 has no such call.
 _HAS_RESET_FLUSHED = "on_reset_flushed" in vars(OffloadingManager)
 RESET_FENCE_GRACE_S = 30.0
+# Steps an idle engine is kept stepping so its stats report work finished after its last request.
+MAX_STATS_STEPS = 3
 
 _LOOKUP = {"hit": LookupResult.HIT, "hit_pending": LookupResult.HIT_PENDING, "retry": LookupResult.RETRY,
            "miss": LookupResult.MISS}

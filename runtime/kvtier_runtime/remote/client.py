@@ -1,0 +1,143 @@
+"""The store client of the remote tier: redis-py (standalone or cluster mode), short timeouts, no retries.
+
+Mode is detected at connect time (``INFO cluster``: ``cluster_enabled:1`` switches to
+:class:`redis.cluster.RedisCluster` seeded with the same address), so one ``redis://host:port`` works against a single server, a Valkey/Redis with
+replicas behind a Service, or a cluster. The password comes from ``password_file`` (a Secret mounted read-only),
+never from the URL. Every socket operation is bounded by ``io_timeout_s`` and nothing is retried: a slow or absent
+store must cost the engine a miss, not a retry loop. Faults are classified by :func:`failure_kind` into the reasons
+the tier's metrics count.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.exceptions import (
+    AuthenticationError,
+    AuthorizationError,
+    ClusterDownError,
+    ClusterError,
+    NoPermissionError,
+    OutOfMemoryError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TimeoutError as RedisTimeoutError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.retry import Retry
+
+from ..config import ConfigError, RemoteTierConfig, check_remote_url
+
+log = logging.getLogger("kvtier_runtime.remote")
+
+MAX_PASSWORD_BYTES = 4096
+
+
+def read_password(path: str | None) -> str | None:
+    """The store password from ``password_file`` (one trailing newline dropped, as a Secret written with ``echo``
+    may carry); ConfigError names the key and never the contents."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_PASSWORD_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"password_file: {path} cannot be read ({exc.strerror or exc})") from None
+    if len(raw) > MAX_PASSWORD_BYTES:
+        raise ConfigError(f"password_file: {path} holds more than {MAX_PASSWORD_BYTES} bytes")
+    raw = raw[:-1] if raw.endswith(b"\n") else raw
+    if not raw:
+        raise ConfigError(f"password_file: {path} is empty")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"password_file: {path} is not UTF-8 text") from None
+
+
+def failure_kind(exc: BaseException) -> str:
+    """The reason a store operation failed, as the tier's metrics count it: ``timeout`` (slower than io_timeout_s),
+    ``full`` (the store's maxmemory with a noeviction policy refused a write), ``auth`` (password refused),
+    ``down`` (unreachable, refused, reset, cluster not serving the slot), else ``other``."""
+    if isinstance(exc, RedisTimeoutError):
+        return "timeout"
+    if isinstance(exc, OutOfMemoryError) or (isinstance(exc, ResponseError) and str(exc).startswith("OOM")):
+        return "full"
+    if isinstance(exc, (AuthenticationError, AuthorizationError, NoPermissionError)) or (
+            isinstance(exc, ResponseError) and str(exc).startswith(("NOAUTH", "WRONGPASS", "NOPERM"))):
+        return "auth"
+    if isinstance(exc, (RedisConnectionError, ClusterDownError, ClusterError, RedisClusterException, OSError)):
+        return "down"
+    return "other"
+
+
+class RemoteStore:
+    """A connected redis-py client for one :class:`RemoteTierConfig` (thread-safe: redis-py pools connections)."""
+
+    def __init__(self, config: RemoteTierConfig) -> None:
+        check_remote_url("url", config.url)
+        parts = urlsplit(config.url)
+        self.host = parts.hostname or ""
+        self.port = int(parts.port or 0)
+        self.db = int(parts.path.lstrip("/") or 0)
+        self.ssl = parts.scheme == "rediss"
+        self.timeout_s = float(config.io_timeout_s)
+        self._password = read_password(config.password_file)
+        self.url = config.url
+        self.cluster = False
+        self._client: Any = None
+        self._lock = threading.Lock()
+
+    def _options(self) -> dict[str, Any]:
+        return dict(password=self._password, ssl=self.ssl, socket_timeout=self.timeout_s,
+                    socket_connect_timeout=self.timeout_s, retry=Retry(NoBackoff(), 0), health_check_interval=0)
+
+    def connect(self) -> Any:
+        """Connect (detecting the mode) unless connected; raises a redis-py error or ConfigError."""
+        with self._lock:
+            if self._client is not None:
+                return self._client
+            probe = redis.Redis(host=self.host, port=self.port, db=self.db, **self._options())
+            try:
+                info = probe.info("cluster")
+                cluster = bool(info.get("cluster_enabled"))
+                if not cluster:
+                    self._client, self.cluster = probe, False
+                    return probe
+            except BaseException:
+                probe.close()
+                raise
+            probe.close()
+            if self.db:
+                raise ConfigError(f"url: {self.url!r}: the store runs in cluster mode, which has only database 0")
+            self._client = RedisCluster(host=self.host, port=self.port, require_full_coverage=False,
+                                        **self._options())
+            self.cluster = True
+            log.info("kvtier remote tier: %s is a Redis/Valkey cluster (%d nodes)", self.url,
+                     len(self._client.get_nodes()))
+            return self._client
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None
+
+    def pipeline(self) -> Any:
+        """A non-transactional pipeline (cluster mode: commands grouped per node, one round trip each)."""
+        return self.connect().pipeline(transaction=False)
+
+    def reset(self) -> None:
+        """Forget the connection after a fault: the next :meth:`connect` detects the mode again."""
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except (RedisError, OSError):  # a half-open socket: nothing left to close cleanly
+                pass
+
+    close = reset

@@ -1,0 +1,210 @@
+"""Real Valkey/Redis servers for the remote tier's tests: Debian's ``redis-server`` (installed by scripts/setup),
+started on free loopback ports in temporary directories, standalone or as a 3-node cluster-mode set, and always
+killed at teardown (SIGKILL of what is left, also at interpreter exit). Every wait is bounded.
+
+A missing binary fails the test that asks for a server, naming scripts/setup: these tests never skip.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import weakref
+from typing import Iterator, Sequence
+
+import pytest
+
+START_TIMEOUT_S = 15.0
+CLUSTER_TIMEOUT_S = 30.0
+_LIVE: "weakref.WeakSet[RedisServer]" = weakref.WeakSet()
+
+
+def redis_binaries() -> tuple[str, str]:
+    server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+    if not server or not cli:
+        pytest.fail("redis-server/redis-cli not found: scripts/setup installs Debian's redis-server package "
+                    "(apt-get install redis-server)", pytrace=False)
+    return server, cli
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(cluster: bool = False) -> int:
+    """A free loopback port; with ``cluster``, one whose cluster bus port (+10000) is free too."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not cluster or (port + 10000 < 65536 and _port_free(port + 10000)):
+            return port
+    raise RuntimeError("no free loopback port (with a free cluster bus port)")
+
+
+class RedisServer:
+    """One ``redis-server`` process. ``maxmemory`` (bytes) with ``policy`` bounds it as a deployment would."""
+
+    def __init__(self, workdir: pathlib.Path, *, port: int | None = None, maxmemory: int = 64 << 20,
+                 policy: str = "allkeys-lru", password: str | None = None, cluster: bool = False,
+                 extra: Sequence[str] = ()) -> None:
+        self.workdir = pathlib.Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port(cluster)
+        self.maxmemory = maxmemory
+        self.policy = policy
+        self.password = password
+        self.cluster = cluster
+        self.extra = list(extra)
+        self.proc: subprocess.Popen[bytes] | None = None
+        _LIVE.add(self)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> pathlib.Path:
+        return self.workdir / "redis.log"
+
+    def command(self) -> list[str]:
+        server, _ = redis_binaries()
+        cmd = [server, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
+               "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", str(self.log_path),
+               "--maxmemory", str(self.maxmemory), "--maxmemory-policy", self.policy]
+        if self.password:
+            cmd += ["--requirepass", self.password]
+        if self.cluster:
+            cmd += ["--cluster-enabled", "yes", "--cluster-config-file", str(self.workdir / "nodes.conf"),
+                    "--cluster-node-timeout", "2000"]
+        return cmd + self.extra
+
+    def start(self) -> "RedisServer":
+        self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {self.log_tail()}")
+            try:
+                if self.client().ping():
+                    return self
+            except Exception:
+                pass
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"redis-server on port {self.port} not answering after {START_TIMEOUT_S}s: "
+                                   f"{self.log_tail()}")
+            time.sleep(0.02)
+
+    def client(self, **kw):
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5,
+                           socket_connect_timeout=5, **kw)
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def pause(self) -> None:
+        """SIGSTOP: the server accepts connections (the kernel does) but never answers -- a hung store."""
+        self.signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    stop = kill
+
+
+def _kill_all() -> None:
+    for server in list(_LIVE):
+        server.kill()
+
+
+atexit.register(_kill_all)
+
+
+class RedisCluster:
+    """Three cluster-mode servers, every slot assigned (``redis-cli --cluster create``, no replicas)."""
+
+    def __init__(self, workdir: pathlib.Path, n: int = 3, **kw: object) -> None:
+        self.nodes = [RedisServer(pathlib.Path(workdir) / f"node{i}", cluster=True, **kw) for i in range(n)]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def start(self) -> "RedisCluster":
+        _, cli = redis_binaries()
+        for node in self.nodes:
+            node.start()
+        args = [cli]
+        if self.nodes[0].password:
+            args += ["-a", self.nodes[0].password, "--no-auth-warning"]
+        args += ["--cluster", "create", *[f"127.0.0.1:{n.port}" for n in self.nodes],
+                 "--cluster-replicas", "0", "--cluster-yes"]
+        done = subprocess.run(args, capture_output=True, text=True, timeout=CLUSTER_TIMEOUT_S)
+        if done.returncode != 0:
+            self.kill()
+            raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout}{done.stderr}")
+        deadline = time.monotonic() + CLUSTER_TIMEOUT_S
+        while True:
+            states = [n.client().execute_command("CLUSTER", "INFO").decode() for n in self.nodes]
+            if all("cluster_state:ok" in s for s in states):
+                return self
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"cluster not ok after {CLUSTER_TIMEOUT_S}s: {states}")
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        for node in self.nodes:
+            node.kill()
+
+    stop = kill
+
+
+@pytest.fixture
+def redis_server(tmp_path) -> Iterator[RedisServer]:
+    """A fresh standalone server (64 MiB, allkeys-lru) per test."""
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory) -> Iterator[RedisCluster]:
+    """A 3-node cluster-mode set on loopback, shared by a module's tests (each uses its own model identity)."""
+    cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster")).start()
+    yield cluster
+    cluster.kill()

@@ -1,0 +1,263 @@
+"""kvtier's remote tier against REAL stores: Debian's redis-server standalone (a fresh one per test) and a 3-node
+cluster-mode set (one per module). What a replica stores, another finds and reads back bit-exactly; keys carry the
+model identity; kvtier's share stays within capacity_bytes; lookups never wait on the network; the engine path's
+books serve one replica's chunk to another from the store.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvtier_runtime.config import ConfigError, RemoteTierConfig
+from kvtier_runtime.remote.format import HEAD_BYTES, open_value, seal, value_bytes
+from kvtier_runtime.remote.identity import chunk_key, key_prefix, model_identity
+from kvtier_runtime.remote.tier import KeyState, RemoteTier
+from kvtier_runtime.store.books import HIT, MISS, REMOTE, RETRY
+from plugins.runtime import engine_books, key_of
+
+ROW = 4096  # float16 values per chunk row: 8 KiB
+MODEL_A = model_identity({"model": "a", "layers": 8})
+MODEL_B = model_identity({"model": "b", "layers": 8})
+
+
+def _block(key: bytes) -> torch.Tensor:
+    g = torch.Generator().manual_seed(int.from_bytes(key[:4], "big"))
+    return torch.randn(ROW, generator=g).to(torch.float16)
+
+
+def _tier(url: str, identity: str = MODEL_A, capacity: int = 8 << 20, **kw) -> RemoteTier:
+    opts = {k: kw.pop(k) for k in list(kw) if k not in RemoteTierConfig.__dataclass_fields__}
+    cfg = RemoteTierConfig(url=url, capacity_bytes=capacity, **kw)
+    tier = RemoteTier(cfg, (ROW,), torch.float16, identity=identity, name=f"remote-{time.monotonic_ns()}", **opts)
+    return tier
+
+
+def _round_trip(tier: RemoteTier, keys: list[bytes]) -> list[torch.Tensor]:
+    result = tier.store(keys, [_block(k) for k in keys])
+    assert result.success, result.errors
+    outs = [torch.full((ROW,), 7.0, dtype=torch.float16) for _ in keys]
+    assert [tier.lookup_now(k) for k in keys] == [KeyState.HIT] * len(keys)
+    loaded = tier.load(keys, outs)
+    assert loaded.success, loaded.errors
+    return outs
+
+
+@pytest.mark.parametrize("mode", ["standalone", "cluster"])
+def test_a_chunk_stored_by_one_replica_is_read_back_bit_exactly_by_another(mode, request) -> None:
+    store = request.getfixturevalue("redis_server" if mode == "standalone" else "redis_cluster")
+    writer, reader = _tier(store.url), _tier(store.url)
+    try:
+        assert writer.wait_connected() and reader.wait_connected()
+        assert writer.cluster == (mode == "cluster")
+        keys = [key_of(i) + bytes([hash(mode) & 0x7F]) for i in range(24)]
+        assert writer.store(keys, [_block(k) for k in keys]).success
+        outs = [torch.zeros(ROW, dtype=torch.float16) for _ in keys]
+        assert [reader.lookup_now(k) for k in keys] == [KeyState.HIT] * len(keys)
+        assert reader.load(keys, outs).success
+        assert all(torch.equal(out, _block(k)) for out, k in zip(outs, keys))
+        assert not reader.misses and not writer.store_failures
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_keys_carry_the_model_identity_and_spread_over_every_cluster_node(redis_cluster) -> None:
+    identity = model_identity({"model": "spread"})
+    tier = _tier(redis_cluster.url, identity)
+    try:
+        assert tier.wait_connected()
+        keys = [key_of(1000 + i) for i in range(60)]
+        assert tier.store(keys, [_block(k) for k in keys]).success
+        per_node = []
+        for node in redis_cluster.nodes:
+            found = list(node.client().scan_iter(match=f"kvtier:{identity}:*", count=1000))
+            per_node.append(len(found))
+            for name in found:
+                assert name == b"kvtier:" + identity.encode() + b":index" or \
+                    name.removeprefix(b"kvtier:" + identity.encode() + b":") in {k.hex().encode() for k in keys}
+        # No hash tag: the chunks of one model land on every node, so the cluster scales a model's share.
+        assert all(n > 0 for n in per_node), per_node
+        assert sum(per_node) == len(keys) + 1  # + the model's index
+    finally:
+        tier.close()
+
+
+def test_another_models_chunks_are_never_found_or_served(redis_server) -> None:
+    a, b = _tier(redis_server.url, MODEL_A), _tier(redis_server.url, MODEL_B)
+    try:
+        assert a.wait_connected() and b.wait_connected()
+        key = key_of(1)
+        assert a.store([key], [_block(key)]).success
+        assert b.lookup_now(key) is KeyState.MISS  # another identity, another key
+        assert b.misses["absent"] >= 1
+        # Even a value copied under the other model's key is refused: the key is inside the value, under its CRC.
+        client = redis_server.client()
+        client.set(chunk_key(key_prefix(MODEL_B), key), client.get(chunk_key(key_prefix(MODEL_A), key)))
+        out = torch.full((ROW,), 7.0, dtype=torch.float16)
+        result = b.load([key], [out])
+        assert not result.ok[0] and result.errors[0] == "mismatch"
+        assert torch.all(out == 7.0)  # never a byte of another model's KV
+        assert b.misses["mismatch"] == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_value_format_round_trip_and_every_byte_is_checked() -> None:
+    key, payload = b"kvtier:x:ab", bytes(range(200))
+    for mac in (None, b"k" * 32):
+        buf = bytearray(value_bytes(len(key), len(payload), mac is not None))
+        buf[HEAD_BYTES + len(key):HEAD_BYTES + len(key) + len(payload)] = payload
+        n = seal(buf, key, "none", len(payload), mac)
+        assert n == len(buf)
+        codec, got = open_value(bytes(buf), key, mac)
+        assert codec == "none" and bytes(got) == payload
+        for i in range(0, n, 7):  # any flipped byte is refused, never decoded
+            bad = bytearray(buf)
+            bad[i] ^= 0x10
+            with pytest.raises(Exception) as info:
+                open_value(bytes(bad), key, mac)
+            assert type(info.value).__name__ == "RemoteFormatError"
+        for cut in (0, 5, n - 1):
+            with pytest.raises(Exception):
+                open_value(bytes(buf[:cut]), key, mac)
+
+
+def test_kvtiers_share_stays_within_capacity_bytes_fleet_wide(redis_server) -> None:
+    """Two replicas of one model writing through: the model's index never lists more chunks than capacity_bytes
+    allows at the largest value size, the oldest are deleted from the store, the gauge says what is used."""
+    probe = _tier(redis_server.url, capacity=1 << 20)
+    value = probe.value_bytes
+    probe.close()
+    capacity = 10 * value
+    a, b = _tier(redis_server.url, capacity=capacity), _tier(redis_server.url, capacity=capacity)
+    try:
+        assert a.wait_connected() and b.wait_connected()
+        keys = [key_of(2000 + i) for i in range(40)]
+        for j in range(0, 40, 4):
+            writer = a if (j // 4) % 2 == 0 else b
+            assert writer.store(keys[j:j + 4], [_block(k) for k in keys[j:j + 4]]).success
+        client = redis_server.client()
+        index = key_prefix(MODEL_A) + b"index"
+        assert client.zcard(index) <= 10
+        held = [k for k in keys if client.exists(chunk_key(key_prefix(MODEL_A), k))]
+        assert 0 < len(held) <= 10
+        # The oldest went first (scores are per batch of 4, so within the cut batch the order is the store's).
+        assert set(keys[-4:]) <= set(held) <= set(keys[-12:])
+        assert a.refresh_usage() <= capacity and b.used_bytes <= capacity
+        assert a.used_bytes == client.zcard(index) * value
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_capacity_that_holds_no_chunk_is_refused_naming_the_key(redis_server) -> None:
+    with pytest.raises(ConfigError, match=r"^capacity_bytes: 100 bytes hold no chunk"):
+        _tier(redis_server.url, capacity=100)
+
+
+def test_the_password_comes_from_the_file_and_a_wrong_one_is_a_counted_miss(tmp_path) -> None:
+    from plugins.redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "auth", password="s3cret-pass").start()
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.write_text("s3cret-pass\n")
+    bad.write_text("wrong")
+    try:
+        tier = _tier(server.url, password_file=str(good))
+        assert tier.wait_connected()
+        _round_trip(tier, [key_of(1)])
+        tier.close()
+        denied = _tier(server.url, password_file=str(bad))
+        assert not denied.wait_connected()
+        assert denied.state(key_of(1)) is KeyState.MISS
+        assert denied.misses["down"] >= 1
+        result = denied.store([key_of(2)], [_block(key_of(2))])
+        assert not result.ok[0] and denied.store_failures["down"] == 1
+        denied.close()
+    finally:
+        server.kill()
+    with pytest.raises(ConfigError, match="^password_file: /nonexistent/pw cannot be read"):
+        _tier(server.url, password_file="/nonexistent/pw")
+
+
+def test_lookups_never_wait_on_the_network(redis_server) -> None:
+    """The scheduler thread asks ``state`` for every chunk of every waiting request each step: with a hung store
+    (SIGSTOP: the kernel accepts, nothing answers) it must still answer at memory speed."""
+    tier = _tier(redis_server.url, io_timeout_s=0.5)
+    try:
+        assert tier.wait_connected()
+        redis_server.pause()
+        started = time.perf_counter()
+        states = [tier.state(key_of(i)) for i in range(200)]
+        elapsed = time.perf_counter() - started
+        assert elapsed < 0.2, f"200 lookups took {elapsed:.3f}s with a hung store"
+        assert set(states) == {KeyState.PENDING}
+        # The probe times out within io_timeout_s: the keys become misses (vLLM recomputes), no request stalls.
+        deadline = time.monotonic() + 5
+        while tier.state(key_of(0)) is KeyState.PENDING and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert tier.state(key_of(0)) is KeyState.MISS
+        assert tier.misses["timeout"] >= 1
+    finally:
+        redis_server.resume()
+        tier.close()
+
+
+def test_the_books_serve_one_replicas_chunk_to_another_from_the_store(tmp_path, redis_server) -> None:
+    """The engine path: replica A's host tier writes a chunk through to the store; replica B (its own host region,
+    no filesystem tier) looks it up -- retry while probing, retry while promoting -- then serves it from its host
+    row with A's exact bytes, counted as a remote promotion."""
+    replicas = []
+    for name in ("a", "b"):
+        tier = _tier(redis_server.url)
+        books, region = engine_books(tmp_path / name, 4, ROW * 2, [], key_suffix=b"")
+        books = type(books)(books.host, [], remote_tiers=[tier], remote_rows=[region.rows.view(torch.float16)])
+        assert tier.wait_connected()
+        replicas.append((books, region))
+    (a, region_a), (b, region_b) = replicas
+    key = key_of(7)
+    out = a.prepare_store([key])
+    assert out is not None
+    region_a.rows[out[1][0]].view(torch.float16).copy_(_block(key))
+    a.complete_store([key])
+    a.drain()
+    assert a.counters["remote_stores"] == 1
+    states = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        states.append(b.lookup(key))
+        if states[-1] != RETRY:
+            break
+        time.sleep(0.005)
+    assert states[0] == RETRY and states[-1] == HIT, states
+    assert b.source(key) == REMOTE and b.counters["remote_promotions"] == 1
+    (slot,) = b.prepare_load([key])
+    assert torch.equal(region_b.rows[slot].view(torch.float16), _block(key))
+    b.complete_load([key])
+    assert b.lookup(key_of(8)) == RETRY  # unknown: probed
+    b.drain()
+    deadline = time.monotonic() + 5
+    while b.lookup(key_of(8)) == RETRY and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert b.lookup(key_of(8)) == MISS
+    for books, region in replicas:
+        books.close()
+        region.close(unlink=True)
+
+
+def test_the_model_identity_changes_with_every_fact_and_only_with_them() -> None:
+    facts = {"model": "/models/llama", "kv_cache_dtype": "bfloat16", "block_tokens": 16, "blocks_per_chunk": 16,
+             "layers": 32, "kv_heads": 8, "head_size": 128, "tp_size": 2, "rank": 0, "codec": "none"}
+    base = model_identity(facts)
+    assert base == model_identity(dict(reversed(list(facts.items()))))  # key order does not matter
+    for name, other in [("model", "/models/mistral"), ("kv_cache_dtype", "fp8"), ("block_tokens", 32),
+                        ("blocks_per_chunk", 8), ("layers", 40), ("kv_heads", 4), ("head_size", 64),
+                        ("tp_size", 4), ("rank", 1), ("codec", "fp8")]:
+        assert model_identity({**facts, name: other}) != base, name
+    assert key_prefix(base) == f"kvtier:{base}:".encode()
+    assert chunk_key(key_prefix(base), b"\x01\xff") == f"kvtier:{base}:01ff".encode()
+    with pytest.raises(ValueError, match="^identity: "):
+        key_prefix("{tag}")  # never a hash tag: one model's chunks must spread over every cluster slot

@@ -1,0 +1,229 @@
+"""Faults of a REAL store under kvtier's remote tier. The class of defect: a store fault reaching the engine as an
+exception, a stall, or wrong bytes. Each fault here must instead be a failed key with a counted reason (vLLM
+recomputes the chunk), within a bounded time, with the destination row untouched.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvtier_runtime.config import RemoteTierConfig
+from kvtier_runtime.remote.identity import chunk_key, key_prefix, model_identity
+from kvtier_runtime.remote.tier import KeyState, RemoteTier
+from kvtier_runtime.store.books import MISS, RETRY
+from plugins.redis_server import RedisCluster, RedisServer, free_port
+from plugins.runtime import engine_books, key_of
+
+ROW = 4096
+MODEL = model_identity({"model": "faults"})
+UNTOUCHED = 7.0
+
+
+def _block(key: bytes) -> torch.Tensor:
+    g = torch.Generator().manual_seed(int.from_bytes(key[:4], "big"))
+    return torch.randn(ROW, generator=g).to(torch.float16)
+
+
+def _tier(url: str, *, capacity: int = 8 << 20, identity: str = MODEL, backoff_base_s: float = 0.2,
+          **kw) -> RemoteTier:
+    cfg = RemoteTierConfig(url=url, capacity_bytes=capacity, **kw)
+    return RemoteTier(cfg, (ROW,), torch.float16, identity=identity, name=f"faults-{time.monotonic_ns()}",
+                      backoff_base_s=backoff_base_s)
+
+
+def _sentinel() -> torch.Tensor:
+    return torch.full((ROW,), UNTOUCHED, dtype=torch.float16)
+
+
+def _mac_file(tmp_path, name: str, byte: bytes) -> str:
+    path = tmp_path / name
+    path.write_bytes(byte * 32)
+    return str(path)
+
+
+def test_store_down_at_start_is_a_miss_at_once_then_recovers_when_it_comes_up(tmp_path) -> None:
+    port = free_port()
+    tier = _tier(f"redis://127.0.0.1:{port}", io_timeout_s=0.5)
+    try:
+        assert not tier.wait_connected()
+        started = time.perf_counter()
+        assert tier.state(key_of(1)) is KeyState.MISS  # no probe, no wait: the store is down
+        assert time.perf_counter() - started < 0.05
+        stored = tier.store([key_of(1)], [_block(key_of(1))], timeout=5)
+        assert not stored.ok[0] and stored.errors[0] == "down"
+        out = _sentinel()
+        loaded = tier.load([key_of(1)], [out], timeout=5)
+        assert not loaded.ok[0] and loaded.errors[0] == "down" and torch.all(out == UNTOUCHED)
+        assert tier.misses["down"] >= 2 and tier.store_failures["down"] == 1
+        server = RedisServer(tmp_path / "late", port=port).start()
+        try:
+            deadline = time.monotonic() + 10
+            while tier.health != "up" and time.monotonic() < deadline:
+                tier.state(key_of(99))  # lookups are what notice that the backoff ran out
+                time.sleep(0.05)
+            assert tier.health == "up"
+            assert tier.store([key_of(1)], [_block(key_of(1))]).success
+            assert tier.lookup_now(key_of(1)) is KeyState.HIT
+        finally:
+            server.kill()
+    finally:
+        tier.close()
+
+
+def test_store_killed_mid_load_fails_the_keys_in_bounded_time_and_leaves_the_row(redis_server) -> None:
+    tier = _tier(redis_server.url, io_timeout_s=1.0)
+    try:
+        assert tier.wait_connected()
+        keys = [key_of(i) for i in range(8)]
+        assert tier.store(keys, [_block(k) for k in keys]).success
+        redis_server.pause()  # the GETs below are sent and wait for a reply ...
+        outs = [_sentinel() for _ in keys]
+        job = tier.submit_load(keys, outs)
+        time.sleep(0.2)
+        redis_server.kill()  # ... that never comes: the server dies with the load in flight
+        started = time.monotonic()
+        result = tier.wait(job, timeout=10)
+        assert time.monotonic() - started < 2.0
+        assert not any(result.ok)
+        assert set(result.errors.values()) <= {"down", "timeout"}
+        assert all(torch.all(o == UNTOUCHED) for o in outs)
+        # The next lookups miss at once (the store is marked down), and nothing raised.
+        deadline = time.monotonic() + 3
+        while tier.health == "up" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert tier.state(key_of(100)) is KeyState.MISS
+    finally:
+        tier.close()
+
+
+def test_a_slow_store_is_a_timeout_and_a_late_reply_never_reaches_the_row(redis_server) -> None:
+    tier = _tier(redis_server.url, io_timeout_s=0.3)
+    try:
+        assert tier.wait_connected()
+        key = key_of(5)
+        assert tier.store([key], [_block(key)]).success
+        redis_server.pause()
+        out = _sentinel()
+        started = time.monotonic()
+        result = tier.load([key], [out], timeout=10)
+        assert time.monotonic() - started < 1.5
+        assert not result.ok[0] and result.errors[0] == "timeout"
+        redis_server.resume()  # the reply arrives now, after the caller gave up (and may reuse the row)
+        time.sleep(0.5)
+        assert torch.all(out == UNTOUCHED)
+        assert tier.misses["timeout"] >= 1
+    finally:
+        redis_server.resume()
+        tier.close()
+
+
+def test_a_full_store_refuses_writes_as_counted_misses_and_keeps_serving(tmp_path) -> None:
+    server = RedisServer(tmp_path / "full", maxmemory=3 << 20, policy="noeviction").start()
+    tier = _tier(server.url, capacity=64 << 20)
+    try:
+        assert tier.wait_connected()
+        first = key_of(0)
+        assert tier.store([first], [_block(first)]).success
+        failed: list[bytes] = []
+        for i in range(1, 400):
+            key = key_of(i)
+            result = tier.store([key], [_block(key)], timeout=5)
+            if not result.ok[0]:
+                assert result.errors[0] == "full", result.errors
+                failed.append(key)
+            if len(failed) >= 3:
+                break
+        assert failed, "the store never filled up"
+        assert tier.store_failures["full"] >= 1
+        used = server.client().info("memory")["used_memory"]
+        assert used <= 3 << 20 or server.client().info("memory")["maxmemory"] == 3 << 20
+        assert tier.lookup_now(failed[0]) is KeyState.MISS  # never stored: a miss, vLLM recomputes
+        out = _sentinel()
+        assert tier.load([first], [out]).success and torch.equal(out, _block(first))  # reads still work
+    finally:
+        tier.close()
+        server.kill()
+
+
+@pytest.mark.parametrize("writer_mac, reader_mac, tamper, reason", [
+    ("a", "b", False, "forged"),        # written with another key: a writer without the fleet's key
+    (None, "b", False, "forged"),       # unkeyed value in a keyed tier
+    ("b", "b", True, "forged"),         # one payload byte changed after the MAC
+    (None, None, True, "corrupt"),      # no key: the CRC still catches the change
+    ("b", None, False, "unverifiable"),  # a keyed value a tier without the key cannot check
+])
+def test_a_forged_or_damaged_value_is_refused_never_decoded(tmp_path, redis_server, writer_mac, reader_mac,
+                                                            tamper, reason) -> None:
+    macs = {"a": _mac_file(tmp_path, "a", b"A"), "b": _mac_file(tmp_path, "b", b"B"), None: None}
+    writer = _tier(redis_server.url, mac_key_file=macs[writer_mac])
+    reader = _tier(redis_server.url, mac_key_file=macs[reader_mac])
+    try:
+        assert writer.wait_connected() and reader.wait_connected()
+        key = key_of(3)
+        assert writer.store([key], [_block(key)]).success
+        if tamper:
+            client = redis_server.client()
+            name = chunk_key(key_prefix(MODEL), key)
+            value = bytearray(client.get(name))
+            value[len(value) // 2] ^= 0x01
+            client.set(name, bytes(value))
+        assert reader.lookup_now(key) is KeyState.HIT  # present ...
+        out = _sentinel()
+        result = reader.load([key], [out])
+        assert not result.ok[0] and result.errors[0] == reason  # ... but never served
+        assert torch.all(out == UNTOUCHED)
+        assert reader.misses[reason] == 1
+        assert reader.lookup_now(key) is KeyState.MISS  # remembered as unusable
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_the_books_turn_a_forged_value_into_a_recompute_never_a_hit(tmp_path, redis_server) -> None:
+    mac = _mac_file(tmp_path, "mac", b"K")
+    tier = _tier(redis_server.url, mac_key_file=mac)
+    books, region = engine_books(tmp_path / "b", 4, ROW * 2, [], key_suffix=b"")
+    books = type(books)(books.host, [], remote_tiers=[tier], remote_rows=[region.rows.view(torch.float16)])
+    try:
+        assert tier.wait_connected()
+        key = key_of(11)
+        forger = _tier(redis_server.url, mac_key_file=_mac_file(tmp_path, "evil", b"E"))
+        assert forger.wait_connected()
+        assert forger.store([key], [_block(key)]).success
+        forger.close()
+        answers = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            answers.append(books.lookup(key))
+            if answers[-1] != RETRY:
+                break
+            time.sleep(0.005)
+        assert answers[-1] == MISS and "hit" not in answers, answers
+        assert books.remote_load_failures["forged"] == 1 and books.counters["remote_promotions"] == 0
+        assert len(books.host) == 0  # the reserved host slot was given back
+    finally:
+        books.close()
+        region.close(unlink=True)
+
+
+def test_a_cluster_node_dying_turns_its_keys_into_misses_not_errors(tmp_path) -> None:
+    cluster = RedisCluster(tmp_path / "cluster").start()
+    tier = _tier(cluster.url, io_timeout_s=0.5)
+    try:
+        assert tier.wait_connected() and tier.cluster
+        keys = [key_of(500 + i) for i in range(30)]
+        assert tier.store(keys, [_block(k) for k in keys]).success
+        cluster.nodes[2].kill()
+        outs = [_sentinel() for _ in keys]
+        started = time.monotonic()
+        result = tier.load(keys, outs, timeout=10)
+        assert time.monotonic() - started < 3.0
+        for ok, out, key in zip(result.ok, outs, keys):
+            assert torch.equal(out, _block(key)) if ok else torch.all(out == UNTOUCHED)
+        assert not all(result.ok)
+        assert set(result.errors.values()) <= {"down", "timeout"}
+    finally:
+        tier.close()
+        cluster.kill()

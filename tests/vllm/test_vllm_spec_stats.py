@@ -1,0 +1,51 @@
+"""kvtier's offloading spec under vLLM 0.33's manager contract: tier work that finishes while the engine is idle
+reaches vLLM's stats. The class of defect: counters (disk or remote stores, promotions, misses) that lag behind
+until the next request, because the last poll ran in ``has_pending_work`` -- which then told vLLM to stop stepping
+-- and no step called ``get_stats`` after it."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from upstream import ADAPTER, import_upstream
+
+pytestmark = pytest.mark.vllm
+
+import_upstream("tests.v1.kv_offload.conftest")
+from tests.v1.kv_offload.conftest import make_offloading_config  # noqa: E402
+from vllm.v1.kv_offload.base import ReqContext, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
+
+from kvtier_runtime.engines.vllm.offloading import METRIC_FS_STORES  # noqa: E402
+
+
+def _reported(stats, metric: str) -> float:
+    return (stats._values.get(metric) or {}).get((), 0) if stats is not None else 0
+
+
+def test_an_idle_engine_steps_until_finished_write_throughs_reach_its_stats(tmp_path) -> None:
+    extra = {"spec_module_path": ADAPTER, "host_shm_dir": str(tmp_path / "shm"),
+             "fs_tiers": [{"root_dir": str(tmp_path / "fs"), "capacity_bytes": 1 << 20,
+                           "n_read_threads": 1, "n_write_threads": 1}]}
+    config = make_offloading_config(spec_name="KvtierOffloadingSpec", cpu_bytes_to_use=4 * 8,
+                                    worker_kv_bytes_per_block=8, engine_id=f"stats-{os.getpid()}",
+                                    extra_config=extra)
+    manager = OffloadingSpecFactory.create_spec(config).get_manager()
+    try:
+        ctx = ReqContext(req_id="r1")
+        keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(2)]
+        out = manager.prepare_store(keys, ctx)
+        assert out is not None and list(out.keys_to_store) == keys
+        manager.complete_store(keys, ctx)  # the worker's copy is done: write-through to disk starts
+        reported = _reported(manager.get_stats(), METRIC_FS_STORES)  # the step that completed the store
+        manager.books.fs_tiers[0].drain(timeout=30)  # the disk writes finish while nothing else happens
+        steps = 0
+        while manager.has_pending_work():  # what vLLM's engine loop asks before each idle step
+            steps += 1
+            assert steps < 10, "the engine was kept stepping for nothing"
+            manager.on_schedule_end()
+            reported += _reported(manager.get_stats(), METRIC_FS_STORES)
+        assert reported == 2, f"{reported} of 2 disk stores reached vLLM's stats after {steps} idle steps"
+    finally:
+        manager.shutdown()
