@@ -268,12 +268,16 @@ def test_replica_b_serves_replica_as_prefix_from_a_store_pod_and_the_allowlist_h
     supervisor = Supervisor()
     c = Cluster(workdir, python, supervisor)
     marks: dict[str, float] = {}
+
+    def mark(what: str) -> None:
+        marks[what] = time.monotonic() - started
+        print(f"[{marks[what]:.0f}s] {what}", flush=True)
     try:
         c.up()
-        marks["cluster, images, model"] = time.monotonic() - started
+        mark("cluster, images, model")
         url = c.start_store(secrets.token_hex(24))
         c.allow_store(url)
-        marks["store pod allowed"] = time.monotonic() - started
+        mark("store pod allowed")
 
         # A store the admin did not allow: refused, and the workload stays as its owner wrote it.
         c.kube.create(f"/apis/apps/v1/namespaces/{NS}/deployments",
@@ -298,6 +302,7 @@ def test_replica_b_serves_replica_as_prefix_from_a_store_pod_and_the_allowlist_h
         assert after["spec"] == before["spec"], "a refused policy changed its workload's spec"
         assert users(after) == users(before), "a refused policy annotated its workload"
         assert after["metadata"]["generation"] == before["metadata"]["generation"]
+        mark("store not allowed: refused, workload untouched")
 
         c.deployment("replica-a")
         c.policy("replica-a", [{"name": "host", "medium": "cpu", "size": "32Mi"}], url)
@@ -309,18 +314,20 @@ def test_replica_b_serves_replica_as_prefix_from_a_store_pod_and_the_allowlist_h
             budget = _wait(lambda: c.policy_status(name).get("remoteStoreBudgetBytes"), 90,
                            f"{name}'s remoteStoreBudgetBytes", lambda: json.dumps(c.policy_status(name))[:2000])
             assert budget == 128 * MiB, (name, budget)
+        mark("policies report remoteStoreBudgetBytes")
 
         prompt = model.prompt_ids(PROMPT_TOKENS, 7)
         a = c.start_engine("replica-a")
-        marks["replica A Ready"] = time.monotonic() - started
+        mark("replica A Ready")
         expected = complete(a, prompt)  # cold on A: the recompute B must reproduce
         assert metric(a, "vllm:kv_offload_kvtier_remote_hits_total") == 0
         _wait(lambda: metric(a, "vllm:kv_offload_kvtier_remote_stores_total") >= CHUNKS, 120,
               "A's write-through to the store", lambda: remote_counters(a))
+        mark("A served the prompt cold and wrote it through")
         assert metric(a, "vllm:kv_offload_kvtier_remote_up", url=url) == 1
 
         b = c.start_engine("replica-b")
-        marks["replica B Ready"] = time.monotonic() - started
+        mark("replica B Ready")
         assert metric(b, "vllm:prompt_tokens_cached_by_source_total", source="external_unspecified") == 0
         got = complete(b, prompt)
         assert got == expected, f"B's greedy tokens differ from A's recompute: {got!r} != {expected!r}"
@@ -329,7 +336,7 @@ def test_replica_b_serves_replica_as_prefix_from_a_store_pod_and_the_allowlist_h
         _wait(lambda: metric(b, "vllm:prompt_tokens_cached_by_source_total", source="external_unspecified")
               >= CACHED, 60, f"vLLM on B counting >= {CACHED} tokens from the store", lambda: remote_counters(b))
         assert metric(b, "vllm:prompt_tokens_cached_by_source_total", source="disk") == 0
-        marks["checked"] = time.monotonic() - started
+        mark("checked")
         print(f"B: {remote_counters(b)}")
     finally:
         supervisor.close()
