@@ -235,8 +235,9 @@ def complete(url: str, prompt: list[int]) -> str:
         return json.loads(r.read())["choices"][0]["text"]
 
 
-def metric(url: str, name: str, **labels: str) -> float:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+def metric(engine: str, name: str, /, **labels: str) -> float:
+    """A sample's sum on an engine's /metrics (``engine`` its base URL; labels may include ``url``)."""
+    with urllib.request.urlopen(f"{engine}/metrics", timeout=30) as r:
         samples = parse_metrics(r.read().decode())
     want = set(labels.items())
     return sum(v for (n, lab), v in samples.items() if n == name and want <= set(lab))
