@@ -167,11 +167,12 @@ def engine_rounds(store, sizes: list[int], reps: int, work: pathlib.Path) -> dic
     model_dir = model.ensure_model(work / "models", max_position_embeddings=max(16384, max_len))
     servers = []
     for name in ("a", "b"):
-        config = render.render_engine_config(render.policy_document(tiers=[render.host_tier(host_bytes)]),
-                                             work / f"{name}.yaml")
+        # The operator's rendering: host tier + a medium: remote tier (and the shared prefix-caching hash).
+        remote = {"name": "shared", "medium": "remote", "size": remote_bytes, "remote": {"url": store.url}}
+        config = render.render_engine_config(
+            render.policy_document(tiers=[render.host_tier(host_bytes), remote]), work / f"{name}.yaml")
         doc = yaml.safe_load(config.read_text())
-        doc["kv-transfer-config"]["kv_connector_extra_config"]["remote_tiers"] = [
-            {"url": store.url, "capacity_bytes": remote_bytes, "io_timeout_s": 2.0}]
+        doc["kv-transfer-config"]["kv_connector_extra_config"]["remote_tiers"][0]["io_timeout_s"] = 2.0
         config.write_text(yaml.safe_dump(doc, sort_keys=False))
         servers.append(VllmServer(model_dir, config, kv_cache_memory_bytes=(max_len + 512) * model.kv_bytes_per_token(),
                                   max_model_len=max_len, env={"VLLM_SERVER_DEV_MODE": "1"},

@@ -227,3 +227,26 @@ def test_a_cluster_node_dying_turns_its_keys_into_misses_not_errors(tmp_path) ->
     finally:
         tier.close()
         cluster.kill()
+
+
+def test_the_store_password_keys_the_mac_when_no_mac_key_is_given(tmp_path) -> None:
+    """The operator renders mac_key_file = password_file when a policy names no macKeySecret: a short password
+    (shorter than a MAC key file must be) keys the MAC, and a client of the store without it cannot forge."""
+    server = RedisServer(tmp_path / "pw", password="short-pw").start()
+    pw = tmp_path / "password"
+    pw.write_text("short-pw\n")
+    try:
+        reader = _tier(server.url, password_file=str(pw), mac_key_file=str(pw))
+        writer = _tier(server.url, password_file=str(pw))  # knows the password, not keyed
+        assert reader.wait_connected() and writer.wait_connected()
+        key = key_of(21)
+        assert writer.store([key], [_block(key)]).success
+        out = _sentinel()
+        result = reader.load([key], [out])
+        assert not result.ok[0] and result.errors[0] == "forged" and torch.all(out == UNTOUCHED)
+        assert reader.store([key], [_block(key)]).success
+        assert reader.load([key], [out]).success and torch.equal(out, _block(key))
+        reader.close()
+        writer.close()
+    finally:
+        server.kill()

@@ -13,7 +13,8 @@ store. Replica B, with different local tiers (host + a filesystem tier), never s
 * with the store killed, B recomputes the third prompt with the right tokens and reports the store down.
 
 The engines run one after the other (2 cores). The engine config is the operator's rendering for ``backend:
-kvtier`` with ``remote_tiers`` added as the operator renders them (runtime/kvtier_runtime/config.py).
+kvtier`` with a ``medium: remote`` tier (its deterministic prefix-caching hash included), the MAC key Secret's
+mount path pointed at a local file.
 
 Sizes: 32 tokens per block and chunk, 32 KiB of KV per token (1 MiB per chunk); every prompt is 640 tokens = 20
 chunks; the store holds 256 MiB (allkeys-lru), kvtier's budget in it 128 MiB.
@@ -64,13 +65,17 @@ class Fleet:
         self.expected: dict[int, str] = {}
 
     def config(self, name: str, tiers: list[dict]) -> pathlib.Path:
-        path = render.render_engine_config(render.policy_document(tiers=tiers), self.tmp / f"{name}.yaml")
+        """The operator's rendering of ``tiers`` plus the shared remote tier (``medium: remote`` with a MAC key
+        Secret), with the Secret's mount path pointed at this test's key file."""
+        remote = {"name": "shared", "medium": "remote", "size": 128 * MiB,
+                  "remote": {"url": self.store.url, "macKeySecret": {"name": "kv-store", "key": "mac"}}}
+        path = render.render_engine_config(render.policy_document(tiers=[*tiers, remote]), self.tmp / f"{name}.yaml")
         doc = yaml.safe_load(path.read_text())
-        doc["kv-transfer-config"]["kv_connector_extra_config"]["remote_tiers"] = [{
-            "url": self.store.url, "capacity_bytes": 128 * MiB, "mac_key_file": str(self.mac),
-            # generous: the 2-core test machine is shared, and a slow store is (rightly) a miss, not a store
-            "io_timeout_s": 10.0,
-        }]
+        (tier,) = doc["kv-transfer-config"]["kv_connector_extra_config"]["remote_tiers"]
+        assert tier["url"] == self.store.url and tier["capacity_bytes"] == 128 * MiB and tier["mac_key_file"]
+        tier["mac_key_file"] = str(self.mac)
+        # generous: the 2-core test machine is shared, and a slow store is (rightly) a miss, not a store
+        tier["io_timeout_s"] = 10.0
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
         return path
 

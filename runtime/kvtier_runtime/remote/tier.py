@@ -44,7 +44,7 @@ from ..fs.index import KeyState
 from ..fs.io import _read_mac_key
 from ..fs.jobs import JobQueue, JobResult, _Expired, _Job
 from ..policies import AccessContext
-from .client import RemoteStore, failure_kind
+from .client import RemoteStore, failure_kind, read_password
 from .format import MAC_BYTES, RemoteFormatError, header_bytes, open_value, seal, value_bytes
 from .identity import chunk_key, index_key, key_prefix
 
@@ -193,7 +193,13 @@ class RemoteTier(JobQueue):
         self.block_shape = tuple(int(d) for d in block_shape)
         self.dtype = dtype
         self._codec = codec or get_codec(config.codec, fallback=True)
-        self._mac_key = _read_mac_key(config.mac_key_file)
+        if config.mac_key_file is not None and config.mac_key_file == config.password_file:
+            # The operator's rendering without a MAC key of its own: the store password keys the MAC, so a client
+            # of the store without it cannot forge a value (as strong as the password; give a macKeySecret of 32+
+            # bytes for more).
+            self._mac_key: bytes | None = (read_password(config.password_file) or "").encode()
+        else:
+            self._mac_key = _read_mac_key(config.mac_key_file)
         self._io_timeout_s = float(config.io_timeout_s)
         self._on_complete = on_complete
         self._clock = clock
