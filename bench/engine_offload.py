@@ -76,21 +76,6 @@ def drop_page_cache(root: pathlib.Path) -> str:
     return "fadvise"
 
 
-def ttft(server: VllmServer, prompt: list[int]) -> float:
-    name_sum, name_count = "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count"
-    before = server.metrics()
-    server.complete(prompt, max_tokens=1)
-    deadline = time.monotonic() + 10
-    while True:  # the histogram is updated just after the response
-        after = server.metrics()
-        if server.metric(name_count, after) > server.metric(name_count, before) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    n = server.metric(name_count, after) - server.metric(name_count, before)
-    assert n == 1, f"expected one request in the TTFT histogram, saw {n}"
-    return server.metric(name_sum, after) - server.metric(name_sum, before)
-
-
 def wait_disk(server: VllmServer, n_chunks: int, fs_dir: pathlib.Path, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -125,16 +110,16 @@ def engine_rounds(codec: str, sizes: list[int], reps: int, work: pathlib.Path, s
             for r in range(reps):
                 seed += 2
                 p = model.prompt_ids(n, seed)
-                results.setdefault((n, "recompute"), []).append(ttft(server, p))
+                results.setdefault((n, "recompute"), []).append(server.ttft(p))
                 on_disk += n // TOKENS_PER_BLOCK - 1
-                results.setdefault((n, "device"), []).append(ttft(server, p))
+                results.setdefault((n, "device"), []).append(server.ttft(p))
                 post(server, "/reset_prefix_cache")
-                results.setdefault((n, "host"), []).append(ttft(server, p))
+                results.setdefault((n, "host"), []).append(server.ttft(p))
                 wait_disk(server, on_disk, fs_dir)
                 post(server, "/reset_prefix_cache?reset_external=true")
                 drop_how = drop_page_cache(fs_dir)
-                results.setdefault((n, "fs"), []).append(ttft(server, p))
-                results.setdefault((n, "recompute"), []).append(ttft(server, model.prompt_ids(n, seed + 1)))
+                results.setdefault((n, "fs"), []).append(server.ttft(p))
+                results.setdefault((n, "recompute"), []).append(server.ttft(model.prompt_ids(n, seed + 1)))
                 on_disk += n // TOKENS_PER_BLOCK - 1
                 post(server, "/reset_prefix_cache")
                 print(f"[{codec}] {n} tokens round {r + 1}: " + ", ".join(

@@ -132,21 +132,6 @@ def throughput(store, chunk_mib: float, n_chunks: int, batch: int, rounds: int, 
 
 
 # ---- TTFT ---------------------------------------------------------------------------------------------------
-def ttft(server, prompt: list[int]) -> float:
-    name_sum, name_count = "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count"
-    before = server.metrics()
-    server.complete(prompt, max_tokens=1)
-    deadline = time.monotonic() + 10
-    while True:  # the histogram is updated just after the response
-        after = server.metrics()
-        if server.metric(name_count, after) > server.metric(name_count, before) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    n = server.metric(name_count, after) - server.metric(name_count, before)
-    assert n == 1, f"expected one request in the TTFT histogram, saw {n}"
-    return server.metric(name_sum, after) - server.metric(name_sum, before)
-
-
 def post(server, path: str) -> None:
     req = urllib.request.Request(server.url + path, data=b"", method="POST")
     with urllib.request.urlopen(req, timeout=60) as r:
@@ -201,13 +186,13 @@ def engine_rounds(store, sizes: list[int], reps: int, work: pathlib.Path) -> dic
                                            f"{seen}")
                     time.sleep(0.05)
                 b_stores = b.metric("vllm:kv_offload_kvtier_remote_stores_total")
-                results.setdefault((n, "recompute"), []).append(ttft(b, model.prompt_ids(n, seed + 1)))
+                results.setdefault((n, "recompute"), []).append(b.ttft(model.prompt_ids(n, seed + 1)))
                 deadline = time.monotonic() + 60  # B's own write-through of that prompt is not charged to the next
                 while b.metric("vllm:kv_offload_kvtier_remote_stores_total") - b_stores < n // TOKENS_PER_BLOCK - 1 \
                         and time.monotonic() < deadline:
                     time.sleep(0.05)
                 hits = b.metric("vllm:kv_offload_kvtier_remote_hits_total")
-                results.setdefault((n, "remote"), []).append(ttft(b, p))
+                results.setdefault((n, "remote"), []).append(b.ttft(p))
                 want = n // TOKENS_PER_BLOCK - 1
                 deadline = time.monotonic() + 5  # vLLM's connector stats reach /metrics after the response
                 while (got := b.metric("vllm:kv_offload_kvtier_remote_hits_total") - hits) < want \
@@ -219,7 +204,7 @@ def engine_rounds(store, sizes: list[int], reps: int, work: pathlib.Path) -> dic
                     print(f"warning: {n} tokens round {r + 1}: only {got:.0f} chunks came from the store "
                           f"(B's remote misses so far: {misses})", file=sys.stderr)
                 post(b, "/reset_prefix_cache")
-                results.setdefault((n, "host"), []).append(ttft(b, p))
+                results.setdefault((n, "host"), []).append(b.ttft(p))
                 post(b, "/reset_prefix_cache")
                 print(f"{n} tokens round {r + 1}: " + ", ".join(
                     f"{k} {results[(n, k)][-1] * 1e3:.0f} ms" for k in ("recompute", "remote", "host")),

@@ -282,6 +282,21 @@ class VllmServer:
         out["_latency_s"] = time.monotonic() - t0
         return out
 
+    def ttft(self, prompt_ids: Sequence[int]) -> float:
+        """The engine's own time to first token for one request (its TTFT histogram's sum, before and after)."""
+        name_sum, name_count = "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count"
+        before = self.metrics()
+        self.complete(prompt_ids, max_tokens=1)
+        deadline = time.monotonic() + 10
+        while True:  # the histogram is updated just after the response
+            after = self.metrics()
+            if self.metric(name_count, after) > self.metric(name_count, before) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        n = self.metric(name_count, after) - self.metric(name_count, before)
+        assert n == 1, f"expected one request in the TTFT histogram, saw {n}"
+        return self.metric(name_sum, after) - self.metric(name_sum, before)
+
     @staticmethod
     def text(response: Mapping[str, Any]) -> str:
         return response["choices"][0]["text"]
