@@ -41,6 +41,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "runtime"), str(REPO / "operator"), str(REPO / "tests")]
 
 from plugins.redis_server import RedisCluster, RedisServer  # noqa: E402
+from plugins.tier_sync import wait_job  # noqa: E402  (tests/plugins: one job's result, test-side)
 
 MiB = 1 << 20
 TOKENS_PER_BLOCK = 32
@@ -93,12 +94,12 @@ def throughput(store, chunk_mib: float, n_chunks: int, batch: int, rounds: int, 
         # tier: every job submitted at once (write-through of many completed stores), then waited
         started = time.perf_counter()
         jobs = [tier.submit_store([keys[i] for i in b], [rows[i] for i in b]) for b in batches]
-        results = [tier.wait(j, timeout=120) for j in jobs]
+        results = [wait_job(tier, j, timeout=120) for j in jobs]
         out["tier store"].append(total / (time.perf_counter() - started) / 1e9)
         assert all(res.success for res in results), [res.errors for res in results if not res.success][:1]
         started = time.perf_counter()
         jobs = [tier.submit_load([keys[i] for i in b], [outs[i] for i in b]) for b in batches]
-        results = [tier.wait(j, timeout=120) for j in jobs]
+        results = [wait_job(tier, j, timeout=120) for j in jobs]
         out["tier load"].append(total / (time.perf_counter() - started) / 1e9)
         assert all(res.success for res in results) and torch.equal(outs, rows)
 

@@ -16,6 +16,7 @@ from kvtier_runtime.remote.identity import chunk_key, key_prefix, model_identity
 from kvtier_runtime.remote.tier import KeyState, RemoteTier
 from kvtier_runtime.store.books import HIT, MISS, REMOTE, RETRY
 from plugins.runtime import engine_books, key_of
+from plugins.tier_sync import load_blocks, store_blocks
 
 ROW = 4096  # float16 values per chunk row: 8 KiB
 MODEL_A = model_identity({"model": "a", "layers": 8})
@@ -35,11 +36,11 @@ def _tier(url: str, identity: str = MODEL_A, capacity: int = 8 << 20, **kw) -> R
 
 
 def _round_trip(tier: RemoteTier, keys: list[bytes]) -> list[torch.Tensor]:
-    result = tier.store(keys, [_block(k) for k in keys])
+    result = store_blocks(tier, keys, [_block(k) for k in keys])
     assert result.success, result.errors
     outs = [torch.full((ROW,), 7.0, dtype=torch.float16) for _ in keys]
     assert [tier.lookup_now(k) for k in keys] == [KeyState.HIT] * len(keys)
-    loaded = tier.load(keys, outs)
+    loaded = load_blocks(tier, keys, outs)
     assert loaded.success, loaded.errors
     return outs
 
@@ -52,10 +53,10 @@ def test_a_chunk_stored_by_one_replica_is_read_back_bit_exactly_by_another(mode,
         assert writer.wait_connected() and reader.wait_connected()
         assert writer.cluster == (mode == "cluster")
         keys = [key_of(i) + bytes([hash(mode) & 0x7F]) for i in range(24)]
-        assert writer.store(keys, [_block(k) for k in keys]).success
+        assert store_blocks(writer, keys, [_block(k) for k in keys]).success
         outs = [torch.zeros(ROW, dtype=torch.float16) for _ in keys]
         assert [reader.lookup_now(k) for k in keys] == [KeyState.HIT] * len(keys)
-        assert reader.load(keys, outs).success
+        assert load_blocks(reader, keys, outs).success
         assert all(torch.equal(out, _block(k)) for out, k in zip(outs, keys))
         assert not reader.misses and not writer.store_failures
     finally:
@@ -69,7 +70,7 @@ def test_keys_carry_the_model_identity_and_spread_over_every_cluster_node(redis_
     try:
         assert tier.wait_connected()
         keys = [key_of(1000 + i) for i in range(60)]
-        assert tier.store(keys, [_block(k) for k in keys]).success
+        assert store_blocks(tier, keys, [_block(k) for k in keys]).success
         per_node = []
         for node in redis_cluster.nodes:
             found = list(node.client().scan_iter(match=f"kvtier:{identity}:*", count=1000))
@@ -89,14 +90,14 @@ def test_another_models_chunks_are_never_found_or_served(redis_server) -> None:
     try:
         assert a.wait_connected() and b.wait_connected()
         key = key_of(1)
-        assert a.store([key], [_block(key)]).success
+        assert store_blocks(a, [key], [_block(key)]).success
         assert b.lookup_now(key) is KeyState.MISS  # another identity, another key
         assert b.misses["absent"] >= 1
         # Even a value copied under the other model's key is refused: the key is inside the value, under its CRC.
         client = redis_server.client()
         client.set(chunk_key(key_prefix(MODEL_B), key), client.get(chunk_key(key_prefix(MODEL_A), key)))
         out = torch.full((ROW,), 7.0, dtype=torch.float16)
-        result = b.load([key], [out])
+        result = load_blocks(b, [key], [out])
         assert not result.ok[0] and result.errors[0] == "mismatch"
         assert torch.all(out == 7.0)  # never a byte of another model's KV
         assert b.misses["mismatch"] == 1
@@ -138,7 +139,7 @@ def test_kvtiers_share_stays_within_capacity_bytes_fleet_wide(redis_server) -> N
         keys = [key_of(2000 + i) for i in range(40)]
         for j in range(0, 40, 4):
             writer = a if (j // 4) % 2 == 0 else b
-            assert writer.store(keys[j:j + 4], [_block(k) for k in keys[j:j + 4]]).success
+            assert store_blocks(writer, keys[j:j + 4], [_block(k) for k in keys[j:j + 4]]).success
         client = redis_server.client()
         index = key_prefix(MODEL_A) + b"index"
         assert client.zcard(index) <= 10
@@ -174,7 +175,7 @@ def test_the_password_comes_from_the_file_and_a_wrong_one_is_a_counted_miss(tmp_
         assert not denied.wait_connected()
         assert denied.state(key_of(1)) is KeyState.MISS
         assert denied.misses["down"] >= 1
-        result = denied.store([key_of(2)], [_block(key_of(2))])
+        result = store_blocks(denied, [key_of(2)], [_block(key_of(2))])
         assert not result.ok[0] and denied.store_failures["down"] == 1
         denied.close()
     finally:
