@@ -225,7 +225,6 @@ class RemoteTier(JobQueue):
         self._lock = threading.Lock()
         self._jobs: dict[int, _Job] = {}
         self._finished: OrderedDict[int, JobResult] = OrderedDict()
-        self._claimed: dict[int, JobResult | None] = {}
         self._job_ids = itertools.count(1)
         self._closed = False
         self._running_tasks = 0
