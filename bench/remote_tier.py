@@ -41,7 +41,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "runtime"), str(REPO / "operator"), str(REPO / "tests")]
 
 from plugins.redis_server import RedisCluster, RedisServer  # noqa: E402
-from plugins.tier_sync import wait_job  # noqa: E402  (tests/plugins: one job's result, test-side)
+from plugins.tier_sync import connected, wait_job  # noqa: E402  (tests/plugins: one job's result, test-side)
 
 MiB = 1 << 20
 TOKENS_PER_BLOCK = 32
@@ -78,7 +78,7 @@ def throughput(store, chunk_mib: float, n_chunks: int, batch: int, rounds: int, 
     cfg = RemoteTierConfig(url=store.url, capacity_bytes=4 * n_chunks * (chunk_bytes + 4096), io_timeout_s=30.0)
     tier = RemoteTier(cfg, (n_values,), torch.float16, identity=model_identity({"bench": time.time_ns()}),
                       name="bench", n_threads=threads)
-    if not tier.wait_connected(30):
+    if not connected(tier, 30):
         raise RuntimeError(f"the remote tier could not connect to {store.url}")
     if tier.cluster:
         raw = ClusterClient(host="127.0.0.1", port=store.nodes[0].port, socket_timeout=30)

@@ -15,7 +15,7 @@ from kvtier_runtime.remote.tier import KeyState, RemoteTier
 from kvtier_runtime.store.books import MISS, RETRY
 from plugins.redis_server import RedisCluster, RedisServer, free_port
 from plugins.runtime import engine_books, key_of
-from plugins.tier_sync import load_blocks, store_blocks, wait_job
+from plugins.tier_sync import connected, load_blocks, settled_state, store_blocks, wait_job
 
 ROW = 4096
 MODEL = model_identity({"model": "faults"})
@@ -48,7 +48,7 @@ def test_store_down_at_start_is_a_miss_at_once_then_recovers_when_it_comes_up(tm
     port = free_port()
     tier = _tier(f"redis://127.0.0.1:{port}", io_timeout_s=0.5)
     try:
-        assert not tier.wait_connected()
+        assert not connected(tier)
         started = time.perf_counter()
         assert tier.state(key_of(1)) is KeyState.MISS  # no probe, no wait: the store is down
         assert time.perf_counter() - started < 0.05
@@ -66,7 +66,7 @@ def test_store_down_at_start_is_a_miss_at_once_then_recovers_when_it_comes_up(tm
                 time.sleep(0.05)
             assert tier.health == "up"
             assert store_blocks(tier, [key_of(1)], [_block(key_of(1))]).success
-            assert tier.lookup_now(key_of(1)) is KeyState.HIT
+            assert settled_state(tier, key_of(1)) is KeyState.HIT
         finally:
             server.kill()
     finally:
@@ -76,7 +76,7 @@ def test_store_down_at_start_is_a_miss_at_once_then_recovers_when_it_comes_up(tm
 def test_store_killed_mid_load_fails_the_keys_in_bounded_time_and_leaves_the_row(redis_server) -> None:
     tier = _tier(redis_server.url, io_timeout_s=1.0)
     try:
-        assert tier.wait_connected()
+        assert connected(tier)
         keys = [key_of(i) for i in range(8)]
         assert store_blocks(tier, keys, [_block(k) for k in keys]).success
         redis_server.pause()  # the GETs below are sent and wait for a reply ...
@@ -102,7 +102,7 @@ def test_store_killed_mid_load_fails_the_keys_in_bounded_time_and_leaves_the_row
 def test_a_slow_store_is_a_timeout_and_a_late_reply_never_reaches_the_row(redis_server) -> None:
     tier = _tier(redis_server.url, io_timeout_s=0.3)
     try:
-        assert tier.wait_connected()
+        assert connected(tier)
         key = key_of(5)
         assert store_blocks(tier, [key], [_block(key)]).success
         redis_server.pause()
@@ -124,7 +124,7 @@ def test_a_full_store_refuses_writes_as_counted_misses_and_keeps_serving(tmp_pat
     server = RedisServer(tmp_path / "full", maxmemory=3 << 20, policy="noeviction").start()
     tier = _tier(server.url, capacity=64 << 20)
     try:
-        assert tier.wait_connected()
+        assert connected(tier)
         first = key_of(0)
         assert store_blocks(tier, [first], [_block(first)]).success
         failed: list[bytes] = []
@@ -140,7 +140,7 @@ def test_a_full_store_refuses_writes_as_counted_misses_and_keeps_serving(tmp_pat
         assert tier.store_failures["full"] >= 1
         used = server.client().info("memory")["used_memory"]
         assert used <= 3 << 20 or server.client().info("memory")["maxmemory"] == 3 << 20
-        assert tier.lookup_now(failed[0]) is KeyState.MISS  # never stored: a miss, vLLM recomputes
+        assert settled_state(tier, failed[0]) is KeyState.MISS  # never stored: a miss, vLLM recomputes
         out = _sentinel()
         assert load_blocks(tier, [first], [out]).success and torch.equal(out, _block(first))  # reads still work
     finally:
@@ -161,7 +161,7 @@ def test_a_forged_or_damaged_value_is_refused_never_decoded(tmp_path, redis_serv
     writer = _tier(redis_server.url, mac_key_file=macs[writer_mac])
     reader = _tier(redis_server.url, mac_key_file=macs[reader_mac])
     try:
-        assert writer.wait_connected() and reader.wait_connected()
+        assert connected(writer) and connected(reader)
         key = key_of(3)
         assert store_blocks(writer, [key], [_block(key)]).success
         if tamper:
@@ -170,13 +170,13 @@ def test_a_forged_or_damaged_value_is_refused_never_decoded(tmp_path, redis_serv
             value = bytearray(client.get(name))
             value[len(value) // 2] ^= 0x01
             client.set(name, bytes(value))
-        assert reader.lookup_now(key) is KeyState.HIT  # present ...
+        assert settled_state(reader, key) is KeyState.HIT  # present ...
         out = _sentinel()
         result = load_blocks(reader, [key], [out])
         assert not result.ok[0] and result.errors[0] == reason  # ... but never served
         assert torch.all(out == UNTOUCHED)
         assert reader.misses[reason] == 1
-        assert reader.lookup_now(key) is KeyState.MISS  # remembered as unusable
+        assert settled_state(reader, key) is KeyState.MISS  # remembered as unusable
     finally:
         writer.close()
         reader.close()
@@ -188,10 +188,10 @@ def test_the_books_turn_a_forged_value_into_a_recompute_never_a_hit(tmp_path, re
     books, region = engine_books(tmp_path / "b", 4, ROW * 2, [], key_suffix=b"")
     books = type(books)(books.host, [], remote_tiers=[tier], remote_rows=[region.rows.view(torch.float16)])
     try:
-        assert tier.wait_connected()
+        assert connected(tier)
         key = key_of(11)
         forger = _tier(redis_server.url, mac_key_file=_mac_file(tmp_path, "evil", b"E"))
-        assert forger.wait_connected()
+        assert connected(forger)
         assert store_blocks(forger, [key], [_block(key)]).success
         forger.close()
         answers = []
@@ -213,7 +213,7 @@ def test_a_cluster_node_dying_turns_its_keys_into_misses_not_errors(tmp_path) ->
     cluster = RedisCluster(tmp_path / "cluster").start()
     tier = _tier(cluster.url, io_timeout_s=0.5)
     try:
-        assert tier.wait_connected() and tier.cluster
+        assert connected(tier) and tier.cluster
         keys = [key_of(500 + i) for i in range(30)]
         assert store_blocks(tier, keys, [_block(k) for k in keys]).success
         cluster.nodes[2].kill()
@@ -239,7 +239,7 @@ def test_the_store_password_keys_the_mac_when_no_mac_key_is_given(tmp_path) -> N
     try:
         reader = _tier(server.url, password_file=str(pw), mac_key_file=str(pw))
         writer = _tier(server.url, password_file=str(pw))  # knows the password, not keyed
-        assert reader.wait_connected() and writer.wait_connected()
+        assert connected(reader) and connected(writer)
         key = key_of(21)
         assert store_blocks(writer, [key], [_block(key)]).success
         out = _sentinel()
@@ -267,10 +267,10 @@ def test_every_remote_series_the_dashboard_reads_is_exported_by_the_engine_path(
     full = RedisServer(tmp_path / "full", maxmemory=3 << 20, policy="noeviction").start()
     filling = _tier(full.url, capacity=64 << 20)
     try:
-        assert tier.wait_connected() and filling.wait_connected()
+        assert connected(tier) and connected(filling)
         key = key_of(21)
         forger = _tier(redis_server.url, mac_key_file=_mac_file(tmp_path, "evil", b"E"))
-        assert forger.wait_connected() and store_blocks(forger, [key], [_block(key)]).success
+        assert connected(forger) and store_blocks(forger, [key], [_block(key)]).success
         forger.close()
         deadline = time.monotonic() + 10
         while books.lookup(key) == RETRY and time.monotonic() < deadline:

@@ -92,3 +92,23 @@ def store_blocks(tier: Any, keys: Sequence[bytes], blocks: Sequence[torch.Tensor
 def load_blocks(tier: Any, keys: Sequence[bytes], outs: Sequence[torch.Tensor], timeout: float | None = 60) -> Any:
     """``submit_load`` and wait for its result."""
     return wait_job(tier, tier.submit_load(keys, outs), timeout)
+
+
+def connected(tier: Any, timeout_s: float = 10.0) -> bool:
+    """Block until a remote tier's first connection attempt is over; True if the store is up."""
+    deadline = time.monotonic() + timeout_s
+    while tier.health == "connecting" and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return tier.health == "up"
+
+
+def settled_state(tier: Any, key: bytes, timeout_s: float = 10.0) -> Any:
+    """A remote tier's ``state(key)`` once its probe answered (``PENDING`` only after ``timeout_s``)."""
+    from kvtier_runtime.fs import KeyState
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = tier.state(key)
+        if st is not KeyState.PENDING or time.monotonic() > deadline:
+            return st
+        time.sleep(0.001)
