@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import torch  # noqa: E402
 
@@ -40,6 +41,7 @@ from kvtier_runtime.fs import FilesystemTier  # noqa: E402
 from kvtier_runtime.fs import io as tier_module  # noqa: E402
 from kvtier_runtime.fs.fileio import O_DIRECT, AlignedBuffer, FileOps, probe_o_direct  # noqa: E402
 from kvtier_runtime.fs.format import ALIGN, file_bytes_for  # noqa: E402
+from plugins.tier_sync import load_blocks, store_blocks  # noqa: E402  (tests/plugins: blocking, test-side)
 
 BLOCK_SHAPE = (32, 2, 16, 8, 128)  # 32 layers x K/V x 16 tokens x 8 KV heads x 128 dims, bf16 = 2 MiB
 DTYPE = torch.bfloat16
@@ -182,12 +184,12 @@ def main() -> None:
             keys = [f"r{r}-b{i}".encode() for i in range(n)]
             rw = raw_write(raw_path, buf, n, direct)
             t = time.perf_counter()
-            out = tier.store(keys, blocks, timeout=600)
+            out = store_blocks(tier, keys, blocks, timeout=600)
             tw = time.perf_counter() - t
             assert out.success, out.errors
             rr = raw_read(raw_path, buf, n, direct)
             t = time.perf_counter()
-            got = tier.load(keys, outs, timeout=600)
+            got = load_blocks(tier, keys, outs, timeout=600)
             tr = time.perf_counter() - t
             assert got.success, got.errors
             assert all(torch.equal(a, b) for a, b in zip(outs, blocks)), "the tier returned other bytes"
@@ -202,10 +204,10 @@ def main() -> None:
             keys = [f"profile-b{i}".encode() for i in range(n)]
             timer.reset()
             t = time.perf_counter()
-            assert tier.store(keys, blocks, timeout=600).success
+            assert store_blocks(tier, keys, blocks, timeout=600).success
             phases["write"] = (time.perf_counter() - t, timer.reset())
             t = time.perf_counter()
-            assert tier.load(keys, outs, timeout=600).success
+            assert load_blocks(tier, keys, outs, timeout=600).success
             phases["read"] = (time.perf_counter() - t, timer.reset())
             timer.uninstall()
         tier.close()

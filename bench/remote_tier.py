@@ -41,6 +41,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "runtime"), str(REPO / "operator"), str(REPO / "tests")]
 
 from plugins.redis_server import RedisCluster, RedisServer  # noqa: E402
+from plugins.tier_sync import connected, wait_job  # noqa: E402  (tests/plugins: one job's result, test-side)
 
 MiB = 1 << 20
 TOKENS_PER_BLOCK = 32
@@ -77,7 +78,7 @@ def throughput(store, chunk_mib: float, n_chunks: int, batch: int, rounds: int, 
     cfg = RemoteTierConfig(url=store.url, capacity_bytes=4 * n_chunks * (chunk_bytes + 4096), io_timeout_s=30.0)
     tier = RemoteTier(cfg, (n_values,), torch.float16, identity=model_identity({"bench": time.time_ns()}),
                       name="bench", n_threads=threads)
-    if not tier.wait_connected(30):
+    if not connected(tier, 30):
         raise RuntimeError(f"the remote tier could not connect to {store.url}")
     if tier.cluster:
         raw = ClusterClient(host="127.0.0.1", port=store.nodes[0].port, socket_timeout=30)
@@ -93,12 +94,12 @@ def throughput(store, chunk_mib: float, n_chunks: int, batch: int, rounds: int, 
         # tier: every job submitted at once (write-through of many completed stores), then waited
         started = time.perf_counter()
         jobs = [tier.submit_store([keys[i] for i in b], [rows[i] for i in b]) for b in batches]
-        results = [tier.wait(j, timeout=120) for j in jobs]
+        results = [wait_job(tier, j, timeout=120) for j in jobs]
         out["tier store"].append(total / (time.perf_counter() - started) / 1e9)
         assert all(res.success for res in results), [res.errors for res in results if not res.success][:1]
         started = time.perf_counter()
         jobs = [tier.submit_load([keys[i] for i in b], [outs[i] for i in b]) for b in batches]
-        results = [tier.wait(j, timeout=120) for j in jobs]
+        results = [wait_job(tier, j, timeout=120) for j in jobs]
         out["tier load"].append(total / (time.perf_counter() - started) / 1e9)
         assert all(res.success for res in results) and torch.equal(outs, rows)
 

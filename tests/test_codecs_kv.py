@@ -13,6 +13,7 @@ from kvtier_runtime.codecs import (
     ATTENTION_BUDGETS, STATS, CodecError, CodecMetricsCollector, KVLayout, decode, get_kv_codec, peek_header,
 )
 from plugins.kv_accuracy import attention_cosine, compare_logits
+from plugins.tier_sync import load_blocks, store_blocks
 from kvtier_runtime.codecs.kv import canonical, chunk_error, scatter_staged, to_stage
 from kvtier_runtime.codecs.layout import PAGE_ORDERS
 
@@ -358,9 +359,9 @@ def test_the_filesystem_tier_stores_chunks_through_a_kv_codec(fs_tier_factory):
     tier = fs_tier_factory(shape=(lay.numel,), codec="int4", codec_obj=get_kv_codec("int4", lay))
     STATS.reset()
     chunks = {bytes([i]) * 36: make_chunk(lay, seed=i, outlier=20.0 if i == 2 else 0.0) for i in range(3)}
-    assert tier.store(list(chunks), list(chunks.values())).success
+    assert store_blocks(tier, list(chunks), list(chunks.values())).success
     outs = [torch.full((lay.numel,), 12345.0) for _ in chunks]
-    assert tier.load(list(chunks), outs).success
+    assert load_blocks(tier, list(chunks), outs).success
     for x, y in zip(chunks.values(), outs):
         assert attention_cosine(lay, x, y) >= 0.99
     assert STATS.snapshot()["kvtier_runtime_codec_fallbacks_total"] == {("int4", "int8"): 1}

@@ -24,12 +24,13 @@ from kvtier_runtime.fs.fileio import FileOps
 from kvtier_runtime.fs.format import HEADER_BYTES
 from kvtier_runtime.fs.paths import NAMESPACE
 from plugins.runtime import block_file_bytes, block_for, key_of, metric_value, run_in_threads, sentinel
+from plugins.tier_sync import load_blocks, store_blocks, wait_job
 
 SHAPE = (64, 256)
 
 
 def _store(tier, keys):
-    return tier.store(keys, [block_for(k) for k in keys])
+    return store_blocks(tier, keys, [block_for(k) for k in keys])
 
 
 def _files(tier):
@@ -55,7 +56,7 @@ def test_round_trip_and_restart_recovery(fs_tier_factory) -> None:
     assert again.rebuild_stats["blocks"] == 6
     assert again.used_bytes == 6 * block_file_bytes(SHAPE)
     outs = [sentinel() for _ in keys]
-    assert again.load(keys, outs).success
+    assert load_blocks(again, keys, outs).success
     for k, out in zip(keys, outs):
         assert torch.equal(out, block_for(k))
 
@@ -93,7 +94,7 @@ def test_flipped_byte_is_a_counted_miss_and_deleted(fs_tier_factory, where: str)
             f.write(bytes([b[0] ^ 0x40]))
     before = _errors("corrupt")
     out = sentinel()
-    res = tier.load([key], [out])
+    res = load_blocks(tier, [key], [out])
     assert not res.success and res.errors == {0: "corrupt"}
     assert torch.equal(out, sentinel()), "never wrong data: the destination is untouched"
     assert _errors("corrupt") == before + 1
@@ -107,7 +108,7 @@ def test_truncated_and_deleted_files_are_misses(fs_tier_factory) -> None:
     os.truncate(tier.block_path(a), HEADER_BYTES + 100)
     os.unlink(tier.block_path(b))
     t0, m0 = _errors("truncated"), _errors("missing")
-    res = tier.load([a, b], [sentinel(), sentinel()])
+    res = load_blocks(tier, [a, b], [sentinel(), sentinel()])
     assert res.ok == (False, False) and res.errors == {0: "truncated", 1: "missing"}
     assert (_errors("truncated"), _errors("missing")) == (t0 + 1, m0 + 1)
     assert tier.lookup([a]).hits == 0 and tier.lookup([b]).hits == 0 and tier.used_bytes == 0
@@ -120,7 +121,7 @@ def test_a_file_holding_another_key_is_a_mismatch(fs_tier_factory) -> None:
     _store(tier, [a, b])
     os.replace(tier.block_path(b), tier.block_path(a))  # a's name now holds b's block
     out = sentinel()
-    res = tier.load([a], [out])
+    res = load_blocks(tier, [a], [out])
     assert res.errors == {0: "mismatch"} and torch.equal(out, sentinel())
 
 
@@ -193,10 +194,8 @@ def test_bad_input_is_rejected_with_the_field_named(fs_tier_factory) -> None:
         tier.submit_store([key_of(1), key_of(2)], [block_for(key_of(1))])
     with pytest.raises(ValueError, match="key"):
         tier.submit_store([b""], [block_for(b"x")])
-    res = tier.store([key_of(1)], [torch.zeros(3, 3)])
+    res = store_blocks(tier, [key_of(1)], [torch.zeros(3, 3)])
     assert res.errors == {0: "mismatch"}
-    with pytest.raises(KeyError, match="job_id"):
-        tier.wait(999)
 
 
 def test_constructed_from_the_vllm_tier_kwargs(tmp_path) -> None:
@@ -261,7 +260,7 @@ def test_eio_on_write_and_read(fs_tier_factory) -> None:
     ops.fail_read = errno.EIO
     e0 = _errors("eio")
     out = sentinel()
-    assert tier.load([a], [out]).errors == {0: "eio"} and torch.equal(out, sentinel())
+    assert load_blocks(tier, [a], [out]).errors == {0: "eio"} and torch.equal(out, sentinel())
     assert _errors("eio") == e0 + 1 and tier.state(a) is KeyState.MISS
 
 
@@ -292,7 +291,7 @@ def test_real_disk_full_on_tmpfs(fs_tier_factory, small_tmpfs) -> None:
     held = tier.keys()
     assert set(later) <= set(held)
     outs = [sentinel() for _ in held]
-    assert tier.load(held, outs).success
+    assert load_blocks(tier, held, outs).success
     assert all(torch.equal(o, block_for(k)) for o, k in zip(outs, held))
 
 
@@ -302,6 +301,7 @@ _WRITER = textwrap.dedent("""
     from kvtier_runtime.fs import FilesystemTier
     from kvtier_runtime.fs.fileio import FileOps
     from plugins.runtime import block_for, key_of
+    from plugins.tier_sync import store_blocks
 
     class Slow(FileOps):  # writes 4 KiB at a time so the kill lands inside a write
         def write(self, fd, data):
@@ -312,7 +312,7 @@ _WRITER = textwrap.dedent("""
                                n_write_threads=2)
     tier = FilesystemTier(cfg, (64, 256), torch.float32, file_ops=Slow())
     for i in range(1000):
-        tier.store([key_of(i)], [block_for(key_of(i))])
+        store_blocks(tier, [key_of(i)], [block_for(key_of(i))])
 """)
 
 
@@ -338,7 +338,7 @@ def test_kill_9_writer_mid_write_then_restart(fs_tier_factory, tmp_path) -> None
     assert tier.rebuild_stats["tmp"] >= 1 and tier.rebuild_stats["blocks"] >= 3
     keys = tier.keys()
     outs = [sentinel() for _ in keys]
-    assert tier.load(keys, outs).success
+    assert load_blocks(tier, keys, outs).success
     assert all(torch.equal(o, block_for(k)) for o, k in zip(outs, keys))
     assert not any(".tmp." in f for f in _files(tier))
 
@@ -353,10 +353,10 @@ def test_concurrent_stores_and_loads_never_return_wrong_bytes(fs_tier_factory) -
         for _ in range(60):
             batch = rnd.sample(keys, 3)
             if rnd.random() < 0.5:
-                tier.store(batch, [block_for(k) for k in batch])
+                store_blocks(tier, batch, [block_for(k) for k in batch])
             else:
                 outs = [sentinel() for _ in batch]
-                res = tier.load(batch, outs)
+                res = load_blocks(tier, batch, outs)
                 for k, ok, o in zip(batch, res.ok, outs):
                     if ok:
                         assert torch.equal(o, block_for(k))
@@ -390,7 +390,7 @@ def test_non_blocking_api_reports_pending_and_completes_by_polling(fs_tier_facto
     assert time.perf_counter() - t0 < 0.5, "submit must not wait for the disk"
     assert tier.state(key) is KeyState.PENDING
     assert tier.lookup([key]) == type(tier.lookup([key]))(0, True)
-    res = tier.load([key], [sentinel()])
+    res = load_blocks(tier, [key], [sentinel()])
     assert res.errors == {0: "miss"}, "a block is not served before it is durable"
     # (one call: a second get_finished() would return [] and pass whatever the first one held)
     assert all(r.job_id != job for r in tier.get_finished()), "a job is not finished while its write hangs"
@@ -432,7 +432,7 @@ def test_buffered_fallback_when_o_direct_is_refused(fs_tier_factory) -> None:
     keys = [key_of(i) for i in range(3)]
     assert _store(tier, keys).success
     outs = [sentinel() for _ in keys]
-    assert tier.load(keys, outs).success and all(torch.equal(o, block_for(k)) for o, k in zip(outs, keys))
+    assert load_blocks(tier, keys, outs).success and all(torch.equal(o, block_for(k)) for o, k in zip(outs, keys))
 
 
 def test_a_lossy_codec_stores_smaller_files_within_its_error_budget(fs_tier_factory) -> None:
@@ -441,7 +441,7 @@ def test_a_lossy_codec_stores_smaller_files_within_its_error_budget(fs_tier_fact
     assert _store(tier, [key]).success
     assert os.path.getsize(tier.block_path(key)) < block_file_bytes(SHAPE, "none") / 2
     out = sentinel()
-    assert tier.load([key], [out]).success
+    assert load_blocks(tier, [key], [out]).success
     ref = block_for(key)
     assert (torch.linalg.norm(out - ref) / torch.linalg.norm(ref)).item() <= 0.03
 
@@ -458,7 +458,7 @@ def test_codec_fallback_to_a_wider_encoding_is_accounted_at_its_real_size(fs_tie
     assert all(os.path.getsize(f) == block_file_bytes(SHAPE, "none") for f in files)
     assert tier.used_bytes == sum(os.path.getsize(f) for f in files) <= tier.capacity_bytes
     outs = [sentinel() for _ in tier.keys()]
-    assert tier.load(tier.keys(), outs).success
+    assert load_blocks(tier, tier.keys(), outs).success
     assert all(torch.equal(o, block_for(k)) for o, k in zip(outs, tier.keys()))
 
 
@@ -470,33 +470,9 @@ def test_lookups_do_not_reorder_eviction_but_loads_do(fs_tier_factory) -> None:
         assert tier.lookup([a]).hits == 1
     _store(tier, [c])
     assert set(tier.keys()) == {b, c}, "a waiting request's repeated lookups are not accesses"
-    assert tier.load([b], [sentinel()]).success
+    assert load_blocks(tier, [b], [sentinel()]).success
     _store(tier, [d])
     assert set(tier.keys()) == {b, d}, "a load is an access"
-
-
-def test_a_waited_job_is_not_stolen_by_a_concurrent_poller(fs_tier_factory) -> None:
-    tier = fs_tier_factory()
-    stop = threading.Event()
-    polled: list = []
-
-    def poll() -> None:
-        while not stop.is_set():
-            polled.extend(tier.get_finished())
-
-    poller = threading.Thread(target=poll)
-    poller.start()
-    try:
-        for i in range(20):
-            assert tier.store([key_of(i)], [block_for(key_of(i))]).success  # wait() gets every result
-        job = tier.submit_store([key_of(99)], [block_for(key_of(99))])
-        deadline = time.monotonic() + 10
-        while not any(r.job_id == job for r in polled) and time.monotonic() < deadline:
-            time.sleep(0.01)
-    finally:
-        stop.set()
-        poller.join()
-    assert [r.job_id for r in polled] == [job], "the poller sees exactly the job nobody waited for"
 
 
 def test_a_fanout_directory_removed_behind_the_tier_is_recreated(fs_tier_factory) -> None:
@@ -519,7 +495,7 @@ def test_evictions_count_only_blocks_the_policy_chose(fs_tier_factory) -> None:
     _store(tier, [a, b])
     assert tier.remove(a)
     os.truncate(tier.block_path(b), HEADER_BYTES + 10)
-    assert not tier.load([b], [sentinel()]).success
+    assert not load_blocks(tier, [b], [sentinel()]).success
     assert metric_value("kvtier_runtime_evictions_total", tier="fs") == e0
     for k in (a, b, c):  # three blocks into room for two: one eviction
         assert _store(tier, [k]).success
@@ -533,10 +509,10 @@ def test_an_unusable_destination_fails_the_key_and_keeps_the_block(fs_tier_facto
     key = key_of(1)
     _store(tier, [key])
     strided = torch.empty(SHAPE[1], SHAPE[0]).t()  # the tier's shape, not contiguous
-    assert tier.load([key], [strided]).errors == {0: "mismatch"}
+    assert load_blocks(tier, [key], [strided]).errors == {0: "mismatch"}
     assert tier.state(key) is KeyState.HIT and os.path.exists(tier.block_path(key))
     out = sentinel()
-    assert tier.load([key], [out]).success and torch.equal(out, block_for(key))
+    assert load_blocks(tier, [key], [out]).success and torch.equal(out, block_for(key))
 
 
 def test_jobs_after_close_are_refused_before_anything_is_reserved(fs_tier_factory) -> None:
@@ -569,7 +545,7 @@ def test_a_block_being_written_cannot_be_pinned_so_a_failed_write_still_settles(
     assert tier.state(key) is KeyState.PENDING
     assert not tier.pin(key), "only a ready block can be pinned; the write holds its own pin"
     gate.set()
-    assert tier.wait(job, timeout=10).errors == {0: "eio"}
+    assert wait_job(tier, job, timeout=10).errors == {0: "eio"}
     assert tier.state(key) is KeyState.MISS and tier.used_bytes == 0
 
 
@@ -611,7 +587,7 @@ def test_a_full_tier_stays_within_its_capacity_directories_included(tmp_path) ->
             keys = [os.urandom(16) for _ in range(50)]
             # A store that loses the race with pruning of its fan-out directory twice is a failed store (a miss,
             # nothing served wrong): not what this test is about, so only the disk usage is asserted.
-            tier.store(keys, [block_for(k) for k in keys])
+            store_blocks(tier, keys, [block_for(k) for k in keys])
             tier.drain(timeout=30)
             assert _du_bytes(str(volume)) <= capacity, f"round {round_}: {_du_bytes(str(volume))} > {capacity}"
         leaves = [d for d, dirs, names in os.walk(tier.root) if d.count(os.sep) - tier.root.count(os.sep) == 2]

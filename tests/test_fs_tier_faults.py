@@ -24,6 +24,7 @@ from kvtier_runtime.fs.fileio import FileOps
 from kvtier_runtime.fs.paths import NAMESPACE, block_relpath
 from kvtier_runtime.store import HIT, MISS, RETRY, MemoryTier, OffloadBooks
 from plugins.runtime import block_file_bytes, block_for, key_of, metric_value, sentinel
+from plugins.tier_sync import load_blocks, store_blocks
 
 SHAPE = (64, 256)
 
@@ -56,20 +57,20 @@ def _forge(path: str, new_payload_byte: int = 0x5A) -> None:
 def test_a_forged_block_is_served_by_crc_alone_but_is_a_counted_miss_with_the_mac(fs_tier_factory, tmp_path) -> None:
     key = key_of(1)
     plain = fs_tier_factory(root=str(tmp_path / "plain"))
-    assert plain.store([key], [block_for(key)]).success
+    assert store_blocks(plain, [key], [block_for(key)]).success
     _forge(plain.block_path(key))
     out = sentinel()
-    assert plain.load([key], [out]).success, "CRC32 alone cannot tell a forged block (why the MAC exists)"
+    assert load_blocks(plain, [key], [out]).success, "CRC32 alone cannot tell a forged block (why the MAC exists)"
     assert not torch.equal(out, block_for(key))
 
     tier = fs_tier_factory(root=str(tmp_path / "mac"), mac_key_file=_key_file(tmp_path))
-    assert tier.store([key], [block_for(key)]).success
+    assert store_blocks(tier, [key], [block_for(key)]).success
     out = sentinel()
-    assert tier.load([key], [out]).success and torch.equal(out, block_for(key))
+    assert load_blocks(tier, [key], [out]).success and torch.equal(out, block_for(key))
     _forge(tier.block_path(key))
     f0 = _errors("forged")
     out = sentinel()
-    res = tier.load([key], [out])
+    res = load_blocks(tier, [key], [out])
     assert res.errors == {0: "forged"} and torch.equal(out, sentinel()), "a forged block is never served"
     assert _errors("forged") == f0 + 1
     assert tier.state(key) is KeyState.MISS and not os.path.exists(tier.block_path(key))
@@ -79,17 +80,17 @@ def test_blocks_without_the_right_mac_are_refused(fs_tier_factory, tmp_path) -> 
     root = str(tmp_path / "fs")
     keys = [key_of(i) for i in range(3)]
     with_a = fs_tier_factory(root=root, mac_key_file=_key_file(tmp_path, "a.key"))
-    assert with_a.store(keys[:2], [block_for(k) for k in keys[:2]]).success
+    assert store_blocks(with_a, keys[:2], [block_for(k) for k in keys[:2]]).success
     with_a.close()
     unkeyed = fs_tier_factory(root=root)  # a writer without any key (e.g. another pod, misconfigured)
-    assert unkeyed.store(keys[2:], [block_for(k) for k in keys[2:]]).success
+    assert store_blocks(unkeyed, keys[2:], [block_for(k) for k in keys[2:]]).success
     outs = [sentinel() for _ in keys]
-    assert unkeyed.load(keys, outs).success, "a tier without a key still reads MAC'd blocks (CRC-checked)"
+    assert load_blocks(unkeyed, keys, outs).success, "a tier without a key still reads MAC'd blocks (CRC-checked)"
     unkeyed.close()
     with_b = fs_tier_factory(root=root, mac_key_file=_key_file(tmp_path, "b.key"))
     assert with_b.rebuild_stats["blocks"] == 3
     outs = [sentinel() for _ in keys]
-    res = with_b.load(keys, outs)
+    res = load_blocks(with_b, keys, outs)
     assert res.errors == {0: "forged", 1: "forged", 2: "forged"}
     assert all(torch.equal(o, sentinel()) for o in outs)
 
@@ -111,9 +112,9 @@ def test_a_long_key_file_with_a_trailing_newline_works(fs_tier_factory, tmp_path
     path.write_bytes(b"A" * 200 + b"\n")  # e.g. base64 text from a Secret, longer than SHA-256's block
     tier = fs_tier_factory(mac_key_file=str(path))
     key = key_of(1)
-    assert tier.store([key], [block_for(key)]).success
+    assert store_blocks(tier, [key], [block_for(key)]).success
     out = sentinel()
-    assert tier.load([key], [out]).success and torch.equal(out, block_for(key))
+    assert load_blocks(tier, [key], [out]).success and torch.equal(out, block_for(key))
 
 
 # ---- symlinks at every level ----------------------------------------------------------------------------------
@@ -147,7 +148,7 @@ def test_symlinks_in_the_fanout_and_leaves_are_removed_never_followed(fs_tier_fa
     root = tmp_path / "root"
     tier = fs_tier_factory(root=str(root))
     key = key_of(1)
-    assert tier.store([key], [block_for(key)]).success
+    assert store_blocks(tier, [key], [block_for(key)]).success
     tier.close()
     ns = root / NAMESPACE
     os.symlink(victim, ns / "ee")  # first fan-out level
@@ -168,13 +169,13 @@ def test_a_fifo_swapped_in_for_a_block_fails_fast_at_load_and_at_restart(fs_tier
     root = str(tmp_path / "fs")
     tier = fs_tier_factory(root=root, io_timeout_s=20)
     key, other = key_of(1), key_of(2)
-    assert tier.store([key, other], [block_for(key), block_for(other)]).success
+    assert store_blocks(tier, [key, other], [block_for(key), block_for(other)]).success
     path = tier.block_path(key)
     os.unlink(path)
     os.mkfifo(path)
     t0 = time.monotonic()
     out = sentinel()
-    res = tier.load([key], [out], timeout=15)
+    res = load_blocks(tier, [key], [out], timeout=15)
     assert time.monotonic() - t0 < 5 and res.errors == {0: "foreign"} and torch.equal(out, sentinel())
     tier.close()
     os.unlink(path) if os.path.exists(path) else None
@@ -212,18 +213,21 @@ def test_a_hung_read_times_out_and_never_writes_the_callers_tensor_later(fs_tier
     ops = _Hang()
     tier = fs_tier_factory(file_ops=ops, io_timeout_s=0.5)
     key = key_of(1)
-    assert tier.store([key], [block_for(key)]).success
+    assert store_blocks(tier, [key], [block_for(key)]).success
     ops.reads.set()
     t0 = time.monotonic()
     out = sentinel()
-    res = tier.load([key], [out], timeout=None)  # no caller timeout: the tier's own bound applies
-    assert time.monotonic() - t0 < 3 and res.errors == {0: "timeout"}
+    job = tier.submit_load([key], [out])
+    tier.drain(timeout=None)  # no caller timeout: the tier's own bound applies
+    assert time.monotonic() - t0 < 3
+    (res,) = [r for r in tier.get_finished() if r.job_id == job]
+    assert res.errors == {0: "timeout"}
     ops.release.set()
     tier.drain(timeout=10)
     time.sleep(0.2)
     assert torch.equal(out, sentinel()), "a read finishing after its job expired must not touch the tensor"
     out2 = sentinel()
-    assert tier.load([key], [out2]).success and torch.equal(out2, block_for(key)), "the block itself is fine"
+    assert load_blocks(tier, [key], [out2]).success and torch.equal(out2, block_for(key)), "the block itself is fine"
 
 
 def test_a_hung_write_times_out_for_polling_callers_and_drain_is_bounded(fs_tier_factory) -> None:
@@ -243,7 +247,7 @@ def test_a_hung_write_times_out_for_polling_callers_and_drain_is_bounded(fs_tier
         time.sleep(0.02)
     # the write had copied the block before the job expired, so finishing it stores the right bytes
     out = sentinel()
-    assert tier.load([key], [out]).success and torch.equal(out, block_for(key))
+    assert load_blocks(tier, [key], [out]).success and torch.equal(out, block_for(key))
 
 
 def test_the_engine_path_does_not_hang_on_a_hung_filesystem_tier(tmp_path) -> None:
@@ -300,9 +304,9 @@ def test_eacces_is_its_own_kind_and_triggers_backoff(fs_tier_factory) -> None:
     ops.deny_writes = True
     e0 = _errors("eacces")
     for i in range(2):
-        assert tier.store([key_of(i)], [block_for(key_of(i))]).errors == {0: "eacces"}
+        assert store_blocks(tier, [key_of(i)], [block_for(key_of(i))]).errors == {0: "eacces"}
     assert _errors("eacces") == e0 + 2 and tier.in_backoff
-    assert tier.store([key_of(9)], [block_for(key_of(9))]).errors == {0: "backoff"}
+    assert store_blocks(tier, [key_of(9)], [block_for(key_of(9))]).errors == {0: "backoff"}
 
 
 @pytest.fixture
@@ -324,17 +328,18 @@ def test_a_read_only_filesystem_degrades_the_tier_instead_of_raising(fs_tier_fac
     mnt, read_only = ro_tmpfs
     key = key_of(1)
     tier = fs_tier_factory(root=os.path.join(mnt, "tier"))
-    assert tier.store([key], [block_for(key)]).success
+    assert store_blocks(tier, [key], [block_for(key)]).success
     tier.close()
     read_only()
     again = fs_tier_factory(root=os.path.join(mnt, "tier"))
     assert again.degraded == "erofs" and again.rebuild_stats["blocks"] == 1
     out = sentinel()
-    assert again.load([key], [out]).success and torch.equal(out, block_for(key)), "what is there is still served"
-    assert again.store([key_of(2)], [block_for(key_of(2))]).errors == {0: "erofs"}
+    served = load_blocks(again, [key], [out])
+    assert served.success and torch.equal(out, block_for(key)), "what is there is still served"
+    assert store_blocks(again, [key_of(2)], [block_for(key_of(2))]).errors == {0: "erofs"}
     fresh = fs_tier_factory(root=os.path.join(mnt, "never-created"))  # the namespace cannot even be made
     assert fresh.degraded == "erofs" and len(fresh) == 0
-    assert fresh.store([key], [block_for(key)]).errors == {0: "erofs"}
+    assert store_blocks(fresh, [key], [block_for(key)]).errors == {0: "erofs"}
 
 
 class _Undeletable(FileOps):
@@ -353,22 +358,22 @@ def test_an_undeletable_block_stays_counted_until_it_is_really_gone(fs_tier_fact
     per = block_file_bytes(SHAPE)
     keys = [key_of(i) for i in range(8)]
     for k in keys[:4]:
-        assert tier.store([k], [block_for(k)]).success
+        assert store_blocks(tier, [k], [block_for(k)]).success
     ops.stuck.add(tier.block_path(keys[0]))  # the coldest: the next store evicts it, and its unlink fails
-    assert tier.store([keys[4]], [block_for(keys[4])]).success
+    assert store_blocks(tier, [keys[4]], [block_for(keys[4])]).success
     assert os.path.exists(tier.block_path(keys[0])) and tier.state(keys[0]) is KeyState.MISS
     on_disk = sum(os.path.getsize(os.path.join(d, n)) for d, _, ns in os.walk(tier.root) for n in ns)
     assert tier.used_bytes == on_disk == 5 * per, "the stuck file's bytes are still counted"
-    assert tier.store([keys[5]], [block_for(keys[5])]).success
+    assert store_blocks(tier, [keys[5]], [block_for(keys[5])]).success
     assert len(tier) == 3 and tier.used_bytes == 4 * per <= tier.capacity_bytes, "the tier shrank around it"
-    assert tier.store([keys[0]], [block_for(keys[0])]).errors == {0: "busy"}, "never stored over the stuck file"
+    assert store_blocks(tier, [keys[0]], [block_for(keys[0])]).errors == {0: "busy"}, "never stored over the stuck file"
     ops.stuck.clear()
     time.sleep(1.1)  # stores retry stuck unlinks at most once a second
     # the retry runs in the write task (submit never touches the disk), after this store's own reservation
-    assert tier.store([keys[6]], [block_for(keys[6])]).success
+    assert store_blocks(tier, [keys[6]], [block_for(keys[6])]).success
     assert not os.path.exists(tier.block_path(keys[0]))
     assert tier.used_bytes == 3 * per and len(tier) == 3
-    assert tier.store([keys[0]], [block_for(keys[0])]).success
+    assert store_blocks(tier, [keys[0]], [block_for(keys[0])]).success
     assert tier.used_bytes == 4 * per and len(tier) == 4, "the full capacity is back"
 
 
@@ -376,17 +381,17 @@ def test_a_key_over_1024_bytes_fails_with_its_own_kind(fs_tier_factory) -> None:
     tier = fs_tier_factory()
     long_key = b"k" * 1025
     r0 = metric_value("kvtier_runtime_stores_rejected_total", tier="fs", reason="key-too-long")
-    res = tier.store([long_key, key_of(1)], [block_for(long_key), block_for(key_of(1))])
+    res = store_blocks(tier, [long_key, key_of(1)], [block_for(long_key), block_for(key_of(1))])
     assert res.errors == {0: "key-too-long"} and res.ok == (False, True)
     assert metric_value("kvtier_runtime_stores_rejected_total", tier="fs", reason="key-too-long") == r0 + 1
-    assert tier.store([b"k" * 1024], [block_for(b"k")]).success
+    assert store_blocks(tier, [b"k" * 1024], [block_for(b"k")]).success
 
 
 def test_close_is_bounded_while_a_read_hangs(fs_tier_factory) -> None:
     ops = _Hang()
     tier = fs_tier_factory(file_ops=ops, io_timeout_s=0.5)
     key = key_of(1)
-    assert tier.store([key], [block_for(key)]).success
+    assert store_blocks(tier, [key], [block_for(key)]).success
     ops.reads.set()
     tier.submit_load([key], [sentinel()])
     time.sleep(0.1)

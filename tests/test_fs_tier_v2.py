@@ -21,6 +21,7 @@ from kvtier_runtime.fs import KeyState
 from kvtier_runtime.fs import format as fmt
 from kvtier_runtime.fs.fileio import AlignedBuffer, FileOps, probe_o_direct
 from plugins.runtime import block_for, key_of, metric_value, sentinel
+from plugins.tier_sync import load_blocks, store_blocks
 
 SHAPE = (64, 256)  # 64 KiB of float32: whole pages
 V1_DATA = pathlib.Path(__file__).parent / "data" / "fs-v1"
@@ -99,7 +100,7 @@ def test_the_payload_starts_page_aligned_after_the_blob_header(fs_tier_factory, 
     # bytes past the page boundary cannot move with O_DIRECT without a staging copy).
     tier = fs_tier_factory(codec=codec)
     key = key_of(1)
-    assert tier.store([key], [block_for(key)]).success
+    assert store_blocks(tier, [key], [block_for(key)]).success
     raw = pathlib.Path(tier.block_path(key)).read_bytes()
     header = fmt.parse_header(raw[: fmt.HEADER_BYTES])
     assert header.version == 2 and header.blob_offset == fmt.HEADER_BYTES - HEADER_NBYTES
@@ -132,13 +133,13 @@ def test_aligned_rows_move_in_one_call_straight_from_and_into_the_row(fs_tier_fa
     keys = [key_of(i) for i in range(3)]
     src = [aligned(fill=block_for(k)) for k in keys]
     ops.calls.clear()
-    assert tier.store(keys, src).success
+    assert store_blocks(tier, keys, src).success
     writes = [c for k, c in ops.calls if k == "write"]
     assert len(writes) == 3 and all(len(segs) == 2 for segs in writes)  # header page + the row's pages
     assert sorted(segs[1] for segs in writes) == sorted((t.data_ptr(), t.numel() * 4) for t in src)
     outs = [aligned() for _ in keys]
     ops.calls.clear()
-    assert tier.load(keys, outs).success
+    assert load_blocks(tier, keys, outs).success
     reads = [c for k, c in ops.calls if k == "read"]
     assert len(reads) == 3 and sorted(segs[1] for segs in reads) == sorted((t.data_ptr(), t.numel() * 4) for t in outs)
     assert staged == [0], "the staging buffer was used on the aligned, uncompressed path"
@@ -151,10 +152,10 @@ def test_a_row_that_is_not_whole_pages_moves_its_tail_through_one_page(fs_tier_f
     tier = fs_tier_factory(root=direct_dir, shape=shape)
     staged = _count_staging(tier)
     key = key_of(7)
-    assert tier.store([key], [aligned(shape, block_for(key, shape))]).success
+    assert store_blocks(tier, [key], [aligned(shape, block_for(key, shape))]).success
     assert os.path.getsize(tier.block_path(key)) == fmt.HEADER_BYTES + fmt.align_up(12000)
     out = aligned(shape)
-    assert tier.load([key], [out]).success and torch.equal(out, block_for(key, shape))
+    assert load_blocks(tier, [key], [out]).success and torch.equal(out, block_for(key, shape))
     assert staged == [0]
 
 
@@ -163,21 +164,21 @@ def test_unaligned_rows_and_compressed_codecs_take_the_staging_path_correctly(fs
     tier = fs_tier_factory(root=direct_dir, file_ops=ops)
     key = key_of(1)
     src = unaligned(fill=block_for(key))
-    assert tier.store([key], [src]).success
+    assert store_blocks(tier, [key], [src]).success
     out = unaligned()
-    assert tier.load([key], [out]).success and torch.equal(out, block_for(key))
+    assert load_blocks(tier, [key], [out]).success and torch.equal(out, block_for(key))
     assert all(len(segs) == 1 for _, segs in ops.calls if _ in ("write", "read")), "one whole-file buffer each"
     # A block written from an aligned row reads into an unaligned one, and the other way round.
     k2 = key_of(2)
-    assert tier.store([k2], [aligned(fill=block_for(k2))]).success
+    assert store_blocks(tier, [k2], [aligned(fill=block_for(k2))]).success
     out2 = unaligned()
-    assert tier.load([k2], [out2]).success and torch.equal(out2, block_for(k2))
+    assert load_blocks(tier, [k2], [out2]).success and torch.equal(out2, block_for(k2))
     out3 = aligned()
-    assert tier.load([key], [out3]).success and torch.equal(out3, block_for(key))
+    assert load_blocks(tier, [key], [out3]).success and torch.equal(out3, block_for(key))
     fp8 = fs_tier_factory(root=direct_dir + "-fp8", codec="fp8")
-    assert fp8.store([key], [aligned(fill=block_for(key))]).success
+    assert store_blocks(fp8, [key], [aligned(fill=block_for(key))]).success
     back = aligned()
-    assert fp8.load([key], [back]).success
+    assert load_blocks(fp8, [key], [back]).success
     assert (back - block_for(key)).norm() / block_for(key).norm() < 0.1
 
 
@@ -185,9 +186,9 @@ def test_without_o_direct_aligned_rows_still_round_trip(fs_tier_factory) -> None
     tier = fs_tier_factory(direct_io=False)
     staged = _count_staging(tier)
     key = key_of(1)
-    assert tier.store([key], [aligned(fill=block_for(key))]).success
+    assert store_blocks(tier, [key], [aligned(fill=block_for(key))]).success
     out = aligned()
-    assert tier.load([key], [out]).success and torch.equal(out, block_for(key))
+    assert load_blocks(tier, [key], [out]).success and torch.equal(out, block_for(key))
     assert staged[0] == 2, "without O_DIRECT every block goes through the staging buffer"
 
 
@@ -207,7 +208,7 @@ def test_a_bad_v2_file_read_straight_into_a_row_is_a_counted_miss(fs_tier_factor
         opts["mac_key_file"] = str(tmp_path / "k")
     tier = fs_tier_factory(root=direct_dir, **opts)
     key, other = key_of(1), key_of(2)
-    assert tier.store([key, other], [aligned(fill=block_for(key)), aligned(fill=block_for(other))]).success
+    assert store_blocks(tier, [key, other], [aligned(fill=block_for(key)), aligned(fill=block_for(other))]).success
     path = tier.block_path(key)
     size = os.path.getsize(path)
     with open(path, "r+b") as f:
@@ -227,7 +228,7 @@ def test_a_bad_v2_file_read_straight_into_a_row_is_a_counted_miss(fs_tier_factor
         os.replace(tier.block_path(other), path)
     before = metric_value("kvtier_runtime_fs_errors_total", tier="fs", kind="forged" if mac and kind == "corrupt"
                           and where != "fs-header" and where != "longer" else kind)
-    res = tier.load([key], [aligned()])
+    res = load_blocks(tier, [key], [aligned()])
     expected = "forged" if mac and kind == "corrupt" and where not in ("fs-header", "longer") else kind
     assert res.ok == (False,) and res.errors == {0: expected}
     assert metric_value("kvtier_runtime_fs_errors_total", tier="fs", kind=expected) == before + 1
@@ -237,7 +238,7 @@ def test_a_bad_v2_file_read_straight_into_a_row_is_a_counted_miss(fs_tier_factor
 def test_a_torn_v2_write_is_removed_at_restart(fs_tier_factory, direct_dir) -> None:
     tier = fs_tier_factory(root=direct_dir)
     key = key_of(1)
-    assert tier.store([key], [aligned(fill=block_for(key))]).success
+    assert store_blocks(tier, [key], [aligned(fill=block_for(key))]).success
     tier.close()
     path = tier.block_path(key)
     torn = path + ".tmp.999.1"
@@ -271,7 +272,7 @@ def test_a_direct_read_past_its_deadline_holds_the_job_until_it_returns(fs_tier_
     ops = _HangReads()
     tier = fs_tier_factory(root=direct_dir, file_ops=ops, io_timeout_s=0.5)
     key = key_of(1)
-    assert tier.store([key], [aligned(fill=block_for(key))]).success
+    assert store_blocks(tier, [key], [aligned(fill=block_for(key))]).success
     ops.armed.set()
     out = aligned()
     job = tier.submit_load([key], [out])
@@ -282,7 +283,7 @@ def test_a_direct_read_past_its_deadline_holds_the_job_until_it_returns(fs_tier_
     # Meanwhile, a load into another row takes the staging path (so it would time out cleanly on a hung disk).
     staged = _count_staging(tier)
     other = aligned()
-    assert tier.load([key], [other]).success and torch.equal(other, block_for(key)) and staged == [1]
+    assert load_blocks(tier, [key], [other]).success and torch.equal(other, block_for(key)) and staged == [1]
     ops.release.set()
     deadline = time.monotonic() + 10
     results = []
@@ -298,14 +299,22 @@ def test_a_direct_read_that_never_started_before_the_deadline_times_out_as_befor
     ops = _HangReads()
     tier = fs_tier_factory(root=direct_dir, file_ops=ops, io_timeout_s=0.5, n_read_threads=1)
     keys = [key_of(1), key_of(2)]
-    assert tier.store(keys, [aligned(fill=block_for(k)) for k in keys]).success
+    assert store_blocks(tier, keys, [aligned(fill=block_for(k)) for k in keys]).success
     ops.armed.set()
     first = tier.submit_load([keys[0]], [aligned()])
     assert ops.entered.wait(5)
     out = aligned()
     t0 = time.monotonic()
-    res = tier.load([keys[1]], [out], timeout=None)  # queued behind the hung read on the only thread
-    assert time.monotonic() - t0 < 3 and res.errors == {0: "timeout"}
+    job = tier.submit_load([keys[1]], [out])  # queued behind the hung read on the only thread
+    # Polled as the books poll each step (drain would also wait for the first job, held open by its read): the
+    # poll expires the job at its io_timeout_s.
+    results: list = []
+    while not results and time.monotonic() - t0 < 10:
+        results = [r for r in tier.get_finished() if r.job_id == job]
+        time.sleep(0.01)
+    assert time.monotonic() - t0 < 3
+    (res,) = results
+    assert res.errors == {0: "timeout"}
     ops.release.set()
     tier.drain(timeout=10)
     time.sleep(0.2)
@@ -332,22 +341,22 @@ def test_v1_files_are_kept_at_restart_and_served(fs_tier_factory, tmp_path, dest
         raw = pathlib.Path(plain.block_path(key)).read_bytes()
         assert fmt.parse_header(raw[: fmt.HEADER_BYTES]).version == 1
         out = make(V1_SHAPE)
-        assert plain.load([key], [out]).success and torch.equal(out, block_for(key, V1_SHAPE))
+        assert load_blocks(plain, [key], [out]).success and torch.equal(out, block_for(key, V1_SHAPE))
     new = key_of(9)
-    assert plain.store([new], [make(V1_SHAPE, block_for(new, V1_SHAPE))]).success
+    assert store_blocks(plain, [new], [make(V1_SHAPE, block_for(new, V1_SHAPE))]).success
     assert fmt.parse_header(pathlib.Path(plain.block_path(new)).read_bytes()[: fmt.HEADER_BYTES]).version == 2
     out = make(V1_SHAPE)
-    assert plain.load([new], [out]).success and torch.equal(out, block_for(new, V1_SHAPE))
+    assert load_blocks(plain, [new], [out]).success and torch.equal(out, block_for(new, V1_SHAPE))
 
     fp8 = fs_tier_factory(root=_v1_root(tmp_path, "fp8"), shape=V1_SHAPE, codec="fp8")
     out = make(V1_SHAPE)
     want = block_for(key_of(3), V1_SHAPE)
-    assert fp8.load([key_of(3)], [out]).success and (out - want).norm() / want.norm() < 0.1
+    assert load_blocks(fp8, [key_of(3)], [out]).success and (out - want).norm() / want.norm() < 0.1
 
     mac = fs_tier_factory(root=_v1_root(tmp_path, "mac"), shape=V1_SHAPE,
                           mac_key_file=str(V1_DATA / "mac.key"))
     out = make(V1_SHAPE)
-    assert mac.load([key_of(4)], [out]).success and torch.equal(out, block_for(key_of(4), V1_SHAPE))
+    assert load_blocks(mac, [key_of(4)], [out]).success and torch.equal(out, block_for(key_of(4), V1_SHAPE))
 
 
 def _flip(path: str, pos: int) -> None:
@@ -363,12 +372,12 @@ def test_a_tampered_v1_file_is_still_a_miss(fs_tier_factory, tmp_path) -> None:
     tier = fs_tier_factory(root=root, shape=V1_SHAPE, mac_key_file=str(V1_DATA / "mac.key"))
     path = tier.block_path(key_of(4))
     _flip(path, fmt.HEADER_BYTES + HEADER_NBYTES + 10)
-    res = tier.load([key_of(4)], [unaligned(V1_SHAPE)])
+    res = load_blocks(tier, [key_of(4)], [unaligned(V1_SHAPE)])
     assert res.errors == {0: "forged"} and not os.path.exists(path)
     plain = fs_tier_factory(root=_v1_root(tmp_path, "plain"), shape=V1_SHAPE)
     path = plain.block_path(key_of(1))
     _flip(path, fmt.HEADER_BYTES + HEADER_NBYTES + 10)
-    assert plain.load([key_of(1)], [aligned(V1_SHAPE)]).errors == {0: "corrupt"} and not os.path.exists(path)
+    assert load_blocks(plain, [key_of(1)], [aligned(V1_SHAPE)]).errors == {0: "corrupt"} and not os.path.exists(path)
 
 
 def _write_v1(tier, key: bytes, block: torch.Tensor) -> None:
@@ -400,7 +409,7 @@ def test_a_v1_file_as_long_as_a_v2_one_falls_back_from_the_direct_read(fs_tier_f
     assert tier.rebuild_stats["blocks"] == 1
     assert os.path.getsize(tier.block_path(key)) == fmt.HEADER_BYTES + fmt.align_up(8000)  # = the v2 length
     out = aligned(shape)
-    assert tier.load([key], [out]).success and torch.equal(out, block_for(key, shape))
+    assert load_blocks(tier, [key], [out]).success and torch.equal(out, block_for(key, shape))
 
 
 # ---- the fan-out directory pruned under a store ---------------------------------------------------------------
@@ -424,10 +433,10 @@ def test_a_store_survives_its_fanout_directory_pruned_repeatedly(fs_tier_factory
     # can remove it again each time; the bound must be above what a racing prune can do in practice.
     tier = fs_tier_factory(file_ops=_Pruner(times))
     key = key_of(1)
-    res = tier.store([key], [block_for(key)])
+    res = store_blocks(tier, [key], [block_for(key)])
     assert res.success, res.errors
     out = sentinel()
-    assert tier.load([key], [out]).success and torch.equal(out, block_for(key))
+    assert load_blocks(tier, [key], [out]).success and torch.equal(out, block_for(key))
 
 
 # ---- a job's blocks still move in parallel ------------------------------------------------------------------------
@@ -457,13 +466,13 @@ def test_the_blocks_of_one_job_are_hashed_and_read_concurrently(fs_tier_factory,
     tier = fs_tier_factory(root=direct_dir, file_ops=ops, n_write_threads=2, n_read_threads=2)
     keys = [key_of(1), key_of(2)]
     monkeypatch.setattr(fsio, "checksum", meeting_checksum)
-    res = tier.store(keys, [aligned(fill=block_for(k)) for k in keys])
+    res = store_blocks(tier, keys, [aligned(fill=block_for(k)) for k in keys])
     monkeypatch.setattr(fsio, "checksum", real)
     assert res.success, res.errors
     both.reset()
     ops.armed = True
     outs = [aligned(), aligned()]
-    assert tier.load(keys, outs).success
+    assert load_blocks(tier, keys, outs).success
     assert all(torch.equal(o, block_for(k)) for o, k in zip(outs, keys))
 
 
@@ -475,8 +484,8 @@ def test_the_direct_path_counts_blocks_in_the_codec_metrics_as_an_encode_would(f
 
     tier = fs_tier_factory(root=direct_dir)
     before = none_blocks()
-    assert tier.store([key_of(1)], [aligned(fill=block_for(key_of(1)))]).success
-    assert tier.store([key_of(2)], [unaligned(fill=block_for(key_of(2)))]).success
+    assert store_blocks(tier, [key_of(1)], [aligned(fill=block_for(key_of(1)))]).success
+    assert store_blocks(tier, [key_of(2)], [unaligned(fill=block_for(key_of(2)))]).success
     assert none_blocks() == before + 2
 
 

@@ -15,6 +15,7 @@ from kvtier_runtime.remote.tier import KeyState, RemoteTier
 from kvtier_runtime.store.books import MISS, RETRY
 from plugins.redis_server import RedisCluster, RedisServer, free_port
 from plugins.runtime import engine_books, key_of
+from plugins.tier_sync import connected, load_blocks, settled_state, store_blocks, wait_job
 
 ROW = 4096
 MODEL = model_identity({"model": "faults"})
@@ -47,14 +48,14 @@ def test_store_down_at_start_is_a_miss_at_once_then_recovers_when_it_comes_up(tm
     port = free_port()
     tier = _tier(f"redis://127.0.0.1:{port}", io_timeout_s=0.5)
     try:
-        assert not tier.wait_connected()
+        assert not connected(tier)
         started = time.perf_counter()
         assert tier.state(key_of(1)) is KeyState.MISS  # no probe, no wait: the store is down
         assert time.perf_counter() - started < 0.05
-        stored = tier.store([key_of(1)], [_block(key_of(1))], timeout=5)
+        stored = store_blocks(tier, [key_of(1)], [_block(key_of(1))], timeout=5)
         assert not stored.ok[0] and stored.errors[0] == "down"
         out = _sentinel()
-        loaded = tier.load([key_of(1)], [out], timeout=5)
+        loaded = load_blocks(tier, [key_of(1)], [out], timeout=5)
         assert not loaded.ok[0] and loaded.errors[0] == "down" and torch.all(out == UNTOUCHED)
         assert tier.misses["down"] >= 2 and tier.store_failures["down"] == 1
         server = RedisServer(tmp_path / "late", port=port).start()
@@ -64,8 +65,8 @@ def test_store_down_at_start_is_a_miss_at_once_then_recovers_when_it_comes_up(tm
                 tier.state(key_of(99))  # lookups are what notice that the backoff ran out
                 time.sleep(0.05)
             assert tier.health == "up"
-            assert tier.store([key_of(1)], [_block(key_of(1))]).success
-            assert tier.lookup_now(key_of(1)) is KeyState.HIT
+            assert store_blocks(tier, [key_of(1)], [_block(key_of(1))]).success
+            assert settled_state(tier, key_of(1)) is KeyState.HIT
         finally:
             server.kill()
     finally:
@@ -75,16 +76,16 @@ def test_store_down_at_start_is_a_miss_at_once_then_recovers_when_it_comes_up(tm
 def test_store_killed_mid_load_fails_the_keys_in_bounded_time_and_leaves_the_row(redis_server) -> None:
     tier = _tier(redis_server.url, io_timeout_s=1.0)
     try:
-        assert tier.wait_connected()
+        assert connected(tier)
         keys = [key_of(i) for i in range(8)]
-        assert tier.store(keys, [_block(k) for k in keys]).success
+        assert store_blocks(tier, keys, [_block(k) for k in keys]).success
         redis_server.pause()  # the GETs below are sent and wait for a reply ...
         outs = [_sentinel() for _ in keys]
         job = tier.submit_load(keys, outs)
         time.sleep(0.2)
         redis_server.kill()  # ... that never comes: the server dies with the load in flight
         started = time.monotonic()
-        result = tier.wait(job, timeout=10)
+        result = wait_job(tier, job, timeout=10)
         assert time.monotonic() - started < 2.0
         assert not any(result.ok)
         assert set(result.errors.values()) <= {"down", "timeout"}
@@ -101,13 +102,13 @@ def test_store_killed_mid_load_fails_the_keys_in_bounded_time_and_leaves_the_row
 def test_a_slow_store_is_a_timeout_and_a_late_reply_never_reaches_the_row(redis_server) -> None:
     tier = _tier(redis_server.url, io_timeout_s=0.3)
     try:
-        assert tier.wait_connected()
+        assert connected(tier)
         key = key_of(5)
-        assert tier.store([key], [_block(key)]).success
+        assert store_blocks(tier, [key], [_block(key)]).success
         redis_server.pause()
         out = _sentinel()
         started = time.monotonic()
-        result = tier.load([key], [out], timeout=10)
+        result = load_blocks(tier, [key], [out], timeout=10)
         assert time.monotonic() - started < 1.5
         assert not result.ok[0] and result.errors[0] == "timeout"
         redis_server.resume()  # the reply arrives now, after the caller gave up (and may reuse the row)
@@ -123,13 +124,13 @@ def test_a_full_store_refuses_writes_as_counted_misses_and_keeps_serving(tmp_pat
     server = RedisServer(tmp_path / "full", maxmemory=3 << 20, policy="noeviction").start()
     tier = _tier(server.url, capacity=64 << 20)
     try:
-        assert tier.wait_connected()
+        assert connected(tier)
         first = key_of(0)
-        assert tier.store([first], [_block(first)]).success
+        assert store_blocks(tier, [first], [_block(first)]).success
         failed: list[bytes] = []
         for i in range(1, 400):
             key = key_of(i)
-            result = tier.store([key], [_block(key)], timeout=5)
+            result = store_blocks(tier, [key], [_block(key)], timeout=5)
             if not result.ok[0]:
                 assert result.errors[0] == "full", result.errors
                 failed.append(key)
@@ -139,9 +140,9 @@ def test_a_full_store_refuses_writes_as_counted_misses_and_keeps_serving(tmp_pat
         assert tier.store_failures["full"] >= 1
         used = server.client().info("memory")["used_memory"]
         assert used <= 3 << 20 or server.client().info("memory")["maxmemory"] == 3 << 20
-        assert tier.lookup_now(failed[0]) is KeyState.MISS  # never stored: a miss, vLLM recomputes
+        assert settled_state(tier, failed[0]) is KeyState.MISS  # never stored: a miss, vLLM recomputes
         out = _sentinel()
-        assert tier.load([first], [out]).success and torch.equal(out, _block(first))  # reads still work
+        assert load_blocks(tier, [first], [out]).success and torch.equal(out, _block(first))  # reads still work
     finally:
         tier.close()
         server.kill()
@@ -160,22 +161,22 @@ def test_a_forged_or_damaged_value_is_refused_never_decoded(tmp_path, redis_serv
     writer = _tier(redis_server.url, mac_key_file=macs[writer_mac])
     reader = _tier(redis_server.url, mac_key_file=macs[reader_mac])
     try:
-        assert writer.wait_connected() and reader.wait_connected()
+        assert connected(writer) and connected(reader)
         key = key_of(3)
-        assert writer.store([key], [_block(key)]).success
+        assert store_blocks(writer, [key], [_block(key)]).success
         if tamper:
             client = redis_server.client()
             name = chunk_key(key_prefix(MODEL), key)
             value = bytearray(client.get(name))
             value[len(value) // 2] ^= 0x01
             client.set(name, bytes(value))
-        assert reader.lookup_now(key) is KeyState.HIT  # present ...
+        assert settled_state(reader, key) is KeyState.HIT  # present ...
         out = _sentinel()
-        result = reader.load([key], [out])
+        result = load_blocks(reader, [key], [out])
         assert not result.ok[0] and result.errors[0] == reason  # ... but never served
         assert torch.all(out == UNTOUCHED)
         assert reader.misses[reason] == 1
-        assert reader.lookup_now(key) is KeyState.MISS  # remembered as unusable
+        assert settled_state(reader, key) is KeyState.MISS  # remembered as unusable
     finally:
         writer.close()
         reader.close()
@@ -187,11 +188,11 @@ def test_the_books_turn_a_forged_value_into_a_recompute_never_a_hit(tmp_path, re
     books, region = engine_books(tmp_path / "b", 4, ROW * 2, [], key_suffix=b"")
     books = type(books)(books.host, [], remote_tiers=[tier], remote_rows=[region.rows.view(torch.float16)])
     try:
-        assert tier.wait_connected()
+        assert connected(tier)
         key = key_of(11)
         forger = _tier(redis_server.url, mac_key_file=_mac_file(tmp_path, "evil", b"E"))
-        assert forger.wait_connected()
-        assert forger.store([key], [_block(key)]).success
+        assert connected(forger)
+        assert store_blocks(forger, [key], [_block(key)]).success
         forger.close()
         answers = []
         deadline = time.monotonic() + 10
@@ -212,13 +213,13 @@ def test_a_cluster_node_dying_turns_its_keys_into_misses_not_errors(tmp_path) ->
     cluster = RedisCluster(tmp_path / "cluster").start()
     tier = _tier(cluster.url, io_timeout_s=0.5)
     try:
-        assert tier.wait_connected() and tier.cluster
+        assert connected(tier) and tier.cluster
         keys = [key_of(500 + i) for i in range(30)]
-        assert tier.store(keys, [_block(k) for k in keys]).success
+        assert store_blocks(tier, keys, [_block(k) for k in keys]).success
         cluster.nodes[2].kill()
         outs = [_sentinel() for _ in keys]
         started = time.monotonic()
-        result = tier.load(keys, outs, timeout=10)
+        result = load_blocks(tier, keys, outs, timeout=10)
         assert time.monotonic() - started < 3.0
         for ok, out, key in zip(result.ok, outs, keys):
             assert torch.equal(out, _block(key)) if ok else torch.all(out == UNTOUCHED)
@@ -238,14 +239,14 @@ def test_the_store_password_keys_the_mac_when_no_mac_key_is_given(tmp_path) -> N
     try:
         reader = _tier(server.url, password_file=str(pw), mac_key_file=str(pw))
         writer = _tier(server.url, password_file=str(pw))  # knows the password, not keyed
-        assert reader.wait_connected() and writer.wait_connected()
+        assert connected(reader) and connected(writer)
         key = key_of(21)
-        assert writer.store([key], [_block(key)]).success
+        assert store_blocks(writer, [key], [_block(key)]).success
         out = _sentinel()
-        result = reader.load([key], [out])
+        result = load_blocks(reader, [key], [out])
         assert not result.ok[0] and result.errors[0] == "forged" and torch.all(out == UNTOUCHED)
-        assert reader.store([key], [_block(key)]).success
-        assert reader.load([key], [out]).success and torch.equal(out, _block(key))
+        assert store_blocks(reader, [key], [_block(key)]).success
+        assert load_blocks(reader, [key], [out]).success and torch.equal(out, _block(key))
         reader.close()
         writer.close()
     finally:
@@ -266,16 +267,16 @@ def test_every_remote_series_the_dashboard_reads_is_exported_by_the_engine_path(
     full = RedisServer(tmp_path / "full", maxmemory=3 << 20, policy="noeviction").start()
     filling = _tier(full.url, capacity=64 << 20)
     try:
-        assert tier.wait_connected() and filling.wait_connected()
+        assert connected(tier) and connected(filling)
         key = key_of(21)
         forger = _tier(redis_server.url, mac_key_file=_mac_file(tmp_path, "evil", b"E"))
-        assert forger.wait_connected() and forger.store([key], [_block(key)]).success
+        assert connected(forger) and store_blocks(forger, [key], [_block(key)]).success
         forger.close()
         deadline = time.monotonic() + 10
         while books.lookup(key) == RETRY and time.monotonic() < deadline:
             time.sleep(0.005)
         for i in range(400):
-            if not filling.store([key_of(100 + i)], [_block(key_of(100 + i))], timeout=5).ok[0]:
+            if not store_blocks(filling, [key_of(100 + i)], [_block(key_of(100 + i))], timeout=5).ok[0]:
                 break
         for series in sorted(wanted):
             values = [v for labels, v in samples(series) if labels.get("tier") in (tier.name, filling.name)]

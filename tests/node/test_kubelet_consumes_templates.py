@@ -22,6 +22,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from plugins.node import NODE_RUN, NodeCluster, wait_until
+from plugins.tier_sync import store_blocks
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.node, pytest.mark.slow]
 
@@ -349,7 +350,7 @@ def test_an_emptydir_tier_filled_by_kvtiers_filesystem_tier_stays_under_its_size
                                                   n_read_threads=2, n_write_threads=2), (2, 16, 8, 64), torch.float16)
     block = torch.ones((2, 16, 8, 64), dtype=torch.float16)
     for _ in range(80):  # 4000 blocks of 32 KiB: the tier fills and evicts, as a serving engine's does
-        fs_tier.store([os.urandom(16) for _ in range(50)], [block] * 50)
+        store_blocks(fs_tier, [os.urandom(16) for _ in range(50)], [block] * 50)
     # The kubelet measures volumes every 10 s on this node (volumeStatsAggPeriod) and evicts at the next check.
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

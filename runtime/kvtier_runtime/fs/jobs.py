@@ -1,6 +1,6 @@
-"""Jobs of the filesystem tier: ids, per-key settlement, results handed out once (``get_finished`` or a
-``wait``-er), deadlines (``io_timeout_s``: a job past it finishes with its late keys failed as ``timeout``), and
-the read and write thread pools the I/O tasks run on."""
+"""Jobs of the filesystem tier: ids, per-key settlement, results handed out once by ``get_finished`` (and to an
+``on_complete`` callback as they finish), deadlines (``io_timeout_s``: a job past it finishes with its late keys
+failed as ``timeout``), and the read and write thread pools the I/O tasks run on."""
 from __future__ import annotations
 
 import logging
@@ -10,12 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-import torch
-
 
 log = logging.getLogger("kvtier_runtime.fs.tier")
 
-# How often a waiter re-checks a job held open by a read into lent memory (see JobQueue._expire).
+# How often drain re-checks a job held open by a read into lent memory (see JobQueue._expire).
 _LENT_POLL_S = 0.05
 
 
@@ -75,45 +73,6 @@ class JobQueue:
             out = list(self._finished.values())
             self._finished.clear()
         return out
-
-    def wait(self, job_id: int, timeout: float | None = None) -> JobResult:
-        """Block until ``job_id`` finished and take its result (it is then not returned by get_finished). With
-        ``timeout=None`` bounded by the job's ``io_timeout_s``, except while a direct read into the caller's
-        memory is still in the kernel (see _expire): then until that read returns."""
-        with self._lock:
-            if job_id in self._finished:
-                return self._finished.pop(job_id)
-            job = self._jobs.get(job_id)
-            if job is None or job_id in self._claimed:
-                raise KeyError(f"job_id: {job_id} is unknown or its result was already taken")
-            self._claimed[job_id] = None
-        # Never longer than the job's own deadline, whatever the caller asked: then the job expires.
-        limit = job.deadline - time.monotonic()
-        if not job.done.wait(max(0.0, limit if timeout is None else min(timeout, limit))):
-            if timeout is None or timeout >= limit:
-                self._expire(job)
-            # A job whose memory is lent to a running read (see _expire) ends when that read returns.
-            while timeout is None and not job.done.is_set():
-                job.done.wait(_LENT_POLL_S)
-                self._expire(job)
-        if not job.done.is_set():
-            with self._lock:  # give the result back to get_finished() when it arrives
-                if self._claimed.get(job_id) is None:
-                    del self._claimed[job_id]
-                else:
-                    self._finished[job_id] = self._claimed.pop(job_id)  # type: ignore[assignment]
-            raise TimeoutError(f"job {job_id} did not finish within {timeout}s")
-        with self._lock:
-            result = self._claimed.pop(job_id)
-        assert result is not None
-        return result
-
-    # ---- blocking conveniences --------------------------------------------------------------------------
-    def store(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor], timeout: float | None = 60) -> JobResult:
-        return self.wait(self.submit_store(keys, blocks), timeout)
-
-    def load(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor], timeout: float | None = 60) -> JobResult:
-        return self.wait(self.submit_load(keys, outs), timeout)
 
     def drain(self, timeout: float | None = 60) -> None:
         """Wait until every submitted job finished (results stay available to get_finished). With
@@ -235,16 +194,13 @@ class JobQueue:
             return None
         result = JobResult(job.job_id, job.kind, job.keys, tuple(job.ok), dict(job.errors))
         del self._jobs[job.job_id]
-        if job.job_id in self._claimed:
-            self._claimed[job.job_id] = result
-        else:
-            self._finished[job.job_id] = result
+        self._finished[job.job_id] = result
         job.done.set()
         return result
 
     def _settled(self, task: Callable[..., bool], job: _Job, i: int, *args: Any) -> None:
         """Run an I/O task and settle its key whatever happens: an exception escaping a task would otherwise
-        vanish in the pool and leave the job unfinished, so a waiter without a timeout would hang."""
+        vanish in the pool and leave the job unfinished, so ``drain`` without a timeout would hang."""
         ok = False
         with self._lock:
             self._running_tasks += 1

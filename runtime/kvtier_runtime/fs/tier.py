@@ -6,9 +6,10 @@ Modules: :mod:`.index` (index, eviction accounting, unlinking), :mod:`.jobs` (jo
 
 Non-blocking by construction: ``lookup``/``state`` only read an in-memory index, ``submit_store``/``submit_load``
 only reserve space and enqueue work on separate write and read thread pools, and completions are collected with
-``get_finished()`` (or an ``on_complete`` callback). Nothing here raises into the caller because of the disk: a
-bad, missing or unreadable file is a failed key in a :class:`JobResult`, counted in ``kvtier_runtime_fs_errors``.
-``store``/``load``/``wait`` are blocking conveniences for tests and benchmarks.
+``get_finished()`` (or an ``on_complete`` callback); ``drain`` waits for every submitted job. Nothing here raises
+into the caller because of the disk: a bad, missing or unreadable file is a failed key in a :class:`JobResult`,
+counted in ``kvtier_runtime_fs_errors``. There is no blocking store or load here: tests and benchmarks wait for one
+job with ``tests/plugins/tier_sync.py``, on top of this API.
 
 Correctness rules: a block is served only if its header CRC, key, codec-independent shape/dtype, file length and
 payload CRC all match; anything else is deleted. Space is accounted by an eviction policy
@@ -124,8 +125,6 @@ class FilesystemTier(BlockIndex, JobQueue, BlockIO, StartupScan, TierHealth):
                                   admission_threshold=config.admission_threshold)
         self._jobs: dict[int, _Job] = {}
         self._finished: OrderedDict[int, JobResult] = OrderedDict()
-        # Jobs someone is blocked on in wait(): their results go to the waiter, never to get_finished().
-        self._claimed: dict[int, JobResult | None] = {}
         self._job_ids = itertools.count(1)
         self._tmp_ids = itertools.count(1)
         self._made_dirs: set[str] = set()

@@ -225,7 +225,6 @@ class RemoteTier(JobQueue):
         self._lock = threading.Lock()
         self._jobs: dict[int, _Job] = {}
         self._finished: OrderedDict[int, JobResult] = OrderedDict()
-        self._claimed: dict[int, JobResult | None] = {}
         self._job_ids = itertools.count(1)
         self._closed = False
         self._running_tasks = 0
@@ -295,13 +294,6 @@ class RemoteTier(JobQueue):
 
     def store_key(self, key: bytes) -> bytes:
         return chunk_key(self._prefix, key)
-
-    def wait_connected(self, timeout_s: float = 10.0) -> bool:
-        """Block until the first connection attempt is over (tests, benchmarks); True if the store is up."""
-        deadline = time.monotonic() + timeout_s
-        while self._health == "connecting" and time.monotonic() < deadline:
-            time.sleep(0.005)
-        return self._health == "up"
 
     # ---- health -----------------------------------------------------------------------------------------
     def _count_task(self, delta: int) -> None:
@@ -634,12 +626,6 @@ class RemoteTier(JobQueue):
         self._entries = max(0, entries)
         self._metrics.occupancy(self.used_bytes)
 
-    def refresh_usage(self) -> int:
-        """Count kvtier's chunks of this model in the store now (one ZCARD; tests, status)."""
-        self._entries = int(self._store.connect().zcard(self._index))
-        self._metrics.occupancy(self.used_bytes)
-        return self.used_bytes
-
     def _load_batch(self, batch: list[tuple[_Job, int, bytes, torch.Tensor]]) -> None:
         started = time.perf_counter()
         live = [item for item in batch if not item[0].done.is_set()]
@@ -704,16 +690,6 @@ class RemoteTier(JobQueue):
             self._ok()
         if nbytes:
             self._metrics.moved(self.name, self.peer, nbytes, time.perf_counter() - started, len(live))
-
-    # ---- blocking conveniences (tests, benchmarks) ------------------------------------------------------
-    def lookup_now(self, key: bytes, timeout_s: float = 10.0) -> KeyState:
-        """``state`` until the probe answered (tests, benchmarks)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            st = self.state(key)
-            if st is not KeyState.PENDING or time.monotonic() > deadline:
-                return st
-            time.sleep(0.001)
 
     def close(self) -> None:
         if self._closed:

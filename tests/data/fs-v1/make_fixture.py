@@ -19,6 +19,7 @@ sys.path.insert(0, str(HERE.parents[1]))  # tests/, for plugins.runtime
 from kvtier_runtime.config import FilesystemTierConfig  # noqa: E402
 from kvtier_runtime.fs import FilesystemTier  # noqa: E402
 from plugins.runtime import block_for, key_of  # noqa: E402
+from plugins.tier_sync import store_blocks  # noqa: E402
 
 SHAPE = (16, 64)
 
@@ -30,7 +31,7 @@ def write(name: str, keys: list[int], **cfg) -> None:
                           torch.float32, direct_io=False)
     try:
         ks = [key_of(i) for i in keys]
-        assert tier.store(ks, [block_for(k, SHAPE) for k in ks]).success
+        assert store_blocks(tier, ks, [block_for(k, SHAPE) for k in ks]).success
     finally:
         tier.close()
 
