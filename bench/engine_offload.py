@@ -29,7 +29,6 @@ import argparse
 import os
 import pathlib
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -38,19 +37,12 @@ import urllib.request
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "runtime"), str(REPO / "operator")]
 
+from bench.tables import quartiles  # noqa: E402
 from e2e.vllm_cpu import model, render  # noqa: E402
 from e2e.vllm_cpu.server import VllmServer  # noqa: E402
 
 MiB = 1 << 20
 TOKENS_PER_BLOCK = 32
-
-
-def quartiles(xs: list[float]) -> tuple[float, float, float]:
-    xs = sorted(xs)
-    if len(xs) == 1:
-        return xs[0], xs[0], xs[0]
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[1], q[0], q[2]
 
 
 def post(server: VllmServer, path: str) -> None:

