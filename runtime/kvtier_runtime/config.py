@@ -270,10 +270,10 @@ def check_remote_url(key: str, url: Any) -> None:
 
 REMOTE_URL_CREDENTIALS_RULE = "must not contain credentials (user:password@); use remote.passwordSecret"
 REMOTE_URL_QUERY_RULE = "must not carry a query or a fragment"
-# remote.caSecret (operator) / ca_file (runtime): the CEL message and the runtime's, word for word.
-REMOTE_CA_TLS_RULE = "allowed only with a rediss:// url: redis:// is plain TCP, with no certificate to verify"
 REMOTE_URL_HOST_PORT_RULE = ("needs a host and a port, and at most a database number as its path "
                              "(redis://HOST:PORT[/DB])")
+# remote.caSecret (operator) / ca_file (runtime): the CEL message and the runtime's, word for word.
+REMOTE_CA_TLS_RULE = "allowed only with a rediss:// url: redis:// is plain TCP, with no certificate to verify"
 
 
 def _positive_int(key: str, value: Any) -> None:
