@@ -186,14 +186,16 @@ class RemoteTierConfig(_TierKwargs):
     replica of one model, behind the host and filesystem tiers (the newest tier, so the first rolled back).
 
     ``url`` names the store only (``redis://host:port[/db]`` or ``rediss://``): credentials never travel in it. The
-    password is read from ``password_file`` (a Secret mounted read-only) when the tier starts. ``capacity_bytes`` is
+    password is read from ``password_file`` (a Secret mounted read-only) when the tier starts. With ``rediss://``,
+    ``ca_file`` (a PEM bundle, a Secret mounted read-only) is the only CA the store's certificate is verified against
+    (a private CA, e.g. cert-manager's); without it, the system CA bundle. ``capacity_bytes`` is
     kvtier's budget in the store; the fleet-wide bound is the store's own (maxmemory and its eviction policy).
     Keys carry the model identity the runtime derives from the engine's config, so replicas of one model share and
     different models never mix; values carry a keyed MAC when ``mac_key_file`` is set (many writers share the store).
     """
 
     REQUIRED = ("url", "capacity_bytes")
-    OMITTED_AT_DEFAULT = frozenset({"codec", "password_file", "mac_key_file", "io_timeout_s"})
+    OMITTED_AT_DEFAULT = frozenset({"codec", "password_file", "mac_key_file", "io_timeout_s", "ca_file"})
 
     url: str
     capacity_bytes: int
@@ -201,16 +203,20 @@ class RemoteTierConfig(_TierKwargs):
     password_file: str | None = None
     mac_key_file: str | None = None
     io_timeout_s: float = DEFAULT_REMOTE_IO_TIMEOUT_S
+    # rediss:// only: the PEM CA bundle the store's certificate must chain to (host name checked too).
+    ca_file: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_remote_url("url", self.url)
         _positive_int("capacity_bytes", self.capacity_bytes)
         _one_of("codec", self.codec, CODECS)
-        for key in ("password_file", "mac_key_file"):
+        for key in ("password_file", "mac_key_file", "ca_file"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, str) or not value.startswith("/")):
                 raise ConfigError(f"{key}: {value!r} must be an absolute path")
+        if self.ca_file is not None and not self.url.startswith("rediss://"):
+            raise ConfigError(f"ca_file: {REMOTE_CA_TLS_RULE}")
         if (isinstance(self.io_timeout_s, bool) or not isinstance(self.io_timeout_s, (int, float))
                 or not 0 < self.io_timeout_s <= MAX_IO_TIMEOUT_S):
             raise ConfigError(f"io_timeout_s: {self.io_timeout_s!r} must be a number in (0, {MAX_IO_TIMEOUT_S:g}]")
@@ -266,6 +272,8 @@ REMOTE_URL_CREDENTIALS_RULE = "must not contain credentials (user:password@); us
 REMOTE_URL_QUERY_RULE = "must not carry a query or a fragment"
 REMOTE_URL_HOST_PORT_RULE = ("needs a host and a port, and at most a database number as its path "
                              "(redis://HOST:PORT[/DB])")
+# remote.caSecret (operator) / ca_file (runtime): the CEL message and the runtime's, word for word.
+REMOTE_CA_TLS_RULE = "allowed only with a rediss:// url: redis:// is plain TCP, with no certificate to verify"
 
 
 def _positive_int(key: str, value: Any) -> None:

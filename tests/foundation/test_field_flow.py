@@ -39,7 +39,7 @@ NOW = "2026-12-01T00:00:00Z"
 # The admin's allowed hostPath prefixes (operator settings): the hostPath flows use paths under it.
 HOST_PATH_PREFIXES = ("/mnt/disks",)
 # ... and the stores remote tiers may use.
-REMOTE_STORES_ALLOWED = ("redis://valkey:6379", "redis://other:6379")
+REMOTE_STORES_ALLOWED = ("redis://valkey:6379", "redis://other:6379", "valkey:6380")
 GiB = 2**30
 
 SLO = {"prometheus": {"url": "http://prometheus:9090"}, "ttftP99": "2s"}
@@ -167,6 +167,13 @@ def remote(**store: Any) -> dict[str, Any]:
 
 
 REMOTE_SECRETS = {"passwordSecret": {"name": "vk", "key": "pw"}, "macKeySecret": {"name": "mac", "key": "k"}}
+TLS_STORE = "rediss://valkey:6380"
+CA = {"name": "valkey-tls", "key": "ca.crt"}
+
+
+def ca_file_reaches_runtime(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert "ca_file" not in a["runtime"]["remote"][0]
+    assert b["runtime"]["remote"][0]["ca_file"] == "/etc/kvtier-remote/shared/ca.crt"
 THRESHOLD_TIERS = [dict(CPU, admission="threshold"), dict(DISK, admission="threshold")]
 SECRET = {"name": "prom", "key": "token"}
 TRT = {"engine": "trtllm", "backend": "native", "tiers": [dict(CPU)]}
@@ -235,6 +242,12 @@ FLOWS: dict[str, Flow] = {
     "tiers.remote.macKeySecret.key": Flow(
         setter("tiers[2].remote.macKeySecret.key", "k2"), ("targets",),
         before=lambda: base(tiers=[CPU, DISK, remote(**REMOTE_SECRETS)])),
+    "tiers.remote.caSecret.name": Flow(
+        setter("tiers[2].remote.caSecret", CA), ("targets", "files", "runtime"),
+        before=lambda: base(tiers=[CPU, DISK, remote(url=TLS_STORE, **REMOTE_SECRETS)]), check=ca_file_reaches_runtime),
+    "tiers.remote.caSecret.key": Flow(
+        setter("tiers[2].remote.caSecret.key", "tls.crt"), ("targets",),
+        before=lambda: base(tiers=[CPU, DISK, remote(url=TLS_STORE, caSecret=CA)])),
     "offload.chunkTokens": Flow(setter("offload.chunkTokens", 64), ("files",)),
     "offload.promptOnly": Flow(setter("offload.promptOnly", True), ("files",)),
     "offload.storeThreshold": Flow(setter("offload.storeThreshold", 5), ("files", "runtime"),

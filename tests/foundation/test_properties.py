@@ -27,6 +27,8 @@ def tiers(draw):
                                                        "redis://v", "http://v:6379", "redis://v:1/x?y"]))}
         if draw(st.booleans()):
             tier["remote"]["passwordSecret"] = draw(st.sampled_from([{"name": "v", "key": "p"}, {"name": "V"}]))
+        if draw(st.booleans()):  # valid only with rediss://
+            tier["remote"]["caSecret"] = draw(st.sampled_from([{"name": "v-tls", "key": "ca.crt"}, {"key": "ca"}]))
     if draw(st.booleans()):
         tier["volume"] = draw(volumes)
     for key, values in {"evictionPolicy": ["lru", "arc", "s3fifo", "lfu"], "admission": ["none", "doorkeeper"],
@@ -116,7 +118,8 @@ def valid_policies(draw):
             remote = {"name": "shared", "medium": "remote", "size": "20Gi", "enabled": draw(st.booleans()),
                       "compression": draw(st.sampled_from(["none", "fp8", "int8"])),
                       "remote": {"url": draw(st.sampled_from(["redis://valkey:6379", "rediss://[fd00::1]:6380/2"]))}}
-            for key in draw(st.sets(st.sampled_from(["passwordSecret", "macKeySecret"]))):
+            keys = ["passwordSecret", "macKeySecret"] + (["caSecret"] if "rediss" in remote["remote"]["url"] else [])
+            for key in draw(st.sets(st.sampled_from(keys))):
                 remote["remote"][key] = {"name": key.lower(), "key": "k"}
             tiers_.append(remote)
     spec = {"selector": {"matchLabels": {"app": "x"}}, "engine": engine, "backend": backend, "blockSize": block,
@@ -148,6 +151,7 @@ def test_every_valid_policy_renders_for_any_subset_of_enabled_tiers(doc, data):
         extra = yaml.safe_load(rendered.files["engine.yaml"])["kv-transfer-config"]["kv_connector_extra_config"]
         (cfg,) = OffloadSpecConfig.from_extra_config(extra).remote_tiers
         assert cfg.url == remote.remote.url and cfg.capacity_bytes == remote.size_bytes
-        for path in (cfg.password_file, cfg.mac_key_file):
+        assert (cfg.ca_file is not None) == (remote.remote.ca_secret is not None)
+        for path in (cfg.password_file, cfg.mac_key_file, cfg.ca_file):
             assert path is None or any(path.startswith(m["mountPath"] + "/") and m.get("readOnly")
                                        for m in rendered.volume_mounts)

@@ -2,7 +2,9 @@
 started on free loopback ports in temporary directories, standalone or as a 3-node cluster-mode set, and always
 killed at teardown (SIGKILL of what is left, also at interpreter exit). Every wait is bounded.
 
-A missing binary fails the test that asks for a server, naming scripts/setup: these tests never skip.
+A missing binary fails the test that asks for a server, naming scripts/setup: these tests never skip. A server may
+serve TLS only (``tls=``, certificates of a throwaway CA made with the openssl CLI by :class:`TestCA`); a test of
+TLS skips only where this redis-server was built without it (:func:`redis_tls_missing`).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import socket
 import subprocess
 import time
 import weakref
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import pytest
@@ -52,12 +55,74 @@ def free_port(cluster: bool = False) -> int:
     raise RuntimeError("no free loopback port (with a free cluster bus port)")
 
 
+def redis_tls_missing() -> str | None:
+    """Why this redis-server cannot serve TLS (built without it: no libssl linked in), or None. A missing binary is
+    None here: the test then fails naming scripts/setup, as every redis test does."""
+    server = shutil.which("redis-server")
+    if not server:
+        return None
+    with open(server, "rb") as fh:
+        if b"libssl" not in fh.read():
+            return f"{server} was built without TLS (no libssl linked): rediss:// cannot be tested here"
+    return None
+
+
+@dataclass(frozen=True)
+class ServerCert:
+    """A server certificate, its key and the CA that signed it (PEM files)."""
+
+    cert: pathlib.Path
+    key: pathlib.Path
+    ca: pathlib.Path
+
+
+def _openssl(*args: str, cwd: pathlib.Path) -> None:
+    openssl = shutil.which("openssl")
+    if not openssl:
+        pytest.fail("openssl not found: the TLS tests make their certificates with the openssl CLI", pytrace=False)
+    done = subprocess.run([openssl, *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        raise RuntimeError(f"openssl {' '.join(args)} failed: {done.stderr}")
+
+
+class TestCA:
+    """A throwaway private CA (an EC P-256 key and a self-signed CA certificate, valid two days) that signs server
+    certificates with the names given, as cert-manager's CA issuer would for an in-cluster store."""
+
+    __test__ = False  # not a test class
+
+    def __init__(self, workdir: pathlib.Path, name: str) -> None:
+        self.dir = pathlib.Path(workdir) / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.name = name
+        self.cert, self.key = self.dir / "ca.crt", self.dir / "ca.key"
+        _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                 "-keyout", str(self.key), "-out", str(self.cert), "-days", "2", "-subj", f"/CN=kvtier test {name}",
+                 "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+                 cwd=self.dir)
+
+    def issue(self, name: str, sans: Sequence[str]) -> ServerCert:
+        """A server certificate whose subjectAltName is exactly ``sans`` (e.g. ``IP:127.0.0.1``, ``DNS:localhost``);
+        its common name is ``name``, which no client checks (a SAN is present)."""
+        key, csr, cert = (self.dir / f"{name}.{ext}" for ext in ("key", "csr", "crt"))
+        ext = self.dir / f"{name}.ext"
+        ext.write_text(f"subjectAltName={','.join(sans)}\nbasicConstraints=CA:FALSE\n"
+                       "keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
+                       "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n")
+        _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                 "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}", cwd=self.dir)
+        _openssl("x509", "-req", "-in", str(csr), "-CA", str(self.cert), "-CAkey", str(self.key),
+                 "-CAcreateserial", "-out", str(cert), "-days", "2", "-extfile", str(ext), cwd=self.dir)
+        return ServerCert(cert, key, self.cert)
+
+
 class RedisServer:
-    """One ``redis-server`` process. ``maxmemory`` (bytes) with ``policy`` bounds it as a deployment would."""
+    """One ``redis-server`` process. ``maxmemory`` (bytes) with ``policy`` bounds it as a deployment would. With
+    ``tls``: TLS only (``--port 0``, ``--tls-port``), that certificate, clients not asked for one."""
 
     def __init__(self, workdir: pathlib.Path, *, port: int | None = None, maxmemory: int = 64 << 20,
                  policy: str = "allkeys-lru", password: str | None = None, cluster: bool = False,
-                 extra: Sequence[str] = ()) -> None:
+                 tls: ServerCert | None = None, extra: Sequence[str] = ()) -> None:
         self.workdir = pathlib.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port(cluster)
@@ -65,13 +130,14 @@ class RedisServer:
         self.policy = policy
         self.password = password
         self.cluster = cluster
+        self.tls = tls
         self.extra = list(extra)
         self.proc: subprocess.Popen[bytes] | None = None
         _LIVE.add(self)
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}"
 
     @property
     def log_path(self) -> pathlib.Path:
@@ -79,7 +145,12 @@ class RedisServer:
 
     def command(self) -> list[str]:
         server, _ = redis_binaries()
-        cmd = [server, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
+        ports = ["--port", str(self.port)]
+        if self.tls:
+            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.tls.cert),
+                     "--tls-key-file", str(self.tls.key), "--tls-ca-cert-file", str(self.tls.ca),
+                     "--tls-auth-clients", "no"]
+        cmd = [server, *ports, "--bind", "127.0.0.1", "--dir", str(self.workdir),
                "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", str(self.log_path),
                "--maxmemory", str(self.maxmemory), "--maxmemory-policy", self.policy]
         if self.password:
@@ -110,6 +181,8 @@ class RedisServer:
     def client(self, **kw):
         import redis
 
+        if self.tls:
+            kw = {"ssl": True, "ssl_ca_certs": str(self.tls.ca), **kw}
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5,
                            socket_connect_timeout=5, **kw)
 

@@ -98,6 +98,49 @@ def test_without_a_mac_key_secret_the_password_keys_the_mac_and_validate_warns_w
     assert not any("remote" in w for w in policy_warnings(parse_policy(remote_policy(passwordSecret=PASSWORD))))
 
 
+CA = {"name": "valkey-tls", "key": "ca.crt"}
+
+
+def test_a_private_ca_joins_the_read_only_secret_volume_and_the_runtime_gets_its_path():
+    """rediss:// to an in-cluster store whose certificate a private CA signed (cert-manager's ca.crt): the CA is one
+    more projected key, mounted read-only with the password, never read by the operator."""
+    p = plan(remote_policy("rediss://valkey.kv:6380", passwordSecret=PASSWORD, caSecret=CA), ("valkey.kv:6380",))
+    assert not p.invalid and p.targets and p.targets[0].apply is not None
+    pod = p.targets[0].apply["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "kvtier-remote-shared")
+    assert volume["projected"]["sources"] == [
+        {"secret": {"name": "valkey", "items": [{"key": "password", "path": "password"}]}},
+        {"secret": {"name": "valkey-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}}]
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "kvtier-remote-shared")
+    assert mount == {"name": "kvtier-remote-shared", "mountPath": "/etc/kvtier-remote/shared", "readOnly": True}
+    engine = p.config_map["data"]["engine.yaml"]
+    assert "ca_file: /etc/kvtier-remote/shared/ca.crt" in engine
+    assert "url: rediss://valkey.kv:6380" in engine
+    # A CA alone (a store without a password) still gets its volume; without caSecret no ca_file is rendered.
+    alone = plan(remote_policy("rediss://valkey.kv:6380", caSecret=CA), ("valkey.kv:6380",))
+    sources = next(v for v in alone.targets[0].apply["spec"]["template"]["spec"]["volumes"]
+                   if v["name"] == "kvtier-remote-shared")["projected"]["sources"]
+    assert sources == [{"secret": {"name": "valkey-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}}]
+    bare = plan(remote_policy("rediss://valkey.kv:6380", passwordSecret=PASSWORD), ("valkey.kv:6380",))
+    assert "ca_file" not in bare.config_map["data"]["engine.yaml"]
+
+
+def test_a_ca_with_plain_tcp_is_refused_naming_the_field_by_validate_and_by_the_operator():
+    from kvtier_operator.api.validation import PolicyInvalid, _cel_problems
+
+    message = "spec.tiers[1].remote.caSecret: allowed only with a rediss:// url: redis:// is plain TCP"
+    pol = remote_policy("redis://valkey.kv:6379", passwordSecret=PASSWORD, caSecret=CA)
+    with pytest.raises(PolicyInvalid) as refused:
+        parse_policy(pol)
+    assert [str(p) for p in refused.value.problems][0].startswith(message)
+    # The CEL rule the API server runs says the same, on the same field.
+    cel = [str(p) for p in _cel_problems(pol) if "caSecret" in str(p)]
+    assert len(cel) == 1 and cel[0].startswith(message)
+    p = plan(pol, ("redis://valkey.kv:6379",))
+    assert p.invalid and p.targets == [] and p.config_map is None
+    assert message in condition(p.status, "Ready")["message"]
+
+
 def test_a_filesystem_tier_cannot_take_the_remote_tiers_volume_name():
     disk = {"name": "shared-secrets", "medium": "filesystem", "size": "1Gi", "path": "/mnt/kv",
             "volume": {"emptyDir": {}}}

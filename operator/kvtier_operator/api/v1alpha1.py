@@ -9,8 +9,8 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, WithJsonSchema,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationInfo,
+                      WithJsonSchema, field_validator, model_validator)
 from pydantic.alias_generators import to_camel
 
 from kvtier_runtime.config import (
@@ -20,6 +20,7 @@ from kvtier_runtime.config import (
     DEFAULT_EVICTION_POLICY,
     EVICTION_POLICIES,
     MAX_REMOTE_URL_CHARS,
+    REMOTE_CA_TLS_RULE,
     REMOTE_URL_CREDENTIALS_RULE,
     REMOTE_URL_HOST_PORT_RULE,
     REMOTE_URL_QUERY_RULE,
@@ -279,6 +280,11 @@ def _remote_url(value: str) -> str:
 class RemoteStoreSpec(_Model):
     """A Valkey/Redis store (standalone or cluster mode) that every replica of the model shares."""
 
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            _rule("!has(self.caSecret) || self.url.startsWith('rediss://')", REMOTE_CA_TLS_RULE,
+                  field_path=".caSecret")))
+
     url: Annotated[str, AfterValidator(_remote_url)] = Field(
         description="Address of the store: redis://HOST:PORT[/DB] or rediss://HOST:PORT[/DB] (TLS). It must be "
                     "allowed by the operator's admin (operator setting remoteStoresAllowed); no credentials, query "
@@ -296,6 +302,20 @@ class RemoteStoreSpec(_Model):
         None, description="Secret key holding the key of the MAC on every stored block (many writers share the "
                           "store). Unset: the password is the MAC key; with neither, blocks carry a checksum only "
                           "and `kvtier validate` warns.")
+    ca_secret: Optional[SecretKeyRef] = Field(
+        None, description="Secret key holding the PEM CA bundle that signed the store's certificate (a private CA, "
+                          "e.g. the ca.crt of a cert-manager certificate); the store is then verified against it "
+                          "alone, host name included. Unset: the image's system CA bundle. rediss:// only. Mounted "
+                          "read-only into the serving pods; the operator never reads it.")
+
+    @field_validator("ca_secret")
+    @classmethod
+    def _ca_needs_tls(cls, value: Optional[SecretKeyRef], info: ValidationInfo) -> Optional[SecretKeyRef]:
+        # The CEL rule above, for `kvtier validate` and the operator's own parse (same message, same field).
+        url = info.data.get("url")
+        if value is not None and isinstance(url, str) and not url.startswith("rediss://"):
+            raise paths.RuleError(REMOTE_CA_TLS_RULE)
+        return value
 
 
 class TierSpec(_Model):

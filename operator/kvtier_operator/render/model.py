@@ -24,11 +24,12 @@ CONFIG_DIR = "/etc/kvtier"
 CONFIG_FILE = "engine.yaml"
 CONFIG_VOLUME = "kvtier-config"
 SHM_VOLUME = "kvtier-shm"
-# A remote tier's Secrets (password, MAC key) are mounted read-only here, one directory per tier: the operator never
-# reads them, the runtime reads the files when the tier starts.
+# A remote tier's Secrets (password, MAC key, CA bundle) are mounted read-only here, one directory per tier: the
+# operator never reads them, the runtime reads the files when the tier starts (redis-py reads the CA per connection).
 REMOTE_SECRETS_DIR = "/etc/kvtier-remote"
 REMOTE_PASSWORD_FILE = "password"
 REMOTE_MAC_KEY_FILE = "mac-key"
+REMOTE_CA_FILE = "ca.crt"
 
 
 class RenderError(ValueError):
@@ -150,14 +151,23 @@ def remote_secret_files(tier: api.TierSpec) -> tuple[Optional[str], Optional[str
     return password, mac
 
 
+def remote_ca_file(tier: api.TierSpec) -> Optional[str]:
+    """Path of the remote tier's CA bundle in the container (rediss:// to a store with a private CA), or None."""
+    assert tier.remote is not None
+    if tier.remote.ca_secret is None:
+        return None
+    return f"{REMOTE_SECRETS_DIR}/{tier.name}/{REMOTE_CA_FILE}"
+
+
 def remote_secret_volume(tier: api.TierSpec) -> Optional[tuple[dict[str, Any], dict[str, Any]]]:
-    """The read-only volume holding a remote tier's password and MAC key files, or None without either. A projected
-    volume: the two keys may live in different Secrets, only the named keys are projected, and a rotated Secret
+    """The read-only volume holding a remote tier's password, MAC key and CA files, or None without any. A projected
+    volume: the keys may live in different Secrets, only the named keys are projected, and a rotated Secret
     reaches the pod without a restart (a subPath mount would freeze it)."""
     assert tier.remote is not None
     sources = [{"secret": {"name": ref.name, "items": [{"key": ref.key, "path": file}]}}
                for ref, file in ((tier.remote.password_secret, REMOTE_PASSWORD_FILE),
-                                 (tier.remote.mac_key_secret, REMOTE_MAC_KEY_FILE)) if ref is not None]
+                                 (tier.remote.mac_key_secret, REMOTE_MAC_KEY_FILE),
+                                 (tier.remote.ca_secret, REMOTE_CA_FILE)) if ref is not None]
     if not sources:
         return None
     # Its own prefix: a filesystem tier named "<this tier>-secrets" must not get the same volume name.

@@ -25,8 +25,8 @@ from kvtier_runtime.config import (
 )
 
 from ..api import v1alpha1 as api
-from .model import (CONFIG_DIR, CONFIG_FILE, RenderedConfig, dump_yaml, mount_path, remote_secret_files,
-                    workload_storage)
+from .model import (CONFIG_DIR, CONFIG_FILE, RenderedConfig, dump_yaml, mount_path, remote_ca_file,
+                    remote_secret_files, workload_storage)
 
 # Replicas share a remote tier only if their block hashes agree: sha256 over CBOR is reproducible across processes,
 # Python versions and languages (vLLM's default sha256 pickles, which may differ between images).
@@ -86,7 +86,7 @@ def _remote_tier_config(tier: api.TierSpec) -> RemoteTierConfig:
     assert tier.remote is not None
     password, mac = remote_secret_files(tier)
     return RemoteTierConfig(url=tier.remote.url, capacity_bytes=tier.size_bytes, codec=tier.compression,
-                            password_file=password, mac_key_file=mac)
+                            password_file=password, mac_key_file=mac, ca_file=remote_ca_file(tier))
 
 
 def _offloading_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec]) -> dict[str, Any]:

@@ -3,13 +3,16 @@
 Mode is detected at connect time (``INFO cluster``: ``cluster_enabled:1`` switches to
 :class:`redis.cluster.RedisCluster` seeded with the same address), so one ``redis://host:port`` works against a single server, a Valkey/Redis with
 replicas behind a Service, or a cluster. The password comes from ``password_file`` (a Secret mounted read-only),
-never from the URL. Every socket operation is bounded by ``io_timeout_s`` and nothing is retried: a slow or absent
-store must cost the engine a miss, not a retry loop. Faults are classified by :func:`failure_kind` into the reasons
+never from the URL. ``rediss://`` always verifies the store's certificate and host name: against ``ca_file`` alone
+when it is set (a private CA), else against the system CA bundle; a failed verification is a ``down`` store. Every
+socket operation is bounded by ``io_timeout_s`` and nothing is retried: a slow or absent store must cost the engine
+a miss, not a retry loop. Faults are classified by :func:`failure_kind` into the reasons
 the tier's metrics count.
 """
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,6 +40,9 @@ from ..config import ConfigError, RemoteTierConfig, check_remote_url
 log = logging.getLogger("kvtier_runtime.remote")
 
 MAX_PASSWORD_BYTES = 4096
+# A CA bundle is a few certificates; a file much larger is not one.
+MAX_CA_FILE_BYTES = 1 << 20
+_PEM_CERT = b"-----BEGIN CERTIFICATE-----"
 
 
 def read_password(path: str | None) -> str | None:
@@ -60,10 +66,40 @@ def read_password(path: str | None) -> str | None:
         raise ConfigError(f"password_file: {path} is not UTF-8 text") from None
 
 
+def check_ca_file(path: str | None) -> str | None:
+    """``ca_file`` when it holds at least one PEM certificate; ConfigError names the key otherwise. redis-py loads it
+    on each new connection, so a CA rotated in the mounted Secret is used from the next connection on."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_CA_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"ca_file: {path} cannot be read ({exc.strerror or exc})") from None
+    if len(raw) > MAX_CA_FILE_BYTES:
+        raise ConfigError(f"ca_file: {path} holds more than {MAX_CA_FILE_BYTES} bytes")
+    if _PEM_CERT not in raw:
+        raise ConfigError(f"ca_file: {path} holds no PEM certificate ({_PEM_CERT.decode()})")
+    return path
+
+
+def tls_failure(exc: BaseException) -> ssl.SSLError | None:
+    """The TLS error behind a store fault (redis-py wraps it in a ConnectionError), or None."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, ssl.SSLError):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
 def failure_kind(exc: BaseException) -> str:
     """The reason a store operation failed, as the tier's metrics count it: ``timeout`` (slower than io_timeout_s),
     ``full`` (the store's maxmemory with a noeviction policy refused a write), ``auth`` (password refused),
-    ``down`` (unreachable, refused, reset, cluster not serving the slot), else ``other``."""
+    ``down`` (unreachable, refused, reset, cluster not serving the slot, TLS verification or handshake failed), else
+    ``other``."""
     if isinstance(exc, RedisTimeoutError):
         return "timeout"
     if isinstance(exc, OutOfMemoryError) or (isinstance(exc, ResponseError) and str(exc).startswith("OOM")):
@@ -88,14 +124,32 @@ class RemoteStore:
         self.ssl = parts.scheme == "rediss"
         self.timeout_s = float(config.io_timeout_s)
         self._password = read_password(config.password_file)
+        self.ca_file = check_ca_file(config.ca_file)
         self.url = config.url
         self.cluster = False
         self._client: Any = None
         self._lock = threading.Lock()
 
     def _options(self) -> dict[str, Any]:
-        return dict(password=self._password, ssl=self.ssl, socket_timeout=self.timeout_s,
-                    socket_connect_timeout=self.timeout_s, retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        options = dict(password=self._password, ssl=self.ssl, socket_timeout=self.timeout_s,
+                       socket_connect_timeout=self.timeout_s, retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        if self.ssl:
+            # Never cert_reqs "none": the store's certificate and host name are always checked, against ca_file
+            # only when set (load_verify_locations on a fresh context), else against the system CA bundle.
+            options.update(ssl_cert_reqs="required", ssl_check_hostname=True, ssl_ca_certs=self.ca_file)
+        return options
+
+    def describe_tls_failure(self, exc: BaseException) -> str | None:
+        """One line naming the URL and what failed, when ``exc`` is a TLS failure; None otherwise."""
+        err = tls_failure(exc)
+        if err is None:
+            return None
+        against = f"ca_file {self.ca_file}" if self.ca_file else "the system CA bundle (no ca_file)"
+        if isinstance(err, ssl.SSLCertVerificationError):
+            detail = err.verify_message or str(err)
+            return (f"TLS verification of {self.url} failed ({detail}): the store's certificate must be signed by "
+                    f"{against} and name the URL's host")
+        return f"TLS handshake with {self.url} failed ({err.reason or err}): is the store serving TLS on that port?"
 
     def connect(self) -> Any:
         """Connect (detecting the mode) unless connected; raises a redis-py error or ConfigError."""

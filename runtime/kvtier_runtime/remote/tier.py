@@ -328,8 +328,12 @@ class RemoteTier(JobQueue):
         except Exception as exc:
             kind = failure_kind(exc)
             if self._failures == 0:
-                log.warning("kvtier remote tier %s: the store is unusable (%s: %s); lookups miss, retrying",
-                            self.name, kind, exc)
+                tls = self._store.describe_tls_failure(exc)
+                if tls is not None:
+                    log.warning("kvtier remote tier %s: %s; lookups miss, retrying", self.name, tls)
+                else:
+                    log.warning("kvtier remote tier %s: the store is unusable (%s: %s); lookups miss, retrying",
+                                self.name, kind, exc)
             self._fault(kind, force=True)
             return
         self._ok()
