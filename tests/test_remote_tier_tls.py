@@ -20,6 +20,7 @@ from kvtier_runtime.remote.identity import model_identity
 from kvtier_runtime.remote.tier import KeyState, RemoteTier
 from plugins.redis_server import RedisServer, TestCA, redis_tls_missing
 from plugins.runtime import key_of
+from plugins.tier_sync import connected, load_blocks, settled_state, store_blocks
 
 pytestmark = pytest.mark.skipif(redis_tls_missing() is not None, reason=redis_tls_missing() or "")
 
@@ -83,34 +84,18 @@ def _tier(url: str, **kw) -> RemoteTier:
                       backoff_base_s=0.1)
 
 
-def _run(tier: RemoteTier, keys: list[bytes], *, blocks=None, outs=None) -> dict[int, object]:
-    """Submit a store or a load, drain, and take its result through get_finished (as the books do)."""
-    job = tier.submit_store(keys, blocks) if blocks is not None else tier.submit_load(keys, outs)
-    tier.drain(timeout=30)
-    results = {r.job_id: r for r in tier.get_finished()}
-    assert job in results, results
-    return results[job]
-
-
-def _state(tier: RemoteTier, key: bytes, timeout_s: float = 10.0) -> KeyState:
-    deadline = time.monotonic() + timeout_s
-    while (st := tier.state(key)) is KeyState.PENDING and time.monotonic() < deadline:
-        time.sleep(0.005)
-    return st
-
-
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
 def test_a_store_with_a_private_ca_round_trips_bit_exactly_over_tls(tls_store, pki, password_file, host) -> None:
     url = f"rediss://{host}:{tls_store.port}"
     writer = _tier(url, ca_file=str(pki.store_ca.cert), password_file=password_file)
     reader = _tier(url, ca_file=str(pki.store_ca.cert), password_file=password_file)
     try:
-        assert writer.wait_connected() and reader.wait_connected(), (writer.health, reader.health)
+        assert connected(writer) and connected(reader), (writer.health, reader.health)
         keys = [key_of(i) + host.encode()[:1] for i in range(12)]
-        assert _run(writer, keys, blocks=[_block(k) for k in keys]).success
-        assert [_state(reader, k) for k in keys] == [KeyState.HIT] * len(keys)
+        assert store_blocks(writer, keys, [_block(k) for k in keys]).success
+        assert [settled_state(reader, k) for k in keys] == [KeyState.HIT] * len(keys)
         outs = [_sentinel() for _ in keys]
-        assert _run(reader, keys, outs=outs).success
+        assert load_blocks(reader, keys, outs).success
         assert all(torch.equal(out, _block(k)) for out, k in zip(outs, keys))
         assert not reader.misses and not writer.store_failures
     finally:
@@ -126,14 +111,14 @@ def test_a_store_with_a_private_ca_round_trips_bit_exactly_over_tls(tls_store, p
 def _assert_refused(tier: RemoteTier, url: str, caplog, why: str) -> None:
     """The store is down for this tier: keys fail as counted ``down``, nothing raises, the row is untouched, and
     one warning names the URL, that TLS verification failed, and ``why`` (OpenSSL's own words)."""
-    assert not tier.wait_connected()
+    assert not connected(tier)
     assert tier.health == "down"
     key = key_of(7)
     assert tier.state(key) is KeyState.MISS  # at once: no probe of a store that is down
-    stored = _run(tier, [key], blocks=[_block(key)])
+    stored = store_blocks(tier, [key], [_block(key)])
     assert not stored.ok[0] and stored.errors[0] == "down"
     out = _sentinel()
-    loaded = _run(tier, [key], outs=[out])
+    loaded = load_blocks(tier, [key], [out])
     assert not loaded.ok[0] and loaded.errors[0] == "down"
     assert torch.all(out == UNTOUCHED)
     assert tier.misses["down"] >= 2 and tier.store_failures["down"] == 1
@@ -175,7 +160,7 @@ def test_a_certificate_that_does_not_name_the_url_host_is_refused(unnamed_store,
     # The control: the same certificate, the same CA, a host it names -- it is the name alone that is refused below.
     named = _tier(f"rediss://127.0.0.1:{unnamed_store.port}", ca_file=ca)
     try:
-        assert named.wait_connected(), named.health
+        assert connected(named), named.health
     finally:
         named.close()
     caplog.set_level(logging.WARNING, logger="kvtier_runtime.remote")
