@@ -192,6 +192,21 @@ class _Fp8E5M2Quant(_Fp8Quant):
 _QUANTS = {"int8": _IntQuant, "int4": _Int4Quant, "fp8": _Fp8Quant, "fp8_e5m2": _Fp8E5M2Quant}
 
 
+class _TokenSample:
+    """The page positions a chunk's sampled check covers: ``idx`` (sorted), and when they are one stride (no
+    heavy tokens: the usual case) ``first``/``step``/``span`` for strided views instead of gathers."""
+
+    __slots__ = ("idx", "first", "step", "span")
+
+    def __init__(self, idx: torch.Tensor) -> None:
+        self.idx, self.first, self.step, self.span = idx, 0, 0, 0
+        pos = idx.tolist()
+        if len(pos) > 1:
+            step = pos[1] - pos[0]
+            if step > 0 and pos[-1] == pos[0] + step * (len(pos) - 1):
+                self.first, self.step, self.span = pos[0], step, step * (len(pos) - 1) + 1
+
+
 # ---- the codec -------------------------------------------------------------------------------------------------
 
 class KVChunkCodec:
@@ -237,7 +252,7 @@ class KVChunkCodec:
     def __repr__(self) -> str:
         return f"KVChunkCodec({self.name!r}, {self.declared}, verify={self.verify})"
 
-    def _sample(self, flat: torch.Tensor) -> torch.Tensor | None:
+    def _sample(self, flat: torch.Tensor) -> "_TokenSample | None":
         """The tokens of a page this chunk's attention check covers; ``None``: all of them. One in
         ``verify_sample`` (a phase rotating from chunk to chunk), plus every heavy token: a page position where
         some (layer, head, page) has a key HEAVY_TOKEN times its mean key magnitude (such tokens dominate the
@@ -248,52 +263,88 @@ class KVChunkCodec:
         mask = torch.zeros(lay.block_tokens, dtype=torch.bool)
         mask[next(self._chunks) % stride::stride] = True
         k = canonical(lay, flat, lay.num_layers)[:, 0]                          # [L, H, P, T, D]
-        peak = self._scratch.get("vpeak", k.shape[:4], k.dtype, flat.device)
-        torch.amax(k.abs(), dim=4, out=peak)
+        bits = _FP8_BITS.get(flat.dtype)
+        if bits is None:
+            peak = self._scratch.get("vpeak", k.shape[:4], k.dtype, flat.device)
+            torch.amax(k.abs(), dim=4, out=peak)
+        else:
+            # |K| as integer bits (non-negative floats order like their bit patterns): one integer mask and an
+            # integer max, several times cheaper than abs + amax in bf16; the same peaks, bit for bit
+            int_dtype, _, mag_mask = bits
+            m = self._scratch.get("vmag", k.shape, int_dtype, flat.device)
+            torch.bitwise_and(k.view(int_dtype), mag_mask, out=m)
+            peak = self._scratch.get("vpeak", k.shape[:4], int_dtype, flat.device)
+            torch.amax(m, dim=4, out=peak)
+            peak = peak.view(flat.dtype)
         peak = peak.float()
         heavy = peak > HEAVY_TOKEN * peak.mean(dim=3, keepdim=True)
         mask |= heavy.flatten(0, 2).any(dim=0)
         if not torch.isfinite(peak).all() or int(mask.sum()) * 2 > lay.block_tokens:
             return None
-        return mask.nonzero().view(-1)
+        return _TokenSample(mask.nonzero().view(-1))
 
     @staticmethod
-    def _take(t: torch.Tensor, dim: int, sample: torch.Tensor) -> torch.Tensor:
+    def _take(t: torch.Tensor, dim: int, sample: "_TokenSample") -> torch.Tensor:
         """``t``'s entries ``sample`` along ``dim``: a strided view when the sample is one stride (no heavy
         tokens: the usual case), a gather otherwise."""
-        n = sample.numel()
-        if n > 1:
-            first, step = int(sample[0]), int(sample[1] - sample[0])
-            if step > 0 and int(sample[-1]) == first + step * (n - 1):
-                return t.narrow(dim, first, step * (n - 1) + 1)[(slice(None),) * dim + (slice(None, None, step),)]
-        return t.index_select(dim, sample)
+        if sample.step:
+            return t.narrow(dim, sample.first, sample.span)[(slice(None),) * dim + (slice(None, None, sample.step),)]
+        return t.index_select(dim, sample.idx)
 
     def _sampled_error(self, q: "_Quant", codes: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor,
-                       x: torch.Tensor, l0: int, lg: int, sample: torch.Tensor | None) -> float:
-        """The attention check of layers l0..l0+lg over the sampled tokens of every page, every head: only they
-        are dequantised. ``codes`` [rows, D * bits / 8] and ``x`` (the chunk's elements, any float dtype) in
-        chunk order; sk [lg, H, P * T / kg, D], sv [lg, H, P * T, D / vg] fp32 (clobbered)."""
+                       x: torch.Tensor, l0: int, lg: int, sample: "_TokenSample | None") -> float:
+        """The attention check of layers l0..l0+lg. Whole (``sample`` None): every token dequantised and checked
+        here. Sampled: only the sampled tokens of every page and head are gathered (codes, their scales, the
+        original values) into the chunk-wide buffers ``_sample_error`` checks once all layers are in; returns 0.
+        ``codes`` [rows, D * bits / 8] and ``x`` (the chunk's elements, any float dtype) in chunk order; sk
+        [lg, H, P * T / kg, D], sv [lg, H, P * T, D / vg] fp32 (clobbered)."""
         lay = self.layout
         h, p, t, d = lay.num_kv_heads, lay.pages, lay.block_tokens, lay.head_dim
         if sample is None:
             rec = self._scratch.get("rec", lg * lay.page_numel * p, F32, codes.device)
             dequantize(lay, q, codes, sk, sv, rec, lg)
             return float(attention_errors(canonical(lay, x, lg), canonical(lay, rec, lg)).max())
-        ts, cw = sample.numel(), codes.shape[1]
-        # the sample as a chunk of its own: HKTD, ts tokens a page, each token its own K scale (its group's)
-        mini = KVLayout(num_layers=lg, block_tokens=ts, num_kv_heads=h, head_dim=d, dtype=lay.dtype,
-                        page_order="HKTD", pages=p, outer="LP")
-        sub = self._scratch.get("vcodes", (lg, p, h, 2, ts, cw), torch.uint8, codes.device)
-        sub.permute(0, 3, 2, 1, 4, 5).copy_(self._take(_canonical_as(lay, codes.view(-1), lg, cw), 4, sample))
+        ts, cw, nl, dev = sample.idx.numel(), codes.shape[1], lay.num_layers, codes.device
+        l1 = l0 + lg
+        # chunk-wide and contiguous, K then V: codes [2, L, H, P, ts, cw], the original values [2, L, H, P, ts, D]
+        # in fp32 (so that K, and V, of all layers and heads are each one [L * H, P * ts, D] batch), the scales of
+        # the sampled tokens (each its group's)
+        vc = self._scratch.get("vc", (2, nl, h, p, ts, cw), torch.uint8, dev)
+        vc[:, l0:l1].copy_(self._take(_canonical_as(lay, codes.view(-1), lg, cw), 4, sample).transpose(0, 1))
+        vx = self._scratch.get("vx", (2, nl, h, p, ts, d), F32, dev)
+        vx[:, l0:l1].copy_(self._take(canonical(lay, x, lg), 4, sample).transpose(0, 1))
         kg = p * t // sk.shape[2]
-        sk_s = self._scratch.get("vsk", (lg, h, p, ts, d), F32, codes.device)
-        sk_s.copy_(sk.view(lg, h, p, t // kg, d)[:, :, :, sample // kg])
-        sv_s = self._scratch.get("vsv", (lg, h, p, ts, sv.shape[3]), F32, codes.device)
-        sv_s.copy_(self._take(sv.view(lg, h, p, t, -1), 3, sample))
-        rec = self._scratch.get("vrec", mini.numel, F32, codes.device)
-        dequantize(mini, q, sub.view(-1, cw), sk_s.view(lg, h, p * ts, d), sv_s.view(lg, h, p * ts, -1), rec, lg)
-        xs = self._take(canonical(lay, x, lg), 4, sample)                        # [lg, 2, H, P, ts, D]
-        return float(attention_errors(xs, canonical(mini, rec, lg)).max()) / VERIFY_SAMPLE_MARGIN
+        vsk = self._scratch.get("vsk", (nl, h, p, ts, d), F32, dev)
+        torch.index_select(sk.view(lg, h, p, t // kg, d), 3, sample.idx // kg if kg > 1 else sample.idx,
+                           out=vsk[l0:l1])
+        vsv = self._scratch.get("vsv", (nl, h, p, ts, sv.shape[3]), F32, dev)
+        vsv[l0:l1].copy_(self._take(sv.view(lg, h, p, t, -1), 3, sample))
+        return 0.0
+
+    def _sample_error(self, q: "_Quant", sample: "_TokenSample", vg: int) -> float:
+        """The sampled attention check over the buffers ``_sampled_error`` filled for every layer: the sampled
+        tokens dequantised (each with its group's scale), then one batched attention for all layers and heads,
+        original against decoded, judged against VERIFY_SAMPLE_MARGIN of the budget."""
+        lay = self.layout
+        h, p, d, nl = lay.num_kv_heads, lay.pages, lay.head_dim, lay.num_layers
+        ts, dev = sample.idx.numel(), sample.idx.device
+        cw, g = d * q.bits // 8, d // vg
+        vc = self._scratch.get("vc", (2, nl, h, p, ts, cw), torch.uint8, dev)
+        vx = self._scratch.get("vx", (2, nl, h, p, ts, d), F32, dev)
+        vsk = self._scratch.get("vsk", (nl, h, p, ts, d), F32, dev)
+        vsv = self._scratch.get("vsv", (nl, h, p, ts, g), F32, dev)
+        vrec = self._scratch.get("vrec", (2, nl, h, p, ts, d), F32, dev)   # only the sample is dequantised
+        rk, rv = vrec[0], vrec[1]
+        q.unscaled(vc[0].view(-1, cw), rk.view(-1, d))
+        q.unscaled(vc[1].view(-1, cw), rv.view(-1, d))
+        if q.post != 1.0:
+            vsk.mul_(q.post)
+            vsv.mul_(q.post)
+        rk.mul_(vsk)
+        rv.view(nl, h, p, ts, g, d // g).mul_(vsv.unsqueeze(5))
+        b, n = nl * h, p * ts
+        rel = attention_rel(vx[0].view(b, n, d), vx[1].view(b, n, d), rk.view(b, n, d), rv.view(b, n, d))
+        return float(rel.max()) / VERIFY_SAMPLE_MARGIN
 
     def _groups(self, codec: str, k_group: int | None, v_group: int | None) -> tuple[int, int]:
         n, d = self.layout.block_tokens, self.layout.head_dim   # K groups never straddle pages
@@ -430,7 +481,7 @@ class KVChunkCodec:
         return split_payload(self.layout, codec, self.groups[codec], payload, l0, l1)
 
     def _encode_payload(self, codec: str, flat: torch.Tensor, payload: torch.Tensor, measure: bool,
-                        sample: torch.Tensor | None = None) -> float:
+                        sample: "_TokenSample | None" = None) -> float:
         lay, q, dev = self.layout, self._quants[codec], flat.device
         h, n, d = lay.num_kv_heads, lay.tokens, lay.head_dim
         kg, vg = self.groups[codec]
@@ -468,10 +519,12 @@ class KVChunkCodec:
             q.quantize(a.view(ne // d, d), codes)
             if measure:
                 worst = max(worst, self._sampled_error(q, codes, sk, sv, xf, l0, lg, sample))
+        if measure and sample is not None:
+            worst = max(worst, self._sample_error(q, sample, vg))
         return worst
 
     def _encode_fp8_bits(self, flat: torch.Tensor, payload: torch.Tensor, measure: bool,
-                         sample: torch.Tensor | None = None) -> float:
+                         sample: "_TokenSample | None" = None) -> float:
         """fp8 (e4m3) from bf16/fp32 without float conversions: with a power-of-two scale, e4m3 is the input's
         sign, its exponent minus a per-group bias and its top 3 mantissa bits, rounded: a handful of integer
         passes instead of converting through fp32 and fp16. Scaled values below e4m3's smallest normal (2^-6,
@@ -525,6 +578,8 @@ class KVChunkCodec:
                 sv.view(lg, nv).copy_(sbf[:, nk:])
                 worst = max(worst, self._sampled_error(self._quants["fp8"], codes.view(-1, d), sk, sv,
                                                        flat[e0:e1], l0, lg, sample))
+        if measure and sample is not None:
+            worst = max(worst, self._sample_error(self._quants["fp8"], sample, vg))
         return worst
 
     # ---- decode ----------------------------------------------------------------------------------------------
@@ -652,15 +707,23 @@ def attention_errors(x: torch.Tensor, rec: torch.Tensor) -> torch.Tensor:
         x, rec = x.flatten(3, 4), rec.flatten(3, 4)   # copies when pages are not adjacent: fine here
     lg, _, h, n, d = x.shape
     k, v, k2, v2 = (t.reshape(lg * h, n, d).float() for t in (x[:, 0], x[:, 1], rec[:, 0], rec[:, 1]))
-    qs = probe_queries(d, x.device)
+    return attention_rel(k, v, k2, v2)
+
+
+def attention_rel(k: torch.Tensor, v: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor) -> torch.Tensor:
+    """``attention_errors``' measure on fp32 batches [B, N, D] (a (layer, head) pair each): original k, v against
+    decoded k2, v2. Returns the relative error per pair [B]."""
+    b, n, d = k.shape
+    qs = probe_queries(d, k.device)
     half = qs.shape[0] // 2
     # K-shaped queries: channel c weighted by K's RMS in c, normalised to the mean square, per (layer, head)
     w = k.square().mean(dim=1, keepdim=True)
     w.div_(w.mean(dim=2, keepdim=True).clamp_(min=_TINY)).sqrt_()
-    q = torch.cat([qs[:half].expand(lg * h, half, d), qs[half:] * w], dim=1)
-    scale = 1.0 / math.sqrt(d)
-    o = torch.softmax(torch.bmm(q, k.transpose(1, 2)).mul_(scale), dim=-1) @ v
-    o2 = torch.softmax(torch.bmm(q, k2.transpose(1, 2)).mul_(scale), dim=-1) @ v2
+    q = torch.cat([qs[:half].expand(b, half, d), qs[half:] * w], dim=1)
+    # scores as [B, N, queries] (K's rows against the few queries: the faster bmm orientation), softmax over N
+    qt, scale = q.transpose(1, 2), 1.0 / math.sqrt(d)
+    o = torch.bmm(torch.softmax(torch.bmm(k, qt).mul_(scale), dim=1).transpose(1, 2), v)
+    o2 = torch.bmm(torch.softmax(torch.bmm(k2, qt).mul_(scale), dim=1).transpose(1, 2), v2)
     num = (o2 - o).square().sum(dim=(1, 2))
     den = o.square().sum(dim=(1, 2))
     rel = torch.where(den > 0, num / den.clamp(min=_TINY), torch.where(num > 0, math.inf, 0.0)).sqrt_()
