@@ -321,14 +321,16 @@ class KVChunkCodec:
         vx = self._scratch.get("vx", (2, nl, h, p, ts, d), F32, dev)
         vx[:, l0:l1].copy_(self._take(canonical(lay, x, lg), 4, sample).transpose(0, 1))
         kg = p * t // sk.shape[2]
-        vsk = self._scratch.get("vsk", (nl, h, p, ts, d), F32, dev)
-        torch.index_select(sk.view(lg, h, p, t // kg, d), 3, sample.idx // kg if kg > 1 else sample.idx,
-                           out=vsk[l0:l1])
+        if kg == t:   # one K scale per page and channel (fp8, int8): it broadcasts over the sampled tokens
+            self._scratch.get("vsk", (nl, h, p, 1, d), F32, dev)[l0:l1].copy_(sk.view(lg, h, p, 1, d))
+        else:
+            torch.index_select(sk.view(lg, h, p, t // kg, d), 3, sample.idx // kg if kg > 1 else sample.idx,
+                               out=self._scratch.get("vsk", (nl, h, p, ts, d), F32, dev)[l0:l1])
         vsv = self._scratch.get("vsv", (nl, h, p, ts, sv.shape[3]), F32, dev)
         vsv[l0:l1].copy_(self._take(sv.view(lg, h, p, t, -1), 3, sample))
         return 0.0
 
-    def _sample_error(self, q: "_Quant", sample: "_TokenSample", vg: int) -> float:
+    def _sample_error(self, q: "_Quant", sample: "_TokenSample", kg: int, vg: int) -> float:
         """The sampled attention check over the buffers ``_sampled_error`` filled for every layer: the sampled
         tokens dequantised (each with its group's scale), then one batched attention for all layers and heads,
         original against decoded, judged against VERIFY_SAMPLE_MARGIN of the budget."""
@@ -338,7 +340,7 @@ class KVChunkCodec:
         cw, g = d * q.bits // 8, d // vg
         vc = self._scratch.get("vc", (2, nl, h, p, ts, cw), torch.uint8, dev)
         vx = self._scratch.get("vx", (2, nl, h, p, ts, d), F32, dev)
-        vsk = self._scratch.get("vsk", (nl, h, p, ts, d), F32, dev)
+        vsk = self._scratch.get("vsk", (nl, h, p, 1 if kg == lay.block_tokens else ts, d), F32, dev)
         vsv = self._scratch.get("vsv", (nl, h, p, ts, g), F32, dev)
         vrec = self._scratch.get("vrec", (2, nl, h, p, ts, d), F32, dev)   # only the sample is dequantised
         rk, rv = vrec[0], vrec[1]
@@ -347,7 +349,7 @@ class KVChunkCodec:
         if q.post != 1.0:
             vsk.mul_(q.post)
             vsv.mul_(q.post)
-        rk.mul_(vsk)
+        rk.mul_(vsk)   # [nl, h, p, ts, d] by [nl, h, p, ts or 1, d]
         rv.view(nl, h, p, ts, g, d // g).mul_(vsv.unsqueeze(5))
         b, n = nl * h, p * ts
         rel = attention_rel(vx[0].view(b, n, d), vx[1].view(b, n, d), rk.view(b, n, d), rv.view(b, n, d))
@@ -528,7 +530,7 @@ class KVChunkCodec:
             if measure:
                 worst = max(worst, self._sampled_error(q, codes, sk, sv, xf, l0, lg, sample))
         if measure and sample is not None:
-            worst = max(worst, self._sample_error(q, sample, vg))
+            worst = max(worst, self._sample_error(q, sample, kg, vg))
         return worst
 
     def _encode_fp8_bits(self, flat: torch.Tensor, payload: torch.Tensor, measure: bool,
@@ -587,7 +589,7 @@ class KVChunkCodec:
                 worst = max(worst, self._sampled_error(self._quants["fp8"], codes.view(-1, d), sk, sv,
                                                        flat[e0:e1], l0, lg, sample))
         if measure and sample is not None:
-            worst = max(worst, self._sample_error(self._quants["fp8"], sample, vg))
+            worst = max(worst, self._sample_error(self._quants["fp8"], sample, kg, vg))
         return worst
 
     # ---- decode ----------------------------------------------------------------------------------------------
