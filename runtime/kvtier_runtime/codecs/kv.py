@@ -344,8 +344,7 @@ class KVChunkCodec:
         vsv = self._scratch.get("vsv", (nl, h, p, ts, g), F32, dev)
         vrec = self._scratch.get("vrec", (2, nl, h, p, ts, d), F32, dev)   # only the sample is dequantised
         rk, rv = vrec[0], vrec[1]
-        q.unscaled(vc[0].view(-1, cw), rk.view(-1, d))
-        q.unscaled(vc[1].view(-1, cw), rv.view(-1, d))
+        q.unscaled(vc.view(-1, cw), vrec.view(-1, d))   # K and V of every layer in one go
         if q.post != 1.0:
             vsk.mul_(q.post)
             vsv.mul_(q.post)
