@@ -80,6 +80,9 @@ VERIFY_SAMPLE_MARGIN = 0.95
 # loaded, 2 MiB chunks, 1 thread: fp8 encode 0.19-0.27 -> 0.30-0.32 of copy_, fp8 decode ~0.30 -> ~0.33; no
 # gain for int8/int4 encode (their fp32 scratch is twice the bytes), so they keep CHUNK_ELEMS.
 KV_STEP_ELEMS = 1 << 20
+# The sampled check gathers the sampled tokens of up to this many values (K and V, every head) before it runs, so
+# its fp32 buffers stay a few MiB per thread however many layers a chunk holds (a 2 MiB chunk is one check).
+SAMPLE_BATCH_ELEMS = 1 << 19
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _TINY = torch.finfo(torch.float32).tiny
 # dtype -> (its bits as an integer dtype, mantissa bits, magnitude mask) for the bit-level fp8 encoder
@@ -198,6 +201,15 @@ class _Fp8E5M2Quant(_Fp8Quant):
 _QUANTS = {"int8": _IntQuant, "int4": _Int4Quant, "fp8": _Fp8Quant, "fp8_e5m2": _Fp8E5M2Quant}
 
 
+class _SampleBatch:
+    """How many layers of the sampled check's buffers one encode has filled (per encode: no shared state)."""
+
+    __slots__ = ("layers",)
+
+    def __init__(self) -> None:
+        self.layers = 0
+
+
 class _TokenSample:
     """The page positions a chunk's sampled check covers: ``idx`` (sorted), and when they are one stride (no
     heavy tokens: the usual case) ``first``/``step``/``span`` for strided views instead of gathers."""
@@ -299,59 +311,82 @@ class KVChunkCodec:
         return t.index_select(dim, sample.idx)
 
     def _sampled_error(self, q: "_Quant", codes: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor,
-                       x: torch.Tensor, l0: int, lg: int, sample: "_TokenSample | None") -> float:
+                       x: torch.Tensor, l0: int, lg: int, sample: "_TokenSample | None",
+                       batch: "_SampleBatch | None" = None) -> float:
         """The attention check of layers l0..l0+lg. Whole (``sample`` None): every token dequantised and checked
         here. Sampled: only the sampled tokens of every page and head are gathered (codes, their scales, the
-        original values) into the chunk-wide buffers ``_sample_error`` checks once all layers are in; returns 0.
-        ``codes`` [rows, D * bits / 8] and ``x`` (the chunk's elements, any float dtype) in chunk order; sk
-        [lg, H, P * T / kg, D], sv [lg, H, P * T, D / vg] fp32 (clobbered)."""
+        original values) into ``batch``'s contiguous buffers; the check runs (``_sample_error``) when the next
+        layers would not fit (SAMPLE_BATCH_ELEMS) and, by the caller, after the last step, so that a 2 MiB chunk
+        is one check. Returns the error of a check run here, else 0. ``codes`` [rows, D * bits / 8] and ``x``
+        (the chunk's elements, any float dtype) in chunk order; sk [lg, H, P * T / kg, D], sv [lg, H, P * T,
+        D / vg] fp32 (clobbered)."""
         lay = self.layout
         h, p, t, d = lay.num_kv_heads, lay.pages, lay.block_tokens, lay.head_dim
         if sample is None:
             rec = self._scratch.get("rec", lg * lay.page_numel * p, F32, codes.device)
             dequantize(lay, q, codes, sk, sv, rec, lg)
             return float(attention_errors(canonical(lay, x, lg), canonical(lay, rec, lg)).max())
-        ts, cw, nl, dev = sample.idx.numel(), codes.shape[1], lay.num_layers, codes.device
-        l1 = l0 + lg
-        # chunk-wide and contiguous, K then V: codes [2, L, H, P, ts, cw], the original values [2, L, H, P, ts, D]
-        # in fp32 (so that K, and V, of all layers and heads are each one [L * H, P * ts, D] batch), the scales of
-        # the sampled tokens (each its group's)
-        vc = self._scratch.get("vc", (2, nl, h, p, ts, cw), torch.uint8, dev)
-        vc[:, l0:l1].copy_(self._take(_canonical_as(lay, codes.view(-1), lg, cw), 4, sample).transpose(0, 1))
-        vx = self._scratch.get("vx", (2, nl, h, p, ts, d), F32, dev)
-        vx[:, l0:l1].copy_(self._take(canonical(lay, x, lg), 4, sample).transpose(0, 1))
-        kg = p * t // sk.shape[2]
+        ts, cw, dev = sample.idx.numel(), codes.shape[1], codes.device
+        kg, g = p * t // sk.shape[2], sv.shape[3]
+        cap = self._sample_cap(ts)
+        err = 0.0
+        if batch.layers + lg > cap:
+            err = self._sample_error(q, sample, kg, d // g, batch)
+        b0, b1 = batch.layers, batch.layers + lg
+        batch.layers = b1
+        # contiguous, K then V: codes [2, cap, H, P, ts, cw], the original values [2, cap, H, P, ts, D] in fp32 (so
+        # that K, and V, of the batch's layers and heads are each one [layers * H, P * ts, D] batch), the scales
+        # of the sampled tokens (each its group's)
+        vc = self._scratch.get("vc", (2, cap, h, p, ts, cw), torch.uint8, dev)
+        vc[:, b0:b1].copy_(self._take(_canonical_as(lay, codes.view(-1), lg, cw), 4, sample).transpose(0, 1))
+        vx = self._scratch.get("vx", (2, cap, h, p, ts, d), F32, dev)
+        vx[:, b0:b1].copy_(self._take(canonical(lay, x, lg), 4, sample).transpose(0, 1))
         if kg == t:   # one K scale per page and channel (fp8, int8): it broadcasts over the sampled tokens
-            self._scratch.get("vsk", (nl, h, p, 1, d), F32, dev)[l0:l1].copy_(sk.view(lg, h, p, 1, d))
+            self._scratch.get("vsk", (cap, h, p, 1, d), F32, dev)[b0:b1].copy_(sk.view(lg, h, p, 1, d))
         else:
             torch.index_select(sk.view(lg, h, p, t // kg, d), 3, sample.idx // kg if kg > 1 else sample.idx,
-                               out=self._scratch.get("vsk", (nl, h, p, ts, d), F32, dev)[l0:l1])
-        vsv = self._scratch.get("vsv", (nl, h, p, ts, sv.shape[3]), F32, dev)
-        vsv[l0:l1].copy_(self._take(sv.view(lg, h, p, t, -1), 3, sample))
-        return 0.0
+                               out=self._scratch.get("vsk", (cap, h, p, ts, d), F32, dev)[b0:b1])
+        vsv = self._scratch.get("vsv", (cap, h, p, ts, g), F32, dev)
+        vsv[b0:b1].copy_(self._take(sv.view(lg, h, p, t, -1), 3, sample))
+        return err
 
-    def _sample_error(self, q: "_Quant", sample: "_TokenSample", kg: int, vg: int) -> float:
-        """The sampled attention check over the buffers ``_sampled_error`` filled for every layer: the sampled
-        tokens dequantised (each with its group's scale), then one batched attention for all layers and heads,
-        original against decoded, judged against VERIFY_SAMPLE_MARGIN of the budget."""
+    def _sample_cap(self, ts: int) -> int:
+        """Layers the sampled check gathers before it runs: SAMPLE_BATCH_ELEMS sampled values (K and V), and at
+        least one encoder step's layers."""
         lay = self.layout
-        h, p, d, nl = lay.num_kv_heads, lay.pages, lay.head_dim, lay.num_layers
+        step = lay.num_layers if lay.outer == "PL" else max(self._layers_per_step, self._layers_per_bits_step)
+        per_layer = 2 * lay.num_kv_heads * lay.pages * ts * lay.head_dim
+        return min(lay.num_layers, max(step, SAMPLE_BATCH_ELEMS // per_layer))
+
+    def _sample_error(self, q: "_Quant", sample: "_TokenSample", kg: int, vg: int, batch: "_SampleBatch") -> float:
+        """The sampled attention check over the layers ``_sampled_error`` gathered into ``batch`` (emptied): the
+        sampled tokens dequantised (each with its group's scale), then one batched attention for those layers and
+        every head, original against decoded, judged against VERIFY_SAMPLE_MARGIN of the budget."""
+        lay = self.layout
+        h, p, d, nl = lay.num_kv_heads, lay.pages, lay.head_dim, batch.layers
+        if not nl:
+            return 0.0
+        batch.layers = 0
         ts, dev = sample.idx.numel(), sample.idx.device
-        cw, g = d * q.bits // 8, d // vg
-        vc = self._scratch.get("vc", (2, nl, h, p, ts, cw), torch.uint8, dev)
-        vx = self._scratch.get("vx", (2, nl, h, p, ts, d), F32, dev)
-        vsk = self._scratch.get("vsk", (nl, h, p, 1 if kg == lay.block_tokens else ts, d), F32, dev)
-        vsv = self._scratch.get("vsv", (nl, h, p, ts, g), F32, dev)
-        vrec = self._scratch.get("vrec", (2, nl, h, p, ts, d), F32, dev)   # only the sample is dequantised
-        rk, rv = vrec[0], vrec[1]
-        q.unscaled(vc.view(-1, cw), vrec.view(-1, d))   # K and V of every layer in one go
+        cap, cw, g = self._sample_cap(ts), d * q.bits // 8, d // vg
+        vc = self._scratch.get("vc", (2, cap, h, p, ts, cw), torch.uint8, dev)
+        vx = self._scratch.get("vx", (2, cap, h, p, ts, d), F32, dev)
+        vsk = self._scratch.get("vsk", (cap, h, p, 1 if kg == lay.block_tokens else ts, d), F32, dev)[:nl]
+        vsv = self._scratch.get("vsv", (cap, h, p, ts, g), F32, dev)[:nl]
+        vrec = self._scratch.get("vrec", (2, cap, h, p, ts, d), F32, dev)   # only the sample is dequantised
+        if nl == cap:   # K and V of every layer in one go
+            q.unscaled(vc.view(-1, cw), vrec.view(-1, d))
+        else:
+            for kv in (0, 1):
+                q.unscaled(vc[kv, :nl].reshape(-1, cw), vrec[kv, :nl].view(-1, d))
+        rk, rv = vrec[0, :nl], vrec[1, :nl]
         if q.post != 1.0:
             vsk.mul_(q.post)
             vsv.mul_(q.post)
         rk.mul_(vsk)   # [nl, h, p, ts, d] by [nl, h, p, ts or 1, d]
         rv.view(nl, h, p, ts, g, d // g).mul_(vsv.unsqueeze(5))
         b, n = nl * h, p * ts
-        rel = attention_rel(vx[0].view(b, n, d), vx[1].view(b, n, d), rk.view(b, n, d), rv.view(b, n, d))
+        rel = attention_rel(vx[0, :nl].view(b, n, d), vx[1, :nl].view(b, n, d), rk.view(b, n, d), rv.view(b, n, d))
         return float(rel.max()) / VERIFY_SAMPLE_MARGIN
 
     def _groups(self, codec: str, k_group: int | None, v_group: int | None) -> tuple[int, int]:
@@ -496,6 +531,7 @@ class KVChunkCodec:
         kg, vg = self.groups[codec]
         nk, nv = self._scale_counts(codec)
         worst = 0.0
+        batch = _SampleBatch()
         for l0, l1, e0, e1 in self._steps():
             lg, ne = l1 - l0, e1 - e0
             # Elementwise work runs in the chunk's own (contiguous) order; only scales use the canonical view.
@@ -527,9 +563,9 @@ class KVChunkCodec:
             codes = code_bytes.view(ne // d, d * q.bits // 8)
             q.quantize(a.view(ne // d, d), codes)
             if measure:
-                worst = max(worst, self._sampled_error(q, codes, sk, sv, xf, l0, lg, sample))
+                worst = max(worst, self._sampled_error(q, codes, sk, sv, xf, l0, lg, sample, batch))
         if measure and sample is not None:
-            worst = max(worst, self._sample_error(q, sample, kg, vg))
+            worst = max(worst, self._sample_error(q, sample, kg, vg, batch))
         return worst
 
     def _encode_fp8_bits(self, flat: torch.Tensor, payload: torch.Tensor, measure: bool,
@@ -546,6 +582,7 @@ class KVChunkCodec:
         int_dtype, mant, mag_mask = _FP8_BITS[self.dtype]
         bits = flat.view(int_dtype)
         worst = 0.0
+        batch = _SampleBatch()
         for l0, l1, e0, e1 in self._steps(bits=True):
             lg, ne = l1 - l0, e1 - e0
             m = self._scratch.get("fm", ne, int_dtype, dev)
@@ -586,9 +623,9 @@ class KVChunkCodec:
                 sk.view(lg, nk).copy_(sbf[:, :nk])
                 sv.view(lg, nv).copy_(sbf[:, nk:])
                 worst = max(worst, self._sampled_error(self._quants["fp8"], codes.view(-1, d), sk, sv,
-                                                       flat[e0:e1], l0, lg, sample))
+                                                       flat[e0:e1], l0, lg, sample, batch))
         if measure and sample is not None:
-            worst = max(worst, self._sample_error(self._quants["fp8"], sample, kg, vg))
+            worst = max(worst, self._sample_error(self._quants["fp8"], sample, kg, vg, batch))
         return worst
 
     # ---- decode ----------------------------------------------------------------------------------------------
