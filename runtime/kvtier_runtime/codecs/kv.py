@@ -601,6 +601,12 @@ class KVChunkCodec:
             for e, sl in ((ek, slice(0, nk)), (ev, slice(nk, nk + nv))):
                 # E = the group max's biased exponent (>= 15: a group of zeros keeps a normal scale, and the bias
                 # below stays positive so zeros clamp to 0); scale 2^(E - 134) is the bf16 with exponent E - 7.
+                if mant == 7:   # bf16: E << 7 is the max's exponent bits in place, so no shifts are needed
+                    e.bitwise_and_(0x7F80).clamp_(min=15 << 7)
+                    torch.sub(e.view(lg, -1), 7 << 7, out=sb[:, sl])
+                    # (E - 14) << 7 minus half an e4m3 ulp (see below), in one subtraction
+                    e.sub_((14 << 7) + (1 << 3))
+                    continue
                 e.bitwise_right_shift_(mant).clamp_(min=15)
                 sb[:, sl].copy_(e.view(lg, -1)).sub_(7).bitwise_left_shift_(7)
                 # subtracted from the magnitude: re-biases the exponent to e4m3's, minus half an e4m3 ulp to round
