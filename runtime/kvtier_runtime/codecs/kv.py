@@ -74,6 +74,15 @@ HEAVY_TOKEN = 4.0
 # A sample's error is an estimate: it is judged against this share of the budget, so that near the budget the
 # sampled check errs towards the wider codec (measured: it never stored a narrower codec than the full check).
 VERIFY_SAMPLE_MARGIN = 0.95
+# The fp8 integer encoder and the decoder take up to this many elements a step (the fp32 encoders, int8 and int4,
+# CHUNK_ELEMS): their passes are cheap enough that per-op dispatch (some 20 ops a step, ~10 us each on this CPU)
+# is a large share of a step, so a 2 MiB bf16 chunk goes in one step, not two. Measured on the 2-core machine,
+# loaded, 2 MiB chunks, 1 thread: fp8 encode 0.19-0.27 -> 0.30-0.32 of copy_, fp8 decode ~0.30 -> ~0.33; no
+# gain for int8/int4 encode (their fp32 scratch is twice the bytes), so they keep CHUNK_ELEMS.
+KV_STEP_ELEMS = 1 << 20
+# The sampled check gathers the sampled tokens of up to this many values (K and V, every head) before it runs, so
+# its fp32 buffers stay a few MiB per thread however many layers a chunk holds (a 2 MiB chunk is one check).
+SAMPLE_BATCH_ELEMS = 1 << 19
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _TINY = torch.finfo(torch.float32).tiny
 # dtype -> (its bits as an integer dtype, mantissa bits, magnitude mask) for the bit-level fp8 encoder
@@ -192,6 +201,30 @@ class _Fp8E5M2Quant(_Fp8Quant):
 _QUANTS = {"int8": _IntQuant, "int4": _Int4Quant, "fp8": _Fp8Quant, "fp8_e5m2": _Fp8E5M2Quant}
 
 
+class _SampleBatch:
+    """How many layers of the sampled check's buffers one encode has filled (per encode: no shared state)."""
+
+    __slots__ = ("layers",)
+
+    def __init__(self) -> None:
+        self.layers = 0
+
+
+class _TokenSample:
+    """The page positions a chunk's sampled check covers: ``idx`` (sorted), and when they are one stride (no
+    heavy tokens: the usual case) ``first``/``step``/``span`` for strided views instead of gathers."""
+
+    __slots__ = ("idx", "first", "step", "span")
+
+    def __init__(self, idx: torch.Tensor) -> None:
+        self.idx, self.first, self.step, self.span = idx, 0, 0, 0
+        pos = idx.tolist()
+        if len(pos) > 1:
+            step = pos[1] - pos[0]
+            if step > 0 and pos[-1] == pos[0] + step * (len(pos) - 1):
+                self.first, self.step, self.span = pos[0], step, step * (len(pos) - 1) + 1
+
+
 # ---- the codec -------------------------------------------------------------------------------------------------
 
 class KVChunkCodec:
@@ -224,6 +257,7 @@ class KVChunkCodec:
         self._quants = {c: _QUANTS[c](self._scratch) for c in self.chain if c != "none"}
         heads_tokens_dims = 2 * layout.num_kv_heads * layout.tokens * layout.head_dim
         self._layers_per_step = max(1, min(layout.num_layers, CHUNK_ELEMS // heads_tokens_dims))
+        self._layers_per_bits_step = max(1, min(layout.num_layers, KV_STEP_ELEMS // heads_tokens_dims))
         if verify_sample is None:
             verify_sample = VERIFY_TOKEN_STRIDE
         if isinstance(verify_sample, bool) or not isinstance(verify_sample, int) or verify_sample < 1:
@@ -237,7 +271,7 @@ class KVChunkCodec:
     def __repr__(self) -> str:
         return f"KVChunkCodec({self.name!r}, {self.declared}, verify={self.verify})"
 
-    def _sample(self, flat: torch.Tensor) -> torch.Tensor | None:
+    def _sample(self, flat: torch.Tensor) -> "_TokenSample | None":
         """The tokens of a page this chunk's attention check covers; ``None``: all of them. One in
         ``verify_sample`` (a phase rotating from chunk to chunk), plus every heavy token: a page position where
         some (layer, head, page) has a key HEAVY_TOKEN times its mean key magnitude (such tokens dominate the
@@ -248,52 +282,112 @@ class KVChunkCodec:
         mask = torch.zeros(lay.block_tokens, dtype=torch.bool)
         mask[next(self._chunks) % stride::stride] = True
         k = canonical(lay, flat, lay.num_layers)[:, 0]                          # [L, H, P, T, D]
-        peak = self._scratch.get("vpeak", k.shape[:4], k.dtype, flat.device)
-        torch.amax(k.abs(), dim=4, out=peak)
+        bits = _FP8_BITS.get(flat.dtype)
+        if bits is None:
+            peak = self._scratch.get("vpeak", k.shape[:4], k.dtype, flat.device)
+            torch.amax(k.abs(), dim=4, out=peak)
+        else:
+            # |K| as integer bits (non-negative floats order like their bit patterns): one integer mask and an
+            # integer max, several times cheaper than abs + amax in bf16; the same peaks, bit for bit
+            int_dtype, _, mag_mask = bits
+            m = self._scratch.get("vmag", k.shape, int_dtype, flat.device)
+            torch.bitwise_and(k.view(int_dtype), mag_mask, out=m)
+            peak = self._scratch.get("vpeak", k.shape[:4], int_dtype, flat.device)
+            torch.amax(m, dim=4, out=peak)
+            peak = peak.view(flat.dtype)
         peak = peak.float()
         heavy = peak > HEAVY_TOKEN * peak.mean(dim=3, keepdim=True)
         mask |= heavy.flatten(0, 2).any(dim=0)
         if not torch.isfinite(peak).all() or int(mask.sum()) * 2 > lay.block_tokens:
             return None
-        return mask.nonzero().view(-1)
+        return _TokenSample(mask.nonzero().view(-1))
 
     @staticmethod
-    def _take(t: torch.Tensor, dim: int, sample: torch.Tensor) -> torch.Tensor:
+    def _take(t: torch.Tensor, dim: int, sample: "_TokenSample") -> torch.Tensor:
         """``t``'s entries ``sample`` along ``dim``: a strided view when the sample is one stride (no heavy
         tokens: the usual case), a gather otherwise."""
-        n = sample.numel()
-        if n > 1:
-            first, step = int(sample[0]), int(sample[1] - sample[0])
-            if step > 0 and int(sample[-1]) == first + step * (n - 1):
-                return t.narrow(dim, first, step * (n - 1) + 1)[(slice(None),) * dim + (slice(None, None, step),)]
-        return t.index_select(dim, sample)
+        if sample.step:
+            return t.narrow(dim, sample.first, sample.span)[(slice(None),) * dim + (slice(None, None, sample.step),)]
+        return t.index_select(dim, sample.idx)
 
     def _sampled_error(self, q: "_Quant", codes: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor,
-                       x: torch.Tensor, l0: int, lg: int, sample: torch.Tensor | None) -> float:
-        """The attention check of layers l0..l0+lg over the sampled tokens of every page, every head: only they
-        are dequantised. ``codes`` [rows, D * bits / 8] and ``x`` (the chunk's elements, any float dtype) in
-        chunk order; sk [lg, H, P * T / kg, D], sv [lg, H, P * T, D / vg] fp32 (clobbered)."""
+                       x: torch.Tensor, l0: int, lg: int, sample: "_TokenSample | None",
+                       batch: "_SampleBatch | None" = None) -> float:
+        """The attention check of layers l0..l0+lg. Whole (``sample`` None): every token dequantised and checked
+        here. Sampled: only the sampled tokens of every page and head are gathered (codes, their scales, the
+        original values) into ``batch``'s contiguous buffers; the check runs (``_sample_error``) when the next
+        layers would not fit (SAMPLE_BATCH_ELEMS) and, by the caller, after the last step, so that a 2 MiB chunk
+        is one check. Returns the error of a check run here, else 0. ``codes`` [rows, D * bits / 8] and ``x``
+        (the chunk's elements, any float dtype) in chunk order; sk [lg, H, P * T / kg, D], sv [lg, H, P * T,
+        D / vg] fp32 (clobbered)."""
         lay = self.layout
         h, p, t, d = lay.num_kv_heads, lay.pages, lay.block_tokens, lay.head_dim
         if sample is None:
             rec = self._scratch.get("rec", lg * lay.page_numel * p, F32, codes.device)
             dequantize(lay, q, codes, sk, sv, rec, lg)
             return float(attention_errors(canonical(lay, x, lg), canonical(lay, rec, lg)).max())
-        ts, cw = sample.numel(), codes.shape[1]
-        # the sample as a chunk of its own: HKTD, ts tokens a page, each token its own K scale (its group's)
-        mini = KVLayout(num_layers=lg, block_tokens=ts, num_kv_heads=h, head_dim=d, dtype=lay.dtype,
-                        page_order="HKTD", pages=p, outer="LP")
-        sub = self._scratch.get("vcodes", (lg, p, h, 2, ts, cw), torch.uint8, codes.device)
-        sub.permute(0, 3, 2, 1, 4, 5).copy_(self._take(_canonical_as(lay, codes.view(-1), lg, cw), 4, sample))
-        kg = p * t // sk.shape[2]
-        sk_s = self._scratch.get("vsk", (lg, h, p, ts, d), F32, codes.device)
-        sk_s.copy_(sk.view(lg, h, p, t // kg, d)[:, :, :, sample // kg])
-        sv_s = self._scratch.get("vsv", (lg, h, p, ts, sv.shape[3]), F32, codes.device)
-        sv_s.copy_(self._take(sv.view(lg, h, p, t, -1), 3, sample))
-        rec = self._scratch.get("vrec", mini.numel, F32, codes.device)
-        dequantize(mini, q, sub.view(-1, cw), sk_s.view(lg, h, p * ts, d), sv_s.view(lg, h, p * ts, -1), rec, lg)
-        xs = self._take(canonical(lay, x, lg), 4, sample)                        # [lg, 2, H, P, ts, D]
-        return float(attention_errors(xs, canonical(mini, rec, lg)).max()) / VERIFY_SAMPLE_MARGIN
+        ts, cw, dev = sample.idx.numel(), codes.shape[1], codes.device
+        kg, g = p * t // sk.shape[2], sv.shape[3]
+        cap = self._sample_cap(ts)
+        err = 0.0
+        if batch.layers + lg > cap:
+            err = self._sample_error(q, sample, kg, d // g, batch)
+        b0, b1 = batch.layers, batch.layers + lg
+        batch.layers = b1
+        # contiguous, K then V: codes [2, cap, H, P, ts, cw], the original values [2, cap, H, P, ts, D] in fp32 (so
+        # that K, and V, of the batch's layers and heads are each one [layers * H, P * ts, D] batch), the scales
+        # of the sampled tokens (each its group's)
+        vc = self._scratch.get("vc", (2, cap, h, p, ts, cw), torch.uint8, dev)
+        vc[:, b0:b1].copy_(self._take(_canonical_as(lay, codes.view(-1), lg, cw), 4, sample).transpose(0, 1))
+        vx = self._scratch.get("vx", (2, cap, h, p, ts, d), F32, dev)
+        vx[:, b0:b1].copy_(self._take(canonical(lay, x, lg), 4, sample).transpose(0, 1))
+        if kg == t:   # one K scale per page and channel (fp8, int8): it broadcasts over the sampled tokens
+            self._scratch.get("vsk", (cap, h, p, 1, d), F32, dev)[b0:b1].copy_(sk.view(lg, h, p, 1, d))
+        else:
+            torch.index_select(sk.view(lg, h, p, t // kg, d), 3, sample.idx // kg if kg > 1 else sample.idx,
+                               out=self._scratch.get("vsk", (cap, h, p, ts, d), F32, dev)[b0:b1])
+        vsv = self._scratch.get("vsv", (cap, h, p, ts, g), F32, dev)
+        vsv[b0:b1].copy_(self._take(sv.view(lg, h, p, t, -1), 3, sample))
+        return err
+
+    def _sample_cap(self, ts: int) -> int:
+        """Layers the sampled check gathers before it runs: SAMPLE_BATCH_ELEMS sampled values (K and V), and at
+        least one encoder step's layers."""
+        lay = self.layout
+        step = lay.num_layers if lay.outer == "PL" else max(self._layers_per_step, self._layers_per_bits_step)
+        per_layer = 2 * lay.num_kv_heads * lay.pages * ts * lay.head_dim
+        return min(lay.num_layers, max(step, SAMPLE_BATCH_ELEMS // per_layer))
+
+    def _sample_error(self, q: "_Quant", sample: "_TokenSample", kg: int, vg: int, batch: "_SampleBatch") -> float:
+        """The sampled attention check over the layers ``_sampled_error`` gathered into ``batch`` (emptied): the
+        sampled tokens dequantised (each with its group's scale), then one batched attention for those layers and
+        every head, original against decoded, judged against VERIFY_SAMPLE_MARGIN of the budget."""
+        lay = self.layout
+        h, p, d, nl = lay.num_kv_heads, lay.pages, lay.head_dim, batch.layers
+        if not nl:
+            return 0.0
+        batch.layers = 0
+        ts, dev = sample.idx.numel(), sample.idx.device
+        cap, cw, g = self._sample_cap(ts), d * q.bits // 8, d // vg
+        vc = self._scratch.get("vc", (2, cap, h, p, ts, cw), torch.uint8, dev)
+        vx = self._scratch.get("vx", (2, cap, h, p, ts, d), F32, dev)
+        vsk = self._scratch.get("vsk", (cap, h, p, 1 if kg == lay.block_tokens else ts, d), F32, dev)[:nl]
+        vsv = self._scratch.get("vsv", (cap, h, p, ts, g), F32, dev)[:nl]
+        vrec = self._scratch.get("vrec", (2, cap, h, p, ts, d), F32, dev)   # only the sample is dequantised
+        if nl == cap:   # K and V of every layer in one go
+            q.unscaled(vc.view(-1, cw), vrec.view(-1, d))
+        else:
+            for kv in (0, 1):
+                q.unscaled(vc[kv, :nl].reshape(-1, cw), vrec[kv, :nl].view(-1, d))
+        rk, rv = vrec[0, :nl], vrec[1, :nl]
+        if q.post != 1.0:
+            vsk.mul_(q.post)
+            vsv.mul_(q.post)
+        rk.mul_(vsk)   # [nl, h, p, ts, d] by [nl, h, p, ts or 1, d]
+        rv.view(nl, h, p, ts, g, d // g).mul_(vsv.unsqueeze(5))
+        b, n = nl * h, p * ts
+        rel = attention_rel(vx[0, :nl].view(b, n, d), vx[1, :nl].view(b, n, d), rk.view(b, n, d), rv.view(b, n, d))
+        return float(rel.max()) / VERIFY_SAMPLE_MARGIN
 
     def _groups(self, codec: str, k_group: int | None, v_group: int | None) -> tuple[int, int]:
         n, d = self.layout.block_tokens, self.layout.head_dim   # K groups never straddle pages
@@ -415,12 +509,13 @@ class KVChunkCodec:
         ).pack()
         out[:HEADER_NBYTES].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
 
-    def _steps(self):
-        """(first layer, end layer, first element, end element) of each run of layers encoded at once: layers
-        are contiguous only in layer-major chunks, page-major ones go whole."""
+    def _steps(self, bits: bool = False):
+        """(first layer, end layer, first element, end element) of each run of layers encoded at once (``bits``:
+        the fp8 integer encoder's longer runs, KV_STEP_ELEMS): layers are contiguous only in layer-major chunks,
+        page-major ones go whole."""
         lay = self.layout
         per_layer = lay.numel // lay.num_layers
-        step = self._layers_per_step if lay.outer == "LP" else lay.num_layers
+        step = (self._layers_per_bits_step if bits else self._layers_per_step) if lay.outer == "LP" else lay.num_layers
         for l0 in range(0, lay.num_layers, step):
             l1 = min(lay.num_layers, l0 + step)
             yield l0, l1, l0 * per_layer, l1 * per_layer
@@ -430,12 +525,13 @@ class KVChunkCodec:
         return split_payload(self.layout, codec, self.groups[codec], payload, l0, l1)
 
     def _encode_payload(self, codec: str, flat: torch.Tensor, payload: torch.Tensor, measure: bool,
-                        sample: torch.Tensor | None = None) -> float:
+                        sample: "_TokenSample | None" = None) -> float:
         lay, q, dev = self.layout, self._quants[codec], flat.device
         h, n, d = lay.num_kv_heads, lay.tokens, lay.head_dim
         kg, vg = self.groups[codec]
         nk, nv = self._scale_counts(codec)
         worst = 0.0
+        batch = _SampleBatch()
         for l0, l1, e0, e1 in self._steps():
             lg, ne = l1 - l0, e1 - e0
             # Elementwise work runs in the chunk's own (contiguous) order; only scales use the canonical view.
@@ -467,11 +563,13 @@ class KVChunkCodec:
             codes = code_bytes.view(ne // d, d * q.bits // 8)
             q.quantize(a.view(ne // d, d), codes)
             if measure:
-                worst = max(worst, self._sampled_error(q, codes, sk, sv, xf, l0, lg, sample))
+                worst = max(worst, self._sampled_error(q, codes, sk, sv, xf, l0, lg, sample, batch))
+        if measure and sample is not None:
+            worst = max(worst, self._sample_error(q, sample, kg, vg, batch))
         return worst
 
     def _encode_fp8_bits(self, flat: torch.Tensor, payload: torch.Tensor, measure: bool,
-                         sample: torch.Tensor | None = None) -> float:
+                         sample: "_TokenSample | None" = None) -> float:
         """fp8 (e4m3) from bf16/fp32 without float conversions: with a power-of-two scale, e4m3 is the input's
         sign, its exponent minus a per-group bias and its top 3 mantissa bits, rounded: a handful of integer
         passes instead of converting through fp32 and fp16. Scaled values below e4m3's smallest normal (2^-6,
@@ -484,7 +582,8 @@ class KVChunkCodec:
         int_dtype, mant, mag_mask = _FP8_BITS[self.dtype]
         bits = flat.view(int_dtype)
         worst = 0.0
-        for l0, l1, e0, e1 in self._steps():
+        batch = _SampleBatch()
+        for l0, l1, e0, e1 in self._steps(bits=True):
             lg, ne = l1 - l0, e1 - e0
             m = self._scratch.get("fm", ne, int_dtype, dev)
             torch.bitwise_and(bits[e0:e1], mag_mask, out=m)
@@ -502,6 +601,12 @@ class KVChunkCodec:
             for e, sl in ((ek, slice(0, nk)), (ev, slice(nk, nk + nv))):
                 # E = the group max's biased exponent (>= 15: a group of zeros keeps a normal scale, and the bias
                 # below stays positive so zeros clamp to 0); scale 2^(E - 134) is the bf16 with exponent E - 7.
+                if mant == 7:   # bf16: E << 7 is the max's exponent bits in place, so no shifts are needed
+                    e.bitwise_and_(0x7F80).clamp_(min=15 << 7)
+                    torch.sub(e.view(lg, -1), 7 << 7, out=sb[:, sl])
+                    # (E - 14) << 7 minus half an e4m3 ulp (see below), in one subtraction
+                    e.sub_((14 << 7) + (1 << 3))
+                    continue
                 e.bitwise_right_shift_(mant).clamp_(min=15)
                 sb[:, sl].copy_(e.view(lg, -1)).sub_(7).bitwise_left_shift_(7)
                 # subtracted from the magnitude: re-biases the exponent to e4m3's, minus half an e4m3 ulp to round
@@ -524,7 +629,9 @@ class KVChunkCodec:
                 sk.view(lg, nk).copy_(sbf[:, :nk])
                 sv.view(lg, nv).copy_(sbf[:, nk:])
                 worst = max(worst, self._sampled_error(self._quants["fp8"], codes.view(-1, d), sk, sv,
-                                                       flat[e0:e1], l0, lg, sample))
+                                                       flat[e0:e1], l0, lg, sample, batch))
+        if measure and sample is not None:
+            worst = max(worst, self._sample_error(self._quants["fp8"], sample, kg, vg, batch))
         return worst
 
     # ---- decode ----------------------------------------------------------------------------------------------
@@ -652,20 +759,31 @@ def attention_errors(x: torch.Tensor, rec: torch.Tensor) -> torch.Tensor:
         x, rec = x.flatten(3, 4), rec.flatten(3, 4)   # copies when pages are not adjacent: fine here
     lg, _, h, n, d = x.shape
     k, v, k2, v2 = (t.reshape(lg * h, n, d).float() for t in (x[:, 0], x[:, 1], rec[:, 0], rec[:, 1]))
-    qs = probe_queries(d, x.device)
+    return attention_rel(k, v, k2, v2)
+
+
+def attention_rel(k: torch.Tensor, v: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor) -> torch.Tensor:
+    """``attention_errors``' measure on fp32 batches [B, N, D] (a (layer, head) pair each): original k, v against
+    decoded k2, v2. Returns the relative error per pair [B]."""
+    b, n, d = k.shape
+    qs = probe_queries(d, k.device)
     half = qs.shape[0] // 2
     # K-shaped queries: channel c weighted by K's RMS in c, normalised to the mean square, per (layer, head)
     w = k.square().mean(dim=1, keepdim=True)
     w.div_(w.mean(dim=2, keepdim=True).clamp_(min=_TINY)).sqrt_()
-    q = torch.cat([qs[:half].expand(lg * h, half, d), qs[half:] * w], dim=1)
-    scale = 1.0 / math.sqrt(d)
-    o = torch.softmax(torch.bmm(q, k.transpose(1, 2)).mul_(scale), dim=-1) @ v
-    o2 = torch.softmax(torch.bmm(q, k2.transpose(1, 2)).mul_(scale), dim=-1) @ v2
+    q = torch.cat([qs[:half].expand(b, half, d), qs[half:] * w], dim=1)
+    # scores as [B, N, queries] (K's rows against the few queries: the faster bmm orientation), softmax over N
+    qt, scale = q.transpose(1, 2), 1.0 / math.sqrt(d)
+    o = torch.bmm(torch.softmax(torch.bmm(k, qt).mul_(scale), dim=1).transpose(1, 2), v)
+    o2 = torch.bmm(torch.softmax(torch.bmm(k2, qt).mul_(scale), dim=1).transpose(1, 2), v2)
     num = (o2 - o).square().sum(dim=(1, 2))
     den = o.square().sum(dim=(1, 2))
     rel = torch.where(den > 0, num / den.clamp(min=_TINY), torch.where(num > 0, math.inf, 0.0)).sqrt_()
-    # non-finite input (or output) in a pair: only ``none`` keeps such a chunk as it is
-    return torch.where(torch.isfinite(o).all(dim=(1, 2)) & torch.isfinite(o2).all(dim=(1, 2)), rel, math.inf)
+    # non-finite input (or output) in a pair: only ``none`` keeps such a chunk as it is. A sum is non-finite when
+    # any of its terms is (or when finite terms overflow it: then the error is not measurable either), and costs
+    # a fraction of ``isfinite().all()``
+    ok = torch.isfinite(o.sum(dim=(1, 2))) & torch.isfinite(o2.sum(dim=(1, 2)))
+    return torch.where(ok, rel, math.inf)
 
 
 _PROBES: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -710,7 +828,7 @@ def _decode_into(lay: KVLayout, header: CodecHeader, payload: torch.Tensor, flat
     nk, nv = h * (n // kg) * d, h * n * (d // vg)
     dev = flat.device
     per_layer = lay.numel // lay.num_layers
-    step = max(1, min(lay.num_layers, CHUNK_ELEMS // per_layer)) if lay.outer == "LP" else lay.num_layers
+    step = max(1, min(lay.num_layers, KV_STEP_ELEMS // per_layer)) if lay.outer == "LP" else lay.num_layers
     for l0 in range(0, lay.num_layers, step):
         l1 = min(lay.num_layers, l0 + step)
         lg = l1 - l0
