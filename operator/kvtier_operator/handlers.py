@@ -256,6 +256,10 @@ async def run_pass(shared: Shared, key: Key, others: list[dict[str, Any]],
     if outcome.body is not None:
         for ev in outcome.events:
             kopf.event(outcome.body, type=ev.type, reason=ev.reason, message=ev.message[:1000])
+            # The transitions a user sees as Events also reach the log (kopf's per-event lines are off unless
+            # --verbose): one line per transition, not per watch event.
+            log.log(logging.WARNING if ev.type == "Warning" else logging.INFO, "%s/%s: %s: %s",
+                    key[0], key[1], ev.reason, ev.message[:1000])
     op.reconciled(key, outcome)
     return outcome
 

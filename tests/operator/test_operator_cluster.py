@@ -365,8 +365,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_events_liveness_and_metrics(kube, namespace, run_operator):
+def test_events_liveness_and_metrics(kube, namespace, run_operator, caplog):
+    import logging
     import urllib.request
+
+    caplog.set_level(logging.INFO, logger="kvtier.operator")
 
     user_apply(kube, deployment("llm", namespace))
     user_apply(kube, deployment("big", namespace, memory_limit="20Gi"))
@@ -383,6 +386,10 @@ def test_events_liveness_and_metrics(kube, namespace, run_operator):
                     if (e.get("involvedObject") or {}).get("kind") == "KVCachePolicy"}
         wait_for(lambda: {("Normal", "Applied"), ("Normal", "ConfigApplied"), ("Warning", "Refused")} <= reasons(),
                  20, what="Applied, ConfigApplied and Refused events")
+        # Each transition is also one log line (kopf's per-event lines are off without --verbose).
+        logged = {(r.levelname, r.getMessage().split(": ")[1]) for r in caplog.records
+                  if r.name == "kvtier.operator" and r.getMessage().startswith(f"{namespace}/")}
+        assert {("INFO", "Applied"), ("INFO", "ConfigApplied"), ("WARNING", "Refused")} <= logged, logged
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
             assert r.status == 200
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
