@@ -77,7 +77,7 @@ class Observed:
     enabled_tiers: list[str]
     engine: Optional[str]
     workloads: list[Workload]
-    # The remote tier's size times the replicas configured with it (None without an enabled remote tier).
+    # The remote tier's size once per workload configured with it (None without an enabled remote tier).
     remote_budget_bytes: Optional[int] = None
 
 

@@ -279,13 +279,13 @@ def test_replica_b_serves_replica_as_prefix_from_a_store_pod_and_the_allowlist_h
         c.policy("replica-b", [{"name": "host", "medium": "cpu", "size": "64Mi"},
                                {"name": "disk", "medium": "filesystem", "size": "256Mi", "path": "/mnt/kvcache",
                                 "volume": {"emptyDir": {}}}], url)
-        # The budget in status is the remote tier's size times the replicas it is rendered into: 0 while the
-        # Deployments (applied with no replica) have none, 128Mi once each runs one pod.
+        # The budget in status is the remote tier's size once per workload it is rendered into (the replicas of
+        # one model share one budget in the store): 128Mi each, before the Deployments run a pod and after.
         def budget(name: str, want: int) -> None:
             wait_until(lambda: c.policy_status(name).get("remoteStoreBudgetBytes") == want, 120,
                        f"{name}'s remoteStoreBudgetBytes == {want}", lambda: json.dumps(c.policy_status(name))[:2000])
         for name in ("replica-a", "replica-b"):
-            budget(name, 0)
+            budget(name, 128 * MiB)
 
         prompt = model.prompt_ids(PROMPT_TOKENS, 7)
         a = c.start_engine("replica-a")
