@@ -37,8 +37,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 from kvtier_runtime.codecs import CODEC_CLASSES, ERROR_BUDGETS, decode, get_codec  # noqa: E402
 from kvtier_runtime.codecs import STATS, KVLayout, get_kv_codec  # noqa: E402
 from kvtier_runtime.codecs import base as codec_base  # noqa: E402
-from plugins.kv_accuracy import attention_cosine  # noqa: E402  (tests/plugins: a measure, not product code)
-from kvtier_runtime.codecs.kv import chunk_error  # noqa: E402
+from plugins.kv_accuracy import attention_cosine, chunk_error  # noqa: E402  (tests/plugins: a measure, not product code)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 VARIANTS = {  # label -> get_codec kwargs
@@ -455,7 +454,7 @@ def kv_accuracy(args: argparse.Namespace) -> None:
 
 
 def kv_proxy(args: argparse.Namespace) -> None:
-    """Evidence that the codec's check (probe-query attention error, ``kv.attention_error``) tracks held-out
+    """Evidence that the codec's check (probe-query attention error, ``kv.attention_errors``) tracks held-out
     attention: chunks of several kinds through every codec without fallback, check error against the worst
     held-out cosine; the budget is good when every chunk under it keeps cos >= 0.99."""
     torch.set_num_threads(args.threads)

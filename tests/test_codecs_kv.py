@@ -12,9 +12,9 @@ import torch
 from kvtier_runtime.codecs import (
     ATTENTION_BUDGETS, STATS, CodecError, CodecMetricsCollector, KVLayout, decode, get_kv_codec, peek_header,
 )
-from plugins.kv_accuracy import attention_cosine, compare_logits
+from plugins.kv_accuracy import attention_cosine, chunk_error, compare_logits
 from plugins.tier_sync import load_blocks, store_blocks
-from kvtier_runtime.codecs.kv import canonical, chunk_error, scatter_staged, to_stage
+from kvtier_runtime.codecs.kv import canonical, scatter_staged, to_stage
 from kvtier_runtime.codecs.layout import PAGE_ORDERS
 
 # The chunk: 2 layers x (K, V) x 256 tokens x 8 heads x 128 dims, bf16; per head K tokens, then V tokens.

@@ -1,6 +1,6 @@
 """Accuracy measures for compressed KV: attention over a chunk, and next-token logits of two engine runs.
 
-``attention_cosine`` is the held-out measure the codec's own check (``kv.attention_error``) is judged against:
+``attention_cosine`` is the held-out measure the codec's own check (``kv.attention_errors``) is judged against:
 fresh random queries, the worst cosine over layers and heads. ``compare_logits`` compares the next-token logits
 of a run whose prefix was reloaded from a compressed tier with those of an uncompressed reload (same prompts,
 same positions); the real-engine harness feeds it, and a deliberately broken layout must fail it.
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier_runtime.codecs.errors import CodecError
-from kvtier_runtime.codecs.kv import canonical, to_stage
+from kvtier_runtime.codecs.kv import KVChunkCodec, attention_errors, canonical, to_stage
 from kvtier_runtime.codecs.layout import KVLayout
 
 
@@ -111,3 +111,17 @@ def compare_logits(reference: torch.Tensor, test: torch.Tensor, *, codec: str = 
         positions=int(ref.shape[0]), mean_kl=float(kl.mean()), max_kl=float(kl.max()),
         top1_agreement=float(agree), max_abs_diff=float(diff), worst_position=int(kl.argmax()),
         max_kl_allowed=kl_max, min_top1_allowed=top1_min)
+
+
+def chunk_error(layout: KVLayout, original: torch.Tensor, decoded: torch.Tensor) -> float:
+    """The worst relative error, over layers and heads, of the codec check's probe attention
+    (``kv.attention_errors``) between two chunks in ``layout``'s byte order."""
+    codec = KVChunkCodec("none", layout, verify=False)
+    a, b = codec._as_chunk(original, "original"), codec._as_chunk(decoded, "decoded")
+    if layout.staged:
+        a, b = to_stage(layout, a), to_stage(layout, b)
+    lay = layout.stage_layout
+    a, b = canonical(lay, a, lay.num_layers).float(), canonical(lay, b, lay.num_layers).float()
+    shape = (lay.num_layers, 2, lay.num_kv_heads, lay.tokens, lay.head_dim)
+    rel = attention_errors(a.reshape(shape), b.reshape(shape))
+    return float(rel.max()) if rel.numel() else 0.0

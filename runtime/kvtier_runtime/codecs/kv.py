@@ -745,12 +745,6 @@ def dequantize(lay: KVLayout, q: _Quant, codes: torch.Tensor, sk: torch.Tensor, 
     v_groups(c, d // sv.shape[3]).mul_(v_scale_view(lay, sv))
 
 
-def attention_error(x: torch.Tensor, rec: torch.Tensor) -> float:
-    """Worst relative error, over layers and heads, of the probe attention (``attention_errors``)."""
-    rel = attention_errors(x, rec)
-    return float(rel.max()) if rel.numel() else 0.0
-
-
 def attention_errors(x: torch.Tensor, rec: torch.Tensor) -> torch.Tensor:
     """Relative error per (layer, head), flattened [L * H], of softmax(q k^T / sqrt(D)) v for ``N_QUERIES`` probe
     queries (half isotropic normal, half scaled per channel like K), original ``x`` against decoded ``rec``: canonical
@@ -877,18 +871,6 @@ def get_kv_codec(name: str, layout: KVLayout, *, k_group: int | None = None, v_g
     """The layout-aware codec ``name`` for chunks of ``layout``; see the module docstring."""
     return KVChunkCodec(name, layout, k_group=k_group, v_group=v_group, verify=verify, budgets=budgets,
                         verify_sample=verify_sample)
-
-
-def chunk_error(layout: KVLayout, original: torch.Tensor, decoded: torch.Tensor) -> float:
-    """``attention_error`` of two chunks in ``layout``'s byte order (for tests and benchmarks)."""
-    codec = KVChunkCodec("none", layout, verify=False)
-    a, b = codec._as_chunk(original, "original"), codec._as_chunk(decoded, "decoded")
-    if layout.staged:
-        a, b = to_stage(layout, a), to_stage(layout, b)
-    lay = layout.stage_layout
-    a, b = canonical(lay, a, lay.num_layers).float(), canonical(lay, b, lay.num_layers).float()
-    shape = (lay.num_layers, 2, lay.num_kv_heads, lay.tokens, lay.head_dim)
-    return attention_error(a.reshape(shape), b.reshape(shape))
 
 
 def to_stage(layout: KVLayout, chunk: torch.Tensor) -> torch.Tensor:
