@@ -52,9 +52,6 @@ class EventFilter:
         self._policies[key] = fingerprint
         return PolicyChange(before is None or before[2:] != fingerprint[2:], old_selector, before is not None)
 
-    def forget_policy(self, key: Hashable) -> None:
-        self._policies.pop(key, None)
-
     # ----------------------------------------------------------------------------------------- workloads
 
     def wrote(self, key: Hashable, resource_version: str) -> None:

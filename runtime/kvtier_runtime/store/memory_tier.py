@@ -92,9 +92,6 @@ class MemoryTier:
     def view(self, key: bytes) -> torch.Tensor:
         return self._views[self._slot_of[key]]
 
-    def slot_view(self, slot: int) -> torch.Tensor:
-        return self._views[slot]
-
     def slot_of(self, key: bytes) -> int:
         return self._slot_of[key]
 
