@@ -32,7 +32,7 @@ from scenario.processes import Supervisor
 from scenario.report import Reporter
 from scenario.steps import ScenarioFailed, run_local
 from plugins.prometheus import require_prometheus
-from plugins.processes import processes_mentioning
+from plugins.processes import like_a_terminal_job, processes_mentioning
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.node, pytest.mark.prometheus, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -78,7 +78,8 @@ def run_demo(workdir: Path, interrupt_at: str | None = None, timeout: float = 24
            "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "kvtier_operator.cli", "demo", "--workdir", str(workdir),
                              "--no-color", "--namespace", "demo", "--engine", "synthetic"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+                            preexec_fn=like_a_terminal_job)
     lines: list[str] = []
     deadline = time.monotonic() + timeout
     try:

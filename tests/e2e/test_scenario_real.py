@@ -24,7 +24,7 @@ import pytest
 
 from plugins.node import node_cgroups_left, require_vllm_cpu_python
 from plugins.prometheus import require_prometheus
-from plugins.processes import processes_mentioning
+from plugins.processes import like_a_terminal_job, processes_mentioning
 from scenario import slowdisk
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.node, pytest.mark.prometheus, pytest.mark.slow,
@@ -60,7 +60,8 @@ def _demo(workdir: Path, python: str, *, stop_at: str | None = None, sig: int = 
     started = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "scenario", "--repo", str(REPO), "--workdir", str(workdir),
                              "--no-color", "--namespace", "demo-real", "--engine", "vllm-cpu"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+                            preexec_fn=like_a_terminal_job)
     lines: list[str] = []
     try:
         assert proc.stdout is not None

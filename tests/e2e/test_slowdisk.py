@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from plugins.processes import like_a_terminal_job
 from scenario import slowdisk
 
 pytestmark = pytest.mark.slow
@@ -61,7 +62,8 @@ def test_the_device_is_slow_only_while_slowed_and_leaves_nothing(tmp_path):
 def _hold(workdir: Path) -> tuple[subprocess.Popen, int]:
     env = {**os.environ, "PYTHONPATH": str(REPO / "e2e"), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "scenario.slowdisk", "--hold", str(workdir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            preexec_fn=like_a_terminal_job)
     assert proc.stdout is not None
     child = 0
     deadline = time.monotonic() + 120

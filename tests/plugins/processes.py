@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 
@@ -19,3 +20,11 @@ def processes_mentioning(text: str) -> list[str]:
         if text in cmdline and state != "Z":
             found.append(f"{pid}: {cmdline[:200]}")
     return found
+
+
+def like_a_terminal_job() -> None:
+    """``preexec_fn`` for a child a test will Ctrl-C: SIGINT and SIGQUIT at their defaults, as in a terminal's
+    foreground job. A suite started in the background by a non-interactive shell (``cmd &``, ``nohup``) inherits
+    them ignored, and Python then installs no KeyboardInterrupt handler, so the signal would be lost."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
