@@ -45,18 +45,24 @@ MAX_CA_FILE_BYTES = 1 << 20
 _PEM_CERT = b"-----BEGIN CERTIFICATE-----"
 
 
+def _read_bounded(key: str, path: str, limit: int) -> bytes:
+    """A mounted Secret file of at most ``limit`` bytes; ConfigError names the key and never the contents."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(limit + 1)
+    except OSError as exc:
+        raise ConfigError(f"{key}: {path} cannot be read ({exc.strerror or exc})") from None
+    if len(raw) > limit:
+        raise ConfigError(f"{key}: {path} holds more than {limit} bytes")
+    return raw
+
+
 def read_password(path: str | None) -> str | None:
     """The store password from ``password_file`` (one trailing newline dropped, as a Secret written with ``echo``
     may carry); ConfigError names the key and never the contents."""
     if path is None:
         return None
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read(MAX_PASSWORD_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"password_file: {path} cannot be read ({exc.strerror or exc})") from None
-    if len(raw) > MAX_PASSWORD_BYTES:
-        raise ConfigError(f"password_file: {path} holds more than {MAX_PASSWORD_BYTES} bytes")
+    raw = _read_bounded("password_file", path, MAX_PASSWORD_BYTES)
     raw = raw[:-1] if raw.endswith(b"\n") else raw
     if not raw:
         raise ConfigError(f"password_file: {path} is empty")
@@ -71,13 +77,7 @@ def check_ca_file(path: str | None) -> str | None:
     on each new connection, so a CA rotated in the mounted Secret is used from the next connection on."""
     if path is None:
         return None
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read(MAX_CA_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"ca_file: {path} cannot be read ({exc.strerror or exc})") from None
-    if len(raw) > MAX_CA_FILE_BYTES:
-        raise ConfigError(f"ca_file: {path} holds more than {MAX_CA_FILE_BYTES} bytes")
+    raw = _read_bounded("ca_file", path, MAX_CA_FILE_BYTES)
     if _PEM_CERT not in raw:
         raise ConfigError(f"ca_file: {path} holds no PEM certificate ({_PEM_CERT.decode()})")
     return path
