@@ -7,6 +7,7 @@ fall back to is what the rest of tests/test_fs_tier*.py exercise (their tensors 
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import pathlib
 import shutil
@@ -145,6 +146,33 @@ def test_aligned_rows_move_in_one_call_straight_from_and_into_the_row(fs_tier_fa
     assert staged == [0], "the staging buffer was used on the aligned, uncompressed path"
     for k, out in zip(keys, outs):
         assert torch.equal(out, block_for(k))
+
+
+@pytest.mark.parametrize("refused", ["write", "read"])
+def test_o_direct_refusing_the_rows_alignment_mid_run_falls_back_to_staging(fs_tier_factory, direct_dir,
+                                                                            refused: str) -> None:
+    # The open probe passed, but the filesystem answers EINVAL to a transfer straight from (or into) the row:
+    # the block still moves, through the staging buffer, and so does every later one; other errors still fail.
+    class Refusing(FileOps):
+        def write(self, fd, data):
+            if refused == "write" and not isinstance(data, memoryview):  # vectored: the direct path
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return super().write(fd, data)
+
+        def readinto(self, fd, buf, offset):
+            if refused == "read" and not isinstance(buf, memoryview):
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return super().readinto(fd, buf, offset)
+
+    tier = fs_tier_factory(root=direct_dir, file_ops=Refusing())
+    assert tier.direct_io
+    staged = _count_staging(tier)
+    keys = [key_of(i) for i in range(3)]
+    assert store_blocks(tier, keys, [aligned(fill=block_for(k)) for k in keys]).success
+    outs = [aligned() for _ in keys]
+    assert load_blocks(tier, keys, outs).success
+    assert all(torch.equal(out, block_for(k)) for k, out in zip(keys, outs))
+    assert staged[0] >= 3 and tier._direct is False
 
 
 def test_a_row_that_is_not_whole_pages_moves_its_tail_through_one_page(fs_tier_factory, direct_dir) -> None:

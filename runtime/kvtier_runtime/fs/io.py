@@ -190,17 +190,21 @@ class BlockIO:
         self._update_occupancy()
         return ok
 
+    def _direct_refused(self, exc: OSError, what: str) -> None:
+        """An O_DIRECT transfer between the file and the caller's memory failed: EINVAL means the filesystem
+        refused the row's alignment after all, so the staging buffer is used from now on; anything else raises."""
+        if exc.errno != errno.EINVAL:
+            raise exc
+        log.warning("filesystem tier %s: O_DIRECT refused %s the caller's memory (%s); using the staging buffer",
+                    self.name, what, exc.strerror or exc)
+        self._direct = False
+
     def _write_block(self, job: _Job, key: bytes, block: torch.Tensor) -> int:
         if self._direct and self._aligned(block):
             try:
                 return self._write_direct(job, key, block)
             except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                # The filesystem refused the row's alignment after all: staging from now on.
-                log.warning("filesystem tier %s: O_DIRECT refused a write straight from the caller's memory "
-                            "(%s); using the staging buffer", self.name, exc.strerror or exc)
-                self._direct = False
+                self._direct_refused(exc, "a write straight from")
         buf, tensor = self._staging()
         with job.io_lock:  # the only read of the caller's tensor
             if job.expired:
@@ -374,11 +378,7 @@ class BlockIO:
             try:
                 got = read_segments(self._ops, fd, segments)
             except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                log.warning("filesystem tier %s: O_DIRECT refused a read straight into the caller's memory "
-                            "(%s); using the staging buffer", self.name, exc.strerror or exc)
-                self._direct = False
+                self._direct_refused(exc, "a read straight into")
                 return False
             header = parse_header(page[: min(got, HEADER_BYTES)])
             self._check_header(header, key)
