@@ -599,12 +599,7 @@ class RemoteTier(JobQueue):
                 stored_bytes += len(value)
                 self._remember(key, True)
                 self._succeed_key(job, i)
-        if fault:
-            self._fault(fault)
-        else:
-            self._ok()
-        if stored_bytes:
-            self._metrics.moved(self.peer, self.name, stored_bytes, time.perf_counter() - started, len(sent))
+        self._batch_done(fault, self.peer, self.name, stored_bytes, started, len(sent))
 
     def _trim(self, entries: int) -> None:
         """Pop the model's oldest chunks past the capacity and delete them (best effort: the store's maxmemory
@@ -688,12 +683,16 @@ class RemoteTier(JobQueue):
                 nbytes += out.numel() * out.element_size()
                 self._remember(key, True)
                 self._succeed_key(job, i)
+        self._batch_done(fault, self.name, self.peer, nbytes, started, len(live))
+
+    def _batch_done(self, fault: str, src: str, dst: str, nbytes: int, started: float, n: int) -> None:
+        """After a batch's keys settled: the store's health (its first fault, else up) and the bytes moved."""
         if fault:
             self._fault(fault)
         else:
             self._ok()
         if nbytes:
-            self._metrics.moved(self.name, self.peer, nbytes, time.perf_counter() - started, len(live))
+            self._metrics.moved(src, dst, nbytes, time.perf_counter() - started, n)
 
     def close(self) -> None:
         if self._closed:
