@@ -65,36 +65,41 @@ def synthetic_deployment(names: Names, image: str, knobs: dict[str, float]) -> d
     """A Deployment whose pods run the synthetic engine (e2e/synthetic_engine) on the node, from the operator
     image (python3 with pyyaml and prometheus-client, which the engine needs). Its args name the config file once,
     as a vLLM Deployment's do; the pods start healthy and the scenario changes their latency over HTTP."""
-    labels = {"app": names.workload}
     args = ["--engine", "vllm", "--model-name", names.workload, "--host", "0.0.0.0", "--port", "8000", "--config",
             "/etc/kvtier/engine.yaml"]
     for key, value in knobs.items():
         args += [f"--{key.replace('_', '-')}", str(value)]
+    return _opted_in_deployment(names, grace_s=2, container={
+        "image": image,
+        "command": ["python3", f"{SYNTHETIC_DIR}/engine.py"],
+        "args": args,
+        "readinessProbe": {"httpGet": {"path": "/control", "port": 8000}, "periodSeconds": 1},
+        "volumeMounts": [{"name": "engine", "mountPath": SYNTHETIC_DIR, "readOnly": True}],
+        # The operator demands request + cpu tier (4Gi) + hostMemoryHeadroom (1Gi) as the limit.
+        "resources": {"requests": {"memory": "64Mi"}, "limits": {"memory": "6Gi"}},
+    }, volumes=[{"name": "engine", "configMap": {"name": SYNTHETIC_CONFIG_MAP}}])
+
+
+def _opted_in_deployment(names: Names, *, grace_s: int, container: dict[str, Any], volumes: list[dict[str, Any]],
+                         strategy: str | None = None) -> dict[str, Any]:
+    """A Deployment of one engine container ``vllm`` serving on port 8000, opted in to the scenario's policy and
+    applied with no replica (scale_up starts it once the operator has injected the config)."""
+    labels = {"app": names.workload}
+    spec: dict[str, Any] = {"replicas": 0, "selector": {"matchLabels": labels}}
+    if strategy:
+        spec["strategy"] = {"type": strategy}
+    spec["template"] = {"metadata": {"labels": labels}, "spec": {
+        "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": grace_s,
+        "containers": [{"name": "vllm", "imagePullPolicy": "Never",
+                        "ports": [{"name": "http", "containerPort": 8000}], **container}],
+        "volumes": volumes,
+    }}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": {"name": names.workload, "namespace": names.namespace,
                      "labels": {**labels, "kvtier.io/opt-in": names.policy}},
-        "spec": {
-            "replicas": 0,  # scaled to 1 once the operator has injected the config (scale_up)
-            "selector": {"matchLabels": labels},
-            "template": {"metadata": {"labels": labels}, "spec": {
-                "automountServiceAccountToken": False,
-                "terminationGracePeriodSeconds": 2,
-                "containers": [{
-                    "name": "vllm",
-                    "image": image,
-                    "imagePullPolicy": "Never",
-                    "command": ["python3", f"{SYNTHETIC_DIR}/engine.py"],
-                    "args": args,
-                    "ports": [{"name": "http", "containerPort": 8000}],
-                    "readinessProbe": {"httpGet": {"path": "/control", "port": 8000}, "periodSeconds": 1},
-                    "volumeMounts": [{"name": "engine", "mountPath": SYNTHETIC_DIR, "readOnly": True}],
-                    # The operator demands request + cpu tier (4Gi) + hostMemoryHeadroom (1Gi) as the limit.
-                    "resources": {"requests": {"memory": "64Mi"}, "limits": {"memory": "6Gi"}},
-                }],
-                "volumes": [{"name": "engine", "configMap": {"name": SYNTHETIC_CONFIG_MAP}}],
-            }},
-        },
+        "spec": spec,
     }
 
 
@@ -114,41 +119,22 @@ REAL_MAX_MODEL_LEN = 1024
 def vllm_deployment(names: Names, image: str, model_dir: str) -> dict[str, Any]:
     """The vLLM Deployment on the node: the user's args name the local model and the config file once.
     Strategy Recreate: two CPU engines at once do not fit a small machine, so the old pod goes first."""
-    labels = {"app": names.workload}
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    return {
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": names.workload, "namespace": names.namespace,
-                     "labels": {**labels, "kvtier.io/opt-in": names.policy}},
-        "spec": {
-            "replicas": 0,  # scaled to 1 once the operator has injected the config (scale_up)
-            "strategy": {"type": "Recreate"},
-            "selector": {"matchLabels": labels},
-            "template": {"metadata": {"labels": labels}, "spec": {
-                "automountServiceAccountToken": False,
-                "terminationGracePeriodSeconds": 10,
-                "containers": [{
-                    "name": "vllm",
-                    "image": image,
-                    "imagePullPolicy": "Never",
-                    "command": ["vllm", "serve"],
-                    "args": ["/model", "--config", "/etc/kvtier/engine.yaml", "--host", "0.0.0.0", "--port", "8000",
-                             "--served-model-name", "model", "--dtype", "float32", "--enforce-eager",
-                             "--enable-prefix-caching", "--kv-cache-memory-bytes", str(REAL_KV_CACHE_BYTES),
-                             "--max-model-len", str(REAL_MAX_MODEL_LEN), "--max-num-batched-tokens", "1024",
-                             "--max-num-seqs", "4"],
-                    "env": [{"name": k, "value": v} for k, v in env.items()],
-                    "ports": [{"name": "http", "containerPort": 8000}],
-                    "readinessProbe": {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 2},
-                    "volumeMounts": [{"name": "model", "mountPath": "/model", "readOnly": True}],
-                    # The operator demands request + cpu tier + hostMemoryHeadroom (1Gi) as the limit.
-                    "resources": {"requests": {"memory": "2Gi"}, "limits": {"memory": "8Gi"}},
-                }],
-                "volumes": [{"name": "model", "hostPath": {"path": model_dir, "type": "Directory"}}],
-            }},
-        },
-    }
+    return _opted_in_deployment(names, grace_s=10, strategy="Recreate", container={
+        "image": image,
+        "command": ["vllm", "serve"],
+        "args": ["/model", "--config", "/etc/kvtier/engine.yaml", "--host", "0.0.0.0", "--port", "8000",
+                 "--served-model-name", "model", "--dtype", "float32", "--enforce-eager",
+                 "--enable-prefix-caching", "--kv-cache-memory-bytes", str(REAL_KV_CACHE_BYTES),
+                 "--max-model-len", str(REAL_MAX_MODEL_LEN), "--max-num-batched-tokens", "1024",
+                 "--max-num-seqs", "4"],
+        "env": [{"name": k, "value": v} for k, v in env.items()],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 2},
+        "volumeMounts": [{"name": "model", "mountPath": "/model", "readOnly": True}],
+        # The operator demands request + cpu tier + hostMemoryHeadroom (1Gi) as the limit.
+        "resources": {"requests": {"memory": "2Gi"}, "limits": {"memory": "8Gi"}},
+    }, volumes=[{"name": "model", "hostPath": {"path": model_dir, "type": "Directory"}}])
 
 
 def policy(names: Names, prometheus_url: str) -> dict[str, Any]:
