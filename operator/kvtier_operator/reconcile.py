@@ -39,7 +39,7 @@ ERROR = "Error"
 RELEASED = "Released"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Event:
     type: str  # Normal | Warning
     reason: str
@@ -438,7 +438,8 @@ def _events(old_conds: list[dict[str, Any]], new_conds: list[dict[str, Any]], ta
             events.append(Event("Normal", "ConfigApplied", t.message))
         if t.state == RELEASED:
             events.append(Event("Normal", "Released", t.message))
-    return events
+    # A refusal turns Ready False and Degraded True with the same reason and message: one Event says it.
+    return list(dict.fromkeys(events))
 
 
 def release_plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]]) -> list[TargetPlan]:

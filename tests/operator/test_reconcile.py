@@ -249,3 +249,14 @@ def test_status_patch_nulls_keys_that_disappear():
     assert status_patch(old, new) == {"slo": {"disabled": {"nvme": None}, "verdict": "ok"}}
     assert status_patch(old, {"engine": None}) == {"engine": None}
     assert status_patch(new, new) is None
+
+
+def test_a_refusal_is_posted_as_one_event_not_one_per_condition():
+    # The memory limit is the user's field and too small for request + cpu tier + headroom: Ready goes False and
+    # Degraded True with the same reason and message; a user reading `kubectl get events` sees it once.
+    wl = observed(deployment(memory_request="48Gi", memory_limit="48Gi"))
+    p = rc.plan(policy(tiers=[{"name": "cpu", "medium": "cpu", "size": "32Gi"}]), [wl], [], now=NOW)
+    assert cond(p, "Ready")["status"] == "False" and cond(p, "Degraded")["status"] == "True"
+    warnings = [e for e in p.events if e.type == "Warning"]
+    assert len(warnings) == 1, warnings
+    assert "81Gi" in warnings[0].message
