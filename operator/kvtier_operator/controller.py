@@ -176,7 +176,7 @@ class Operator:
         if last == body and time.monotonic() - at <= CONFIG_MAP_TTL:
             return plan
         # Whose is it? A server-side apply would merge our labels, owner reference and keys into a ConfigMap of
-        # the same name made by someone else, and deleting the policy would then delete it (class B). A foreign
+        # the same name made by someone else, and deleting the policy would then delete it (adopting a foreign object). A foreign
         # holder is reported and left alone, and no workload is pointed at it.
         path = config_map_path(namespace, cm_key[1])
         existing = self.kube.get(path)

@@ -70,7 +70,7 @@ def kopf_settings(settings: Settings) -> kopf.OperatorSettings:
     # kopf's progress (which handlers ran; the release handler's "done") and its diff base live in status.kopf,
     # written through the status subresource: a policy author may edit the policy (annotations included) but not
     # its status (the chart's aggregated edit role grants kvcachepolicies only), so forged progress cannot skip
-    # the release (class E). Annotations with these keys left by older versions are ignored.
+    # the release (a policy author escaping clean-up). Annotations with these keys left by older versions are ignored.
     s.persistence.progress_storage = kopf.StatusProgressStorage(name="kopf", field=KOPF_PROGRESS_FIELD,
                                                                 touch_field=KOPF_TOUCH_FIELD)
     s.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(name="kopf", field=KOPF_DIFFBASE_FIELD)
@@ -132,7 +132,7 @@ async def policy_event(type: str, name: str, namespace: str, meta: Any, spec: An
                  for w in index.get(namespace, [])] if change.retargeted else []
     if type == "DELETED":
         shared.wakeups.forget((namespace, name))
-        # Backstop for the finalizer (class E): an author may remove kvtier's finalizer before deleting, which skips
+        # Backstop for the finalizer: an author may remove kvtier's finalizer before deleting, which skips
         # the release handler. Whatever still carries this policy's label is released now, unless a policy of that
         # name is back already.
         if not any(p["name"] == name and not p.get("deleting") for p in policies):

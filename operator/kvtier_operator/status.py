@@ -12,7 +12,7 @@ from typing import Any, Iterable, Optional
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Conflict")
 GUARD_CONDITION_TYPES = ("SLOUnknown", "SLOBreached", "TierRolledBack")
 # Status fields that are not the operator's own document: kopf's bookkeeping (written by kopf) and ``history``
-# (before issue 27 a copy of ``slo.history``; dropped from status when a pass writes it).
+# (an older operator's copy of ``slo.history``, dropped from status when a pass writes it).
 NOT_OURS = ("kopf",)
 RETIRED = ("history",)
 

@@ -22,7 +22,7 @@ MAX_DEPTH = 64               # a policy nests about 8 levels deep
 MAX_NODES = 100_000          # per document, aliases expanded
 # For the whole input (every document of every file of one `kvtier validate`): a policy is ~100 values and its
 # CEL rules cost ~0.1 s, so these admit hundreds of real policies and refuse a thousand near-limit documents,
-# which cost minutes of CPU when only each document was bounded (issue 24, class F).
+# which cost minutes of CPU when only each document was bounded (a denial of service by many near-limit documents).
 MAX_DOCUMENTS = 200
 MAX_TOTAL_BYTES = 4 << 20
 MAX_TOTAL_NODES = 200_000

@@ -5,7 +5,7 @@ Nothing here talks to Kubernetes or Prometheus. The state is a plain JSON-able d
 ``status.slo`` after every evaluation, so an operator restart resumes exactly where it stopped; the actions say
 what the operator must do (re-render without a tier, emit an Event, set a condition, drop an annotation).
 
-Rules (issue 10):
+Rules:
 - breach = a p99 over its threshold (absolute, or a multiple of the staged rollout's GPU-only baseline);
   ``consecutiveBreaches`` in a row disable the newest enabled tier;
 - errors (query error, unreachable, NaN) are counted apart, set ``SLOUnknown``, never disable anything;
@@ -176,7 +176,7 @@ def _rolled(settings: SLOSettings, st: dict[str, Any]) -> set[str]:
 
 def enabled_tiers(settings: SLOSettings, state: dict[str, Any] | None) -> list[str]:
     """Tiers the renderer must include, hottest first: the Enabled ones of :func:`tier_states` (the operator's one
-    derivation, ``tiers.derive``; issue 27 removed the second rule set that stood here)."""
+    derivation, ``tiers.derive``: there is no second rule set)."""
     return enabled(tier_states(settings, state))
 
 

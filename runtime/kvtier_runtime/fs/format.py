@@ -5,7 +5,7 @@ the whole file can be written and read with O_DIRECT. The header carries everyth
 after a restart without reading payloads, and a CRC of itself so a torn or flipped header is detected before any
 of its fields are trusted.
 
-**Format 2** (written since issue #28): the codec's 96-byte blob header sits at the *end* of the header page
+**Format 2** (what this version writes): the codec's 96-byte blob header sits at the *end* of the header page
 (bytes [4000, 4096)), so the codec blob (its header, then its payload) runs contiguously from byte 4000 and the
 payload itself starts page-aligned at 4096. An uncompressed block's payload is the caller's row byte for byte,
 so it moves between the file and a page-aligned row with O_DIRECT and no staging copy.

@@ -22,7 +22,7 @@ where they do not (one-shot documents) protects the blocks seen before, as ARC a
 
 **The hedge.** The learned weights are a model of the trace, and a model can be wrong where it was not trained:
 on real multi-turn chat at large capacities reuse is nearly all recency, and weights learned from ghost hits
-protect the wrong blocks (issue 25: -0.009 against LRU at 20% on a real conversation trace). So the policy keeps
+protect the wrong blocks (measured: -0.009 against LRU at 20% on a real conversation trace). So the policy keeps
 a metadata-only LRU of the same capacity (a *shadow*: keys and sizes, no data) beside itself, fed the same
 accesses, and scores both on the metric that matters -- prefix hits, an access that hits while every earlier
 block of its request hit. Every window (5% of the capacity's bytes of accesses) the score difference enters a

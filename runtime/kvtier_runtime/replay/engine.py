@@ -1,6 +1,6 @@
 """Trace replay through the runtime's own policy classes (kvtier_runtime.policies), one or several tiers.
 
-Model (issue 8's definitions, extended to tiers the way vLLM's tiering works):
+Model (the hit-ratio definitions of replay.metrics, extended to tiers the way vLLM's tiering works):
 
 * requests in file order; each is the access sequence of its ``hash_ids``; capacity is counted in blocks (each
   block has size 1 in the policy); cold start.

@@ -1,4 +1,4 @@
-"""Hit ratios from per-access hit flags, with the definitions of issue 8.
+"""Hit ratios from per-access hit flags, and what each one counts.
 
 block hit ratio  = hits / block accesses
 prefix hit ratio = (sum over requests of the length of the request's leading run of hits) / block accesses
