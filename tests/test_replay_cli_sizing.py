@@ -1,4 +1,4 @@
-"""Issue 18's replay-tool defects, one test each: capacity equivalence, the infinite-cache line, analyze's sizing
+"""The replay tool's sizing answers, one test each: capacity equivalence, the infinite-cache line, analyze's sizing
 policy, the per-tier OPT column, and bad input that must be one line before any work is done."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Format 2 of the filesystem tier (issue #28): the payload starts page-aligned, codec-none blocks move between
+"""Format 2 of the filesystem tier: the payload starts page-aligned, codec-none blocks move between
 the file and page-aligned rows with no staging copy, format-1 files (written by the v1 tier, tests/data/fs-v1)
 are still served, and a store survives its fan-out directory being pruned under it more than once.
 
