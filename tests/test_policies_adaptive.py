@@ -145,3 +145,69 @@ def test_a_running_requests_head_outlives_its_tail() -> None:
             if not p.touch(k, ctx_of(pos)):
                 evicted += p.insert(k, 1, ctx_of(pos))
         assert evicted == [4, 5] and {1, 2, 3} <= set(p)
+
+
+def _public_path(p: AdaptivePolicy, requests) -> list[bool]:
+    """Replay through touch/insert with a context per access: the steps the fused loop must reproduce."""
+    hits = []
+    for rid, req in enumerate(requests):
+        for pos, k in enumerate(req):
+            ctx = AccessContext(rid, pos, len(req))
+            hit = p.touch(k, ctx)
+            if not hit:
+                p.insert(k, 1, ctx)
+            hits.append(hit)
+    return hits
+
+
+def _state(p: AdaptivePolicy) -> tuple:
+    s = p._shadow
+    return (p.used_bytes, p._tick, p._request, list(p._current), p._model, p._weights, p.trust, p._ghost_rate,
+            p._evictions, list(p._evicted.items()), p._evicted_bytes, [list(lst.items()) for lst in p._lists],
+            p._class, list(p._history._sizes.items()), p._history.used_bytes, list(s._keys.items()), s._used,
+            s._request, s._run, s._shadow_run, s._seen, s._accesses, s._diff, s._score)
+
+
+def _traces():
+    import pathlib
+
+    from kvtier_runtime.replay.synth import SHAPES, generate
+    from kvtier_runtime.replay.trace import load_trace
+
+    data = pathlib.Path(__file__).resolve().parent / "data"
+    yield "shared", load_trace(data / "mooncake-synthetic.jsonl").requests[:1500]
+    for shape in SHAPES:
+        yield shape, [r["hash_ids"] for r in generate(shape, 600, seed=3)]
+
+
+def test_the_fused_replay_loop_takes_the_same_steps_as_touch_and_insert() -> None:
+    # Same hit flags and the same state afterwards (weights, trust, hedge score, every order), bit for bit, across
+    # trace shapes and capacities from a few blocks (constant eviction, ghosts, the hedge's trust moving) up.
+    trusts, renormalised = set(), False
+    for name, requests in _traces():
+        distinct = len({k for r in requests for k in r})
+        trace_hits = 0
+        for cap in sorted({3, max(4, distinct // 50), max(5, distinct // 10), max(6, distinct // 3)}):
+            fused, public = AdaptivePolicy(cap), AdaptivePolicy(cap)
+            half = len(requests) // 2
+            # Each path runs one half, so the second half starts from a state the other path built.
+            got = fused.replay_unit_blocks(requests[:half]) + _public_path(fused, requests[half:])
+            want = _public_path(public, requests[:half]) + public.replay_unit_blocks(requests[half:])
+            assert got == want, (name, cap)
+            assert _state(fused) == _state(public), (name, cap)
+            trace_hits += sum(got)
+            trusts.add(fused.trust)
+            renormalised |= fused._evictions >= 1024
+        assert trace_hits > 0, name  # a trace that never hits would compare nothing interesting
+    # The rare branches were taken somewhere: the hedge lowered trust, and the weights were renormalised.
+    assert min(trusts) < 1.0 and renormalised
+
+
+def test_the_fused_replay_loop_declines_what_it_does_not_model() -> None:
+    from kvtier_runtime.policies.admission import DoorkeeperAdmission
+
+    p = AdaptivePolicy(8)
+    p.insert(1, 1)
+    p.pin(1)
+    assert p.replay_unit_blocks([[1, 2]]) is None and p.used_bytes == 1  # pinned: nothing done
+    assert AdaptivePolicy(8, admission=DoorkeeperAdmission()).replay_unit_blocks([[1]]) is None

@@ -38,7 +38,7 @@ All operations are O(1) amortised (three class heads are compared per eviction; 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Sequence
 
 from .base import AccessContext, EvictionPolicy, Key
 from .ghost import GhostList
@@ -289,6 +289,180 @@ class AdaptivePolicy(EvictionPolicy):
         self._current.pop(key, None)
         self._record_eviction(key, c, self._sizes[key])
         return key
+
+    def replay_unit_blocks(self, requests: Sequence[Sequence[Key]]) -> list[bool] | None:
+        """Trace replay's hot loop: every access of ``requests`` (request i's blocks, in prefix order, as
+        ``AccessContext(i, position, len)``) is a ``touch`` and every miss an ``insert`` of size 1, exactly as
+        ``replay.engine.replay_single`` does through the public methods; the hit flag of each access.
+
+        The same steps in the same order on the same state (so the same hits, weights and trust, checked against
+        the public path in tests/test_policies_adaptive.py), fused into one loop over local names: no context
+        objects and no method call per access, which is most of what an access cost. ``None`` when the state is
+        one the loop does not model (pinned entries, an admission filter, a capacity under one block): the
+        caller then takes the public path.
+        """
+        if self._pins or self.admission is not None or self.capacity_bytes < 1:
+            return None
+        sizes, lists, cls, evicted = self._sizes, self._lists, self._class, self._evicted
+        fresh_list, again, tail_list = lists
+        history, shadow = self._history, self._shadow
+        hsizes, hcap, h_used = history._sizes, history.capacity_bytes, history.used_bytes
+        skeys, scap, s_used = shadow._keys, shadow.capacity, shadow._used
+        window, min_acc, decay = shadow.window, shadow.min_accesses, shadow.decay
+        s_request, s_run, s_shadow_run = shadow._request, shadow._run, shadow._shadow_run
+        s_seen, s_acc, s_diff, s_score = shadow._seen, shadow._accesses, shadow._diff, shadow._score
+        w = self._model
+        weights = self._weights
+        lr, max_ratio = self.learning_rate, self.max_weight_ratio
+        ghost_limit = self.ghost_factor * self.capacity_bytes
+        capacity = self.capacity_bytes
+        used, tick, request, current = self._used, self._tick, self._request, self._current
+        ghost_rate, evictions, ev_bytes = self._ghost_rate, self._evictions, self._evicted_bytes
+        hits: list[bool] = []
+        append = hits.append
+        for rid, req in enumerate(requests):
+            last = len(req) - 1
+            for pos, key in enumerate(req):
+                hit = key in sizes
+                size = sizes[key] if hit else 1
+                if not hit:
+                    # insert: learn from a ghost, then evict, both before the access enters its request.
+                    ghost = evicted.pop(key, None)
+                    if ghost is not None:
+                        gc, gsize = ghost
+                        ev_bytes -= gsize
+                        w[gc] *= 1.0 - lr
+                        ghost_rate += 0.001 * (1.0 - ghost_rate)
+                        limit = max_ratio * min(w)
+                        for i in range(3):
+                            if w[i] > limit:
+                                w[i] = limit
+                        if weights is not w:
+                            self._temper()
+                            weights = self._weights
+                    if used + 1 > capacity:
+                        freed = 0
+                        while freed < used + 1 - capacity:
+                            # _choose_unblocked, unrolled in _TIE_ORDER (a tie keeps the earlier class).
+                            best, best_c, best_score = None, FRESH, -1.0
+                            if tail_list:
+                                k = next(iter(tail_list))
+                                if k in current:
+                                    k = next(reversed(tail_list))
+                                best, best_c, best_score = k, TAIL, (tick - tail_list[k] + 1) * weights[TAIL]
+                            if fresh_list:
+                                k = next(iter(fresh_list))
+                                if k in current:
+                                    k = next(reversed(fresh_list))
+                                score = (tick - fresh_list[k] + 1) * weights[FRESH]
+                                if score > best_score:
+                                    best, best_c, best_score = k, FRESH, score
+                            if again:
+                                k = next(iter(again))
+                                if k in current:
+                                    k = next(reversed(again))
+                                score = (tick - again[k] + 1) * weights[AGAIN]
+                                if score > best_score:
+                                    best, best_c = k, AGAIN
+                            del lists[best_c][best]
+                            del cls[best]
+                            current.pop(best, None)
+                            vsize = sizes.pop(best)
+                            freed += vsize
+                            ghost_rate *= 0.999
+                            w[best_c] *= 1.0 + lr * ghost_rate
+                            limit = max_ratio * min(w)
+                            if w[best_c] > limit:
+                                w[best_c] = limit
+                            evictions += 1
+                            if not evictions & 1023:
+                                low = min(w)
+                                for i in range(3):
+                                    w[i] /= low
+                                if weights is not w:
+                                    self._temper()
+                                    weights = self._weights
+                            elif weights is not w:
+                                # _temper for the one weight that changed: the same power of the same number.
+                                weights[best_c] = w[best_c] ** self._trust
+                            evicted[best] = (best_c, vsize)
+                            ev_bytes += vsize
+                            while ev_bytes > ghost_limit:
+                                ev_bytes -= evicted.popitem(last=False)[1][1]
+                        used -= freed
+                    sizes[key] = 1
+                    used += 1
+                # The hedge's shadow LRU sees the access.
+                if key in skeys:
+                    skeys.move_to_end(key)
+                    shadow_hit = True
+                else:
+                    shadow_hit = False
+                    skeys[key] = size
+                    s_used += size
+                    while s_used > scap:
+                        s_used -= skeys.popitem(last=False)[1]
+                if rid != s_request or pos == 0:
+                    s_request = rid
+                    s_run = s_shadow_run = True
+                s_run = s_run and hit
+                s_shadow_run = s_shadow_run and shadow_hit
+                s_diff += s_run - s_shadow_run
+                s_seen += size
+                s_acc += 1
+                if s_seen >= window and s_acc >= min_acc:
+                    s_score = s_score * decay + s_diff
+                    s_seen = s_acc = s_diff = 0
+                    self._hedge(s_score)
+                    weights = self._weights
+                # The access enters its request (leaf-first order).
+                if rid != request:
+                    if current:
+                        for k in reversed(current):
+                            c = cls.get(k)
+                            if c is not None:
+                                lists[c].move_to_end(k)
+                        current = {}
+                    request = rid
+                    tick += 1
+                current[key] = None
+                if hit:
+                    old = hsizes.get(key)
+                    if old == size:
+                        hsizes.move_to_end(key)
+                    else:
+                        if old is not None:
+                            h_used -= hsizes.pop(key)
+                        hsizes[key] = size
+                        h_used += size
+                        while h_used > hcap:
+                            h_used -= hsizes.popitem(last=False)[1]
+                    c = cls[key]
+                    if c != AGAIN:
+                        del lists[c][key]
+                        cls[key] = AGAIN
+                    again[key] = tick
+                    again.move_to_end(key)
+                else:
+                    if key in hsizes:
+                        c = AGAIN
+                        h_used -= hsizes.pop(key)
+                    else:
+                        c = TAIL if pos == last > 0 else FRESH
+                    hsizes[key] = 1
+                    h_used += 1
+                    while h_used > hcap:
+                        h_used -= hsizes.popitem(last=False)[1]
+                    cls[key] = c
+                    lists[c][key] = tick
+                append(hit)
+        history.used_bytes = h_used
+        shadow._used, shadow._request, shadow._run, shadow._shadow_run = s_used, s_request, s_run, s_shadow_run
+        shadow._seen, shadow._accesses, shadow._diff, shadow._score = s_seen, s_acc, s_diff, s_score
+        self._weights = weights
+        self._used, self._tick, self._request, self._current = used, tick, request, current
+        self._ghost_rate, self._evictions, self._evicted_bytes = ghost_rate, evictions, ev_bytes
+        return hits
 
     def _order_clear(self) -> None:
         for lst in self._lists:
