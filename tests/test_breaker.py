@@ -7,28 +7,20 @@ import json
 import logging
 import os
 import random
-import shutil
 
 import pytest
 
 from kvtier_runtime.store.breaker import (BYPASS, CLOSED, DISABLED, HALF_OPEN, OPEN, PASS, PROBE, Breaker,
                                           BreakerSettings, LoadMeter, TierBreakers)
 from kvtier_runtime.store.control import ControlFile, parse_control
+from plugins.runtime import ManualClock, configmap_update
 
 RECOMPUTE_S_PER_TOKEN = 1e-5
 TOKENS = 100  # per chunk: recomputing a chunk costs 1 ms
 CHUNK_S = RECOMPUTE_S_PER_TOKEN * TOKENS
 
 
-class Clock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> None:
-        self.t += dt
+Clock = ManualClock
 
 
 def settings(**kw) -> BreakerSettings:
@@ -242,23 +234,6 @@ def test_load_meter_counts_busy_time_only() -> None:
 
 # ---- the control file ------------------------------------------------------------------------------------------
 
-def configmap(root, files: dict[str, str], version: int) -> None:
-    """Write ``files`` the way the kubelet updates a ConfigMap volume: a new timestamped directory, ``..data``
-    swapped to it by one rename of a symlink, the old directory removed; each file a symlink through ``..data``."""
-    new = f"..2026_12_02_06_00_{version:02d}.{version}"
-    os.makedirs(root / new)
-    for name, text in files.items():
-        (root / new / name).write_text(text)
-    old = os.readlink(root / "..data") if (root / "..data").is_symlink() else None
-    os.symlink(new, root / "..data_tmp")
-    os.rename(root / "..data_tmp", root / "..data")  # the atomic swap
-    for name in files:
-        if not (root / name).is_symlink():
-            os.symlink(f"..data/{name}", root / name)
-    if old is not None:
-        shutil.rmtree(root / old)
-
-
 def control(root, disabled, generation: int | None = None, **more) -> str:
     doc = {"disabledTiers": disabled, **more}
     if generation is not None:
@@ -277,13 +252,13 @@ def test_control_file_forces_and_clears_bypass_across_configmap_symlink_swaps(tm
     clock = Clock()
     tb = breakers(tmp_path, clock)  # the file does not exist yet: nothing disabled
     assert [b.state for b in tb.breakers] == [CLOSED] * 3 and tb.generation is None
-    configmap(root, {"control.json": control(root, ["remote"], 1)}, 1)
+    configmap_update(root, {"control.json": control(root, ["remote"], 1)}, 1)
     tb.tick()
     assert tb[2].state == CLOSED  # polled at most once a second
     clock.advance(1.0)
     tb.tick()
     assert [b.state for b in tb.breakers] == [CLOSED, CLOSED, DISABLED] and tb.generation == 1
-    configmap(root, {"control.json": control(root, ["/mnt/nvme", "remote"], 2)}, 2)  # by address, too
+    configmap_update(root, {"control.json": control(root, ["/mnt/nvme", "remote"], 2)}, 2)  # by address, too
     clock.advance(1.0)
     tb.tick()
     assert [b.state for b in tb.breakers] == [CLOSED, DISABLED, DISABLED] and tb.generation == 2
@@ -293,7 +268,7 @@ def test_control_file_forces_and_clears_bypass_across_configmap_symlink_swaps(tm
             clock.advance(1.0)
             tb.tick()
     assert not caplog.records
-    configmap(root, {"control.json": control(root, ["nvme"], 3)}, 3)
+    configmap_update(root, {"control.json": control(root, ["nvme"], 3)}, 3)
     clock.advance(1.0)
     tb.tick()
     assert [b.state for b in tb.breakers] == [CLOSED, DISABLED, HALF_OPEN] and tb.generation == 3
@@ -304,7 +279,7 @@ def test_a_corrupt_oversized_or_unknown_control_file_keeps_the_last_good_state(t
     root = tmp_path / "cm"
     root.mkdir()
     clock = Clock()
-    configmap(root, {"control.json": control(root, ["nvme"], 1)}, 1)
+    configmap_update(root, {"control.json": control(root, ["nvme"], 1)}, 1)
     tb = breakers(tmp_path, clock)
     assert tb[1].state == DISABLED
     bad = [
@@ -316,7 +291,7 @@ def test_a_corrupt_oversized_or_unknown_control_file_keeps_the_last_good_state(t
         ("\xff\xfe", "unparsable"),
     ]
     for version, (text, reason) in enumerate(bad, start=2):
-        configmap(root, {"control.json": text}, version)
+        configmap_update(root, {"control.json": text}, version)
         caplog.clear()
         with caplog.at_level(logging.WARNING):
             for _ in range(3):  # the same bad version is logged and counted once
@@ -325,7 +300,7 @@ def test_a_corrupt_oversized_or_unknown_control_file_keeps_the_last_good_state(t
         assert len(caplog.records) == 1 and "keeping the last good state" in caplog.records[0].getMessage()
         assert tb[1].state == DISABLED and tb.generation == 1, reason
     assert tb.control_errors == {"unparsable": 2, "unknown_tier": 1, "invalid": 2, "too_large": 1}
-    configmap(root, {"control.json": control(root, [], 9)}, 20)
+    configmap_update(root, {"control.json": control(root, [], 9)}, 20)
     clock.advance(1.0)
     tb.tick()
     assert tb[1].state == HALF_OPEN and tb.generation == 9
@@ -335,10 +310,10 @@ def test_a_removed_control_file_disables_nothing(tmp_path) -> None:
     root = tmp_path / "cm"
     root.mkdir()
     clock = Clock()
-    configmap(root, {"control.json": control(root, ["host"])}, 1)
+    configmap_update(root, {"control.json": control(root, ["host"])}, 1)
     tb = breakers(tmp_path, clock)
     assert tb[0].state == DISABLED
-    configmap(root, {"other.json": "{}"}, 2)  # the key left the ConfigMap: its symlink dangles
+    configmap_update(root, {"other.json": "{}"}, 2)  # the key left the ConfigMap: its symlink dangles
     clock.advance(1.0)
     tb.tick()
     assert tb[0].state == CLOSED and tb.control_errors == {}

@@ -31,6 +31,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from ..config import OffloadSpecConfig
 from .control import ControlFile, ControlState
 
 CLOSED, OPEN, HALF_OPEN, DISABLED = "closed", "open", "half_open", "disabled"
@@ -303,6 +304,22 @@ class TierBreakers:
         self.bypassed_stores: Counter[str] = Counter()  # tier name -> chunks not written to it
         if self.control is not None:
             self.tick(force=True)
+
+    @classmethod
+    def for_spec(cls, cfg: OffloadSpecConfig, tokens_per_chunk: int, *, clock: Callable[[], float] = time.monotonic,
+                 logger: logging.Logger | None = None) -> "TierBreakers":
+        """The breakers of an offloading spec's tiers: named as ``cfg.names`` (each also answering to its address in
+        the control file: ``host``, a root_dir, a url), judged against ``recompute_tokens_per_s`` when set,
+        watching ``control_file`` when set."""
+        rate = cfg.recompute_tokens_per_s
+        if rate is not None and tokens_per_chunk < 1:
+            (logger or log).warning("kvtier: recompute_tokens_per_s is set but the engine's config gives no tokens "
+                                    "per chunk; the breakers count a chunk as one token")
+        settings = BreakerSettings(recompute_s_per_token=None if rate is None else 1.0 / rate,
+                                   tokens_per_chunk=max(1, tokens_per_chunk))
+        addresses = [("host",), *((t.root_dir,) for t in cfg.fs_tiers), *((t.url,) for t in cfg.remote_tiers)]
+        return cls(cfg.names, settings, aliases=addresses, control_file=cfg.control_file, clock=clock,
+                   logger=logger)
 
     def __getitem__(self, i: int) -> Breaker:
         return self.breakers[i]

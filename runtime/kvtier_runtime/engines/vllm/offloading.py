@@ -41,6 +41,7 @@ from ...codecs.layout import describe
 from ...config import ConfigError, OffloadSpecConfig
 from ...fs.tier import FilesystemTier
 from ...store.books import REMOTE, OffloadBooks
+from ...store.breaker import TierBreakers
 from ...store.memory_tier import MemoryTier
 from ..chunk_layout import FLAT_REASONS, LayoutDecision, check_worker_pages, chunk_layout, tier_codec
 from ..host_region import HostRegion, remove_stale_regions
@@ -77,6 +78,13 @@ METRIC_REMOTE_HITS = _SPEC_PREFIX + "remote_hits"
 METRIC_REMOTE_MISSES = _SPEC_PREFIX + "remote_misses"
 METRIC_REMOTE_STORES = _SPEC_PREFIX + "remote_stores"
 METRIC_REMOTE_STORE_FAILURES = _SPEC_PREFIX + "remote_store_failures"
+METRIC_TIER_BYPASSED = _SPEC_PREFIX + "tier_bypassed"
+METRIC_TIER_MISSES = _SPEC_PREFIX + "tier_misses"
+METRIC_TIER_STORES_SKIPPED = _SPEC_PREFIX + "tier_stores_skipped"
+METRIC_CONTROL_ERRORS = _SPEC_PREFIX + "control_file_errors"
+METRIC_CONTROL_GENERATION = _SPEC_PREFIX + "control_file_generation"
+# The reason of a lookup or store a bypassed tier was not asked for (tier_misses, tier_stores_skipped).
+BYPASSED = "bypassed"
 
 
 class KvtierHostSpec(CPULoadStoreSpec):
@@ -119,6 +127,19 @@ class KvtierOffloadingSpec(OffloadingSpec):
             METRIC_REMOTE_STORES: OffloadingCounterMetadata("Chunks written through to remote tiers."),
             METRIC_REMOTE_STORE_FAILURES: OffloadingCounterMetadata(
                 "Chunks a remote tier did not store, by reason (full, down, timeout, ...).", ("reason",)),
+            METRIC_TIER_BYPASSED: OffloadingGaugeMetadata(
+                "1 while a kvtier tier is bypassed, by reason (slow: loading from it cost more than recomputing; "
+                "disabled: the control file disables it), else 0.", ("tier", "reason")),
+            METRIC_TIER_MISSES: OffloadingCounterMetadata(
+                "Lookups a kvtier tier was not asked, by reason (bypassed); vLLM recomputed them unless a later "
+                "tier served them.", ("tier", "reason")),
+            METRIC_TIER_STORES_SKIPPED: OffloadingCounterMetadata(
+                "Chunks not written through to a kvtier tier, by reason (bypassed).", ("tier", "reason")),
+            METRIC_CONTROL_ERRORS: OffloadingCounterMetadata(
+                "Versions of kvtier's control file refused (the last good state kept), by reason (too_large, "
+                "unparsable, invalid, unknown_tier, unreadable).", ("reason",)),
+            METRIC_CONTROL_GENERATION: OffloadingGaugeMetadata(
+                "The generation of the kvtier control file in force (absent until a file with one is read)."),
         }
 
     def __init__(self, config: Any) -> None:
@@ -141,6 +162,9 @@ class KvtierOffloadingSpec(OffloadingSpec):
             block_view_dtype(t.codec, config.model.dtype, self.row_bytes or 2) for t in self.kvtier.remote_tiers
         ]
         self.layout = _layout(config)
+        groups = getattr(config, "groups", None) or ()
+        self.tokens_per_chunk = int(getattr(groups[0], "tokens_per_block", 0) if groups else 0) * \
+            int(self.blocks_per_chunk)
         self.fs_kv_events = [_tier_kv_events(t.extra, i) for i, t in enumerate(self.kvtier.fs_tiers)]
         # Only lossy tiers need the chunk's layout (and reading the model's config to find heads and head size).
         lossy = any(t.codec != "none" for t in (*self.kvtier.fs_tiers, *self.kvtier.remote_tiers))
@@ -198,7 +222,8 @@ class KvtierOffloadingManager(OffloadingManager):
         remote, remote_rows = self._remote_tiers(spec, decision)
         self.books = OffloadBooks(host, tiers, fs_rows=rows, key_suffix=suffix,
                                   enable_events=_kv_events_enabled(spec),
-                                  fs_events=spec.fs_kv_events, remote_tiers=remote, remote_rows=remote_rows)
+                                  fs_events=spec.fs_kv_events, remote_tiers=remote, remote_rows=remote_rows,
+                                  breakers=TierBreakers.for_spec(cfg, spec.tokens_per_chunk, logger=_log))
         self._reported: Counter[str] = Counter()
         self._stats_seen: tuple[int, ...] = ()  # _stats_state() when get_stats last ran
         self._extra_steps = 0
@@ -322,7 +347,7 @@ class KvtierOffloadingManager(OffloadingManager):
     def _stats_state(self) -> tuple[int, ...]:
         books = self.books
         return (sum(books.counters.values()), sum(books.load_failures.values()),
-                sum(books.remote_load_failures.values()),
+                sum(books.remote_load_failures.values()), sum(books.breakers.bypassed_stores.values()),
                 *(sum(t.misses.values()) + sum(t.store_failures.values()) for t in books.remote_tiers))
 
     def reset_cache(self) -> None:
@@ -368,6 +393,18 @@ class KvtierOffloadingManager(OffloadingManager):
             stats.set_gauge(METRIC_REMOTE_USED_BYTES, tier.used_bytes, url)
             stats.set_gauge(METRIC_REMOTE_CAPACITY_BYTES, tier.capacity_bytes, url)
             stats.set_gauge(METRIC_REMOTE_UP, 1 if tier.health == "up" else 0, url)
+        breakers = books.breakers
+        for breaker in breakers.breakers:
+            for reason, on in breaker.bypass_gauges().items():
+                stats.set_gauge(METRIC_TIER_BYPASSED, on, (breaker.name, reason))
+        for name, n in breakers.bypassed_lookups.items():
+            self._delta(stats, METRIC_TIER_MISSES, "tier_miss:" + name, n, (name, BYPASSED))
+        for name, n in breakers.bypassed_stores.items():
+            self._delta(stats, METRIC_TIER_STORES_SKIPPED, "tier_store_skipped:" + name, n, (name, BYPASSED))
+        for reason, n in breakers.control_errors.items():
+            self._delta(stats, METRIC_CONTROL_ERRORS, "control_error:" + reason, n, (reason,))
+        if breakers.generation is not None:
+            stats.set_gauge(METRIC_CONTROL_GENERATION, breakers.generation)
         if books.remote_tiers:
             misses: Counter[str] = Counter()
             failures: Counter[str] = Counter()
