@@ -293,3 +293,22 @@ def test_breaker_config_errors_name_the_key(extra, message) -> None:
     with pytest.raises(ConfigError) as err:
         OffloadSpecConfig.from_extra_config({"cpu_bytes_to_use": 1, **extra})
     assert str(err.value).startswith(message)
+
+
+def test_expired_loads_count_once_as_timeouts_and_their_late_end_is_not_counted_again() -> None:
+    clock = ManualClock()
+    host = MemoryTier("host", (ROW,), torch.uint8, 8 * ROW)
+    remote = FakeTier("remote", io_timeout_s=0.0)  # every promotion is overdue at the next poll
+    breakers = TierBreakers(["host", "remote"], settings(), clock=clock)
+    books = OffloadBooks(host, [], remote_tiers=[remote], breakers=breakers)
+    for i in range(4):
+        held_in(remote, seq_key(i), remote=True)
+        assert books.lookup(seq_key(i)) == RETRY
+        clock.advance(10 * CHUNK_S)
+        assert books.lookup(seq_key(i)) == MISS  # expired: vLLM recomputes (the slot stays fenced)
+    assert books.remote_load_failures["timeout"] == 4
+    assert breakers[1].state == OPEN and breakers.meters[1].in_flight == 0
+    remote.complete()  # the late reads land in their fenced slots
+    books.poll()
+    assert breakers.meters[1].in_flight == 0 and breakers[1].cost_s_per_chunk is None
+    assert not books.has_pending_work() and books.fenced_slots == 0
