@@ -23,6 +23,10 @@ queued, completions are collected by :meth:`poll` (called on every lookup/store 
 step). Remote tiers see the plain offload key (their store keys carry the model identity); a failed remote read
 is counted in :attr:`remote_load_failures` instead of :attr:`load_failures`.
 
+Each tier has a breaker (:mod:`.breaker`, docs/breaker.md): a tier whose loads cost more than recomputing, or that
+the control file disables, is bypassed -- lookups skip it (counted), no write-through is queued to it -- while the
+other tiers serve; what is in flight finishes as before. Every promotion's busy time feeds its tier's breaker.
+
 Metrics (``kvtier_runtime_*``, labelled by tier name): the books count the host tier's lookups, hits, evictions,
 occupancy and capacity, and a filesystem tier's lookups and hits for keys the host tier missed; the filesystem
 tiers count their own promotions (disk -> host), demotions (host -> disk), bytes, errors and occupancy. A lookup
