@@ -215,21 +215,42 @@ def test_settings_errors_name_the_field(kw, message) -> None:
     assert str(err.value).startswith(message)
 
 
-def test_load_meter_counts_busy_time_only() -> None:
-    clock = Clock()
+def test_load_meter_counts_the_union_of_busy_intervals_ending_when_the_tier_finished() -> None:
+    from types import SimpleNamespace
+
+    clock = Clock(0.0)
     m = LoadMeter(clock)
-    clock.advance(50)  # idle: not counted
-    m.started(3)
-    clock.advance(0.3)
-    assert m.finished(3) == pytest.approx(0.3) and m.in_flight == 0
-    clock.advance(10)  # idle again
-    m.started()
-    clock.advance(0.1)
-    m.started()  # the tier was busy already: the clock keeps running from the first
-    clock.advance(0.1)
-    assert m.finished(1) == pytest.approx(0.2)
-    clock.advance(0.05)
-    assert m.finished(1) == pytest.approx(0.05)
+    assert m.take() is None
+    # Three loads in parallel from t=10: the tier finishes them at 10.1, 10.2, 10.3; the books collect them at
+    # 10.5 (a scheduler step later). Busy: 0.3 s, not 0.5 s, nor 0.6 s (the sum).
+    for job, end in ((1, 10.1), (2, 10.2), (3, 10.3)):
+        clock.t = end
+        m.on_complete(SimpleNamespace(job_id=job, kind="load"))
+    m.on_complete(SimpleNamespace(job_id=9, kind="store"))  # stores are not timed
+    clock.t = 10.5
+    for job in (1, 2, 3):
+        m.ended(job, 10.0)
+    busy, n, timeouts = m.take()
+    assert (n, timeouts) == (3, 0) and busy == pytest.approx(0.3)
+    # Idle until 50; a load from 50 the tier never reports (the books expire it at 52): counted up to 52.
+    clock.t = 52.0
+    m.ended(4, 50.0, timed_out=True)
+    busy, n, timeouts = m.take()
+    assert (n, timeouts) == (1, 1) and busy == pytest.approx(2.0)
+    # Its late end is dropped, not counted again.
+    clock.t = 60.0
+    m.on_complete(SimpleNamespace(job_id=4, kind="load"))
+    m.forget(4)
+    assert m.take() is None and not m._ends
+    # Overlapping loads collected in two polls: the second counts only what the first did not cover.
+    clock.t = 70.4
+    m.on_complete(SimpleNamespace(job_id=5, kind="load"))
+    m.ended(5, 70.0)
+    assert m.take()[0] == pytest.approx(0.4)
+    clock.t = 70.6
+    m.on_complete(SimpleNamespace(job_id=6, kind="load"))
+    m.ended(6, 70.2)
+    assert m.take()[0] == pytest.approx(0.2)
 
 
 # ---- the control file ------------------------------------------------------------------------------------------

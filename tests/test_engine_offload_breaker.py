@@ -29,8 +29,9 @@ class FakeTier:
     """A tier of the books' interface (fs or remote) whose jobs finish only in :meth:`complete`, loading the bytes
     it holds for the key, storing the host row as it is then."""
 
-    def __init__(self, name: str, io_timeout_s: float = 30.0) -> None:
+    def __init__(self, name: str, io_timeout_s: float = 30.0, on_complete=None) -> None:
         self.name = name
+        self.on_complete = on_complete  # the tier's callback as a job finishes (the books' load meter)
         self.peer = None
         self.io_timeout_s = io_timeout_s
         self.held: dict[bytes, torch.Tensor] = {}
@@ -68,7 +69,10 @@ class FakeTier:
                     row.copy_(self.held[key])
                 else:
                     self.held[key] = row.clone()
-            self._finished.append(JobResult(job_id, kind, tuple(keys), (True,) * len(keys)))
+            result = JobResult(job_id, kind, tuple(keys), (True,) * len(keys))
+            self._finished.append(result)
+            if self.on_complete is not None:
+                self.on_complete(result)
         self.jobs.clear()
 
     def get_finished(self) -> list[JobResult]:
@@ -88,10 +92,13 @@ def settings(**kw) -> BreakerSettings:
                            window_chunks=8, probe_chunks=2, **kw)
 
 
-def make_books(clock, control_file: str | None = None, n_rows: int = 8, **kw):
+def make_books(clock, control_file: str | None = None, n_rows: int = 8, stamps: bool = False, **kw):
+    """Books over a host tier, a filesystem tier ``nvme`` and a remote tier ``remote`` (fakes). ``stamps``: the
+    tiers report when they finish a load (as the real ones do), else the books time a load until they collect it."""
     host = MemoryTier("host", (ROW,), torch.uint8, n_rows * ROW)
-    nvme, remote = FakeTier("nvme"), FakeTier("remote")
     breakers = TierBreakers(["host", "nvme", "remote"], settings(**kw), clock=clock, control_file=control_file)
+    nvme, remote = (FakeTier(name, on_complete=breakers.meters[i].on_complete if stamps else None)
+                    for i, name in ((1, "nvme"), (2, "remote")))
     books = OffloadBooks(host, [nvme], key_suffix=SUFFIX, remote_tiers=[remote], breakers=breakers)
     return books, nvme, remote
 
@@ -307,8 +314,64 @@ def test_expired_loads_count_once_as_timeouts_and_their_late_end_is_not_counted_
         clock.advance(10 * CHUNK_S)
         assert books.lookup(seq_key(i)) == MISS  # expired: vLLM recomputes (the slot stays fenced)
     assert books.remote_load_failures["timeout"] == 4
-    assert breakers[1].state == OPEN and breakers.meters[1].in_flight == 0
+    assert breakers[1].state == OPEN
+    remote.on_complete = breakers.meters[1].on_complete
     remote.complete()  # the late reads land in their fenced slots
     books.poll()
-    assert breakers.meters[1].in_flight == 0 and breakers[1].cost_s_per_chunk is None
+    assert not breakers.meters[1]._ends and breakers.meters[1].take() is None
     assert not books.has_pending_work() and books.fenced_slots == 0
+
+
+
+def test_a_fast_tier_collected_a_long_step_later_is_judged_by_when_it_finished() -> None:
+    # The engine collects finished loads once per scheduler step. A tier that reads a chunk in a tenth of the
+    # recompute time, collected 20 recompute-times later (a long step), is fast: the tier's own end time counts.
+    # Without the tier's end times (stamps False) the same loads look slow: the comparison shows the test can fail.
+    for stamps, opened in ((True, False), (False, True)):
+        clock = ManualClock()
+        books, nvme, remote = make_books(clock, stamps=stamps)
+        served = 0
+        for i in range(40):
+            held_in(nvme, seq_key(i))
+            if books.lookup(seq_key(i)) != RETRY:
+                break
+            clock.advance(0.1 * CHUNK_S)
+            nvme.complete()
+            clock.advance(20 * CHUNK_S)  # the rest of the step
+            assert books.lookup(seq_key(i)) == HIT
+            served += 1
+        assert (books.breakers[1].state == OPEN) == opened and served == (4 if opened else 40), stamps
+
+
+def test_a_real_filesystem_tier_reports_its_load_ends_to_the_meter_and_can_be_disabled(tmp_path) -> None:
+    import time
+
+    from kvtier_runtime.config import FilesystemTierConfig
+    from kvtier_runtime.fs.tier import FilesystemTier
+
+    host = MemoryTier("host", (ROW,), torch.uint8, 2 * ROW)
+    breakers = TierBreakers(["host", "disk"], BreakerSettings(), clock=time.monotonic)  # no rate: no verdicts
+    cfg = FilesystemTierConfig(root_dir=str(tmp_path / "fs"), capacity_bytes=1 << 20, n_read_threads=1,
+                               n_write_threads=1)
+    disk = FilesystemTier(cfg, (ROW // 2,), torch.float16, name=f"disk-{time.monotonic_ns()}",
+                          on_complete=breakers.meters[1].on_complete)
+    books = OffloadBooks(host, [disk], fs_rows=[host.slab.view(torch.float16)], key_suffix=SUFFIX,
+                         breakers=breakers)
+    try:
+        for i in range(3):  # two host rows: the first key ends up on disk only
+            store(books, seq_key(i))
+            books.drain()
+        assert seq_key(0) not in books.host and books.lookup(seq_key(0)) == RETRY
+        books.drain()
+        assert books.lookup(seq_key(0)) == HIT
+        (slot,) = books.prepare_load([seq_key(0)])
+        assert torch.equal(books.host.slab[slot], fill(seq_key(0)))
+        books.complete_load([seq_key(0)])
+        assert breakers[1].cost_s_per_chunk is not None and not breakers.meters[1]._ends  # timed, stamp used
+        breakers[1].force(True)
+        assert books.lookup(seq_key(1)) == MISS and breakers.bypassed_lookups == {"disk": 1}
+        store(books, seq_key(9))
+        books.drain()
+        assert breakers.bypassed_stores == {"disk": 1} and disk.state(seq_key(9) + SUFFIX) is KeyState.MISS
+    finally:
+        books.close()

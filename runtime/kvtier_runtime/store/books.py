@@ -65,6 +65,7 @@ class _Promotion:
     started: float
     probe: bool = False  # the half-open tier's one probe load
     timed: bool = True  # its end is still to be counted in the tier's load cost (not at an expiry)
+    t0: float = 0.0  # its start on the breakers' clock
 
 
 @dataclass
@@ -124,7 +125,6 @@ class OffloadBooks:
         if len(self.breakers.breakers) != 1 + len(self._tiers):
             raise ValueError(f"breakers: {len(self.breakers.breakers)} breakers for {1 + len(self._tiers)} tiers "
                              "(the host tier, then the filesystem and remote tiers)")
-        self._loads_done: list[list[int]] = [[0, 0] for _ in self._tiers]  # per tier: loads, timeouts this poll
         # Per tier, the host rows as that tier sees them (the KV dtype its codec quantizes); same memory.
         self._fs_rows = list(fs_rows) if fs_rows is not None else [host.slab] * len(self.fs_tiers)
         self._fs_rows += list(remote_rows) if remote_rows is not None else [host.slab] * len(self.remote_tiers)
@@ -223,8 +223,8 @@ class OffloadBooks:
         self.host.pin(key)
         tier = self._tiers[tier_index]
         job = tier.submit_load([self._tier_key(tier_index, key)], [self._fs_rows[tier_index][slot]], ctx)
-        self._promotions[(tier_index, job)] = _Promotion(key, tier_index, time.monotonic(), probe=probe)
-        self.breakers.loads_started(tier_index + 1)
+        self._promotions[(tier_index, job)] = _Promotion(key, tier_index, time.monotonic(), probe=probe,
+                                                         t0=self.breakers.clock())
         if probe:
             self.breakers[tier_index + 1].probe_started("load")
         self.counters["promotions_started"] += 1
@@ -505,22 +505,16 @@ class OffloadBooks:
         for i, tier in enumerate(self._tiers):
             for result in tier.get_finished():
                 self._finish(i, result)
-            self._count_loads(i)
+            self.breakers.count_loads(i + 1)
         if self._promotions:
             self._expire_promotions()
 
-    def _count_loads(self, tier_index: int) -> None:
-        """Hand the loads of ``tier_index`` that ended since the last call to its breaker (one sample)."""
-        done = self._loads_done[tier_index]
-        if done[0]:
-            self.breakers.loads_finished(tier_index + 1, done[0], done[1])
-            done[0] = done[1] = 0
-
-    def _load_ended(self, promo: _Promotion, timed_out: bool) -> None:
+    def _load_ended(self, job: int, promo: _Promotion, timed_out: bool) -> None:
+        meter = self.breakers.meters[promo.tier + 1]
         if promo.timed:
-            done = self._loads_done[promo.tier]
-            done[0] += 1
-            done[1] += int(timed_out)
+            meter.ended(job, promo.t0, timed_out)
+        else:
+            meter.forget(job)
         if promo.probe:
             self.breakers[promo.tier + 1].probe_finished("load")
 
@@ -541,8 +535,8 @@ class OffloadBooks:
             if isinstance(promo.key, _Fence) or now - promo.started <= tier.io_timeout_s:
                 continue
             key = promo.key
-            self._load_ended(promo, timed_out=True)  # its end, for the tier's load cost, is now
-            self._count_loads(tier_index)
+            self._load_ended(job, promo, timed_out=True)  # its end, for the tier's load cost, is now
+            self.breakers.count_loads(tier_index + 1)
             self._promotions[(tier_index, job)] = replace(promo, probe=False, timed=False)
             self._fence(key)
             self._origin.pop(key, None)
@@ -556,7 +550,8 @@ class OffloadBooks:
     def _finish(self, tier_index: int, result: JobResult) -> None:
         promo = self._promotions.pop((tier_index, result.job_id), None)
         if promo is not None:
-            self._load_ended(promo, timed_out=not result.ok[0] and result.errors.get(0) == "timeout")
+            self._load_ended(result.job_id, promo,
+                             timed_out=not result.ok[0] and result.errors.get(0) == "timeout")
             key = promo.key
             if isinstance(key, _Fence):  # reset while reading: the bytes are not wanted any more
                 self._drop_fence_pin(key, engine=False)

@@ -2,7 +2,7 @@
 
 A :class:`Breaker` judges one tier from what its loads cost: samples of (busy seconds, chunks) measured by the
 books (:class:`LoadMeter`: the time the tier had loads in flight, over the chunks those loads delivered, so a long
-prefix read in parallel costs what it really took). It compares the mean cost over the last ``window_chunks`` chunks
+prefix read in parallel costs what it really took; one chunk per load). It compares the mean cost over the last ``window_chunks`` chunks
 with what recomputing one chunk costs (``tokens_per_chunk / recompute_tokens_per_s``, from the spec's config):
 
 * ``closed`` (serving): once at least ``min_chunks`` chunks were measured and loads cost ``open_ratio`` times
@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from ..config import OffloadSpecConfig
 from .control import ControlFile, ControlState
@@ -253,26 +254,46 @@ class Breaker:
 
 
 class LoadMeter:
-    """Busy time of one tier's loads: while any load is in flight the clock runs; each collection of finished loads
-    is one sample (the busy time since the previous collection, the chunks finished)."""
+    """Busy time of one tier's loads: the union of the intervals (start, end) of the loads that ended, so loads in
+    parallel count once and idle time not at all. The end of a load is when the tier finished it (its
+    ``on_complete`` callback, :meth:`on_complete`, from the tier's thread), else when the books collected it (at
+    most one scheduler step later). :meth:`take` hands the loads ended since the last call over as one sample."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
-        self.in_flight = 0
-        self._mark = 0.0
+        self._lock = threading.Lock()
+        self._ends: dict[int, float] = {}  # load job id -> when the tier finished it
+        self._ended: list[tuple[float, float, bool]] = []  # (start, end, timed out) not yet taken
+        self._mark = float("-inf")  # busy time is counted up to here
 
-    def started(self, n: int = 1) -> None:
-        if self.in_flight == 0:
-            self._mark = self.clock()
-        self.in_flight += n
+    def on_complete(self, result: Any) -> None:
+        """A tier's ``on_complete`` callback (any thread): remember when a load job finished."""
+        if getattr(result, "kind", "load") == "load":
+            with self._lock:
+                self._ends[result.job_id] = self.clock()
 
-    def finished(self, n: int) -> float:
-        """``n`` loads finished: the busy seconds they account for."""
-        now = self.clock()
-        busy = now - self._mark
-        self._mark = now
-        self.in_flight = max(0, self.in_flight - n)
-        return busy
+    def ended(self, job_id: int, started: float, timed_out: bool = False) -> None:
+        """The books saw load ``job_id`` (started at ``started`` on this meter's clock) end."""
+        with self._lock:
+            end = self._ends.pop(job_id, None)
+        self._ended.append((started, self.clock() if end is None else end, timed_out))
+
+    def forget(self, job_id: int) -> None:
+        """A load that ended uncounted (counted earlier, when it expired): drop its end time."""
+        with self._lock:
+            self._ends.pop(job_id, None)
+
+    def take(self) -> tuple[float, int, int] | None:
+        """(busy seconds, loads, timeouts) of the loads ended since the last call, or None if none did."""
+        if not self._ended:
+            return None
+        busy = 0.0
+        for start, end, _ in sorted(self._ended, key=lambda e: e[1]):
+            busy += max(0.0, end - max(start, self._mark))
+            self._mark = max(self._mark, end)
+        n, timeouts = len(self._ended), sum(1 for e in self._ended if e[2])
+        self._ended = []
+        return busy, n, timeouts
 
 
 class TierBreakers:
@@ -348,12 +369,11 @@ class TierBreakers:
         for i, b in enumerate(self.breakers):
             b.force(i in off, why)
 
-    def loads_started(self, i: int, n: int = 1) -> None:
-        self.meters[i].started(n)
-
-    def loads_finished(self, i: int, n: int, timeouts: int = 0) -> None:
-        if n > 0:
-            self.breakers[i].record(self.meters[i].finished(n), n, timeouts)
+    def count_loads(self, i: int) -> None:
+        """Hand the loads of tier ``i`` that ended since the last call to its breaker, as one sample."""
+        sample = self.meters[i].take()
+        if sample is not None:
+            self.breakers[i].record(*sample)
 
     @property
     def generation(self) -> int | None:

@@ -201,17 +201,20 @@ class KvtierOffloadingManager(OffloadingManager):
             admission_threshold=cfg.admission_threshold, slab=self.region.rows,
         )
         suffix = namespace_suffix(run_identity(spec, "/"))
+        # Before the tiers: each tier stamps the end of its load jobs on its breaker's meter (docs/breaker.md).
+        self.breakers = TierBreakers.for_spec(cfg, spec.tokens_per_chunk, logger=_log)
+        meters = self.breakers.meters[1:]
         tiers: list[FilesystemTier] = []
         rows: list[torch.Tensor] = []
         decision = spec.layout_decision
         self.flat_codec_tiers: Counter[str] = Counter()
-        for tcfg, dtype in zip(cfg.fs_tiers, spec.fs_view_dtypes):
+        for tcfg, dtype, meter in zip(cfg.fs_tiers, spec.fs_view_dtypes, meters):
             view = self.region.rows.view(dtype)
             codec = tier_codec(tcfg, decision)
             if tcfg.codec != "none" and not isinstance(codec, KVChunkCodec):  # flat (int4 refused: int8)
                 self.flat_codec_tiers[decision.reason] += 1
             tiers.append(FilesystemTier(tcfg, (view.shape[1],), dtype, name=f"kvtier:{tcfg.root_dir}", peer="host",
-                                        codec=codec))
+                                        codec=codec, on_complete=meter.on_complete))
             rows.append(view)
         if self.flat_codec_tiers:
             _log.warning("kvtier: %d compressed filesystem tier(s) use the flat codec, whose scales do not follow K "
@@ -219,18 +222,19 @@ class KvtierOffloadingManager(OffloadingManager):
         elif decision.layout is not None:
             _log.info("kvtier: compressed filesystem tiers encode chunks of %s with layout-aware scales",
                       describe(decision.layout))
-        remote, remote_rows = self._remote_tiers(spec, decision)
+        remote, remote_rows = self._remote_tiers(spec, decision, meters[len(tiers):])
         self.books = OffloadBooks(host, tiers, fs_rows=rows, key_suffix=suffix,
                                   enable_events=_kv_events_enabled(spec),
                                   fs_events=spec.fs_kv_events, remote_tiers=remote, remote_rows=remote_rows,
-                                  breakers=TierBreakers.for_spec(cfg, spec.tokens_per_chunk, logger=_log))
+                                  breakers=self.breakers)
         self._reported: Counter[str] = Counter()
         self._stats_seen: tuple[int, ...] = ()  # _stats_state() when get_stats last ran
         self._extra_steps = 0
         self._lock = threading.RLock()
         self._requests: dict[str, dict[OffloadKey, int | None]] = {}  # request -> chunks it used, their positions
 
-    def _remote_tiers(self, spec: KvtierOffloadingSpec, decision: LayoutDecision) -> tuple[list[Any], list[Any]]:
+    def _remote_tiers(self, spec: KvtierOffloadingSpec, decision: LayoutDecision,
+                      meters: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         """The remote tiers (a store shared by every replica; the model identity, derived from vLLM's config, is in
         each key) and the host rows as each sees them. The tier module (and its client, redis-py) is imported
         only when one is configured."""
@@ -239,14 +243,14 @@ class KvtierOffloadingManager(OffloadingManager):
         from ...remote.tier import RemoteTier
 
         tiers, rows = [], []
-        for rcfg, dtype in zip(spec.kvtier.remote_tiers, spec.remote_view_dtypes):
+        for rcfg, dtype, meter in zip(spec.kvtier.remote_tiers, spec.remote_view_dtypes, meters):
             view = self.region.rows.view(dtype)
             # the filesystem tiers' codec choice (layout-aware when the layout is known), verifying as they do
             codec = tier_codec(SimpleNamespace(codec=rcfg.codec, codec_fallback=True),  # type: ignore[arg-type]
                                decision)
             identity = remote_identity(spec, rcfg.codec)
             tier = RemoteTier(rcfg, (view.shape[1],), dtype, identity=identity, name=f"kvtier-remote:{rcfg.url}",
-                              peer="host", codec=codec)
+                              peer="host", codec=codec, on_complete=meter.on_complete)
             _log.info("kvtier: remote tier %s for model identity %s (capacity %d chunks of %d bytes)", rcfg.url,
                       identity, tier.capacity_entries, tier.value_bytes)
             tiers.append(tier)
