@@ -362,3 +362,16 @@ def test_parse_control_names_the_field_and_the_rule() -> None:
     with pytest.raises(ValueError, match=r"must be a JSON object, got list"):
         parse_control(b'["a"]')
     assert parse_control(b'{"generation": 0, "future": true}').disabled == frozenset()
+
+
+def test_the_operators_control_file_text_is_what_the_runtime_reads() -> None:
+    from kvtier_runtime.config import ConfigError, control_file_json
+
+    text = control_file_json(["remote", "nvme", "nvme"], 3)
+    assert text == '{"disabledTiers":["nvme","remote"],"generation":3}'  # sorted, deduplicated: stable bytes
+    state = parse_control(text.encode(), {"host", "nvme", "remote"})
+    assert state.disabled == {"nvme", "remote"} and state.generation == 3
+    with pytest.raises(ConfigError, match="generation: -1 must be a non-negative integer"):
+        control_file_json([], -1)
+    with pytest.raises(ConfigError, match="would exceed 65536 bytes"):
+        control_file_json([f"tier-{i:05d}" for i in range(10_000)], 1)

@@ -6,9 +6,10 @@ key breaks a test instead of a deployment.
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 # Names of the runtime's policies and codecs as a KVCachePolicy spells them.
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "arc", "s3fifo", "prefix2q", "adaptive")
@@ -410,3 +411,25 @@ class OffloadSpecConfig:
             out["tier_names"] = list(self.tier_names)
         out.update(self.extra)
         return out
+
+
+# ---- the runtime's live control file (docs/breaker.md): written by the operator, read by the runtime ----------
+# ``{"disabledTiers": [names], "generation": N}``: the tiers listed are bypassed until removed from the list.
+CONTROL_DISABLED_TIERS = "disabledTiers"
+CONTROL_GENERATION = "generation"
+# A larger file is refused (the last good state is kept).
+CONTROL_FILE_MAX_BYTES = 64 * 1024
+
+
+def control_file_json(disabled_tiers: Sequence[str], generation: int) -> str:
+    """The control file's text for ``disabled_tiers`` (tier names as ``OffloadSpecConfig.tier_names`` spells them)
+    and the writer's ``generation``: sorted, so the same state is always the same bytes."""
+    if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
+        raise ConfigError(f"{CONTROL_GENERATION}: {generation!r} must be a non-negative integer")
+    names = sorted(set(disabled_tiers))
+    if not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(f"{CONTROL_DISABLED_TIERS}: {names!r} must be non-empty tier names")
+    text = json.dumps({CONTROL_DISABLED_TIERS: names, CONTROL_GENERATION: generation}, separators=(",", ":"))
+    if len(text.encode()) > CONTROL_FILE_MAX_BYTES:
+        raise ConfigError(f"{CONTROL_DISABLED_TIERS}: the file would exceed {CONTROL_FILE_MAX_BYTES} bytes")
+    return text

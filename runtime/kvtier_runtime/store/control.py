@@ -26,7 +26,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Collection
 
-MAX_CONTROL_BYTES = 64 * 1024
+from ..config import CONTROL_DISABLED_TIERS, CONTROL_FILE_MAX_BYTES, CONTROL_GENERATION
+
+MAX_CONTROL_BYTES = CONTROL_FILE_MAX_BYTES
 DEFAULT_POLL_INTERVAL_S = 1.0
 # Reasons counted in ControlFile.errors.
 TOO_LARGE, UNPARSABLE, INVALID, UNKNOWN_TIER, UNREADABLE = "too_large", "unparsable", "invalid", "unknown_tier", \
@@ -61,19 +63,19 @@ def parse_control(data: bytes, known: Collection[str] | None = None,
         raise ControlError(UNPARSABLE, f"not a JSON document ({exc})") from None
     if not isinstance(doc, dict):
         raise ControlError(INVALID, f"must be a JSON object, got {type(doc).__name__}")
-    tiers = doc.get("disabledTiers", [])
+    tiers = doc.get(CONTROL_DISABLED_TIERS, [])
     if not isinstance(tiers, list):
-        raise ControlError(INVALID, f"disabledTiers: {tiers!r} must be a list of tier names")
+        raise ControlError(INVALID, f"{CONTROL_DISABLED_TIERS}: {tiers!r} must be a list of tier names")
     for i, name in enumerate(tiers):
         if not isinstance(name, str) or not name:
-            raise ControlError(INVALID, f"disabledTiers[{i}]: {name!r} must be a non-empty string")
+            raise ControlError(INVALID, f"{CONTROL_DISABLED_TIERS}[{i}]: {name!r} must be a non-empty string")
         if known is not None and name not in known:
-            raise ControlError(UNKNOWN_TIER, f"disabledTiers[{i}]: {name!r} is not a tier of this engine "
+            raise ControlError(UNKNOWN_TIER, f"{CONTROL_DISABLED_TIERS}[{i}]: {name!r} is not a tier of this engine "
                                              f"({', '.join(sorted(known))})")
-    generation = doc.get("generation")
+    generation = doc.get(CONTROL_GENERATION)
     if generation is not None and (isinstance(generation, bool) or not isinstance(generation, int)
                                    or generation < 0):
-        raise ControlError(INVALID, f"generation: {generation!r} must be a non-negative integer")
+        raise ControlError(INVALID, f"{CONTROL_GENERATION}: {generation!r} must be a non-negative integer")
     return ControlState(frozenset(tiers), generation)
 
 
