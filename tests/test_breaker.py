@@ -305,7 +305,6 @@ def test_a_corrupt_oversized_or_unknown_control_file_keeps_the_last_good_state(t
     assert tb[1].state == DISABLED
     bad = [
         ('{"disabledTiers": ["nvme"', "unparsable"),
-        (control(root, ["nvmee"], 2), "unknown_tier"),
         (control(root, "nvme", 2), "invalid"),
         (control(root, ["nvme"], -1), "invalid"),
         (control(root, ["nvme"], 2, padding="x" * 70_000), "too_large"),
@@ -320,11 +319,29 @@ def test_a_corrupt_oversized_or_unknown_control_file_keeps_the_last_good_state(t
                 tb.tick()
         assert len(caplog.records) == 1 and "keeping the last good state" in caplog.records[0].getMessage()
         assert tb[1].state == DISABLED and tb.generation == 1, reason
-    assert tb.control_errors == {"unparsable": 2, "unknown_tier": 1, "invalid": 2, "too_large": 1}
+    assert tb.control_errors == {"unparsable": 2, "invalid": 2, "too_large": 1}
     configmap_update(root, {"control.json": control(root, [], 9)}, 20)
     clock.advance(1.0)
     tb.tick()
     assert tb[1].state == HALF_OPEN and tb.generation == 9
+
+
+def test_a_name_that_is_no_tier_of_this_engine_is_counted_and_the_other_names_still_apply(tmp_path, caplog) -> None:
+    # A tier the operator disabled and then stopped rendering (or a typo) must not void the rest of the list.
+    root = tmp_path / "cm"
+    root.mkdir()
+    clock = Clock()
+    configmap_update(root, {"control.json": control(root, ["nvme"], 1)}, 1)
+    tb = breakers(tmp_path, clock)
+    configmap_update(root, {"control.json": control(root, ["remote", "ssd-gone"], 2)}, 2)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            clock.advance(1.0)
+            tb.tick()
+    warnings = [r.getMessage() for r in caplog.records if "control file" in r.getMessage()]
+    assert len(warnings) == 1 and "'ssd-gone' is not a tier of this engine" in warnings[0]
+    assert [b.state for b in tb.breakers] == [CLOSED, HALF_OPEN, DISABLED] and tb.generation == 2
+    assert tb.control_errors == {"unknown_tier": 1}
 
 
 def test_a_removed_control_file_disables_nothing(tmp_path) -> None:

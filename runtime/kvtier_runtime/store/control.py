@@ -12,9 +12,10 @@ The file is a small JSON object, e.g. ``{"disabledTiers": ["nvme"], "generation"
 Reading it is built for a Kubernetes ConfigMap volume, which replaces its files by an atomic symlink swap
 (``..data -> ..2026_...``): the path is stat-ed through the symlinks at most once per ``interval_s`` and read only
 when the file behind it changed (device, inode, size or mtime); a file whose size or mtime changes while it is
-read is read again at the next poll. A file over ``max_bytes``, not JSON, of the wrong shape or naming a tier this
-engine does not have keeps the last good state: logged once per version of the file and counted by reason in
-:attr:`ControlFile.errors`. A missing file disables nothing.
+read is read again at the next poll. A file over ``max_bytes``, not JSON or of the wrong shape keeps the last good
+state: logged once per version of the file and counted by reason in :attr:`ControlFile.errors`. A name that is no
+tier of this engine is ignored, logged and counted the same way, and the other names apply (a tier the operator
+no longer renders must not void the rest of its list: a bypass is always safe). A missing file disables nothing.
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ class ControlState:
 
     disabled: frozenset[str] = frozenset()
     generation: int | None = None
+    # Names listed that are no tier of this engine: ignored (the others still apply), counted, logged.
+    unknown: tuple[str, ...] = ()
 
 
 class ControlError(ValueError):
@@ -54,7 +57,8 @@ class ControlError(ValueError):
 def parse_control(data: bytes, known: Collection[str] | None = None,
                   max_bytes: int = MAX_CONTROL_BYTES) -> ControlState:
     """The state a control file's bytes describe; :class:`ControlError` (with a ``reason``) names the field and the
-    rule it broke. ``known``: the tier names this engine answers to (None: any name)."""
+    rule it broke. ``known``: the tier names this engine answers to (None: any name); other names are left out of
+    ``disabled`` and listed in ``unknown``."""
     if len(data) > max_bytes:
         raise ControlError(TOO_LARGE, f"larger than {max_bytes} bytes")
     try:
@@ -69,14 +73,12 @@ def parse_control(data: bytes, known: Collection[str] | None = None,
     for i, name in enumerate(tiers):
         if not isinstance(name, str) or not name:
             raise ControlError(INVALID, f"{CONTROL_DISABLED_TIERS}[{i}]: {name!r} must be a non-empty string")
-        if known is not None and name not in known:
-            raise ControlError(UNKNOWN_TIER, f"{CONTROL_DISABLED_TIERS}[{i}]: {name!r} is not a tier of this engine "
-                                             f"({', '.join(sorted(known))})")
     generation = doc.get(CONTROL_GENERATION)
     if generation is not None and (isinstance(generation, bool) or not isinstance(generation, int)
                                    or generation < 0):
         raise ControlError(INVALID, f"{CONTROL_GENERATION}: {generation!r} must be a non-negative integer")
-    return ControlState(frozenset(tiers), generation)
+    unknown = tuple(n for n in tiers if known is not None and n not in known)
+    return ControlState(frozenset(n for n in tiers if n not in unknown), generation, unknown)
 
 
 class ControlFile:
@@ -132,6 +134,12 @@ class ControlFile:
         except ControlError as err:
             return self._bad(opened, err.reason, str(err))
         self._seen = opened
+        if state.unknown:
+            self.errors[UNKNOWN_TIER] += 1
+            self.log.warning("kvtier: control file %s: %s: %s %s not a tier of this engine (%s); ignored, the other "
+                             "names apply", self.path, CONTROL_DISABLED_TIERS, ", ".join(map(repr, state.unknown)),
+                             "is" if len(state.unknown) == 1 else "are", ", ".join(sorted(self.known or ())))
+            state = ControlState(state.disabled, state.generation)
         return self._apply(state)
 
     def _missing(self) -> ControlState | None:
