@@ -375,3 +375,9 @@ def test_a_real_filesystem_tier_reports_its_load_ends_to_the_meter_and_can_be_di
         assert breakers.bypassed_stores == {"disk": 1} and disk.state(seq_key(9) + SUFFIX) is KeyState.MISS
     finally:
         books.close()
+
+
+def test_two_remote_tiers_on_one_store_get_distinct_default_names() -> None:
+    cfg = OffloadSpecConfig.from_extra_config({"cpu_bytes_to_use": 1, "remote_tiers": [
+        {"url": "redis://kv:6379", "capacity_bytes": 1}, {"url": "redis://kv:6379", "capacity_bytes": 2}]})
+    assert TierBreakers.for_spec(cfg, TOKENS).names == ["host", "redis://kv:6379", "redis://kv:6379#2"]

@@ -358,7 +358,10 @@ class OffloadSpecConfig:
         """Every tier's name: ``tier_names``, or ``host``, each fs tier's root_dir, each remote tier's url."""
         if self.tier_names:
             return list(self.tier_names)
-        return ["host", *(t.root_dir for t in self.fs_tiers), *(t.url for t in self.remote_tiers)]
+        names: list[str] = []
+        for i, name in enumerate(["host", *(t.root_dir for t in self.fs_tiers), *(t.url for t in self.remote_tiers)]):
+            names.append(name if name not in names else f"{name}#{i}")  # two remote tiers on one store
+        return names
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> "OffloadSpecConfig":
