@@ -366,6 +366,8 @@ class TierBreakers:
     def _apply(self, state: ControlState) -> None:
         off = {self._by_name[n] for n in state.disabled}
         why = f" by {self.control.path} (generation {state.generation})"  # type: ignore[union-attr]
+        self.log.info("kvtier: control file %s, generation %s: disabled tiers %s", self.control.path,  # type: ignore
+                      state.generation, ", ".join(self.breakers[i].name for i in sorted(off)) or "none")
         for i, b in enumerate(self.breakers):
             b.force(i in off, why)
 
