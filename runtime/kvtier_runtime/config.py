@@ -6,9 +6,10 @@ key breaks a test instead of a deployment.
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 # Names of the runtime's policies and codecs as a KVCachePolicy spells them.
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "arc", "s3fifo", "prefix2q", "adaptive")
@@ -310,6 +311,14 @@ class OffloadSpecConfig:
     fs_tiers: tuple[FilesystemTierConfig, ...] = ()
     # Shared tiers behind the filesystem tiers, in lookup order (each a :class:`RemoteTierConfig`).
     remote_tiers: tuple[RemoteTierConfig, ...] = ()
+    # The live control file (docs/breaker.md): JSON naming tiers to bypass without a restart. None: not watched.
+    control_file: str | None = None
+    # Tokens per second the engine prefills (recomputes) at: a tier whose loads cost more than recomputing the same
+    # tokens is bypassed by its breaker (docs/breaker.md). None: no tier is bypassed for being slow.
+    recompute_tokens_per_s: float | None = None
+    # The tiers' names as the control file and the metrics spell them: the host tier, then fs_tiers, then
+    # remote_tiers (the KVCachePolicy's tier names). Empty: host, each root_dir, each url.
+    tier_names: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -319,6 +328,40 @@ class OffloadSpecConfig:
         _positive_int("admission_threshold", self.admission_threshold)
         if not isinstance(self.host_shm_dir, str) or not self.host_shm_dir.startswith("/"):
             raise ConfigError(f"host_shm_dir: {self.host_shm_dir!r} must be an absolute path")
+        if self.control_file is not None and (not isinstance(self.control_file, str)
+                                              or not self.control_file.startswith("/")):
+            raise ConfigError(f"control_file: {self.control_file!r} must be an absolute path")
+        rate = self.recompute_tokens_per_s
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
+                                 or not 0 < rate < float("inf")):
+            raise ConfigError(f"recompute_tokens_per_s: {rate!r} must be a positive number")
+        self._check_tier_names()
+
+    def _check_tier_names(self) -> None:
+        names = self.tier_names
+        if isinstance(names, list):
+            object.__setattr__(self, "tier_names", tuple(names))
+            names = self.tier_names
+        if not names:
+            return
+        if not isinstance(names, tuple) or not all(isinstance(n, str) and 0 < len(n) <= 253 for n in names):
+            raise ConfigError(f"tier_names: {list(names)!r} must be a list of non-empty names (at most 253 characters)")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tier_names: {list(names)!r} must be distinct")
+        tiers = 1 + len(self.fs_tiers) + len(self.remote_tiers)
+        if len(names) != tiers:
+            raise ConfigError(f"tier_names: {len(names)} names for {tiers} tiers (the host tier, then fs_tiers, then "
+                              "remote_tiers)")
+
+    @property
+    def names(self) -> list[str]:
+        """Every tier's name: ``tier_names``, or ``host``, each fs tier's root_dir, each remote tier's url."""
+        if self.tier_names:
+            return list(self.tier_names)
+        names: list[str] = []
+        for i, name in enumerate(["host", *(t.root_dir for t in self.fs_tiers), *(t.url for t in self.remote_tiers)]):
+            names.append(name if name not in names else f"{name}#{i}")  # two remote tiers on one store
+        return names
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> "OffloadSpecConfig":
@@ -332,13 +375,19 @@ class OffloadSpecConfig:
         if len(set(roots)) != len(roots):
             raise ConfigError(f"{prefix}fs_tiers: root_dir values must be distinct, got {roots}")
         remote = _parse_tiers(extra, "remote_tiers", RemoteTierConfig, prefix)
-        known = {"cpu_bytes_to_use", "eviction_policy", "admission", "admission_threshold", "host_shm_dir"}
+        known = {"cpu_bytes_to_use", "eviction_policy", "admission", "admission_threshold", "host_shm_dir",
+                 "control_file", "recompute_tokens_per_s"}
+        names = extra.get("tier_names") or ()
+        if not isinstance(names, (list, tuple)):
+            raise ConfigError(f"{prefix}tier_names: {names!r} must be a list of tier names")
         try:
             return cls(
                 **{k: extra[k] for k in known if k in extra},
                 fs_tiers=tuple(tiers),
                 remote_tiers=tuple(remote),
-                extra={k: v for k, v in extra.items() if k not in known and k not in ("fs_tiers", "remote_tiers")},
+                tier_names=tuple(names),
+                extra={k: v for k, v in extra.items()
+                       if k not in known and k not in ("fs_tiers", "remote_tiers", "tier_names")},
             )
         except ConfigError as err:
             raise ConfigError(f"{prefix}{err}") from None
@@ -357,5 +406,33 @@ class OffloadSpecConfig:
             out["fs_tiers"] = [t.to_kwargs() for t in self.fs_tiers]
         if self.remote_tiers:
             out["remote_tiers"] = [t.to_kwargs() for t in self.remote_tiers]
+        if self.control_file is not None:
+            out["control_file"] = self.control_file
+        if self.recompute_tokens_per_s is not None:
+            out["recompute_tokens_per_s"] = self.recompute_tokens_per_s
+        if self.tier_names:
+            out["tier_names"] = list(self.tier_names)
         out.update(self.extra)
         return out
+
+
+# ---- the runtime's live control file (docs/breaker.md): written by the operator, read by the runtime ----------
+# ``{"disabledTiers": [names], "generation": N}``: the tiers listed are bypassed until removed from the list.
+CONTROL_DISABLED_TIERS = "disabledTiers"
+CONTROL_GENERATION = "generation"
+# A larger file is refused (the last good state is kept).
+CONTROL_FILE_MAX_BYTES = 64 * 1024
+
+
+def control_file_json(disabled_tiers: Sequence[str], generation: int) -> str:
+    """The control file's text for ``disabled_tiers`` (tier names as ``OffloadSpecConfig.tier_names`` spells them)
+    and the writer's ``generation``: sorted, so the same state is always the same bytes."""
+    if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
+        raise ConfigError(f"{CONTROL_GENERATION}: {generation!r} must be a non-negative integer")
+    names = sorted(set(disabled_tiers))
+    if not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(f"{CONTROL_DISABLED_TIERS}: {names!r} must be non-empty tier names")
+    text = json.dumps({CONTROL_DISABLED_TIERS: names, CONTROL_GENERATION: generation}, separators=(",", ":"))
+    if len(text.encode()) > CONTROL_FILE_MAX_BYTES:
+        raise ConfigError(f"{CONTROL_DISABLED_TIERS}: the file would exceed {CONTROL_FILE_MAX_BYTES} bytes")
+    return text

@@ -142,3 +142,37 @@ def run_in_threads(worker: Callable[[int], None], n: int = 4) -> None:
     for thread in threads:
         thread.join()
     assert not errors, errors
+
+
+def configmap_update(root, files: dict[str, str], version: int) -> None:
+    """Write ``files`` under ``root`` the way the kubelet updates a ConfigMap volume: a new timestamped directory,
+    ``..data`` swapped to it by one rename of a symlink, the old directory removed; each file a symlink through
+    ``..data`` (made once). A file left out of ``files`` then dangles, as a key removed from the ConfigMap does."""
+    import os
+    import shutil
+
+    new = f"..2026_12_02_06_00_{version:02d}.{version}"
+    os.makedirs(root / new)
+    for name, text in files.items():
+        (root / new / name).write_text(text)
+    old = os.readlink(root / "..data") if (root / "..data").is_symlink() else None
+    os.symlink(new, root / "..data_tmp")
+    os.rename(root / "..data_tmp", root / "..data")  # the atomic swap
+    for name in files:
+        if not (root / name).is_symlink():
+            os.symlink(f"..data/{name}", root / name)
+    if old is not None:
+        shutil.rmtree(root / old)
+
+
+class ManualClock:
+    """A clock the test moves: ``clock()`` reads it, ``clock.advance(dt)`` moves it."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt

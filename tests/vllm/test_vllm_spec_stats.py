@@ -49,3 +49,28 @@ def test_an_idle_engine_steps_until_finished_write_throughs_reach_its_stats(tmp_
         assert reported == 2, f"{reported} of 2 disk stores reached vLLM's stats after {steps} idle steps"
     finally:
         manager.shutdown()
+
+
+def test_a_tier_the_control_file_disables_is_reported_bypassed_and_its_skipped_lookups_counted(tmp_path) -> None:
+    from kvtier_runtime.engines.vllm.offloading import METRIC_TIER_BYPASSED, METRIC_TIER_MISSES
+
+    control = tmp_path / "control.json"
+    control.write_text('{"disabledTiers": ["nvme"], "generation": 7}')
+    extra = {"spec_module_path": ADAPTER, "host_shm_dir": str(tmp_path / "shm"), "control_file": str(control),
+             "tier_names": ["cpu", "nvme"],
+             "fs_tiers": [{"root_dir": str(tmp_path / "fs"), "capacity_bytes": 1 << 20,
+                           "n_read_threads": 1, "n_write_threads": 1}]}
+    config = make_offloading_config(spec_name="KvtierOffloadingSpec", cpu_bytes_to_use=4 * 8,
+                                    worker_kv_bytes_per_block=8, engine_id=f"bypass-{os.getpid()}",
+                                    extra_config=extra)
+    manager = OffloadingSpecFactory.create_spec(config).get_manager()
+    try:
+        ctx = ReqContext(req_id="r1")
+        manager.lookup(make_offload_key(b"\x07" * 32, 0), ctx)  # not in the host tier: reaches the disabled tier
+        stats = manager.get_stats()
+        gauges = stats._values[METRIC_TIER_BYPASSED]
+        assert gauges[("nvme", "disabled")] == 1 and gauges[("nvme", "slow")] == 0
+        assert gauges[("cpu", "disabled")] == 0
+        assert stats._values[METRIC_TIER_MISSES][("nvme", "bypassed")] == 1
+    finally:
+        manager.shutdown()

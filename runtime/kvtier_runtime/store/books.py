@@ -23,6 +23,10 @@ queued, completions are collected by :meth:`poll` (called on every lookup/store 
 step). Remote tiers see the plain offload key (their store keys carry the model identity); a failed remote read
 is counted in :attr:`remote_load_failures` instead of :attr:`load_failures`.
 
+Each tier has a breaker (:mod:`.breaker`, docs/breaker.md): a tier whose loads cost more than recomputing, or that
+the control file disables, is bypassed -- lookups skip it (counted), no write-through is queued to it -- while the
+other tiers serve; what is in flight finishes as before. Every promotion's busy time feeds its tier's breaker.
+
 Metrics (``kvtier_runtime_*``, labelled by tier name): the books count the host tier's lookups, hits, evictions,
 occupancy and capacity, and a filesystem tier's lookups and hits for keys the host tier missed; the filesystem
 tiers count their own promotions (disk -> host), demotions (host -> disk), bytes, errors and occupancy. A lookup
@@ -33,7 +37,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -41,6 +45,7 @@ import torch
 from .. import metrics
 from ..fs.tier import FilesystemTier, JobResult, KeyState
 from ..policies import AccessContext
+from .breaker import BYPASS, PROBE, Breaker, TierBreakers
 from .memory_tier import MemoryTier
 
 log = logging.getLogger(__name__)
@@ -58,12 +63,16 @@ class _Promotion:
     key: bytes
     tier: int
     started: float
+    probe: bool = False  # the half-open tier's one probe load
+    timed: bool = True  # its end is still to be counted in the tier's load cost (not at an expiry)
+    t0: float = 0.0  # its start on the breakers' clock
 
 
 @dataclass
 class _WriteThrough:
     keys: tuple[object, ...]  # a key, or the _Fence that replaced it at a cache reset
     tier: int
+    probe: bool = False  # the half-open tier's one probe store job
 
 
 @dataclass(frozen=True)
@@ -102,12 +111,20 @@ class OffloadBooks:
         fs_events: Sequence[bool] | None = None,
         remote_tiers: Sequence[Any] = (),
         remote_rows: Sequence[torch.Tensor] | None = None,
+        breakers: TierBreakers | None = None,
     ) -> None:
         self.host = host
         self.fs_tiers = list(fs_tiers)
         self.remote_tiers = list(remote_tiers)
         # Every tier behind the host, in lookup order; a tier index below is an index into this list.
         self._tiers: list[Any] = [*self.fs_tiers, *self.remote_tiers]
+        # A breaker per tier (index 0 the host tier, then tier index + 1): a tier loading slower than recomputing,
+        # or disabled by the control file, is bypassed. Default: tiers named as they name themselves, no verdict by
+        # cost and no control file, i.e. never bypassed.
+        self.breakers = breakers if breakers is not None else TierBreakers(_default_names(host, self._tiers))
+        if len(self.breakers.breakers) != 1 + len(self._tiers):
+            raise ValueError(f"breakers: {len(self.breakers.breakers)} breakers for {1 + len(self._tiers)} tiers "
+                             "(the host tier, then the filesystem and remote tiers)")
         # Per tier, the host rows as that tier sees them (the KV dtype its codec quantizes); same memory.
         self._fs_rows = list(fs_rows) if fs_rows is not None else [host.slab] * len(self.fs_tiers)
         self._fs_rows += list(remote_rows) if remote_rows is not None else [host.slab] * len(self.remote_tiers)
@@ -155,6 +172,9 @@ class OffloadBooks:
         self.poll()
         host = self.host
         metrics.LOOKUPS.labels(host.name).inc()
+        if self.breakers[0].bypassed:  # the host tier disabled: every tier behind it too (they load through it)
+            self._bypassed_lookup(self.breakers[0])
+            return MISS
         if key in host:
             if not host.is_ready(key):
                 return HIT_PENDING if key in self._writing else RETRY  # a store or a promotion is in flight
@@ -165,24 +185,35 @@ class OffloadBooks:
             return MISS
         fkey = self.fs_key(key)
         for i, tier in enumerate(self.fs_tiers):
+            gate = self.breakers[i + 1].load_gate()
+            if gate == BYPASS:  # a miss here; a later tier may still serve it
+                self._bypassed_lookup(self.breakers[i + 1])
+                continue
             metrics.LOOKUPS.labels(tier.name).inc()
             if tier.state(fkey) is KeyState.HIT:
                 metrics.HITS.labels(tier.name).inc()
-                return RETRY if self._promote(key, i, ctx) else MISS
+                return RETRY if self._promote(key, i, ctx, probe=gate == PROBE) else MISS
         for i, tier in enumerate(self.remote_tiers, start=len(self.fs_tiers)):
+            gate = self.breakers[i + 1].load_gate()
+            if gate == BYPASS:  # not even a presence probe
+                self._bypassed_lookup(self.breakers[i + 1])
+                continue
             state = tier.state(key)  # counts its own lookups and misses (by reason)
             if state is KeyState.HIT:
-                return RETRY if self._promote(key, i, ctx) else MISS
+                return RETRY if self._promote(key, i, ctx, probe=gate == PROBE) else MISS
             if state is KeyState.PENDING:  # the tier is asking the store: vLLM asks again next step
                 return RETRY
         return MISS
+
+    def _bypassed_lookup(self, breaker: Breaker) -> None:
+        self.breakers.bypassed_lookups[breaker.name] += 1
 
     def source(self, key: bytes) -> str:
         """Where a host-resident chunk's bytes came from: ``host`` (the engine stored it), ``disk`` or
         ``remote`` (promoted from a filesystem or remote tier)."""
         return self._origin.get(key, HOST)
 
-    def _promote(self, key: bytes, tier_index: int, ctx: AccessContext | None) -> bool:
+    def _promote(self, key: bytes, tier_index: int, ctx: AccessContext | None, probe: bool = False) -> bool:
         reserved = self.host.reserve(key, ctx)
         if reserved is None:
             self.counters["promotion_no_room"] += 1
@@ -192,7 +223,10 @@ class OffloadBooks:
         self.host.pin(key)
         tier = self._tiers[tier_index]
         job = tier.submit_load([self._tier_key(tier_index, key)], [self._fs_rows[tier_index][slot]], ctx)
-        self._promotions[(tier_index, job)] = _Promotion(key, tier_index, time.monotonic())
+        self._promotions[(tier_index, job)] = _Promotion(key, tier_index, time.monotonic(), probe=probe,
+                                                         t0=self.breakers.clock())
+        if probe:
+            self.breakers[tier_index + 1].probe_started("load")
         self.counters["promotions_started"] += 1
         self._update_occupancy()
         return True
@@ -258,6 +292,9 @@ class OffloadBooks:
           Not enough evictable room for the whole prefix is ``None`` (vLLM's allocation failure), and nothing
           changes."""
         self.poll()
+        if self.breakers[0].bypassed:  # the host tier disabled: nothing is offloaded (an empty store, not None)
+            self.breakers.bypassed_stores[self.breakers[0].name] += sum(1 for k in keys if k not in self.host)
+            return [], [], []
         contexts = ctx if isinstance(ctx, (list, tuple)) and not isinstance(ctx, AccessContext) else None
         new: list[bytes] = []
         new_ctx: list[AccessContext | None] = []
@@ -326,15 +363,25 @@ class OffloadBooks:
                 todo = [k for k in keys if tier.state(self.fs_key(k)) is KeyState.MISS]
             if not todo:
                 continue
+            breaker = self.breakers[i + 1]
+            gate = breaker.store_gate()
+            if gate == BYPASS:  # an open tier gets no stores: they could not drain, and would pin host rows
+                self.breakers.bypassed_stores[breaker.name] += len(todo)
+                continue
             for key in todo:
                 self.host.pin(key)  # the row must not be reused before the tier has read it
             rows = [self._fs_rows[i][self.host.slot_of(k)] for k in todo]
             job = tier.submit_store([self._tier_key(i, k) for k in todo], rows)
-            self._writes[(i, job)] = _WriteThrough(tuple(todo), i)
+            self._writes[(i, job)] = _WriteThrough(tuple(todo), i, probe=gate == PROBE)
+            if gate == PROBE:
+                breaker.probe_started("store")
 
     def _on_disk(self, key: bytes) -> bool:
+        """Whether a serving filesystem tier holds ``key`` (a bypassed tier's copy is not served: the host tier
+        stores the chunk again)."""
         fkey = self.fs_key(key)
-        return any(t.state(fkey) is not KeyState.MISS for t in self.fs_tiers)
+        return any(self.breakers[i + 1].serving and t.state(fkey) is not KeyState.MISS
+                   for i, t in enumerate(self.fs_tiers))
 
     def _event(self, keys: Sequence[bytes], tier: int, *, removed: bool, metadata_only: bool = False) -> None:
         if self.events is not None and keys and (tier < 0 or self._fs_events[tier]):
@@ -413,7 +460,7 @@ class OffloadBooks:
             self._fenced[fence] = engine
         for (tier, job), promo in list(self._promotions.items()):
             if promo.key == key:
-                self._promotions[(tier, job)] = _Promotion(fence, promo.tier, promo.started)  # type: ignore[arg-type]
+                self._promotions[(tier, job)] = replace(promo, key=fence)
         for job, write in self._writes.items():
             if key in write.keys:
                 write.keys = tuple(fence if k == key else k for k in write.keys)
@@ -452,13 +499,24 @@ class OffloadBooks:
 
     # ---- completions --------------------------------------------------------------------------------------
     def poll(self) -> None:
+        self.breakers.tick()  # at most once a second: the control file, breakers' dwell times
         if not self._promotions and not self._writes:
             return
         for i, tier in enumerate(self._tiers):
             for result in tier.get_finished():
                 self._finish(i, result)
+            self.breakers.count_loads(i + 1)
         if self._promotions:
             self._expire_promotions()
+
+    def _load_ended(self, job: int, promo: _Promotion, timed_out: bool) -> None:
+        meter = self.breakers.meters[promo.tier + 1]
+        if promo.timed:
+            meter.ended(job, promo.t0, timed_out)
+        else:
+            meter.forget(job)
+        if promo.probe:
+            self.breakers[promo.tier + 1].probe_finished("load")
 
     def _note_failed_promotion(self, key: bytes) -> None:
         if len(self._promotion_failed) >= MAX_FAILED_PROMOTIONS:  # keys nobody asked for again: forget them
@@ -477,6 +535,9 @@ class OffloadBooks:
             if isinstance(promo.key, _Fence) or now - promo.started <= tier.io_timeout_s:
                 continue
             key = promo.key
+            self._load_ended(job, promo, timed_out=True)  # its end, for the tier's load cost, is now
+            self.breakers.count_loads(tier_index + 1)
+            self._promotions[(tier_index, job)] = replace(promo, probe=False, timed=False)
             self._fence(key)
             self._origin.pop(key, None)
             self._note_failed_promotion(key)
@@ -489,6 +550,8 @@ class OffloadBooks:
     def _finish(self, tier_index: int, result: JobResult) -> None:
         promo = self._promotions.pop((tier_index, result.job_id), None)
         if promo is not None:
+            self._load_ended(result.job_id, promo,
+                             timed_out=not result.ok[0] and result.errors.get(0) == "timeout")
             key = promo.key
             if isinstance(key, _Fence):  # reset while reading: the bytes are not wanted any more
                 self._drop_fence_pin(key, engine=False)
@@ -514,6 +577,8 @@ class OffloadBooks:
         write = self._writes.pop((tier_index, result.job_id), None)
         if write is None:
             return
+        if write.probe:
+            self.breakers[tier_index + 1].probe_finished("store")
         stored: list[bytes] = []
         for key, ok in zip(write.keys, result.ok):
             if isinstance(key, _Fence):
@@ -552,3 +617,12 @@ class OffloadBooks:
     @property
     def host_capacity_bytes(self) -> int:
         return self.host.capacity_bytes
+
+
+def _default_names(host: MemoryTier, tiers: Sequence[Any]) -> list[str]:
+    """Each tier's own name (made distinct with its index where two share one)."""
+    names: list[str] = []
+    own = [host.name, *(getattr(t, "name", f"tier{i + 1}") for i, t in enumerate(tiers))]
+    for i, name in enumerate(own):
+        names.append(name if name not in names else f"{name}#{i}")
+    return names

@@ -41,6 +41,7 @@ from ...codecs.layout import describe
 from ...config import ConfigError, OffloadSpecConfig
 from ...fs.tier import FilesystemTier
 from ...store.books import REMOTE, OffloadBooks
+from ...store.breaker import TierBreakers
 from ...store.memory_tier import MemoryTier
 from ..chunk_layout import FLAT_REASONS, LayoutDecision, check_worker_pages, chunk_layout, tier_codec
 from ..host_region import HostRegion, remove_stale_regions
@@ -77,6 +78,13 @@ METRIC_REMOTE_HITS = _SPEC_PREFIX + "remote_hits"
 METRIC_REMOTE_MISSES = _SPEC_PREFIX + "remote_misses"
 METRIC_REMOTE_STORES = _SPEC_PREFIX + "remote_stores"
 METRIC_REMOTE_STORE_FAILURES = _SPEC_PREFIX + "remote_store_failures"
+METRIC_TIER_BYPASSED = _SPEC_PREFIX + "tier_bypassed"
+METRIC_TIER_MISSES = _SPEC_PREFIX + "tier_misses"
+METRIC_TIER_STORES_SKIPPED = _SPEC_PREFIX + "tier_stores_skipped"
+METRIC_CONTROL_ERRORS = _SPEC_PREFIX + "control_file_errors"
+METRIC_CONTROL_GENERATION = _SPEC_PREFIX + "control_file_generation"
+# The reason of a lookup or store a bypassed tier was not asked for (tier_misses, tier_stores_skipped).
+BYPASSED = "bypassed"
 
 
 class KvtierHostSpec(CPULoadStoreSpec):
@@ -119,6 +127,19 @@ class KvtierOffloadingSpec(OffloadingSpec):
             METRIC_REMOTE_STORES: OffloadingCounterMetadata("Chunks written through to remote tiers."),
             METRIC_REMOTE_STORE_FAILURES: OffloadingCounterMetadata(
                 "Chunks a remote tier did not store, by reason (full, down, timeout, ...).", ("reason",)),
+            METRIC_TIER_BYPASSED: OffloadingGaugeMetadata(
+                "1 while a kvtier tier is bypassed, by reason (slow: loading from it cost more than recomputing; "
+                "disabled: the control file disables it), else 0.", ("tier", "reason")),
+            METRIC_TIER_MISSES: OffloadingCounterMetadata(
+                "Lookups a kvtier tier was not asked, by reason (bypassed); vLLM recomputed them unless a later "
+                "tier served them.", ("tier", "reason")),
+            METRIC_TIER_STORES_SKIPPED: OffloadingCounterMetadata(
+                "Chunks not written through to a kvtier tier, by reason (bypassed).", ("tier", "reason")),
+            METRIC_CONTROL_ERRORS: OffloadingCounterMetadata(
+                "Versions of kvtier's control file refused (the last good state kept), by reason (too_large, "
+                "unparsable, invalid, unknown_tier, unreadable).", ("reason",)),
+            METRIC_CONTROL_GENERATION: OffloadingGaugeMetadata(
+                "The generation of the kvtier control file in force (absent until a file with one is read)."),
         }
 
     def __init__(self, config: Any) -> None:
@@ -141,6 +162,9 @@ class KvtierOffloadingSpec(OffloadingSpec):
             block_view_dtype(t.codec, config.model.dtype, self.row_bytes or 2) for t in self.kvtier.remote_tiers
         ]
         self.layout = _layout(config)
+        groups = getattr(config, "groups", None) or ()
+        self.tokens_per_chunk = int(getattr(groups[0], "tokens_per_block", 0) if groups else 0) * \
+            int(self.blocks_per_chunk)
         self.fs_kv_events = [_tier_kv_events(t.extra, i) for i, t in enumerate(self.kvtier.fs_tiers)]
         # Only lossy tiers need the chunk's layout (and reading the model's config to find heads and head size).
         lossy = any(t.codec != "none" for t in (*self.kvtier.fs_tiers, *self.kvtier.remote_tiers))
@@ -177,17 +201,20 @@ class KvtierOffloadingManager(OffloadingManager):
             admission_threshold=cfg.admission_threshold, slab=self.region.rows,
         )
         suffix = namespace_suffix(run_identity(spec, "/"))
+        # Before the tiers: each tier stamps the end of its load jobs on its breaker's meter (docs/breaker.md).
+        self.breakers = TierBreakers.for_spec(cfg, spec.tokens_per_chunk, logger=_log)
+        meters = self.breakers.meters[1:]
         tiers: list[FilesystemTier] = []
         rows: list[torch.Tensor] = []
         decision = spec.layout_decision
         self.flat_codec_tiers: Counter[str] = Counter()
-        for tcfg, dtype in zip(cfg.fs_tiers, spec.fs_view_dtypes):
+        for tcfg, dtype, meter in zip(cfg.fs_tiers, spec.fs_view_dtypes, meters):
             view = self.region.rows.view(dtype)
             codec = tier_codec(tcfg, decision)
             if tcfg.codec != "none" and not isinstance(codec, KVChunkCodec):  # flat (int4 refused: int8)
                 self.flat_codec_tiers[decision.reason] += 1
             tiers.append(FilesystemTier(tcfg, (view.shape[1],), dtype, name=f"kvtier:{tcfg.root_dir}", peer="host",
-                                        codec=codec))
+                                        codec=codec, on_complete=meter.on_complete))
             rows.append(view)
         if self.flat_codec_tiers:
             _log.warning("kvtier: %d compressed filesystem tier(s) use the flat codec, whose scales do not follow K "
@@ -195,17 +222,19 @@ class KvtierOffloadingManager(OffloadingManager):
         elif decision.layout is not None:
             _log.info("kvtier: compressed filesystem tiers encode chunks of %s with layout-aware scales",
                       describe(decision.layout))
-        remote, remote_rows = self._remote_tiers(spec, decision)
+        remote, remote_rows = self._remote_tiers(spec, decision, meters[len(tiers):])
         self.books = OffloadBooks(host, tiers, fs_rows=rows, key_suffix=suffix,
                                   enable_events=_kv_events_enabled(spec),
-                                  fs_events=spec.fs_kv_events, remote_tiers=remote, remote_rows=remote_rows)
+                                  fs_events=spec.fs_kv_events, remote_tiers=remote, remote_rows=remote_rows,
+                                  breakers=self.breakers)
         self._reported: Counter[str] = Counter()
         self._stats_seen: tuple[int, ...] = ()  # _stats_state() when get_stats last ran
         self._extra_steps = 0
         self._lock = threading.RLock()
         self._requests: dict[str, dict[OffloadKey, int | None]] = {}  # request -> chunks it used, their positions
 
-    def _remote_tiers(self, spec: KvtierOffloadingSpec, decision: LayoutDecision) -> tuple[list[Any], list[Any]]:
+    def _remote_tiers(self, spec: KvtierOffloadingSpec, decision: LayoutDecision,
+                      meters: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         """The remote tiers (a store shared by every replica; the model identity, derived from vLLM's config, is in
         each key) and the host rows as each sees them. The tier module (and its client, redis-py) is imported
         only when one is configured."""
@@ -214,14 +243,14 @@ class KvtierOffloadingManager(OffloadingManager):
         from ...remote.tier import RemoteTier
 
         tiers, rows = [], []
-        for rcfg, dtype in zip(spec.kvtier.remote_tiers, spec.remote_view_dtypes):
+        for rcfg, dtype, meter in zip(spec.kvtier.remote_tiers, spec.remote_view_dtypes, meters):
             view = self.region.rows.view(dtype)
             # the filesystem tiers' codec choice (layout-aware when the layout is known), verifying as they do
             codec = tier_codec(SimpleNamespace(codec=rcfg.codec, codec_fallback=True),  # type: ignore[arg-type]
                                decision)
             identity = remote_identity(spec, rcfg.codec)
             tier = RemoteTier(rcfg, (view.shape[1],), dtype, identity=identity, name=f"kvtier-remote:{rcfg.url}",
-                              peer="host", codec=codec)
+                              peer="host", codec=codec, on_complete=meter.on_complete)
             _log.info("kvtier: remote tier %s for model identity %s (capacity %d chunks of %d bytes)", rcfg.url,
                       identity, tier.capacity_entries, tier.value_bytes)
             tiers.append(tier)
@@ -322,7 +351,7 @@ class KvtierOffloadingManager(OffloadingManager):
     def _stats_state(self) -> tuple[int, ...]:
         books = self.books
         return (sum(books.counters.values()), sum(books.load_failures.values()),
-                sum(books.remote_load_failures.values()),
+                sum(books.remote_load_failures.values()), sum(books.breakers.bypassed_stores.values()),
                 *(sum(t.misses.values()) + sum(t.store_failures.values()) for t in books.remote_tiers))
 
     def reset_cache(self) -> None:
@@ -368,6 +397,18 @@ class KvtierOffloadingManager(OffloadingManager):
             stats.set_gauge(METRIC_REMOTE_USED_BYTES, tier.used_bytes, url)
             stats.set_gauge(METRIC_REMOTE_CAPACITY_BYTES, tier.capacity_bytes, url)
             stats.set_gauge(METRIC_REMOTE_UP, 1 if tier.health == "up" else 0, url)
+        breakers = books.breakers
+        for breaker in breakers.breakers:
+            for reason, on in breaker.bypass_gauges().items():
+                stats.set_gauge(METRIC_TIER_BYPASSED, on, (breaker.name, reason))
+        for name, n in breakers.bypassed_lookups.items():
+            self._delta(stats, METRIC_TIER_MISSES, "tier_miss:" + name, n, (name, BYPASSED))
+        for name, n in breakers.bypassed_stores.items():
+            self._delta(stats, METRIC_TIER_STORES_SKIPPED, "tier_store_skipped:" + name, n, (name, BYPASSED))
+        for reason, n in breakers.control_errors.items():
+            self._delta(stats, METRIC_CONTROL_ERRORS, "control_error:" + reason, n, (reason,))
+        if breakers.generation is not None:
+            stats.set_gauge(METRIC_CONTROL_GENERATION, breakers.generation)
         if books.remote_tiers:
             misses: Counter[str] = Counter()
             failures: Counter[str] = Counter()
