@@ -23,7 +23,7 @@ from kvtier_operator.kube import ApiError, Kube
 from . import manifests
 from .manifests import HEALTHY, USER_FIELD_MANAGER, Names
 from .pods import NodePods
-from .processes import ScenarioError, Supervisor
+from .processes import ScenarioError, Supervisor, tail
 from .prometheus import PrometheusProcess
 
 CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/kvcachepolicies.kvtier.io"
