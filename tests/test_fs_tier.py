@@ -574,7 +574,6 @@ def _du_bytes(root: str) -> int:
 def test_a_full_tier_stays_within_its_capacity_directories_included(tmp_path) -> None:
     # A volume limit (an emptyDir's sizeLimit) counts the fan-out directories too: once, a 32 MiB tier of 36 KiB
     # files used 50.5 MB, because its directories were neither counted nor removed, and the kubelet evicted the pod.
-    from kvtier_runtime.config import FilesystemTierConfig
     from kvtier_runtime.fs.tier import FilesystemTier
 
     volume = tmp_path / "volume"

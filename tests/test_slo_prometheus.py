@@ -9,9 +9,7 @@ longest scenario instead of the sum. Assertions run inside the scenarios, as the
 from __future__ import annotations
 
 import json
-import threading
 import time
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 

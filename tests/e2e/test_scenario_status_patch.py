@@ -50,7 +50,6 @@ def test_applying_the_patch_yields_the_new_fields(old, new):
 
 
 def test_prometheus_client_config_comes_from_the_slo_settings():
-    from kvtier_operator import slo
     from kvtier_operator.slo_tick import client_config
 
     class NoSecrets:

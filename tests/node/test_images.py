@@ -15,7 +15,7 @@ from kubernetes import client
 from packaging.requirements import Requirement
 
 from plugins.controlplane import ControlPlane, build, start, stop
-from plugins.node import Node, build_node, require_node, start_node, stop_node, wait_until
+from plugins.node import build_node, require_node, start_node, stop_node, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "images" / "build"

@@ -9,7 +9,6 @@ import copy
 import json
 import threading
 import time
-from typing import Any, Optional
 
 import pytest
 
@@ -315,9 +314,9 @@ def test_409_from_a_spec_change_mid_reconcile_plans_again(kube, namespace, run_o
     runner.op.kube.before_write = race
     create_policy(kube, make_policy("llm", namespace))
     wait_for(injected.is_set, 30, what="the injected spec change")
-    pol = wait_for(lambda: (p := get_policy(kube, namespace, "llm")) and
-                   (p.get("status") or {}).get("observedGeneration") == p["metadata"]["generation"] == 2 and p, 30,
-                   what="status of generation 2")
+    wait_for(lambda: (p := get_policy(kube, namespace, "llm")) and
+             (p.get("status") or {}).get("observedGeneration") == p["metadata"]["generation"] == 2 and p, 30,
+             what="status of generation 2")
     assert runner.op.metrics.value("kvtier_operator_reconcile_errors_total", {"reason": "Conflict"}) >= 1
     _, wl = wait_applied(kube, namespace, "llm", "llm")
     shm = next(v for v in wl["spec"]["template"]["spec"]["volumes"] if v["name"] == "kvtier-shm")

@@ -13,9 +13,12 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import pytest
+
+if TYPE_CHECKING:  # annotations only: this plugin needs no control plane at run time
+    from plugins.controlplane import ControlPlane
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NODE_RUN = REPO_ROOT / "e2e" / "node" / "run"

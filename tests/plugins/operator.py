@@ -7,7 +7,6 @@ with its own event loop and a fresh kopf registry, and stops every one it starte
 from __future__ import annotations
 
 import copy
-import json
 import time
 import uuid
 from typing import Any, Callable, Iterator, Optional

@@ -14,7 +14,7 @@ from kvtier_operator.api.validation import PolicyInvalid, parse_policy
 from kvtier_operator.kube import APPLY, config_map_path, workload_path
 from kvtier_operator.render import RenderError, render
 from kvtier_operator.settings import FIELD_MANAGER
-from kvtier_operator.workload import Workload, apply_patch, facts_of
+from kvtier_operator.workload import Workload, apply_patch
 
 from plugins.operator import TRTLLM_IMAGE, deployment, user_apply
 

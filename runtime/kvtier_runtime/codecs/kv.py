@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Sequence
 import torch
 
 from .base import CHUNK_ELEMS, as_byte_buffer

@@ -194,7 +194,7 @@ def analyze(trace: Trace, block_tokens: int, specs: Sequence[PolicySpec] | Polic
         f"smallest tested capacity where the best policy ({pick['policy']}) reaches 90% of the infinite-cache "
         f"prefix hit ratio"
         if pick["prefix_hit_ratio"] >= goal else
-        f"the budget caps the capacity below 90% of the infinite-cache ratio; this is the largest that fits")
+        "the budget caps the capacity below 90% of the infinite-cache ratio; this is the largest that fits")
     out["recommended_capacity_bytes"] = pick["capacity_blocks"] * block_bytes if block_bytes else None
 
     # Chunk size: larger chunks amortise the per-transfer latency but lose the partial chunk at each prefix end.

@@ -6,7 +6,7 @@ Loaded by ``CachePolicyFactory`` as ``getattr(import_module(cache_policy_module_
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext

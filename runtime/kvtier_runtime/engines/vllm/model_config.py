@@ -8,7 +8,7 @@ import json
 import os
 from typing import Any
 
-from ..chunk_layout import ChunkFacts, chunk_layout
+from ..chunk_layout import ChunkFacts
 from ..page_copy import KvLayout
 from ..vllm_support import kv_torch_dtype
 
