@@ -73,6 +73,7 @@ class Fleet:
         doc = yaml.safe_load(path.read_text())
         (tier,) = doc["kv-transfer-config"]["kv_connector_extra_config"]["remote_tiers"]
         assert tier["url"] == self.store.url and tier["capacity_bytes"] == 128 * MiB and tier["mac_key_file"]
+        assert tier["scope"] == "default"  # the policy's namespace: both replicas share one scope
         tier["mac_key_file"] = str(self.mac)
         # generous: the 2-core test machine is shared, and a slow store is (rightly) a miss, not a store
         tier["io_timeout_s"] = 10.0
