@@ -197,3 +197,33 @@ def test_an_acl_user_per_tenant_works_and_cannot_touch_another_tenants_keys(acl_
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("material", [bytes(range(0xA0, 0xBF)) + b"\n", bytes(range(256))],
+                         ids=["32-bytes-ending-in-newline", "every-byte-value"])
+def test_a_binary_tenant_key_is_used_as_written(tmp_path, redis_server, material) -> None:
+    """A random key may end in 0x0a or hold any byte: read as written (never cut short and refused), two replicas
+    with the same file share, and a key differing only in that last newline is another tenant's."""
+    key_file = tmp_path / "tenant.key"
+    key_file.write_bytes(material)
+    other_file = tmp_path / "other.key"
+    other_file.write_bytes(material[:-1] + bytes([material[-1] ^ 0x01]))
+    writer = RemoteTier(RemoteTierConfig(url=redis_server.url, capacity_bytes=8 << 20, scope=A,
+                                         mac_key_file=str(key_file)), (ROW,), torch.float16, identity=MODEL)
+    reader = RemoteTier(RemoteTierConfig(url=redis_server.url, capacity_bytes=8 << 20, scope=A,
+                                         mac_key_file=str(key_file)), (ROW,), torch.float16, identity=MODEL)
+    other = RemoteTier(RemoteTierConfig(url=redis_server.url, capacity_bytes=8 << 20, scope=A,
+                                        mac_key_file=str(other_file)), (ROW,), torch.float16, identity=MODEL)
+    try:
+        assert connected(writer) and connected(reader) and connected(other)
+        key = key_of(500)
+        assert store_blocks(writer, [key], [_block(key)]).success
+        out = _sentinel()
+        assert load_blocks(reader, [key], [out]).success and torch.equal(out, _block(key))
+        out = _sentinel()
+        result = load_blocks(other, [key], [out])
+        assert not result.ok[0] and result.errors[0] == "forged" and torch.all(out == UNTOUCHED)
+    finally:
+        writer.close()
+        reader.close()
+        other.close()
