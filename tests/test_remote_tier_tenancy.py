@@ -15,7 +15,7 @@ import torch
 from kvtier_runtime.config import RemoteTierConfig
 from kvtier_runtime.remote.identity import chunk_key, index_key, key_prefix, model_identity, scope_pattern
 from kvtier_runtime.remote.tier import KeyState, RemoteTier
-from plugins.redis_server import RedisServer, tenant_key_file
+from plugins.redis_server import RedisCluster, RedisServer, tenant_key_file
 from plugins.runtime import key_of
 from plugins.tier_sync import connected, load_blocks, settled_state, store_blocks
 
@@ -27,6 +27,8 @@ UNTOUCHED = 7.0
 # chunk's EXISTS/GET/SET/DEL, the index's ZADD/ZCARD/ZPOPMIN. (redis-py's CLIENT SETINFO on connect, Redis 7.2+,
 # may be refused: redis-py ignores that.)
 TIER_COMMANDS = "-@all +ping +info +exists +get +set +del +zadd +zcard +zpopmin"
+# In cluster mode, also redis-py's slot discovery (CLUSTER SLOTS) and command table (COMMAND).
+CLUSTER_COMMANDS = "+cluster|slots +command"
 
 
 def _block(key: bytes) -> torch.Tensor:
@@ -227,3 +229,31 @@ def test_a_binary_tenant_key_is_used_as_written(tmp_path, redis_server, material
         writer.close()
         reader.close()
         other.close()
+
+
+def test_the_acl_recipe_works_in_cluster_mode_and_confines_the_tenant(tmp_path) -> None:
+    cluster = RedisCluster(tmp_path / "cluster", password="admin-password").start()
+    try:
+        for node in cluster.nodes:
+            node.client().execute_command("ACL", "SETUSER", "tenant-a", "reset", "on", ">tenant-a-password",
+                                          f"~{scope_pattern(A)}", "resetchannels", *TIER_COMMANDS.split(),
+                                          *CLUSTER_COMMANDS.split())
+        (tmp_path / "pw").write_text("tenant-a-password\n")
+        a = _tier(cluster.url, A, username="tenant-a", password_file=str(tmp_path / "pw"))
+        try:
+            assert connected(a) and a.cluster
+            keys = [key_of(600 + i) for i in range(24)]
+            assert store_blocks(a, keys, [_block(k) for k in keys]).success
+            outs = [_sentinel() for _ in keys]
+            assert load_blocks(a, keys, outs).success
+            assert all(torch.equal(out, _block(k)) for out, k in zip(outs, keys))
+        finally:
+            a.close()
+        node = cluster.nodes[0]
+        as_a = redis.Redis(host="127.0.0.1", port=node.port, username="tenant-a", password="tenant-a-password",
+                           socket_timeout=5)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            as_a.execute_command("GET", _store_key(B, key_of(600)))
+        as_a.close()
+    finally:
+        cluster.kill()
