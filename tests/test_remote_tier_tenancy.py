@@ -150,13 +150,15 @@ def acl_store(tmp_path):
     """A store whose default user is the admin's (a password), with one ACL user per tenant confined to its
     scope's keys and the tier's commands (docs/remote.md's recipe)."""
     server = RedisServer(tmp_path / "acl", password="admin-password").start()
-    admin = server.client()
-    for user, scope in (("tenant-a", A), ("tenant-b", B)):
-        admin.execute_command("ACL", "SETUSER", user, "reset", "on", f">{user}-password",
-                              f"~{scope_pattern(scope)}", "resetchannels", *TIER_COMMANDS.split())
-        (tmp_path / f"{user}.pw").write_text(f"{user}-password\n")
-    yield server, tmp_path
-    server.kill()
+    try:  # a refused ACL rule must not leave the server running
+        admin = server.client()
+        for user, scope in (("tenant-a", A), ("tenant-b", B)):
+            admin.execute_command("ACL", "SETUSER", user, "reset", "on", f">{user}-password",
+                                  f"~{scope_pattern(scope)}", "resetchannels", *TIER_COMMANDS.split())
+            (tmp_path / f"{user}.pw").write_text(f"{user}-password\n")
+        yield server, tmp_path
+    finally:
+        server.kill()
 
 
 def test_an_acl_user_per_tenant_works_and_cannot_touch_another_tenants_keys(acl_store) -> None:
