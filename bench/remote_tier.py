@@ -40,7 +40,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "runtime"), str(REPO / "operator"), str(REPO / "tests")]
 
 from bench.tables import quartiles  # noqa: E402
-from plugins.redis_server import RedisCluster, RedisServer  # noqa: E402
+from plugins.redis_server import RedisCluster, RedisServer, tenant_key_file  # noqa: E402
 from plugins.tier_sync import connected, wait_job  # noqa: E402  (tests/plugins: one job's result, test-side)
 
 MiB = 1 << 20
@@ -67,7 +67,8 @@ def throughput(store, chunk_mib: float, n_chunks: int, batch: int, rounds: int, 
     rows = torch.randn(n_chunks, n_values).to(torch.float16)
     outs = torch.empty_like(rows)
     chunk_bytes = n_values * 2
-    cfg = RemoteTierConfig(url=store.url, capacity_bytes=4 * n_chunks * (chunk_bytes + 4096), io_timeout_s=30.0)
+    cfg = RemoteTierConfig(url=store.url, capacity_bytes=4 * n_chunks * (chunk_bytes + 4096), io_timeout_s=30.0,
+                           scope="bench", mac_key_file=tenant_key_file("bench"))
     tier = RemoteTier(cfg, (n_values,), torch.float16, identity=model_identity({"bench": time.time_ns()}),
                       name="bench", n_threads=threads)
     if not connected(tier, 30):
@@ -145,12 +146,16 @@ def engine_rounds(store, sizes: list[int], reps: int, work: pathlib.Path) -> dic
     model_dir = model.ensure_model(work / "models", max_position_embeddings=max(16384, max_len))
     servers = []
     for name in ("a", "b"):
-        # The operator's rendering: host tier + a medium: remote tier (and the shared prefix-caching hash).
-        remote = {"name": "shared", "medium": "remote", "size": remote_bytes, "remote": {"url": store.url}}
+        # The operator's rendering: host tier + a medium: remote tier (and the shared prefix-caching hash), the
+        # tenant key Secret's mount path pointed at a local key file (one for both replicas: they share).
+        remote = {"name": "shared", "medium": "remote", "size": remote_bytes,
+                  "remote": {"url": store.url, "macKeySecret": {"name": "kv-store", "key": "mac"}}}
         config = render.render_engine_config(
             render.policy_document(tiers=[render.host_tier(host_bytes), remote]), work / f"{name}.yaml")
         doc = yaml.safe_load(config.read_text())
         doc["kv-transfer-config"]["kv_connector_extra_config"]["remote_tiers"][0]["io_timeout_s"] = 2.0
+        doc["kv-transfer-config"]["kv_connector_extra_config"]["remote_tiers"][0]["mac_key_file"] = \
+            tenant_key_file("bench")
         config.write_text(yaml.safe_dump(doc, sort_keys=False))
         servers.append(VllmServer(model_dir, config, kv_cache_memory_bytes=(max_len + 512) * model.kv_bytes_per_token(),
                                   max_model_len=max_len, env={"VLLM_SERVER_DEV_MODE": "1"},

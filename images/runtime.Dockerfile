@@ -22,11 +22,13 @@ LABEL org.opencontainers.image.title="kvtier-runtime" \
 COPY --from=wheel /wheels /tmp/wheels
 # --no-deps: the plug-ins need torch, numpy and prometheus-client, which vLLM already pins; resolving kvtier's
 # own pins here could replace vLLM's torch. The remote tier's client (redis and its C parser hiredis,
-# pyproject's runtime extra, no dependencies of their own on Python >= 3.11.3) are the pins vLLM does not carry.
+# pyproject's runtime extra, no dependencies of their own on Python >= 3.11.3) are the pins vLLM does not carry;
+# cryptography (the remote tier's value encryption) is pinned here to pyproject's release whatever vLLM's image
+# holds; with --no-deps, the import check below fails the build if its one dependency (cffi) were missing.
 RUN python3 -m pip install --no-cache-dir --disable-pip-version-check --no-deps /tmp/wheels/kvtier-*.whl \
-        redis==8.1.0 hiredis==3.5.0 \
+        redis==8.1.0 hiredis==3.5.0 cryptography==50.0.2 \
     && rm -rf /tmp/wheels \
-    && python3 -c "import kvtier_runtime.config, redis, hiredis" \
+    && python3 -c "import kvtier_runtime.config, redis, hiredis; from cryptography.hazmat.primitives.ciphers.aead import AESGCM" \
     && useradd --uid 10001 --create-home --shell /usr/sbin/nologin kvtier
 # vLLM and Hugging Face write caches under HOME; a non-root user with its own home keeps that working.
 ENV HOME=/home/kvtier \

@@ -284,8 +284,16 @@ def test_page_copier_batched_addresses_place_every_page_where_the_per_block_path
          "kv_connector_extra_config.remote_tiers[0].capacity_bytes: required"),
         ({"cpu_bytes_to_use": 1, "remote_tiers": [{"url": "redis://u:pw@h:1", "capacity_bytes": 1}]},
          "kv_connector_extra_config.remote_tiers[0].url: must not contain credentials"),
-        ({"cpu_bytes_to_use": 1, "remote_tiers": [{"url": "redis://h:1", "capacity_bytes": 1, "password_file": "p"}]},
+        ({"cpu_bytes_to_use": 1, "remote_tiers": [{"url": "redis://h:1", "capacity_bytes": 1, "scope": "ns",
+                                                   "mac_key_file": "/k", "password_file": "p"}]},
          "kv_connector_extra_config.remote_tiers[0].password_file: 'p' must be an absolute path"),
+        ({"cpu_bytes_to_use": 1, "remote_tiers": [{"url": "redis://h:1", "capacity_bytes": 1, "mac_key_file": "/k"}]},
+         "kv_connector_extra_config.remote_tiers[0].scope: required: the tenant scope"),
+        ({"cpu_bytes_to_use": 1, "remote_tiers": [{"url": "redis://h:1", "capacity_bytes": 1, "scope": "a:b",
+                                                   "mac_key_file": "/k"}]},
+         "kv_connector_extra_config.remote_tiers[0].scope: 'a:b' must be a DNS label"),
+        ({"cpu_bytes_to_use": 1, "remote_tiers": [{"url": "redis://h:1", "capacity_bytes": 1, "scope": "ns"}]},
+         "kv_connector_extra_config.remote_tiers[0].mac_key_file: required: a remote tier needs remote.macKeySecret"),
         ({"cpu_bytes_to_use": 1, "remote_tiers": ["redis://h:1"]},
          "kv_connector_extra_config.remote_tiers[0]: 'redis://h:1' must be a mapping"),
     ],
@@ -307,10 +315,11 @@ def test_spec_config_round_trip_keeps_vllms_keys() -> None:
 def test_remote_tier_config_round_trips_and_keeps_unknown_keys() -> None:
     extra = {"cpu_bytes_to_use": 1 << 30, "remote_tiers": [
         {"url": "rediss://[fd00::1]:6380/2", "capacity_bytes": 1 << 34, "password_file": "/etc/kvtier-remote/s/pw",
-         "future_key": 1}]}
+         "mac_key_file": "/etc/kvtier-remote/s/mac-key", "scope": "team-a", "future_key": 1}]}
     cfg = OffloadSpecConfig.from_extra_config(extra)
     (remote,) = cfg.remote_tiers
-    assert remote.codec == "none" and remote.mac_key_file is None and remote.extra == {"future_key": 1}
+    assert remote.codec == "none" and remote.username is None and remote.extra == {"future_key": 1}
+    assert remote.scope == "team-a" and remote.mac_key_file == "/etc/kvtier-remote/s/mac-key"
     assert cfg.to_extra_config()["remote_tiers"] == extra["remote_tiers"]  # defaults are not written out
 
 

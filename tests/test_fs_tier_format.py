@@ -205,6 +205,19 @@ def test_a_short_mac_key_is_refused_naming_the_file() -> None:
         fmt.mac_key_from_bytes(b"x" * 31 + b"\n", "/k")
 
 
+def test_a_binary_key_is_read_as_every_byte_written() -> None:
+    # 32 random bytes end in 0x0a about one time in 256: such a key must be kept whole, not cut to 31 and refused.
+    binary = bytes(range(0x90, 0xAF)) + b"\n"
+    assert len(binary) == 32 and fmt.mac_key_from_bytes(binary, "/k") == binary
+    every_byte = bytes(range(256))  # every value, newline and NUL included
+    assert fmt.mac_key_from_bytes(every_byte, "/k") == every_byte
+    assert fmt.mac_key_from_bytes(every_byte + b"\n", "/k") == every_byte + b"\n"
+    # A printable text key written with echo loses only its one trailing newline, as before.
+    text = b"0123456789abcdef0123456789abcdef"
+    assert fmt.mac_key_from_bytes(text + b"\n", "/k") == text
+    assert fmt.mac_key_from_bytes(text, "/k") == text
+
+
 def test_a_vectored_block_write_and_read_survive_short_system_calls(tmp_path) -> None:
     # Format 2 writes a block as segments (header page, the caller's row, a tail page) in one vectored call; a
     # kernel may return short, and the rest must follow from the right byte of the right segment.

@@ -11,14 +11,16 @@ import pytest
 import torch
 
 from kvtier_runtime.config import ConfigError, RemoteTierConfig
-from kvtier_runtime.remote.format import HEAD_BYTES, open_value, seal, value_bytes
+from kvtier_runtime.remote.format import RemoteFormatError, Sealer, value_bytes
 from kvtier_runtime.remote.identity import chunk_key, key_prefix, model_identity
 from kvtier_runtime.remote.tier import KeyState, RemoteTier
 from kvtier_runtime.store.books import HIT, MISS, REMOTE, RETRY
+from plugins.redis_server import tenant_key_file
 from plugins.runtime import engine_books, key_of
 from plugins.tier_sync import connected, load_blocks, settled_state, store_blocks
 
 ROW = 4096  # float16 values per chunk row: 8 KiB
+SCOPE = "team-a"
 MODEL_A = model_identity({"model": "a", "layers": 8})
 MODEL_B = model_identity({"model": "b", "layers": 8})
 
@@ -30,6 +32,8 @@ def _block(key: bytes) -> torch.Tensor:
 
 def _tier(url: str, identity: str = MODEL_A, capacity: int = 8 << 20, **kw) -> RemoteTier:
     opts = {k: kw.pop(k) for k in list(kw) if k not in RemoteTierConfig.__dataclass_fields__}
+    kw.setdefault("scope", SCOPE)
+    kw.setdefault("mac_key_file", tenant_key_file(kw["scope"]))
     cfg = RemoteTierConfig(url=url, capacity_bytes=capacity, **kw)
     tier = RemoteTier(cfg, (ROW,), torch.float16, identity=identity, name=f"remote-{time.monotonic_ns()}", **opts)
     return tier
@@ -64,21 +68,22 @@ def test_a_chunk_stored_by_one_replica_is_read_back_bit_exactly_by_another(mode,
         reader.close()
 
 
-def test_keys_carry_the_model_identity_and_spread_over_every_cluster_node(redis_cluster) -> None:
+def test_keys_carry_the_scope_and_model_identity_and_spread_over_every_cluster_node(redis_cluster) -> None:
     identity = model_identity({"model": "spread"})
     tier = _tier(redis_cluster.url, identity)
+    prefix = f"kvtier:{SCOPE}:{identity}:".encode()
     try:
         assert connected(tier)
         keys = [key_of(1000 + i) for i in range(60)]
         assert store_blocks(tier, keys, [_block(k) for k in keys]).success
         per_node = []
         for node in redis_cluster.nodes:
-            found = list(node.client().scan_iter(match=f"kvtier:{identity}:*", count=1000))
+            found = list(node.client().scan_iter(match=f"kvtier:{SCOPE}:{identity}:*", count=1000))
             per_node.append(len(found))
             for name in found:
-                assert name == b"kvtier:" + identity.encode() + b":index" or \
-                    name.removeprefix(b"kvtier:" + identity.encode() + b":") in {k.hex().encode() for k in keys}
-        # No hash tag: the chunks of one model land on every node, so the cluster scales a model's share.
+                assert name == prefix + b"index" or name.removeprefix(prefix) in {k.hex().encode() for k in keys}
+        # No hash tag (the scope is not one either): the chunks of one model land on every node, so the cluster
+        # scales a model's share.
         assert all(n > 0 for n in per_node), per_node
         assert sum(per_node) == len(keys) + 1  # + the model's index
     finally:
@@ -93,37 +98,48 @@ def test_another_models_chunks_are_never_found_or_served(redis_server) -> None:
         assert store_blocks(a, [key], [_block(key)]).success
         assert settled_state(b, key) is KeyState.MISS  # another identity, another key
         assert b.misses["absent"] >= 1
-        # Even a value copied under the other model's key is refused: the key is inside the value, under its CRC.
+        # Even a value copied under the other model's key is refused: another model's values are sealed under
+        # another derived key, and the store key is their associated data.
         client = redis_server.client()
-        client.set(chunk_key(key_prefix(MODEL_B), key), client.get(chunk_key(key_prefix(MODEL_A), key)))
+        client.set(chunk_key(key_prefix(SCOPE, MODEL_B), key), client.get(chunk_key(key_prefix(SCOPE, MODEL_A), key)))
         out = torch.full((ROW,), 7.0, dtype=torch.float16)
         result = load_blocks(b, [key], [out])
-        assert not result.ok[0] and result.errors[0] == "mismatch"
+        assert not result.ok[0] and result.errors[0] == "forged"
         assert torch.all(out == 7.0)  # never a byte of another model's KV
-        assert b.misses["mismatch"] == 1
+        assert b.misses["forged"] == 1
     finally:
         a.close()
         b.close()
 
 
 def test_value_format_round_trip_and_every_byte_is_checked() -> None:
-    key, payload = b"kvtier:x:ab", bytes(range(200))
-    for mac in (None, b"k" * 32):
-        buf = bytearray(value_bytes(len(key), len(payload), mac is not None))
-        buf[HEAD_BYTES + len(key):HEAD_BYTES + len(key) + len(payload)] = payload
-        n = seal(buf, key, "none", len(payload), mac)
-        assert n == len(buf)
-        codec, got = open_value(bytes(buf), key, mac)
-        assert codec == "none" and bytes(got) == payload
-        for i in range(0, n, 7):  # any flipped byte is refused, never decoded
-            bad = bytearray(buf)
-            bad[i] ^= 0x10
-            with pytest.raises(Exception) as info:
-                open_value(bytes(bad), key, mac)
-            assert type(info.value).__name__ == "RemoteFormatError"
-        for cut in (0, 5, n - 1):
-            with pytest.raises(Exception):
-                open_value(bytes(buf[:cut]), key, mac)
+    key, payload = b"kvtier:team-a:x:ab", bytes(range(200))
+    sealer = Sealer(b"k" * 32, "team-a", "0" * 32)
+    buf = bytearray(value_bytes(len(payload)))
+    n = sealer.seal(buf, key, "none", memoryview(payload))
+    assert n == len(buf)
+    assert payload[16:48] not in bytes(buf)  # the payload is not in the value in clear
+    scratch = bytearray(len(payload))
+    codec, got = sealer.open(bytes(buf), key, scratch)
+    assert codec == "none" and bytes(got) == payload
+    for i in range(n):  # any flipped byte (header, nonce, ciphertext, tag) is refused, never decoded
+        bad = bytearray(buf)
+        bad[i] ^= 0x10
+        with pytest.raises(RemoteFormatError):
+            sealer.open(bytes(bad), key, bytearray(len(payload)))
+    for cut in (0, 5, n - 1):
+        with pytest.raises(RemoteFormatError):
+            sealer.open(bytes(buf[:cut]), key, bytearray(len(payload)))
+    # Another store key, scope, model or tenant key: refused as forged.
+    for other, at in [(sealer, b"kvtier:team-a:x:ac"), (Sealer(b"k" * 32, "team-b", "0" * 32), key),
+                      (Sealer(b"k" * 32, "team-a", "1" * 32), key), (Sealer(b"K" * 32, "team-a", "0" * 32), key)]:
+        with pytest.raises(RemoteFormatError) as info:
+            other.open(bytes(buf), at, bytearray(len(payload)))
+        assert info.value.kind == "forged"
+    # Two seals of one payload never share a nonce (96 random bits each): the values differ.
+    again = bytearray(len(buf))
+    sealer.seal(again, key, "none", memoryview(payload))
+    assert again[40:52] != buf[40:52] and again != buf
 
 
 def test_kvtiers_share_stays_within_capacity_bytes_fleet_wide(redis_server) -> None:
@@ -141,9 +157,9 @@ def test_kvtiers_share_stays_within_capacity_bytes_fleet_wide(redis_server) -> N
             writer = a if (j // 4) % 2 == 0 else b
             assert store_blocks(writer, keys[j:j + 4], [_block(k) for k in keys[j:j + 4]]).success
         client = redis_server.client()
-        index = key_prefix(MODEL_A) + b"index"
+        index = key_prefix(SCOPE, MODEL_A) + b"index"
         assert client.zcard(index) <= 10
-        held = [k for k in keys if client.exists(chunk_key(key_prefix(MODEL_A), k))]
+        held = [k for k in keys if client.exists(chunk_key(key_prefix(SCOPE, MODEL_A), k))]
         assert 0 < len(held) <= 10
         # The oldest went first (scores are per batch of 4, so within the cut batch the order is the store's).
         assert set(keys[-4:]) <= set(held) <= set(keys[-12:])
@@ -258,7 +274,7 @@ def test_the_model_identity_changes_with_every_fact_and_only_with_them() -> None
                         ("blocks_per_chunk", 8), ("layers", 40), ("kv_heads", 4), ("head_size", 64),
                         ("tp_size", 4), ("rank", 1), ("codec", "fp8")]:
         assert model_identity({**facts, name: other}) != base, name
-    assert key_prefix(base) == f"kvtier:{base}:".encode()
-    assert chunk_key(key_prefix(base), b"\x01\xff") == f"kvtier:{base}:01ff".encode()
+    assert key_prefix("team-a", base) == f"kvtier:team-a:{base}:".encode()
+    assert chunk_key(key_prefix("team-a", base), b"\x01\xff") == f"kvtier:team-a:{base}:01ff".encode()
     with pytest.raises(ValueError, match="^identity: "):
-        key_prefix("{tag}")  # never a hash tag: one model's chunks must spread over every cluster slot
+        key_prefix("team-a", "{tag}")  # never a hash tag: one model's chunks must spread over every cluster slot

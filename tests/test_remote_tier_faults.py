@@ -4,21 +4,23 @@ recomputes the chunk), within a bounded time, with the destination row untouched
 """
 from __future__ import annotations
 
+import struct
 import time
 
 import pytest
 import torch
 
-from kvtier_runtime.config import RemoteTierConfig
+from kvtier_runtime.config import ConfigError, RemoteTierConfig
 from kvtier_runtime.remote.identity import chunk_key, key_prefix, model_identity
 from kvtier_runtime.remote.tier import KeyState, RemoteTier
 from kvtier_runtime.store.books import MISS, RETRY
-from plugins.redis_server import RedisCluster, RedisServer, free_port
+from plugins.redis_server import RedisCluster, RedisServer, free_port, tenant_key_file
 from plugins.runtime import engine_books, key_of
 from plugins.tier_sync import connected, load_blocks, settled_state, store_blocks, wait_job
 
 ROW = 4096
 MODEL = model_identity({"model": "faults"})
+SCOPE = "faults"
 UNTOUCHED = 7.0
 
 
@@ -29,6 +31,8 @@ def _block(key: bytes) -> torch.Tensor:
 
 def _tier(url: str, *, capacity: int = 8 << 20, identity: str = MODEL, backoff_base_s: float = 0.2,
           **kw) -> RemoteTier:
+    kw.setdefault("scope", SCOPE)
+    kw.setdefault("mac_key_file", tenant_key_file(kw["scope"]))
     cfg = RemoteTierConfig(url=url, capacity_bytes=capacity, **kw)
     return RemoteTier(cfg, (ROW,), torch.float16, identity=identity, name=f"faults-{time.monotonic_ns()}",
                       backoff_base_s=backoff_base_s)
@@ -148,16 +152,21 @@ def test_a_full_store_refuses_writes_as_counted_misses_and_keeps_serving(tmp_pat
         server.kill()
 
 
+def _format_1_value() -> bytes:
+    """A value as the tier wrote it before values were encrypted (format version 1: header, key, payload in clear,
+    a MAC or CRC trailer): whatever its bytes, a reader of version 2 never decodes it."""
+    return b"KVTIERR1" + struct.pack("<HHB3xQ16s", 1, 4, 0, 8, b"none") + b"key!" + b"\0" * 8 + b"\0" * 4
+
+
 @pytest.mark.parametrize("writer_mac, reader_mac, tamper, reason", [
-    ("a", "b", False, "forged"),        # written with another key: a writer without the fleet's key
-    (None, "b", False, "forged"),       # unkeyed value in a keyed tier
-    ("b", "b", True, "forged"),         # one payload byte changed after the MAC
-    (None, None, True, "corrupt"),      # no key: the CRC still catches the change
-    ("b", None, False, "unverifiable"),  # a keyed value a tier without the key cannot check
+    ("a", "b", "", "forged"),         # written with another key: a writer without the fleet's key
+    ("b", "b", "flip", "forged"),     # one ciphertext byte changed after sealing
+    ("b", "b", "header", "forged"),   # one header byte (the codec name) changed: the header is associated data
+    ("b", "b", "v1", "version"),      # a value of the format before encryption: a counted miss, never decoded
 ])
 def test_a_forged_or_damaged_value_is_refused_never_decoded(tmp_path, redis_server, writer_mac, reader_mac,
                                                             tamper, reason) -> None:
-    macs = {"a": _mac_file(tmp_path, "a", b"A"), "b": _mac_file(tmp_path, "b", b"B"), None: None}
+    macs = {"a": _mac_file(tmp_path, "a", b"A"), "b": _mac_file(tmp_path, "b", b"B")}
     writer = _tier(redis_server.url, mac_key_file=macs[writer_mac])
     reader = _tier(redis_server.url, mac_key_file=macs[reader_mac])
     try:
@@ -166,9 +175,14 @@ def test_a_forged_or_damaged_value_is_refused_never_decoded(tmp_path, redis_serv
         assert store_blocks(writer, [key], [_block(key)]).success
         if tamper:
             client = redis_server.client()
-            name = chunk_key(key_prefix(MODEL), key)
+            name = chunk_key(key_prefix(SCOPE, MODEL), key)
             value = bytearray(client.get(name))
-            value[len(value) // 2] ^= 0x01
+            if tamper == "flip":
+                value[len(value) // 2] ^= 0x01
+            elif tamper == "header":
+                value[24] ^= 0x01
+            else:
+                value = bytearray(_format_1_value())
             client.set(name, bytes(value))
         assert settled_state(reader, key) is KeyState.HIT  # present ...
         out = _sentinel()
@@ -230,27 +244,21 @@ def test_a_cluster_node_dying_turns_its_keys_into_misses_not_errors(tmp_path) ->
         cluster.kill()
 
 
-def test_the_store_password_keys_the_mac_when_no_mac_key_is_given(tmp_path) -> None:
-    """The operator renders mac_key_file = password_file when a policy names no macKeySecret: a short password
-    (shorter than a MAC key file must be) keys the MAC, and a client of the store without it cannot forge."""
-    server = RedisServer(tmp_path / "pw", password="short-pw").start()
+def test_a_remote_tier_without_a_tenant_key_of_its_own_is_refused(tmp_path) -> None:
+    """The store password is shared by every client of the store, so it never keys the values: a tier needs a key
+    file of its own (remote.macKeySecret), of at least 32 bytes."""
     pw = tmp_path / "password"
-    pw.write_text("short-pw\n")
-    try:
-        reader = _tier(server.url, password_file=str(pw), mac_key_file=str(pw))
-        writer = _tier(server.url, password_file=str(pw))  # knows the password, not keyed
-        assert connected(reader) and connected(writer)
-        key = key_of(21)
-        assert store_blocks(writer, [key], [_block(key)]).success
-        out = _sentinel()
-        result = load_blocks(reader, [key], [out])
-        assert not result.ok[0] and result.errors[0] == "forged" and torch.all(out == UNTOUCHED)
-        assert store_blocks(reader, [key], [_block(key)]).success
-        assert load_blocks(reader, [key], [out]).success and torch.equal(out, _block(key))
-        reader.close()
-        writer.close()
-    finally:
-        server.kill()
+    pw.write_text("a-password-of-more-than-32-bytes-long\n")
+    with pytest.raises(ConfigError, match=r"^mac_key_file: required: a remote tier needs remote\.macKeySecret: "):
+        RemoteTierConfig(url="redis://127.0.0.1:1", capacity_bytes=1 << 20, scope=SCOPE)
+    with pytest.raises(ConfigError, match=r"^mac_key_file: is the password_file: a remote tier needs "
+                                          r"remote\.macKeySecret: "):
+        RemoteTierConfig(url="redis://127.0.0.1:1", capacity_bytes=1 << 20, scope=SCOPE, password_file=str(pw),
+                         mac_key_file=str(pw))
+    short = tmp_path / "short"
+    short.write_bytes(b"\x00" * 31)
+    with pytest.raises(ConfigError, match=f"^mac_key_file: {short} holds 31 bytes, needs at least 32$"):
+        _tier("redis://127.0.0.1:1", mac_key_file=str(short))
 
 
 def test_every_remote_series_the_dashboard_reads_is_exported_by_the_engine_path(tmp_path, redis_server) -> None:

@@ -45,6 +45,6 @@ def test_runtime_pins_reach_the_engine_env_inputs_and_its_lock() -> None:
 def test_the_runtime_image_installs_the_same_client() -> None:
     runtime = _runtime_extra()
     dockerfile = (ROOT / "images" / "runtime.Dockerfile").read_text()
-    for name in ("redis", "hiredis"):
+    for name in ("redis", "hiredis", "cryptography"):
         assert f"{name}=={runtime[name]}" in dockerfile, \
             f"images/runtime.Dockerfile must install {name}=={runtime[name]} (vLLM's image does not carry it)"

@@ -18,7 +18,7 @@ import torch
 from kvtier_runtime.config import ConfigError, RemoteTierConfig
 from kvtier_runtime.remote.identity import model_identity
 from kvtier_runtime.remote.tier import KeyState, RemoteTier
-from plugins.redis_server import RedisServer, TestCA, redis_tls_missing
+from plugins.redis_server import RedisServer, TestCA, redis_tls_missing, tenant_key_file
 from plugins.runtime import key_of
 from plugins.tier_sync import connected, load_blocks, settled_state, store_blocks
 
@@ -28,6 +28,8 @@ ROW = 4096
 MODEL = model_identity({"model": "tls"})
 UNTOUCHED = 7.0
 PASSWORD = "tls-store-password"
+# What every remote tier needs besides its store: its tenant scope and the tenant's key file.
+TENANT = {"scope": "tls", "mac_key_file": tenant_key_file("tls")}
 # The one host name the "named" certificate carries besides 127.0.0.1; the "unnamed" one carries another.
 NAMED = ["IP:127.0.0.1", "DNS:localhost"]
 UNNAMED = ["IP:127.0.0.1", "DNS:kv-store.kvtier-test.example"]
@@ -79,7 +81,7 @@ def password_file(tmp_path) -> str:
 
 
 def _tier(url: str, **kw) -> RemoteTier:
-    cfg = RemoteTierConfig(url=url, capacity_bytes=8 << 20, io_timeout_s=2.0, **kw)
+    cfg = RemoteTierConfig(url=url, capacity_bytes=8 << 20, io_timeout_s=2.0, **TENANT, **kw)
     return RemoteTier(cfg, (ROW,), torch.float16, identity=MODEL, name=f"tls-{time.monotonic_ns()}",
                       backoff_base_s=0.1)
 
@@ -175,13 +177,13 @@ def test_a_certificate_that_does_not_name_the_url_host_is_refused(unnamed_store,
 def test_ca_file_is_for_rediss_only_and_must_hold_a_certificate(tmp_path, pki) -> None:
     ca = str(pki.store_ca.cert)
     with pytest.raises(ConfigError, match=r"^ca_file: allowed only with a rediss:// url: redis:// is plain TCP"):
-        RemoteTierConfig(url="redis://127.0.0.1:6379", capacity_bytes=1 << 20, ca_file=ca)
+        RemoteTierConfig(url="redis://127.0.0.1:6379", capacity_bytes=1 << 20, **TENANT, ca_file=ca)
     with pytest.raises(ConfigError, match=r"^ca_file: 'ca.crt' must be an absolute path$"):
-        RemoteTierConfig(url="rediss://127.0.0.1:6379", capacity_bytes=1 << 20, ca_file="ca.crt")
-    cfg = RemoteTierConfig(url="rediss://127.0.0.1:6379", capacity_bytes=1 << 20, ca_file=ca)
+        RemoteTierConfig(url="rediss://127.0.0.1:6379", capacity_bytes=1 << 20, **TENANT, ca_file="ca.crt")
+    cfg = RemoteTierConfig(url="rediss://127.0.0.1:6379", capacity_bytes=1 << 20, **TENANT, ca_file=ca)
     assert RemoteTierConfig.from_kwargs(cfg.to_kwargs()) == cfg and cfg.to_kwargs()["ca_file"] == ca
     # Unset, the key is not written: configs rendered before it existed stay byte-identical.
-    assert "ca_file" not in RemoteTierConfig(url="rediss://h:1", capacity_bytes=1).to_kwargs()
+    assert "ca_file" not in RemoteTierConfig(url="rediss://h:1", capacity_bytes=1, **TENANT).to_kwargs()
     not_pem = tmp_path / "ca.crt"
     not_pem.write_text("this is not a certificate\n")
     for path, problem in ((str(not_pem), "holds no PEM certificate"), ("/nonexistent/ca.crt", "cannot be read")):

@@ -187,16 +187,22 @@ class RemoteTierConfig(_TierKwargs):
     replica of one model, behind the host and filesystem tiers (the newest tier, so the first rolled back).
 
     ``url`` names the store only (``redis://host:port[/db]`` or ``rediss://``): credentials never travel in it. The
-    password is read from ``password_file`` (a Secret mounted read-only) when the tier starts. With ``rediss://``,
-    ``ca_file`` (a PEM bundle, a Secret mounted read-only) is the only CA the store's certificate is verified against
-    (a private CA, e.g. cert-manager's); without it, the system CA bundle. ``capacity_bytes`` is
-    kvtier's budget in the store; the fleet-wide bound is the store's own (maxmemory and its eviction policy).
-    Keys carry the model identity the runtime derives from the engine's config, so replicas of one model share and
-    different models never mix; values carry a keyed MAC when ``mac_key_file`` is set (many writers share the store).
+    password is read from ``password_file`` (a Secret mounted read-only) when the tier starts, and sent as the ACL
+    user ``username`` when set (else the store's default user). With ``rediss://``, ``ca_file`` (a PEM bundle, a
+    Secret mounted read-only) is the only CA the store's certificate is verified against (a private CA, e.g.
+    cert-manager's); without it, the system CA bundle. ``capacity_bytes`` is kvtier's budget in the store for this
+    scope and model; the fleet-wide bound is the store's own (maxmemory and its eviction policy).
+
+    Tenancy: ``scope`` (the policy's namespace, rendered by the operator) is the first part of every key
+    (``kvtier:<scope>:<model identity>:...``), so each scope has its own chunks, index and budget, and a store ACL
+    user per tenant can be confined to ``~kvtier:<scope>:*``. ``mac_key_file`` (the tenant's key, at least 32 bytes,
+    from ``remote.macKeySecret``) is required: every value is encrypted and authenticated (AES-256-GCM) under a key
+    derived from it, the scope and the model identity, so a client of the store without it can neither read nor
+    forge a value. The store password is never that key.
     """
 
     REQUIRED = ("url", "capacity_bytes")
-    OMITTED_AT_DEFAULT = frozenset({"codec", "password_file", "mac_key_file", "io_timeout_s", "ca_file"})
+    OMITTED_AT_DEFAULT = frozenset({"codec", "password_file", "mac_key_file", "io_timeout_s", "ca_file", "username"})
 
     url: str
     capacity_bytes: int
@@ -206,16 +212,30 @@ class RemoteTierConfig(_TierKwargs):
     io_timeout_s: float = DEFAULT_REMOTE_IO_TIMEOUT_S
     # rediss:// only: the PEM CA bundle the store's certificate must chain to (host name checked too).
     ca_file: str | None = None
+    # The tenant scope: the first part of every store key (a DNS label: the policy's namespace). Required; a
+    # default would put every tenant in one scope.
+    scope: str | None = None
+    # The store's ACL user the password belongs to (None: the default user).
+    username: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_remote_url("url", self.url)
         _positive_int("capacity_bytes", self.capacity_bytes)
         _one_of("codec", self.codec, CODECS)
+        check_remote_scope("scope", self.scope)
         for key in ("password_file", "mac_key_file", "ca_file"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, str) or not value.startswith("/")):
                 raise ConfigError(f"{key}: {value!r} must be an absolute path")
+        if self.mac_key_file is None:
+            raise ConfigError(f"mac_key_file: required: {REMOTE_KEY_RULE}")
+        if self.mac_key_file == self.password_file:
+            raise ConfigError(f"mac_key_file: is the password_file: {REMOTE_KEY_RULE}")
+        if self.username is not None and (not isinstance(self.username, str)
+                                          or not _REMOTE_USERNAME.fullmatch(self.username)):
+            raise ConfigError(f"username: {self.username!r} must be 1..{MAX_REMOTE_USERNAME_CHARS} characters of "
+                              "letters, digits, '.', '_' and '-'")
         if self.ca_file is not None and not self.url.startswith("rediss://"):
             raise ConfigError(f"ca_file: {REMOTE_CA_TLS_RULE}")
         if (isinstance(self.io_timeout_s, bool) or not isinstance(self.io_timeout_s, (int, float))
@@ -267,6 +287,29 @@ def check_remote_url(key: str, url: Any) -> None:
     if (parts is None or not parts.hostname or port is None or any(c.isspace() for c in url)
             or (parts.path not in ("", "/") and not (db.isdigit() and len(db) <= 2))):
         raise ConfigError(f"{key}: {REMOTE_URL_HOST_PORT_RULE}")
+
+
+# The tenant scope of a remote tier's keys: a DNS label (a namespace name), so it holds no ':' (the key's
+# separator: scope "a" never prefixes scope "a-b"'s keys), no glob character (an ACL pattern ~kvtier:<scope>:* means
+# what it says) and no '{' (no Redis Cluster hash tag: one scope's chunks still spread over every slot).
+MAX_REMOTE_SCOPE_CHARS = 63
+_REMOTE_SCOPE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+MAX_REMOTE_USERNAME_CHARS = 128
+_REMOTE_USERNAME = re.compile(r"[A-Za-z0-9._-]{1,%d}" % MAX_REMOTE_USERNAME_CHARS)
+# remote.macKeySecret (operator) / mac_key_file (runtime): the model validator's message and the runtime's.
+REMOTE_KEY_RULE = ("a remote tier needs remote.macKeySecret: the tenant's key (a Secret key of at least 32 bytes) "
+                   "encrypts and authenticates every value in the shared store; the store password is not a key")
+
+
+def check_remote_scope(key: str, scope: Any) -> None:
+    """The tenant scope of a remote tier's store keys: a DNS label of 1..63 characters (lowercase letters, digits,
+    '-', starting and ending with a letter or digit)."""
+    if scope is None:
+        raise ConfigError(f"{key}: required: the tenant scope of the store's keys (the policy's namespace, rendered "
+                          "by the operator)")
+    if not isinstance(scope, str) or len(scope) > MAX_REMOTE_SCOPE_CHARS or not _REMOTE_SCOPE.fullmatch(scope):
+        raise ConfigError(f"{key}: {scope!r} must be a DNS label: 1..{MAX_REMOTE_SCOPE_CHARS} lowercase letters, "
+                          "digits and '-', starting and ending with a letter or digit")
 
 
 REMOTE_URL_CREDENTIALS_RULE = "must not contain credentials (user:password@); use remote.passwordSecret"

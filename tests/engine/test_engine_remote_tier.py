@@ -73,6 +73,7 @@ class Fleet:
         doc = yaml.safe_load(path.read_text())
         (tier,) = doc["kv-transfer-config"]["kv_connector_extra_config"]["remote_tiers"]
         assert tier["url"] == self.store.url and tier["capacity_bytes"] == 128 * MiB and tier["mac_key_file"]
+        assert tier["scope"] == "default"  # the policy's namespace: both replicas share one scope
         tier["mac_key_file"] = str(self.mac)
         # generous: the 2-core test machine is shared, and a slow store is (rightly) a miss, not a store
         tier["io_timeout_s"] = 10.0
@@ -126,6 +127,7 @@ def test_replica_a_writes_its_prefixes_through_to_the_shared_store(fleet) -> Non
         server.stop()
     keys = list(fleet.store.client().scan_iter(match="kvtier:*", count=1000))
     assert len(keys) >= len(SEEDS) * CHUNKS + 1  # the chunks and the model's index
+    assert all(k.startswith(b"kvtier:default:") for k in keys)  # all in the policy namespace's scope
 
 
 def test_replica_b_serves_replica_as_prefix_from_the_store_with_the_same_tokens(fleet, replica_b) -> None:
@@ -143,7 +145,7 @@ def test_values_altered_in_the_store_are_refused_and_recomputed_correctly(fleet,
         if key.endswith(b":index"):
             continue
         value = bytearray(client.get(key))
-        value[len(value) // 2] ^= 0x40  # one bit of KV: a writer without the fleet's MAC key
+        value[len(value) // 2] ^= 0x40  # one bit of ciphertext: a writer without the namespace's key
         client.set(key, bytes(value))
         altered += 1
     assert altered >= CHUNKS

@@ -38,8 +38,13 @@ def disk(name: str = "nvme", **kw: Any) -> dict[str, Any]:
             "volume": {"emptyDir": {}}, **kw}
 
 
+# The tenant's key every remote tier needs (store={"macKeySecret": None} leaves it out).
+TENANT_KEY = {"name": "kv-mac", "key": "tenant-key"}
+
+
 def remote(name: str = "shared", url: str = "redis://valkey.kv:6379/0", **kw: Any) -> dict[str, Any]:
-    store = {"url": url, **kw.pop("store", {})}
+    store = {k: v for k, v in {"url": url, "macKeySecret": TENANT_KEY, **kw.pop("store", {})}.items()
+             if v is not None}
     return {"name": name, "medium": "remote", "size": "20Gi", "remote": store, **kw}
 
 
@@ -90,7 +95,10 @@ INVALID = [
     (policy(backend="kvtier", tiers=[cpu(), remote(url="http://valkey:6379")]), "spec.tiers[1].remote.url: "),
     (policy(backend="kvtier", tiers=[cpu(), {"name": "shared", "medium": "remote", "size": "1Gi"}]),
      "spec.tiers[1].remote: a remote tier needs remote (url)"),
-    (policy(backend="kvtier", tiers=[cpu(), disk(remote={"url": "redis://valkey:6379"})]),
+    (policy(backend="kvtier", tiers=[cpu(), remote(store={"macKeySecret": None,
+                                                          "passwordSecret": {"name": "valkey", "key": "pw"}})]),
+     "spec.tiers[1].remote.macKeySecret: a remote tier needs remote.macKeySecret: the tenant's key"),
+    (policy(backend="kvtier", tiers=[cpu(), disk(remote={"url": "redis://valkey:6379", "macKeySecret": TENANT_KEY})]),
      "spec.tiers[1].remote: a remote tier needs remote (url), and only a remote tier takes it"),
     (policy(backend="kvtier", tiers=[cpu(), remote(path="/mnt/x")]),
      "spec.tiers[1].medium: a remote tier takes no path or volume"),

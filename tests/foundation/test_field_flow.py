@@ -162,8 +162,9 @@ def size_reaches_runtime(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 
 def remote(**store: Any) -> dict[str, Any]:
+    """A remote tier with the tenant key every remote tier needs (its own, unless ``store`` names another)."""
     return {"name": "shared", "medium": "remote", "size": "10Gi",
-            "remote": {"url": "redis://valkey:6379", **store}}
+            "remote": {"url": "redis://valkey:6379", "macKeySecret": {"name": "mac", "key": "k"}, **store}}
 
 
 REMOTE_SECRETS = {"passwordSecret": {"name": "vk", "key": "pw"}, "macKeySecret": {"name": "mac", "key": "k"}}
@@ -237,8 +238,11 @@ FLOWS: dict[str, Flow] = {
         setter("tiers[2].remote.passwordSecret.key", "other"), ("targets",),
         before=lambda: base(tiers=[CPU, DISK, remote(**REMOTE_SECRETS)])),
     "tiers.remote.macKeySecret.name": Flow(
-        setter("tiers[2].remote.macKeySecret", {"name": "mac", "key": "k"}), ("targets", "files", "runtime"),
-        before=lambda: base(tiers=[CPU, DISK, remote(passwordSecret={"name": "vk", "key": "pw"})])),
+        setter("tiers[2].remote.macKeySecret.name", "mac2"), ("targets",),
+        before=lambda: base(tiers=[CPU, DISK, remote(**REMOTE_SECRETS)])),
+    "tiers.remote.username": Flow(
+        setter("tiers[2].remote.username", "tenant-a"), ("files", "runtime"),
+        before=lambda: base(tiers=[CPU, DISK, remote(**REMOTE_SECRETS)])),
     "tiers.remote.macKeySecret.key": Flow(
         setter("tiers[2].remote.macKeySecret.key", "k2"), ("targets",),
         before=lambda: base(tiers=[CPU, DISK, remote(**REMOTE_SECRETS)])),

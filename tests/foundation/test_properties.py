@@ -117,8 +117,11 @@ def valid_policies(draw):
         if backend == "kvtier" and len(tiers_) < 4 and draw(st.booleans()):
             remote = {"name": "shared", "medium": "remote", "size": "20Gi", "enabled": draw(st.booleans()),
                       "compression": draw(st.sampled_from(["none", "fp8", "int8"])),
-                      "remote": {"url": draw(st.sampled_from(["redis://valkey:6379", "rediss://[fd00::1]:6380/2"]))}}
-            keys = ["passwordSecret", "macKeySecret"] + (["caSecret"] if "rediss" in remote["remote"]["url"] else [])
+                      "remote": {"url": draw(st.sampled_from(["redis://valkey:6379", "rediss://[fd00::1]:6380/2"])),
+                                 "macKeySecret": {"name": "mackeysecret", "key": "k"}}}  # required
+            if draw(st.booleans()):
+                remote["remote"]["username"] = draw(st.sampled_from(["tenant-a", "svc.kv_1"]))
+            keys = ["passwordSecret"] + (["caSecret"] if "rediss" in remote["remote"]["url"] else [])
             for key in draw(st.sets(st.sampled_from(keys))):
                 remote["remote"][key] = {"name": key.lower(), "key": "k"}
             tiers_.append(remote)
@@ -126,7 +129,8 @@ def valid_policies(draw):
             "tiers": tiers_, "offload": {"chunkTokens": block * draw(st.integers(1, 32))}}
     if engine == "trtllm" and any(t["medium"] == "filesystem" for t in tiers_):
         spec["engineVersion"] = draw(st.sampled_from(["1.3", "1.4.0rc1", "2.0"]))
-    return {"apiVersion": "kvtier.io/v1alpha1", "kind": "KVCachePolicy", "metadata": {"name": "p"}, "spec": spec}
+    metadata = {"name": "p", **({"namespace": draw(st.sampled_from(["team-a", "kv-2"]))} if draw(st.booleans()) else {})}
+    return {"apiVersion": "kvtier.io/v1alpha1", "kind": "KVCachePolicy", "metadata": metadata, "spec": spec}
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -151,6 +155,9 @@ def test_every_valid_policy_renders_for_any_subset_of_enabled_tiers(doc, data):
         extra = yaml.safe_load(rendered.files["engine.yaml"])["kv-transfer-config"]["kv_connector_extra_config"]
         (cfg,) = OffloadSpecConfig.from_extra_config(extra).remote_tiers
         assert cfg.url == remote.remote.url and cfg.capacity_bytes == remote.size_bytes
+        # The policy's namespace is the tenant scope ("default" for a document without one, as kubectl would).
+        assert cfg.scope == (doc["metadata"].get("namespace") or "default") and cfg.username == remote.remote.username
+        assert cfg.mac_key_file is not None and cfg.mac_key_file != cfg.password_file
         assert (cfg.ca_file is not None) == (remote.remote.ca_secret is not None)
         for path in (cfg.password_file, cfg.mac_key_file, cfg.ca_file):
             assert path is None or any(path.startswith(m["mountPath"] + "/") and m.get("readOnly")

@@ -281,3 +281,22 @@ def redis_cluster(tmp_path_factory) -> Iterator[RedisCluster]:
     cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster")).start()
     yield cluster
     cluster.kill()
+
+
+_KEY_DIR: list[pathlib.Path] = []
+
+
+def tenant_key_file(name: str = "tenant-a", nbytes: int = 32) -> str:
+    """The path of a tenant's key file for a remote tier (``mac_key_file``): ``nbytes`` binary bytes, the same for a
+    name on every run (a test can never draw a key that reads shorter than written), different for two names. The
+    files live in one temporary directory per test process, removed at exit."""
+    import random
+    import tempfile
+
+    if not _KEY_DIR:
+        _KEY_DIR.append(pathlib.Path(tempfile.mkdtemp(prefix="kvtier-tenant-keys-")))
+        atexit.register(shutil.rmtree, str(_KEY_DIR[0]), True)
+    path = _KEY_DIR[0] / f"{name}-{nbytes}.key"
+    if not path.exists():
+        path.write_bytes(random.Random(f"tenant-key/{name}/{nbytes}").randbytes(nbytes))
+    return str(path)

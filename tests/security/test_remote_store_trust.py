@@ -16,10 +16,14 @@ from plugins.operator import deployment, observed, policy
 NOW = "2026-12-01T08:00:00Z"
 CPU = {"name": "cpu", "medium": "cpu", "size": "16Gi"}
 PASSWORD = {"name": "valkey", "key": "password"}
+# The tenant's key every remote tier needs (macKeySecret=None in a test leaves it out).
+KEY = {"name": "kv-mac", "key": "k"}
+KEY_SOURCE = {"secret": {"name": "kv-mac", "items": [{"key": "k", "path": "mac-key"}]}}
 
 
 def remote(url: str = "redis://valkey.kv:6379/0", **store) -> dict:
-    return {"name": "shared", "medium": "remote", "size": "8Gi", "remote": {"url": url, **store}}
+    fields = {k: v for k, v in {"url": url, "macKeySecret": KEY, **store}.items() if v is not None}
+    return {"name": "shared", "medium": "remote", "size": "8Gi", "remote": fields}
 
 
 def remote_policy(url: str = "redis://valkey.kv:6379/0", **store) -> dict:
@@ -84,18 +88,24 @@ def test_an_allowed_store_renders_the_tier_and_mounts_only_the_named_keys_read_o
     assert "prefix-caching-hash-algo: sha256_cbor" in engine
 
 
-def test_without_a_mac_key_secret_the_password_keys_the_mac_and_validate_warns_without_either():
-    from kvtier_operator.api.validation import policy_warnings
+def test_without_a_mac_key_secret_the_policy_is_refused_naming_the_field_and_the_password_never_keys():
+    """The store password is every client's; a tier keyed by it (or by nothing) would let any of them read and
+    forge blocks. validate, the API server's CEL rule and the operator all refuse it, naming the field."""
+    from kvtier_operator.api.validation import PolicyInvalid, _cel_problems
 
-    p = plan(remote_policy(passwordSecret=PASSWORD), ("redis://valkey.kv:6379",))
-    assert "mac_key_file: /etc/kvtier-remote/shared/password" in p.config_map["data"]["engine.yaml"]
-    bare = plan(remote_policy(), ("redis://valkey.kv:6379",))
-    pod = bare.targets[0].apply["spec"]["template"]["spec"]
-    assert not any(v["name"].startswith("kvtier-remote-") for v in pod["volumes"])
-    assert "mac_key_file" not in bare.config_map["data"]["engine.yaml"]
-    warned = policy_warnings(parse_policy(remote_policy()))
-    assert any(w.startswith("spec.tiers[1].remote: neither passwordSecret nor macKeySecret") for w in warned)
-    assert not any("remote" in w for w in policy_warnings(parse_policy(remote_policy(passwordSecret=PASSWORD))))
+    message = "spec.tiers[1].remote.macKeySecret: a remote tier needs remote.macKeySecret: the tenant's key"
+    for pol in (remote_policy(passwordSecret=PASSWORD, macKeySecret=None), remote_policy(macKeySecret=None)):
+        with pytest.raises(PolicyInvalid) as refused:
+            parse_policy(pol)
+        assert [str(p) for p in refused.value.problems][0].startswith(message)
+        cel = [str(p) for p in _cel_problems(pol) if "macKeySecret" in str(p)]
+        assert len(cel) == 1 and cel[0].startswith(message)
+        p = plan(pol, ("redis://valkey.kv:6379",))
+        assert p.invalid and p.targets == [] and p.config_map is None
+    # With both, the key file is the key's own, never the password's; the namespace is the tenant scope.
+    engine = plan(remote_policy(passwordSecret=PASSWORD), ("redis://valkey.kv:6379",)).config_map["data"]["engine.yaml"]
+    assert "mac_key_file: /etc/kvtier-remote/shared/mac-key" in engine
+    assert "password_file: /etc/kvtier-remote/shared/password" in engine
 
 
 CA = {"name": "valkey-tls", "key": "ca.crt"}
@@ -109,18 +119,18 @@ def test_a_private_ca_joins_the_read_only_secret_volume_and_the_runtime_gets_its
     pod = p.targets[0].apply["spec"]["template"]["spec"]
     volume = next(v for v in pod["volumes"] if v["name"] == "kvtier-remote-shared")
     assert volume["projected"]["sources"] == [
-        {"secret": {"name": "valkey", "items": [{"key": "password", "path": "password"}]}},
+        {"secret": {"name": "valkey", "items": [{"key": "password", "path": "password"}]}}, KEY_SOURCE,
         {"secret": {"name": "valkey-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}}]
     mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "kvtier-remote-shared")
     assert mount == {"name": "kvtier-remote-shared", "mountPath": "/etc/kvtier-remote/shared", "readOnly": True}
     engine = p.config_map["data"]["engine.yaml"]
     assert "ca_file: /etc/kvtier-remote/shared/ca.crt" in engine
     assert "url: rediss://valkey.kv:6380" in engine
-    # A CA alone (a store without a password) still gets its volume; without caSecret no ca_file is rendered.
+    # A store without a password: the key and the CA; without caSecret no ca_file is rendered.
     alone = plan(remote_policy("rediss://valkey.kv:6380", caSecret=CA), ("valkey.kv:6380",))
     sources = next(v for v in alone.targets[0].apply["spec"]["template"]["spec"]["volumes"]
                    if v["name"] == "kvtier-remote-shared")["projected"]["sources"]
-    assert sources == [{"secret": {"name": "valkey-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}}]
+    assert sources == [KEY_SOURCE, {"secret": {"name": "valkey-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}}]
     bare = plan(remote_policy("rediss://valkey.kv:6380", passwordSecret=PASSWORD), ("valkey.kv:6380",))
     assert "ca_file" not in bare.config_map["data"]["engine.yaml"]
 

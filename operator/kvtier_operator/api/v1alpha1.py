@@ -21,6 +21,7 @@ from kvtier_runtime.config import (
     EVICTION_POLICIES,
     MAX_REMOTE_URL_CHARS,
     REMOTE_CA_TLS_RULE,
+    REMOTE_KEY_RULE,
     REMOTE_URL_CREDENTIALS_RULE,
     REMOTE_URL_HOST_PORT_RULE,
     REMOTE_URL_QUERY_RULE,
@@ -283,7 +284,8 @@ class RemoteStoreSpec(_Model):
     model_config = ConfigDict(
         json_schema_extra=_cel(
             _rule("!has(self.caSecret) || self.url.startsWith('rediss://')", REMOTE_CA_TLS_RULE,
-                  field_path=".caSecret")))
+                  field_path=".caSecret"),
+            _rule("has(self.macKeySecret)", REMOTE_KEY_RULE, field_path=".macKeySecret")))
 
     url: Annotated[str, AfterValidator(_remote_url)] = Field(
         description="Address of the store: redis://HOST:PORT[/DB] or rediss://HOST:PORT[/DB] (TLS). It must be "
@@ -299,14 +301,40 @@ class RemoteStoreSpec(_Model):
         None, description="Secret key holding the store's password (AUTH). It is mounted read-only into the serving "
                           "pods and sent only to an allowed store; the operator never reads it.")
     mac_key_secret: Optional[SecretKeyRef] = Field(
-        None, description="Secret key holding the key of the MAC on every stored block (many writers share the "
-                          "store). Unset: the password is the MAC key; with neither, blocks carry a checksum only "
-                          "and `kvtier validate` warns.")
+        None,
+        description="Required. Secret key holding the tenant's key (at least 32 bytes, e.g. `openssl rand 32`): "
+                    "every block in the shared store is encrypted and authenticated (AES-256-GCM) under a key "
+                    "derived from it, the policy's namespace and the model, so a client of the store without it "
+                    "can neither read nor forge a block. Replicas that should share blocks need the same key and "
+                    "namespace. The store password is never this key. Mounted read-only into the serving pods; the "
+                    "operator never reads it.")
+    username: Optional[str] = Field(
+        None, description="The store's ACL user the password belongs to (Redis/Valkey 6+ ACLs: one user per "
+                          "tenant, confined to the keys kvtier:<namespace>:*, docs/remote.md). Unset: the store's "
+                          "default user.",
+        pattern=r"^[A-Za-z0-9._-]+$", max_length=128)
     ca_secret: Optional[SecretKeyRef] = Field(
         None, description="Secret key holding the PEM CA bundle that signed the store's certificate (a private CA, "
                           "e.g. the ca.crt of a cert-manager certificate); the store is then verified against it "
                           "alone, host name included. Unset: the image's system CA bundle. rediss:// only. Mounted "
                           "read-only into the serving pods; the operator never reads it.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _key_given(cls, data: Any) -> Any:
+        # An absent macKeySecret is validated as an explicit null under its own name, so the refusal below names
+        # spec.tiers[i].remote.macKeySecret (a default is validated under the Python name).
+        if isinstance(data, dict) and data.get("macKeySecret") is None and data.get("mac_key_secret") is None:
+            data = {**data, "macKeySecret": None}
+        return data
+
+    @field_validator("mac_key_secret")
+    @classmethod
+    def _key_required(cls, value: Optional[SecretKeyRef]) -> Optional[SecretKeyRef]:
+        # The CEL rule above, for `kvtier validate` and the operator's own parse (same message, same field).
+        if value is None:
+            raise paths.RuleError(REMOTE_KEY_RULE)
+        return value
 
     @field_validator("ca_secret")
     @classmethod
@@ -342,8 +370,9 @@ class TierSpec(_Model):
                     "Valkey/Redis store shared by every replica (backend kvtier; at most one, after the filesystem "
                     "tiers).")
     size: Quantity = _quantity("Capacity of the tier as a Kubernetes quantity, total across tensor-parallel ranks. "
-                               "For a remote tier: kvtier's budget in the store for one model, shared by all its replicas "
-                               "(the fleet-wide bound is the store's own maxmemory).")
+                               "For a remote tier: kvtier's budget in the store for one model in this namespace, "
+                               "shared by all its replicas there (the fleet-wide bound is the store's own "
+                               "maxmemory).")
     enabled: bool = Field(True, description="Set false to declare a tier without using it. The SLO guard "
                                             "disables tiers in status, never here.")
     eviction_policy: Optional[Literal[EVICTION_POLICIES]] = Field(  # type: ignore[valid-type]

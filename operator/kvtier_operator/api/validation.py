@@ -235,10 +235,6 @@ def policy_warnings(policy: api.KVCachePolicy) -> list[str]:
     if spec.backend != "kvtier" or spec.engine not in (None, "vllm"):
         return out
     for i, tier in enumerate(spec.tiers):
-        if tier.remote is not None and tier.remote.password_secret is None and tier.remote.mac_key_secret is None:
-            out.append(f"spec.tiers[{i}].remote: neither passwordSecret nor macKeySecret is set, so blocks in the "
-                       "shared store carry a checksum only: any client of the store can write a block every replica "
-                       "will load; set remote.macKeySecret")
         instead = LAYOUT_ONLY_CODECS.get(tier.compression)
         if tier.medium != "cpu" and instead:
             out.append(f"spec.tiers[{i}].compression: {tier.compression} is stored only where kvtier describes the "

@@ -9,7 +9,7 @@ from typing import Iterable, Optional
 
 from ..api import v1alpha1 as api
 from ..api.validation import PolicyInvalid, parse_policy
-from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, RenderError, TargetFacts
+from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, RenderError, TargetFacts, remote_scope
 from .trtllm import render_trtllm
 from .vllm import render_vllm
 
@@ -68,6 +68,6 @@ def render(policy: api.KVCachePolicy, facts: Optional[TargetFacts] = None, *,
     tiers = effective_tiers(spec, enabled_tiers)
     name = config_map_name or f"kvtier-{policy.metadata.get('name', 'policy')}"
     if chosen == "vllm":
-        return render_vllm(spec, tiers, name)
+        return render_vllm(spec, tiers, name, scope=remote_scope(policy.metadata))
     return render_trtllm(spec, tiers, name)
 

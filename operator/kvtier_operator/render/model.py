@@ -8,6 +8,8 @@ from typing import Any, Optional
 
 import yaml
 
+from kvtier_runtime.config import REMOTE_KEY_RULE, ConfigError, check_remote_scope
+
 from ..api import paths
 from ..api import v1alpha1 as api
 
@@ -141,14 +143,26 @@ def tier_volume_name(tier_name: str, prefix: str = "kvtier-tier-") -> str:
     return f"{name[:54]}-{hashlib.sha256(tier_name.encode()).hexdigest()[:8]}"
 
 
-def remote_secret_files(tier: api.TierSpec) -> tuple[Optional[str], Optional[str]]:
-    """Paths of the remote tier's password and MAC key files in the container (None where not set). Without its
-    own MAC key the tier keys its MAC with the password: a client of the store without it cannot forge a block."""
+def remote_secret_files(tier: api.TierSpec) -> tuple[Optional[str], str]:
+    """Paths of the remote tier's password file (None where not set) and the tenant's key file in the container. The
+    key is required (the models refuse a remote tier without remote.macKeySecret); the password is never the key."""
     assert tier.remote is not None
+    if tier.remote.mac_key_secret is None:
+        raise RenderError(f"spec.tiers[{tier.name}].remote.macKeySecret: {REMOTE_KEY_RULE}")
     base = f"{REMOTE_SECRETS_DIR}/{tier.name}"
     password = f"{base}/{REMOTE_PASSWORD_FILE}" if tier.remote.password_secret is not None else None
-    mac = f"{base}/{REMOTE_MAC_KEY_FILE}" if tier.remote.mac_key_secret is not None else password
-    return password, mac
+    return password, f"{base}/{REMOTE_MAC_KEY_FILE}"
+
+
+def remote_scope(policy_metadata: dict) -> str:
+    """The tenant scope of a policy's remote tiers: its namespace (``default`` where the document names none, as
+    kubectl would create it)."""
+    scope = policy_metadata.get("namespace") or "default"
+    try:
+        check_remote_scope("metadata.namespace", scope)
+    except ConfigError as err:
+        raise RenderError(str(err)) from None
+    return scope
 
 
 def remote_ca_file(tier: api.TierSpec) -> Optional[str]:

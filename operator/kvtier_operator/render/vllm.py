@@ -48,7 +48,7 @@ def _shared_hash_flags(tiers: list[api.TierSpec]) -> dict[str, Any]:
     return {"prefix-caching-hash-algo": SHARED_PREFIX_HASH} if any(t.medium == "remote" for t in tiers) else {}
 
 
-def _kvtier_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec]) -> dict[str, Any]:
+def _kvtier_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], scope: str) -> dict[str, Any]:
     """kvtier's own offloading spec: its host tier (the cpu tier) and filesystem tiers, with kvtier's policies
     and codecs (loaded by vLLM's OffloadingSpecFactory from ``spec_module_path``)."""
     cpu, secondary = tiers[0], [t for t in tiers[1:] if t.medium == "filesystem"]
@@ -58,7 +58,7 @@ def _kvtier_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec])
         admission=cpu.admission,
         admission_threshold=spec.offload.admission_threshold,
         fs_tiers=tuple(_fs_tier_config(spec, t) for t in secondary),
-        remote_tiers=tuple(_remote_tier_config(t) for t in tiers[1:] if t.medium == "remote"),
+        remote_tiers=tuple(_remote_tier_config(t, scope) for t in tiers[1:] if t.medium == "remote"),
     )
     extra: dict[str, Any] = {"spec_name": VLLM_OFFLOADING_SPEC_CLASS, "spec_module_path": VLLM_ADAPTER_MODULE,
                              "offload_prompt_only": spec.offload.prompt_only}
@@ -82,16 +82,19 @@ def _fs_tier_config(spec: api.KVCachePolicySpec, tier: api.TierSpec) -> Filesyst
     )
 
 
-def _remote_tier_config(tier: api.TierSpec) -> RemoteTierConfig:
+def _remote_tier_config(tier: api.TierSpec, scope: str) -> RemoteTierConfig:
+    """``scope``: the policy's namespace, the first part of every store key (each namespace its own chunks, index
+    and budget; a store ACL user per namespace confines it)."""
     assert tier.remote is not None
-    password, mac = remote_secret_files(tier)
+    password, key = remote_secret_files(tier)
     return RemoteTierConfig(url=tier.remote.url, capacity_bytes=tier.size_bytes, codec=tier.compression,
-                            password_file=password, mac_key_file=mac, ca_file=remote_ca_file(tier))
+                            password_file=password, mac_key_file=key, ca_file=remote_ca_file(tier), scope=scope,
+                            username=tier.remote.username)
 
 
-def _offloading_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec]) -> dict[str, Any]:
+def _offloading_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], scope: str) -> dict[str, Any]:
     if spec.backend == "kvtier":
-        return _kvtier_extra_config(spec, tiers)
+        return _kvtier_extra_config(spec, tiers, scope)
     cpu, secondary = tiers[0], [t for t in tiers[1:] if t.medium == "filesystem"]
     extra: dict[str, Any] = {
         "spec_name": "TieringOffloadingSpec" if secondary else "CPUOffloadingSpec",
@@ -139,7 +142,9 @@ def _lmcache_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec]) -> d
     return config
 
 
-def render_vllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config_map_name: str) -> RenderedConfig:
+def render_vllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config_map_name: str, *,
+                scope: str) -> RenderedConfig:
+    """``scope``: the tenant scope of the remote tiers' store keys (the policy's namespace)."""
     flags = _engine_flags(spec)
     env: dict[str, str] = {}
     files: dict[str, str] = {}
@@ -154,7 +159,7 @@ def render_vllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config_m
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": _offloading_extra_config(spec, tiers),
+            "kv_connector_extra_config": _offloading_extra_config(spec, tiers, scope),
         }
     files[CONFIG_FILE] = dump_yaml(flags, sort_keys=False)
 

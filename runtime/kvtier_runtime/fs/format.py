@@ -233,10 +233,16 @@ def verify_mac(mac_key: bytes, header: memoryview, *blob: memoryview | bytes) ->
         raise FormatError("forged", "keyed MAC does not verify")
 
 
+def _printable_text(raw: bytes) -> bool:
+    return all(0x20 <= b < 0x7F for b in raw)
+
+
 def mac_key_from_bytes(raw: bytes, source: str) -> bytes:
-    """The MAC key from a key file's contents (one trailing newline, as ``kubectl create secret`` may leave,
-    is dropped); HMAC hashes longer material down itself. ValueError names ``source``."""
-    material = raw[:-1] if raw.endswith(b"\n") else raw
+    """The key from a key file's contents, as bytes. A key that is printable ASCII text followed by one newline
+    (``echo`` or ``kubectl create secret --from-file`` of a text key) loses that newline; any other content is the
+    key as it is, every byte kept: a random binary key that happens to end in 0x0a is not shortened. HMAC (and the
+    remote tier's HKDF) take longer material as it is. ValueError names ``source``."""
+    material = raw[:-1] if raw.endswith(b"\n") and _printable_text(raw[:-1]) else raw
     if len(material) < MIN_MAC_KEY_BYTES:
         raise ValueError(f"mac_key_file: {source} holds {len(material)} bytes, needs at least {MIN_MAC_KEY_BYTES}")
     return material

@@ -1,13 +1,13 @@
 """The store client of the remote tier: redis-py (standalone or cluster mode), short timeouts, no retries.
 
 Mode is detected at connect time (``INFO cluster``: ``cluster_enabled:1`` switches to
-:class:`redis.cluster.RedisCluster` seeded with the same address), so one ``redis://host:port`` works against a single server, a Valkey/Redis with
-replicas behind a Service, or a cluster. The password comes from ``password_file`` (a Secret mounted read-only),
-never from the URL. ``rediss://`` always verifies the store's certificate and host name: against ``ca_file`` alone
-when it is set (a private CA), else against the system CA bundle; a failed verification is a ``down`` store. Every
-socket operation is bounded by ``io_timeout_s`` and nothing is retried: a slow or absent store must cost the engine
-a miss, not a retry loop. Faults are classified by :func:`failure_kind` into the reasons
-the tier's metrics count.
+:class:`redis.cluster.RedisCluster` seeded with the same address), so one ``redis://host:port`` works against a
+single server, a Valkey/Redis with replicas behind a Service, or a cluster. The password comes from
+``password_file`` (a Secret mounted read-only), never from the URL, and is the ACL user ``username``'s when one is
+set. ``rediss://`` always verifies the store's certificate and host name: against ``ca_file`` alone when it is set
+(a private CA), else against the system CA bundle; a failed verification is a ``down`` store. Every socket operation
+is bounded by ``io_timeout_s`` and nothing is retried: a slow or absent store must cost the engine a miss, not a
+retry loop. Faults are classified by :func:`failure_kind` into the reasons the tier's metrics count.
 """
 from __future__ import annotations
 
@@ -124,6 +124,8 @@ class RemoteStore:
         self.ssl = parts.scheme == "rediss"
         self.timeout_s = float(config.io_timeout_s)
         self._password = read_password(config.password_file)
+        # The store's ACL user (AUTH username password); None: the default user.
+        self.username = config.username
         self.ca_file = check_ca_file(config.ca_file)
         self.url = config.url
         self.cluster = False
@@ -131,7 +133,7 @@ class RemoteStore:
         self._lock = threading.Lock()
 
     def _options(self) -> dict[str, Any]:
-        options = dict(password=self._password, ssl=self.ssl, socket_timeout=self.timeout_s,
+        options = dict(username=self.username, password=self._password, ssl=self.ssl, socket_timeout=self.timeout_s,
                        socket_connect_timeout=self.timeout_s, retry=Retry(NoBackoff(), 0), health_check_interval=0)
         if self.ssl:
             # Never cert_reqs "none": the store's certificate and host name are always checked, against ca_file

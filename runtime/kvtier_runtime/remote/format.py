@@ -1,51 +1,56 @@
 """The value format of kvtier's remote tier (pure functions, no I/O, no torch).
 
-One chunk is one store value::
+One chunk is one store value, sealed with AES-256-GCM::
 
     0   8s   magic  b"KVTIERR1"
-    8   H    format version
-    10  H    key length (the whole store key, model identity included)
-    12  B    integrity: 1 = HMAC-SHA256 (32 bytes), 0 = CRC32 (4 bytes)
-    13  3x
-    16  Q    payload length (the codec's self-describing blob)
+    8   H    format version (2)
+    10  B    sealing: 1 = AES-256-GCM
+    11  5x
+    16  Q    payload length (the codec's self-describing blob; the ciphertext is as long)
     24  16s  codec name the writer was configured with (ASCII, NUL padded)
-    40  key bytes
-    ... payload
-    ... trailer: HMAC-SHA256 or CRC32 of everything before it
+    40  12s  nonce (96 random bits per value, os.urandom)
+    52  ciphertext of the payload
+    ... 16-byte GCM tag
 
-The key is inside the value and under its MAC: a value copied to another key (another chunk, another model's
-identity) fails as ``mismatch`` and is a miss, however it got there. With a MAC key the trailer is a keyed MAC, so a
-writer without the key cannot forge a value (``forged``); a tier with a key refuses unkeyed values too, and a tier
-without one refuses keyed values it cannot check (``unverifiable``). Without a key the CRC catches accidents only,
-which is why a store shared by several writers should be given a key (docs/remote.md).
+The value key is derived with HKDF-SHA256 from the tenant's key file (``mac_key_file``, at least 32 bytes), with the
+scope and the model identity in HKDF's info: each (tenant, scope, model) has its own key, and the tenant's file
+itself never keys a cipher. The associated data is the header (52 bytes) and the store key the value was written
+under, so a value is refused (``forged``: the tag does not verify) when it was written by anyone without the key,
+altered in any byte, or moved to another key (another chunk, another model, another scope). A reader of the store
+without the key sees the header (format, codec, sizes) and ciphertext only.
 
-The MAC key is read by the filesystem tier's loader (:func:`kvtier_runtime.fs.format.mac_key_from_bytes`: at least
-32 bytes); the CRC is the filesystem tier's (:func:`kvtier_runtime.fs.format.checksum`). The MAC is HMAC-SHA256 as
-in the filesystem tier's block files, under a domain tag of its own, so a block file's MAC never verifies a value.
+Values of format version 1 (an HMAC or a CRC, the payload in clear) read as ``version``: a counted miss, never
+decoded. GCM's bound for random nonces (2^32 values per key) is far above what one model of one scope writes
+between key rotations at any plausible rate; the key is per scope and model too.
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
+import os
 import struct
 
-from ..fs.format import checksum
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 MAGIC = b"KVTIERR1"
-FORMAT_VERSION = 1
-_HEAD = struct.Struct("<8sHHB3xQ16s")
-HEAD_BYTES = _HEAD.size  # 40
+FORMAT_VERSION = 2
+SEALING_AES_256_GCM = 1
+_HEAD = struct.Struct("<8sHB5xQ16s12s")
+HEAD_BYTES = _HEAD.size  # 52
+NONCE_BYTES = 12
+TAG_BYTES = 16
 MAX_KEY_BYTES = 512
 CODEC_NAME_BYTES = 16
-MAC_BYTES = 32
-CRC_BYTES = 4
-INTEGRITY_CRC, INTEGRITY_MAC = 0, 1
-_MAC_DOMAIN = b"kvtier-remote-value-v1\0"
+VALUE_KEY_BYTES = 32
+# HKDF's info: this domain, then the scope and the model identity (a scope is a DNS label and an identity is hex,
+# so neither holds the NUL separator and no two (scope, identity) pairs give one info).
+_HKDF_DOMAIN = b"kvtier-remote-value-v2\0"
 
 
 class RemoteFormatError(Exception):
     """A value is not a valid chunk for the key it was read from; ``kind`` says why (``foreign``, ``version``,
-    ``truncated``, ``corrupt``, ``forged``, ``unverifiable``, ``mismatch``)."""
+    ``truncated``, ``corrupt``, ``forged``)."""
 
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(f"{kind}: {detail}")
@@ -53,87 +58,79 @@ class RemoteFormatError(Exception):
         self.detail = detail
 
 
-
-def header_bytes(key: bytes) -> int:
-    """Bytes before the payload of a value stored under ``key``."""
-    return HEAD_BYTES + len(key)
-
-
-def trailer_bytes(mac: bool) -> int:
-    return MAC_BYTES if mac else CRC_BYTES
+def value_bytes(payload_len: int) -> int:
+    """Size of a whole value: header, ciphertext, tag."""
+    return HEAD_BYTES + payload_len + TAG_BYTES
 
 
-def value_bytes(key_len: int, payload_len: int, mac: bool) -> int:
-    """Size of a whole value: header, payload, trailer."""
-    return HEAD_BYTES + key_len + payload_len + trailer_bytes(mac)
+def derive_value_key(tenant_key: bytes, scope: str, identity: str) -> bytes:
+    """The AES-256 key of one scope's values of one model: HKDF-SHA256 of the tenant's key material."""
+    info = _HKDF_DOMAIN + scope.encode("ascii") + b"\0" + identity.encode("ascii")
+    return HKDF(algorithm=hashes.SHA256(), length=VALUE_KEY_BYTES, salt=None, info=info).derive(tenant_key)
 
 
-def _mac(mac_key: bytes, body: memoryview) -> bytes:
-    h = hmac.new(mac_key, _MAC_DOMAIN, hashlib.sha256)
-    h.update(body)
-    return h.digest()
+class Sealer:
+    """Seals and opens the values of one scope and model (thread-safe: the AEAD context holds only the key)."""
 
+    def __init__(self, tenant_key: bytes, scope: str, identity: str) -> None:
+        self._aead = AESGCM(derive_value_key(tenant_key, scope, identity))
 
-def seal(buf: bytearray | memoryview, key: bytes, codec: str, payload_len: int, mac_key: bytes | None) -> int:
-    """Write the header and the trailer around a payload the caller already placed at ``header_bytes(key)`` in
-    ``buf``; returns the value's length (``buf[:n]`` is what to store). ValueError names the field that cannot be
-    represented."""
-    if not 0 < len(key) <= MAX_KEY_BYTES:
-        raise ValueError(f"key: {len(key)} bytes, must be 1..{MAX_KEY_BYTES}")
-    name = codec.encode("ascii")
-    if not name or len(name) > CODEC_NAME_BYTES:
-        raise ValueError(f"codec: {codec!r} must be 1..{CODEC_NAME_BYTES} ASCII characters")
-    if payload_len < 0:
-        raise ValueError(f"payload_len: {payload_len} must be >= 0")
-    mv = memoryview(buf)
-    total = value_bytes(len(key), payload_len, mac_key is not None)
-    if len(mv) < total:
-        raise ValueError(f"buf: {len(mv)} bytes, the value needs {total}")
-    _HEAD.pack_into(mv, 0, MAGIC, FORMAT_VERSION, len(key),
-                    INTEGRITY_MAC if mac_key is not None else INTEGRITY_CRC, payload_len, name)
-    mv[HEAD_BYTES:HEAD_BYTES + len(key)] = key
-    end = HEAD_BYTES + len(key) + payload_len
-    if mac_key is not None:
-        mv[end:end + MAC_BYTES] = _mac(mac_key, mv[:end])
-    else:
-        struct.pack_into("<I", mv, end, checksum(mv[:end]))
-    return total
+    def seal(self, buf: bytearray | memoryview, key: bytes, codec: str, payload: memoryview) -> int:
+        """Write the value of ``payload`` stored under ``key`` into ``buf`` (header, ciphertext, tag: no copy of the
+        payload but the cipher's own output); returns its length (``buf[:n]`` is what to store). ValueError names the
+        field that cannot be represented."""
+        if not 0 < len(key) <= MAX_KEY_BYTES:
+            raise ValueError(f"key: {len(key)} bytes, must be 1..{MAX_KEY_BYTES}")
+        name = codec.encode("ascii")
+        if not name or len(name) > CODEC_NAME_BYTES:
+            raise ValueError(f"codec: {codec!r} must be 1..{CODEC_NAME_BYTES} ASCII characters")
+        mv = memoryview(buf)
+        n = len(payload)
+        total = value_bytes(n)
+        if len(mv) < total:
+            raise ValueError(f"buf: {len(mv)} bytes, the value needs {total}")
+        nonce = os.urandom(NONCE_BYTES)
+        _HEAD.pack_into(mv, 0, MAGIC, FORMAT_VERSION, SEALING_AES_256_GCM, n, name, nonce)
+        aad = bytes(mv[:HEAD_BYTES]) + bytes(key)
+        self._aead.encrypt_into(nonce, payload, aad, mv[HEAD_BYTES:total])
+        return total
 
-
-def open_value(value: bytes | bytearray | memoryview, key: bytes, mac_key: bytes | None) -> tuple[str, memoryview]:
-    """Verify a value read from ``key`` and return ``(codec name, payload)`` (a view into ``value``). Raises
-    :class:`RemoteFormatError` (never anything else) for any bytes it is given."""
-    mv = memoryview(value)
-    if len(mv) < HEAD_BYTES:
-        raise RemoteFormatError("foreign" if bytes(mv[:8]) != MAGIC else "truncated", f"{len(mv)} bytes")
-    magic, version, key_len, integrity, payload_len, codec = _HEAD.unpack_from(mv, 0)
-    if magic != MAGIC:
-        raise RemoteFormatError("foreign", "no kvtier value magic")
-    if version != FORMAT_VERSION:
-        raise RemoteFormatError("version", f"format version {version}, this build reads {FORMAT_VERSION}")
-    if integrity not in (INTEGRITY_CRC, INTEGRITY_MAC):
-        raise RemoteFormatError("corrupt", f"integrity kind {integrity}")
-    keyed = integrity == INTEGRITY_MAC
-    expected = value_bytes(key_len, payload_len, keyed)
-    if len(mv) < expected:
-        raise RemoteFormatError("truncated", f"{len(mv)} bytes, the header says {expected}")
-    if len(mv) > expected:
-        raise RemoteFormatError("corrupt", f"{len(mv)} bytes, the header says {expected}")
-    end = HEAD_BYTES + key_len + payload_len
-    if mac_key is not None:
-        if not keyed:
-            raise RemoteFormatError("forged", "an unkeyed value in a tier that requires a MAC")
-        if not hmac.compare_digest(_mac(mac_key, mv[:end]), bytes(mv[end:end + MAC_BYTES])):
-            raise RemoteFormatError("forged", "keyed MAC does not verify")
-    elif keyed:
-        raise RemoteFormatError("unverifiable", "a keyed value, and this tier has no MAC key to check it")
-    elif struct.unpack_from("<I", mv, end)[0] != checksum(mv[:end]):
-        raise RemoteFormatError("corrupt", "checksum mismatch")
-    # Checked after the integrity check: only then is the key field the writer's own.
-    if bytes(mv[HEAD_BYTES:HEAD_BYTES + key_len]) != key:
-        raise RemoteFormatError("mismatch", "the value was written under another key")
-    try:
-        name = codec.rstrip(b"\0").decode("ascii")
-    except UnicodeDecodeError:
-        raise RemoteFormatError("corrupt", "codec name is not ASCII") from None
-    return name, mv[HEAD_BYTES + key_len:end]
+    def open(self, value: bytes | bytearray | memoryview, key: bytes, out: bytearray | memoryview,
+             ) -> tuple[str, memoryview]:
+        """Verify a value read from ``key`` and decrypt its payload into ``out``; returns ``(codec name, payload)``
+        (a view into ``out``). ``out`` is scratch, never the caller's row: after a refusal it may hold unverified
+        bytes (the cipher decrypts, then checks the tag), which nothing reads. Raises :class:`RemoteFormatError`
+        (never anything else) for any bytes it is given."""
+        mv = memoryview(value)
+        if len(mv) < HEAD_BYTES:
+            raise RemoteFormatError("foreign" if bytes(mv[:8]) != MAGIC else "truncated", f"{len(mv)} bytes")
+        if bytes(mv[:8]) != MAGIC:
+            raise RemoteFormatError("foreign", "no kvtier value magic")
+        version = struct.unpack_from("<H", mv, 8)[0]
+        if version != FORMAT_VERSION:
+            raise RemoteFormatError("version", f"format version {version}, this build reads {FORMAT_VERSION} "
+                                               "(values are encrypted since version 2)")
+        _, _, sealing, payload_len, codec, nonce = _HEAD.unpack_from(mv, 0)
+        if sealing != SEALING_AES_256_GCM:
+            raise RemoteFormatError("corrupt", f"sealing kind {sealing}")
+        expected = value_bytes(payload_len)
+        if len(mv) < expected:
+            raise RemoteFormatError("truncated", f"{len(mv)} bytes, the header says {expected}")
+        if len(mv) > expected:
+            raise RemoteFormatError("corrupt", f"{len(mv)} bytes, the header says {expected}")
+        dst = memoryview(out)
+        if len(dst) < payload_len:
+            raise RemoteFormatError("corrupt", f"a payload of {payload_len} bytes, larger than this tier's "
+                                               f"largest ({len(dst)})")
+        aad = bytes(mv[:HEAD_BYTES]) + bytes(key)
+        try:
+            self._aead.decrypt_into(nonce, mv[HEAD_BYTES:expected], aad, dst[:payload_len])
+        except InvalidTag:
+            raise RemoteFormatError("forged", "the value does not verify under this scope's key (another key "
+                                              "wrote it, it was altered, or it was moved from another store key)"
+                                    ) from None
+        try:
+            name = codec.rstrip(b"\0").decode("ascii")
+        except UnicodeDecodeError:
+            raise RemoteFormatError("corrupt", "codec name is not ASCII") from None
+        return name, dst[:payload_len]

@@ -1,18 +1,31 @@
 """Which chunks of a shared store are interchangeable: the model identity, and the store keys built from it (pure).
 
-Keys are ``kvtier:<model identity>:<chunk key hex>``. The model identity is a digest of every fact that changes the
+Keys are ``kvtier:<scope>:<model identity>:<chunk key hex>``. The scope is the tenant's (the policy's namespace,
+:func:`kvtier_runtime.config.check_remote_scope`: a DNS label, so no ``:``, glob character or ``{``): a store ACL
+user per tenant confined to ``~kvtier:<scope>:*`` reaches its own keys and no other tenant's, and each scope has its
+own index and budget. The model identity is a digest of every fact that changes the
 bytes of a chunk (the model, its KV dtype, block and chunk sizes, layers, KV heads, head size, parallelism, the
 tier's codec), derived by the runtime from the engine's own configuration, never configured by hand: replicas of
 one model compute the same identity and share, two different models or layouts never read each other's chunks.
 
 No hash tag (``{...}``) is used, so Redis Cluster spreads one model's chunks over every slot, hence every node;
-the per-model index (``kvtier:<identity>:index``, the capacity accounting) is one key on one slot.
+the per-scope, per-model index (``kvtier:<scope>:<identity>:index``, the capacity accounting) is one key on one
+slot. A command never spans two keys (GET/SET/EXISTS/DEL of one chunk, the index alone), so cluster mode needs no
+two keys on one slot.
+
+The chunk key is vLLM's offload key (``make_offload_key``: the block hash + the KV cache group index). vLLM's
+per-request ``cache_salt`` enters the hash of a request's first block (``generate_block_hash_extra_keys`` in
+vllm/v1/core/kv_cache_utils.py) and every later block's hash chains from its parent, so requests with different
+salts never produce the same chunk key. The salt is a client-chosen value, not a tenant boundary: the scope and
+the tenant's key are.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 from typing import Any, Mapping
+
+from ..config import check_remote_scope
 
 # Bumped when the facts' meaning (or the value format) changes, so old chunks are simply never found again.
 IDENTITY_VERSION = 1
@@ -27,10 +40,18 @@ def model_identity(facts: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:IDENTITY_HEX_CHARS]
 
 
-def key_prefix(identity: str) -> bytes:
+def key_prefix(scope: str, identity: str) -> bytes:
+    """``kvtier:<scope>:<identity>:``; ConfigError (scope) or ValueError (identity) names the bad part."""
+    check_remote_scope("scope", scope)
     if len(identity) != IDENTITY_HEX_CHARS or any(c not in "0123456789abcdef" for c in identity):
         raise ValueError(f"identity: {identity!r} must be {IDENTITY_HEX_CHARS} lowercase hex characters")
-    return f"{KEY_PREFIX}:{identity}:".encode()
+    return f"{KEY_PREFIX}:{scope}:{identity}:".encode()
+
+
+def scope_pattern(scope: str) -> str:
+    """The ACL key pattern (``ACL SETUSER ... ~<pattern>``) that holds exactly one scope's keys."""
+    check_remote_scope("scope", scope)
+    return f"{KEY_PREFIX}:{scope}:*"
 
 
 def chunk_key(prefix: bytes, key: bytes) -> bytes:
@@ -39,5 +60,6 @@ def chunk_key(prefix: bytes, key: bytes) -> bytes:
 
 
 def index_key(prefix: bytes) -> bytes:
-    """The sorted set of one model's chunks kvtier wrote (member: chunk key hex, score: last write or read)."""
+    """The sorted set of one scope's chunks of one model kvtier wrote (member: chunk key hex, score: last write or
+    read)."""
     return prefix + b"index"

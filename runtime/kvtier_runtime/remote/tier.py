@@ -13,17 +13,25 @@ lookups, ``submit_store`` (write-through from the host tier), ``submit_load`` (p
   a late key fails as ``timeout`` and a late reply never touches a host row the books may have reused.
 * Every fault is a failed key with a reason, never an exception into the engine: ``down`` (refused, reset,
   cluster slot not served), ``timeout``, ``full`` (a write refused by the store's maxmemory under ``noeviction``),
-  ``auth``, and for values ``evicted`` (gone since the probe), ``forged``/``unverifiable`` (MAC),
-  ``corrupt``/``truncated``/``foreign``/``version``, ``mismatch`` (another key's or another model's value).
+  ``auth``, and for values ``evicted`` (gone since the probe), ``forged`` (does not verify under this scope's key:
+  written without it, altered, or moved from another key), ``corrupt``/``truncated``/``foreign``, ``version`` (an
+  older format, e.g. an unencrypted value), ``mismatch`` (a row of another shape).
   ``down``/``auth``, or three ``timeout``s in a row, mark the store down for a backoff (1 s doubling to 30 s):
   lookups miss at once, stores are refused, and one background reconnect decides when it is back.
 
-Capacity: kvtier keeps, per model identity, a sorted set of the chunks it wrote (``kvtier:<identity>:index``,
-score = last write or read). After each store batch, if the set holds more chunks than ``capacity_bytes`` allows
-(at the largest value size), the oldest are popped and deleted. Used bytes = entries x largest value size, an upper
-bound: the store's own eviction (maxmemory + allkeys-lru, the fleet-wide bound) may drop values the set still lists,
-which then read as ``evicted`` misses and leave the set as they are popped. Replicas share the set, so the budget is
-fleet-wide per model; concurrent writers may overshoot it by at most one batch each before the next trim.
+Tenancy: every key starts with the tier's scope (``kvtier:<scope>:<identity>:...``, :mod:`.identity`) and every
+value is sealed with AES-256-GCM under a key derived from the tenant's key file, the scope and the model identity
+(:mod:`.format`); replicas of one model in one scope share, other scopes neither read, forge nor evict them (a store
+ACL per tenant keeps them from deleting or overwriting too: docs/remote.md).
+
+Capacity: kvtier keeps, per scope and model identity, a sorted set of the chunks it wrote
+(``kvtier:<scope>:<identity>:index``, score = last write or read). After each store batch, if the set holds more
+chunks than ``capacity_bytes`` allows (at the largest value size, its key included), the oldest are popped and
+deleted. Used bytes = entries x that size, an upper bound: the store's own eviction (maxmemory + allkeys-lru, the
+fleet-wide bound) may drop values the set still lists, which then read as ``evicted`` misses and leave the set as
+they are popped. Replicas of one scope share the set, so the budget is fleet-wide per scope and model (another
+scope's trim pops its own set only); concurrent writers may overshoot it by at most one batch each before the next
+trim.
 """
 from __future__ import annotations
 
@@ -44,15 +52,16 @@ from ..fs.index import KeyState
 from ..fs.io import _read_mac_key
 from ..fs.jobs import JobQueue, JobResult, _Expired, _Job
 from ..policies import AccessContext
-from .client import RemoteStore, failure_kind, read_password
-from .format import MAC_BYTES, RemoteFormatError, header_bytes, open_value, seal, value_bytes
+from .client import RemoteStore, failure_kind
+from .format import RemoteFormatError, Sealer, value_bytes
 from .identity import chunk_key, index_key, key_prefix
 
 log = logging.getLogger("kvtier_runtime.remote")
 
 __all__ = ["RemoteTier", "JobResult", "KeyState"]
 
-# An offload key is a 32-byte block hash + a 4-byte group index: the size the capacity arithmetic assumes.
+# An offload key is a 32-byte block hash + a 4-byte group index: the size the capacity arithmetic assumes (a chunk
+# costs the store its value and its key, hex-encoded after the prefix).
 NOMINAL_KEY_BYTES = 36
 # Faults that mean the store itself is unusable (mark it down at once); "timeout" needs TIMEOUTS_TO_DOWN in a row.
 _DOWN_KINDS = frozenset({"down", "auth"})
@@ -65,7 +74,8 @@ LOAD_DEADLINE_FACTOR = 4
 STORE_DEADLINE_FACTOR = 8
 # Values refused for what they hold (not for a store fault): logged, since they mean a writer without the key or
 # a damaged store.
-_REFUSED_KINDS = frozenset({"forged", "corrupt", "truncated", "mismatch", "foreign", "unverifiable", "version"})
+_REFUSED_KINDS = frozenset({"forged", "corrupt", "truncated", "foreign", "version"})
+_HEX = frozenset(b"0123456789abcdef")
 
 
 class RemoteMetrics:
@@ -162,7 +172,8 @@ class _Lane:
 
 
 class RemoteTier(JobQueue):
-    """Chunks of one fixed shape and dtype in a shared Valkey/Redis store, keyed by ``identity``."""
+    """Chunks of one fixed shape and dtype in a shared Valkey/Redis store, keyed by the config's scope and
+    ``identity``, sealed under the tenant's key (``config.mac_key_file``)."""
 
     remote = True  # the books: raw offload keys (the identity is in the store key), PENDING = ask again
 
@@ -193,22 +204,21 @@ class RemoteTier(JobQueue):
         self.block_shape = tuple(int(d) for d in block_shape)
         self.dtype = dtype
         self._codec = codec or get_codec(config.codec, fallback=True)
-        if config.mac_key_file is not None and config.mac_key_file == config.password_file:
-            # The operator's rendering without a MAC key of its own: the store password keys the MAC, so a client
-            # of the store without it cannot forge a value (as strong as the password; give a macKeySecret of 32+
-            # bytes for more).
-            self._mac_key: bytes | None = (read_password(config.password_file) or "").encode()
-        else:
-            self._mac_key = _read_mac_key(config.mac_key_file)
+        # RemoteTierConfig guarantees a key file of the tenant's own (never the store password's file).
+        tenant_key = _read_mac_key(config.mac_key_file)
+        assert tenant_key is not None and config.scope is not None
+        self.scope = config.scope
+        self._sealer = Sealer(tenant_key, config.scope, identity)
+        del tenant_key
         self._io_timeout_s = float(config.io_timeout_s)
         self._on_complete = on_complete
         self._clock = clock
-        self._prefix = key_prefix(identity)
+        self._prefix = key_prefix(config.scope, identity)
         self.identity = identity
         self._index = index_key(self._prefix)
         self._max_payload = self._codec.max_encoded_nbytes(self.block_shape, dtype)
-        self.value_bytes = value_bytes(len(self._prefix) + 2 * NOMINAL_KEY_BYTES, self._max_payload,
-                                       self._mac_key is not None)
+        # What one chunk costs the store at most: its value (header, ciphertext, tag) and its key.
+        self.value_bytes = value_bytes(self._max_payload) + len(self._prefix) + 2 * NOMINAL_KEY_BYTES
         self.capacity_entries = config.capacity_bytes // self.value_bytes
         if self.capacity_entries < 1:
             raise ConfigError(f"capacity_bytes: {config.capacity_bytes} bytes hold no chunk of {self.value_bytes} "
@@ -242,8 +252,7 @@ class RemoteTier(JobQueue):
         self._stores_paused_until = 0.0  # after "full": a full store is not sent more bytes for a while
         self._entries = 0
         self._local = threading.local()
-        nominal_key = self._prefix + b"0" * 2 * NOMINAL_KEY_BYTES
-        self._buffer_bytes = header_bytes(nominal_key) + self._max_payload + MAC_BYTES
+        self._buffer_bytes = value_bytes(self._max_payload)
 
         self._read_pool = ThreadPoolExecutor(n_threads, thread_name_prefix=f"kvtier-{self.name}-r")
         self._write_pool = ThreadPoolExecutor(n_threads, thread_name_prefix=f"kvtier-{self.name}-w")
@@ -527,6 +536,14 @@ class RemoteTier(JobQueue):
         self._settle(job, i, True)
 
     # ---- batches (pool threads) -------------------------------------------------------------------------
+    def _plain(self) -> bytearray:
+        """This thread's plaintext buffer: the codec encodes into it before sealing, a value decrypts into it before
+        decoding (never into the caller's row: a refused value's bytes must never reach it)."""
+        plain: bytearray | None = getattr(self._local, "plain", None)
+        if plain is None:
+            plain = self._local.plain = bytearray(self._max_payload)
+        return plain
+
     def _buffers(self, n: int) -> list[bytearray]:
         """This thread's value buffers (a pipeline holds views of each until it is sent), at least ``n``."""
         bufs: list[bytearray] = getattr(self._local, "bufs", None) or []
@@ -548,20 +565,18 @@ class RemoteTier(JobQueue):
                 self._fail_key(job, i, reason, store=True)
             return
         bufs = self._buffers(len(live))
+        plain = self._plain()
+        out = torch.frombuffer(plain, dtype=torch.uint8)
         sent: list[tuple[_Job, int, bytes, memoryview]] = []
         for j, (job, i, key, block) in enumerate(live):
-            skey = self.store_key(key)
-            head = header_bytes(skey)
-            if len(bufs[j]) < head + self._max_payload + MAC_BYTES:  # a longer key than the nominal one
-                bufs[j] = bytearray(head + self._max_payload + MAC_BYTES)
             buf = bufs[j]
-            out = torch.frombuffer(buf, dtype=torch.uint8)[head:head + self._max_payload]
             try:
                 with job.io_lock:  # the only read of the caller's row
                     if job.expired:
                         raise _Expired()
                     n = self._codec.encode(block if block.is_contiguous() else block.contiguous(), out)
-                total = seal(buf, skey, self._codec.name, n, self._mac_key)
+                # Encrypted from the plaintext buffer straight into this value's buffer (the pipeline sends a view).
+                total = self._sealer.seal(buf, self.store_key(key), self._codec.name, memoryview(plain)[:n])
             except _Expired:
                 continue
             except Exception as exc:  # a codec fault must not reach the engine
@@ -609,15 +624,16 @@ class RemoteTier(JobQueue):
             if over > 0:
                 popped = self._store.connect().zpopmin(self._index, over)
                 if popped:
+                    # Only members kvtier writes (a chunk key's hex) name a key to delete: whatever else the index
+                    # holds never makes the trim delete a key outside this scope's chunks (the index itself).
+                    mine = [bytes(member) for member, _ in popped
+                            if member and len(member) % 2 == 0 and _HEX.issuperset(member)]
                     pipe = self._store.pipeline()
-                    for member, _ in popped:
+                    for member in mine:
                         pipe.delete(self._prefix + member)
                     pipe.execute(raise_on_error=False)
-                    for member, _ in popped:
-                        try:
-                            self._remember(bytes.fromhex(member.decode()), False, "evicted")
-                        except ValueError:  # not a member kvtier wrote
-                            pass
+                    for member in mine:
+                        self._remember(bytes.fromhex(member.decode()), False, "evicted")
                     self._metrics.evicted(len(popped))
                 entries -= len(popped)
         except Exception as exc:
@@ -659,7 +675,7 @@ class RemoteTier(JobQueue):
                 kind = "evicted"  # the probe saw it; the store or another replica dropped it since
             else:
                 try:
-                    _, payload = open_value(value, self.store_key(key), self._mac_key)
+                    _, payload = self._sealer.open(value, self.store_key(key), self._plain())
                     with job.io_lock:  # the only write of the caller's row
                         if job.expired:
                             raise _Expired()

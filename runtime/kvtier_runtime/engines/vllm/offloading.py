@@ -235,9 +235,10 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def _remote_tiers(self, spec: KvtierOffloadingSpec, decision: LayoutDecision,
                       meters: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-        """The remote tiers (a store shared by every replica; the model identity, derived from vLLM's config, is in
-        each key) and the host rows as each sees them. The tier module (and its client, redis-py) is imported
-        only when one is configured."""
+        """The remote tiers (a store shared by every replica of the scope; the scope and the model identity,
+        derived from vLLM's config, are in each key; the offload keys the books hand them are vLLM's block hashes +
+        group index, where a request's cache_salt already entered the first block's hash) and the host rows as each
+        sees them. The tier module (and its client, redis-py) is imported only when one is configured."""
         if not spec.kvtier.remote_tiers:
             return [], []
         from ...remote.tier import RemoteTier
@@ -251,8 +252,8 @@ class KvtierOffloadingManager(OffloadingManager):
             identity = remote_identity(spec, rcfg.codec)
             tier = RemoteTier(rcfg, (view.shape[1],), dtype, identity=identity, name=f"kvtier-remote:{rcfg.url}",
                               peer="host", codec=codec, on_complete=meter.on_complete)
-            _log.info("kvtier: remote tier %s for model identity %s (capacity %d chunks of %d bytes)", rcfg.url,
-                      identity, tier.capacity_entries, tier.value_bytes)
+            _log.info("kvtier: remote tier %s for scope %s, model identity %s (capacity %d chunks of %d bytes)",
+                      rcfg.url, rcfg.scope, identity, tier.capacity_entries, tier.value_bytes)
             tiers.append(tier)
             rows.append(view)
         return tiers, rows
