@@ -270,7 +270,7 @@ def test_a_store_probe_goes_through_a_half_open_tier_one_job_at_a_time() -> None
 
 def test_spec_config_names_the_breakers_and_they_answer_to_addresses_too(tmp_path) -> None:
     extra = {"cpu_bytes_to_use": 1 << 20, "fs_tiers": [{"root_dir": "/mnt/nvme", "capacity_bytes": 1 << 30}],
-             "remote_tiers": [{"url": "redis://kv:6379", "capacity_bytes": 1 << 30}],
+             "remote_tiers": [{"url": "redis://kv:6379", "capacity_bytes": 1 << 30, "scope": "team-a", "mac_key_file": "/etc/kvtier/tenant-key"}],
              "control_file": str(tmp_path / "control.json"), "recompute_tokens_per_s": 50_000,
              "tier_names": ["cpu", "nvme", "shared"]}
     cfg = OffloadSpecConfig.from_extra_config(extra)
@@ -379,5 +379,6 @@ def test_a_real_filesystem_tier_reports_its_load_ends_to_the_meter_and_can_be_di
 
 def test_two_remote_tiers_on_one_store_get_distinct_default_names() -> None:
     cfg = OffloadSpecConfig.from_extra_config({"cpu_bytes_to_use": 1, "remote_tiers": [
-        {"url": "redis://kv:6379", "capacity_bytes": 1}, {"url": "redis://kv:6379", "capacity_bytes": 2}]})
+        {"url": "redis://kv:6379", "capacity_bytes": 1, "scope": "team-a", "mac_key_file": "/etc/kvtier/tenant-key"},
+        {"url": "redis://kv:6379", "capacity_bytes": 2, "scope": "team-a", "mac_key_file": "/etc/kvtier/tenant-key"}]})
     assert TierBreakers.for_spec(cfg, TOKENS).names == ["host", "redis://kv:6379", "redis://kv:6379#2"]
