@@ -188,3 +188,9 @@ def test_trace_config_round_trips_and_stays_absent_when_off() -> None:
                                               "trace_files": 2, "trace_max_bytes": 4 * MiB})
     assert OffloadSpecConfig.from_extra_config(on.to_extra_config()) == on
     assert on.to_extra_config()["trace_files"] == 2
+
+
+def test_a_folder_that_cannot_be_made_fails_at_start(tmp_path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OSError):
+        _recorder(tmp_path / "file" / "trace")

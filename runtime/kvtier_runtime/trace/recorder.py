@@ -85,6 +85,8 @@ class TraceRecorder:
             log.warning("kvtier: trace recorder removed %d file(s) of an earlier recording from %s", removed,
                         trace_dir)
         self._open(0)
+        if self._handle is None:  # a folder the engine cannot write: fail at start, not silently drop everything
+            raise PermissionError(f"cannot create {trace_file_name(0)} in {trace_dir}")
         self._write_meta()
         self._thread: threading.Thread | None = None
         if start:
