@@ -108,3 +108,13 @@ def test_a_bad_sidecar_is_a_one_line_error_naming_the_field(capsys, tmp_path, me
     assert main(["--trace", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_analyze_takes_the_recordings_tokens_per_block_and_says_so(capsys, tmp_path) -> None:
+    record(tmp_path)
+    assert main(["analyze", "--trace", str(tmp_path), "--policy", "lru", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)
+    assert "16 tokens/block -- overridden by --policy (tokens per block only: analyze chooses its own capacities)" \
+        in captured.err
+    assert "len(hash_ids)" not in captured.err  # input_length is whole chunks: no block-count warning

@@ -272,8 +272,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.block_tokens is None:
         args.block_tokens = model.tokens_per_block if model is not None else DEFAULT_BLOCK_TOKENS
     trace = load_traces(files, skip_bad=args.skip_bad)
-    if model is not None and args.action is None and not args.sweep:
+    if model is not None:
         note = _model_note(model, args)
+        if args.action is not None or args.sweep:
+            note += f" (tokens per block only: {'analyze' if args.action else '--sweep'} chooses its own capacities)"
         print(note, file=sys.stderr if args.json else sys.stdout)
     for warning in trace_warnings(trace, args.block_tokens):
         print(f"{PROG}: {warning}", file=sys.stderr)
