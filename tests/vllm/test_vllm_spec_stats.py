@@ -91,13 +91,19 @@ def test_hit_and_lookup_tokens_are_reported_per_tier_by_name(tmp_path) -> None:
         keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(2)]
         manager.prepare_store(keys, ctx)
         manager.complete_store(keys, ctx)
-        for key in keys + [make_offload_key(b"\x09" * 32, 0)]:  # two host hits and a miss
-            manager.lookup(key, ctx)
+        for _ in range(2):  # two host hits and a miss, asked twice (as after a retry): counted once
+            for key in keys + [make_offload_key(b"\x09" * 32, 0)]:
+                manager.lookup(key, ctx)
         stats = manager.get_stats()
         tokens = manager.spec.tokens_per_chunk
         assert tokens == 16
         assert stats._values[METRIC_HIT_TOKENS] == {("cpu",): 2 * tokens}
         assert stats._values[METRIC_LOOKUP_TOKENS] == {(): 3 * tokens}
+        manager.on_request_finished(ctx)
+        manager.lookup(keys[0], ReqContext(req_id="r2"))  # another request: counted again
+        stats = manager.get_stats()
+        assert stats._values[METRIC_HIT_TOKENS] == {("cpu",): tokens}
+        assert stats._values[METRIC_LOOKUP_TOKENS] == {(): tokens}
     finally:
         manager.shutdown()
 
@@ -136,3 +142,18 @@ def test_trace_dir_records_each_request_once_with_its_prompt_chunks_in_order(tmp
     assert meta["tiers"][0]["capacity_blocks"] == 4 and meta["tiers"][1]["capacity_blocks"] > 4
     assert meta["tokens_per_block"] == 16 and meta["device_blocks"] is None
     assert load_meta(trace_dir / "trace-meta.json").capacities[0] == 4
+
+
+def test_an_unwritable_trace_dir_fails_start_up_naming_the_key(tmp_path) -> None:
+    from kvtier_runtime.config import ConfigError
+
+    (tmp_path / "file").write_text("")
+    extra = {"spec_module_path": ADAPTER, "host_shm_dir": str(tmp_path / "shm"),
+             "trace_dir": str(tmp_path / "file" / "trace")}
+    config = make_offloading_config(spec_name="KvtierOffloadingSpec", cpu_bytes_to_use=4 * 8,
+                                    worker_kv_bytes_per_block=8, engine_id=f"notrace-{os.getpid()}",
+                                    extra_config=extra)
+    with pytest.raises(ConfigError) as err:
+        OffloadingSpecFactory.create_spec(config).get_manager()
+    assert str(err.value).startswith("kv_connector_extra_config.trace_dir: cannot record into")
+    assert not list((tmp_path / "shm").iterdir())  # the host region was removed again

@@ -174,11 +174,15 @@ class OffloadBooks:
         return bytes(key) if self._is_remote(tier_index) else self.fs_key(key)
 
     # ---- lookups ------------------------------------------------------------------------------------------
-    def lookup(self, key: bytes, ctx: AccessContext | None = None) -> str:
+    def lookup(self, key: bytes, ctx: AccessContext | None = None, count: bool = True) -> str:
+        """Where ``key`` is: hit, hit_pending, retry (a promotion runs: ask again) or miss. ``count`` False: the
+        caller already counted this key's settled lookup (vLLM asks a request's whole prefix again after a retry)."""
         found = self._lookup(key, ctx)
         # Measured hits per tier (what replay predicts): a lookup counts once it is settled (hit or miss; vLLM asks
         # again after retry and hit_pending), and a hit counts for the tier its bytes came from -- the first hit
         # after a promotion for the tier it was promoted from, any other for the host tier.
+        if not count:
+            return found
         if found == HIT:
             self.counters["lookup_keys"] += 1
             source = self._promoted_from.pop(key, 0) if self._promoted_from else 0

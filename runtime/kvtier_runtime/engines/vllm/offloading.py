@@ -241,7 +241,14 @@ class KvtierOffloadingManager(OffloadingManager):
         self._requests: dict[str, dict[OffloadKey, int | None]] = {}  # request -> chunks it used, their positions
         # Recording (trace_dir): the requests already recorded, until they finish.
         self._traced: set[str] = set()
-        self.recorder = _trace_recorder(spec, self) if cfg.trace_dir is not None else None
+        # Per running request, the keys whose settled lookup hit_tokens/lookup_tokens counted.
+        self._counted: dict[str, set[OffloadKey]] = {}
+        try:
+            self.recorder = _trace_recorder(spec, self) if cfg.trace_dir is not None else None
+        except ConfigError:  # start-up fails: leave no tier threads or shared memory behind
+            self.books.close()
+            self.region.close(unlink=True)
+            raise
 
     def _remote_tiers(self, spec: KvtierOffloadingSpec, decision: LayoutDecision,
                       meters: Sequence[Any]) -> tuple[list[Any], list[Any]]:
@@ -274,9 +281,20 @@ class KvtierOffloadingManager(OffloadingManager):
 
     # ---- lookups ----
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        if self.recorder is not None and req_context is not None and req_context.req_id not in self._traced:
+        if req_context is None:
+            return _LOOKUP[self.books.lookup(bytes(key), None)]
+        if self.recorder is not None and req_context.req_id not in self._traced:
             self._trace(req_context)
-        found = self.books.lookup(bytes(key), _access_context(key, req_context))
+        # hit_tokens/lookup_tokens count a request's key once: after a retry vLLM asks the whole prefix again.
+        counted = self._counted.get(req_context.req_id)
+        if counted is None:
+            if len(self._counted) >= MAX_COUNTED_REQUESTS:  # requests never finished (not vLLM's way): forget
+                self._counted.clear()
+            counted = self._counted[req_context.req_id] = set()
+        count = key not in counted
+        found = self.books.lookup(bytes(key), _access_context(key, req_context), count=count)
+        if count and (found == "hit" or found == "miss"):
+            counted.add(key)
         return _LOOKUP[found]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
@@ -321,6 +339,7 @@ class KvtierOffloadingManager(OffloadingManager):
             if req_context.req_id not in self._traced:
                 self._trace(req_context)
             self._traced.discard(req_context.req_id)
+        self._counted.pop(req_context.req_id, None)
         seen = self._requests.pop(req_context.req_id, None)
         if not seen:
             return
@@ -511,6 +530,8 @@ _HAS_RESET_FLUSHED = "on_reset_flushed" in vars(OffloadingManager)
 RESET_FENCE_GRACE_S = 30.0
 # Steps an idle engine is kept stepping so its stats report work finished after its last request.
 MAX_STATS_STEPS = 3
+# Running requests whose counted lookups are remembered (a bound, not a tuning knob: vLLM finishes every request).
+MAX_COUNTED_REQUESTS = 65536
 
 _LOOKUP = {"hit": LookupResult.HIT, "hit_pending": LookupResult.HIT_PENDING, "retry": LookupResult.RETRY,
            "miss": LookupResult.MISS}
