@@ -379,3 +379,45 @@ def test_page_copier_on_cuda_batched_path_round_trips_through_vllms_swap_blocks_
     copier.finished()
     for t, s in zip(kv, saved):
         assert torch.equal(t[blocks], s[blocks])
+
+
+def test_settled_lookups_count_hits_per_tier_that_served_them(tmp_path) -> None:
+    """What the spec exports as hit_tokens{tier} / lookup_tokens: a lookup counts once settled (hit or miss, not
+    the retries and pending answers vLLM asks again after), and a hit counts for the tier that held the bytes --
+    the first hit after a promotion for the tier it came from, later ones for the host tier."""
+    books, region = _books(tmp_path, n_rows=2)
+    host, disk = books.breakers[0].name, books.breakers[1].name
+    first = seq_key(1)
+    out = books.prepare_store([first])
+    assert books.lookup(first) == HIT_PENDING  # not settled: not counted
+    assert books.counters["lookup_keys"] == 0
+    region.rows[out[1][0]].copy_(_fill(first))
+    books.complete_store([first])
+    books.drain()
+    assert books.lookup(first) == HIT and books.lookup(seq_key(99)) == MISS
+    assert books.counters["lookup_keys"] == 2 and books.hit_keys == {host: 1}
+    _store(books, region, [seq_key(2), seq_key(3)], _fill)  # evicts `first` from the 2-row host tier
+    assert books.lookup(first) == RETRY and books.counters["lookup_keys"] == 2
+    assert _settle(books, first) == HIT and books.source(first) == DISK
+    assert books.hit_keys == {host: 1, disk: 1} and books.counters["lookup_keys"] == 3
+    assert books.lookup(first) == HIT  # already in the host tier: the host tier serves it now
+    assert books.hit_keys == {host: 2, disk: 1} and books.counters["lookup_keys"] == 4
+    books.close()
+    region.close(unlink=True)
+
+
+def test_a_promoted_chunk_evicted_before_its_hit_is_not_counted_for_its_tier_later(tmp_path) -> None:
+    books, region = _books(tmp_path, n_rows=2)
+    disk = books.breakers[1].name
+    first = seq_key(1)
+    _store(books, region, [first], _fill)
+    _store(books, region, [seq_key(2), seq_key(3)], _fill)
+    assert books.lookup(first) == RETRY
+    books.drain()
+    books.poll()
+    assert first in books._promoted_from
+    _store(books, region, [seq_key(4), seq_key(5)], _fill)  # evicts the promoted chunk before any hit
+    assert first not in books.host and first not in books._promoted_from
+    assert books.hit_keys[disk] == 0
+    books.close()
+    region.close(unlink=True)

@@ -333,6 +333,13 @@ def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
 # kvtier's own vLLM offloading spec (``spec_name: KvtierOffloadingSpec``), loaded by vLLM's OffloadingSpecFactory.
 VLLM_OFFLOADING_SPEC_CLASS = "KvtierOffloadingSpec"
 DEFAULT_HOST_SHM_DIR = "/dev/shm"
+# The traffic recorder's bounds (OffloadSpecConfig.trace_*): all trace files together, and the rotation count.
+DEFAULT_TRACE_MAX_BYTES = 64 * 2**20
+MAX_TRACE_BYTES = 16 * 2**30
+DEFAULT_TRACE_FILES = 4
+MAX_TRACE_FILES = 1000
+# A trace file smaller than this would rotate every few requests.
+MIN_TRACE_FILE_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -362,6 +369,12 @@ class OffloadSpecConfig:
     # The tiers' names as the control file and the metrics spell them: the host tier, then fs_tiers, then
     # remote_tiers (the KVCachePolicy's tier names). Empty: host, each root_dir, each url.
     tier_names: tuple[str, ...] = ()
+    # Recording (docs/replay.md, "Record your own traffic"): a folder to write a Mooncake-format trace of the
+    # requests the offloading manager sees, for ``kvtier replay``. None: not recorded.
+    trace_dir: str | None = None
+    # What the trace files may hold in all (the oldest file is deleted first), and how many files they rotate over.
+    trace_max_bytes: int = DEFAULT_TRACE_MAX_BYTES
+    trace_files: int = DEFAULT_TRACE_FILES
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -379,6 +392,19 @@ class OffloadSpecConfig:
                                  or not 0 < rate < float("inf")):
             raise ConfigError(f"recompute_tokens_per_s: {rate!r} must be a positive number")
         self._check_tier_names()
+        self._check_trace()
+
+    def _check_trace(self) -> None:
+        if self.trace_dir is not None and (not isinstance(self.trace_dir, str) or not self.trace_dir.startswith("/")):
+            raise ConfigError(f"trace_dir: {self.trace_dir!r} must be an absolute path")
+        files = self.trace_files
+        if isinstance(files, bool) or not isinstance(files, int) or not 1 <= files <= MAX_TRACE_FILES:
+            raise ConfigError(f"trace_files: {files!r} must be an integer from 1 to {MAX_TRACE_FILES}")
+        size = self.trace_max_bytes
+        low = MIN_TRACE_FILE_BYTES * files
+        if isinstance(size, bool) or not isinstance(size, int) or not low <= size <= MAX_TRACE_BYTES:
+            raise ConfigError(f"trace_max_bytes: {size!r} must be an integer from {low} ({MIN_TRACE_FILE_BYTES} per "
+                              f"trace file) to {MAX_TRACE_BYTES}")
 
     def _check_tier_names(self) -> None:
         names = self.tier_names
@@ -419,7 +445,7 @@ class OffloadSpecConfig:
             raise ConfigError(f"{prefix}fs_tiers: root_dir values must be distinct, got {roots}")
         remote = _parse_tiers(extra, "remote_tiers", RemoteTierConfig, prefix)
         known = {"cpu_bytes_to_use", "eviction_policy", "admission", "admission_threshold", "host_shm_dir",
-                 "control_file", "recompute_tokens_per_s"}
+                 "control_file", "recompute_tokens_per_s", "trace_dir", "trace_max_bytes", "trace_files"}
         names = extra.get("tier_names") or ()
         if not isinstance(names, (list, tuple)):
             raise ConfigError(f"{prefix}tier_names: {names!r} must be a list of tier names")
@@ -455,6 +481,12 @@ class OffloadSpecConfig:
             out["recompute_tokens_per_s"] = self.recompute_tokens_per_s
         if self.tier_names:
             out["tier_names"] = list(self.tier_names)
+        if self.trace_dir is not None:
+            out["trace_dir"] = self.trace_dir
+        if self.trace_max_bytes != DEFAULT_TRACE_MAX_BYTES:
+            out["trace_max_bytes"] = self.trace_max_bytes
+        if self.trace_files != DEFAULT_TRACE_FILES:
+            out["trace_files"] = self.trace_files
         out.update(self.extra)
         return out
 

@@ -109,9 +109,14 @@ def test_fs_tier_serves_a_prefix_the_host_tier_evicted(engine: Engine) -> None:
     assert s.metric("vllm:kv_offload_kvtier_host_evictions_total") > 0
     disk_before = _cached(s, "disk")
     host_before = _cached(s, "host")
+    hits_before = s.metric("vllm:kv_offload_kvtier_hit_tokens_total")
+    lookups_before = s.metric("vllm:kv_offload_kvtier_lookup_tokens_total")
     assert engine.ask(1) == engine.expected[1]
     assert _cached(s, "disk") - disk_before >= CACHED
     assert _cached(s, "host") == host_before
+    # kvtier's own measure of the same reuse (by tier; summed here): what kvtier replay's prediction is checked against
+    hits = s.metric("vllm:kv_offload_kvtier_hit_tokens_total") - hits_before
+    assert CACHED <= hits <= s.metric("vllm:kv_offload_kvtier_lookup_tokens_total") - lookups_before
     assert s.metric("vllm:kv_offload_kvtier_promotions_total") >= CACHED // 32
 
 

@@ -74,3 +74,86 @@ def test_a_tier_the_control_file_disables_is_reported_bypassed_and_its_skipped_l
         assert stats._values[METRIC_TIER_MISSES][("nvme", "bypassed")] == 1
     finally:
         manager.shutdown()
+
+
+def test_hit_and_lookup_tokens_are_reported_per_tier_by_name(tmp_path) -> None:
+    from kvtier_runtime.engines.vllm.offloading import METRIC_HIT_TOKENS, METRIC_LOOKUP_TOKENS
+
+    extra = {"spec_module_path": ADAPTER, "host_shm_dir": str(tmp_path / "shm"), "tier_names": ["cpu", "nvme"],
+             "fs_tiers": [{"root_dir": str(tmp_path / "fs"), "capacity_bytes": 1 << 20,
+                           "n_read_threads": 1, "n_write_threads": 1}]}
+    config = make_offloading_config(spec_name="KvtierOffloadingSpec", cpu_bytes_to_use=4 * 8,
+                                    worker_kv_bytes_per_block=8, engine_id=f"hits-{os.getpid()}",
+                                    extra_config=extra)
+    manager = OffloadingSpecFactory.create_spec(config).get_manager()
+    try:
+        ctx = ReqContext(req_id="r1")
+        keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(2)]
+        manager.prepare_store(keys, ctx)
+        manager.complete_store(keys, ctx)
+        for _ in range(2):  # two host hits and a miss, asked twice (as after a retry): counted once
+            for key in keys + [make_offload_key(b"\x09" * 32, 0)]:
+                manager.lookup(key, ctx)
+        stats = manager.get_stats()
+        tokens = manager.spec.tokens_per_chunk
+        assert tokens == 16
+        assert stats._values[METRIC_HIT_TOKENS] == {("cpu",): 2 * tokens}
+        assert stats._values[METRIC_LOOKUP_TOKENS] == {(): 3 * tokens}
+        manager.on_request_finished(ctx)
+        manager.lookup(keys[0], ReqContext(req_id="r2"))  # another request: counted again
+        stats = manager.get_stats()
+        assert stats._values[METRIC_HIT_TOKENS] == {("cpu",): tokens}
+        assert stats._values[METRIC_LOOKUP_TOKENS] == {(): tokens}
+    finally:
+        manager.shutdown()
+
+
+def test_trace_dir_records_each_request_once_with_its_prompt_chunks_in_order(tmp_path) -> None:
+    import json
+
+    from kvtier_runtime.replay.trace import load_meta, load_trace
+
+    trace_dir = tmp_path / "trace"
+    extra = {"spec_module_path": ADAPTER, "host_shm_dir": str(tmp_path / "shm"), "tier_names": ["cpu", "nvme"],
+             "trace_dir": str(trace_dir),
+             "fs_tiers": [{"root_dir": str(tmp_path / "fs"), "capacity_bytes": 1 << 20,
+                           "n_read_threads": 1, "n_write_threads": 1}]}
+    config = make_offloading_config(spec_name="KvtierOffloadingSpec", cpu_bytes_to_use=4 * 8,
+                                    worker_kv_bytes_per_block=8, engine_id=f"trace-{os.getpid()}",
+                                    extra_config=extra)
+    manager = OffloadingSpecFactory.create_spec(config).get_manager()
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(4)]
+    try:
+        for req, chunks in (("a", keys[:3]), ("b", keys[:2] + keys[3:])):
+            ctx = ReqContext(req_id=req)
+            for n, key in enumerate(chunks, start=1):  # what vLLM's scheduler does before its first lookup
+                ctx.set_offload_key_position(key, n * 16)
+            for key in chunks:  # vLLM asks chunk by chunk, and again on later steps: recorded once
+                manager.lookup(key, ctx)
+                manager.lookup(key, ctx)
+            manager.on_request_finished(ctx)
+    finally:
+        manager.shutdown()  # writes what is queued and the final sidecar
+    trace = load_trace(trace_dir / "trace-000.jsonl")
+    assert trace.requests == [[0, 1, 2], [0, 1, 3]] and trace.input_lengths == [48, 48]
+    meta = json.loads((trace_dir / "trace-meta.json").read_text())
+    assert [(t["name"], t["medium"], t["eviction_policy"]) for t in meta["tiers"]] == [
+        ("cpu", "cpu", "adaptive"), ("nvme", "disk", "adaptive")]
+    assert meta["tiers"][0]["capacity_blocks"] == 4 and meta["tiers"][1]["capacity_blocks"] > 4
+    assert meta["tokens_per_block"] == 16 and meta["device_blocks"] is None
+    assert load_meta(trace_dir / "trace-meta.json").capacities[0] == 4
+
+
+def test_an_unwritable_trace_dir_fails_start_up_naming_the_key(tmp_path) -> None:
+    from kvtier_runtime.config import ConfigError
+
+    (tmp_path / "file").write_text("")
+    extra = {"spec_module_path": ADAPTER, "host_shm_dir": str(tmp_path / "shm"),
+             "trace_dir": str(tmp_path / "file" / "trace")}
+    config = make_offloading_config(spec_name="KvtierOffloadingSpec", cpu_bytes_to_use=4 * 8,
+                                    worker_kv_bytes_per_block=8, engine_id=f"notrace-{os.getpid()}",
+                                    extra_config=extra)
+    with pytest.raises(ConfigError) as err:
+        OffloadingSpecFactory.create_spec(config).get_manager()
+    assert str(err.value).startswith("kv_connector_extra_config.trace_dir: cannot record into")
+    assert not list((tmp_path / "shm").iterdir())  # the host region was removed again

@@ -138,6 +138,11 @@ class FilesystemTier(BlockIndex, JobQueue, BlockIO, StartupScan, TierHealth):
         self._start_pools(config, name)
 
     @property
+    def capacity_blocks(self) -> int:
+        """Blocks of the nominal size (the tier's codec, no fallback) the tier holds when full."""
+        return self._file_budget // self._nominal_file_bytes
+
+    @property
     def io_timeout_s(self) -> float:
         """How long a transfer may take before the caller treats its keys as missed (the config's io_timeout_s)."""
         return self._io_timeout_s

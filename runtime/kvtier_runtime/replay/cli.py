@@ -19,11 +19,12 @@ from .cost import tier_cost
 from .engine import PolicySpec, ReplayError, ReplayResult, capacity_blocks, replay
 from .lru_curve import LRUCurve, equivalence
 from .metrics import flatten
-from .trace import TraceError, load_trace, trace_warnings
+from .trace import RecordedModel, TraceError, load_meta, load_traces, recording_files, trace_warnings
 
 PLOT_FORMATS = (".png", ".svg", ".pdf")
 
 PROG = "kvtier replay"
+DEFAULT_BLOCK_TOKENS = 512
 
 
 def _number(name: str, cast: type = float, *, allow_zero: bool = False):
@@ -57,10 +58,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="'analyze': reuse distances/times, most reused prefixes, never-reused blocks, "
                              "recommended chunk size and capacity")
     parser.add_argument("--trace", metavar="FILE", help="Mooncake-format JSONL trace (timestamp, input_length, "
-                                                       "output_length, hash_ids)")
+                                                       "output_length, hash_ids); or a recording of kvtier's own "
+                                                       "traffic: its folder or its first trace-NNN.jsonl")
+    parser.add_argument("--meta", metavar="FILE",
+                        help="a recording's trace-meta.json (default: the one next to --trace, if any): replay "
+                             "models the recorded engine's tiers, policies and tokens per block unless --capacity, "
+                             "--policy or --block-tokens say otherwise")
+    parser.add_argument("--no-meta", action="store_true",
+                        help="ignore a trace-meta.json next to --trace (capacities then default to 10%%)")
     parser.add_argument("--skip-bad", action="store_true", help="skip malformed lines (counted) instead of failing")
-    parser.add_argument("--block-tokens", type=_number("--block-tokens", int), default=512, metavar="N",
-                        help="tokens per hash id (512 for Mooncake traces)")
+    parser.add_argument("--block-tokens", type=_number("--block-tokens", int), default=None, metavar="N",
+                        help=f"tokens per hash id (default: the recording's, else {DEFAULT_BLOCK_TOKENS}, as in "
+                             "Mooncake traces)")
     parser.add_argument("--policy", action="append", metavar="NAME[+ADMISSION]",
                         help=f"eviction policy, optionally with an admission filter, e.g. s3fifo+doorkeeper; once "
                              f"for all tiers or once per tier (default {config.RECOMMENDED_EVICTION_POLICY})")
@@ -254,7 +263,20 @@ def _run(args: argparse.Namespace) -> int:
         raise ReplayError("--budget-gib: needs --model-kv-bytes-per-token to turn bytes into blocks")
     if args.sweep:
         check_plot_path(args.sweep)
-    trace = load_trace(args.trace, skip_bad=args.skip_bad)
+    files, meta_path = recording_files(args.trace)
+    if args.meta:
+        meta_path = pathlib.Path(args.meta)
+    elif args.no_meta:
+        meta_path = None
+    model = load_meta(meta_path) if meta_path is not None else None
+    if args.block_tokens is None:
+        args.block_tokens = model.tokens_per_block if model is not None else DEFAULT_BLOCK_TOKENS
+    trace = load_traces(files, skip_bad=args.skip_bad)
+    if model is not None:
+        note = _model_note(model, args)
+        if args.action is not None or args.sweep:
+            note += f" (tokens per block only: {'analyze' if args.action else '--sweep'} chooses its own capacities)"
+        print(note, file=sys.stderr if args.json else sys.stdout)
     for warning in trace_warnings(trace, args.block_tokens):
         print(f"{PROG}: {warning}", file=sys.stderr)
     if trace.skipped_lines and not args.json:
@@ -267,7 +289,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.sweep:
         return _sweep(args, trace, specs, n_distinct)
 
-    caps = [capacity_blocks(c, n_distinct) for c in (args.capacity or ["10%"])]
+    if model is not None and not args.capacity:
+        caps = list(model.capacities)
+        if not args.policy:
+            specs = [PolicySpec.parse(p) for p in model.policies]
+    else:
+        caps = [capacity_blocks(c, n_distinct) for c in (args.capacity or ["10%"])]
     specs = _per_tier(specs, len(caps), "--policy", None)
     bandwidths = _per_tier(args.bandwidth, len(caps), "--bandwidth", None)
     if args.shared and args.replicas < 2:
@@ -286,12 +313,35 @@ def _run(args: argparse.Namespace) -> int:
         keys, lengths = flatten(trace.requests)
         d["total"].update(equivalence(LRUCurve(keys, lengths), d["total"]["capacity_blocks"], res.total_prefix_hits))
     d["trace"] = str(args.trace)
+    d["trace_files"] = [str(f) for f in files]
+    d["model"] = _model_dict(model, args)
     d["skipped_lines"] = trace.skipped_lines
     if args.json:
         print(json.dumps(d, indent=2))
     else:
         print(format_result(d, str(args.trace), trace.skipped_lines, args.no_opt))
     return 0
+
+
+def _model_dict(model: RecordedModel | None, args) -> dict:
+    """Which engine the replay modelled: the recorded one (and which of its facts flags overrode) or the flags."""
+    if model is None:
+        return {"source": "flags"}
+    return {"source": "recording", "meta": str(model.path), "tiers": [
+        {"name": n, "medium": m, "capacity_blocks": c, "policy": p}
+        for n, m, c, p in zip(model.names, model.media, model.capacities, model.policies)],
+        "tokens_per_block": model.tokens_per_block, "device_blocks": model.device_blocks,
+        "overridden": [o for o, v in (("--capacity", args.capacity), ("--policy", args.policy),
+                                      ("--block-tokens", args.block_tokens != model.tokens_per_block)) if v]}
+
+
+def _model_note(model: RecordedModel, args) -> str:
+    d = _model_dict(model, args)
+    tiers = ", ".join(f"{t['name']} ({t['medium']}) {t['capacity_blocks']} blocks {t['policy']}" for t in d["tiers"])
+    note = f"model: the recorded engine ({model.path}): {tiers}; {model.tokens_per_block} tokens/block"
+    if d["overridden"]:
+        note += f" -- overridden by {', '.join(d['overridden'])}"
+    return note
 
 
 def check_plot_path(path: str) -> None:

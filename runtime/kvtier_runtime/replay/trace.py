@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,3 +136,118 @@ def trace_warnings(trace: Trace, block_tokens: int) -> list[str]:
         out.append(f"warning: {bad} of {len(trace.requests)} requests have len(hash_ids) != "
                    f"ceil(input_length / --block-tokens {block_tokens}), e.g. {example}; is --block-tokens right?")
     return out
+
+
+# ---- recordings of kvtier's own traffic (kvtier_runtime.trace.recorder; docs/replay.md) ----------------------
+META_FILE = "trace-meta.json"
+_RECORDED = re.compile(r"^trace-(\d{3,})\.jsonl$")
+
+
+def recording_files(path: str | Path) -> tuple[list[Path], Path | None]:
+    """The trace files to read for ``--trace PATH``, in order, and the recording's sidecar if there is one.
+
+    A folder: its ``trace-NNN.jsonl`` files in number order. A ``trace-NNN.jsonl`` file next to a
+    ``trace-meta.json``: it and the recording's later files (the recorder rotates over several and deletes the
+    oldest). Any other file: that file alone."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted((p for p in path.iterdir() if _RECORDED.match(p.name)), key=_file_number)
+        if not files:
+            raise TraceError(f"{path}: a folder without trace-NNN.jsonl files")
+        meta = path / META_FILE
+        return files, meta if meta.is_file() else None
+    meta = path.parent / META_FILE
+    match = _RECORDED.match(path.name)
+    if match and meta.is_file():
+        first = int(match.group(1))
+        files = sorted((p for p in path.parent.iterdir() if _RECORDED.match(p.name) and _file_number(p) >= first),
+                       key=_file_number)
+        return files, meta
+    return [path], meta if meta.is_file() else None
+
+
+def _file_number(path: Path) -> int:
+    return int(_RECORDED.match(path.name).group(1))  # type: ignore[union-attr]
+
+
+def load_traces(paths: list[Path], skip_bad: bool = False) -> Trace:
+    """Several files read as one trace, in the order given (a rotated recording); empty files are skipped."""
+    if len(paths) == 1:
+        return load_trace(paths[0], skip_bad)
+    merged: Trace | None = None
+    for path in paths:
+        try:
+            part = load_trace(path, skip_bad)
+        except TraceError as exc:
+            if str(exc).endswith("no requests in the trace"):
+                continue  # the recorder's newest file, not written yet
+            raise
+        if merged is None:
+            merged = part
+            merged.source = f"{paths[0].parent} ({len(paths)} files)"
+            continue
+        if part.timestamps_ms[0] < merged.timestamps_ms[-1] and not merged.out_of_order:
+            merged.first_out_of_order_line = part.line_numbers[0]
+        merged.out_of_order += part.out_of_order + (part.timestamps_ms[0] < merged.timestamps_ms[-1])
+        merged.requests += part.requests
+        merged.timestamps_ms += part.timestamps_ms
+        merged.input_lengths += part.input_lengths
+        merged.output_lengths += part.output_lengths
+        merged.line_numbers += part.line_numbers
+        merged.skipped_lines += part.skipped_lines
+        merged.skipped_reasons += part.skipped_reasons[: max(0, 5 - len(merged.skipped_reasons))]
+    if merged is None:
+        raise TraceError(f"{paths[0].parent}: no requests in the trace files")
+    return merged
+
+
+@dataclass
+class RecordedModel:
+    """The engine a recording came from, as ``trace-meta.json`` describes it."""
+
+    path: Path
+    tokens_per_block: int
+    names: list[str]
+    capacities: list[int]
+    policies: list[str]
+    media: list[str]
+    device_blocks: int | None = None
+
+
+def load_meta(path: str | Path) -> RecordedModel:
+    """Read a recording's sidecar; :class:`TraceError` naming the file and the field on a bad one."""
+    path = Path(path)
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read the trace's sidecar ({exc.strerror or exc})") from None
+    except (ValueError, RecursionError) as exc:
+        raise TraceError(f"{path}: not a JSON sidecar ({exc})") from None
+    if not isinstance(obj, dict):
+        raise TraceError(f"{path}: expected a JSON object")
+    tokens = obj.get("tokens_per_block")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+        raise TraceError(f"{path}: tokens_per_block: {tokens!r} must be a positive integer")
+    tiers = obj.get("tiers")
+    if not isinstance(tiers, list) or not tiers:
+        raise TraceError(f"{path}: tiers: must be a non-empty list")
+    names, caps, policies, media = [], [], [], []
+    for i, tier in enumerate(tiers):
+        if not isinstance(tier, dict):
+            raise TraceError(f"{path}: tiers[{i}]: must be an object")
+        cap = tier.get("capacity_blocks")
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0:
+            raise TraceError(f"{path}: tiers[{i}].capacity_blocks: {cap!r} must be a positive integer")
+        policy = tier.get("eviction_policy") or "lru"
+        if not isinstance(policy, str):
+            raise TraceError(f"{path}: tiers[{i}].eviction_policy: {policy!r} must be a policy name")
+        admission = tier.get("admission") or "none"
+        if admission != "none":
+            policy = f"{policy}+{admission}"
+        names.append(str(tier.get("name") or f"tier{i}"))
+        caps.append(cap)
+        policies.append(policy)
+        media.append(str(tier.get("medium") or "?"))
+    device = obj.get("device_blocks")
+    return RecordedModel(path, tokens, names, caps, policies, media,
+                         device if isinstance(device, int) and not isinstance(device, bool) else None)

@@ -30,7 +30,9 @@ other tiers serve; what is in flight finishes as before. Every promotion's busy 
 Metrics (``kvtier_runtime_*``, labelled by tier name): the books count the host tier's lookups, hits, evictions,
 occupancy and capacity, and a filesystem tier's lookups and hits for keys the host tier missed; the filesystem
 tiers count their own promotions (disk -> host), demotions (host -> disk), bytes, errors and occupancy. A lookup
-vLLM repeats while a promotion runs counts each time it is asked.
+vLLM repeats while a promotion runs counts each time it is asked. For the spec's own metrics (``hit_tokens{tier}``,
+``lookup_tokens``: what ``kvtier replay`` predicts, measured), :attr:`OffloadBooks.hit_keys` and
+``counters["lookup_keys"]`` count settled lookups only (hit or miss), a hit for the tier that held the chunk.
 """
 from __future__ import annotations
 
@@ -139,6 +141,10 @@ class OffloadBooks:
         # that waited recomputes (on a hung disk every promotion times out, and retrying would hold it forever).
         self._promotion_failed: set[bytes] = set()
         self.counters: Counter[str] = Counter()  # promotions, promotion_failures, fs_stores, host_evictions...
+        # Settled lookups that hit, by the name of the tier that served the chunk (the breakers' names), and the
+        # host-resident keys promoted from a tier (breaker index) whose first hit is still to be counted for it.
+        self.hit_keys: Counter[str] = Counter()
+        self._promoted_from: dict[bytes, int] = {}
         self._loading: Counter[bytes] = Counter()  # key -> engine loads in flight (prepare_load not yet completed)
         # Cache resets: the generation, and per fenced key the engine transfers (stores + loads) still holding it.
         self.generation = 0
@@ -168,7 +174,24 @@ class OffloadBooks:
         return bytes(key) if self._is_remote(tier_index) else self.fs_key(key)
 
     # ---- lookups ------------------------------------------------------------------------------------------
-    def lookup(self, key: bytes, ctx: AccessContext | None = None) -> str:
+    def lookup(self, key: bytes, ctx: AccessContext | None = None, count: bool = True) -> str:
+        """Where ``key`` is: hit, hit_pending, retry (a promotion runs: ask again) or miss. ``count`` False: the
+        caller already counted this key's settled lookup (vLLM asks a request's whole prefix again after a retry)."""
+        found = self._lookup(key, ctx)
+        # Measured hits per tier (what replay predicts): a lookup counts once it is settled (hit or miss; vLLM asks
+        # again after retry and hit_pending), and a hit counts for the tier its bytes came from -- the first hit
+        # after a promotion for the tier it was promoted from, any other for the host tier.
+        if not count:
+            return found
+        if found == HIT:
+            self.counters["lookup_keys"] += 1
+            source = self._promoted_from.pop(key, 0) if self._promoted_from else 0
+            self.hit_keys[self.breakers[source].name] += 1
+        elif found == MISS:
+            self.counters["lookup_keys"] += 1
+        return found
+
+    def _lookup(self, key: bytes, ctx: AccessContext | None) -> str:
         self.poll()
         host = self.host
         metrics.LOOKUPS.labels(host.name).inc()
@@ -412,6 +435,7 @@ class OffloadBooks:
         keys = [k for k, _ in victims]
         for key in keys:
             self._origin.pop(key, None)
+            self._promoted_from.pop(key, None)
         self.counters["host_evictions"] += len(keys)
         if keys:
             metrics.EVICTIONS.labels(self.host.name).inc(len(keys))
@@ -433,6 +457,7 @@ class OffloadBooks:
         self.generation += 1
         self.reset_at = time.monotonic()
         self._promotion_failed.clear()
+        self._promoted_from.clear()
         dropped = 0
         for key in list(self.host._slot_of):
             if isinstance(key, _Fence):
@@ -561,6 +586,7 @@ class OffloadBooks:
             if result.ok[0]:
                 self.host.mark_ready(key)
                 self._origin[key] = REMOTE if remote else DISK
+                self._promoted_from[key] = tier_index + 1
                 self.counters["remote_promotions" if remote else "promotions"] += 1
                 self._event([key], -1, removed=False)
             else:

@@ -83,6 +83,8 @@ METRIC_TIER_MISSES = _SPEC_PREFIX + "tier_misses"
 METRIC_TIER_STORES_SKIPPED = _SPEC_PREFIX + "tier_stores_skipped"
 METRIC_CONTROL_ERRORS = _SPEC_PREFIX + "control_file_errors"
 METRIC_CONTROL_GENERATION = _SPEC_PREFIX + "control_file_generation"
+METRIC_HIT_TOKENS = _SPEC_PREFIX + "hit_tokens"
+METRIC_LOOKUP_TOKENS = _SPEC_PREFIX + "lookup_tokens"
 # The reason of a lookup or store a bypassed tier was not asked for (tier_misses, tier_stores_skipped).
 BYPASSED = "bypassed"
 
@@ -140,6 +142,11 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 "unparsable, invalid, unknown_tier, unreadable).", ("reason",)),
             METRIC_CONTROL_GENERATION: OffloadingGaugeMetadata(
                 "The generation of the kvtier control file in force (absent until a file with one is read)."),
+            METRIC_HIT_TOKENS: OffloadingCounterMetadata(
+                "Prompt tokens kvtier served, by the tier that held them (the host tier, or the filesystem or remote "
+                "tier a chunk was promoted from): the measured side of what kvtier replay predicts.", tier),
+            METRIC_LOOKUP_TOKENS: OffloadingCounterMetadata(
+                "Prompt tokens vLLM looked up in kvtier (settled lookups: hit or miss)."),
         }
 
     def __init__(self, config: Any) -> None:
@@ -232,6 +239,16 @@ class KvtierOffloadingManager(OffloadingManager):
         self._extra_steps = 0
         self._lock = threading.RLock()
         self._requests: dict[str, dict[OffloadKey, int | None]] = {}  # request -> chunks it used, their positions
+        # Recording (trace_dir): the requests already recorded, until they finish.
+        self._traced: set[str] = set()
+        # Per running request, the keys whose settled lookup hit_tokens/lookup_tokens counted.
+        self._counted: dict[str, set[OffloadKey]] = {}
+        try:
+            self.recorder = _trace_recorder(spec, self) if cfg.trace_dir is not None else None
+        except ConfigError:  # start-up fails: leave no tier threads or shared memory behind
+            self.books.close()
+            self.region.close(unlink=True)
+            raise
 
     def _remote_tiers(self, spec: KvtierOffloadingSpec, decision: LayoutDecision,
                       meters: Sequence[Any]) -> tuple[list[Any], list[Any]]:
@@ -265,7 +282,20 @@ class KvtierOffloadingManager(OffloadingManager):
 
     # ---- lookups ----
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        found = self.books.lookup(bytes(key), _access_context(key, req_context))
+        if req_context is None:
+            return _LOOKUP[self.books.lookup(bytes(key), None)]
+        if self.recorder is not None and req_context.req_id not in self._traced:
+            self._trace(req_context)
+        # hit_tokens/lookup_tokens count a request's key once: after a retry vLLM asks the whole prefix again.
+        counted = self._counted.get(req_context.req_id)
+        if counted is None:
+            if len(self._counted) >= MAX_COUNTED_REQUESTS:  # requests never finished (not vLLM's way): forget
+                self._counted.clear()
+            counted = self._counted[req_context.req_id] = set()
+        count = key not in counted
+        found = self.books.lookup(bytes(key), _access_context(key, req_context), count=count)
+        if count and (found == "hit" or found == "miss"):
+            counted.add(key)
         return _LOOKUP[found]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
@@ -293,7 +323,24 @@ class KvtierOffloadingManager(OffloadingManager):
             if key not in seen:
                 seen[key] = req_context.get_offload_key_position(key)
 
+    def _trace(self, req_context: ReqContext) -> None:
+        """Record a request the first time the manager hears of it with its keys known: at its first lookup the
+        request context holds every full chunk of the prompt (vLLM's scheduler sets each offload key's end-token
+        position before it looks any up), in prompt order. A request first seen at its end is recorded then, with
+        the chunks it has by then (generated ones too). The engine thread only copies the keys and queues them."""
+        self._traced.add(req_context.req_id)
+        positions = getattr(req_context, "_offload_key_positions", None)  # vLLM 0.32/0.33 ReqContext
+        if not positions:
+            return
+        keys = tuple(positions)  # insertion order: vLLM adds a request's keys chunk by chunk
+        self.recorder.record(keys, positions[keys[-1]])  # type: ignore[union-attr]
+
     def on_request_finished(self, req_context: ReqContext) -> None:
+        if self.recorder is not None:
+            if req_context.req_id not in self._traced:
+                self._trace(req_context)
+            self._traced.discard(req_context.req_id)
+        self._counted.pop(req_context.req_id, None)
         seen = self._requests.pop(req_context.req_id, None)
         if not seen:
             return
@@ -307,6 +354,8 @@ class KvtierOffloadingManager(OffloadingManager):
 
     # ---- stores ----
     def prepare_store(self, keys: Any, req_context: ReqContext, **kwargs: Any) -> PrepareStoreOutput | None:
+        if self.recorder is not None and req_context is not None and req_context.req_id not in self._traced:
+            self._trace(req_context)
         keys = list(keys)
         self._observe(keys, req_context)
         ctx = [_access_context(k, req_context) for k in keys]
@@ -410,6 +459,10 @@ class KvtierOffloadingManager(OffloadingManager):
             self._delta(stats, METRIC_CONTROL_ERRORS, "control_error:" + reason, n, (reason,))
         if breakers.generation is not None:
             stats.set_gauge(METRIC_CONTROL_GENERATION, breakers.generation)
+        tokens = self.spec.tokens_per_chunk
+        for name, n in books.hit_keys.items():
+            self._delta(stats, METRIC_HIT_TOKENS, "hit_tokens:" + name, n * tokens, (name,))
+        self._delta(stats, METRIC_LOOKUP_TOKENS, "lookup_tokens", books.counters["lookup_keys"] * tokens)
         if books.remote_tiers:
             misses: Counter[str] = Counter()
             failures: Counter[str] = Counter()
@@ -432,8 +485,45 @@ class KvtierOffloadingManager(OffloadingManager):
             self._reported[key] = total
 
     def shutdown(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
         self.books.close()
         self.region.close(unlink=True)
+
+
+def trace_meta(spec: KvtierOffloadingSpec, manager: KvtierOffloadingManager) -> dict[str, Any]:
+    """What ``kvtier replay`` needs to model this engine (the recording's ``trace-meta.json``): a block is one
+    offload chunk; each tier by the name the breakers and metrics use, its medium, capacity in chunks and policy."""
+    cfg = spec.kvtier
+    names = [b.name for b in manager.books.breakers.breakers]
+    tiers = [{"name": names[0], "medium": "cpu", "capacity_blocks": int(spec.n_rows),
+              "eviction_policy": cfg.eviction_policy, "admission": cfg.admission}]
+    for i, (tcfg, tier) in enumerate(zip(cfg.fs_tiers, manager.books.fs_tiers), start=1):
+        tiers.append({"name": names[i], "medium": "disk", "capacity_blocks": int(tier.capacity_blocks),
+                      "eviction_policy": tcfg.eviction_policy, "admission": tcfg.admission})
+    for i, tier in enumerate(manager.books.remote_tiers, start=1 + len(cfg.fs_tiers)):
+        # kvtier trims the model's chunks in the store least recently written or read first; the store is shared
+        # by every replica of the model (replay --replicas N --shared models that).
+        tiers.append({"name": names[i], "medium": "remote", "capacity_blocks": int(tier.capacity_entries),
+                      "eviction_policy": "lru", "admission": "none", "shared": True})
+    device = getattr(spec.config, "num_gpu_blocks", None)
+    return {"tokens_per_block": int(spec.tokens_per_chunk),
+            "device_blocks": int(device) if isinstance(device, int) and not isinstance(device, bool) else None,
+            "engine": "vllm", "tiers": tiers}
+
+
+def _trace_recorder(spec: KvtierOffloadingSpec, manager: KvtierOffloadingManager) -> Any:
+    from ...trace import TraceRecorder
+
+    cfg = spec.kvtier
+    try:
+        recorder = TraceRecorder(cfg.trace_dir, cfg.trace_max_bytes, cfg.trace_files, trace_meta(spec, manager))
+    except OSError as exc:
+        raise ConfigError(f"kv_connector_extra_config.trace_dir: cannot record into {cfg.trace_dir!r} "
+                          f"({exc.strerror or exc})") from None
+    _log.info("kvtier: recording a trace of this engine's requests into %s (at most %d bytes over %d files)",
+              cfg.trace_dir, cfg.trace_max_bytes, cfg.trace_files)
+    return recorder
 
 
 # vLLM 0.33 calls on_reset_flushed once the workers reported every job in flight at a reset; 0.32 has no such call.
@@ -441,6 +531,8 @@ _HAS_RESET_FLUSHED = "on_reset_flushed" in vars(OffloadingManager)
 RESET_FENCE_GRACE_S = 30.0
 # Steps an idle engine is kept stepping so its stats report work finished after its last request.
 MAX_STATS_STEPS = 3
+# Running requests whose counted lookups are remembered (a bound, not a tuning knob: vLLM finishes every request).
+MAX_COUNTED_REQUESTS = 65536
 
 _LOOKUP = {"hit": LookupResult.HIT, "hit_pending": LookupResult.HIT_PENDING, "retry": LookupResult.RETRY,
            "miss": LookupResult.MISS}
