@@ -24,6 +24,7 @@ from kvtier_runtime.config import (
     REMOTE_URL_CREDENTIALS_RULE,
     REMOTE_URL_HOST_PORT_RULE,
     REMOTE_URL_QUERY_RULE,
+    REMOTE_URL_REGEX,
     ConfigError,
     check_remote_url,
     default_eviction_policy,
@@ -255,18 +256,25 @@ class VolumeSource(_Model):
     persistent_volume_claim: Optional[PersistentVolumeClaimSource] = Field(None, description="An existing claim.")
 
 
+SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+
+
 class SecretKeyRef(_Model):
     """A key in a Secret in the policy's namespace."""
 
     name: str = Field(description="Secret name.", pattern=NAME_PATTERN, max_length=253)
-    key: str = Field(description="Key in the Secret.", max_length=253)
+    # A Secret's data keys as Kubernetes allows them (ASCII letters, digits, '-', '_', '.'), never empty: the
+    # schema's pattern, so the API server, `kvtier validate` and the operator refuse the same keys.
+    key: str = Field(description="Key in the Secret.", pattern=SECRET_KEY_PATTERN, min_length=1, max_length=253)
 
 
 # The CEL side of kvtier_runtime.config.check_remote_url (the runtime re-checks with that function; the operator's
 # validation runs it too, so `kvtier validate` and the API server agree on every rule below).
-REMOTE_URL_PATTERN = r"^rediss?://[^\s]+$"
-# A host (a name or an address, IPv6 in brackets) and a port, then at most a database number.
-REMOTE_HOST_PORT_RULE = r"^rediss?://[^/?#@]+:[0-9]{1,5}(/[0-9]{0,2})?$"
+# Printable ASCII without spaces: the same set in RE2, Rust and Python (a `\s` class is Unicode-aware in some).
+REMOTE_URL_PATTERN = r"^rediss?://[!-~]+$"
+# A host (a name or an address, IPv6 in brackets) and a port, then at most a database number: the runtime's
+# grammar itself, its backslashes doubled for the CEL string literal.
+REMOTE_HOST_PORT_RULE = REMOTE_URL_REGEX.replace("\\", "\\\\")
 
 
 def _remote_url(value: str) -> str:
