@@ -258,8 +258,9 @@ def endpoint_problem(url: str, allowed: Iterable[str], allow_http: bool) -> Opti
 REMOTE_SCHEMES = ("redis", "rediss")
 
 
-def _store(text: str) -> Optional[tuple[Optional[str], str, int]]:
-    """(scheme or None, host, port) of an allowlist entry or a store URL; None when unusable."""
+def _store(text: str) -> Optional[tuple[Optional[str], str, int, Optional[int]]]:
+    """(scheme or None, host, port, db or None) of an allowlist entry or a store URL; None when unusable. The db is
+    None when the text names none (``redis://h:p`` or ``redis://h:p/``); a store URL without one uses db 0."""
     explicit = "://" in text
     parts = _split(text if explicit else "//" + text)
     if parts is None or not parts.hostname or parts.port is None:
@@ -268,19 +269,21 @@ def _store(text: str) -> Optional[tuple[Optional[str], str, int]]:
         return None
     if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
         return None
-    if parts.path not in ("", "/") and not (explicit and parts.path.lstrip("/").isdigit()):
+    db = parts.path.lstrip("/") if explicit else ""
+    if parts.path not in ("", "/") and not (explicit and db.isascii() and db.isdigit()
+                                             and parts.path == "/" + db):
         return None
-    return (parts.scheme if explicit else None), parts.hostname.lower(), parts.port
+    return (parts.scheme if explicit else None), parts.hostname.lower(), parts.port, (int(db) if db else None)
 
 
 def check_remote_store_entry(entry: str) -> Optional[str]:
     """Why an admin-supplied remote-store allowlist entry is unusable, or None. Entries: ``host:port`` (TLS only,
-    rediss://) or ``redis://host:port`` / ``rediss://host:port`` (that scheme; redis:// allows plain TCP to exactly
-    that store), as for Prometheus endpoints."""
+    rediss://) or ``redis://host:port[/DB]`` / ``rediss://host:port[/DB]`` (that scheme; redis:// allows plain TCP
+    to exactly that store). An entry with a database admits that database only; one without admits any."""
     if "@" in entry or "?" in entry or "#" in entry:
         return "must not carry credentials, a query or a fragment"
     if _store(entry) is None:
-        return "must be host:port, redis://host:port or rediss://host:port"
+        return "must be host:port, redis://host:port[/DB] or rediss://host:port[/DB]"
     return None
 
 
@@ -299,8 +302,10 @@ def remote_store_problems(spec: api.KVCachePolicySpec, allowed: Iterable[str]) -
         if store is None:
             out.append(f"{where}: must be redis://HOST:PORT[/DB] or rediss://HOST:PORT[/DB]")
             continue
-        scheme, host, port = store
-        matching = [e for e in entries if e[1] == host and e[2] == port]
+        scheme, host, port, db = store
+        # An entry naming a database admits that one only (a URL without one uses database 0); one without
+        # admits any: databases of one store are separate key spaces, often of separate tenants.
+        matching = [e for e in entries if e[1] == host and e[2] == port and (e[3] is None or e[3] == (db or 0))]
         if any(e[0] == scheme or (e[0] is None and scheme == "rediss") for e in matching):
             continue
         if matching and scheme == "redis":
