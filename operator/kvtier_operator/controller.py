@@ -241,6 +241,8 @@ class Operator:
         for t in plan.targets:
             self._write_workload(namespace, t, failures, outcome)
         plan = rc.with_failures(plan, planned_from, failures, now)
+        if plan.release_config_map and not failures:
+            self._delete_config_map(namespace, name, policy["metadata"].get("uid"))
         fields = dict(plan.status)
         if step is not None:
             fields.update(guard_fields(step, fields["conditions"], policy["metadata"].get("generation"), now))
@@ -267,6 +269,19 @@ class Operator:
         self.metrics.applied_targets.labels(namespace, name).set(applied)
         return outcome
 
+    def _delete_config_map(self, namespace: str, name: str, uid: Optional[str]) -> None:
+        """Delete the ConfigMap kvtier made for this policy; a user's own kvtier-<name> is left alone."""
+        cm_path = config_map_path(namespace, rc.config_map_name(name))
+        try:
+            existing = self.kube.get(cm_path)
+        except ApiError as err:
+            if err.status != 403:
+                raise
+            existing = None  # cannot tell whose it is: leave it to the garbage collector's owner reference
+        if owns_config_map(existing, name, uid):
+            self.kube.delete(cm_path)
+        self.applied_config_maps.pop((namespace, rc.config_map_name(name)), None)
+
     def release(self, namespace: str, name: str, body: dict[str, Any]) -> int:
         """Undo everything applied for a deleted policy; returns how many workloads were released. Raises
         ``ReleaseRefused`` when a workload could not be released (the finalizer must wait)."""
@@ -282,17 +297,7 @@ class Operator:
                 raise ReleaseRefused("; ".join(failures.values()))
             released += 1
         # The owner reference lets the garbage collector do this too; deleting it here does not depend on one.
-        # Only a ConfigMap kvtier made for this policy: a user's own kvtier-<name> is left alone.
-        cm_path = config_map_path(namespace, rc.config_map_name(name))
-        try:
-            existing = self.kube.get(cm_path)
-        except ApiError as err:
-            if err.status != 403:
-                raise
-            existing = None  # cannot tell whose it is: leave it to the garbage collector's owner reference
-        if owns_config_map(existing, name, (body.get("metadata") or {}).get("uid")):
-            self.kube.delete(cm_path)
-        self.applied_config_maps.pop((namespace, rc.config_map_name(name)), None)
+        self._delete_config_map(namespace, name, (body.get("metadata") or {}).get("uid"))
         try:
             self.metrics.applied_targets.remove(namespace, name)
         except KeyError:

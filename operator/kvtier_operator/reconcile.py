@@ -89,6 +89,8 @@ class Plan:
     events: list[Event] = field(default_factory=list)
     invalid: bool = False
     context: Optional[Observed] = None
+    # Delete the ConfigMap kvtier made for this policy (a revocation: no workload may read it any more).
+    release_config_map: bool = False
 
 
 def config_map_name(policy_name: str) -> str:
@@ -233,6 +235,10 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
                   else "RemoteStoreNotAllowed")
         refused += claims + stores
     if refused:
+        if reason in TRUST_REASONS:
+            # Trust (the admin's settings) no longer admits this policy: what an earlier pass applied under it (a
+            # mount, a Secret projection, a store URL) is taken back, not left in place.
+            return revocation(policy_obj, policy.spec, ws, reason, "; ".join(refused), now)
         return refusal(policy_obj, reason, "; ".join(refused), now)
 
     spec = policy.spec
@@ -299,6 +305,32 @@ def _remote_budget(spec: api.KVCachePolicySpec, enabled: list[str], workloads: l
     if tier is None:
         return None
     return tier.size_bytes * sum(1 for w in workloads if w.ref in rendered)
+
+
+# Refusals by the admin's trust settings (operator flags), not by the policy's own validity: an operator restarted
+# without the allowlist entry that once admitted a tier must release what it applied under it.
+TRUST_REASONS = ("HostPathNotAllowed", "PersistentVolumeClaimNotAllowed", "RemoteStoreNotAllowed")
+
+
+def revocation(policy_obj: dict[str, Any], spec: api.KVCachePolicySpec, workloads: list[Workload], reason: str,
+               problems: str, now: str) -> Plan:
+    """A trust refusal: nothing is applied, and every workload that carries this policy's configuration is released
+    (the same release as a deleted policy's), with its owned ConfigMap. One Event says why and what was released;
+    the next pass finds nothing left to release and posts none."""
+    name = policy_obj["metadata"]["name"]
+    gone = [w for w in workloads if w.applied_by == name]
+    if not gone:
+        return refusal(policy_obj, reason, problems, now)
+    refs = bounded_refs([w.ref for w in gone])
+    why = (f"{problems}; the operator's settings no longer admit what was applied, so kvtier released it from "
+           f"{refs} (its volumes, Secret projections and configuration)")
+    targets = [_release(w, spec, f"{w.ref}: released: {reason}") for w in gone]
+    out = refusal(policy_obj, reason, why, now, "the policy is fixed or the admin allows it again")
+    out.targets = targets
+    out.status["targets"] = []
+    out.release_config_map = True
+    out.events = [Event("Warning", reason, _short(why, 1000))]
+    return out
 
 
 def refusal(policy_obj: dict[str, Any], reason: str, problems: str, now: str,
