@@ -6,7 +6,7 @@ No I/O here: ``handlers`` reads the cluster, calls ``plan`` and performs what it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 from .api import v1alpha1 as api
 from . import parsed
@@ -16,7 +16,8 @@ from .selectors import matches
 from .settings import FIELD_MANAGER, POLICY_LABEL
 from .status import Cond, merge_conditions, transitions
 from .tiers import enabled, tier_states
-from .trust import host_path_problems, not_opted_in_message, opted_in, pvc_problems, remote_store_problems
+from .trust import (host_path_problems, not_opted_in_message, opted_in, pvc_problems, remote_secret_problems,
+                    remote_store_problems)
 from .workload import (
     Workload,
     already_applied,
@@ -200,7 +201,8 @@ def _target(policy: api.KVCachePolicy, doc_key: str, w: Workload, enabled_tiers:
 def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_policies: Iterable[dict[str, Any]],
          *, now: str, node_allocatable: Optional[int] = None, cleanup_image: str = "busybox:1.37.0",
          server_validated: bool = False, host_path_prefixes: Iterable[str] = (),
-         pvc_allowed: Iterable[str] = (), remote_stores_allowed: Iterable[str] = ()) -> Plan:
+         pvc_allowed: Iterable[str] = (), remote_stores_allowed: Iterable[str] = (),
+         secrets: Optional[Mapping[str, Optional[Mapping[str, Any]]]] = None) -> Plan:
     """Everything one reconcile of ``policy_obj`` must write.
 
     ``workloads``: Deployments and StatefulSets of the namespace that match the selector or carry our policy
@@ -210,6 +212,9 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
     ``host_path_prefixes``: node paths the admin lets tiers mount (operator settings); default none.
     ``pvc_allowed``: claims the admin lets tiers mount (NAMESPACE/CLAIM, '*' for either part); default none.
     ``remote_stores_allowed``: Valkey/Redis stores remote tiers may use (trust.remote_store_problems); default none.
+    ``secrets``: the Secrets remote tiers name, as read by the operator (None where missing or unreadable); each
+    must consent to its store (trust.remote_secret_problems). None: not checked (offline rendering only; the
+    operator always passes them).
     """
     meta = policy_obj["metadata"]
     name, generation = meta["name"], meta.get("generation")
@@ -227,13 +232,14 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
         refused = host_path_problems(policy.spec, host_path_prefixes)
         claims = pvc_problems(policy.spec, meta.get("namespace", ""), pvc_allowed)
         stores = remote_store_problems(policy.spec, remote_stores_allowed)
+        consent = remote_secret_problems(policy.spec, secrets) if secrets is not None and not stores else []
     except PolicyInvalid as err:
         refused = [str(p) for p in err.problems]
         reason = "InvalidPolicy"
     else:
         reason = ("HostPathNotAllowed" if refused else "PersistentVolumeClaimNotAllowed" if claims
-                  else "RemoteStoreNotAllowed")
-        refused += claims + stores
+                  else "RemoteStoreNotAllowed" if stores else "SecretNotAllowed")
+        refused += claims + stores + consent
     if refused:
         if reason in TRUST_REASONS:
             # Trust (the admin's settings) no longer admits this policy: what an earlier pass applied under it (a
@@ -309,7 +315,7 @@ def _remote_budget(spec: api.KVCachePolicySpec, enabled: list[str], workloads: l
 
 # Refusals by the admin's trust settings (operator flags), not by the policy's own validity: an operator restarted
 # without the allowlist entry that once admitted a tier must release what it applied under it.
-TRUST_REASONS = ("HostPathNotAllowed", "PersistentVolumeClaimNotAllowed", "RemoteStoreNotAllowed")
+TRUST_REASONS = ("HostPathNotAllowed", "PersistentVolumeClaimNotAllowed", "RemoteStoreNotAllowed", "SecretNotAllowed")
 
 
 def revocation(policy_obj: dict[str, Any], spec: api.KVCachePolicySpec, workloads: list[Workload], reason: str,

@@ -12,19 +12,24 @@ what of it the operator carries out:
   http was allowed, and never a URL carrying credentials, a query or a fragment;
 - a remote tier uses (and gets its Secret mounted for) only a store the admin allowed, over TLS unless the admin
   listed the store as redis://;
+- a Secret reaches a pod only by consent: it must carry the ``kvtier.io/remote-stores`` annotation listing the
+  tier's store (set by someone who may edit Secrets), never a service-account token, never a TLS private key,
+  and a MAC key holds at least 32 bytes;
 - kvtier writes and deletes only the ConfigMap it created for the policy (an owner reference to it); one of the
   same name held by anyone else is reported, never adopted.
 """
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Optional
+import base64
+import binascii
 import re
 from dataclasses import dataclass
 from urllib.parse import SplitResult, unquote, urlsplit
 
 from .api import v1alpha1 as api
 from .api.paths import segments
-from .settings import OPT_IN_ANY, OPT_IN_LABEL
+from .settings import OPT_IN_ANY, OPT_IN_LABEL, REMOTE_STORES_ANNOTATION
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -315,3 +320,99 @@ def remote_store_problems(spec: api.KVCachePolicySpec, allowed: Iterable[str]) -
             out.append(f"{where}: {redacted(url)} is not a store the operator's admin allows (operator setting "
                        "remoteStoresAllowed); kvtier mounts no credentials for it and renders no tier")
     return out
+
+
+# ---------------------------------------------------------------------------------------------- Secrets by consent
+
+# The MAC key's least length (HMAC-SHA256: a key shorter than the hash weakens it); a password that keys the MAC
+# (no macKeySecret) is held to the same.
+MIN_MAC_KEY_BYTES = 32
+SERVICE_ACCOUNT_TOKEN = "kubernetes.io/service-account-token"
+TLS_SECRET = "kubernetes.io/tls"
+
+
+def _store_name(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def marked_stores(secret: Mapping[str, Any]) -> set[tuple[str, int]]:
+    """(host, port) of every store the Secret's ``kvtier.io/remote-stores`` annotation lists; unusable entries
+    admit nothing."""
+    text = ((secret.get("metadata") or {}).get("annotations") or {}).get(REMOTE_STORES_ANNOTATION) or ""
+    out = set()
+    for entry in text.split(","):
+        store = _store(entry.strip()) if entry.strip() else None
+        if store is not None:
+            out.add((store[1], store[2]))
+    return out
+
+
+def _secret_problem(secret: Optional[Mapping[str, Any]], name: str, key: str, store: tuple[str, int],
+                    minimum: int, what: str) -> Optional[str]:
+    """Why one Secret key must not reach the pods of a tier on ``store``, or None. A Secret that is missing, that
+    the operator may not read, or that is not marked for the store reads the same: the policy's author may not be
+    allowed to read Secrets, and the condition must not tell them which exist."""
+    host, port = store
+    if secret is None or store not in marked_stores(secret):
+        return (f"Secret {name!r} is not marked for the store {_store_name(host, port)}: kvtier projects a Secret "
+                f"into pods only if someone who may edit Secrets annotated it {REMOTE_STORES_ANNOTATION}: "
+                f"\"{_store_name(host, port)}\" (a comma-separated list of host:port)")
+    kind = secret.get("type") or "Opaque"
+    if kind == SERVICE_ACCOUNT_TOKEN:
+        return f"Secret {name!r} is a service-account token ({SERVICE_ACCOUNT_TOKEN}): kvtier never projects one"
+    if kind == TLS_SECRET and key.endswith(".key"):
+        return (f"key {key!r} of Secret {name!r} is a TLS private key ({TLS_SECRET}): kvtier never projects one "
+                "(a CA bundle is ca.crt)")
+    raw = (secret.get("data") or {}).get(key)
+    if raw is None:
+        text = (secret.get("stringData") or {}).get(key)
+        value = text.encode() if isinstance(text, str) else None
+    else:
+        try:
+            value = base64.b64decode(raw, validate=True)
+        except (binascii.Error, ValueError, TypeError):
+            value = None
+    if value is None:
+        return f"Secret {name!r} has no key {key!r}"
+    if len(value) < minimum:
+        return f"key {key!r} of Secret {name!r} must hold at least {minimum} bytes ({what})"
+    return None
+
+
+def remote_secret_problems(spec: api.KVCachePolicySpec, secrets: Mapping[str, Optional[Mapping[str, Any]]]) -> \
+        list[str]:
+    """One ``field: rule`` line per Secret key a remote tier names that must not reach its pods. ``secrets``: the
+    named Secrets as the operator read them, by name (None: missing or not readable)."""
+    out = []
+    for i, tier in enumerate(spec.tiers):
+        remote = tier.remote
+        if remote is None:
+            continue
+        store = _store(remote.url)
+        if store is None:
+            continue  # the URL's own problem is reported (remote_store_problems)
+        mac_from_password = remote.mac_key_secret is None
+        refs = (("passwordSecret", remote.password_secret,
+                 MIN_MAC_KEY_BYTES if mac_from_password else 1,
+                 "it is also the MAC key: set macKeySecret" if mac_from_password else "a password"),
+                ("macKeySecret", remote.mac_key_secret, MIN_MAC_KEY_BYTES, "the MAC key"),
+                ("caSecret", remote.ca_secret, 1, "a PEM CA bundle"))
+        for field, ref, minimum, what in refs:
+            if ref is None:
+                continue
+            problem = _secret_problem(secrets.get(ref.name), ref.name, ref.key, (store[1], store[2]), minimum, what)
+            if problem:
+                out.append(f"spec.tiers[{i}].remote.{field}: {problem}")
+    return out
+
+
+def remote_secret_names(spec: api.KVCachePolicySpec) -> list[str]:
+    """The Secrets the remote tiers name (the operator reads exactly these, never a list)."""
+    names: list[str] = []
+    for tier in spec.tiers:
+        if tier.remote is None:
+            continue
+        for ref in (tier.remote.password_secret, tier.remote.mac_key_secret, tier.remote.ca_secret):
+            if ref is not None and ref.name not in names:
+                names.append(ref.name)
+    return names

@@ -305,16 +305,19 @@ class RemoteStoreSpec(_Model):
                   f"self.matches('{REMOTE_HOST_PORT_RULE}')", REMOTE_URL_HOST_PORT_RULE)))
     password_secret: Optional[SecretKeyRef] = Field(
         None, description="Secret key holding the store's password (AUTH). It is mounted read-only into the serving "
-                          "pods and sent only to an allowed store; the operator never reads it.")
+                          "pods and sent only to an allowed store. The Secret must be annotated "
+                          "kvtier.io/remote-stores with the store's host:port by someone who may edit Secrets.")
     mac_key_secret: Optional[SecretKeyRef] = Field(
         None, description="Secret key holding the key of the MAC on every stored block (many writers share the "
-                          "store). Unset: the password is the MAC key; with neither, blocks carry a checksum only "
+                          "store). At least 32 bytes; the Secret must be annotated kvtier.io/remote-stores like the "
+                          "password's. Unset: the password is the MAC key; with neither, blocks carry a checksum only "
                           "and `kvtier validate` warns.")
     ca_secret: Optional[SecretKeyRef] = Field(
         None, description="Secret key holding the PEM CA bundle that signed the store's certificate (a private CA, "
                           "e.g. the ca.crt of a cert-manager certificate); the store is then verified against it "
                           "alone, host name included. Unset: the image's system CA bundle. rediss:// only. Mounted "
-                          "read-only into the serving pods; the operator never reads it.")
+                          "read-only into the serving pods; the Secret must be annotated kvtier.io/remote-stores "
+                          "like the password's, and a TLS Secret's private key (*.key) is refused.")
 
     @field_validator("ca_secret")
     @classmethod
