@@ -11,6 +11,7 @@ from typing import Any, Iterable, Mapping, Optional
 from .api import v1alpha1 as api
 from . import parsed
 from .api.validation import PolicyInvalid, Problem, parse_policy
+from .printable import printable
 from .render import CONFIG_DIR, CONFIG_FILE, RenderedConfig, RenderError, detect_engine, render
 from .selectors import matches
 from .settings import FIELD_MANAGER, POLICY_LABEL
@@ -64,7 +65,7 @@ class TargetPlan:
         return f"{self.kind}/{self.name}"
 
     def status(self) -> dict[str, Any]:
-        out = {"kind": self.kind, "name": self.name, "state": self.state, "message": _short(self.message)}
+        out = {"kind": self.kind, "name": self.name, "state": self.state, "message": _short(printable(self.message))}
         if self.config_hash:
             out["configHash"] = self.config_hash
         return out
