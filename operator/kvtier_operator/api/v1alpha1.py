@@ -530,8 +530,9 @@ class SLOSpec(_Model):
     reenable: ReenableSpec = Field(default_factory=ReenableSpec, json_schema_extra=_object_default(ReenableSpec),
                                    description="How disabled tiers come back.")
     dry_run: bool = Field(False, description="Record what the guard would do, and do nothing.")
-    model_name: Optional[str] = Field(None, description="Scope queries by the engine's model_name label "
-                                                        "instead of pod names.", max_length=253)
+    model_name: Optional[str] = Field(None, description="Also match the engine's model_name label: narrows the "
+                                                        "queries within the policy's own pods, never replaces them.",
+                                      max_length=253)
     queries: Optional[QueryOverrides] = Field(None, description="Replace the built-in PromQL.")
 
     # Typed views.
