@@ -112,3 +112,34 @@ def _pydantic_key(key: str) -> bool:
 @pytest.mark.parametrize("key", GOOD_KEYS + BAD_KEYS, ids=ascii)
 def test_the_api_server_and_validate_agree_on_every_secret_key(key):
     assert _api_server_key(key) == _pydantic_key(key) == (key in GOOD_KEYS)
+
+
+@pytest.mark.controlplane
+def test_the_real_api_server_agrees_with_validate_on_every_url_and_key(kube, namespace):
+    """The checked-in CRD on a real API server (RE2, its own CEL cost checks): it stores exactly the policies the
+    pydantic models accept."""
+    from kvtier_operator.kube import ApiError, policy_path
+
+    from plugins.operator import make_policy
+
+    def stored(i: int, url: str, key: str) -> bool:
+        tier = {"name": "shared", "medium": "remote", "size": "1Gi",
+                "remote": {"url": url, "macKeySecret": {"name": "kv-mac", "key": key}}}
+        body = make_policy(f"p{i}", namespace, backend="kvtier",
+                           tiers=[{"name": "cpu", "medium": "cpu", "size": "1Gi"}, tier])
+        try:
+            kube.create(policy_path(namespace), body)
+        except ApiError as err:
+            assert err.status == 422, err
+            return False
+        return True
+
+    cases = [(u, "mac") for u in GOOD_URLS + BAD_URLS if len(u) <= 2000] + \
+            [("redis://valkey.kv:6379", k) for k in GOOD_KEYS + BAD_KEYS]
+    disagree = {}
+    for i, (url, key) in enumerate(cases):
+        server = stored(i, url, key)
+        local = _pydantic_url(url) and _pydantic_key(key)
+        if server != local:
+            disagree[ascii((url, key))] = {"api server": server, "validate": local}
+    assert disagree == {}
