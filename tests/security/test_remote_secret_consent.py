@@ -17,6 +17,7 @@ from kvtier_operator.settings import REMOTE_STORES_ANNOTATION, Settings
 from kvtier_operator.status import condition
 
 from plugins.operator import deployment, observed, policy
+from security.test_least_privilege import author  # noqa: F401 - fixture
 from security.test_trust_revocation import FakeKube
 
 NOW = "2026-12-01T08:00:00Z"
@@ -157,3 +158,48 @@ def test_consent_withdrawn_releases_what_was_applied():
     [t] = p.targets
     assert t.remove and t.state == rc.RELEASED
     assert [e.reason for e in p.events] == ["SecretNotAllowed"]
+
+
+@pytest.mark.controlplane
+def test_on_a_real_api_server_only_a_marked_secret_is_projected_and_unmarking_it_releases(kube, namespace, author,
+                                                                                         run_operator):
+    """The probe's set-up: the policy's author may edit only KVCachePolicies; another app's Secret in the namespace
+    is not projected, the owner's mark lets it through, and taking the mark away takes the projection back."""
+    from plugins.operator import cond, get_policy, get_workload, make_policy, user_apply, wait_applied, wait_for
+
+    secrets = f"/api/v1/namespaces/{namespace}/secrets"
+    kube.create(secrets, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "db-password"},
+                          "stringData": {"password": "the-database-password-of-another-app"}})
+    kube.create(secrets, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "kv-mac"},
+                          "stringData": {"mac": MAC_KEY.decode()}})
+    user_apply(kube, deployment("llm", namespace))
+    # The operator watches no Secret: a mark set or taken away counts from the next pass (here a 1 s resync).
+    run_operator(remote_stores_allowed=ALLOWED, resync_seconds=1.0)
+    tier = {"name": "shared", "medium": "remote", "size": "1Gi",
+            "remote": {"url": STORE, "passwordSecret": {"name": "db-password", "key": "password"},
+                       "macKeySecret": {"name": "kv-mac", "key": "mac"}}}
+    author.create(policy_path(namespace), make_policy("llm", namespace, backend="kvtier", engine="vllm",
+                                                      tiers=[CPU, tier]))
+
+    def projected() -> list:
+        volumes = get_workload(kube, namespace, "llm")["spec"]["template"]["spec"].get("volumes") or []
+        return [v for v in volumes if v["name"].startswith("kvtier-remote-")]
+
+    pol = wait_for(lambda: (p := get_policy(kube, namespace, "llm")) and
+                   cond(p, "Ready").get("reason") == "SecretNotAllowed" and p, 30, what="SecretNotAllowed")
+    message = cond(pol, "Ready")["message"]
+    assert "spec.tiers[1].remote.passwordSecret: Secret 'db-password' is not marked" in message, message
+    assert "spec.tiers[1].remote.macKeySecret" in message  # kv-mac is not marked either
+    assert projected() == []
+
+    for name in ("db-password", "kv-mac"):  # the Secrets' owner consents
+        kube.patch(f"{secrets}/{name}", {"metadata": {"annotations": {REMOTE_STORES_ANNOTATION: ALLOWED[0]}}})
+    wait_applied(kube, namespace, "llm", "llm")
+    assert len(projected()) == 1
+
+    kube.patch(f"{secrets}/db-password", {"metadata": {"annotations": {REMOTE_STORES_ANNOTATION: None}}})
+    wait_for(lambda: projected() == [], 60, what="the projection released")
+    wait_for(lambda: cond(get_policy(kube, namespace, "llm"), "Ready").get("reason") == "SecretNotAllowed", 30,
+             what="SecretNotAllowed after the mark was taken away")  # the status is written after the workload
+    wl = get_workload(kube, namespace, "llm")
+    assert "kvtier.io/policy" not in (wl["metadata"].get("labels") or {})
