@@ -319,24 +319,30 @@ def _remote_budget(spec: api.KVCachePolicySpec, enabled: list[str], workloads: l
 TRUST_REASONS = ("HostPathNotAllowed", "PersistentVolumeClaimNotAllowed", "RemoteStoreNotAllowed", "SecretNotAllowed")
 
 
+# Said in the conditions of every trust refusal, whether or not something was applied before: the same words on
+# the pass that releases and on every later one (the message would otherwise change once the release is done).
+TRUST_RELEASE_NOTE = ("; kvtier applies nothing under this policy and releases what it applied before (its volumes, "
+                      "Secret projections and configuration)")
+
+
 def revocation(policy_obj: dict[str, Any], spec: api.KVCachePolicySpec, workloads: list[Workload], reason: str,
                problems: str, now: str) -> Plan:
     """A trust refusal: nothing is applied, and every workload that carries this policy's configuration is released
     (the same release as a deleted policy's), with its owned ConfigMap. One Event says why and what was released;
     the next pass finds nothing left to release and posts none."""
     name = policy_obj["metadata"]["name"]
+    why = problems + TRUST_RELEASE_NOTE
+    what_fixes = "the policy is fixed or the admin allows it again"
     gone = [w for w in workloads if w.applied_by == name]
     if not gone:
-        return refusal(policy_obj, reason, problems, now)
-    refs = bounded_refs([w.ref for w in gone])
-    why = (f"{problems}; the operator's settings no longer admit what was applied, so kvtier released it from "
-           f"{refs} (its volumes, Secret projections and configuration)")
+        return refusal(policy_obj, reason, why, now, what_fixes)
     targets = [_release(w, spec, f"{w.ref}: released: {reason}") for w in gone]
-    out = refusal(policy_obj, reason, why, now, "the policy is fixed or the admin allows it again")
+    out = refusal(policy_obj, reason, why, now, what_fixes)
     out.targets = targets
     out.status["targets"] = []
     out.release_config_map = True
-    out.events = [Event("Warning", reason, _short(why, 1000))]
+    released = f"released {bounded_refs([w.ref for w in gone])}: "
+    out.events = [Event("Warning", reason, _short(released + problems, 1000))]
     return out
 
 

@@ -5,6 +5,7 @@ released nothing: the workload kept the store's Secret and URL."""
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any, Optional
 
 import pytest
@@ -69,15 +70,16 @@ def test_a_tier_no_longer_trusted_is_released_with_a_condition_and_one_event(cas
     ready, degraded = condition(revoked.status, "Ready"), condition(revoked.status, "Degraded")
     assert ready["status"] == "False" and ready["reason"] == reason
     assert degraded["status"] == "True" and degraded["reason"] == reason
-    assert ready["message"].startswith(field) and "released it from Deployment/llm" in ready["message"]
+    assert ready["message"].startswith(field) and "releases what it applied before" in ready["message"]
     [event] = revoked.events
-    assert event.type == "Warning" and event.reason == reason and "Deployment/llm" in event.message
+    assert event.type == "Warning" and event.reason == reason
+    assert event.message.startswith("released Deployment/llm: " + field), event.message
 
     # The next pass: the workload carries nothing of the policy any more; no second Event, nothing to write.
     released = observed(deployment())
     again = rc.plan({**pol, "status": compose(pol["status"], revoked.status)}, [released], [], now=LATER)
     assert again.targets == [] and again.events == []
-    assert condition(again.status, "Ready")["reason"] == reason
+    assert condition(again.status, "Ready") == ready  # the same words once the release is done
 
 
 def test_a_refusal_with_nothing_applied_releases_nothing():
@@ -159,3 +161,39 @@ def test_the_operator_releases_the_workload_and_deletes_its_config_map_when_the_
     kube.applied.clear()
     again = op.run_pass("default", "llm", [])
     assert kube.applied == [] and again.events == []
+
+
+@pytest.mark.controlplane
+def test_on_a_real_api_server_an_operator_restarted_without_the_prefix_releases_the_host_path(kube, namespace,
+                                                                                             run_operator):
+    from plugins.operator import cond, get_policy, get_workload, make_policy, user_apply, wait_applied, wait_for
+
+    def events(reason: str) -> list:
+        return [e for e in kube.list(f"/api/v1/namespaces/{namespace}/events")
+                if e["involvedObject"].get("kind") == "KVCachePolicy" and e.get("reason") == reason]
+
+    user_apply(kube, deployment("llm", namespace))
+    tier = {"name": "disk", "medium": "filesystem", "size": "1Gi", "path": "/kv",
+            "volume": {"hostPath": {"path": "/mnt/disks/kv"}}}
+    kube.create(policy_path(namespace), make_policy("llm", namespace, tiers=[CPU, tier]))
+    first = run_operator()  # the fixture's admin allows /mnt/disks
+    wait_applied(kube, namespace, "llm", "llm")
+    first.stop()
+
+    def host_paths() -> list:
+        volumes = get_workload(kube, namespace, "llm")["spec"]["template"]["spec"].get("volumes") or []
+        return [v for v in volumes if "hostPath" in v]
+
+    assert host_paths()
+    run_operator(host_path_prefixes=())  # the admin took the prefix away
+    wait_for(lambda: host_paths() == [], 30, what="the hostPath volume released")
+    pol = wait_for(lambda: (p := get_policy(kube, namespace, "llm")) and
+                   cond(p, "Ready").get("reason") == "HostPathNotAllowed" and p, 30, what="HostPathNotAllowed")
+    assert "releases what it applied before" in cond(pol, "Ready")["message"]
+    assert POLICY_LABEL not in (get_workload(kube, namespace, "llm")["metadata"].get("labels") or {})
+    assert kube.get(config_map_path(namespace, "kvtier-llm")) is None
+    wait_for(lambda: events("HostPathNotAllowed"), 30, what="the Event")
+    time.sleep(2)  # a second one would have been posted by now
+    [event] = events("HostPathNotAllowed")
+    assert event["type"] == "Warning" and event.get("count", 1) == 1, event
+    assert event["message"].startswith("released Deployment/llm: spec.tiers[1].volume.hostPath.path"), event
