@@ -116,12 +116,14 @@ def test_bad_scope_and_engine_are_errors():
         build_queries("vllm", Scope(extra_labels={"bad-label": "x"}), 60)
 
 
-def test_scope_for_prefers_model_name_and_never_widens_to_the_namespace():
+def test_scope_for_narrows_by_model_name_and_never_widens_to_the_namespace():
     from kvtier_operator.slo import scope_for
 
     spec_ = spec({"modelName": "llama-70b"})
     assert scope_for(slo_settings(spec_), "llm", ["a"]).matchers() == [
-        'namespace="llm"', 'model_name="llama-70b"']
+        'namespace="llm"', 'pod=~"a"', 'model_name="llama-70b"']
+    assert scope_for(slo_settings(spec_), "llm", []).matchers() == [
+        'namespace="llm"', 'pod=~"$^"', 'model_name="llama-70b"']
     plain = slo_settings(spec())
     assert scope_for(plain, "llm", ["b", "a", "a"]).matchers() == ['namespace="llm"', 'pod=~"a|b"']
     assert scope_for(plain, "llm", []).matchers() == ['namespace="llm"', 'pod=~"$^"']

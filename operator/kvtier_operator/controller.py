@@ -25,7 +25,7 @@ from . import parsed
 from . import reconcile as rc
 from .api.units import parse_quantity
 from .api.validation import PolicyInvalid
-from .kube import NODES, STRATEGIC, ApiError, Kube, config_map_path, policy_path, workload_path
+from .kube import NODES, STRATEGIC, ApiError, Kube, config_map_path, policy_path, secret_path, workload_path
 from .metrics import Metrics
 from .selectors import to_query
 from .settings import POLICY_LABEL, REENABLE_ANNOTATION, Settings
@@ -33,7 +33,7 @@ from .slo_tick import DEFAULT_INTERVAL, GuardStep, evaluate, misconfigured
 from .status import compose, condition, merge_conditions, now_rfc3339
 from .status_writer import write_status
 from .tiers import tier_states
-from .trust import foreign_holder_message, owns_config_map
+from .trust import foreign_holder_message, owns_config_map, remote_secret_names
 from .workload import KINDS, Workload, removal_patch
 
 log = logging.getLogger("kvtier.operator")
@@ -202,7 +202,26 @@ class Operator:
         return rc.plan(policy, workloads, others, now=now, node_allocatable=self.node_allocatable(),
                        cleanup_image=self.settings.cleanup_image, server_validated=True,
                        host_path_prefixes=self.settings.host_path_prefixes, pvc_allowed=self.settings.pvc_allowed,
-                       remote_stores_allowed=self.settings.remote_stores_allowed)
+                       remote_stores_allowed=self.settings.remote_stores_allowed,
+                       secrets=self._remote_secrets(policy))
+
+    def _remote_secrets(self, policy: dict[str, Any]) -> dict[str, Optional[dict[str, Any]]]:
+        """The Secrets the policy's remote tiers name, each read by name (a get, never a list); None where missing
+        or not readable (the chart grants get on Secrets only in the namespaces the admin lists)."""
+        try:
+            spec = parsed.parse(parsed.key(policy), True).spec
+        except PolicyInvalid:
+            return {}
+        namespace = policy["metadata"]["namespace"]
+        out: dict[str, Optional[dict[str, Any]]] = {}
+        for name in remote_secret_names(spec):
+            try:
+                out[name] = self.kube.get(secret_path(namespace, name))
+            except ApiError as err:
+                if err.status != 403:
+                    raise
+                out[name] = None
+        return out
 
     def _guard(self, policy: dict[str, Any], plan: rc.Plan) -> Optional[GuardStep]:
         meta = policy["metadata"]
@@ -241,6 +260,8 @@ class Operator:
         for t in plan.targets:
             self._write_workload(namespace, t, failures, outcome)
         plan = rc.with_failures(plan, planned_from, failures, now)
+        if plan.release_config_map and not failures:
+            self._delete_config_map(namespace, name, policy["metadata"].get("uid"))
         fields = dict(plan.status)
         if step is not None:
             fields.update(guard_fields(step, fields["conditions"], policy["metadata"].get("generation"), now))
@@ -267,6 +288,19 @@ class Operator:
         self.metrics.applied_targets.labels(namespace, name).set(applied)
         return outcome
 
+    def _delete_config_map(self, namespace: str, name: str, uid: Optional[str]) -> None:
+        """Delete the ConfigMap kvtier made for this policy; a user's own kvtier-<name> is left alone."""
+        cm_path = config_map_path(namespace, rc.config_map_name(name))
+        try:
+            existing = self.kube.get(cm_path)
+        except ApiError as err:
+            if err.status != 403:
+                raise
+            existing = None  # cannot tell whose it is: leave it to the garbage collector's owner reference
+        if owns_config_map(existing, name, uid):
+            self.kube.delete(cm_path)
+        self.applied_config_maps.pop((namespace, rc.config_map_name(name)), None)
+
     def release(self, namespace: str, name: str, body: dict[str, Any]) -> int:
         """Undo everything applied for a deleted policy; returns how many workloads were released. Raises
         ``ReleaseRefused`` when a workload could not be released (the finalizer must wait)."""
@@ -282,17 +316,7 @@ class Operator:
                 raise ReleaseRefused("; ".join(failures.values()))
             released += 1
         # The owner reference lets the garbage collector do this too; deleting it here does not depend on one.
-        # Only a ConfigMap kvtier made for this policy: a user's own kvtier-<name> is left alone.
-        cm_path = config_map_path(namespace, rc.config_map_name(name))
-        try:
-            existing = self.kube.get(cm_path)
-        except ApiError as err:
-            if err.status != 403:
-                raise
-            existing = None  # cannot tell whose it is: leave it to the garbage collector's owner reference
-        if owns_config_map(existing, name, (body.get("metadata") or {}).get("uid")):
-            self.kube.delete(cm_path)
-        self.applied_config_maps.pop((namespace, rc.config_map_name(name)), None)
+        self._delete_config_map(namespace, name, (body.get("metadata") or {}).get("uid"))
         try:
             self.metrics.applied_targets.remove(namespace, name)
         except KeyError:

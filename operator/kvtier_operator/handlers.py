@@ -27,6 +27,7 @@ from .controller import Operator, Outcome, ReleaseRefused
 from .event_filter import EventFilter
 from .kube import Kube, error_reason, is_transient
 from .lanes import Lanes
+from .printable import printable
 from .selectors import matches
 from .settings import FINALIZER, OPT_IN_ANY, OPT_IN_LABEL, POLICY_LABEL, Settings
 from .slo_tick import DEFAULT_INTERVAL
@@ -255,13 +256,19 @@ async def run_pass(shared: Shared, key: Key, others: list[dict[str, Any]],
             op.metrics.rollbacks.labels(key[0], key[1], tier).inc()
     if outcome.body is not None:
         for ev in outcome.events:
-            kopf.event(outcome.body, type=ev.type, reason=ev.reason, message=ev.message[:1000])
-            # The transitions a user sees as Events also reach the log (kopf's per-event lines are off unless
-            # --verbose): one line per transition, not per watch event.
-            log.log(logging.WARNING if ev.type == "Warning" else logging.INFO, "%s/%s: %s: %s",
-                    key[0], key[1], ev.reason, ev.message[:1000])
+            post_event(outcome.body, key, ev)
     op.reconciled(key, outcome)
     return outcome
+
+
+def post_event(body: dict[str, Any], key: Key, ev: Any) -> None:
+    """One Event, its message escaped (user input may carry control characters) and bounded. The transitions a
+    user sees as Events also reach the log (kopf's per-event lines are off unless --verbose): one line per
+    transition, not per watch event."""
+    message = printable(ev.message)[:1000]
+    kopf.event(body, type=ev.type, reason=ev.reason, message=message)
+    log.log(logging.WARNING if ev.type == "Warning" else logging.INFO, "%s/%s: %s: %s",
+            key[0], key[1], ev.reason, message)
 
 
 async def release_orphans(shared: Shared, namespace: str, name: str, body: dict[str, Any]) -> None:

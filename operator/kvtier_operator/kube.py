@@ -164,6 +164,10 @@ def config_map_path(namespace: str, name: Optional[str] = None) -> str:
     return f"{base}/{quote(name, safe='')}" if name else base
 
 
+def secret_path(namespace: str, name: str) -> str:
+    return f"/api/v1/namespaces/{_ns(namespace)}/secrets/{quote(name, safe='')}"
+
+
 def policy_path(namespace: str, name: Optional[str] = None, status: bool = False) -> str:
     base = f"/apis/kvtier.io/v1alpha1/namespaces/{_ns(namespace)}/kvcachepolicies"
     if name is None:

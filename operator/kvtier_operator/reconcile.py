@@ -6,17 +6,19 @@ No I/O here: ``handlers`` reads the cluster, calls ``plan`` and performs what it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 from .api import v1alpha1 as api
 from . import parsed
 from .api.validation import PolicyInvalid, Problem, parse_policy
+from .printable import printable
 from .render import CONFIG_DIR, CONFIG_FILE, RenderedConfig, RenderError, detect_engine, render
 from .selectors import matches
 from .settings import FIELD_MANAGER, POLICY_LABEL
 from .status import Cond, merge_conditions, transitions
 from .tiers import enabled, tier_states
-from .trust import host_path_problems, not_opted_in_message, opted_in, pvc_problems, remote_store_problems
+from .trust import (host_path_problems, not_opted_in_message, opted_in, pvc_problems, remote_secret_problems,
+                    remote_store_problems)
 from .workload import (
     Workload,
     already_applied,
@@ -63,7 +65,7 @@ class TargetPlan:
         return f"{self.kind}/{self.name}"
 
     def status(self) -> dict[str, Any]:
-        out = {"kind": self.kind, "name": self.name, "state": self.state, "message": _short(self.message)}
+        out = {"kind": self.kind, "name": self.name, "state": self.state, "message": _short(printable(self.message))}
         if self.config_hash:
             out["configHash"] = self.config_hash
         return out
@@ -89,6 +91,8 @@ class Plan:
     events: list[Event] = field(default_factory=list)
     invalid: bool = False
     context: Optional[Observed] = None
+    # Delete the ConfigMap kvtier made for this policy (a revocation: no workload may read it any more).
+    release_config_map: bool = False
 
 
 def config_map_name(policy_name: str) -> str:
@@ -198,7 +202,8 @@ def _target(policy: api.KVCachePolicy, doc_key: str, w: Workload, enabled_tiers:
 def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_policies: Iterable[dict[str, Any]],
          *, now: str, node_allocatable: Optional[int] = None, cleanup_image: str = "busybox:1.37.0",
          server_validated: bool = False, host_path_prefixes: Iterable[str] = (),
-         pvc_allowed: Iterable[str] = (), remote_stores_allowed: Iterable[str] = ()) -> Plan:
+         pvc_allowed: Iterable[str] = (), remote_stores_allowed: Iterable[str] = (),
+         secrets: Optional[Mapping[str, Optional[Mapping[str, Any]]]] = None) -> Plan:
     """Everything one reconcile of ``policy_obj`` must write.
 
     ``workloads``: Deployments and StatefulSets of the namespace that match the selector or carry our policy
@@ -208,6 +213,9 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
     ``host_path_prefixes``: node paths the admin lets tiers mount (operator settings); default none.
     ``pvc_allowed``: claims the admin lets tiers mount (NAMESPACE/CLAIM, '*' for either part); default none.
     ``remote_stores_allowed``: Valkey/Redis stores remote tiers may use (trust.remote_store_problems); default none.
+    ``secrets``: the Secrets remote tiers name, as read by the operator (None where missing or unreadable); each
+    must consent to its store (trust.remote_secret_problems). None: not checked (offline rendering only; the
+    operator always passes them).
     """
     meta = policy_obj["metadata"]
     name, generation = meta["name"], meta.get("generation")
@@ -225,14 +233,19 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
         refused = host_path_problems(policy.spec, host_path_prefixes)
         claims = pvc_problems(policy.spec, meta.get("namespace", ""), pvc_allowed)
         stores = remote_store_problems(policy.spec, remote_stores_allowed)
+        consent = remote_secret_problems(policy.spec, secrets) if secrets is not None and not stores else []
     except PolicyInvalid as err:
         refused = [str(p) for p in err.problems]
         reason = "InvalidPolicy"
     else:
         reason = ("HostPathNotAllowed" if refused else "PersistentVolumeClaimNotAllowed" if claims
-                  else "RemoteStoreNotAllowed")
-        refused += claims + stores
+                  else "RemoteStoreNotAllowed" if stores else "SecretNotAllowed")
+        refused += claims + stores + consent
     if refused:
+        if reason in TRUST_REASONS:
+            # Trust (the admin's settings) no longer admits this policy: what an earlier pass applied under it (a
+            # mount, a Secret projection, a store URL) is taken back, not left in place.
+            return revocation(policy_obj, policy.spec, ws, reason, "; ".join(refused), now)
         return refusal(policy_obj, reason, "; ".join(refused), now)
 
     spec = policy.spec
@@ -299,6 +312,38 @@ def _remote_budget(spec: api.KVCachePolicySpec, enabled: list[str], workloads: l
     if tier is None:
         return None
     return tier.size_bytes * sum(1 for w in workloads if w.ref in rendered)
+
+
+# Refusals by the admin's trust settings (operator flags), not by the policy's own validity: an operator restarted
+# without the allowlist entry that once admitted a tier must release what it applied under it.
+TRUST_REASONS = ("HostPathNotAllowed", "PersistentVolumeClaimNotAllowed", "RemoteStoreNotAllowed", "SecretNotAllowed")
+
+
+# Said in the conditions of every trust refusal, whether or not something was applied before: the same words on
+# the pass that releases and on every later one (the message would otherwise change once the release is done).
+TRUST_RELEASE_NOTE = ("; kvtier applies nothing under this policy and releases what it applied before (its volumes, "
+                      "Secret projections and configuration)")
+
+
+def revocation(policy_obj: dict[str, Any], spec: api.KVCachePolicySpec, workloads: list[Workload], reason: str,
+               problems: str, now: str) -> Plan:
+    """A trust refusal: nothing is applied, and every workload that carries this policy's configuration is released
+    (the same release as a deleted policy's), with its owned ConfigMap. One Event says why and what was released;
+    the next pass finds nothing left to release and posts none."""
+    name = policy_obj["metadata"]["name"]
+    why = problems + TRUST_RELEASE_NOTE
+    what_fixes = "the policy is fixed or the admin allows it again"
+    gone = [w for w in workloads if w.applied_by == name]
+    if not gone:
+        return refusal(policy_obj, reason, why, now, what_fixes)
+    targets = [_release(w, spec, f"{w.ref}: released: {reason}") for w in gone]
+    out = refusal(policy_obj, reason, why, now, what_fixes)
+    out.targets = targets
+    out.status["targets"] = []
+    out.release_config_map = True
+    released = f"released {bounded_refs([w.ref for w in gone])}: "
+    out.events = [Event("Warning", reason, _short(released + problems, 1000))]
+    return out
 
 
 def refusal(policy_obj: dict[str, Any], reason: str, problems: str, now: str,

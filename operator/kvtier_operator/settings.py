@@ -17,6 +17,9 @@ REENABLE_ANNOTATION = f"{PREFIX}/reenable"  # a person asks the SLO guard to re-
 OPT_IN_LABEL = f"{PREFIX}/opt-in"
 OPT_IN_ANY = "true"
 DEFAULT_CLEANUP_IMAGE = "busybox:1.37.0"
+# Set on a Secret by someone who may edit Secrets: the remote stores (host:port, comma separated) whose tiers may
+# project it into pods. The operator never writes it, so a policy author cannot mark a Secret they cannot edit.
+REMOTE_STORES_ANNOTATION = f"{PREFIX}/remote-stores"
 
 
 @dataclass(frozen=True)

@@ -65,17 +65,19 @@ _POD_SUFFIX = {"Deployment": f"-{_SAFE}{{1,10}}-{_SAFE}{{5}}", "StatefulSet": "-
 MATCH_NOTHING = "$^"
 
 
-def scope_for(namespace: str, status: dict[str, Any], model_name: Optional[str]) -> "slo.Scope":
-    """The target pods: ``spec.slo.modelName`` when set, else the pods of the targets carrying the configuration.
+def scope_for(namespace: str, status: dict[str, Any], model_name: Optional[str]) -> Optional["slo.Scope"]:
+    """The policy's own pods: the namespace and the pods of the targets carrying the configuration, always;
+    ``spec.slo.modelName`` narrows that further (the engine's ``model_name`` label), never replaces it (a model
+    name alone matched every workload serving that model, other policies' and other teams' included).
 
-    With neither (no target applied yet, or every one in conflict), nothing matches: the guard must never judge
-    a policy by the other pods of its namespace (no data, so no verdict).
+    None when no target carries the configuration (none applied yet, or every one in conflict): the guard then
+    queries nothing, rather than judging the policy by other pods.
     """
-    if model_name:
-        return slo.Scope(namespace=namespace, model_name=model_name)
     patterns = sorted({re.escape(t["name"]) + _POD_SUFFIX.get(t.get("kind", ""), "-.+")
                        for t in status.get("targets") or [] if t.get("state") in ("Applied", "MissingConfigArgument")})
-    return slo.Scope(namespace=namespace, pod_regex="|".join(patterns) if patterns else MATCH_NOTHING)
+    if not patterns:
+        return None
+    return slo.Scope(namespace=namespace, pod_regex="|".join(patterns), model_name=model_name or None)
 
 
 # ---------------------------------------------------------------------------------------------- one step
@@ -93,6 +95,16 @@ class GuardStep:
     verdict: Optional[str] = None
     reenable_left: Optional[list[str]] = None  # the annotation's tiers still requested, when one was acknowledged
     problem: Optional[str] = None  # an InvalidConfiguration message (logged and counted by the caller)
+
+
+NO_TARGETS = ("no workload of this policy carries its configuration yet, so the SLO guard queries nothing (it "
+              "measures only the policy's own pods, never other pods of the namespace or of the model)")
+
+
+def no_targets(interval: float) -> GuardStep:
+    """Nothing to measure: said in status (SLOUnknown), the stored state kept, no query sent, no Event."""
+    return GuardStep(interval=interval, slo_state="NoData", conditions=[Cond("SLOUnknown", "True", "NoTargets",
+                                                                             NO_TARGETS)])
 
 
 def reenable_requests(policy_obj: dict[str, Any]) -> list[str]:
@@ -179,16 +191,26 @@ def evaluate(kube: Kube, settings: Settings, policy_obj: dict[str, Any], spec: a
         # policy's targets, and its numbers come back in status: the admin must allow it (issue 24, class F).
         return misconfigured(QUERY_OVERRIDES_REFUSED, guard.interval_s)
     namespace = policy_obj["metadata"]["namespace"]
+    scope = scope_for(namespace, {"targets": targets}, guard.model_name)
     own = source is None
     if own:
+        if scope is None and guard.prometheus is not None:
+            # The admin's allowlist is reported first; no Secret is read when no query will be sent.
+            refused = endpoint_problem(guard.prometheus.url, settings.prometheus_allowed,
+                                       settings.prometheus_allow_http)
+            if refused:
+                return misconfigured(refused, guard.interval_s)
+        if scope is None:
+            return no_targets(guard.interval_s) if guard.prometheus is not None else None
         source, refused = measurement_source(kube, settings, namespace, guard)
         if refused:
             return misconfigured(refused, guard.interval_s)
         if source is None:
             return None
+    elif scope is None:
+        return no_targets(guard.interval_s)
     try:
-        return decide(guard, policy_obj, source, scope_for(namespace, {"targets": targets}, guard.model_name),
-                      time.time())
+        return decide(guard, policy_obj, source, scope, time.time())
     finally:
         if own:
             source.close()

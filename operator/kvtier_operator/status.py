@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Iterable, Optional
 
+from .printable import printable
+
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Conflict")
 GUARD_CONDITION_TYPES = ("SLOUnknown", "SLOBreached", "TierRolledBack")
 # Status fields that are not the operator's own document: kopf's bookkeeping (written by kopf) and ``history``
@@ -42,7 +44,8 @@ def merge_conditions(old: Iterable[dict[str, Any]], new: Iterable[Cond], generat
     for c in new:
         before = previous.get(c.type)
         since = before.get("lastTransitionTime") if before and before.get("status") == c.status else None
-        entry = {"type": c.type, "status": c.status, "reason": c.reason, "message": c.message,
+        # Messages carry user input (URLs, paths, the server's words): escaped here, for every condition.
+        entry = {"type": c.type, "status": c.status, "reason": c.reason, "message": printable(c.message),
                  "lastTransitionTime": since or now}
         if generation is not None:
             entry["observedGeneration"] = generation

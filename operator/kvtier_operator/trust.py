@@ -12,19 +12,24 @@ what of it the operator carries out:
   http was allowed, and never a URL carrying credentials, a query or a fragment;
 - a remote tier uses (and gets its Secret mounted for) only a store the admin allowed, over TLS unless the admin
   listed the store as redis://;
+- a Secret reaches a pod only by consent: it must carry the ``kvtier.io/remote-stores`` annotation listing the
+  tier's store (set by someone who may edit Secrets), never a service-account token, never a TLS private key,
+  and a MAC key holds at least 32 bytes;
 - kvtier writes and deletes only the ConfigMap it created for the policy (an owner reference to it); one of the
   same name held by anyone else is reported, never adopted.
 """
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Optional
+import base64
+import binascii
 import re
 from dataclasses import dataclass
 from urllib.parse import SplitResult, unquote, urlsplit
 
 from .api import v1alpha1 as api
 from .api.paths import segments
-from .settings import OPT_IN_ANY, OPT_IN_LABEL
+from .settings import OPT_IN_ANY, OPT_IN_LABEL, REMOTE_STORES_ANNOTATION
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -258,8 +263,9 @@ def endpoint_problem(url: str, allowed: Iterable[str], allow_http: bool) -> Opti
 REMOTE_SCHEMES = ("redis", "rediss")
 
 
-def _store(text: str) -> Optional[tuple[Optional[str], str, int]]:
-    """(scheme or None, host, port) of an allowlist entry or a store URL; None when unusable."""
+def _store(text: str) -> Optional[tuple[Optional[str], str, int, Optional[int]]]:
+    """(scheme or None, host, port, db or None) of an allowlist entry or a store URL; None when unusable. The db is
+    None when the text names none (``redis://h:p`` or ``redis://h:p/``); a store URL without one uses db 0."""
     explicit = "://" in text
     parts = _split(text if explicit else "//" + text)
     if parts is None or not parts.hostname or parts.port is None:
@@ -268,19 +274,21 @@ def _store(text: str) -> Optional[tuple[Optional[str], str, int]]:
         return None
     if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
         return None
-    if parts.path not in ("", "/") and not (explicit and parts.path.lstrip("/").isdigit()):
+    db = parts.path.lstrip("/") if explicit else ""
+    if parts.path not in ("", "/") and not (explicit and db.isascii() and db.isdigit()
+                                             and parts.path == "/" + db):
         return None
-    return (parts.scheme if explicit else None), parts.hostname.lower(), parts.port
+    return (parts.scheme if explicit else None), parts.hostname.lower(), parts.port, (int(db) if db else None)
 
 
 def check_remote_store_entry(entry: str) -> Optional[str]:
     """Why an admin-supplied remote-store allowlist entry is unusable, or None. Entries: ``host:port`` (TLS only,
-    rediss://) or ``redis://host:port`` / ``rediss://host:port`` (that scheme; redis:// allows plain TCP to exactly
-    that store), as for Prometheus endpoints."""
+    rediss://) or ``redis://host:port[/DB]`` / ``rediss://host:port[/DB]`` (that scheme; redis:// allows plain TCP
+    to exactly that store). An entry with a database admits that database only; one without admits any."""
     if "@" in entry or "?" in entry or "#" in entry:
         return "must not carry credentials, a query or a fragment"
     if _store(entry) is None:
-        return "must be host:port, redis://host:port or rediss://host:port"
+        return "must be host:port, redis://host:port[/DB] or rediss://host:port[/DB]"
     return None
 
 
@@ -299,8 +307,10 @@ def remote_store_problems(spec: api.KVCachePolicySpec, allowed: Iterable[str]) -
         if store is None:
             out.append(f"{where}: must be redis://HOST:PORT[/DB] or rediss://HOST:PORT[/DB]")
             continue
-        scheme, host, port = store
-        matching = [e for e in entries if e[1] == host and e[2] == port]
+        scheme, host, port, db = store
+        # An entry naming a database admits that one only (a URL without one uses database 0); one without
+        # admits any: databases of one store are separate key spaces, often of separate tenants.
+        matching = [e for e in entries if e[1] == host and e[2] == port and (e[3] is None or e[3] == (db or 0))]
         if any(e[0] == scheme or (e[0] is None and scheme == "rediss") for e in matching):
             continue
         if matching and scheme == "redis":
@@ -310,3 +320,97 @@ def remote_store_problems(spec: api.KVCachePolicySpec, allowed: Iterable[str]) -
             out.append(f"{where}: {redacted(url)} is not a store the operator's admin allows (operator setting "
                        "remoteStoresAllowed); kvtier mounts no credentials for it and renders no tier")
     return out
+
+
+# ---------------------------------------------------------------------------------------------- Secrets by consent
+
+# The MAC key's least length (HMAC-SHA256: a key shorter than the hash weakens it); a password that keys the MAC
+# (no macKeySecret) is held to the same.
+MIN_MAC_KEY_BYTES = 32
+SERVICE_ACCOUNT_TOKEN = "kubernetes.io/service-account-token"
+TLS_SECRET = "kubernetes.io/tls"
+
+
+def _store_name(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def marked_stores(secret: Mapping[str, Any]) -> set[tuple[str, int]]:
+    """(host, port) of every store the Secret's ``kvtier.io/remote-stores`` annotation lists; unusable entries
+    admit nothing."""
+    text = ((secret.get("metadata") or {}).get("annotations") or {}).get(REMOTE_STORES_ANNOTATION) or ""
+    out = set()
+    for entry in text.split(","):
+        store = _store(entry.strip()) if entry.strip() else None
+        if store is not None:
+            out.add((store[1], store[2]))
+    return out
+
+
+def _secret_problem(secret: Optional[Mapping[str, Any]], name: str, key: str, store: tuple[str, int],
+                    minimum: int, what: str) -> Optional[str]:
+    """Why one Secret key must not reach the pods of a tier on ``store``, or None. A Secret that is missing, that
+    the operator may not read, or that is not marked for the store reads the same: the policy's author may not be
+    allowed to read Secrets, and the condition must not tell them which exist."""
+    host, port = store
+    if secret is None or store not in marked_stores(secret):
+        return (f"Secret {name!r} is not marked for the store {_store_name(host, port)}: kvtier projects a Secret "
+                f"into pods only if someone who may edit Secrets annotated it {REMOTE_STORES_ANNOTATION}: "
+                f"\"{_store_name(host, port)}\" (a comma-separated list of host:port)")
+    kind = secret.get("type") or "Opaque"
+    if kind == SERVICE_ACCOUNT_TOKEN:
+        return f"Secret {name!r} is a service-account token ({SERVICE_ACCOUNT_TOKEN}): kvtier never projects one"
+    if kind == TLS_SECRET and key.endswith(".key"):
+        return (f"key {key!r} of Secret {name!r} is a TLS private key ({TLS_SECRET}): kvtier never projects one "
+                "(a CA bundle is ca.crt)")
+    raw = (secret.get("data") or {}).get(key)
+    if raw is None:
+        text = (secret.get("stringData") or {}).get(key)
+        value = text.encode() if isinstance(text, str) else None
+    else:
+        try:
+            value = base64.b64decode(raw, validate=True)
+        except (binascii.Error, ValueError, TypeError):
+            value = None
+    if value is None:
+        return f"Secret {name!r} has no key {key!r}"
+    if len(value) < minimum:
+        return f"key {key!r} of Secret {name!r} must hold at least {minimum} bytes ({what})"
+    return None
+
+
+def remote_secret_problems(spec: api.KVCachePolicySpec, secrets: Mapping[str, Optional[Mapping[str, Any]]]) -> \
+        list[str]:
+    """One ``field: rule`` line per Secret key a remote tier names that must not reach its pods. ``secrets``: the
+    named Secrets as the operator read them, by name (None: missing or not readable)."""
+    out = []
+    for i, tier in enumerate(spec.tiers):
+        remote = tier.remote
+        if remote is None:
+            continue
+        store = _store(remote.url)
+        if store is None:
+            continue  # the URL's own problem is reported (remote_store_problems)
+        # The tenant key keys every block (the password never does): it alone has a minimum length.
+        refs = (("passwordSecret", remote.password_secret, 1, "a password"),
+                ("macKeySecret", remote.mac_key_secret, MIN_MAC_KEY_BYTES, "the tenant key"),
+                ("caSecret", remote.ca_secret, 1, "a PEM CA bundle"))
+        for field, ref, minimum, what in refs:
+            if ref is None:
+                continue
+            problem = _secret_problem(secrets.get(ref.name), ref.name, ref.key, (store[1], store[2]), minimum, what)
+            if problem:
+                out.append(f"spec.tiers[{i}].remote.{field}: {problem}")
+    return out
+
+
+def remote_secret_names(spec: api.KVCachePolicySpec) -> list[str]:
+    """The Secrets the remote tiers name (the operator reads exactly these, never a list)."""
+    names: list[str] = []
+    for tier in spec.tiers:
+        if tier.remote is None:
+            continue
+        for ref in (tier.remote.password_secret, tier.remote.mac_key_secret, tier.remote.ca_secret):
+            if ref is not None and ref.name not in names:
+                names.append(ref.name)
+    return names

@@ -263,12 +263,38 @@ def _parse_tiers(extra: Mapping[str, Any], key: str, cls: type, prefix: str) -> 
     return out
 
 
+# The one grammar of a store address, written in the regular-expression subset RE2 (the API server's CEL), Rust
+# (pydantic's patterns) and Python agree on: ASCII classes only (no \d, \s or \w, which are Unicode-aware in some
+# of them), no look-around. A DNS name or IPv4 address (letters, digits, '-', '.'), or an IPv6 address in brackets
+# (hex groups, at most one '::', no zone), then one port 1-65535 without a leading zero, then at most a database
+# number. So a doubled port (h:1:2), a port over 65535, an unbracketed IPv6 address, any whitespace, and non-ASCII
+# letters, digits or spaces are refused by every checker alike. The CRD embeds it in a CEL string literal with its
+# backslashes (the escaped brackets) doubled.
+_LABEL = "[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?"
+_HEX = "[0-9A-Fa-f]{1,4}"
+_IPV6 = "|".join((
+    f"({_HEX}:){{7}}{_HEX}",
+    f"({_HEX}:){{1,7}}:",
+    f"({_HEX}:){{1,6}}:{_HEX}",
+    f"({_HEX}:){{1,5}}(:{_HEX}){{1,2}}",
+    f"({_HEX}:){{1,4}}(:{_HEX}){{1,3}}",
+    f"({_HEX}:){{1,3}}(:{_HEX}){{1,4}}",
+    f"({_HEX}:){{1,2}}(:{_HEX}){{1,5}}",
+    f"{_HEX}:(:{_HEX}){{1,6}}",
+    f":((:{_HEX}){{1,7}}|:)",
+))
+_PORT = "([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
+REMOTE_URL_REGEX = (f"^rediss?://({_LABEL}([.]{_LABEL})*|\\[({_IPV6})\\]):{_PORT}(/[0-9]{{0,2}})?$")
+
+
 def check_remote_url(key: str, url: Any) -> None:
     """The one rule for a remote store's address, shared by the operator's validation and the runtime's parser:
     ``redis://`` or ``rediss://``, a host and a port, an optional numeric db, and nothing else (no user or password,
     no query, no fragment: credentials come from a Secret, never from a URL that ends up in status and logs).
-    The messages are the CRD's CEL messages (operator api.v1alpha1.RemoteStoreSpec), word for word."""
-    from urllib.parse import urlsplit
+    The grammar is ``REMOTE_URL_REGEX``, the very text the CRD's CEL rule matches, so the API server, ``kvtier
+    validate``, the operator and the runtime refuse the same addresses. The messages are the CRD's CEL messages
+    (operator api.v1alpha1.RemoteStoreSpec), word for word."""
+    import re
 
     if not isinstance(url, str) or not url or len(url) > MAX_REMOTE_URL_CHARS:
         raise ConfigError(f"{key}: must be a redis:// or rediss:// URL of at most {MAX_REMOTE_URL_CHARS} characters")
@@ -278,14 +304,8 @@ def check_remote_url(key: str, url: Any) -> None:
         raise ConfigError(f"{key}: {REMOTE_URL_CREDENTIALS_RULE}")
     if "?" in url or "#" in url:
         raise ConfigError(f"{key}: {REMOTE_URL_QUERY_RULE}")
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
-        port, parts = None, None
-    db = parts.path.lstrip("/") if parts is not None else ""
-    if (parts is None or not parts.hostname or port is None or any(c.isspace() for c in url)
-            or (parts.path not in ("", "/") and not (db.isdigit() and len(db) <= 2))):
+    # fullmatch: '$' alone would also match before a trailing newline.
+    if re.fullmatch(REMOTE_URL_REGEX, url) is None:
         raise ConfigError(f"{key}: {REMOTE_URL_HOST_PORT_RULE}")
 
 
@@ -315,7 +335,8 @@ def check_remote_scope(key: str, scope: Any) -> None:
 REMOTE_URL_CREDENTIALS_RULE = "must not contain credentials (user:password@); use remote.passwordSecret"
 REMOTE_URL_QUERY_RULE = "must not carry a query or a fragment"
 REMOTE_URL_HOST_PORT_RULE = ("needs a host and a port, and at most a database number as its path "
-                             "(redis://HOST:PORT[/DB])")
+                             "(redis://HOST:PORT[/DB]; HOST a DNS name, an IPv4 address or an IPv6 address in "
+                             "brackets, in ASCII; PORT 1-65535)")
 # remote.caSecret (operator) / ca_file (runtime): the CEL message and the runtime's, word for word.
 REMOTE_CA_TLS_RULE = "allowed only with a rediss:// url: redis:// is plain TCP, with no certificate to verify"
 

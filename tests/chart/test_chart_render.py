@@ -255,6 +255,18 @@ def test_secrets_only_in_the_named_namespaces(helm):
     assert bindings == {("serving", "kvtier-slo-secrets"), ("team-b", "kvtier-slo-secrets")}
 
 
+def test_remote_tier_secrets_are_readable_by_name_only_in_the_listed_namespaces(helm):
+    # The operator checks that a remote tier's Secrets consent to its store: get, never list, and only where the
+    # admin listed the namespace.
+    docs = helm.template({"operator": {"remoteSecretNamespaces": ["serving"]}})
+    everything = [r for kind in ("ClusterRole", "Role") for r in kinds(docs, kind)]
+    with_secrets = {(r["metadata"].get("namespace"), r["metadata"]["name"]): _grants(r["rules"])
+                    for r in everything if any("secrets" in rule["resources"] for rule in r["rules"])}
+    assert with_secrets == {("serving", "kvtier-remote-secrets"): {("", "secrets"): {"get"}}}
+    bindings = {(b["metadata"]["namespace"], b["roleRef"]["name"]) for b in kinds(docs, "RoleBinding")}
+    assert ("serving", "kvtier-remote-secrets") in bindings
+
+
 def test_watched_namespaces_get_roles_not_cluster_rights(helm):
     docs = helm.template(NAMESPACED)
     (cluster,), roles = _operator_roles(docs)

@@ -125,6 +125,9 @@ class Cluster:
                 "readinessProbe": {"tcpSocket": {"port": STORE_PORT}, "periodSeconds": 1},
                 "resources": {"limits": {"memory": "512Mi"}}}]}})
         pod = self.wait_ready("app=store", 120, "the store pod")
+        # The Secret's owner consents to its use by remote tiers on this store (kvtier projects no other Secret).
+        self.kube.patch(f"/api/v1/namespaces/{NS}/secrets/store-auth", {"metadata": {"annotations": {
+            "kvtier.io/remote-stores": f"{pod['status']['podIP']}:{STORE_PORT}"}}})
         return f"redis://{pod['status']['podIP']}:{STORE_PORT}"
 
     def allow_store(self, url: str) -> None:
@@ -135,7 +138,8 @@ class Cluster:
         proc = subprocess.run(
             [str(REPO / "tools" / "helm.sh"), "upgrade", env.OPERATOR_RELEASE, str(REPO / "charts" / "kvtier"),
              "--namespace", env.OPERATOR_NAMESPACE, "--kubeconfig", str(env.kubeconfig), "--reuse-values",
-             "--set-json", f"operator.remoteStoresAllowed={json.dumps([url])}", "--wait", "--timeout", "180s"],
+             "--set-json", f"operator.remoteStoresAllowed={json.dumps([url])}",
+             "--set-json", f"operator.remoteSecretNamespaces={json.dumps([NS])}", "--wait", "--timeout", "180s"],
             env=henv, capture_output=True, text=True, timeout=240)
         assert proc.returncode == 0, proc.stderr[-3000:]
         # The old operator pod gone, the new one running with the flag.

@@ -198,6 +198,7 @@ def test_credentials_go_only_to_endpoints_the_admin_allowed(kube, namespace, aut
 def test_an_allowed_endpoint_gets_the_token_but_its_answer_is_not_reflected(kube, namespace, author,
                                                                               run_operator, listener):
     _token_secret(kube, namespace)
+    user_apply(kube, deployment("allowed", namespace))  # the guard measures only the policy's own pods
     run_operator()  # the fixture's admin allows 127.0.0.1 over http
     author.create(policy_path(namespace), _slo_policy("allowed", namespace, listener.url))
     wait_for(lambda: listener.received, 30, what="the allowed endpoint queried")
@@ -212,6 +213,8 @@ def test_an_allowed_endpoint_gets_the_token_but_its_answer_is_not_reflected(kube
 
 def test_conditions_do_not_tell_whether_a_secret_exists(kube, namespace, author, run_operator):
     _token_secret(kube, namespace)
+    for name in ("a", "b"):
+        user_apply(kube, deployment(name, namespace))  # targets, so the guard does query
     run_operator()
     url = "http://127.0.0.1:9"
     author.create(policy_path(namespace), _slo_policy("a", namespace, url, secret="prom-token", key="nokey"))

@@ -229,6 +229,7 @@ def test_class_f_secret_port_and_reason_phrase_failures_read_the_same(kube, name
     cases = {"nosecret": (closed, "nosecret"), "refused": (closed, "prom-token"),
              "answered": (listener.url, "prom-token")}  # the listener answers 500 with a reason phrase
     for name, (url, secret) in cases.items():
+        user_apply(kube, deployment(name, namespace))  # targets, so the guard does query
         author.create(policy_path(namespace), _slo_policy(name, namespace, url, secret=secret))
     seen = {}
     for name, (url, _) in cases.items():

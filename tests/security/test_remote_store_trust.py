@@ -61,6 +61,15 @@ def test_nothing_is_allowed_by_default_and_nothing_is_applied_or_mounted():
     ("redis://valkey.kv.evil:6379", ("redis://valkey.kv:6379",), "not a store"),
     ("redis://10.0.0.1:6379", ("redis://valkey.kv:6379",), "not a store"),
     ("redis://[fd00::1]:6379", ("redis://[fd00::1]:6379",), None),
+    # An entry naming a database admits that database only; databases are separate key spaces (tenants).
+    ("redis://valkey.kv:6379/1", ("redis://valkey.kv:6379/1",), None),
+    ("redis://valkey.kv:6379/2", ("redis://valkey.kv:6379/1",), "not a store"),
+    ("redis://valkey.kv:6379", ("redis://valkey.kv:6379/1",), "not a store"),  # no db: database 0
+    ("redis://valkey.kv:6379/", ("redis://valkey.kv:6379/1",), "not a store"),
+    ("redis://valkey.kv:6379", ("redis://valkey.kv:6379/0",), None),
+    ("redis://valkey.kv:6379/0", ("redis://valkey.kv:6379/0",), None),
+    ("rediss://valkey.kv:6379/3", ("rediss://valkey.kv:6379/1", "rediss://valkey.kv:6379/3"), None),
+    ("rediss://valkey.kv:6379/3", ("rediss://valkey.kv:6379/1", "valkey.kv:6379"), None),  # a bare entry: any db
 ])
 def test_the_allowlist_matches_scheme_host_and_port(url, allowed, refused):
     found = problems(url, allowed)

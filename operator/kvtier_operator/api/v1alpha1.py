@@ -25,6 +25,7 @@ from kvtier_runtime.config import (
     REMOTE_URL_CREDENTIALS_RULE,
     REMOTE_URL_HOST_PORT_RULE,
     REMOTE_URL_QUERY_RULE,
+    REMOTE_URL_REGEX,
     ConfigError,
     check_remote_url,
     default_eviction_policy,
@@ -256,18 +257,25 @@ class VolumeSource(_Model):
     persistent_volume_claim: Optional[PersistentVolumeClaimSource] = Field(None, description="An existing claim.")
 
 
+SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+
+
 class SecretKeyRef(_Model):
     """A key in a Secret in the policy's namespace."""
 
     name: str = Field(description="Secret name.", pattern=NAME_PATTERN, max_length=253)
-    key: str = Field(description="Key in the Secret.", max_length=253)
+    # A Secret's data keys as Kubernetes allows them (ASCII letters, digits, '-', '_', '.'), never empty: the
+    # schema's pattern, so the API server, `kvtier validate` and the operator refuse the same keys.
+    key: str = Field(description="Key in the Secret.", pattern=SECRET_KEY_PATTERN, min_length=1, max_length=253)
 
 
 # The CEL side of kvtier_runtime.config.check_remote_url (the runtime re-checks with that function; the operator's
 # validation runs it too, so `kvtier validate` and the API server agree on every rule below).
-REMOTE_URL_PATTERN = r"^rediss?://[^\s]+$"
-# A host (a name or an address, IPv6 in brackets) and a port, then at most a database number.
-REMOTE_HOST_PORT_RULE = r"^rediss?://[^/?#@]+:[0-9]{1,5}(/[0-9]{0,2})?$"
+# Printable ASCII without spaces: the same set in RE2, Rust and Python (a `\s` class is Unicode-aware in some).
+REMOTE_URL_PATTERN = r"^rediss?://[!-~]+$"
+# A host (a name or an address, IPv6 in brackets) and a port, then at most a database number: the runtime's
+# grammar itself, its backslashes doubled for the CEL string literal.
+REMOTE_HOST_PORT_RULE = REMOTE_URL_REGEX.replace("\\", "\\\\")
 
 
 def _remote_url(value: str) -> str:
@@ -299,7 +307,8 @@ class RemoteStoreSpec(_Model):
                   f"self.matches('{REMOTE_HOST_PORT_RULE}')", REMOTE_URL_HOST_PORT_RULE)))
     password_secret: Optional[SecretKeyRef] = Field(
         None, description="Secret key holding the store's password (AUTH). It is mounted read-only into the serving "
-                          "pods and sent only to an allowed store; the operator never reads it.")
+                          "pods and sent only to an allowed store. The Secret must be annotated "
+                          "kvtier.io/remote-stores with the store's host:port by someone who may edit Secrets.")
     mac_key_secret: Optional[SecretKeyRef] = Field(
         None,
         description="Required. Secret key holding the tenant's key (at least 32 bytes, e.g. `openssl rand 32`): "
@@ -307,7 +316,7 @@ class RemoteStoreSpec(_Model):
                     "derived from it, the policy's namespace and the model, so a client of the store without it "
                     "can neither read nor forge a block. Replicas that should share blocks need the same key and "
                     "namespace. The store password is never this key. Mounted read-only into the serving pods; the "
-                    "operator never reads it.")
+                    "Secret must be annotated kvtier.io/remote-stores like the password's.")
     username: Optional[str] = Field(
         None, description="The store's ACL user the password belongs to (Redis/Valkey 6+ ACLs: one user per "
                           "tenant, confined to the keys kvtier:<namespace>:*, docs/remote.md). Unset: the store's "
@@ -317,7 +326,8 @@ class RemoteStoreSpec(_Model):
         None, description="Secret key holding the PEM CA bundle that signed the store's certificate (a private CA, "
                           "e.g. the ca.crt of a cert-manager certificate); the store is then verified against it "
                           "alone, host name included. Unset: the image's system CA bundle. rediss:// only. Mounted "
-                          "read-only into the serving pods; the operator never reads it.")
+                          "read-only into the serving pods; the Secret must be annotated kvtier.io/remote-stores "
+                          "like the password's, and a TLS Secret's private key (*.key) is refused.")
 
     @model_validator(mode="before")
     @classmethod
@@ -548,8 +558,9 @@ class SLOSpec(_Model):
     reenable: ReenableSpec = Field(default_factory=ReenableSpec, json_schema_extra=_object_default(ReenableSpec),
                                    description="How disabled tiers come back.")
     dry_run: bool = Field(False, description="Record what the guard would do, and do nothing.")
-    model_name: Optional[str] = Field(None, description="Scope queries by the engine's model_name label "
-                                                        "instead of pod names.", max_length=253)
+    model_name: Optional[str] = Field(None, description="Also match the engine's model_name label: narrows the "
+                                                        "queries within the policy's own pods, never replaces them.",
+                                      max_length=253)
     queries: Optional[QueryOverrides] = Field(None, description="Replace the built-in PromQL.")
 
     # Typed views.

@@ -16,15 +16,15 @@ class MeasurementSource(Protocol):
 
 
 def scope_for(settings: SLOSettings, namespace: str, pods: Iterable[str]) -> Scope:
-    """The policy's targets as PromQL matchers: ``spec.slo.modelName`` when set (the engine's ``model_name``
-    label), else the names of the target workloads' pods, always within the policy's namespace."""
-    if settings.model_name:
-        return Scope(namespace=namespace, model_name=settings.model_name)
+    """The policy's targets as PromQL matchers: the names of the target workloads' pods, always within the
+    policy's namespace; ``spec.slo.modelName`` (the engine's ``model_name`` label) narrows that, never replaces
+    it (alone it matched every workload serving the model)."""
     names = sorted(set(pods))
+    model = settings.model_name or None
     if not names:
         # No pods yet: match nothing rather than every pod in the namespace (no data, so no verdict).
-        return Scope(namespace=namespace, pod_regex="$^")
-    return Scope(namespace=namespace, pods=names)
+        return Scope(namespace=namespace, pod_regex="$^", model_name=model)
+    return Scope(namespace=namespace, pods=names, model_name=model)
 
 
 def queries_for(settings: SLOSettings, scope: Scope, engine: str | None = None) -> QuerySet:

@@ -1,0 +1,202 @@
+"""Secrets by consent: a remote tier's passwordSecret, macKeySecret and caSecret reach the serving pods only if the
+Secret carries the kvtier.io/remote-stores annotation listing the tier's store (set by someone who may edit
+Secrets; a policy author who may edit only KVCachePolicies cannot). Never a service-account token, never a TLS
+private key, and a MAC key of at least 32 bytes. Before, a policy could project any Secret of its namespace (another
+app's database password, a token, a TLS key as ca.crt) into pods, and the password was sent to the store."""
+from __future__ import annotations
+
+import base64
+import copy
+
+import pytest
+
+from kvtier_operator import reconcile as rc
+from kvtier_operator.controller import Operator
+from kvtier_operator.kube import policy_path, secret_path, workload_path
+from kvtier_operator.settings import REMOTE_STORES_ANNOTATION, Settings
+from kvtier_operator.status import condition
+
+from plugins.operator import deployment, observed, policy
+from security.test_least_privilege import author  # noqa: F401 - fixture
+from security.test_trust_revocation import FakeKube
+
+NOW = "2026-12-01T08:00:00Z"
+CPU = {"name": "cpu", "medium": "cpu", "size": "16Gi"}
+STORE = "rediss://valkey.kv:6379/0"
+ALLOWED = ("valkey.kv:6379",)
+MAC_KEY = b"k" * 32
+
+
+def secret(name: str, data: dict[str, bytes], *, stores: str | None = "valkey.kv:6379",
+           kind: str = "Opaque") -> dict:
+    meta: dict = {"name": name, "namespace": "default"}
+    if stores is not None:
+        meta["annotations"] = {REMOTE_STORES_ANNOTATION: stores}
+    return {"apiVersion": "v1", "kind": "Secret", "type": kind, "metadata": meta,
+            "data": {k: base64.b64encode(v).decode() for k, v in data.items()}}
+
+
+GOOD = {"valkey": secret("valkey", {"password": b"s3cret"}), "kv-mac": secret("kv-mac", {"mac": MAC_KEY}),
+        "valkey-tls": secret("valkey-tls", {"ca.crt": b"-----BEGIN CERTIFICATE-----", "tls.key": b"private"},
+                             kind="kubernetes.io/tls")}
+
+
+def remote_policy(**store) -> dict:
+    store = store or {"passwordSecret": {"name": "valkey", "key": "password"},
+                      "macKeySecret": {"name": "kv-mac", "key": "mac"},
+                      "caSecret": {"name": "valkey-tls", "key": "ca.crt"}}
+    tier = {"name": "shared", "medium": "remote", "size": "8Gi", "remote": {"url": STORE, **store}}
+    return policy(tiers=[CPU, tier], backend="kvtier", engine="vllm")
+
+
+def plan(pol: dict, secrets: dict) -> rc.Plan:
+    return rc.plan(pol, [observed(deployment())], [], now=NOW, remote_stores_allowed=ALLOWED, secrets=secrets)
+
+
+def test_secrets_marked_for_the_store_are_projected():
+    p = plan(remote_policy(), GOOD)
+    assert not p.invalid and p.targets[0].apply is not None
+
+
+def with_(name: str, obj) -> dict:
+    return {**GOOD, name: obj}
+
+
+MAC_REF = {"name": "kv-mac", "key": "mac"}
+CASES = {
+    # field, secrets the operator read, policy's store refs, what the condition says
+    "password not marked": ("passwordSecret", with_("valkey", secret("valkey", {"password": b"x"}, stores=None)),
+                            None, "is not marked for the store valkey.kv:6379"),
+    "marked for another store": ("passwordSecret",
+                                 with_("valkey", secret("valkey", {"password": b"x"}, stores="other:6379")),
+                                 None, "is not marked for the store"),
+    "marked for another port": ("passwordSecret",
+                                with_("valkey", secret("valkey", {"password": b"x"}, stores="valkey.kv:6380")),
+                                None, "is not marked for the store"),
+    "missing Secret reads as unmarked": ("passwordSecret", with_("valkey", None), None, "is not marked"),
+    "service-account token": ("passwordSecret",
+                              with_("valkey", secret("valkey", {"password": b"tok"},
+                                                     kind="kubernetes.io/service-account-token")),
+                              None, "service-account token"),
+    "TLS private key as CA": ("caSecret", GOOD, {"passwordSecret": {"name": "valkey", "key": "password"},
+                                                 "macKeySecret": MAC_REF,
+                                                 "caSecret": {"name": "valkey-tls", "key": "tls.key"}},
+                              "TLS private key"),
+    "short MAC key": ("macKeySecret", with_("kv-mac", secret("kv-mac", {"mac": b"k" * 31})), None,
+                      "at least 32 bytes"),
+    "absent key": ("macKeySecret", GOOD, {"passwordSecret": {"name": "valkey", "key": "password"},
+                                          "macKeySecret": {"name": "kv-mac", "key": "other"}}, "has no key 'other'"),
+    "empty password": ("passwordSecret", with_("valkey", secret("valkey", {"password": b""})), None,
+                       "at least 1 bytes"),
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_a_secret_without_consent_is_refused_with_a_condition_naming_field_and_rule(case):
+    field, secrets, refs, words = CASES[case]
+    p = plan(remote_policy(**(refs or {})), secrets)
+    assert p.invalid and p.targets == [] and p.config_map is None, "nothing is applied"
+    ready = condition(p.status, "Ready")
+    assert ready["reason"] == "SecretNotAllowed"
+    assert f"spec.tiers[1].remote.{field}: " in ready["message"] and words in ready["message"], ready["message"]
+
+
+def test_missing_unreadable_and_unmarked_secrets_read_the_same():
+    # The author may not read Secrets: the condition must not tell which exist.
+    unmarked = plan(remote_policy(), with_("valkey", secret("valkey", {"password": b"x"}, stores=None)))
+    missing = plan(remote_policy(), with_("valkey", None))
+    assert condition(unmarked.status, "Ready")["message"] == condition(missing.status, "Ready")["message"]
+
+
+def test_the_annotation_lists_stores_and_ipv6_hosts_in_brackets():
+    listed = with_("valkey", secret("valkey", {"password": b"x"}, stores="a:1, VALKEY.kv:6379 ,b:2"))
+    assert not plan(remote_policy(), listed).invalid
+    six = {"pw": secret("pw", {"p": b"p" * 32}, stores="[fd00::1]:6379")}
+    tier = {"name": "shared", "medium": "remote", "size": "8Gi",
+            "remote": {"url": "rediss://[fd00::1]:6379", "passwordSecret": {"name": "pw", "key": "p"}}}
+    pol = policy(tiers=[CPU, tier], backend="kvtier", engine="vllm")
+    p = rc.plan(pol, [observed(deployment())], [], now=NOW, remote_stores_allowed=("[fd00::1]:6379",), secrets=six)
+    assert not p.invalid, condition(p.status, "Ready")
+
+
+def test_the_operator_reads_only_the_named_secrets_and_applies_nothing_without_consent():
+    pol = remote_policy()
+    pol["metadata"]["resourceVersion"] = "10"
+    w_path = workload_path("Deployment", "default", "llm")
+    unmarked = secret("valkey", {"password": b"x"}, stores=None)
+    objects = {policy_path("default", "llm"): pol, w_path: observed(deployment()),
+               secret_path("default", "valkey"): unmarked, secret_path("default", "kv-mac"): GOOD["kv-mac"],
+               secret_path("default", "valkey-tls"): GOOD["valkey-tls"],
+               secret_path("default", "db-password"): secret("db-password", {"p": b"x"})}
+    kube = FakeKube(copy.deepcopy(objects))
+    reads: list[str] = []
+    get = kube.get
+    kube.get = lambda path: reads.append(path) or get(path)
+    op = Operator(Settings(read_nodes=False, remote_stores_allowed=ALLOWED), kube)
+    op.run_pass("default", "llm", [])
+    assert kube.applied == [], "no workload written, no ConfigMap"
+    assert {r for r in reads if "/secrets/" in r} == {secret_path("default", n) for n in ("valkey", "kv-mac",
+                                                                                           "valkey-tls")}
+    stored = kube.objects[policy_path("default", "llm")]
+    assert condition(stored["status"], "Ready")["reason"] == "SecretNotAllowed"
+
+    # Someone who may edit Secrets marks it: the next pass applies.
+    kube.objects[secret_path("default", "valkey")] = GOOD["valkey"]
+    op.run_pass("default", "llm", [])
+    assert [p for p, _ in kube.applied if p == w_path]
+
+
+def test_consent_withdrawn_releases_what_was_applied():
+    from security.test_trust_revocation import _applied
+
+    wl, pol = _applied(remote_policy(), {"remote_stores_allowed": ALLOWED, "secrets": GOOD})
+    unmarked = with_("valkey", secret("valkey", {"password": b"x"}, stores=None))
+    p = rc.plan(pol, [wl], [], now=NOW, remote_stores_allowed=ALLOWED, secrets=unmarked)
+    [t] = p.targets
+    assert t.remove and t.state == rc.RELEASED
+    assert [e.reason for e in p.events] == ["SecretNotAllowed"]
+
+
+@pytest.mark.controlplane
+def test_on_a_real_api_server_only_a_marked_secret_is_projected_and_unmarking_it_releases(kube, namespace, author,
+                                                                                         run_operator):
+    """The probe's set-up: the policy's author may edit only KVCachePolicies; another app's Secret in the namespace
+    is not projected, the owner's mark lets it through, and taking the mark away takes the projection back."""
+    from plugins.operator import cond, get_policy, get_workload, make_policy, user_apply, wait_applied, wait_for
+
+    secrets = f"/api/v1/namespaces/{namespace}/secrets"
+    kube.create(secrets, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "db-password"},
+                          "stringData": {"password": "the-database-password-of-another-app"}})
+    kube.create(secrets, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "kv-mac"},
+                          "stringData": {"mac": MAC_KEY.decode()}})
+    user_apply(kube, deployment("llm", namespace))
+    # The operator watches no Secret: a mark set or taken away counts from the next pass (here a 1 s resync).
+    run_operator(remote_stores_allowed=ALLOWED, resync_seconds=1.0)
+    tier = {"name": "shared", "medium": "remote", "size": "1Gi",
+            "remote": {"url": STORE, "passwordSecret": {"name": "db-password", "key": "password"},
+                       "macKeySecret": {"name": "kv-mac", "key": "mac"}}}
+    author.create(policy_path(namespace), make_policy("llm", namespace, backend="kvtier", engine="vllm",
+                                                      tiers=[CPU, tier]))
+
+    def projected() -> list:
+        volumes = get_workload(kube, namespace, "llm")["spec"]["template"]["spec"].get("volumes") or []
+        return [v for v in volumes if v["name"].startswith("kvtier-remote-")]
+
+    pol = wait_for(lambda: (p := get_policy(kube, namespace, "llm")) and
+                   cond(p, "Ready").get("reason") == "SecretNotAllowed" and p, 30, what="SecretNotAllowed")
+    message = cond(pol, "Ready")["message"]
+    assert "spec.tiers[1].remote.passwordSecret: Secret 'db-password' is not marked" in message, message
+    assert "spec.tiers[1].remote.macKeySecret" in message  # kv-mac is not marked either
+    assert projected() == []
+
+    for name in ("db-password", "kv-mac"):  # the Secrets' owner consents
+        kube.patch(f"{secrets}/{name}", {"metadata": {"annotations": {REMOTE_STORES_ANNOTATION: ALLOWED[0]}}})
+    wait_applied(kube, namespace, "llm", "llm")
+    assert len(projected()) == 1
+
+    kube.patch(f"{secrets}/db-password", {"metadata": {"annotations": {REMOTE_STORES_ANNOTATION: None}}})
+    wait_for(lambda: projected() == [], 60, what="the projection released")
+    wait_for(lambda: cond(get_policy(kube, namespace, "llm"), "Ready").get("reason") == "SecretNotAllowed", 30,
+             what="SecretNotAllowed after the mark was taken away")  # the status is written after the workload
+    wl = get_workload(kube, namespace, "llm")
+    assert "kvtier.io/policy" not in (wl["metadata"].get("labels") or {})
