@@ -239,3 +239,33 @@ def test_bad_input_is_one_line_naming_the_field(args, field, policy_file, genera
         return
     assert rc == 2
     assert err.count("\n") == 1 and err.startswith("kvtier replay recommend: error: ") and field in err, err
+
+
+def test_a_flow_style_policy_is_rewritten_from_its_data_and_says_its_comments_are_dropped(generated, tmp_path,
+                                                                                          capsys):
+    doc = yaml.safe_load(POLICY)
+    path = tmp_path / "flow.yaml"
+    path.write_text("# a comment that cannot survive\n" + yaml.safe_dump(doc, default_flow_style=True))
+    rc, text, err = recommend("--trace", str(generated), "--policy", str(path), "--block-bytes", str(MiB),
+                              "--budget", "cpu=256Mi,nvme=1Gi", capsys=capsys)
+    assert rc == 0, err
+    assert "its comments are dropped" in text and "a comment that cannot survive" not in text
+    out = yaml.safe_load(text)
+    assert out["metadata"] == doc["metadata"] and out["spec"]["offload"] == doc["spec"]["offload"]
+    assert parse_quantity(tiers_of(text)["host"]["size"], "size") <= 256 * MiB
+
+
+def test_a_bad_block_bytes_in_the_sidecar_names_the_field(policy_file, generated, tmp_path, capsys):
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    (rec / "trace-000.jsonl").write_text(generated.read_text())
+    (rec / "trace-meta.json").write_text(json.dumps({"tokens_per_block": 512, "block_bytes": -1, "tiers": [
+        {"name": "host", "medium": "cpu", "capacity_blocks": 1024}]}))
+    rc, _, err = recommend("--trace", str(rec), "--policy", str(policy_file), capsys=capsys)
+    assert rc == 2 and "block_bytes: -1 must be a positive integer" in err
+
+
+def test_the_kvtier_command_runs_recommend():
+    out = subprocess.run([sys.executable, "-m", "kvtier_operator", "replay", "recommend", "--help"], env=ENV,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "--budget" in out.stdout and "kvtier replay recommend" in out.stdout

@@ -100,9 +100,6 @@ class PolicyFile:
     tiers: list[PolicyTier]
     backend: str
 
-    def spec(self) -> dict:
-        return self.doc["spec"]
-
 
 def load_policy(path: str) -> PolicyFile:
     try:
