@@ -469,8 +469,11 @@ class TraceSpec(_Model):
 
     model_config = ConfigDict(
         json_schema_extra=_cel(
-            _rule(f"!isQuantity(string(self.maxSize)) || !quantity(string(self.maxSize)).isLessThan("
-                  f"quantity(format('%dKi', [{MIN_TRACE_FILE_BYTES // 1024} * self.files])))",
+            # Integers, not a formatted quantity: the API server prices a string built from an int as unbounded.
+            # Above 16Gi the other rule speaks (and asInteger cannot overflow on what reaches it).
+            _rule(f"!isQuantity(string(self.maxSize)) || quantity(string(self.maxSize)).isGreaterThan("
+                  f"quantity('{MAX_TRACE_BYTES // 2**30}Gi')) || "
+                  f"quantity(string(self.maxSize)).asInteger() >= {MIN_TRACE_FILE_BYTES} * self.files",
                   TRACE_PER_FILE_RULE, field_path=".maxSize"),
         )
     )
