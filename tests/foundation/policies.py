@@ -69,10 +69,19 @@ VALID = [
     policy(backend="kvtier", tiers=[cpu(), disk(), remote(compression="fp8", store={
         "passwordSecret": {"name": "valkey", "key": "password"}, "macKeySecret": {"name": "kv-mac", "key": "k"}})]),
     policy(backend="kvtier", tiers=[cpu(), remote(url="rediss://[fd00::1]:6380")]),
+    # Recording the engine's traffic (backend kvtier); a disabled recording is accepted with any backend.
+    policy(backend="kvtier", trace={"enabled": True, "maxSize": "16Gi", "files": 1000}),
+    policy(backend="kvtier", trace={"enabled": True, "maxSize": 262144, "files": 4}),
+    policy(trace={"enabled": False}),
 ]
 
 # (policy, the problem `kvtier validate` reports: "field path: rule"). The API server rejects each too.
 INVALID = [
+    (policy(trace={"enabled": True}), "spec.trace.enabled: trace.enabled needs backend kvtier"),
+    (policy(backend="kvtier", trace={"enabled": True, "maxSize": "17Gi"}), "spec.trace.maxSize: must be at most 16Gi"),
+    (policy(backend="kvtier", trace={"enabled": True, "maxSize": "1Mi", "files": 100}),
+     "spec.trace: maxSize: must hold at least 64Ki per trace file"),
+    (policy(backend="kvtier", trace={"enabled": True, "files": 1001}), "spec.trace.files: "),
     (policy(offload={"chunkTokens": 100}), "spec.offload.chunkTokens: 100 is not a multiple of spec.blockSize (16)"),
     (policy(tiers=[cpu(), disk("host")]), "spec.tiers: tier names must be unique"),
     (policy(tiers=[disk()]), "spec.tiers: the first tier must be the cpu tier"),

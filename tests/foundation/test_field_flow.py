@@ -82,6 +82,8 @@ def runtime_objects(files: dict[str, str]) -> dict[str, Any]:
             spec.eviction_policy, 1000, admission=None if spec.admission == "none" else spec.admission,
             admission_threshold=spec.admission_threshold))
         tiers = list(spec.fs_tiers)
+        if spec.trace_dir is not None:
+            out["trace"] = {"dir": spec.trace_dir, "max_bytes": spec.trace_max_bytes, "files": spec.trace_files}
         if spec.remote_tiers:
             out["remote"] = [RemoteTierConfig.from_kwargs(t.to_kwargs()).to_kwargs() for t in spec.remote_tiers]
     else:
@@ -175,6 +177,10 @@ CA = {"name": "valkey-tls", "key": "ca.crt"}
 def ca_file_reaches_runtime(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert "ca_file" not in a["runtime"]["remote"][0]
     assert b["runtime"]["remote"][0]["ca_file"] == "/etc/kvtier-remote/shared/ca.crt"
+def trace_reaches_runtime(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert b["runtime"]["trace"] == {"dir": api.TRACE_DIR, "max_bytes": 128 * 2**20, "files": 4}
+
+
 THRESHOLD_TIERS = [dict(CPU, admission="threshold"), dict(DISK, admission="threshold")]
 SECRET = {"name": "prom", "key": "token"}
 TRT = {"engine": "trtllm", "backend": "native", "tiers": [dict(CPU)]}
@@ -294,6 +300,10 @@ FLOWS: dict[str, Flow] = {
         setter(f"{PROM}.auth.password", {"name": "u", "key": "secret"}), ("guard",),
         before=lambda: base(slo={**SLO, "prometheus": {"url": "http://p:9090", "auth": {
             "username": {"name": "u", "key": "user"}, "password": {"name": "u", "key": "pass"}}}})),
+    "trace.enabled": Flow(setter("trace.enabled", True), ("files", "runtime", "targets")),
+    "trace.maxSize": Flow(setter("trace.maxSize", "128Mi"), ("files", "runtime", "targets"),
+                          before=lambda: base(trace={"enabled": True}), check=trace_reaches_runtime),
+    "trace.files": Flow(setter("trace.files", 8), ("files", "runtime"), before=lambda: base(trace={"enabled": True})),
     "slo.ttftP99": Flow(setter("slo.ttftP99", "3s"), ("guard",), before=lambda: base(slo=SLO)),
     "slo.itlP99": Flow(setter("slo.itlP99", "150ms"), ("guard",), before=lambda: base(slo=SLO)),
     "slo.ttftP99MaxRatio": Flow(setter("slo.ttftP99MaxRatio", 1.5), ("guard",), before=lambda: base(**STAGED)),

@@ -174,3 +174,42 @@ def test_engine_detection_and_detected_engine_rules():
     with pytest.raises(RenderError, match="engine trtllm does not support backend lmcache"):
         render(undeclared, TargetFacts("s", "nvcr.io/nvidia/tensorrt-llm/release:1.3.0"))
     assert render(undeclared, TargetFacts("s", "vllm/vllm-openai:v0.33.0")).engine == "vllm"
+
+
+def test_trace_renders_the_recorder_keys_and_an_emptydir_at_the_trace_folder():
+    doc = policy(backend="kvtier", trace={"enabled": True, "maxSize": "256Mi", "files": 8})
+    rendered = render(parse_policy(doc))
+    extra = _vllm_file(rendered)["kv-transfer-config"]["kv_connector_extra_config"]
+    config = OffloadSpecConfig.from_extra_config(extra)  # as the runtime reads it
+    assert (config.trace_dir, config.trace_max_bytes, config.trace_files) == ("/var/lib/kvtier/trace", 256 * 2**20, 8)
+    volume = next(v for v in rendered.volumes if v["name"] == "kvtier-trace")
+    # The trace files' bound plus room for the sidecar: the kubelet never evicts the pod for a full recording.
+    assert int(volume["emptyDir"]["sizeLimit"]) == 257 * 2**20 and set(volume) == {"name", "emptyDir"}
+    assert {"name": "kvtier-trace", "mountPath": "/var/lib/kvtier/trace"} in rendered.volume_mounts
+    # Defaults: 64Mi over 4 files, which the runtime leaves out of the extra config as its own defaults.
+    rendered = render(parse_policy(policy(backend="kvtier", trace={"enabled": True})))
+    extra = _vllm_file(rendered)["kv-transfer-config"]["kv_connector_extra_config"]
+    assert extra["trace_dir"] == "/var/lib/kvtier/trace"
+    assert OffloadSpecConfig.from_extra_config(extra).trace_max_bytes == 64 * 2**20
+
+
+def test_trace_off_or_without_a_tier_renders_no_recording():
+    for doc, enabled in ((policy(backend="kvtier", trace={"enabled": False}), None),
+                         (policy(backend="kvtier"), None),
+                         (policy(backend="kvtier", trace={"enabled": True}), [])):
+        rendered = render(parse_policy(doc), enabled_tiers=enabled)
+        assert "trace_dir" not in json.dumps(rendered.to_dict())
+        assert all(v["name"] != "kvtier-trace" for v in rendered.volumes)
+    # A disabled recording changes nothing: no roll of the workloads for writing trace: {enabled: false}.
+    assert render(parse_policy(policy(backend="kvtier", trace={"enabled": False}))).config_hash() == \
+        render(parse_policy(policy(backend="kvtier"))).config_hash()
+
+
+def test_trace_is_refused_for_other_backends_and_over_a_tier_mount():
+    doc = policy(trace={"enabled": True})
+    doc["spec"]["backend"] = "native"
+    with pytest.raises(Exception, match="trace.enabled needs backend kvtier"):
+        render(parse_policy(doc))
+    doc = policy(backend="kvtier", trace={"enabled": True}, tiers=[cpu(), disk(path="/var/lib/kvtier")])
+    with pytest.raises(RenderError, match="spec.trace: the recording's folder /var/lib/kvtier/trace overlaps"):
+        render(parse_policy(doc))

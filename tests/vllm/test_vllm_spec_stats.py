@@ -141,6 +141,8 @@ def test_trace_dir_records_each_request_once_with_its_prompt_chunks_in_order(tmp
         ("cpu", "cpu", "adaptive"), ("nvme", "disk", "adaptive")]
     assert meta["tiers"][0]["capacity_blocks"] == 4 and meta["tiers"][1]["capacity_blocks"] > 4
     assert meta["tokens_per_block"] == 16 and meta["device_blocks"] is None
+    # A chunk's bytes over every rank (8 per block, one block per chunk, one rank): what replay recommend sizes with.
+    assert meta["block_bytes"] == 8 and load_meta(trace_dir / "trace-meta.json").block_bytes == 8
     assert load_meta(trace_dir / "trace-meta.json").capacities[0] == 4
 
 

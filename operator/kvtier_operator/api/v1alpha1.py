@@ -26,6 +26,11 @@ from kvtier_runtime.config import (
     REMOTE_URL_HOST_PORT_RULE,
     REMOTE_URL_QUERY_RULE,
     REMOTE_URL_REGEX,
+    DEFAULT_TRACE_FILES,
+    DEFAULT_TRACE_MAX_BYTES,
+    MAX_TRACE_BYTES,
+    MAX_TRACE_FILES,
+    MIN_TRACE_FILE_BYTES,
     ConfigError,
     check_remote_url,
     default_eviction_policy,
@@ -458,6 +463,65 @@ class OffloadSpec(_Model):
         return self.store_threshold if self.store_threshold >= 2 else DEFAULT_ADMISSION_THRESHOLD
 
 
+# ---------------------------------------------------------------------------------------------- trace
+
+# Where the engine container records (an emptyDir the operator mounts; `kubectl cp` copies it out).
+TRACE_DIR = "/var/lib/kvtier/trace"
+TRACE_MAX_SIZE_RULE = f"must be at most {MAX_TRACE_BYTES // 2**30}Gi (the runtime's bound on a recording)"
+TRACE_PER_FILE_RULE = (f"must hold at least {MIN_TRACE_FILE_BYTES // 1024}Ki per trace file (maxSize >= files x "
+                       f"{MIN_TRACE_FILE_BYTES // 1024}Ki): a smaller file would rotate every few requests")
+TRACE_BACKEND_RULE = ("trace.enabled needs backend kvtier: the recorder is part of kvtier's offloading spec "
+                      "(backends native and lmcache cannot record)")
+
+
+class TraceSpec(_Model):
+    """Recording of the engine's own traffic for `kvtier replay` (docs/replay.md, "Record your own traffic")."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            # Integers, not a formatted quantity: the API server prices a string built from an int as unbounded.
+            # Above 16Gi the other rule speaks (and asInteger cannot overflow on what reaches it).
+            _rule(f"!isQuantity(string(self.maxSize)) || quantity(string(self.maxSize)).isGreaterThan("
+                  f"quantity('{MAX_TRACE_BYTES // 2**30}Gi')) || "
+                  f"quantity(string(self.maxSize)).asInteger() >= {MIN_TRACE_FILE_BYTES} * self.files",
+                  TRACE_PER_FILE_RULE, field_path=".maxSize"),
+        )
+    )
+    enabled: bool = Field(False, description=f"Record the requests kvtier's offloading spec sees, as a "
+                                             f"Mooncake-format trace with a trace-meta.json sidecar, into an "
+                                             f"emptyDir at {TRACE_DIR} in the serving container (backend kvtier). "
+                                             f"An engine restart starts a new recording.")
+    max_size: Quantity = Field(
+        f"{DEFAULT_TRACE_MAX_BYTES // 2**20}Mi",
+        description=f"What the trace files may hold in all; the oldest file is deleted first. At most "
+                    f"{MAX_TRACE_BYTES // 2**30}Gi; the emptyDir is this plus 1Mi for the sidecar.",
+        pattern=POSITIVE_QUANTITY_PATTERN, max_length=64,
+        json_schema_extra={"x-kubernetes-int-or-string": True, **_cel(
+            _rule(f"!isQuantity(string(self)) || !quantity(string(self)).isGreaterThan("
+                  f"quantity('{MAX_TRACE_BYTES // 2**30}Gi'))", TRACE_MAX_SIZE_RULE))})
+    files: int = Field(DEFAULT_TRACE_FILES, ge=1, le=MAX_TRACE_FILES,
+                       description="How many files the trace rotates over (trace-000.jsonl, ...).")
+
+    @field_validator("max_size")
+    @classmethod
+    def _at_most(cls, value: str) -> str:
+        # The CEL rules here and above, for `kvtier validate` and the operator's own parse (same messages).
+        if parse_quantity(value) > MAX_TRACE_BYTES:
+            raise paths.RuleError(TRACE_MAX_SIZE_RULE)
+        return value
+
+    @model_validator(mode="after")
+    def _per_file(self) -> "TraceSpec":
+        if self.max_size_bytes < MIN_TRACE_FILE_BYTES * self.files:
+            raise paths.RuleError(f"maxSize: {TRACE_PER_FILE_RULE}")
+        return self
+
+    # Typed views.
+    @cached_property
+    def max_size_bytes(self) -> int:
+        return parse_quantity(self.max_size)
+
+
 # ---------------------------------------------------------------------------------------------- SLO
 
 
@@ -682,6 +746,8 @@ class KVCachePolicySpec(_Model):
                   "self.tiers.exists(t, t.medium == 'filesystem'))",
                   "vLLM rejects storeThreshold with a filesystem tier (TieringOffloadingSpec)",
                   field_path=".offload.storeThreshold"),
+            _rule("!has(self.trace) || !self.trace.enabled || self.backend == 'kvtier'", TRACE_BACKEND_RULE,
+                  field_path=".trace.enabled"),
             _rule("self.rollout.strategy != 'staged' || has(self.slo)",
                   "rollout.strategy staged needs spec.slo to observe each stage", field_path=".rollout.strategy"),
             _rule("!has(self.slo) || (!has(self.slo.ttftP99MaxRatio) && !has(self.slo.itlP99MaxRatio)) || "
@@ -719,6 +785,8 @@ class KVCachePolicySpec(_Model):
                                  description="How tiers are switched on.")
     injection: InjectionSpec = Field(default_factory=InjectionSpec, json_schema_extra=_object_default(InjectionSpec),
                                      description="How the operator touches the workload.")
+    trace: Optional[TraceSpec] = Field(None, description="Record the engine's own traffic for kvtier replay "
+                                                         "(backend kvtier).")
 
     # Typed views.
     @cached_property

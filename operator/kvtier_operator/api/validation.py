@@ -110,6 +110,7 @@ _FUNCTIONS = {
     "quantity": _quantity,
     "isGreaterThan": lambda a, b: celpy.celtypes.BoolType(int(a) > int(b)),
     "isLessThan": lambda a, b: celpy.celtypes.BoolType(int(a) < int(b)),
+    "asInteger": lambda a: celpy.celtypes.IntType(int(a)),
 }
 
 

@@ -124,6 +124,18 @@ def tier_volume(tier: api.TierSpec) -> tuple[dict[str, Any], dict[str, Any]]:
     return {"name": name, **source}, {"name": name, "mountPath": mount_path(tier)}
 
 
+TRACE_VOLUME = "kvtier-trace"
+# Room in the recording's emptyDir beyond the trace files: trace-meta.json (a few hundred bytes) and its temporary
+# copy while it is rewritten.
+TRACE_VOLUME_MARGIN = 2**20
+
+
+def trace_volume(trace: api.TraceSpec) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The emptyDir the engine records its traffic into (spec.trace), sized to the trace files plus the sidecar."""
+    return ({"name": TRACE_VOLUME, "emptyDir": {"sizeLimit": str(trace.max_size_bytes + TRACE_VOLUME_MARGIN)}},
+            {"name": TRACE_VOLUME, "mountPath": api.TRACE_DIR})
+
+
 def mount_path(tier: api.TierSpec) -> str:
     """The tier's mount path, judged by the same rules as at admission (api.paths), on the path that is mounted.
     The models already refuse a bad path; this re-check makes a renderer unable to emit one whatever its input."""

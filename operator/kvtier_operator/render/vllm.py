@@ -25,8 +25,8 @@ from kvtier_runtime.config import (
 )
 
 from ..api import v1alpha1 as api
-from .model import (CONFIG_DIR, CONFIG_FILE, RenderedConfig, dump_yaml, mount_path, remote_ca_file,
-                    remote_secret_files, workload_storage)
+from .model import (CONFIG_DIR, CONFIG_FILE, RenderedConfig, RenderError, dump_yaml, mount_path, remote_ca_file,
+                    remote_secret_files, trace_volume, workload_storage)
 
 # Replicas share a remote tier only if their block hashes agree: sha256 over CBOR is reproducible across processes,
 # Python versions and languages (vLLM's default sha256 pickles, which may differ between images).
@@ -59,6 +59,7 @@ def _kvtier_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec],
         admission_threshold=spec.offload.admission_threshold,
         fs_tiers=tuple(_fs_tier_config(spec, t) for t in secondary),
         remote_tiers=tuple(_remote_tier_config(t, scope) for t in tiers[1:] if t.medium == "remote"),
+        **_trace_config(spec),
     )
     extra: dict[str, Any] = {"spec_name": VLLM_OFFLOADING_SPEC_CLASS, "spec_module_path": VLLM_ADAPTER_MODULE,
                              "offload_prompt_only": spec.offload.prompt_only}
@@ -66,6 +67,20 @@ def _kvtier_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec],
         extra["block_size"] = spec.offload.chunk_tokens
     extra.update(config.to_extra_config())
     return extra
+
+
+def _trace_config(spec: api.KVCachePolicySpec) -> dict[str, Any]:
+    """The recorder's keys (OffloadSpecConfig.trace_*) when spec.trace is enabled; the folder is the emptyDir
+    :func:`trace_volume` mounts."""
+    if spec.trace is None or not spec.trace.enabled:
+        return {}
+    return {"trace_dir": api.TRACE_DIR, "trace_max_bytes": spec.trace.max_size_bytes,
+            "trace_files": spec.trace.files}
+
+
+def _overlap(a: str, b: str) -> bool:
+    """One mount path is the other or lies inside it (paths in normal form)."""
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
 
 
 def _fs_tier_config(spec: api.KVCachePolicySpec, tier: api.TierSpec) -> FilesystemTierConfig:
@@ -168,6 +183,17 @@ def render_vllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config_m
         args += [f"--{key}", json.dumps(value, sort_keys=True) if isinstance(value, dict) else str(value)]
 
     volumes, mounts, memory = workload_storage(spec, tiers, config_map_name, cpu_tier_in_shm=True)
+    if spec.trace is not None and spec.trace.enabled:
+        if spec.backend != "kvtier":
+            raise RenderError(f"spec.trace.enabled: {api.TRACE_BACKEND_RULE}")
+        if tiers:  # no tier enabled: no offloading spec runs, nothing records
+            volume, mount = trace_volume(spec.trace)
+            clash = next((m["mountPath"] for m in mounts if _overlap(m["mountPath"], mount["mountPath"])), None)
+            if clash is not None:
+                raise RenderError(f"spec.trace: the recording's folder {api.TRACE_DIR} overlaps the mount at "
+                                  f"{clash!r}; move that tier's path")
+            volumes.append(volume)
+            mounts.append(mount)
     return RenderedConfig(
         engine="vllm",
         args=args,

@@ -53,7 +53,8 @@ def _one_line_error(parser: argparse.ArgumentParser):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.error = _one_line_error(parser)  # type: ignore[method-assign]
     parser.description = ("Replay a Mooncake-format JSONL trace through kvtier's eviction/admission policies and "
-                          "compare with the Belady-optimal bound. 'analyze' describes the trace's reuse instead.")
+                          "compare with the Belady-optimal bound. 'analyze' describes the trace's reuse instead; "
+                          "'recommend' sizes a KVCachePolicy's tiers from it (kvtier replay recommend --help).")
     parser.add_argument("action", nargs="?", choices=["analyze"],
                         help="'analyze': reuse distances/times, most reused prefixes, never-reused blocks, "
                              "recommended chunk size and capacity")
@@ -408,6 +409,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["recommend"]:  # its own options (its --policy is a KVCachePolicy file, not a policy name)
+        from .recommend import main as recommend
+
+        return recommend(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     return run(args)

@@ -212,6 +212,8 @@ class RecordedModel:
     policies: list[str]
     media: list[str]
     device_blocks: int | None = None
+    # KV bytes of one block, all tensor-parallel ranks (recorders before it was written: None).
+    block_bytes: int | None = None
 
 
 def load_meta(path: str | Path) -> RecordedModel:
@@ -249,5 +251,9 @@ def load_meta(path: str | Path) -> RecordedModel:
         policies.append(policy)
         media.append(str(tier.get("medium") or "?"))
     device = obj.get("device_blocks")
+    block_bytes = obj.get("block_bytes")
+    if block_bytes is not None and (isinstance(block_bytes, bool) or not isinstance(block_bytes, int)
+                                    or block_bytes <= 0):
+        raise TraceError(f"{path}: block_bytes: {block_bytes!r} must be a positive integer")
     return RecordedModel(path, tokens, names, caps, policies, media,
-                         device if isinstance(device, int) and not isinstance(device, bool) else None)
+                         device if isinstance(device, int) and not isinstance(device, bool) else None, block_bytes)

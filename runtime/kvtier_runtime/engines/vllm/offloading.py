@@ -507,7 +507,7 @@ def trace_meta(spec: KvtierOffloadingSpec, manager: KvtierOffloadingManager) -> 
         tiers.append({"name": names[i], "medium": "remote", "capacity_blocks": int(tier.capacity_entries),
                       "eviction_policy": "lru", "admission": "none", "shared": True})
     device = getattr(spec.config, "num_gpu_blocks", None)
-    return {"tokens_per_block": int(spec.tokens_per_chunk),
+    return {"tokens_per_block": int(spec.tokens_per_chunk), "block_bytes": int(spec.row_bytes),
             "device_blocks": int(device) if isinstance(device, int) and not isinstance(device, bool) else None,
             "engine": "vllm", "tiers": tiers}
 
