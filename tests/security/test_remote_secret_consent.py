@@ -111,9 +111,10 @@ def test_missing_unreadable_and_unmarked_secrets_read_the_same():
 def test_the_annotation_lists_stores_and_ipv6_hosts_in_brackets():
     listed = with_("valkey", secret("valkey", {"password": b"x"}, stores="a:1, VALKEY.kv:6379 ,b:2"))
     assert not plan(remote_policy(), listed).invalid
-    six = {"pw": secret("pw", {"p": b"p" * 32}, stores="[fd00::1]:6379")}
+    six = {"pw": secret("pw", {"p": b"p" * 32, "tenant": b"t" * 32}, stores="[fd00::1]:6379")}
     tier = {"name": "shared", "medium": "remote", "size": "8Gi",
-            "remote": {"url": "rediss://[fd00::1]:6379", "passwordSecret": {"name": "pw", "key": "p"}}}
+            "remote": {"url": "rediss://[fd00::1]:6379", "passwordSecret": {"name": "pw", "key": "p"},
+                       "macKeySecret": {"name": "pw", "key": "tenant"}}}
     pol = policy(tiers=[CPU, tier], backend="kvtier", engine="vllm")
     p = rc.plan(pol, [observed(deployment())], [], now=NOW, remote_stores_allowed=("[fd00::1]:6379",), secrets=six)
     assert not p.invalid, condition(p.status, "Ready")
