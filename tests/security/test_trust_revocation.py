@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import pytest
 

@@ -47,7 +47,7 @@ def _or(default: Callable[[ValidationInfo], Any]) -> WrapValidator:
 
 
 def _now(info: ValidationInfo) -> str:
-    return (info.context or {})["now"]
+    return str((info.context or {})["now"])
 
 
 def _time(value: Any) -> Any:

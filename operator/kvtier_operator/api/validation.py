@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import celpy
+from celpy.adapter import json_to_cel
+from celpy.evaluation import CELEvalError
 from pydantic import ValidationError
 
 from . import v1alpha1 as api
@@ -104,7 +106,7 @@ def _quantity(text: Any) -> celpy.celtypes.IntType:
     return celpy.celtypes.IntType(min(parse_quantity(str(text)), 2**63 - 1))
 
 
-_FUNCTIONS = {
+_FUNCTIONS: dict[str, Any] = {
     "format": _cel_format,
     "isQuantity": _is_quantity,
     "quantity": _quantity,
@@ -141,7 +143,7 @@ def _cel_nodes() -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
     return _rules_by_path(openapi_schema())
 
 
-def _values_at(doc: Any, pattern: tuple[Any, ...], path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple, Any]]:
+def _values_at(doc: Any, pattern: tuple[Any, ...], path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
     if not pattern:
         yield path, doc
         return
@@ -161,11 +163,11 @@ def _cel_problems(doc: dict[str, Any], rules: Optional[Callable[[dict[str, Any]]
         if not selected:
             continue
         for path, value in _values_at(doc, pattern):
-            activation = {"self": celpy.json_to_cel(value)}
+            activation = {"self": json_to_cel(value)}
             for rule in selected:
                 try:
                     result = _program(rule["rule"]).evaluate(activation)
-                except celpy.CELEvalError as err:
+                except CELEvalError as err:
                     result = err
                 if isinstance(result, celpy.celtypes.BoolType) and bool(result):
                     continue
@@ -232,7 +234,7 @@ def policy_warnings(policy: api.KVCachePolicy) -> list[str]:
     only where kvtier describes the engine's KV layout; elsewhere the tier stores int8, so the capacity planned
     for int4 holds about half the blocks."""
     spec = policy.spec
-    out = []
+    out: list[str] = []
     if spec.backend != "kvtier" or spec.engine not in (None, "vllm"):
         return out
     for i, tier in enumerate(spec.tiers):
@@ -258,7 +260,7 @@ def validate_text(text: str, source: str = "<input>", budget: Optional[Budget] =
         return [str(p) for p in err.problems]
     if not docs:
         return [f"{source}: no KVCachePolicy (kind: {api.KIND}) in this file"]
-    problems = []
+    problems: list[str] = []
     for label, doc in docs:
         try:
             budget.check_time(label)

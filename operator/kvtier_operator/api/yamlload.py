@@ -75,16 +75,16 @@ class _BoundedLoader(yaml.SafeLoader):
         where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None and hasattr(mark, "line") else ""
         return YAMLInputError(f"{self.source}{where}: {message}")
 
-    def compose_node(self, parent: Any, index: Any) -> Node:  # type: ignore[override]
+    def compose_node(self, parent: Any, index: Any) -> Node | None:
         self._depth += 1
         try:
             if self._depth > MAX_DEPTH:
-                raise self._fail(f"nested deeper than {MAX_DEPTH} levels", self.peek_event())
+                raise self._fail(f"nested deeper than {MAX_DEPTH} levels", self.peek_event())  # type: ignore[no-untyped-call]
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
 
-    def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:  # type: ignore[override]
+    def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
             if key_node.tag == MERGE_TAG:

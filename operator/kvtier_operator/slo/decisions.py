@@ -234,11 +234,12 @@ def assess(settings: SLOSettings, measurements: Measurements, baseline: dict[str
         return Assessment("error", "QueryError", values, limits, error=f"requestRate: {rate.error}")
     if rate.is_nan:
         return Assessment("error", "NaN", values, limits, error="requestRate: NaN")
-    if rate.is_empty:
+    rate_value = rate.value
+    if rate_value is None:  # answered, with no series
         return Assessment("noData", "NoRequestSeries", values, limits)
-    if rate.value < 0:  # a rate is never negative: the query is wrong, and no verdict can come from it
-        return Assessment("error", "InvalidValue", values, limits, error=f"requestRate: negative ({rate.value:g})")
-    if rate.value <= 0 or rate.value < settings.min_request_rate:
+    if rate_value < 0:  # a rate is never negative: the query is wrong, and no verdict can come from it
+        return Assessment("error", "InvalidValue", values, limits, error=f"requestRate: negative ({rate_value:g})")
+    if rate_value <= 0 or rate_value < settings.min_request_rate:
         return Assessment("lowTraffic", "LowTraffic", values, limits)
 
     breaches: list[tuple[str, float, float]] = []
@@ -246,18 +247,19 @@ def assess(settings: SLOSettings, measurements: Measurements, baseline: dict[str
     missing: list[str] = []
     for metric in measured_metrics(settings):
         reading = readings[metric]
+        value = reading.value
         if reading.is_error:
             errors.append(f"{metric}: {reading.error}")
-        elif reading.is_empty:
+        elif value is None:  # answered, with no series
             missing.append(metric)
         elif reading.is_nan:
             # Traffic is flowing yet the quantile is undefined: the query or the scrape is wrong, not the SLO.
-            errors.append(f"{metric}: NaN while requestRate is {rate.value:.3g}/s")
-        elif reading.value < 0:
+            errors.append(f"{metric}: NaN while requestRate is {rate_value:.3g}/s")
+        elif value < 0:
             # A negative or -Inf latency is a broken query, never "within the SLO".
-            errors.append(f"{metric}: negative ({reading.value:g}); check the query")
-        elif metric in limits and reading.value > limits[metric]:   # +Inf (above every bucket) breaches too
-            breaches.append((metric, reading.value, limits[metric]))
+            errors.append(f"{metric}: negative ({value:g}); check the query")
+        elif metric in limits and value > limits[metric]:   # +Inf (above every bucket) breaches too
+            breaches.append((metric, value, limits[metric]))
     if breaches:
         breaches.sort(key=lambda b: b[1] / b[2], reverse=True)
         return Assessment("breach", "Breach", values, limits, tuple(breaches))
@@ -545,7 +547,7 @@ class _Guard:
             return   # a rolled-back or probationary tier must be settled before the next stage adds risk
         if self.st["baseline"] is None:
             samples = ro.get("samples", {})
-            self.st["baseline"] = {
+            b = self.st["baseline"] = {
                 "ttftP99": statistics.median(samples["ttftP99"]) if samples.get("ttftP99") else None,
                 "itlP99": statistics.median(samples["itlP99"]) if samples.get("itlP99") else None,
                 "samples": max(len(samples.get("ttftP99", [])), len(samples.get("itlP99", []))),
@@ -553,7 +555,6 @@ class _Guard:
                 "tiers": list(ro["rolled"]),
             }
             ro["samples"] = {"ttftP99": [], "itlP99": []}
-            b = self.st["baseline"]
             self.actions.append(RecordEvent("Normal", "BaselineRecorded",
                                             f"baseline p99 TTFT {_fmt(b['ttftP99'])}, ITL {_fmt(b['itlP99'])} "
                                             f"over {b['samples']} evaluations"))

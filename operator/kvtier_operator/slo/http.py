@@ -66,7 +66,7 @@ def _recv(sock: socket.socket, deadline: _Deadline) -> bytes:
         raise HTTPFailure("timeout", f"timed out after {deadline.seconds:g}s") from None
 
 
-def _dechunk(data: bytes, max_bytes: int) -> bytes:
+def _dechunk(data: bytes | bytearray, max_bytes: int) -> bytes:
     out, pos = bytearray(), 0
     while True:
         end = data.find(b"\r\n", pos)
@@ -183,7 +183,7 @@ def _read_response(sock: socket.socket, deadline: _Deadline, max_bytes: int) -> 
     return Response(status, reason, data)
 
 
-def _complete(body: bytes) -> bool:
+def _complete(body: bytes | bytearray) -> bool:
     try:
         _dechunk(body, len(body))
     except HTTPFailure:

@@ -98,7 +98,7 @@ class ControlFile:
         self.state = ControlState()  # the last good state, in force
         self.errors: Counter[str] = Counter()
         self._next_look = float("-inf")
-        self._seen: tuple[int, ...] | None = None  # identity of the version last read (good or bad); () = missing
+        self._seen: tuple[object, ...] | None = None  # identity of the version last read (good or bad); () = missing
 
     def poll(self, force: bool = False) -> ControlState | None:
         """The new state when a new good version of the file (or its removal) was seen, else None."""
@@ -111,7 +111,8 @@ class ControlFile:
         except FileNotFoundError:
             return self._missing()
         except OSError as exc:
-            return self._bad(("stat-error", exc.errno or 0), UNREADABLE, f"cannot stat it ({exc})")
+            self._bad(("stat-error", exc.errno or 0), UNREADABLE, f"cannot stat it ({exc})")
+            return None
         ident = _identity(st)
         if ident == self._seen:
             return None
@@ -121,18 +122,21 @@ class ControlFile:
                 if opened == self._seen:
                     return None
                 if opened[2] > self.max_bytes:
-                    return self._bad(opened, TOO_LARGE, f"larger than {self.max_bytes} bytes ({opened[2]})")
+                    self._bad(opened, TOO_LARGE, f"larger than {self.max_bytes} bytes ({opened[2]})")
+                    return None
                 data = f.read(self.max_bytes + 1)
                 if _identity(os.fstat(f.fileno())) != opened:
                     return None  # written while read: read it again at the next poll, once it holds still
         except FileNotFoundError:
             return self._missing()
         except OSError as exc:
-            return self._bad(ident, UNREADABLE, f"cannot read it ({exc})")
+            self._bad(ident, UNREADABLE, f"cannot read it ({exc})")
+            return None
         try:
             state = parse_control(data, self.known, self.max_bytes)
         except ControlError as err:
-            return self._bad(opened, err.reason, str(err))
+            self._bad(opened, err.reason, str(err))
+            return None
         self._seen = opened
         if state.unknown:
             self.errors[UNKNOWN_TIER] += 1
@@ -153,7 +157,7 @@ class ControlFile:
 
     def _bad(self, ident: tuple[object, ...], reason: str, message: str) -> None:
         if ident != self._seen:  # once per version of the file
-            self._seen = ident  # type: ignore[assignment]
+            self._seen = ident
             self.errors[reason] += 1
             self.log.warning("kvtier: control file %s: %s; keeping the last good state (disabled tiers: %s, "
                              "generation %s)", self.path, message, ", ".join(sorted(self.state.disabled)) or "none",
