@@ -167,6 +167,34 @@ def test_rows_sealed_in_place_are_plain_codec_blocks_both_ways(redis_server, dty
         tier.close()
 
 
+@pytest.mark.parametrize("mode", ["standalone", "cluster"])
+def test_the_store_client_sends_a_value_view_without_copying_it(mode, request) -> None:
+    """A sealed value is a view of the tier's buffer: the client's connections hand that view to the socket as it
+    is (hiredis's packer would copy it twice into one command buffer)."""
+    from kvtier_runtime.remote.client import RemoteStore
+
+    store = request.getfixturevalue("redis_server" if mode == "standalone" else "redis_cluster")
+    remote = RemoteStore(RemoteTierConfig(url=store.url, capacity_bytes=1 << 20, scope=SCOPE,
+                                          mac_key_file=tenant_key_file(SCOPE)))
+    try:
+        client = remote.connect()
+        pools = ([n.redis_connection.connection_pool for n in client.get_nodes()] if remote.cluster
+                 else [client.connection_pool])
+        value = memoryview(bytearray(b"v" * 10000))[:9000]
+        for pool in pools:
+            conn = pool.get_connection()
+            try:
+                assert any(chunk is value for chunk in conn.pack_commands([("SET", b"k", value)]))
+            finally:
+                pool.release(conn)
+        pipe = remote.pipeline()
+        pipe.set(b"kvtier:team-a:view", value)
+        pipe.get(b"kvtier:team-a:view")
+        assert pipe.execute()[1] == bytes(value)
+    finally:
+        remote.close()
+
+
 def test_value_format_round_trip_and_every_byte_is_checked() -> None:
     key, payload = b"kvtier:team-a:x:ab", bytes(range(200))
     sealer = Sealer(b"k" * 32, "team-a", "0" * 32)
