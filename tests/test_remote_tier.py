@@ -112,6 +112,89 @@ def test_another_models_chunks_are_never_found_or_served(redis_server) -> None:
         b.close()
 
 
+def test_a_value_sealed_in_parts_is_the_value_sealed_whole(monkeypatch) -> None:
+    """A store seals a codec-``none`` row in place, as (codec header, row bytes): the value must be the one sealing
+    their concatenation gives, whatever the split (GCM encrypts the parts in turn)."""
+    from kvtier_runtime.remote import format as fmt
+
+    monkeypatch.setattr(fmt.os, "urandom", lambda n: bytes(range(n)))  # one nonce for both seals
+    key, payload = b"kvtier:team-a:x:ab", bytes(i * 7 % 251 for i in range(1000))
+    sealer = Sealer(b"k" * 32, "team-a", "0" * 32)
+    whole = bytearray(value_bytes(len(payload)))
+    n = sealer.seal(whole, key, "none", memoryview(payload))
+    for cuts in ([96], [1, 17], [0, 500, 999], [1000]):
+        bounds = [0, *cuts, len(payload)]
+        parts = [memoryview(payload)[a:b] for a, b in zip(bounds, bounds[1:])]
+        split = bytearray(len(whole) + 5)  # room past the value stays unwritten
+        assert sealer.seal_parts(split, key, "none", parts) == n
+        assert split[:n] == whole and split[n:] == bytes(5), cuts
+    assert bytes(sealer.open(bytes(whole), key, bytearray(len(payload)))[1]) == payload
+
+
+@pytest.mark.parametrize("dtype,shape", [(torch.float16, (ROW,)), (torch.bfloat16, (8, 64)),
+                                         (torch.float32, (3, 5, 7))])
+def test_rows_sealed_in_place_are_plain_codec_blocks_both_ways(redis_server, dtype, shape) -> None:
+    """Codec ``none`` stores seal the row itself and loads copy a verified payload straight into the row: a stored
+    value must still be exactly a codec block any reader decodes, and a value sealed from the codec's own encoding
+    must load bit-exactly."""
+    from kvtier_runtime.codecs import decode, get_codec
+    from kvtier_runtime.fs.io import _read_mac_key
+
+    cfg = RemoteTierConfig(url=redis_server.url, capacity_bytes=8 << 20, scope=SCOPE,
+                           mac_key_file=tenant_key_file(SCOPE))
+    tier = RemoteTier(cfg, shape, dtype, identity=MODEL_A, name=f"remote-{time.monotonic_ns()}")
+    g = torch.Generator().manual_seed(11)
+    rows = [torch.randn(shape, generator=g).to(dtype) for _ in range(2)]
+    keys = [key_of(1), key_of(2)]
+    sealer = Sealer(_read_mac_key(tenant_key_file(SCOPE)), SCOPE, MODEL_A)
+    client = redis_server.client()
+    try:
+        assert connected(tier)
+        assert store_blocks(tier, keys[:1], rows[:1]).success
+        value = client.get(tier.store_key(keys[0]))
+        codec, payload = sealer.open(value, tier.store_key(keys[0]), bytearray(len(value)))
+        assert codec == "none" and torch.equal(decode(payload), rows[0])
+        # The other way: the codec's own encoding, sealed whole, under key 2.
+        encoded = torch.empty(get_codec("none").max_encoded_nbytes(shape, dtype), dtype=torch.uint8)
+        n = get_codec("none").encode(rows[1], encoded)
+        buf = bytearray(value_bytes(n))
+        sealer.seal(buf, tier.store_key(keys[1]), "none", memoryview(encoded.numpy())[:n])
+        client.set(tier.store_key(keys[1]), bytes(buf))
+        outs = [torch.zeros(shape, dtype=dtype) for _ in keys]
+        assert load_blocks(tier, keys, outs).success
+        assert all(torch.equal(out, row) for out, row in zip(outs, rows))
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("mode", ["standalone", "cluster"])
+def test_the_store_client_sends_a_value_view_without_copying_it(mode, request) -> None:
+    """A sealed value is a view of the tier's buffer: the client's connections hand that view to the socket as it
+    is (hiredis's packer would copy it twice into one command buffer)."""
+    from kvtier_runtime.remote.client import RemoteStore
+
+    store = request.getfixturevalue("redis_server" if mode == "standalone" else "redis_cluster")
+    remote = RemoteStore(RemoteTierConfig(url=store.url, capacity_bytes=1 << 20, scope=SCOPE,
+                                          mac_key_file=tenant_key_file(SCOPE)))
+    try:
+        client = remote.connect()
+        pools = ([n.redis_connection.connection_pool for n in client.get_nodes()] if remote.cluster
+                 else [client.connection_pool])
+        value = memoryview(bytearray(b"v" * 10000))[:9000]
+        for pool in pools:
+            conn = pool.get_connection()
+            try:
+                assert any(chunk is value for chunk in conn.pack_commands([("SET", b"k", value)]))
+            finally:
+                pool.release(conn)
+        pipe = remote.pipeline()
+        pipe.set(b"kvtier:team-a:view", value)
+        pipe.get(b"kvtier:team-a:view")
+        assert pipe.execute()[1] == bytes(value)
+    finally:
+        remote.close()
+
+
 def test_value_format_round_trip_and_every_byte_is_checked() -> None:
     key, payload = b"kvtier:team-a:x:ab", bytes(range(200))
     sealer = Sealer(b"k" * 32, "team-a", "0" * 32)

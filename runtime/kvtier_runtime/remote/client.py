@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
+from redis.connection import PythonRespSerializer
 from redis.exceptions import (
     AuthenticationError,
     AuthorizationError,
@@ -112,6 +113,29 @@ def failure_kind(exc: BaseException) -> str:
     return "other"
 
 
+def send_values_in_place(client: Any) -> None:
+    """Make ``client``'s connections opened from now on send a memoryview argument as it is (a sealed value, a view
+    of the tier's buffer: one socket write of it, no copy). With hiredis installed redis-py packs every command with
+    it, which copies such a value twice (``bytes(view)``, then into one command buffer); redis-py's own Python
+    packer passes large and memoryview arguments to the socket in place. Cluster mode: every node known now (one
+    found later by a redirection packs with hiredis: slower, not wrong)."""
+    pools = []
+    if isinstance(client, RedisCluster):
+        pools = [node.redis_connection.connection_pool for node in client.get_nodes() if node.redis_connection]
+    elif isinstance(client, redis.Redis):
+        pools = [client.connection_pool]
+    for pool in pools:
+        kwargs = pool.connection_kwargs
+        # The Connection's own defaults: 6000-byte cutoff, its Encoder (bytes and memoryviews pass unchanged).
+        encoder = redis.connection.Encoder(kwargs.get("encoding", "utf-8"), kwargs.get("encoding_errors", "strict"),
+                                           kwargs.get("decode_responses", False))
+        kwargs["command_packer"] = PythonRespSerializer(6000, encoder.encode)
+        # Connections already open (cluster mode: the nodes' discovery) were made with the other packer: closed
+        # and dropped, the next ones are opened with this one. Nothing else holds the client yet.
+        pool.disconnect()
+        pool.reset()
+
+
 class RemoteStore:
     """A connected redis-py client for one :class:`RemoteTierConfig` (thread-safe: redis-py pools connections)."""
 
@@ -159,6 +183,7 @@ class RemoteStore:
             if self._client is not None:
                 return self._client
             probe = redis.Redis(host=self.host, port=self.port, db=self.db, **self._options())
+            send_values_in_place(probe)
             try:
                 info = probe.info("cluster")
                 cluster = bool(info.get("cluster_enabled"))
@@ -174,6 +199,7 @@ class RemoteStore:
             self._client = RedisCluster(host=self.host, port=self.port, require_full_coverage=False,
                                         **self._options())
             self.cluster = True
+            send_values_in_place(self._client)
             log.info("kvtier remote tier: %s is a Redis/Valkey cluster (%d nodes)", self.url,
                      len(self._client.get_nodes()))
             return self._client

@@ -35,8 +35,10 @@ trim.
 """
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import Counter, OrderedDict, deque
@@ -46,7 +48,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import metrics
-from ..codecs import Codec, CodecError, KVChunkCodec, decode, get_codec
+from ..codecs import STATS, Codec, CodecError, CodecHeader, KVChunkCodec, decode, get_codec
+from ..codecs.base import PassthroughCodec
 from ..config import ConfigError, RemoteTierConfig
 from ..fs.index import KeyState
 from ..fs.io import _read_mac_key
@@ -217,6 +220,10 @@ class RemoteTier(JobQueue):
         self.identity = identity
         self._index = index_key(self._prefix)
         self._max_payload = self._codec.max_encoded_nbytes(self.block_shape, dtype)
+        self._row_bytes = math.prod(self.block_shape) * dtype.itemsize
+        # Codec none: every payload is this header, then the row's bytes as they are. A store seals the row in place
+        # (no encoded copy) and a load copies a verified payload with that header into the row with one memmove.
+        self._raw_header = _passthrough_header(self._codec, self.block_shape, dtype, self._row_bytes)
         # What one chunk costs the store at most: its value (header, ciphertext, tag) and its key.
         self.value_bytes = value_bytes(self._max_payload) + len(self._prefix) + 2 * NOMINAL_KEY_BYTES
         self.capacity_entries = config.capacity_bytes // self.value_bytes
@@ -542,6 +549,8 @@ class RemoteTier(JobQueue):
         plain: bytearray | None = getattr(self._local, "plain", None)
         if plain is None:
             plain = self._local.plain = bytearray(self._max_payload)
+            # Its address, for the memmove of a verified payload into a row (the export pins the buffer in place).
+            self._local.plain_at = ctypes.addressof((ctypes.c_char * len(plain)).from_buffer(plain))
         return plain
 
     def _buffers(self, n: int) -> list[bytearray]:
@@ -566,11 +575,22 @@ class RemoteTier(JobQueue):
             return
         bufs = self._buffers(len(live))
         plain = self._plain()
-        out = torch.frombuffer(plain, dtype=torch.uint8)
+        out: torch.Tensor | None = None
         sent: list[tuple[_Job, int, bytes, memoryview]] = []
         for j, (job, i, key, block) in enumerate(live):
             buf = bufs[j]
             try:
+                if self._raw_header is not None and block.device.type == "cpu" and block.is_contiguous():
+                    with job.io_lock:  # the only read of the caller's row: sealed from the row itself
+                        if job.expired:
+                            raise _Expired()
+                        total = self._sealer.seal_parts(buf, self.store_key(key), self._codec.name,
+                                                        (self._raw_header, _row_bytes_of(block, self._row_bytes)))
+                    STATS.record_encode(self._codec.name, self._row_bytes, len(self._raw_header) + self._row_bytes)
+                    sent.append((job, i, key, memoryview(buf)[:total]))
+                    continue
+                if out is None:
+                    out = torch.frombuffer(plain, dtype=torch.uint8)
                 with job.io_lock:  # the only read of the caller's row
                     if job.expired:
                         raise _Expired()
@@ -679,7 +699,13 @@ class RemoteTier(JobQueue):
                     with job.io_lock:  # the only write of the caller's row
                         if job.expired:
                             raise _Expired()
-                        decode(payload, out=out)
+                        raw = self._raw_header
+                        if raw is not None and len(payload) == len(raw) + self._row_bytes and payload[:len(raw)] == raw:
+                            # What decode() would do for these header bytes (codec none, this shape and dtype: a
+                            # copy), without its torch ops; the payload is verified and sits at the buffer's start.
+                            ctypes.memmove(out.data_ptr(), self._local.plain_at + len(raw), self._row_bytes)
+                        else:
+                            decode(payload, out=out)
                 except _Expired:
                     continue
                 except RemoteFormatError as exc:
@@ -722,6 +748,21 @@ class RemoteTier(JobQueue):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _passthrough_header(codec: Codec | KVChunkCodec, shape: tuple[int, ...], dtype: torch.dtype,
+                        nbytes: int) -> bytes | None:
+    """The codec header codec ``none`` writes in front of every row of this shape and dtype (it holds no checksum of
+    the payload, so it is the same for every row); None for any other codec, which must run to encode."""
+    if type(codec) is not PassthroughCodec or codec.fallback_codec is not None or codec.per_channel:
+        return None
+    return CodecHeader(codec=codec.name, codec_version=codec.version, dtype=dtype, shape=shape, group_size=0,
+                       payload_nbytes=nbytes, requested_codec=codec.name, flags=0).pack()
+
+
+def _row_bytes_of(row: torch.Tensor, nbytes: int) -> memoryview:
+    """The bytes of a contiguous CPU row, in place (a view the cipher reads; valid while ``row`` lives)."""
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(row.data_ptr())).cast("B")
 
 
 class _Unavailable(Exception):
