@@ -259,7 +259,7 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
             if w.applied_by == name:
                 targets.append(_release(w, spec, f"{w.ref} no longer matches the selector"))
             continue
-        # Opt-in first (class C): a policy the workload's owner did not opt in to has no say over it, so it can
+        # Opt-in first: a policy the workload's owner did not opt in to has no say over it, so it can
         # neither conflict with the policy the owner chose nor freeze it.
         if not opted_in(w.labels, name):
             # The policy's author may not be allowed to edit this workload; its owner must consent.
@@ -391,7 +391,7 @@ def with_failures(result: Plan, policy_obj: dict[str, Any], failures: dict[str, 
 
 # Condition messages name at most this many targets, each message at most TARGET_MESSAGE_CHARS, plus counts:
 # the CRD bounds a message (32 KiB), and a message joined over every target of a large policy outgrew it and
-# was refused (422) on every retry (issue 24, class F).
+# was refused (422) on every retry.
 MESSAGE_TARGETS = 5
 TARGET_MESSAGE_CHARS = 512
 

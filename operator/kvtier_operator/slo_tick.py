@@ -134,7 +134,7 @@ def measurement_source(kube: Kube, settings: Settings, namespace: str,
         config = client_config(kube, namespace, guard.prometheus)
     except ValueError:
         # A missing, forbidden or malformed Secret reads exactly like an unreachable endpoint: same reason, same
-        # words (class F: whether a Secret exists is not told).
+        # words (whether a Secret exists is not told).
         return Unavailable(guard.prometheus.url), None
     return PrometheusSource(config), None
 
@@ -188,7 +188,7 @@ def evaluate(kube: Kube, settings: Settings, policy_obj: dict[str, Any], spec: a
         return misconfigured("; ".join(err.problems), DEFAULT_INTERVAL)
     if guard.queries and not settings.allow_query_overrides:
         # An override is arbitrary PromQL sent with the namespace's Prometheus credentials, not scoped to the
-        # policy's targets, and its numbers come back in status: the admin must allow it (issue 24, class F).
+        # policy's targets, and its numbers come back in status: the admin must allow it.
         return misconfigured(QUERY_OVERRIDES_REFUSED, guard.interval_s)
     namespace = policy_obj["metadata"]["namespace"]
     scope = scope_for(namespace, {"targets": targets}, guard.model_name)

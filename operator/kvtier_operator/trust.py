@@ -101,7 +101,7 @@ def pvc_allowed(namespace: str, claim: str, allowed: Iterable[str]) -> bool:
 
 def pvc_problems(spec: api.KVCachePolicySpec, namespace: str, allowed: Iterable[str]) -> list[str]:
     """One ``field: rule`` line per tier whose PersistentVolumeClaim the admin has not allowed: a claim holds
-    someone's data, and a policy author may not be allowed to read or write it (issue 24, class F)."""
+    someone's data, and a policy author may not be allowed to read or write it."""
     entries = list(allowed)
     out = []
     for i, tier in enumerate(spec.tiers):
@@ -121,7 +121,7 @@ def owns_config_map(config_map: Optional[Mapping[str, Any]], policy_name: str, p
     """Whether kvtier created ``config_map`` for this very policy: an owner reference to it, by uid when known.
 
     Labels are no proof (whoever creates a ConfigMap can write them), and neither is the name: a ConfigMap
-    ``kvtier-<name>`` made by someone else is theirs (class B, adopting a foreign object)."""
+    ``kvtier-<name>`` made by someone else is theirs (adopting it would hand their object to kvtier)."""
     if not config_map:
         return False
     meta = config_map.get("metadata") or {}
@@ -226,7 +226,7 @@ def endpoint_problem(url: str, allowed: Iterable[str], allow_http: bool) -> Opti
     """Why the SLO guard must not query ``url`` (nor send credentials there), or None when it may.
 
     Matched on scheme, host, port (explicit or the scheme's default) and the percent-decoded path, segment by
-    segment (class D: an allowlist on raw text let ``/prom/%2e%2e/admin`` out of ``/prom``)."""
+    segment (an allowlist on raw text let ``/prom/%2e%2e/admin`` out of ``/prom``)."""
     parts = _split(url)
     if parts is None or parts.scheme not in DEFAULT_PORTS or not parts.hostname:
         return "spec.slo.prometheus.url: must be an http:// or https:// URL with a host"

@@ -114,7 +114,7 @@ class PrometheusSource:
                               insecure=c.insecure_skip_verify)
         except http.HTTPFailure as exc:
             # Timeout, refused, TLS or a non-HTTP answer: one wording, so that a policy author cannot map which
-            # ports of an allowed host are open (issue 24, class F).
+            # ports of an allowed host are open.
             return Reading.failed(unavailable(self._where), promql, detail=f"{exc.kind}: {exc}")
         try:
             doc = json.loads(answer.body)
