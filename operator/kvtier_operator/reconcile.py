@@ -8,15 +8,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
+from kvtier_runtime.config import control_file_json
+
 from .api import v1alpha1 as api
 from . import parsed
 from .api.validation import PolicyInvalid, Problem, parse_policy
 from .printable import printable
-from .render import CONFIG_DIR, CONFIG_FILE, RenderedConfig, RenderError, detect_engine, render
+from .render import CONFIG_DIR, CONFIG_FILE, CONTROL_FILE, RenderedConfig, RenderError, detect_engine, render
 from .selectors import matches
 from .settings import FIELD_MANAGER, POLICY_LABEL
+from .slo.decisions import parse_time
 from .status import Cond, merge_conditions, transitions
-from .tiers import enabled, tier_states
+from .tiers import enabled, guard_disabled, tier_states
 from .trust import (host_path_problems, not_opted_in_message, opted_in, pvc_problems, remote_secret_problems,
                     remote_store_problems)
 from .workload import (
@@ -95,6 +98,21 @@ class Plan:
     release_config_map: bool = False
 
 
+def control_generation(status: Mapping[str, Any]) -> int:
+    """The control file's generation: the newest guard decision's time in epoch milliseconds (0 before any), so it
+    grows with every decision and the same status always writes the same bytes."""
+    history = (status.get("slo") or {}).get("history") if isinstance(status.get("slo"), Mapping) else None
+    newest = 0
+    for entry in history or ():
+        try:
+            when = parse_time(entry.get("time")) if isinstance(entry, Mapping) else None
+        except (TypeError, ValueError):
+            when = None  # a hand-edited entry: skipped, it cannot void the file
+        if when is not None and when > 0:
+            newest = max(newest, round(when * 1000))
+    return newest
+
+
 def config_map_name(policy_name: str) -> str:
     return f"kvtier-{policy_name}"
 
@@ -154,8 +172,9 @@ def _release(w: Workload, spec: Optional[api.KVCachePolicySpec], reason: str) ->
     return t
 
 
-def _target(policy: api.KVCachePolicy, doc_key: str, w: Workload, enabled_tiers: list[str], *,
-            node_allocatable: Optional[int], cleanup_image: str) -> tuple[TargetPlan, Optional[RenderedConfig]]:
+def _target(policy: api.KVCachePolicy, doc_key: str, w: Workload, enabled_tiers: list[str],
+            bypassed_tiers: list[str], *, node_allocatable: Optional[int],
+            cleanup_image: str) -> tuple[TargetPlan, Optional[RenderedConfig]]:
     spec, name = policy.spec, policy.metadata["name"]
     container = w.container(spec.container)
     if container is None:
@@ -166,7 +185,7 @@ def _target(policy: api.KVCachePolicy, doc_key: str, w: Workload, enabled_tiers:
         if spec.engine is None:
             # Validate with the detected engine here (cached per spec) so render() need not re-parse the policy.
             policy = parsed.with_engine(doc_key, detect_engine(facts_of(container)))
-        rendered = render(policy, facts_of(container), enabled_tiers=enabled_tiers,
+        rendered = render(policy, facts_of(container), enabled_tiers=enabled_tiers, bypassed_tiers=bypassed_tiers,
                           config_map_name=config_map_name(name))
     except RenderError as err:
         return TargetPlan(w.kind, w.name, ERROR, f"{w.ref}: {err}"), None
@@ -177,8 +196,9 @@ def _target(policy: api.KVCachePolicy, doc_key: str, w: Workload, enabled_tiers:
     if memory.refused:
         return TargetPlan(w.kind, w.name, REFUSED, f"{w.ref}: {memory.refused}"), rendered
     digest = rendered.config_hash()
+    bypassed = f"; bypassed live: {','.join(rendered.bypassed)}" if rendered.bypassed else ""
     plan = TargetPlan(w.kind, w.name, APPLIED, f"{w.ref}: configuration {digest} (tiers: "
-                                               f"{','.join(rendered.tiers) or 'none'})", config_hash=digest)
+                                               f"{','.join(rendered.tiers) or 'none'}{bypassed})", config_hash=digest)
     plan.apply = apply_patch(w, container["name"], rendered, policy=name, config_hash=digest,
                              cleanup_image=cleanup_image, memory_limit=memory.apply_limit)
     if already_applied(w, plan.apply):
@@ -250,7 +270,7 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
 
     spec = policy.spec
     states = tier_states(spec, old, now)
-    on = enabled(states)
+    on, off = enabled(states), guard_disabled(states)
     others = [p for p in other_policies if p["metadata"]["name"] != name]
     targets: list[TargetPlan] = []
     rendered_by_target: dict[str, RenderedConfig] = {}
@@ -275,7 +295,7 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
                                       f"{w.ref} is also selected by KVCachePolicy {', '.join(rivals)}, which it "
                                       f"opted in to too; no policy changes it until only one selects it"))
             continue
-        t, rendered = _target(policy, doc_key, w, on, node_allocatable=node_allocatable,
+        t, rendered = _target(policy, doc_key, w, on, off, node_allocatable=node_allocatable,
                               cleanup_image=cleanup_image)
         targets.append(t)
         if rendered is not None and (t.apply is not None or t.unchanged):
@@ -283,19 +303,24 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
 
     # One ConfigMap per policy: every target must read the same files (same engine).
     files: Optional[dict[str, str]] = None
+    first: Optional[RenderedConfig] = None
     engine: Optional[str] = spec.engine
     for t in targets:
         r = rendered_by_target.get(t.ref)
         if r is None:
             continue
-        if files is None:
-            files, engine = r.files, r.engine
+        if first is None:
+            first, files, engine = r, r.files, r.engine
         elif r.files != files:
             t.state, t.apply, t.args_update, t.config_hash, t.unchanged = ERROR, None, None, None, False
             t.message = (f"{t.ref}: runs engine {r.engine}, other targets run {engine}; one policy configures one "
                          f"engine: set spec.engine or split the selector")
-    if files is None and spec.engine:
-        files = render(policy, enabled_tiers=on, config_map_name=config_map_name(name)).files
+    if first is None and spec.engine:
+        first = render(policy, enabled_tiers=on, bypassed_tiers=off, config_map_name=config_map_name(name))
+        files = first.files
+    if first is not None and first.live_control and files is not None:
+        # The guard's decisions for every engine of the policy, read live (the fleet shares one ConfigMap).
+        files = {**files, CONTROL_FILE: control_file_json(first.bypassed, control_generation(old))}
     config_map = config_map_body(policy_obj, files) if files is not None else None
 
     observed = Observed(states, on, engine, ws, _remote_budget(spec, on, ws, rendered_by_target))

@@ -9,7 +9,8 @@ function, so both sides speak one vocabulary:
 - ``Pending``: ``StagedRollout`` (a staged rollout has not reached it);
 - ``Enabled``: ``Enabled``, ``Probation`` (re-enabled automatically, on probation) or ``DryRunWouldDisable``.
 
-Only Enabled tiers are rendered.
+Only Enabled tiers are rendered, and tiers the guard disabled where the engine bypasses them live (the control
+file; ``guard_disabled``).
 """
 from __future__ import annotations
 
@@ -77,3 +78,9 @@ def tier_states(spec: api.KVCachePolicySpec, status: Mapping[str, Any], now: str
 
 def enabled(states: Iterable[Mapping[str, Any]]) -> list[str]:
     return [t["name"] for t in states if t.get("state") == "Enabled"]
+
+
+def guard_disabled(states: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Tiers Disabled by the SLO guard (not by the spec): an engine that reads the control file keeps them rendered
+    and bypasses them live, so the guard's decision and its reversal need no restart."""
+    return [t["name"] for t in states if t.get("state") == "Disabled" and t.get("reason") != SPEC_DISABLED]

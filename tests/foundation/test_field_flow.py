@@ -31,6 +31,7 @@ from kvtier_runtime.config import (
     RemoteTierConfig,
 )
 from kvtier_runtime.policies import get_policy
+from kvtier_runtime.store.breaker import TierBreakers
 
 from plugins.operator import TRTLLM_IMAGE, deployment, observed
 from plugins.slo_harness import slo_settings
@@ -82,6 +83,9 @@ def runtime_objects(files: dict[str, str]) -> dict[str, Any]:
             spec.eviction_policy, 1000, admission=None if spec.admission == "none" else spec.admission,
             admission_threshold=spec.admission_threshold))
         tiers = list(spec.fs_tiers)
+        breakers = TierBreakers.for_spec(spec, tokens_per_chunk=256)  # as the adapter builds them
+        out["breakers"] = {"names": breakers.names, "control_file": spec.control_file,
+                           "recompute_s_per_token": breakers.settings.recompute_s_per_token}
         if spec.trace_dir is not None:
             out["trace"] = {"dir": spec.trace_dir, "max_bytes": spec.trace_max_bytes, "files": spec.trace_files}
         if spec.remote_tiers:
@@ -177,6 +181,12 @@ CA = {"name": "valkey-tls", "key": "ca.crt"}
 def ca_file_reaches_runtime(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert "ca_file" not in a["runtime"]["remote"][0]
     assert b["runtime"]["remote"][0]["ca_file"] == "/etc/kvtier-remote/shared/ca.crt"
+def recompute_rate_reaches_breakers(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["runtime"]["breakers"]["recompute_s_per_token"] is None
+    assert b["runtime"]["breakers"]["recompute_s_per_token"] == pytest.approx(1 / 20000)
+    assert b["runtime"]["breakers"]["names"] == ["host", "nvme"]
+
+
 def trace_reaches_runtime(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert b["runtime"]["trace"] == {"dir": api.TRACE_DIR, "max_bytes": 128 * 2**20, "files": 4}
 
@@ -262,6 +272,8 @@ FLOWS: dict[str, Flow] = {
     "offload.promptOnly": Flow(setter("offload.promptOnly", True), ("files",)),
     "offload.storeThreshold": Flow(setter("offload.storeThreshold", 5), ("files", "runtime"),
                                    before=lambda: base(tiers=THRESHOLD_TIERS), check=threshold_reaches_runtime),
+    "offload.recomputeTokensPerSecond": Flow(setter("offload.recomputeTokensPerSecond", 20000), ("files", "runtime"),
+                                             check=recompute_rate_reaches_breakers),
     "offload.minPriority": Flow(setter("offload.minPriority", 50), ("files",), before=lambda: base(**TRT),
                                 image=TRTLLM_IMAGE),
     "hostMemoryHeadroom": Flow(setter("hostMemoryHeadroom", "4Gi"), ("targets",)),

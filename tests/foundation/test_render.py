@@ -67,7 +67,8 @@ OFFLOADING_KEYS = {"spec_name", "cpu_bytes_to_use", "block_size", "eviction_poli
                    "offload_prompt_only", "store_threshold", "secondary_tiers"}
 # kvtier's own spec (backend kvtier) reads these; vLLM reads the OFFLOADING_KEYS among them.
 KVTIER_SPEC_KEYS = {"spec_name", "spec_module_path", "cpu_bytes_to_use", "block_size", "offload_prompt_only",
-                    "eviction_policy", "admission", "host_shm_dir", "fs_tiers"}
+                    "eviction_policy", "admission", "host_shm_dir", "fs_tiers", "tier_names", "control_file",
+                    "recompute_tokens_per_s"}
 FS_TIER_KEYS = {"type", "root_dir", "n_read_threads", "n_write_threads"}
 TRT_KV_KEYS = {"enable_block_reuse", "host_cache_size", "free_gpu_memory_fraction", "tokens_per_block", "dtype",
                "secondary_offload_min_priority", "disk_cache_size", "disk_cache_path"}

@@ -454,6 +454,12 @@ class OffloadSpec(_Model):
     min_priority: int = Field(35, ge=0, le=100, description="TensorRT-LLM secondary_offload_min_priority: "
                                                             "blocks with this retention priority or more are "
                                                             "offloaded.")
+    recompute_tokens_per_second: Optional[int] = Field(
+        None, ge=1, le=1_000_000_000,
+        description="Tokens per second this engine prefills (recomputes) at, measured on its hardware. With it, "
+                    "kvtier's runtime bypasses a tier whose loads cost more than recomputing the same tokens (a "
+                    "breaker per tier, no restart) and probes it back; unset, tiers are bypassed only when the SLO "
+                    "guard disables them. Needs backend kvtier.")
 
     # Typed views.
     @property
@@ -470,6 +476,8 @@ TRACE_DIR = "/var/lib/kvtier/trace"
 TRACE_MAX_SIZE_RULE = f"must be at most {MAX_TRACE_BYTES // 2**30}Gi (the runtime's bound on a recording)"
 TRACE_PER_FILE_RULE = (f"must hold at least {MIN_TRACE_FILE_BYTES // 1024}Ki per trace file (maxSize >= files x "
                        f"{MIN_TRACE_FILE_BYTES // 1024}Ki): a smaller file would rotate every few requests")
+RECOMPUTE_BACKEND_RULE = ("offload.recomputeTokensPerSecond needs backend kvtier: the breaker that uses it is part "
+                          "of kvtier's offloading spec")
 TRACE_BACKEND_RULE = ("trace.enabled needs backend kvtier: the recorder is part of kvtier's offloading spec "
                       "(backends native and lmcache cannot record)")
 
@@ -748,6 +756,8 @@ class KVCachePolicySpec(_Model):
                   field_path=".offload.storeThreshold"),
             _rule("!has(self.trace) || !self.trace.enabled || self.backend == 'kvtier'", TRACE_BACKEND_RULE,
                   field_path=".trace.enabled"),
+            _rule("!has(self.offload.recomputeTokensPerSecond) || self.backend == 'kvtier'", RECOMPUTE_BACKEND_RULE,
+                  field_path=".offload.recomputeTokensPerSecond"),
             _rule("self.rollout.strategy != 'staged' || has(self.slo)",
                   "rollout.strategy staged needs spec.slo to observe each stage", field_path=".rollout.strategy"),
             _rule("!has(self.slo) || (!has(self.slo.ttftP99MaxRatio) && !has(self.slo.itlP99MaxRatio)) || "

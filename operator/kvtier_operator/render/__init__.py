@@ -1,7 +1,9 @@
 """Renderers: a validated policy (plus facts about the target container) in, engine configuration out.
 
 Pure functions: no I/O, no cluster access. The operator applies what they return; ``kvtier render`` prints it.
-Only enabled tiers are rendered, so the SLO guard disables a tier by changing the set passed in.
+Only enabled tiers are rendered, so the SLO guard disables a tier by changing the set passed in; where the engine
+can bypass a tier live (vLLM with backend kvtier), a tier the guard disabled stays rendered and is listed in the
+control file instead, so the decision needs no restart.
 """
 from __future__ import annotations
 
@@ -9,11 +11,11 @@ from typing import Iterable, Optional
 
 from ..api import v1alpha1 as api
 from ..api.validation import PolicyInvalid, parse_policy
-from .model import CONFIG_DIR, CONFIG_FILE, RenderedConfig, RenderError, TargetFacts, remote_scope
+from .model import CONFIG_DIR, CONFIG_FILE, CONTROL_FILE, RenderedConfig, RenderError, TargetFacts, remote_scope
 from .trtllm import render_trtllm
 from .vllm import render_vllm
 
-__all__ = ["CONFIG_DIR", "CONFIG_FILE", "RenderedConfig", "RenderError", "TargetFacts", "detect_engine",
+__all__ = ["CONFIG_DIR", "CONFIG_FILE", "CONTROL_FILE", "RenderedConfig", "RenderError", "TargetFacts", "detect_engine",
            "effective_tiers", "render"]
 
 
@@ -44,11 +46,13 @@ def effective_tiers(spec: api.KVCachePolicySpec, enabled: Optional[Iterable[str]
 
 def render(policy: api.KVCachePolicy, facts: Optional[TargetFacts] = None, *,
            engine: Optional[str] = None, enabled_tiers: Optional[Iterable[str]] = None,
-           config_map_name: Optional[str] = None) -> RenderedConfig:
+           bypassed_tiers: Iterable[str] = (), config_map_name: Optional[str] = None) -> RenderedConfig:
     """Engine configuration for ``policy``.
 
     ``engine`` overrides ``spec.engine``; when both are unset it is detected from ``facts``. A detected engine is
     validated like a declared one, so engine-specific rules give the same messages either way.
+    ``bypassed_tiers``: tiers the SLO guard disabled. An engine that reads the control file keeps them rendered and
+    bypasses them live (``RenderedConfig.bypassed``); any other engine does not render them (a restart).
     """
     spec = policy.spec
     chosen = engine or spec.engine or (detect_engine(facts) if facts else None)
@@ -65,9 +69,13 @@ def render(policy: api.KVCachePolicy, facts: Optional[TargetFacts] = None, *,
         except PolicyInvalid as err:
             raise RenderError("; ".join(str(p) for p in err.problems)) from None
         spec = policy.spec
-    tiers = effective_tiers(spec, enabled_tiers)
+    live = chosen == "vllm" and spec.backend == "kvtier"
+    bypass = set(bypassed_tiers) if live else set()
+    tiers = effective_tiers(spec, None if enabled_tiers is None else [*enabled_tiers, *bypass])
     name = config_map_name or f"kvtier-{policy.metadata.get('name', 'policy')}"
     if chosen == "vllm":
-        return render_vllm(spec, tiers, name, scope=remote_scope(policy.metadata))
+        rendered = render_vllm(spec, tiers, name, scope=remote_scope(policy.metadata))
+        rendered.bypassed = [t for t in rendered.tiers if t in bypass]
+        return rendered
     return render_trtllm(spec, tiers, name)
 

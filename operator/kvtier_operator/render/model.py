@@ -24,6 +24,10 @@ def dump_yaml(document: Any, *, sort_keys: bool) -> str:
 
 CONFIG_DIR = "/etc/kvtier"
 CONFIG_FILE = "engine.yaml"
+# The runtime's live control file (kvtier_runtime.store.control), a key of the same ConfigMap: the kubelet swaps a
+# ConfigMap volume's files in place, so a tier the SLO guard disables or re-enables reaches the running engine
+# without a restart. It is not part of the config hash, which would roll the pods.
+CONTROL_FILE = "control.json"
 CONFIG_VOLUME = "kvtier-config"
 SHM_VOLUME = "kvtier-shm"
 # A remote tier's Secrets (password, MAC key, CA bundle) are mounted read-only here, one directory per tier: the
@@ -83,6 +87,11 @@ class RenderedConfig:
     volume_mounts: list[dict[str, Any]] = field(default_factory=list)
     host_memory: Optional[HostMemory] = None
     tiers: list[str] = field(default_factory=list)
+    # The engine reads CONTROL_FILE and bypasses the tiers it lists without a restart (backend kvtier): the SLO
+    # guard's decisions then travel in the file, not in a new configuration. Neither field is in the config hash.
+    live_control: bool = False
+    # Rendered tiers the control file disables (the guard's), in rendered order.
+    bypassed: list[str] = field(default_factory=list)
 
     @property
     def resources(self) -> dict[str, int]:

@@ -25,7 +25,7 @@ from kvtier_runtime.config import (
 )
 
 from ..api import v1alpha1 as api
-from .model import (CONFIG_DIR, CONFIG_FILE, RenderedConfig, RenderError, dump_yaml, mount_path, remote_ca_file,
+from .model import (CONFIG_DIR, CONFIG_FILE, CONTROL_FILE, RenderedConfig, RenderError, dump_yaml, mount_path, remote_ca_file,
                     remote_secret_files, trace_volume, workload_storage)
 
 # Replicas share a remote tier only if their block hashes agree: sha256 over CBOR is reproducible across processes,
@@ -52,13 +52,19 @@ def _kvtier_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec],
     """kvtier's own offloading spec: its host tier (the cpu tier) and filesystem tiers, with kvtier's policies
     and codecs (loaded by vLLM's OffloadingSpecFactory from ``spec_module_path``)."""
     cpu, secondary = tiers[0], [t for t in tiers[1:] if t.medium == "filesystem"]
+    remote = [t for t in tiers[1:] if t.medium == "remote"]
     config = OffloadSpecConfig(
+        # The runtime's tier order (host, filesystem, remote) under the policy's names, which the control file
+        # and the per-tier metrics speak.
+        tier_names=(cpu.name, *(t.name for t in secondary), *(t.name for t in remote)),
+        control_file=f"{CONFIG_DIR}/{CONTROL_FILE}",
+        recompute_tokens_per_s=spec.offload.recompute_tokens_per_second,
         cpu_bytes_to_use=cpu.size_bytes,
         eviction_policy=cpu.eviction,
         admission=cpu.admission,
         admission_threshold=spec.offload.admission_threshold,
         fs_tiers=tuple(_fs_tier_config(spec, t) for t in secondary),
-        remote_tiers=tuple(_remote_tier_config(t, scope) for t in tiers[1:] if t.medium == "remote"),
+        remote_tiers=tuple(_remote_tier_config(t, scope) for t in remote),
         **_trace_config(spec),
     )
     extra: dict[str, Any] = {"spec_name": VLLM_OFFLOADING_SPEC_CLASS, "spec_module_path": VLLM_ADAPTER_MODULE,
@@ -204,4 +210,5 @@ def render_vllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config_m
         volume_mounts=mounts,
         host_memory=memory,
         tiers=[t.name for t in tiers],
+        live_control=bool(tiers) and spec.backend == "kvtier",
     )
