@@ -120,7 +120,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{', '.join(f'{t:.0f}s' for t in timings.engine_start)}). Measured here: TTFT "
               + "; ".join(str(timings.ttft[p]) for p in ("healthy", "slowed", "rolled back"))
               + f". Slowdown -> {options.names.fs_tier} disabled {timings.breach_to_disable:.1f}s (first request over "
-              f"the budget -> disabled {timings.first_breach_to_disable:.1f}s, bound {timings.breach_bound:.0f}s).")
+              f"the budget -> disabled {timings.first_breach_to_disable:.1f}s, bound {timings.breach_bound:.0f}s); "
+              f"disabled -> the engine bypassing it live {timings.disable_to_rolled:.1f}s; re-enable -> serving from "
+              f"it again {timings.reenable:.1f}s.")
+        print(f"slowdown -> p99 under the budget again: {timings.p99_recovered:.0f} s, engine restarts: "
+              f"{timings.engine_restarts}")
         print(f"Every process, the node, its pods and the slow device are gone. Operator log: {options.workdir / 'operator.log'}")
         return 0
     print(f"Done in {time.monotonic() - started:.0f}s (set-up {timings.setup:.0f}s). Measured here: "

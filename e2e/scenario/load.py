@@ -153,3 +153,23 @@ class PhaseStats:
         if not self.n:
             return f"{self.phase}: no completed request"
         return f"{self.phase}: p50 {self.p50:.2f}s, p99 {self.p99:.2f}s over {self.n} requests"
+
+
+def p99_back_under(samples: list[Sample], since: float, budget: float, window: float) -> Optional[float]:
+    """Seconds from ``since`` (a slowdown) until the p99 TTFT of the requests completed in the trailing ``window``
+    (the SLO guard's window, measured by the client) is at or under ``budget`` for good: at the first completion
+    after the last one whose window was over it. A failed request counts as over. 0.0 when no window after
+    ``since`` was over; None when the last one still is."""
+    ordered = sorted(samples, key=lambda x: x.at)
+    verdicts = []
+    for x in ordered:
+        if x.at < since:
+            continue
+        ttfts = [math.inf if y.ttft is None else y.ttft for y in ordered if x.at - window < y.at <= x.at]
+        p99 = PhaseStats.of("", ttfts).p99
+        verdicts.append((x.at, p99 is not None and p99 <= budget))
+    over = [i for i, (_, ok) in enumerate(verdicts) if not ok]
+    if not over:
+        return 0.0
+    after = verdicts[over[-1] + 1:]
+    return after[0][0] - since if after else None

@@ -13,7 +13,8 @@ import yaml
 
 from kvtier_operator.kube import Kube, config_map_path, policy_path, workload_path
 from kvtier_operator.reconcile import config_map_name
-from kvtier_operator.render import CONFIG_FILE
+from kvtier_operator.render import CONFIG_FILE, CONTROL_FILE
+from kvtier_runtime.store.control import ControlError, parse_control
 from kvtier_operator.settings import CONFIG_HASH_ANNOTATION
 
 
@@ -132,30 +133,51 @@ class Snapshot:
     def rendered_tiers(self) -> list[str]:
         return tiers_in_config(self.rendered, self.declared_tiers)
 
+    @property
+    def bypassed_tiers(self) -> list[str]:
+        """Rendered tiers the ConfigMap's control file disables (the guard's decisions, applied live)."""
+        return control_tiers(((self.config_map or {}).get("data") or {}).get(CONTROL_FILE))
+
+    @property
+    def live_tiers(self) -> list[str]:
+        """Rendered tiers the engine may use: the rendered ones less the bypassed ones."""
+        return [t for t in self.rendered_tiers if t not in self.bypassed_tiers]
+
     def pod_tiers(self) -> dict[str, list[str]]:
         return {name: tiers_in_config(cfg, self.declared_tiers) for name, cfg in self.pods.items()}
 
     def agreement(self) -> list[str]:
         """Every way the policy status, the ConfigMap, the workload and the running pods disagree ([] = agree)."""
         problems = []
-        enabled = self.enabled_tiers
-        if self.rendered_tiers != enabled:
-            problems.append(f"ConfigMap renders tiers {self.rendered_tiers}, status.tiers enables {enabled}")
+        enabled, rendered = self.enabled_tiers, self.rendered_tiers
+        if self.live_tiers != enabled:
+            problems.append(f"ConfigMap renders tiers {rendered} (bypassed live: {self.bypassed_tiers}), "
+                            f"status.tiers enables {enabled}")
         if not self.status_hash or self.workload_hash != self.status_hash:
             problems.append(f"workload config-hash {self.workload_hash} != status {self.status_hash}")
         for pod, tiers in self.pod_tiers().items():
-            if tiers != enabled:
-                problems.append(f"pod {pod} loaded tiers {tiers}, status.tiers enables {enabled}")
+            if tiers != rendered:
+                problems.append(f"pod {pod} loaded tiers {tiers}, the ConfigMap renders {rendered}")
         if not self.pods:
             problems.append("no pod is running")
         for t in self.declared_tiers:
             if t.get("medium") == "filesystem":
                 mounted = t["path"] in self.workload_mounts
-                if mounted != (t["name"] in enabled):
+                if mounted != (t["name"] in rendered):
                     problems.append(f"tier {t['name']}: volume at {t['path']} "
                                     f"{'still mounted' if mounted else 'missing'} while it is "
-                                    f"{'disabled' if mounted else 'enabled'}")
+                                    f"{'not rendered' if mounted else 'rendered'}")
         return problems
+
+
+def control_tiers(text: Optional[str]) -> list[str]:
+    """The tiers a control file's text disables (the runtime's own parser), [] without a file."""
+    if not text:
+        return []
+    try:
+        return sorted(parse_control(text.encode()).disabled)
+    except ControlError:
+        return []
 
 
 def snapshot(kube: Kube, namespace: str, policy: str, workload: str, at: float,
@@ -244,6 +266,8 @@ def row(s: Snapshot, consecutive_needed: Optional[int] = None) -> str:
     last = s.slo_last
     thresholds = last.get("thresholds") or {}
     tiers = " ".join(f"{n}={st}" for n, st in s.tier_states.items()) or "-"
+    if s.bypassed_tiers:
+        tiers += f" (live off: {','.join(s.bypassed_tiers)})"
     pods = ", ".join(f"{name}: {'+'.join(t) or 'gpu only'}"
                      for name, t in s.pod_tiers().items()) or "-"
     need = f"/{consecutive_needed}" if consecutive_needed else ""

