@@ -51,7 +51,7 @@ def client_config(kube: Kube, namespace: str, prom: "slo.PrometheusSettings") ->
             raise KeyError(key)
         return base64.b64decode(raw).decode()
 
-    # requests verifies TLS against a file; /tmp is writable in the chart's pod.
+    # The TLS context loads the CA bundle from a file; /tmp is writable in the chart's pod.
     return resolve_client_config(prom, read_secret, os.path.join(tempfile.gettempdir(), "kvtier-ca"))
 
 
