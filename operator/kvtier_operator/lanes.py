@@ -1,7 +1,7 @@
 """One worker thread per key ("lane") for blocking work that must not delay anyone else's.
 
-Why: an SLO evaluation blocks on its Prometheus (a client timeout bounds each read, not a server that drips
-bytes), and the reconciles run the blocking Kubernetes client on the event loop's default executor. Run on that
+Why: an SLO evaluation blocks on its Prometheus (each query up to its total deadline,
+``spec.slo.prometheus.timeout``, on an event loop of the query's own: ``slo.http``), and the reconciles run the blocking Kubernetes client on the event loop's default executor. Run on that
 shared pool, a few slow Prometheus servers would hold every worker and stall the reconciles of every policy, and
 the other policies' evaluations. In its own lane an evaluation can only delay the next evaluation of its own
 policy. A lane's thread exists while its key does (``close``); idle, it costs a blocked thread.

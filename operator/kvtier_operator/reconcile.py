@@ -14,6 +14,7 @@ from .api import v1alpha1 as api
 from . import parsed
 from .api.validation import PolicyInvalid, Problem, parse_policy
 from .printable import printable
+from .reports import Event
 from .render import CONFIG_DIR, CONFIG_FILE, CONTROL_FILE, RenderedConfig, RenderError, detect_engine, render
 from .selectors import matches
 from .settings import FIELD_MANAGER, POLICY_LABEL
@@ -42,13 +43,6 @@ REFUSED = "Refused"
 NOT_OPTED_IN = "NotOptedIn"
 ERROR = "Error"
 RELEASED = "Released"
-
-
-@dataclass(frozen=True)
-class Event:
-    type: str  # Normal | Warning
-    reason: str
-    message: str
 
 
 @dataclass

@@ -16,16 +16,14 @@ import re
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 from . import slo
 from .api import v1alpha1 as api
 from .api.units import parse_duration
-from .kube import Kube
-from .reconcile import Event
+from .reports import Cond, Event
 from .settings import REENABLE_ANNOTATION, Settings
 from .slo.client import PrometheusClientConfig, PrometheusSource, Unavailable, resolve_client_config
-from .status import Cond
 from .trust import endpoint_problem
 
 # The API's default spec.slo.interval, used until the spec can be read.
@@ -37,6 +35,13 @@ SLO_STATE = {"ok": "OK", "breach": "Breaching", "error": "Unknown", "noData": "N
 
 
 # ---------------------------------------------------------------------------------------------- secrets
+
+class Kube(Protocol):
+    """What the guard's step reads from the API server: the Secrets ``spec.slo.prometheus`` names, by path (the
+    controller's ``kube.Kube``; the guard imports nothing from the controller)."""
+
+    def get(self, path: str) -> Optional[dict[str, Any]]: ...
+
 
 def client_config(kube: Kube, namespace: str, prom: "slo.PrometheusSettings") -> PrometheusClientConfig:
     """``spec.slo.prometheus`` as a connectable config, its Secrets read from the policy's namespace.
@@ -51,7 +56,7 @@ def client_config(kube: Kube, namespace: str, prom: "slo.PrometheusSettings") ->
             raise KeyError(key)
         return base64.b64decode(raw).decode()
 
-    # requests verifies TLS against a file; /tmp is writable in the chart's pod.
+    # The TLS context loads the CA bundle from a file; /tmp is writable in the chart's pod.
     return resolve_client_config(prom, read_secret, os.path.join(tempfile.gettempdir(), "kvtier-ca"))
 
 

@@ -5,11 +5,11 @@ equal and is not written (no watch event, no reconcile loop on our own writes).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Iterable, Optional
 
 from .printable import printable
+from .reports import Cond
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Conflict")
 GUARD_CONDITION_TYPES = ("SLOUnknown", "SLOBreached", "TierRolledBack")
@@ -21,14 +21,6 @@ RETIRED = ("history",)
 
 def now_rfc3339() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-@dataclass(frozen=True)
-class Cond:
-    type: str
-    status: str  # "True" | "False" | "Unknown"
-    reason: str
-    message: str = ""
 
 
 def merge_conditions(old: Iterable[dict[str, Any]], new: Iterable[Cond], generation: Optional[int],

@@ -1,6 +1,6 @@
 """A slow Prometheus delays only its own policy's evaluations (issue 16, item 3; lanes.Lanes).
 
-Real parts: the guard's own Prometheus client (``PrometheusSource``, requests) against local HTTP servers on
+Real parts: the guard's own Prometheus client (``PrometheusSource``, aiohttp) against local HTTP servers on
 loopback: one that answers at once like Prometheus, one that drips its answer a byte at a time. Each query ends at
 its policy's total deadline (``spec.slo.prometheus.timeout``, at most 60 s), so a dripping server holds an
 evaluation for that long; the test uses the maximum. Many policies point at the

@@ -7,6 +7,8 @@ path in tests/test_slo_client.py.
 """
 from __future__ import annotations
 
+import asyncio
+import gc
 import math
 import socket
 import threading
@@ -17,7 +19,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from kvtier_operator.slo import Measurements, assess
+from kvtier_operator.slo import Measurements, assess, http
 from kvtier_operator.slo.client import PrometheusClientConfig, PrometheusSource, unavailable
 from plugins.slo_harness import slo_settings
 
@@ -194,6 +196,98 @@ def test_credentials_are_sent_only_as_configured_and_never_echoed():
     assert b"Authorization: Bearer tok-123" in script.requests[0]
     assert "tok-123" not in reading.error and reading.detail == "HTTP 401"
     assert reading.error == unavailable(url) and "Unauthorized" not in reading.error
+
+
+def test_a_redirect_is_not_followed_and_the_credentials_stay_put():
+    def elsewhere(conn, script):
+        send(conn, script, b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(OK_BODY), OK_BODY))
+
+    with hostile_server(elsewhere) as (target, other):
+        def behave(conn, script):
+            send(conn, script, b"HTTP/1.1 302 Found\r\nLocation: %s/api/v1/query?query=vector(1)\r\n"
+                 b"Content-Length: 0\r\n\r\n" % target.encode())
+        with hostile_server(behave) as (url, script):
+            reading, _ = query(url, bearer_token="tok-123")
+    # A 3xx is an answer like any other: not Prometheus's, so unavailable; the token went to the named URL only.
+    assert reading.is_error and reading.error == unavailable(url) and reading.detail == "HTTP 302", reading
+    assert len(script.requests) == 1 and other.requests == []
+
+
+@pytest.mark.parametrize("head", [
+    b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 20_000 + b"\r\nContent-Length: 0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-%d: a\r\n" % i for i in range(500)) + b"Content-Length: 0\r\n\r\n",
+], ids=["one-huge-header", "many-headers"])
+def test_oversized_headers_are_refused(head):
+    with hostile_server(lambda conn, script: send(conn, script, head)) as (url, _):
+        reading, took = query(url)
+    assert reading.is_error and reading.error == unavailable(url) and took < 1.0
+    assert reading.detail.startswith("too_large: headers larger than"), reading.detail
+
+
+@pytest.mark.parametrize("answer, detail", [
+    (b"SSH-2.0-OpenSSH_9.6\r\n\r\n", "protocol: not an HTTP/1.x answer"),
+    (b"", "protocol: connection closed before the headers ended"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{}", "protocol: connection closed before the body ended"),
+])
+def test_broken_answers_are_unavailable(answer, detail):
+    with hostile_server(lambda conn, script: send(conn, script, answer)) as (url, _):
+        reading, _ = query(url)
+    assert reading.is_error and reading.error == unavailable(url) and reading.detail == detail, reading
+
+
+def test_a_compressed_answer_is_not_inflated():
+    # Accept-Encoding: identity is asked; a server that compresses anyway is not decompressed (no zip bomb).
+    def behave(conn, script):
+        send(conn, script, b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 4\r\n\r\nabcd")
+    with hostile_server(behave) as (url, script):
+        reading, _ = query(url)
+    assert b"Accept-Encoding: identity" in script.requests[0]
+    assert reading.is_error and reading.detail == "not a Prometheus query result", reading
+
+
+def test_a_closed_port_is_unavailable():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    reading, _ = query(url)
+    assert reading.is_error and reading.error == unavailable(url) and reading.detail == "connect: connection refused"
+
+
+def test_queries_leave_no_session_loop_or_thread_behind():
+    def behave(conn, script):
+        send(conn, script, b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(OK_BODY), OK_BODY))
+    before = set(threading.enumerate())
+    with warnings_recorded() as seen:
+        with hostile_server(behave) as (url, _):
+            for _ in range(5):
+                assert query(url)[0].value == 0.25
+            assert query(url, timeout_s=10.0, max_bytes=8)[0].detail.startswith("too_large")
+        # A name that does not resolve goes through the resolver's thread.
+        assert query("http://no-such-prometheus.invalid:9090")[0].is_error
+        gc.collect()
+    leaked = [str(w.message) for w in seen if issubclass(w.category, ResourceWarning)]
+    assert not leaked, leaked  # an unclosed session, connector, transport or event loop warns when collected
+    deadline = time.monotonic() + 5
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not set(threading.enumerate()) - before
+
+
+def test_the_reader_refuses_to_block_a_running_event_loop():
+    async def on_the_loop():
+        http.get("http://127.0.0.1:9/", deadline_s=1, max_bytes=1)
+
+    with pytest.raises(RuntimeError, match="worker thread"):
+        asyncio.run(on_the_loop())
+
+
+@contextmanager
+def warnings_recorded() -> Iterator[list]:
+    import warnings
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        yield seen
 
 
 @pytest.mark.parametrize("value", ["-0.5", "-Inf"])

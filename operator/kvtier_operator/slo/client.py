@@ -1,9 +1,11 @@
 """Reads the SLO guard's three numbers from Prometheus's HTTP API (``/api/v1/query``).
 
 Every failure becomes a :class:`Reading` error with a message a person can act on; nothing raises into the
-operator's timer, because an unreachable Prometheus must surface as ``SLOUnknown``, never as a crash or a breach.
-Each query is bounded (:mod:`.http`): a total deadline of ``timeout_s`` and at most ``max_bytes`` of answer. Error
-messages name the endpoint without credentials, query or fragment, and never quote the answer's body.
+policy's pass, because an unreachable Prometheus must surface as ``SLOUnknown``, never as a crash or a breach.
+Each query is one bounded, blocking GET (:mod:`.http`, aiohttp): a total deadline of ``timeout_s``, bounded
+headers, at most ``max_bytes`` of answer, no redirect followed. The operator calls it from the policy's lane
+thread (``lanes.Lanes``), never from kopf's event loop. Error messages name the endpoint without credentials,
+query or fragment, and never quote the answer's body.
 """
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ class PrometheusClientConfig:
     # Path to a PEM bundle that signs the server's certificate; None uses the system store.
     ca_file: str | None = None
     insecure_skip_verify: bool = False
-    # Kept for callers of the requests-based client; one evaluation is one try (the next interval is the retry).
+    # Not used: one evaluation is one try (the next interval is the retry). Kept so that existing callers work.
     retries: int = 0
     max_bytes: int = DEFAULT_MAX_BYTES
 
@@ -170,8 +172,8 @@ def resolve_client_config(settings: PrometheusSettings, read_secret: Callable[[s
                           ca_dir: str | os.PathLike[str]) -> PrometheusClientConfig:
     """Turn ``spec.slo.prometheus`` into a connectable config. ``read_secret(name, key)`` returns one key of a
     Secret in the policy's namespace, decoded (the operator passes a Kubernetes reader; KeyError, or any
-    exception, when it cannot). The CA bundle is written under ``ca_dir`` because requests verifies against a
-    file. Raises ValueError naming the field, and the same words whatever went wrong with the Secret: a policy
+    exception, when it cannot). The CA bundle is written under ``ca_dir`` because the TLS context loads it from
+    a file. Raises ValueError naming the field, and the same words whatever went wrong with the Secret: a policy
     author must not learn from a condition whether a Secret or a key exists."""
     token = basic = ca_file = None
     if settings.bearer_token is not None:

@@ -1,5 +1,6 @@
-"""One tick of the SLO guard: build the queries, measure, decide. The operator's kopf timer calls :func:`tick`
-every ``spec.slo.interval`` and applies the returned actions; tests and the benchmark drive it the same way."""
+"""One tick of the SLO guard: build the queries, measure, decide. The policy's pass (``controller``, in the
+policy's lane thread) calls :func:`tick` when ``spec.slo.interval`` is due and turns the returned actions into its
+status, Events and re-render (``slo_tick``); tests and the benchmark drive it the same way."""
 from __future__ import annotations
 
 from datetime import datetime
