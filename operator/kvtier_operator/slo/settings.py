@@ -76,6 +76,8 @@ class SLOSettings:
     queries: Mapping[str, str]
     # Declared with ``enabled: false``: never rendered, never touched by the guard, shown as Disabled.
     spec_disabled_tiers: tuple[str, ...]
+    # The idle check's range (spec.slo.idleWindow): informational, never part of a verdict.
+    idle_window_s: float
     history_limit: int = api.HISTORY_LIMIT
 
     @classmethod
@@ -108,4 +110,5 @@ class SLOSettings:
             stage_observation_s=spec.rollout.stage_observation_s,
             queries=queries,
             spec_disabled_tiers=tuple(t.name for t in spec.tiers if not t.enabled),
+            idle_window_s=slo.idle_window_s,
         )
