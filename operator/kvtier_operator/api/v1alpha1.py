@@ -893,8 +893,8 @@ class KVCachePolicyStatus(_Model):
     active_tiers: Optional[str] = Field(None, description="Enabled tiers, comma separated (printer column).")
     slo_state: Optional[str] = Field(None, description="OK, Breaching, Unknown, NoData or Off (printer column).")
     hit_ratios: Optional[str] = Field(
-        None, max_length=512, description="Measured hit ratios over spec.slo.window, e.g. 'gpu=0.62 cpu=0.41 "
-                                          "nvme=0.12' (gpu: vLLM's own prefix cache; printer column).")
+        None, max_length=512, description="Measured hit ratios over spec.slo.window, e.g. 'gpu=0.62 cpu=0.412 "
+                                          "nvme=0.005' (gpu: vLLM's own prefix cache; printer column).")
     device_hit_ratio: Optional[float] = Field(
         None, ge=0, le=1, allow_inf_nan=False,
         description="vLLM's GPU prefix cache hit ratio over spec.slo.window (vllm:prefix_cache_hits_total / "

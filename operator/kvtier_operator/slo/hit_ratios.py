@@ -142,10 +142,11 @@ def with_figures(tiers: Iterable[Mapping[str, Any]], measured: HitRatios) -> lis
 
 
 def summary(tiers: Iterable[Mapping[str, Any]], device: Figure) -> Optional[str]:
-    """``gpu=0.62 cpu=0.41 nvme=0.12``: the device first, then the tiers with a figure in spec order; None when
-    there is no figure at all."""
-    parts = [] if device is None else [f"{DEVICE_TIER}={device:.2f}"]
-    parts += [f"{t['name']}={t['hitRatio']:.2f}" for t in tiers if t.get("hitRatio") is not None]
+    """``gpu=0.62 cpu=0.412 nvme=0.005``: the device first, then the tiers with a figure in spec order, each the
+    figure status holds (3 decimals, trailing zeros dropped, so the column and the TierIdle message agree); None
+    when there is no figure at all."""
+    parts = [] if device is None else [f"{DEVICE_TIER}={round(device, DECIMALS):g}"]
+    parts += [f"{t['name']}={round(t['hitRatio'], DECIMALS):g}" for t in tiers if t.get("hitRatio") is not None]
     return " ".join(parts) or None
 
 
