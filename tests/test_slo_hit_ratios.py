@@ -106,6 +106,21 @@ def test_the_first_failed_query_stops_the_rest():
     assert len(source.asked) == 2
 
 
+def test_a_slow_prometheus_spends_one_budget_for_all_the_figures():
+    clock = [0.0]
+
+    class Slow(Canned):
+        def query_scalar(self, promql):
+            clock[0] += 1.0   # each answer takes a second
+            return super().query_scalar(promql)
+
+    source = Slow({k: 0.5 for k in [("gpu", "5m"), ("cpu", "5m"), ("nvme", "5m"), ("cpu", "1h"), ("nvme", "1h")]})
+    # A 2 s budget: two queries start, the third would start with the budget spent.
+    measured = hr.measure(source, hr.build(["cpu", "nvme"], SCOPE, 300, 3600), budget_s=2, clock=lambda: clock[0])
+    assert measured.window == {"gpu": 0.5, "cpu": 0.5} and "budget" in (measured.error or "")
+    assert len(source.asked) == 2
+
+
 def test_figures_go_to_enabled_tiers_and_an_unanswered_one_keeps_its_stored_figure():
     tiers = enabled("cpu", "nvme", cpu=0.3, nvme=0.2) + [
         {"name": "remote", "state": "Disabled", "reason": "SLOBreach", "since": OLD, "hitRatio": 0.5}]
@@ -184,6 +199,16 @@ def test_prometheus_down_or_a_broken_query_never_fails_the_guard():
     assert step.hit_ratios is None and step.slo_state == "OK"
     trt = decide(guard, _policy_obj({"engine": "trtllm"}), Canned(ANSWERS), scope, 1000.0)
     assert trt.hit_ratios is None   # vLLM's counters only
+
+
+def test_without_backend_kvtier_only_the_gpu_prefix_cache_is_asked():
+    native = slo_settings(policy(tiers=TIERS[:1], backend="native", engine="vllm", slo=SLO)["spec"])
+    assert not native.tier_counters and slo_settings(spec()).tier_counters
+    scope = scope_for("ns", {"targets": [{"kind": "Deployment", "name": "llm", "state": "Applied"}]}, None)
+    source = Canned(ANSWERS)
+    step = decide(native, _policy_obj(), source, scope, 1000.0)
+    assert step.hit_ratios == hr.HitRatios(window={"gpu": 0.625}, idle={}, idle_window_s=3600.0)
+    assert len(source.asked) == 1
 
 
 def _status_after(step, before, now=NOW):

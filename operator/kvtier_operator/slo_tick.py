@@ -162,17 +162,19 @@ def hit_ratios(guard: "slo.SLOSettings", source: Any, scope: "slo.Scope", decisi
 
     Informational: None when not measured (an engine without these counters, a source that cannot run a query,
     an evaluation whose SLO queries failed: Prometheus is not asked again), and nothing raised here reaches the
-    guard, whose decision is already taken.
+    guard, whose decision is already taken. The queries share one query timeout (``spec.slo.prometheus.timeout``).
     """
     chosen = engine or guard.engine or "vllm"
     query = getattr(source, "query_scalar", None)
     if chosen not in hr.ENGINES or query is None or decision.state.get("verdict") == "error":
         return None
     try:
-        tiers = slo.enabled_tiers(guard, decision.state)
+        # Backend native or lmcache exports no per-tier counters: only the GPU prefix cache is asked.
+        tiers = slo.enabled_tiers(guard, decision.state) if guard.tier_counters else []
         declared = (*guard.tiers, *guard.spec_disabled_tiers)
         queries = hr.build(tiers, scope, guard.window_s, guard.idle_window_s, device=hr.DEVICE_TIER not in declared)
-        return hr.measure(source, queries)
+        # One query timeout for all of them, on top of the SLO queries (each query has the same deadline).
+        return hr.measure(source, queries, budget_s=guard.prometheus.timeout_s)
     except Exception:  # noqa: BLE001 - a figure that cannot be had must never fail the guard
         log.warning("hit ratios not measured", exc_info=True)
         return None

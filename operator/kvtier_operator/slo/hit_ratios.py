@@ -3,8 +3,8 @@ own counters over the guard's window (and, for the idle check, over ``spec.slo.i
 
 Informational only: nothing here feeds a verdict. The guard asks for them after its SLO queries answered, with the
 same client, the same scope (the policy's own pods) and the same bounds (one query per figure, each with the
-client's deadline and size limit); the first query that fails stops the rest, so an unreachable Prometheus costs
-at most one more timeout. The figures are
+client's deadline and size limit); the first query that fails stops the rest, and so does a spent time budget
+(one query timeout for them all), so they add at most about two query timeouts to an evaluation. The figures are
 
 - a tier's: ``(sum(rate(vllm:kv_offload_kvtier_hit_tokens_total{tier=T}[w])) or vector(0)) /
   sum(rate(vllm:kv_offload_kvtier_lookup_tokens_total[w]))``; the ``or vector(0)`` makes a tier that was
@@ -18,9 +18,10 @@ decimals, so status changes only when the rounded figure does.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Iterable, Mapping, Optional, Protocol
+from typing import Any, Callable, Iterable, Mapping, Optional, Protocol
 
 from .measurements import Reading
 from .queries import Scope, _selector, promql_duration
@@ -107,11 +108,17 @@ class HitRatios:
     error: Optional[str] = None
 
 
-def measure(source: ScalarSource, queries: HitRatioQueries) -> HitRatios:
-    """Ask ``source`` each query in turn; the first error stops the rest (one unreachable server, one timeout)."""
+def measure(source: ScalarSource, queries: HitRatioQueries, budget_s: Optional[float] = None,
+            clock: Callable[[], float] = time.monotonic) -> HitRatios:
+    """Ask ``source`` each query in turn; the first error stops the rest (one unreachable server, one timeout),
+    and no query starts once ``budget_s`` seconds are spent (a slow Prometheus must not stretch the evaluation)."""
     out: dict[str, dict[str, Figure]] = {"window": {}, "idle": {}}
+    start = clock()
     for part, texts in (("window", queries.window), ("idle", queries.idle)):
         for tier, promql in texts.items():
+            if budget_s is not None and clock() - start >= budget_s:
+                return HitRatios(out["window"], out["idle"], queries.idle_window_s,
+                                 f"time budget of {budget_s:g}s spent before every hit ratio was asked")
             reading = source.query_scalar(promql)
             answered, figure = ratio(reading)
             if not answered:

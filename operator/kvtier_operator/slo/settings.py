@@ -78,6 +78,8 @@ class SLOSettings:
     spec_disabled_tiers: tuple[str, ...]
     # The idle check's range (spec.slo.idleWindow): informational, never part of a verdict.
     idle_window_s: float
+    # The engines export kvtier's per-tier hit and lookup counters (backend kvtier): tiers' hit ratios exist.
+    tier_counters: bool
     history_limit: int = api.HISTORY_LIMIT
 
     @classmethod
@@ -111,4 +113,5 @@ class SLOSettings:
             queries=queries,
             spec_disabled_tiers=tuple(t.name for t in spec.tiers if not t.enabled),
             idle_window_s=slo.idle_window_s,
+            tier_counters=spec.backend == "kvtier",
         )
