@@ -41,11 +41,13 @@ class Ctx:
                               metrics_path=self.engine.metrics_path)
 
     def loop(self, state: dict[str, Any] | None = None, rollout: dict[str, Any] | None = None,
-             **slo: Any) -> GuardLoop:
+             backend: str | None = None, **slo: Any) -> GuardLoop:
         spec: dict[str, Any] = {"selector": {"matchLabels": {"app": "llm"}}, "tiers": [{"name": "host", "medium": "cpu", "size": "1Gi"}, {"name": "nvme", "medium": "filesystem", "size": "10Gi", "path": "/mnt/nvme", "volume": {"emptyDir": {}}}],
                                 "slo": {"prometheus": {"url": self.prometheus.url}, **BASE_SLO, **slo}}
         if rollout:
             spec["rollout"] = rollout
+        if backend:
+            spec["backend"] = backend
         settings = slo_settings(spec)
         source = PrometheusSource(PrometheusClientConfig(self.prometheus.url, timeout_s=2))
         return GuardLoop(settings, source, Scope(namespace=self.name, pod_regex=f"{self.name}-.*"), state=state)
@@ -257,7 +259,7 @@ def hit_ratios(ctx: Ctx) -> dict[str, Any]:
     try:
         ctx.prometheus.add_target(counters.address, namespace=ctx.name, pod=f"{ctx.name}-1")
         ctx.prometheus.add_target(foreign.address, namespace="elsewhere", pod=f"{ctx.name}-2")
-        loop = ctx.loop(idleWindow="6s")
+        loop = ctx.loop(backend="kvtier", idleWindow="6s")   # kvtier's runtime exports the per-tier counters
         warm(loop)
         policy_obj = {"metadata": {"generation": 1}, "status": {"engine": "vllm"}}
         deadline = time.monotonic() + 25
