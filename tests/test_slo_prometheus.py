@@ -9,12 +9,15 @@ longest scenario instead of the sum. Assertions run inside the scenarios, as the
 from __future__ import annotations
 
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
 import pytest
 
+from kvtier_operator.controller import guard_fields
 from kvtier_operator.slo import Scope
 from kvtier_operator.slo.client import PrometheusClientConfig, PrometheusSource
 from plugins.slo_harness import GuardLoop, slo_settings
@@ -38,11 +41,13 @@ class Ctx:
                               metrics_path=self.engine.metrics_path)
 
     def loop(self, state: dict[str, Any] | None = None, rollout: dict[str, Any] | None = None,
-             **slo: Any) -> GuardLoop:
+             backend: str | None = None, **slo: Any) -> GuardLoop:
         spec: dict[str, Any] = {"selector": {"matchLabels": {"app": "llm"}}, "tiers": [{"name": "host", "medium": "cpu", "size": "1Gi"}, {"name": "nvme", "medium": "filesystem", "size": "10Gi", "path": "/mnt/nvme", "volume": {"emptyDir": {}}}],
                                 "slo": {"prometheus": {"url": self.prometheus.url}, **BASE_SLO, **slo}}
         if rollout:
             spec["rollout"] = rollout
+        if backend:
+            spec["backend"] = backend
         settings = slo_settings(spec)
         source = PrometheusSource(PrometheusClientConfig(self.prometheus.url, timeout_s=2))
         return GuardLoop(settings, source, Scope(namespace=self.name, pod_regex=f"{self.name}-.*"), state=state)
@@ -202,9 +207,94 @@ def restart_mid_breach(ctx: Ctx) -> dict[str, Any]:
     return {}
 
 
+class OffloadCounters:
+    """A target exposing the runtime's per-tier counters and vLLM's prefix-cache counters, each growing at a fixed
+    rate per second (classic text format, so Prometheus keeps the ``vllm:`` names): ``host`` serves 40 of every 100
+    looked-up tokens, ``nvme`` 0.5 (idle), the GPU prefix cache 60 of 100 queried."""
+
+    RATES = {'vllm:kv_offload_kvtier_hit_tokens_total{tier="host"}': 40.0,
+             'vllm:kv_offload_kvtier_hit_tokens_total{tier="nvme"}': 0.5,
+             "vllm:kv_offload_kvtier_lookup_tokens_total": 100.0,
+             "vllm:prefix_cache_hits_total": 60.0, "vllm:prefix_cache_queries_total": 100.0}
+
+    def __init__(self, rates: dict[str, float] | None = None) -> None:
+        start = time.monotonic()
+        rates = rates or self.RATES
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                t = time.monotonic() - start
+                names = sorted({k.split("{")[0] for k in rates})
+                lines = [f"# TYPE {n} counter" for n in names]
+                lines += [f"{series} {rate * t:.3f}" for series, rate in rates.items()]
+                body = ("\n".join(lines) + "\n").encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def hit_ratios(ctx: Ctx) -> dict[str, Any]:
+    """The guard's hit-ratio queries against real counters: each tier's share of the looked-up tokens over the
+    window, the GPU prefix cache's, and TierIdle for the tier that serves 0.5%, all on the scenario's pods only."""
+    from kvtier_operator.slo_tick import decide
+
+    counters = OffloadCounters()
+    # A pod of another namespace whose every lookup hits host and the GPU: counted, it would lift both figures.
+    foreign = OffloadCounters({**OffloadCounters.RATES, 'vllm:kv_offload_kvtier_hit_tokens_total{tier="host"}': 100.0,
+                               'vllm:kv_offload_kvtier_hit_tokens_total{tier="nvme"}': 0.0,
+                               "vllm:prefix_cache_hits_total": 100.0})
+    try:
+        ctx.prometheus.add_target(counters.address, namespace=ctx.name, pod=f"{ctx.name}-1")
+        ctx.prometheus.add_target(foreign.address, namespace="elsewhere", pod=f"{ctx.name}-2")
+        loop = ctx.loop(backend="kvtier", idleWindow="6s")   # kvtier's runtime exports the per-tier counters
+        warm(loop)
+        policy_obj = {"metadata": {"generation": 1}, "status": {"engine": "vllm"}}
+        deadline = time.monotonic() + 25
+        while True:
+            step = decide(loop.settings, {**policy_obj, "status": {"engine": "vllm", "slo": loop.state}},
+                          loop.source, loop.scope, time.time())
+            measured = step.hit_ratios
+            if measured and measured.error is None and all(
+                    measured.window.get(t) is not None for t in ("gpu", "host", "nvme")) and all(
+                    measured.idle.get(t) is not None for t in ("host", "nvme")):
+                break
+            assert time.monotonic() < deadline, f"no hit ratios yet: {measured}"
+            time.sleep(1)
+        assert step.slo_state == "OK"   # the figures change no verdict
+        assert abs(measured.window["host"] - 0.4) < 0.02, measured
+        assert abs(measured.window["gpu"] - 0.6) < 0.02, measured
+        assert measured.window["nvme"] < 0.01 and measured.idle["nvme"] < 0.01, measured
+        tiers = [{"name": t, "state": "Enabled", "reason": "Enabled", "since": "2026-01-01T00:00:00Z"}
+                 for t in ("host", "nvme")]
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        fields = guard_fields(step, [], 1, now, tiers)
+        [idle] = [c for c in fields["conditions"] if c["type"] == "TierIdle"]
+        assert (idle["status"], idle["reason"]) == ("True", "NoHits") and "nvme (0.00" in idle["message"], idle
+        assert "host" not in idle["message"]
+        assert fields["hitRatios"].startswith("gpu=0.6") and " host=0.4" in fields["hitRatios"], fields
+        return {"window": measured.window, "idle": measured.idle, "summary": fields["hitRatios"]}
+    finally:
+        counters.stop()
+        foreign.stop()
+
+
 SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     f.__name__: f for f in (sustained_breach, transient_spike, prometheus_outage, low_traffic,
-                            recovery_auto_reenable, probation_breach, staged_rollout, restart_mid_breach)
+                            recovery_auto_reenable, probation_breach, staged_rollout, restart_mid_breach,
+                            hit_ratios)
 }
 
 
@@ -277,3 +367,8 @@ def test_staged_rollout(outcomes):
 
 def test_restart_mid_breach(outcomes):
     _outcome(outcomes, "restart_mid_breach")
+
+
+def test_hit_ratios(outcomes):
+    """Real counters scraped by a real Prometheus: host 0.4, the GPU prefix cache 0.6, nvme idle (TierIdle)."""
+    _outcome(outcomes, "hit_ratios")

@@ -29,8 +29,9 @@ from .kube import NODES, STRATEGIC, ApiError, Kube, config_map_path, policy_path
 from .metrics import Metrics
 from .selectors import to_query
 from .settings import POLICY_LABEL, REENABLE_ANNOTATION, Settings
+from .slo import hit_ratios as hr
 from .slo_tick import DEFAULT_INTERVAL, GuardStep, evaluate, misconfigured
-from .status import compose, condition, merge_conditions, now_rfc3339
+from .status import Cond, compose, condition, merge_conditions, now_rfc3339
 from .status_writer import write_status
 from .tiers import tier_states
 from .trust import foreign_holder_message, owns_config_map, remote_secret_names
@@ -58,13 +59,36 @@ def with_guard_state(policy: dict[str, Any], state: dict[str, Any]) -> dict[str,
 
 
 def guard_fields(step: GuardStep, conditions: list[dict[str, Any]], generation: Optional[int],
-                 now: str) -> dict[str, Any]:
-    """The status fields a guard step sets, its conditions merged into the pass's (pure)."""
-    out: dict[str, Any] = {"sloState": step.slo_state,
-                           "conditions": merge_conditions(conditions, step.conditions, generation, now)}
+                 now: str, tiers: Optional[list[dict[str, Any]]] = None,
+                 stored_device: Optional[float] = None) -> dict[str, Any]:
+    """The status fields a guard step sets, its conditions merged into the pass's (pure).
+
+    With hit ratios measured and the pass's ``tiers`` (status.tiers): each tier's ``hitRatio``, the ``hitRatios``
+    summary, ``deviceHitRatio`` (``stored_device``, the stored one, kept when its query did not answer) and,
+    when every query answered, the ``TierIdle`` condition. Figures are informational: they change no verdict.
+    """
+    new = list(step.conditions)
+    out: dict[str, Any] = {"sloState": step.slo_state}
+    measured = step.hit_ratios
+    if measured is not None and tiers is not None:
+        out["tiers"] = hr.with_figures(tiers, measured)
+        device = measured.window[hr.DEVICE_TIER] if hr.DEVICE_TIER in measured.window else stored_device
+        out["deviceHitRatio"] = device
+        out["hitRatios"] = hr.summary(out["tiers"], device)
+        if measured.error is None:
+            new.append(Cond("TierIdle", *hr.idle_condition(out["tiers"], measured, now)))
+    out["conditions"] = merge_conditions(conditions, new, generation, now)
     if step.state is not None:
         out["slo"] = step.state
     return out
+
+
+def tier_idle_event(before: dict[str, Any], after: dict[str, Any]) -> Optional[rc.Event]:
+    """One Event when ``TierIdle`` turns True (not on every evaluation it stays True)."""
+    was, now = condition(before, "TierIdle") or {}, condition(after, "TierIdle") or {}
+    if now.get("status") == "True" and was.get("status") != "True":
+        return rc.Event("Normal", "TierIdle", str(now.get("message") or ""))
+    return None
 
 
 class Operator:
@@ -264,7 +288,8 @@ class Operator:
             self._delete_config_map(namespace, name, policy["metadata"].get("uid"))
         fields = dict(plan.status)
         if step is not None:
-            fields.update(guard_fields(step, fields["conditions"], policy["metadata"].get("generation"), now))
+            fields.update(guard_fields(step, fields["conditions"], policy["metadata"].get("generation"), now,
+                                       fields.get("tiers"), (policy.get("status") or {}).get("deviceHitRatio")))
         status = compose(policy.get("status") or {}, fields)
         write_status(self.kube, self.metrics, policy, status)
         outcome.events = list(plan.events)
@@ -280,6 +305,9 @@ class Operator:
                 else:
                     log.warning("SLO guard of %s/%s cannot evaluate: %s", namespace, name, step.problem)
             outcome.events += step.events
+            idle = tier_idle_event(policy.get("status") or {}, status)
+            if idle is not None:
+                outcome.events.append(idle)
             if step.reenable_left is not None:
                 left = step.reenable_left
                 self.kube.patch(policy_path(namespace, name),

@@ -78,6 +78,8 @@ class Observed:
     workloads: list[Workload]
     # The remote tier's size once per workload configured with it (None without an enabled remote tier).
     remote_budget_bytes: Optional[int] = None
+    # The policy has an SLO guard (which measures hit ratios); without one, stored figures are cleared.
+    measured: bool = False
 
 
 @dataclass
@@ -317,7 +319,8 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
         files = {**files, CONTROL_FILE: control_file_json(first.bypassed, control_generation(old))}
     config_map = config_map_body(policy_obj, files) if files is not None else None
 
-    observed = Observed(states, on, engine, ws, _remote_budget(spec, on, ws, rendered_by_target))
+    observed = Observed(states, on, engine, ws, _remote_budget(spec, on, ws, rendered_by_target),
+                        measured=spec.slo is not None)
     status, events = _summarize(policy_obj, observed, targets, now)
     return Plan(config_map, targets, status, events, context=observed)
 
@@ -393,6 +396,9 @@ def _summarize(policy_obj: dict[str, Any], observed: Observed, targets: list[Tar
         "targets": [t.status() for t in selected],
         "remoteStoreBudgetBytes": observed.remote_budget_bytes,
     }
+    if not observed.measured:
+        # spec.slo removed: the guard's hit-ratio figures would otherwise stay in status forever.
+        status.update({k: None for k in ("hitRatios", "deviceHitRatio") if k in old})
     return status, _events(old.get("conditions") or [], status["conditions"], targets, old)
 
 

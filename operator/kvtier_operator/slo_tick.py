@@ -11,6 +11,7 @@ stored state is kept, so fixing the spec or the Secret resumes counting where it
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import re
 import tempfile
@@ -23,6 +24,7 @@ from .api import v1alpha1 as api
 from .api.units import parse_duration
 from .reports import Cond, Event
 from .settings import REENABLE_ANNOTATION, Settings
+from .slo import hit_ratios as hr
 from .slo.client import PrometheusClientConfig, PrometheusSource, Unavailable, resolve_client_config
 from .trust import endpoint_problem
 
@@ -31,6 +33,7 @@ DEFAULT_INTERVAL = parse_duration(api.SLOSpec.model_fields["interval"].default)
 QUERY_OVERRIDES_REFUSED = ("spec.slo.queries: query overrides are not allowed by the operator's admin (operator "
                            "setting allowQueryOverrides); remove spec.slo.queries to use the built-in queries, "
                            "which are scoped to this policy's targets")
+log = logging.getLogger("kvtier.operator")
 SLO_STATE = {"ok": "OK", "breach": "Breaching", "error": "Unknown", "noData": "NoData", "lowTraffic": "NoData"}
 
 
@@ -100,6 +103,8 @@ class GuardStep:
     verdict: Optional[str] = None
     reenable_left: Optional[list[str]] = None  # the annotation's tiers still requested, when one was acknowledged
     problem: Optional[str] = None  # an InvalidConfiguration message (logged and counted by the caller)
+    # Hit ratios measured after the SLO queries (informational; None: not measured in this evaluation).
+    hit_ratios: Optional[hr.HitRatios] = None
 
 
 NO_TARGETS = ("no workload of this policy carries its configuration yet, so the SLO guard queries nothing (it "
@@ -151,7 +156,33 @@ def decide(guard: "slo.SLOSettings", policy_obj: dict[str, Any], source: Any, sc
     reenable = reenable_requests(policy_obj)
     decision = slo.tick(guard, status.get("slo"), source, scope, now, engine=status.get("engine"),
                         reenable_requests=reenable, generation=policy_obj["metadata"].get("generation"))
-    return step_of(decision, guard.interval_s, reenable)
+    step = step_of(decision, guard.interval_s, reenable)
+    step.hit_ratios = hit_ratios(guard, source, scope, decision, status.get("engine"))
+    return step
+
+
+def hit_ratios(guard: "slo.SLOSettings", source: Any, scope: "slo.Scope", decision: "slo.Decision",
+               engine: Optional[str] = None) -> Optional[hr.HitRatios]:
+    """Each enabled tier's hit ratio (and the GPU prefix cache's), asked of ``source`` after the SLO queries.
+
+    Informational: None when not measured (an engine without these counters, a source that cannot run a query,
+    an evaluation whose SLO queries failed: Prometheus is not asked again), and nothing raised here reaches the
+    guard, whose decision is already taken. The queries share one query timeout (``spec.slo.prometheus.timeout``).
+    """
+    chosen = engine or guard.engine or "vllm"
+    query = getattr(source, "query_scalar", None)
+    if chosen not in hr.ENGINES or query is None or decision.state.get("verdict") == "error":
+        return None
+    try:
+        # Backend native or lmcache exports no per-tier counters: only the GPU prefix cache is asked.
+        tiers = slo.enabled_tiers(guard, decision.state) if guard.tier_counters else []
+        declared = (*guard.tiers, *guard.spec_disabled_tiers)
+        queries = hr.build(tiers, scope, guard.window_s, guard.idle_window_s, device=hr.DEVICE_TIER not in declared)
+        # One query timeout for all of them, on top of the SLO queries (each query has the same deadline).
+        return hr.measure(source, queries, budget_s=guard.prometheus.timeout_s)
+    except Exception:  # noqa: BLE001 - a figure that cannot be had must never fail the guard
+        log.warning("hit ratios not measured", exc_info=True)
+        return None
 
 
 def step_of(decision: "slo.Decision", interval: float, reenable: list[str] = ()) -> GuardStep:

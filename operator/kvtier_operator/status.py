@@ -12,7 +12,7 @@ from .printable import printable
 from .reports import Cond
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Conflict")
-GUARD_CONDITION_TYPES = ("SLOUnknown", "SLOBreached", "TierRolledBack")
+GUARD_CONDITION_TYPES = ("SLOUnknown", "SLOBreached", "TierRolledBack", "TierIdle")
 # Status fields that are not the operator's own document: kopf's bookkeeping (written by kopf) and ``history``
 # (an older operator's copy of ``slo.history``, dropped from status when a pass writes it).
 NOT_OURS = ("kopf",)

@@ -23,13 +23,16 @@ STAGED = "StagedRollout"
 
 
 def derive(declared: Sequence[tuple[str, bool]], staged: bool, guard: Optional[Mapping[str, Any]],
-           previous: Iterable[Mapping[str, Any]] = (), now: Optional[str] = None) -> list[dict[str, Any]]:
+           previous: Iterable[Mapping[str, Any]] = (), now: Optional[str] = None,
+           measured: bool = False) -> list[dict[str, Any]]:
     """``status.tiers`` entries, in spec order. Pure.
 
     Without guard state a staged rollout starts GPU-only (every tier Pending) and an immediate one enables every
     declared tier, except that a tier the guard disabled earlier stays disabled (its state is in ``previous``).
     ``since`` is the guard's time when it has one, else kept from ``previous`` while the state and reason stay,
-    else ``now``.
+    else ``now``. ``measured`` (the policy has an SLO guard, which measures hit ratios): an Enabled tier keeps its
+    ``hitRatio`` from ``previous`` until the guard's next evaluation replaces it (passes between evaluations
+    measure nothing).
     """
     before = {t.get("name"): t for t in previous}
     disabled: Mapping[str, Any] = {}
@@ -64,8 +67,11 @@ def derive(declared: Sequence[tuple[str, bool]], staged: bool, guard: Optional[M
             reason = "Probation" if name in probation else ("DryRunWouldDisable" if d else "Enabled")
             since = (probation.get(name) or {}).get("since") or (d or {}).get("since")
         same = prev is not None and prev.get("state") == state and prev.get("reason") == reason
-        out.append({"name": name, "state": state, "reason": reason,
-                    "since": since or (prev.get("since") if same else None) or now})
+        entry = {"name": name, "state": state, "reason": reason,
+                 "since": since or (prev.get("since") if same else None) or now}
+        if measured and state == "Enabled" and prev is not None and prev.get("hitRatio") is not None:
+            entry["hitRatio"] = prev["hitRatio"]
+        out.append(entry)
     return out
 
 
@@ -73,7 +79,8 @@ def tier_states(spec: api.KVCachePolicySpec, status: Mapping[str, Any], now: str
     """``status.tiers`` for a parsed spec and the stored status (its ``slo`` and ``tiers``)."""
     guard = status.get("slo") if spec.slo is not None else None
     return derive([(t.name, t.enabled) for t in spec.tiers], spec.rollout.strategy == "staged",
-                  guard if isinstance(guard, Mapping) else None, status.get("tiers") or [], now)
+                  guard if isinstance(guard, Mapping) else None, status.get("tiers") or [], now,
+                  measured=spec.slo is not None)
 
 
 def enabled(states: Iterable[Mapping[str, Any]]) -> list[str]:

@@ -65,4 +65,23 @@ def test_names_and_printer_columns():
         "kvtier.io", "KVCachePolicy", "kvcachepolicies", ["kvp"])
     version = doc["spec"]["versions"][0]
     assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Engine", "Tiers", "SLO", "Ready", "Age"]
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == [
+        "Engine", "Tiers", "SLO", "Hits", "Ready", "Age"]
+
+
+def test_hit_ratio_fields_are_in_the_schema_and_the_summary_is_a_printer_column():
+    """The guard's measured hit ratios: status.tiers[].hitRatio and deviceHitRatio bounded to [0, 1], the
+    status.hitRatios summary shown by kubectl get, and spec.slo.idleWindow bounded like every duration."""
+    doc = yaml.safe_load(CRD_FILE.read_text())
+    version = doc["spec"]["versions"][0]
+    [hits] = [c for c in version["additionalPrinterColumns"] if c["name"] == "Hits"]
+    assert (hits["type"], hits["jsonPath"]) == ("string", ".status.hitRatios")
+    schema = version["schema"]["openAPIV3Schema"]["properties"]
+    status = schema["status"]["properties"]
+    tier = status["tiers"]["items"]["properties"]["hitRatio"]
+    assert (tier["type"], tier["minimum"], tier["maximum"]) == ("number", 0, 1)
+    assert (status["deviceHitRatio"]["minimum"], status["deviceHitRatio"]["maximum"]) == (0, 1)
+    assert status["hitRatios"]["type"] == "string" and status["hitRatios"]["maxLength"] == 512
+    idle = schema["spec"]["properties"]["slo"]["properties"]["idleWindow"]
+    assert idle["default"] == "1h" and idle["maxLength"] == 32
+    assert any("24h" in r["rule"] for r in idle["x-kubernetes-validations"])

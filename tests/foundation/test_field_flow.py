@@ -326,6 +326,8 @@ FLOWS: dict[str, Flow] = {
     "slo.onNoData": Flow(setter("slo.onNoData", "breach"), ("guard",), before=lambda: base(slo=SLO)),
     "slo.minRequestRate": Flow(setter("slo.minRequestRate", 1.0), ("guard",), before=lambda: base(slo=SLO)),
     "slo.cooldown": Flow(setter("slo.cooldown", "1m"), ("guard",), before=lambda: base(slo=SLO)),
+    "slo.idleWindow": Flow(setter("slo.idleWindow", "6h"), ("guard",), before=lambda: base(slo=SLO),
+                           check=lambda a, b: b["guard"]["idle_window_s"] == 6 * 3600),
     "slo.reenable.mode": Flow(setter("slo.reenable.mode", "auto"), ("guard",), before=lambda: base(slo=SLO)),
     "slo.reenable.after": Flow(setter("slo.reenable.after", "2h"), ("guard",), before=lambda: base(slo=SLO)),
     "slo.reenable.probation": Flow(setter("slo.reenable.probation", "1h"), ("guard",),

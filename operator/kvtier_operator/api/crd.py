@@ -91,6 +91,8 @@ PRINTER_COLUMNS = [
     {"name": "Engine", "type": "string", "jsonPath": ".status.engine", "description": "Serving engine."},
     {"name": "Tiers", "type": "string", "jsonPath": ".status.activeTiers", "description": "Enabled tiers."},
     {"name": "SLO", "type": "string", "jsonPath": ".status.sloState", "description": "SLO guard state."},
+    {"name": "Hits", "type": "string", "jsonPath": ".status.hitRatios",
+     "description": "Hit ratio per tier over spec.slo.window (gpu: the engine's own prefix cache)."},
     {"name": "Ready", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Ready\")].status",
      "description": "Whether the policy is applied to all its targets."},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

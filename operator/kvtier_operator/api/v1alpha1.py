@@ -63,6 +63,8 @@ MAX_POLICY_NAME = 63
 MAX_QUANTITY = "1Pi"
 # Longest wait for one Prometheus query: an evaluation runs three, and it must finish well within an interval.
 MAX_PROMETHEUS_TIMEOUT = "60s"
+# Longest spec.slo.idleWindow: a rate over a day of a few counters is cheap, and longer outlives most retention.
+MAX_IDLE_WINDOW = "24h"
 # Path rules live in api.paths (the one normaliser); the CEL texts below are built from them.
 SYSTEM_PATH_RULE = paths.SYSTEM_PATH_RULE
 NOT_NORMAL_RULE = paths.NOT_NORMAL_RULE
@@ -634,6 +636,9 @@ class SLOSpec(_Model):
                                                         "queries within the policy's own pods, never replaces them.",
                                       max_length=253)
     queries: Optional[QueryOverrides] = Field(None, description="Replace the built-in PromQL.")
+    idle_window: str = _duration("Window of the idle check: an enabled tier whose hit ratio over it stays under 1% "
+                                 "is reported by the TierIdle condition (informational; PromQL range).", "1h",
+                                 positive=True, maximum=MAX_IDLE_WINDOW)
 
     # Typed views.
     @cached_property
@@ -655,6 +660,10 @@ class SLOSpec(_Model):
     @cached_property
     def cooldown_s(self) -> float:
         return parse_duration(self.cooldown)
+
+    @cached_property
+    def idle_window_s(self) -> float:
+        return parse_duration(self.idle_window)
 
 
 class RolloutSpec(_Model):
@@ -836,6 +845,12 @@ class TierStatus(_Model):
                     "its stage.")
     reason: str = Field("", description="Why the tier is in this state.")
     since: Optional[str] = Field(None, description="When it entered this state (RFC 3339).")
+    hit_ratio: Optional[float] = Field(
+        None, ge=0, le=1, allow_inf_nan=False,
+        description="Share of the prompt tokens looked up in kvtier that this tier served over spec.slo.window "
+                    "(vllm:kv_offload_kvtier_hit_tokens_total{tier} / lookup_tokens_total, the policy's pods), "
+                    "rounded to 3 decimals; measured by the SLO guard, informational. Absent: no lookups in the "
+                    "window, or the tier is not enabled.")
 
 
 class TargetStatus(_Model):
@@ -877,6 +892,13 @@ class KVCachePolicyStatus(_Model):
     engine: Optional[str] = Field(None, description="Engine in use (declared or detected).")
     active_tiers: Optional[str] = Field(None, description="Enabled tiers, comma separated (printer column).")
     slo_state: Optional[str] = Field(None, description="OK, Breaching, Unknown, NoData or Off (printer column).")
+    hit_ratios: Optional[str] = Field(
+        None, max_length=512, description="Measured hit ratios over spec.slo.window, e.g. 'gpu=0.62 cpu=0.412 "
+                                          "nvme=0.005' (gpu: vLLM's own prefix cache; printer column).")
+    device_hit_ratio: Optional[float] = Field(
+        None, ge=0, le=1, allow_inf_nan=False,
+        description="vLLM's GPU prefix cache hit ratio over spec.slo.window (vllm:prefix_cache_hits_total / "
+                    "prefix_cache_queries_total, the policy's pods), rounded to 3 decimals.")
     tiers: list[TierStatus] = Field(default_factory=list, description="Per-tier state.")
     targets: list[TargetStatus] = Field(default_factory=list, description="Per-workload state.")
     remote_store_budget_bytes: Optional[int] = Field(

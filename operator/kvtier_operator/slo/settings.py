@@ -76,6 +76,10 @@ class SLOSettings:
     queries: Mapping[str, str]
     # Declared with ``enabled: false``: never rendered, never touched by the guard, shown as Disabled.
     spec_disabled_tiers: tuple[str, ...]
+    # The idle check's range (spec.slo.idleWindow): informational, never part of a verdict.
+    idle_window_s: float
+    # The engines export kvtier's per-tier hit and lookup counters (backend kvtier): tiers' hit ratios exist.
+    tier_counters: bool
     history_limit: int = api.HISTORY_LIMIT
 
     @classmethod
@@ -108,4 +112,6 @@ class SLOSettings:
             stage_observation_s=spec.rollout.stage_observation_s,
             queries=queries,
             spec_disabled_tiers=tuple(t.name for t in spec.tiers if not t.enabled),
+            idle_window_s=slo.idle_window_s,
+            tier_counters=spec.backend == "kvtier",
         )
