@@ -27,6 +27,12 @@ class TierMetrics:
         """A store refused before any I/O (backoff, not-admitted, no-room, busy, mismatch, ...)."""
         metrics.STORES_REJECTED.labels(self.name, reason).inc()
 
+    def probed(self, hit: bool) -> None:
+        """One key looked up for the engine (the books' lookup of a key the host tier missed)."""
+        metrics.LOOKUPS.labels(self.name).inc()
+        if hit:
+            metrics.HITS.labels(self.name).inc()
+
     def looked_up(self, asked: int, hits: int) -> None:
         metrics.LOOKUPS.labels(self.name).inc(asked)
         metrics.HITS.labels(self.name).inc(hits)
