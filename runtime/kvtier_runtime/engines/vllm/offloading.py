@@ -47,9 +47,9 @@ from ..chunk_layout import FLAT_REASONS, LayoutDecision, check_worker_pages, chu
 from ..host_region import HostRegion, remove_stale_regions
 from ..page_copy import PageCopier
 from ..vllm_support import block_view_dtype, namespace_suffix
-from .cache_policy import _access_context
-from .events import _kv_events_enabled, _offloading_event, _tier_kv_events
-from .model_config import _chunk_facts, _layout
+from .cache_policy import access_context
+from .events import kv_events_enabled, offloading_event, tier_kv_events
+from .model_config import chunk_facts, kv_layout
 from .remote_identity import remote_identity
 from .secondary_tier import run_identity
 
@@ -168,14 +168,14 @@ class KvtierOffloadingSpec(OffloadingSpec):
         self.remote_view_dtypes = [
             block_view_dtype(t.codec, config.model.dtype, self.row_bytes or 2) for t in self.kvtier.remote_tiers
         ]
-        self.layout = _layout(config)
+        self.layout = kv_layout(config)
         groups = getattr(config, "groups", None) or ()
         self.tokens_per_chunk = int(getattr(groups[0], "tokens_per_block", 0) if groups else 0) * \
             int(self.blocks_per_chunk)
-        self.fs_kv_events = [_tier_kv_events(t.extra, i) for i, t in enumerate(self.kvtier.fs_tiers)]
+        self.fs_kv_events = [tier_kv_events(t.extra, i) for i, t in enumerate(self.kvtier.fs_tiers)]
         # Only lossy tiers need the chunk's layout (and reading the model's config to find heads and head size).
         lossy = any(t.codec != "none" for t in (*self.kvtier.fs_tiers, *self.kvtier.remote_tiers))
-        self.layout_decision = chunk_layout(_chunk_facts(config)) if lossy else LayoutDecision(None)
+        self.layout_decision = chunk_layout(chunk_facts(config)) if lossy else LayoutDecision(None)
         self._manager: KvtierOffloadingManager | None = None
         self._worker: KvtierOffloadingWorker | None = None
 
@@ -231,7 +231,7 @@ class KvtierOffloadingManager(OffloadingManager):
                       describe(decision.layout))
         remote, remote_rows = self._remote_tiers(spec, decision, meters[len(tiers):])
         self.books = OffloadBooks(host, tiers, fs_rows=rows, key_suffix=suffix,
-                                  enable_events=_kv_events_enabled(spec),
+                                  enable_events=kv_events_enabled(spec),
                                   fs_events=spec.fs_kv_events, remote_tiers=remote, remote_rows=remote_rows,
                                   breakers=self.breakers)
         self._reported: Counter[str] = Counter()
@@ -293,7 +293,7 @@ class KvtierOffloadingManager(OffloadingManager):
                 self._counted.clear()
             counted = self._counted[req_context.req_id] = set()
         count = key not in counted
-        found = self.books.lookup(bytes(key), _access_context(key, req_context), count=count)
+        found = self.books.lookup(bytes(key), access_context(key, req_context), count=count)
         if count and (found == "hit" or found == "miss"):
             counted.add(key)
         return _LOOKUP[found]
@@ -307,7 +307,7 @@ class KvtierOffloadingManager(OffloadingManager):
     def prepare_load(self, keys: Any, req_context: ReqContext, **kwargs: Any) -> LoadStoreSpec:
         keys = list(keys)
         self._observe(keys, req_context)
-        ctx = [_access_context(k, req_context) for k in keys] if self.books.request_aware else None
+        ctx = [access_context(k, req_context) for k in keys] if self.books.request_aware else None
         return KvtierHostSpec(self.books.prepare_load([bytes(k) for k in keys], ctx))
 
     def touch(self, keys: Any, req_context: ReqContext, **kwargs: Any) -> None:
@@ -358,7 +358,7 @@ class KvtierOffloadingManager(OffloadingManager):
             self._trace(req_context)
         keys = list(keys)
         self._observe(keys, req_context)
-        ctx = [_access_context(k, req_context) for k in keys]
+        ctx = [access_context(k, req_context) for k in keys]
         out = self.books.prepare_store([bytes(k) for k in keys], ctx)
         if out is None:
             return None
@@ -417,10 +417,10 @@ class KvtierOffloadingManager(OffloadingManager):
         for event in self.books.take_events():
             keys = [OffloadKey(k) for k in event.keys]
             if event.tier < 0:
-                yield _offloading_event(keys=keys, medium=Medium.CPU, removed=event.removed,
+                yield offloading_event(keys=keys, medium=Medium.CPU, removed=event.removed,
                                         metadata_only=event.metadata_only)
             else:
-                yield _offloading_event(keys=keys, medium=getattr(Medium, "STORAGE", Medium.CPU),
+                yield offloading_event(keys=keys, medium=getattr(Medium, "STORAGE", Medium.CPU),
                                         removed=event.removed, locality=Locality.LOCAL,
                                         ownership=f"{event.tier + 1}:kvtier-fs")
 
@@ -553,7 +553,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         tensors = [kv_caches.tensors[i].tensor for i in seen]
         pages = tuple(seen.values())
         self.spec = spec
-        self.layout = _layout(spec.config, pages)
+        self.layout = kv_layout(spec.config, pages)
         chunk = spec.layout_decision.layout
         wrong = (check_worker_pages(chunk, pages, max(1, int(spec.config.parallel.world_size)))
                  if chunk is not None else None)
