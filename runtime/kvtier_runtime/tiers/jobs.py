@@ -1,6 +1,7 @@
 """Jobs of the tiers behind the host tier (filesystem and remote): ids, per-key settlement, results handed out
-once by ``get_finished`` (and to an ``on_complete`` callback as they finish), deadlines (``io_timeout_s``: a job past it finishes with its late keys
-failed as ``timeout``), and the read and write thread pools the I/O tasks run on (a tier may run its own instead)."""
+once by ``get_finished`` (and to an ``on_complete`` callback as they finish), deadlines (``io_timeout_s``: a job
+past it finishes with its late keys failed as ``timeout``), and the read and write thread pools the I/O tasks run
+on (a tier may run its own instead)."""
 from __future__ import annotations
 
 import itertools

@@ -39,10 +39,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ...codecs import KVChunkCodec
 from ...codecs.layout import describe
 from ...config import ConfigError, OffloadSpecConfig
-from ...fs.tier import FilesystemTier
 from ...store.books import REMOTE, OffloadBooks
 from ...store.breaker import TierBreakers
 from ...store.memory_tier import MemoryTier
+from ...tiers import Tier
+from ...tiers.registry import build_tier
 from ..chunk_layout import FLAT_REASONS, LayoutDecision, check_worker_pages, chunk_layout, tier_codec
 from ..host_region import HostRegion, remove_stale_regions
 from ..page_copy import PageCopier
@@ -211,7 +212,7 @@ class KvtierOffloadingManager(OffloadingManager):
         # Before the tiers: each tier stamps the end of its load jobs on its breaker's meter (docs/breaker.md).
         self.breakers = TierBreakers.for_spec(cfg, spec.tokens_per_chunk, logger=_log)
         meters = self.breakers.meters[1:]
-        tiers: list[FilesystemTier] = []
+        tiers: list[Tier] = []
         rows: list[torch.Tensor] = []
         decision = spec.layout_decision
         self.flat_codec_tiers: Counter[str] = Counter()
@@ -220,8 +221,8 @@ class KvtierOffloadingManager(OffloadingManager):
             codec = tier_codec(tcfg, decision)
             if tcfg.codec != "none" and not isinstance(codec, KVChunkCodec):  # flat (int4 refused: int8)
                 self.flat_codec_tiers[decision.reason] += 1
-            tiers.append(FilesystemTier(tcfg, (view.shape[1],), dtype, name=f"kvtier:{tcfg.root_dir}", peer="host",
-                                        codec=codec, on_complete=meter.on_complete))
+            tiers.append(build_tier("filesystem", tcfg, (view.shape[1],), dtype, name=f"kvtier:{tcfg.root_dir}",
+                                    peer="host", codec=codec, on_complete=meter.on_complete))
             rows.append(view)
         if self.flat_codec_tiers:
             _log.warning("kvtier: %d compressed filesystem tier(s) use the flat codec, whose scales do not follow K "
@@ -255,20 +256,19 @@ class KvtierOffloadingManager(OffloadingManager):
         """The remote tiers (a store shared by every replica of the scope; the scope and the model identity,
         derived from vLLM's config, are in each key; the offload keys the books hand them are vLLM's block hashes +
         group index, where a request's cache_salt already entered the first block's hash) and the host rows as each
-        sees them. The tier module (and its client, redis-py) is imported only when one is configured."""
-        if not spec.kvtier.remote_tiers:
-            return [], []
-        from ...remote.tier import RemoteTier
-
-        tiers, rows = [], []
+            sees them. The tier module (and its client, redis-py) is imported only when one is configured (the registry
+        imports a medium's module when it builds the first tier of it)."""
+        tiers: list[Any] = []
+        rows: list[Any] = []
         for rcfg, dtype, meter in zip(spec.kvtier.remote_tiers, spec.remote_view_dtypes, meters):
             view = self.region.rows.view(dtype)
             # the filesystem tiers' codec choice (layout-aware when the layout is known), verifying as they do
             codec = tier_codec(SimpleNamespace(codec=rcfg.codec, codec_fallback=True),  # type: ignore[arg-type]
                                decision)
             identity = remote_identity(spec, rcfg.codec)
-            tier = RemoteTier(rcfg, (view.shape[1],), dtype, identity=identity, name=f"kvtier-remote:{rcfg.url}",
-                              peer="host", codec=codec, on_complete=meter.on_complete)
+            tier: Any = build_tier("remote", rcfg, (view.shape[1],), dtype, identity=identity,
+                                   name=f"kvtier-remote:{rcfg.url}", peer="host", codec=codec,
+                                   on_complete=meter.on_complete)
             _log.info("kvtier: remote tier %s for scope %s, model identity %s (capacity %d chunks of %d bytes)",
                       rcfg.url, rcfg.scope, identity, tier.capacity_entries, tier.value_bytes)
             tiers.append(tier)
