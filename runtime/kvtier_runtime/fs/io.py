@@ -163,7 +163,7 @@ class BlockIO:
             with self._lock:  # _record_io_failure updates it under the lock from other pool threads
                 self.backoff.success()
             self._metrics.backoff(False)
-            self._metrics.written(self.peer, block.numel() * block.element_size(), time.perf_counter() - started)
+            self._metrics.demoted(self.peer, block.numel() * block.element_size(), time.perf_counter() - started)
         else:
             if kind != "timeout":  # counted once, when the job expired
                 self._metrics.error(kind)
@@ -308,7 +308,7 @@ class BlockIO:
             self._metrics.error(kind)
             self._update_occupancy()
         else:
-            self._metrics.read(self.peer, out.numel() * out.element_size(), time.perf_counter() - started)
+            self._metrics.promoted(self.peer, out.numel() * out.element_size(), time.perf_counter() - started)
         return not kind
 
     def _read_block(self, job: Job, key: bytes, out: torch.Tensor) -> None:

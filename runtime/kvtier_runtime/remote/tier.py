@@ -55,6 +55,7 @@ from ..tiers.backoff import Backoff
 from ..tiers.base import KeyState
 from ..tiers.jobs import Expired, Job, JobQueue, JobResult
 from ..tiers.keys import read_mac_key
+from ..tiers.metrics import TierMetricsBase
 from .client import RemoteStore, failure_kind
 from .format import RemoteFormatError, Sealer, value_bytes
 from .identity import chunk_key, index_key, key_prefix
@@ -81,17 +82,15 @@ _REFUSED_KINDS = frozenset({"forged", "corrupt", "truncated", "foreign", "versio
 _HEX = frozenset(b"0123456789abcdef")
 
 
-class RemoteMetrics:
+class RemoteMetrics(TierMetricsBase):
     """What one remote tier counts, in :mod:`kvtier_runtime.metrics` (labelled by the tier's name), and the same
     counts kept here for the engine's own stats (vLLM exports those from its API server)."""
 
     def __init__(self, name: str, capacity_bytes: int) -> None:
-        self.name = name
+        super().__init__(name, capacity_bytes)
         self.misses: Counter[str] = Counter()
         self.store_failures: Counter[str] = Counter()
         self._lock = threading.Lock()
-        metrics.CAPACITY_BYTES.labels(name).set(capacity_bytes)
-        self._occupancy = metrics.OCCUPANCY_BYTES.labels(name)
         self._up = metrics.REMOTE_UP.labels(name)
         self._up.set(0)
 
@@ -112,21 +111,12 @@ class RemoteMetrics:
     def up(self, on: bool) -> None:
         self._up.set(1 if on else 0)
 
-    def looked_up(self, hit: bool) -> None:
-        metrics.LOOKUPS.labels(self.name).inc()
-        if hit:
-            metrics.HITS.labels(self.name).inc()
-
-    def evicted(self, n: int) -> None:
-        metrics.EVICTIONS.labels(self.name).inc(n)
-
-    def occupancy(self, nbytes: int) -> None:
-        self._occupancy.set(nbytes)
-
     def moved(self, src: str, dst: str, nbytes: int, seconds: float, n: int) -> None:
-        (metrics.PROMOTIONS if dst != self.name else metrics.DEMOTIONS).labels(src, dst).inc(n)
-        metrics.BYTES_MOVED.labels(src, dst).inc(nbytes)
-        metrics.TRANSFER_SECONDS.labels(src, dst).observe(seconds)
+        if dst != self.name:
+            self.promoted(dst, nbytes, seconds, n)
+        else:
+            self.demoted(src, nbytes, seconds, n)
+
 
 
 class _Lane:
@@ -453,7 +443,7 @@ class RemoteTier(JobQueue):
         return False
 
     def _count_lookup(self, hit: bool, reason: str) -> None:
-        self._metrics.looked_up(hit)
+        self._metrics.probed(hit)
         if not hit:
             self._metrics.miss(reason)
 
