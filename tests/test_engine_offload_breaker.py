@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvtier_runtime.config import OffloadSpecConfig
-from kvtier_runtime.fs.jobs import JobResult
-from kvtier_runtime.fs.tier import KeyState
+from kvtier_runtime.tiers import KeyState, Tier
+from kvtier_runtime.tiers.jobs import JobResult
 from kvtier_runtime.store.books import HIT, MISS, RETRY, OffloadBooks
 from kvtier_runtime.store.breaker import CLOSED, DISABLED, HALF_OPEN, OPEN, BreakerSettings, TierBreakers
 from kvtier_runtime.store.memory_tier import MemoryTier
@@ -26,11 +26,17 @@ SUFFIX = b"|run"
 
 
 class FakeTier:
-    """A tier of the books' interface (fs or remote) whose jobs finish only in :meth:`complete`, loading the bytes
-    it holds for the key, storing the host row as it is then."""
+    """A tier of the books' interface (kvtier_runtime.tiers.Tier), answering as a filesystem tier or, ``shared``,
+    as a remote one, whose jobs finish only in :meth:`complete`, loading the bytes it holds for the key, storing
+    the host row as it is then."""
 
-    def __init__(self, name: str, io_timeout_s: float = 30.0, on_complete=None) -> None:
+    def __init__(self, name: str, io_timeout_s: float = 30.0, on_complete=None, shared: bool = False) -> None:
         self.name = name
+        self.medium = "remote" if shared else "filesystem"
+        self.origin = "remote" if shared else "disk"
+        self.scoped_keys = shared
+        self.logs_load_faults = shared
+        self.capacity_bytes = self.used_bytes = 0
         self.on_complete = on_complete  # the tier's callback as a job finishes (the books' load meter)
         self.peer = None
         self.io_timeout_s = io_timeout_s
@@ -46,8 +52,14 @@ class FakeTier:
         self.state_calls += 1
         return KeyState.HIT if bytes(key) in self.held else KeyState.MISS
 
-    def known_present(self, key: bytes) -> bool:
-        return bytes(key) in self.held
+    def probe(self, key: bytes) -> KeyState:
+        return self.state(key)
+
+    def needs_store(self, key: bytes) -> bool:
+        return bytes(key) not in self.held
+
+    def covers(self, key: bytes) -> bool:
+        return not self.scoped_keys and bytes(key) in self.held
 
     def _job(self, kind: str, keys, rows) -> int:
         self._ids += 1
@@ -97,8 +109,9 @@ def make_books(clock, control_file: str | None = None, n_rows: int = 8, stamps: 
     tiers report when they finish a load (as the real ones do), else the books time a load until they collect it."""
     host = MemoryTier("host", (ROW,), torch.uint8, n_rows * ROW)
     breakers = TierBreakers(["host", "nvme", "remote"], settings(**kw), clock=clock, control_file=control_file)
-    nvme, remote = (FakeTier(name, on_complete=breakers.meters[i].on_complete if stamps else None)
+    nvme, remote = (FakeTier(name, on_complete=breakers.meters[i].on_complete if stamps else None, shared=i == 2)
                     for i, name in ((1, "nvme"), (2, "remote")))
+    assert isinstance(nvme, Tier) and isinstance(remote, Tier)
     books = OffloadBooks(host, [nvme], key_suffix=SUFFIX, remote_tiers=[remote], breakers=breakers)
     return books, nvme, remote
 
@@ -305,7 +318,7 @@ def test_breaker_config_errors_name_the_key(extra, message) -> None:
 def test_expired_loads_count_once_as_timeouts_and_their_late_end_is_not_counted_again() -> None:
     clock = ManualClock()
     host = MemoryTier("host", (ROW,), torch.uint8, 8 * ROW)
-    remote = FakeTier("remote", io_timeout_s=0.0)  # every promotion is overdue at the next poll
+    remote = FakeTier("remote", io_timeout_s=0.0, shared=True)  # every promotion is overdue at the next poll
     breakers = TierBreakers(["host", "remote"], settings(), clock=clock)
     books = OffloadBooks(host, [], remote_tiers=[remote], breakers=breakers)
     for i in range(4):

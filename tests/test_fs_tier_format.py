@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from kvtier_runtime.fs import format as fmt
 from kvtier_runtime.fs import paths
 from kvtier_runtime.fs.fileio import AlignedBuffer, FileOps, probe_o_direct, read_whole, write_atomic
+from kvtier_runtime.tiers.keys import mac_key_from_bytes
 
 
 def _header(**over):
@@ -202,20 +203,20 @@ def test_an_unknown_version_is_refused_when_packing_and_reported_when_parsing() 
 
 def test_a_short_mac_key_is_refused_naming_the_file() -> None:
     with pytest.raises(ValueError, match=r"^mac_key_file: /k holds 31 bytes, needs at least 32$"):
-        fmt.mac_key_from_bytes(b"x" * 31 + b"\n", "/k")
+        mac_key_from_bytes(b"x" * 31 + b"\n", "/k")
 
 
 def test_a_binary_key_is_read_as_every_byte_written() -> None:
     # 32 random bytes end in 0x0a about one time in 256: such a key must be kept whole, not cut to 31 and refused.
     binary = bytes(range(0x90, 0xAF)) + b"\n"
-    assert len(binary) == 32 and fmt.mac_key_from_bytes(binary, "/k") == binary
+    assert len(binary) == 32 and mac_key_from_bytes(binary, "/k") == binary
     every_byte = bytes(range(256))  # every value, newline and NUL included
-    assert fmt.mac_key_from_bytes(every_byte, "/k") == every_byte
-    assert fmt.mac_key_from_bytes(every_byte + b"\n", "/k") == every_byte + b"\n"
+    assert mac_key_from_bytes(every_byte, "/k") == every_byte
+    assert mac_key_from_bytes(every_byte + b"\n", "/k") == every_byte + b"\n"
     # A printable text key written with echo loses only its one trailing newline, as before.
     text = b"0123456789abcdef0123456789abcdef"
-    assert fmt.mac_key_from_bytes(text + b"\n", "/k") == text
-    assert fmt.mac_key_from_bytes(text, "/k") == text
+    assert mac_key_from_bytes(text + b"\n", "/k") == text
+    assert mac_key_from_bytes(text, "/k") == text
 
 
 def test_a_vectored_block_write_and_read_survive_short_system_calls(tmp_path) -> None:

@@ -138,7 +138,7 @@ def test_rows_sealed_in_place_are_plain_codec_blocks_both_ways(redis_server, dty
     value must still be exactly a codec block any reader decodes, and a value sealed from the codec's own encoding
     must load bit-exactly."""
     from kvtier_runtime.codecs import decode, get_codec
-    from kvtier_runtime.fs.io import _read_mac_key
+    from kvtier_runtime.tiers.keys import read_mac_key
 
     cfg = RemoteTierConfig(url=redis_server.url, capacity_bytes=8 << 20, scope=SCOPE,
                            mac_key_file=tenant_key_file(SCOPE))
@@ -146,7 +146,7 @@ def test_rows_sealed_in_place_are_plain_codec_blocks_both_ways(redis_server, dty
     g = torch.Generator().manual_seed(11)
     rows = [torch.randn(shape, generator=g).to(dtype) for _ in range(2)]
     keys = [key_of(1), key_of(2)]
-    sealer = Sealer(_read_mac_key(tenant_key_file(SCOPE)), SCOPE, MODEL_A)
+    sealer = Sealer(read_mac_key(tenant_key_file(SCOPE)), SCOPE, MODEL_A)
     client = redis_server.client()
     try:
         assert connected(tier)

@@ -126,10 +126,10 @@ def _assert_refused(tier: RemoteTier, url: str, caplog, why: str) -> None:
     assert tier.misses["down"] >= 2 and tier.store_failures["down"] == 1
     # Let the backoff (0.1 s) run out a few times: each lookup then starts one reconnect, which fails again.
     deadline = time.monotonic() + 5
-    while tier._failures < 3 and time.monotonic() < deadline:
+    while tier.backoff.failures < 3 and time.monotonic() < deadline:
         tier.state(key_of(8))
         time.sleep(0.02)
-    assert tier._failures >= 3, "the tier never tried to reconnect"
+    assert tier.backoff.failures >= 3, "the tier never tried to reconnect"
     warned = [r.getMessage() for r in caplog.records
               if r.name == "kvtier_runtime.remote" and r.levelno == logging.WARNING and tier.name in r.getMessage()]
     assert len(warned) == 1, warned  # logged once, not once per reconnect

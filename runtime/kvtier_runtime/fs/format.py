@@ -40,8 +40,9 @@ from __future__ import annotations
 
 import hmac
 import struct
-import zlib
 from dataclasses import dataclass
+
+from ..tiers.checksum import checksum
 
 MAGIC = b"KVTIERB1"
 FORMAT_VERSION = 2
@@ -56,8 +57,6 @@ _FIXED = struct.Struct("<8sHHI16s16sB7x8QQIH2x")
 HEADER_USED = _FIXED.size + MAX_KEY_BYTES
 MAC_OFFSET = HEADER_USED
 MAC_BYTES = 32
-# Fewer than 32 bytes of key material (SHA-256's strength) is refused as too weak.
-MIN_MAC_KEY_BYTES = 32
 # The MAC is HMAC-SHA256, not keyed BLAKE2b: both are standard keyed MACs, but with the SHA extensions every
 # current server CPU has (x86 SHA-NI, Arm SHA2), OpenSSL's SHA-256 ran 2.9x faster than hashlib's BLAKE2b here
 # (0.35 vs 0.12 GB/s per core on the busy bench machine; docs/performance.md), and the MAC is the tier's
@@ -112,12 +111,6 @@ def align_up(n: int, align: int = ALIGN) -> int:
 def file_bytes_for(payload_len: int, version: int = FORMAT_VERSION) -> int:
     """Size on disk of a block file whose codec blob is ``payload_len`` bytes."""
     return align_up(BLOB_OFFSET[version] + payload_len)
-
-
-def checksum(data: memoryview | bytes, value: int = 0) -> int:
-    """CRC32 (zlib). Measured here at ~6.8 GB/s on one core and it releases the GIL for large buffers, so it
-    costs a small fraction of a disk transfer and needs no extra dependency."""
-    return zlib.crc32(data, value) & 0xFFFFFFFF
 
 
 def _name_field(field: str, value: str) -> bytes:
@@ -231,18 +224,3 @@ def verify_mac(mac_key: bytes, header: memoryview, *blob: memoryview | bytes) ->
         raise FormatError("forged", "keyed MAC does not verify") from None
     if not hmac.compare_digest(want, bytes(header[MAC_OFFSET : MAC_OFFSET + MAC_BYTES])):
         raise FormatError("forged", "keyed MAC does not verify")
-
-
-def _printable_text(raw: bytes) -> bool:
-    return all(0x20 <= b < 0x7F for b in raw)
-
-
-def mac_key_from_bytes(raw: bytes, source: str) -> bytes:
-    """The key from a key file's contents, as bytes. A key that is printable ASCII text followed by one newline
-    (``echo`` or ``kubectl create secret --from-file`` of a text key) loses that newline; any other content is the
-    key as it is, every byte kept: a random binary key that happens to end in 0x0a is not shortened. HMAC (and the
-    remote tier's HKDF) take longer material as it is. ValueError names ``source``."""
-    material = raw[:-1] if raw.endswith(b"\n") and _printable_text(raw[:-1]) else raw
-    if len(material) < MIN_MAC_KEY_BYTES:
-        raise ValueError(f"mac_key_file: {source} holds {len(material)} bytes, needs at least {MIN_MAC_KEY_BYTES}")
-    return material

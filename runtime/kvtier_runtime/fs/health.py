@@ -1,5 +1,5 @@
 """Degraded mode and backoff of the filesystem tier: a directory the tier cannot write to degrades it to
-serving what it has; repeated disk-level faults (``_BACKOFF_KINDS``) refuse stores for an exponentially growing
+serving what it has; repeated disk-level faults (``BACKOFF_KINDS``) refuse stores for an exponentially growing
 time. Also the error kinds an ``OSError`` maps to, which every other part of the tier counts by."""
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from ..config import ConfigError
 
 log = logging.getLogger("kvtier_runtime.fs.tier")
 
-_IO_ERRNO_KIND = {
+IO_ERRNO_KIND = {
     errno.ENOSPC: "enospc", errno.EDQUOT: "enospc", errno.EIO: "eio", errno.EROFS: "erofs",
     errno.EACCES: "eacces", errno.EPERM: "eacces",
 }
 
 
 # Kinds that say the disk or directory itself is failing (not one bad file): repeated, they trigger backoff.
-_BACKOFF_KINDS = frozenset({"enospc", "eio", "erofs", "eacces", "timeout"})
+BACKOFF_KINDS = frozenset({"enospc", "eio", "erofs", "eacces", "timeout"})
 
 
 class TierHealth:
@@ -27,7 +27,7 @@ class TierHealth:
 
     @property
     def in_backoff(self) -> bool:
-        return self._clock() < self._backoff_until
+        return self.backoff.active
 
     def _open_namespace(self) -> None:
         """Create ``<root_dir>/kvtier-blocks-v1`` and make sure it is a real directory.
@@ -60,7 +60,7 @@ class TierHealth:
             self._degrade(OSError(code, os.strerror(code)))
 
     def _degrade(self, exc: OSError) -> None:
-        kind = _IO_ERRNO_KIND.get(exc.errno or 0, "other")
+        kind = IO_ERRNO_KIND.get(exc.errno or 0, "other")
         self.degraded = kind
         log.error("filesystem tier %s: %s is unusable for stores (%s: %s); serving existing blocks only",
                   self.name, self.root, kind, exc.strerror or exc)
@@ -69,9 +69,5 @@ class TierHealth:
     # ---- backoff ----------------------------------------------------------------------------------------
     def _record_io_failure(self) -> None:
         with self._lock:
-            self._consecutive_failures += 1
-            over = self._consecutive_failures - self._backoff_after
-            if over >= 0:
-                delay = min(self._backoff_max_s, self._backoff_base_s * (2 ** min(over, 30)))
-                self._backoff_until = self._clock() + delay
+            if self.backoff.failure() is not None:
                 self._metrics.backoff(True)

@@ -4,20 +4,14 @@ could not be deleted (``_stuck``: still counted against capacity, retried) and k
 (``_doomed``: they cannot be stored again before that, so a late unlink never deletes a newer copy)."""
 from __future__ import annotations
 
-import enum
 import os
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
 from ..policies import AccessContext
+from ..tiers.base import KeyState
 from .paths import block_relpath
-
-
-class KeyState(enum.Enum):
-    MISS = "miss"
-    HIT = "hit"
-    PENDING = "pending"  # a store is in flight: ask again later
 
 
 @dataclass(frozen=True)
@@ -30,7 +24,7 @@ class LookupRun:
 
 
 @dataclass
-class _Entry:
+class Entry:
     state: str  # "writing" | "ready"
     nbytes: int
 

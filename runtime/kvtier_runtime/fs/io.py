@@ -32,7 +32,6 @@ import torch
 from ..codecs import STATS, Codec, CodecError, CodecHeader, HEADER_NBYTES, KVChunkCodec, decode, peek_header
 from ..codecs.base import PassthroughCodec
 from ..codecs.header import FLAG_PER_CHANNEL
-from ..config import ConfigError
 from .fileio import (
     AlignedBuffer, open_block, raw_view, read_segments, read_whole_fd, regular_size, write_atomic,
 )
@@ -48,7 +47,6 @@ from .format import (
     block_mac,
     checksum,
     file_bytes_for,
-    mac_key_from_bytes,
     pack_header,
     parse_header,
     verify_crc,
@@ -56,8 +54,8 @@ from .format import (
     verify_mac,
     verify_payload,
 )
-from .health import _BACKOFF_KINDS, _IO_ERRNO_KIND
-from .jobs import _Expired, _Job
+from ..tiers.jobs import Expired, Job
+from .health import BACKOFF_KINDS, IO_ERRNO_KIND
 from .paths import TMP_MARK
 
 assert BLOB_HEADER_BYTES == HEADER_NBYTES, "format 2 reserves the codec header's size at the end of the header page"
@@ -70,20 +68,6 @@ _BLOB = BLOB_OFFSET[FORMAT_VERSION]
 # the directory; another store's unlink can only prune it between our mkdir and our open, so a handful of tries
 # is plenty).
 _DIR_ATTEMPTS = 8
-
-
-def _read_mac_key(path: str | None) -> bytes | None:
-    if path is None:
-        return None
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read(4096)
-    except OSError as exc:
-        raise ConfigError(f"mac_key_file: {path} cannot be read ({exc.strerror or exc})") from None
-    try:
-        return mac_key_from_bytes(raw, path)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
 
 
 def _may_fall_back(codec: Codec | KVChunkCodec) -> bool:
@@ -136,7 +120,7 @@ class BlockIO:
     def _aligned(self, t: torch.Tensor) -> bool:
         return t.device.type == "cpu" and t.is_contiguous() and t.data_ptr() % ALIGN == 0
 
-    def _write_task(self, job: _Job, i: int, key: bytes, block: torch.Tensor, evicted: list[bytes]) -> bool:
+    def _write_task(self, job: Job, i: int, key: bytes, block: torch.Tensor, evicted: list[bytes]) -> bool:
         self._unlink_doomed(evicted)
         if self._stuck:
             self._retry_stuck()
@@ -145,12 +129,12 @@ class BlockIO:
         try:
             nbytes = self._write_block(job, key, block)
             ok = True
-        except _Expired:
+        except Expired:
             kind = "timeout"
         except FormatError as exc:
             kind = exc.kind
         except OSError as exc:
-            kind = _IO_ERRNO_KIND.get(exc.errno or 0, "other")
+            kind = IO_ERRNO_KIND.get(exc.errno or 0, "other")
         except Exception:  # a codec or programming fault must not kill the pool thread or reach the engine
             kind = "other"
         late: list[bytes] = []
@@ -177,15 +161,15 @@ class BlockIO:
         self._unlink_doomed(late)
         if ok:
             with self._lock:  # _record_io_failure updates it under the lock from other pool threads
-                self._consecutive_failures = 0
+                self.backoff.success()
             self._metrics.backoff(False)
-            self._metrics.written(self.peer, block.numel() * block.element_size(), time.perf_counter() - started)
+            self._metrics.demoted(self.peer, block.numel() * block.element_size(), time.perf_counter() - started)
         else:
             if kind != "timeout":  # counted once, when the job expired
                 self._metrics.error(kind)
             if kind == "enospc":
                 self._make_real_room(file_bytes_for(self._codec.encoded_nbytes(self.block_shape, self.dtype)))
-            if kind in _BACKOFF_KINDS and kind != "timeout":
+            if kind in BACKOFF_KINDS and kind != "timeout":
                 self._record_io_failure()
         self._update_occupancy()
         return ok
@@ -199,7 +183,7 @@ class BlockIO:
                     self.name, what, exc.strerror or exc)
         self._direct = False
 
-    def _write_block(self, job: _Job, key: bytes, block: torch.Tensor) -> int:
+    def _write_block(self, job: Job, key: bytes, block: torch.Tensor) -> int:
         if self._direct and self._aligned(block):
             try:
                 return self._write_direct(job, key, block)
@@ -208,7 +192,7 @@ class BlockIO:
         buf, tensor = self._staging()
         with job.io_lock:  # the only read of the caller's tensor
             if job.expired:
-                raise _Expired()
+                raise Expired()
             src = block if block.is_contiguous() else block.contiguous()
             # The codec writes its blob where format 2 wants it: header at the end of the header page.
             nbytes = self._codec.encode(src, tensor[_BLOB : _BLOB + self._max_payload])
@@ -228,7 +212,7 @@ class BlockIO:
         self._write_file(key, buf.mv[:total])
         return nbytes
 
-    def _write_direct(self, job: _Job, key: bytes, block: torch.Tensor) -> int:
+    def _write_direct(self, job: Job, key: bytes, block: torch.Tensor) -> int:
         """Codec ``none`` from a page-aligned tensor: CRC (and MAC) the row, then one ``writev`` of the header
         page, the row's whole pages and a zero-padded tail page. The row is read twice (hash, then DMA) and never
         copied; should the caller change it in between (only after its job expired), the file fails its check."""
@@ -239,7 +223,7 @@ class BlockIO:
         # every block of a job), so the job cannot expire under them. A job that expired before keeps its row.
         with job.io_lock:
             if job.expired:
-                raise _Expired()
+                raise Expired()
             job.lent += 1
         try:
             row = raw_view(block.data_ptr(), n)
@@ -289,19 +273,19 @@ class BlockIO:
             return self._codec.name
         return peek_header(blob).codec
 
-    def _read_task(self, job: _Job, i: int, key: bytes, out: torch.Tensor) -> bool:
+    def _read_task(self, job: Job, i: int, key: bytes, out: torch.Tensor) -> bool:
         started = time.perf_counter()
         kind = ""
         try:
             self._read_block(job, key, out)
-        except _Expired:
+        except Expired:
             pass  # the caller gave up on this key: the block itself is fine
         except FormatError as exc:
             kind = exc.kind
         except FileNotFoundError:
             kind = "missing"
         except OSError as exc:
-            kind = _IO_ERRNO_KIND.get(exc.errno or 0, "other")
+            kind = IO_ERRNO_KIND.get(exc.errno or 0, "other")
         except CodecError:
             kind = "corrupt"
         except Exception:
@@ -324,10 +308,10 @@ class BlockIO:
             self._metrics.error(kind)
             self._update_occupancy()
         else:
-            self._metrics.read(self.peer, out.numel() * out.element_size(), time.perf_counter() - started)
+            self._metrics.promoted(self.peer, out.numel() * out.element_size(), time.perf_counter() - started)
         return not kind
 
-    def _read_block(self, job: _Job, key: bytes, out: torch.Tensor) -> None:
+    def _read_block(self, job: Job, key: bytes, out: torch.Tensor) -> None:
         fd = open_block(self._ops, self.block_path(key), self.direct_io)
         try:
             size = regular_size(self._ops, fd)
@@ -352,10 +336,10 @@ class BlockIO:
             verify_mac(self._mac_key, buf.mv[:HEADER_BYTES], blob)
         with job.io_lock:  # the only write of the caller's tensor
             if job.expired:
-                raise _Expired()
+                raise Expired()
             decode(tensor[start : start + header.payload_len], out=out)
 
-    def _read_direct(self, job: _Job, fd: int, size: int, key: bytes, out: torch.Tensor) -> bool:
+    def _read_direct(self, job: Job, fd: int, size: int, key: bytes, out: torch.Tensor) -> bool:
         """One ``preadv`` of the header page, the row's whole pages (straight into ``out``) and the tail page,
         then the checks over ``out``. False (nothing served) when the file is not a format-2 ``none`` block of
         this row's size after all -- a format-1 file or another codec's of the same length: the caller then

@@ -11,7 +11,7 @@ import stat
 from ..config import ConfigError
 from .fileio import regular_size
 from .format import HEADER_BYTES, FormatError, parse_header
-from .index import _Entry
+from .index import Entry
 from .paths import block_relpath, is_block_name, is_fanout_name, is_tmp_name
 
 
@@ -100,7 +100,7 @@ class StartupScan:
                     self._index.pop(old, None)
                     stats["evicted"] += 1
                     self._remove_path_locked(self.block_path(old))
-                self._index[key] = _Entry("ready", nbytes)
+                self._index[key] = Entry("ready", nbytes)
             stats["blocks"] = len(self._index)
         for kind in ("foreign", "corrupt", "truncated", "mismatch", "version"):
             if stats[kind]:

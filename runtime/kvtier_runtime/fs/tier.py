@@ -20,10 +20,10 @@ can never delete a newer copy.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -33,10 +33,13 @@ from ..config import FilesystemTierConfig
 from ..policies import AccessContext, get_policy
 from .fileio import FileOps, probe_o_direct
 from .format import MAX_KEY_BYTES, READ_VERSIONS, file_bytes_for
+from ..tiers.backoff import Backoff
+from ..tiers.base import KeyState
+from ..tiers.jobs import JobQueue, JobResult
+from ..tiers.keys import read_mac_key
 from .health import TierHealth
-from .index import DIRECTORY_BYTES, BlockIndex, KeyState, LookupRun, _Entry, file_budget
-from .io import BlockIO, _read_mac_key
-from .jobs import JobQueue, JobResult, _Job
+from .index import DIRECTORY_BYTES, BlockIndex, Entry, LookupRun, file_budget
+from .io import BlockIO
 from .paths import NAMESPACE, block_relpath
 from .scan import StartupScan
 from .tier_metrics import TierMetrics
@@ -51,6 +54,14 @@ def _torch_dtype_name(dtype: torch.dtype) -> str:
 
 class FilesystemTier(BlockIndex, JobQueue, BlockIO, StartupScan, TierHealth):
     """Blocks of one fixed shape and dtype, stored as checksummed files under ``root_dir``, bounded in bytes."""
+
+    # The Tier protocol (kvtier_runtime.tiers.base): a local disk, keys with the books' run-identity suffix (one
+    # directory may serve several models), failed loads logged by the books.
+    medium = "filesystem"
+    origin = "disk"
+    scoped_keys = False
+    logs_load_faults = False
+    _log = logging.getLogger("kvtier_runtime.fs.tier")
 
     def __init__(
         self,
@@ -80,13 +91,10 @@ class FilesystemTier(BlockIndex, JobQueue, BlockIO, StartupScan, TierHealth):
         self._dtype_name = _torch_dtype_name(dtype)
         self._codec = codec or get_codec(config.codec, fallback=config.codec_fallback)
         self._ops = file_ops or FileOps()
-        self._on_complete = on_complete
-        self._backoff_after = backoff_after
-        self._backoff_base_s = backoff_base_s
-        self._backoff_max_s = backoff_max_s
+        self.backoff = Backoff(backoff_base_s, backoff_max_s, after=backoff_after, clock=clock)
         self._clock = clock
-        self._mac_key = _read_mac_key(config.mac_key_file)
-        self._io_timeout_s = float(config.io_timeout_s)
+        self._mac_key = read_mac_key(config.mac_key_file)
+        self._init_jobs(config.io_timeout_s, on_complete)
 
         self.root = os.path.join(os.path.realpath(config.root_dir), NAMESPACE)
         # Why the tier cannot store (a read-only or forbidden directory), or None: it then serves what it finds
@@ -105,8 +113,7 @@ class FilesystemTier(BlockIndex, JobQueue, BlockIO, StartupScan, TierHealth):
         self._local = threading.local()
         self._init_direct_path()
 
-        self._lock = threading.Lock()
-        self._index: dict[bytes, _Entry] = {}
+        self._index: dict[bytes, Entry] = {}
         # Keys whose file is being unlinked (bytes on disk), so the key cannot be stored again before that.
         self._doomed: dict[bytes, int] = {}
         self._removals: list[bytes] | None = None  # keys that left the tier, for KV events (record_removals)
@@ -123,15 +130,8 @@ class FilesystemTier(BlockIndex, JobQueue, BlockIO, StartupScan, TierHealth):
         self._file_budget = file_budget(config.capacity_bytes, self._nominal_file_bytes)
         self._policy = get_policy(config.eviction_policy, self._file_budget, admission=config.admission,
                                   admission_threshold=config.admission_threshold)
-        self._jobs: dict[int, _Job] = {}
-        self._finished: OrderedDict[int, JobResult] = OrderedDict()
-        self._job_ids = itertools.count(1)
         self._tmp_ids = itertools.count(1)
         self._made_dirs: set[str] = set()
-        self._consecutive_failures = 0
-        self._backoff_until = 0.0
-        self._closed = False
-        self._running_tasks = 0
 
         self.rebuild_stats = self._rebuild_index() if os.path.isdir(self.root) else {"blocks": 0}
         self._update_occupancy()
@@ -152,6 +152,27 @@ class FilesystemTier(BlockIndex, JobQueue, BlockIO, StartupScan, TierHealth):
         cls, kwargs: Mapping[str, Any], block_shape: Sequence[int], dtype: torch.dtype, **options: Any
     ) -> "FilesystemTier":
         return cls(FilesystemTierConfig.from_kwargs(kwargs), block_shape, dtype, **options)
+
+    # ---- what the books ask (kvtier_runtime.tiers.base.Tier) ---------------------------------------------
+    def probe(self, key: bytes) -> KeyState:
+        """HIT or MISS for a lookup of the engine's, counted in this tier's lookups and hits. A key whose store is
+        still in flight is a miss here: the books never make a request wait on a write-through."""
+        hit = self.state(key) is KeyState.HIT
+        self._metrics.probed(hit)
+        return KeyState.HIT if hit else KeyState.MISS
+
+    def needs_store(self, key: bytes) -> bool:
+        return self.state(key) is KeyState.MISS
+
+    def covers(self, key: bytes) -> bool:
+        """Held or being written here: the index is this tier's own, so the host tier need not keep a copy."""
+        return self.state(key) is not KeyState.MISS
+
+    def _lent_read_overran(self) -> None:
+        # Later loads take the staging path (which times out cleanly) for io_timeout_s; the overrun counts towards
+        # store backoff.
+        self._direct_reads_resume_at = self._clock() + self._io_timeout_s
+        self._record_io_failure()
 
     # ---- jobs (non-blocking) ----------------------------------------------------------------------------
     def submit_store(
@@ -196,7 +217,7 @@ class FilesystemTier(BlockIndex, JobQueue, BlockIO, StartupScan, TierHealth):
                         reason = "no-room"
                     else:
                         self._policy.pin(key)
-                        self._index[key] = _Entry("writing", size)
+                        self._index[key] = Entry("writing", size)
                         doomed = self._doom_locked(evicted, evicted=True)
                         work.append((i, key, block, doomed))
                         continue

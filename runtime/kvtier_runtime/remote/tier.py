@@ -9,7 +9,7 @@ lookups, ``submit_store`` (write-through from the host tier), ``submit_load`` (p
   ``retry``, vLLM keeps scanning the request's keys (each queued too) and asks again next step. A store that is down
   or still connecting answers ``MISS`` at once: no lookup ever waits for a connection attempt.
 * Loads and stores go to worker threads that batch queued keys into one pipeline (``GET`` / ``SET``) per round
-  trip. Every job has a deadline (``io_timeout_s``, the filesystem tier's job machinery: :mod:`kvtier_runtime.fs.jobs`);
+  trip. Every job has a deadline (``io_timeout_s``, the job machinery both tiers share: :mod:`kvtier_runtime.tiers.jobs`);
   a late key fails as ``timeout`` and a late reply never touches a host row the books may have reused.
 * Every fault is a failed key with a reason, never an exception into the engine: ``down`` (refused, reset,
   cluster slot not served), ``timeout``, ``full`` (a write refused by the store's maxmemory under ``noeviction``),
@@ -36,7 +36,6 @@ trim.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import logging
 import math
 import threading
@@ -51,10 +50,12 @@ from .. import metrics
 from ..codecs import STATS, Codec, CodecError, CodecHeader, KVChunkCodec, decode, get_codec
 from ..codecs.base import PassthroughCodec
 from ..config import ConfigError, RemoteTierConfig
-from ..fs.index import KeyState
-from ..fs.io import _read_mac_key
-from ..fs.jobs import JobQueue, JobResult, _Expired, _Job
 from ..policies import AccessContext
+from ..tiers.backoff import Backoff
+from ..tiers.base import KeyState
+from ..tiers.jobs import Expired, Job, JobQueue, JobResult
+from ..tiers.keys import read_mac_key
+from ..tiers.metrics import TierMetricsBase
 from .client import RemoteStore, failure_kind
 from .format import RemoteFormatError, Sealer, value_bytes
 from .identity import chunk_key, index_key, key_prefix
@@ -81,17 +82,15 @@ _REFUSED_KINDS = frozenset({"forged", "corrupt", "truncated", "foreign", "versio
 _HEX = frozenset(b"0123456789abcdef")
 
 
-class RemoteMetrics:
+class RemoteMetrics(TierMetricsBase):
     """What one remote tier counts, in :mod:`kvtier_runtime.metrics` (labelled by the tier's name), and the same
     counts kept here for the engine's own stats (vLLM exports those from its API server)."""
 
     def __init__(self, name: str, capacity_bytes: int) -> None:
-        self.name = name
+        super().__init__(name, capacity_bytes)
         self.misses: Counter[str] = Counter()
         self.store_failures: Counter[str] = Counter()
         self._lock = threading.Lock()
-        metrics.CAPACITY_BYTES.labels(name).set(capacity_bytes)
-        self._occupancy = metrics.OCCUPANCY_BYTES.labels(name)
         self._up = metrics.REMOTE_UP.labels(name)
         self._up.set(0)
 
@@ -112,21 +111,12 @@ class RemoteMetrics:
     def up(self, on: bool) -> None:
         self._up.set(1 if on else 0)
 
-    def looked_up(self, hit: bool) -> None:
-        metrics.LOOKUPS.labels(self.name).inc()
-        if hit:
-            metrics.HITS.labels(self.name).inc()
-
-    def evicted(self, n: int) -> None:
-        metrics.EVICTIONS.labels(self.name).inc(n)
-
-    def occupancy(self, nbytes: int) -> None:
-        self._occupancy.set(nbytes)
-
     def moved(self, src: str, dst: str, nbytes: int, seconds: float, n: int) -> None:
-        (metrics.PROMOTIONS if dst != self.name else metrics.DEMOTIONS).labels(src, dst).inc(n)
-        metrics.BYTES_MOVED.labels(src, dst).inc(nbytes)
-        metrics.TRANSFER_SECONDS.labels(src, dst).observe(seconds)
+        if dst != self.name:
+            self.promoted(dst, nbytes, seconds, n)
+        else:
+            self.demoted(src, nbytes, seconds, n)
+
 
 
 class _Lane:
@@ -178,7 +168,14 @@ class RemoteTier(JobQueue):
     """Chunks of one fixed shape and dtype in a shared Valkey/Redis store, keyed by the config's scope and
     ``identity``, sealed under the tenant's key (``config.mac_key_file``)."""
 
-    remote = True  # the books: raw offload keys (the identity is in the store key), PENDING = ask again
+    # The Tier protocol (kvtier_runtime.tiers.base): a store shared by every replica of the model, whose keys carry
+    # the model identity (the books hand raw offload keys); this tier logs its own faults (an evicted chunk is no
+    # incident).
+    medium = "remote"
+    origin = "remote"
+    scoped_keys = True
+    logs_load_faults = True
+    _log = log
 
     def __init__(
         self,
@@ -208,13 +205,12 @@ class RemoteTier(JobQueue):
         self.dtype = dtype
         self._codec = codec or get_codec(config.codec, fallback=True)
         # RemoteTierConfig guarantees a key file of the tenant's own (never the store password's file).
-        tenant_key = _read_mac_key(config.mac_key_file)
+        tenant_key = read_mac_key(config.mac_key_file)
         assert tenant_key is not None and config.scope is not None
         self.scope = config.scope
         self._sealer = Sealer(tenant_key, config.scope, identity)
         del tenant_key
-        self._io_timeout_s = float(config.io_timeout_s)
-        self._on_complete = on_complete
+        self._init_jobs(config.io_timeout_s, on_complete)  # ids, results handed out once, deadlines
         self._clock = clock
         self._prefix = key_prefix(config.scope, identity)
         self.identity = identity
@@ -235,26 +231,16 @@ class RemoteTier(JobQueue):
         self._presence_ttl_s = presence_ttl_s
         self._absent_ttl_s = absent_ttl_s
         self._presence_entries = presence_entries
-        self._backoff_base_s = backoff_base_s
-        self._backoff_max_s = backoff_max_s
-
-        # JobQueue's state (kvtier_runtime.fs.jobs): ids, results handed out once, deadlines.
-        self._lock = threading.Lock()
-        self._jobs: dict[int, _Job] = {}
-        self._finished: OrderedDict[int, JobResult] = OrderedDict()
-        self._job_ids = itertools.count(1)
-        self._closed = False
-        self._running_tasks = 0
+        # A store marked down is retried (one reconnect) after base_s, doubling per fault in a row up to max_s.
+        self.backoff = Backoff(backoff_base_s, backoff_max_s, clock=clock)
 
         # Presence: key -> (present, expires at, why absent); keys whose probe is in flight -> when queued.
         self._plock = threading.Lock()
         self._presence: OrderedDict[bytes, tuple[bool, float, str]] = OrderedDict()
         self._probing: dict[bytes, float] = {}
 
-        # Health: "connecting" (at start and while a reconnect runs), "up", "down" (until _retry_at).
+        # Health: "connecting" (at start and while a reconnect runs), "up", "down" (until backoff.until).
         self._health = "connecting"
-        self._retry_at = 0.0
-        self._failures = 0
         self._timeouts = 0
         self._stores_paused_until = 0.0  # after "full": a full store is not sent more bytes for a while
         self._entries = 0
@@ -321,7 +307,7 @@ class RemoteTier(JobQueue):
         health = self._health
         if health == "up":
             return True
-        if health == "down" and self._clock() >= self._retry_at and not self._closed:
+        if health == "down" and not self.backoff.active and not self._closed:
             with self._plock:
                 if self._health != "down":
                     return False
@@ -343,7 +329,7 @@ class RemoteTier(JobQueue):
             return
         except Exception as exc:
             kind = failure_kind(exc)
-            if self._failures == 0:
+            if self.backoff.failures == 0:
                 tls = self._store.describe_tls_failure(exc)
                 if tls is not None:
                     log.warning("kvtier remote tier %s: %s; lookups miss, retrying", self.name, tls)
@@ -357,10 +343,10 @@ class RemoteTier(JobQueue):
                  "cluster" if self._store.cluster else "standalone")
 
     def _ok(self) -> None:
-        if self._health != "up" or self._failures or self._timeouts:
+        if self._health != "up" or self.backoff.failures or self._timeouts:
             with self._plock:
                 self._health = "up"
-                self._failures = 0
+                self.backoff.success()
                 self._timeouts = 0
             self._metrics.up(True)
 
@@ -369,7 +355,7 @@ class RemoteTier(JobQueue):
         TIMEOUTS_TO_DOWN in a row; ``full`` pauses stores only."""
         now = self._clock()
         if kind == "full":
-            self._stores_paused_until = now + self._backoff_base_s
+            self._stores_paused_until = now + self.backoff.base_s
             return
         with self._plock:
             if kind == "timeout" and not force:
@@ -378,9 +364,7 @@ class RemoteTier(JobQueue):
                     return
             if kind not in _DOWN_KINDS and kind != "timeout" and not force:
                 return
-            self._failures += 1
-            delay = min(self._backoff_max_s, self._backoff_base_s * 2 ** min(self._failures - 1, 30))
-            self._retry_at = now + delay
+            delay = self.backoff.failure(now)
             was_up = self._health == "up"
             self._health = "down"
         self._metrics.up(False)
@@ -395,7 +379,7 @@ class RemoteTier(JobQueue):
         burst in this process's own queue. A slow store shows as socket timeouts (io_timeout_s per operation),
         which the batches report to :meth:`_fault`."""
 
-    def _new_job(self, kind: str, keys: Sequence[bytes]) -> _Job:
+    def _new_job(self, kind: str, keys: Sequence[bytes]) -> Job:
         job = JobQueue._new_job(self, kind, keys)
         factor = STORE_DEADLINE_FACTOR if kind == "store" else LOAD_DEADLINE_FACTOR
         job.deadline += (factor - 1) * self._io_timeout_s
@@ -444,8 +428,22 @@ class RemoteTier(JobQueue):
         self._probes.put([key])
         return KeyState.PENDING
 
+    # ---- what the books ask (kvtier_runtime.tiers.base.Tier) ---------------------------------------------
+    def probe(self, key: bytes) -> KeyState:
+        """:meth:`state`, queuing a presence probe for an unknown key (PENDING: ask again next step)."""
+        return self.state(key)
+
+    def needs_store(self, key: bytes) -> bool:
+        """Unless the presence cache knows the store holds it (another replica may have written it)."""
+        return not self.known_present(key)
+
+    def covers(self, key: bytes) -> bool:
+        """Never: presence here is a cache another replica's eviction (or the store's) may void at any time, so the
+        host tier keeps its own copy."""
+        return False
+
     def _count_lookup(self, hit: bool, reason: str) -> None:
-        self._metrics.looked_up(hit)
+        self._metrics.probed(hit)
         if not hit:
             self._metrics.miss(reason)
 
@@ -528,7 +526,7 @@ class RemoteTier(JobQueue):
         self._settle(job, None, True)
         return job.job_id
 
-    def _fail_key(self, job: _Job, i: int, reason: str, store: bool = False) -> None:
+    def _fail_key(self, job: Job, i: int, reason: str, store: bool = False) -> None:
         with self._lock:
             job.errors[i] = reason
             result = self._settle_locked(job, i, False)
@@ -539,7 +537,7 @@ class RemoteTier(JobQueue):
         if result is not None and self._on_complete is not None:
             self._on_complete(result)
 
-    def _succeed_key(self, job: _Job, i: int) -> None:
+    def _succeed_key(self, job: Job, i: int) -> None:
         self._settle(job, i, True)
 
     # ---- batches (pool threads) -------------------------------------------------------------------------
@@ -561,7 +559,7 @@ class RemoteTier(JobQueue):
         self._local.bufs = bufs
         return bufs
 
-    def _store_batch(self, batch: list[tuple[_Job, int, bytes, torch.Tensor]]) -> None:
+    def _store_batch(self, batch: list[tuple[Job, int, bytes, torch.Tensor]]) -> None:
         """One pipeline: a SET per chunk, then the model's index (ZADD, ZCARD); trimmed to the capacity (ZPOPMIN,
         DEL) before the keys settle, so a finished store is already accounted."""
         started = time.perf_counter()
@@ -576,14 +574,14 @@ class RemoteTier(JobQueue):
         bufs = self._buffers(len(live))
         plain = self._plain()
         out: torch.Tensor | None = None
-        sent: list[tuple[_Job, int, bytes, memoryview]] = []
+        sent: list[tuple[Job, int, bytes, memoryview]] = []
         for j, (job, i, key, block) in enumerate(live):
             buf = bufs[j]
             try:
                 if self._raw_header is not None and block.device.type == "cpu" and block.is_contiguous():
                     with job.io_lock:  # the only read of the caller's row: sealed from the row itself
                         if job.expired:
-                            raise _Expired()
+                            raise Expired()
                         total = self._sealer.seal_parts(buf, self.store_key(key), self._codec.name,
                                                         (self._raw_header, _row_bytes_of(block, self._row_bytes)))
                     STATS.record_encode(self._codec.name, self._row_bytes, len(self._raw_header) + self._row_bytes)
@@ -593,11 +591,11 @@ class RemoteTier(JobQueue):
                     out = torch.frombuffer(plain, dtype=torch.uint8)
                 with job.io_lock:  # the only read of the caller's row
                     if job.expired:
-                        raise _Expired()
+                        raise Expired()
                     n = self._codec.encode(block if block.is_contiguous() else block.contiguous(), out)
                 # Encrypted from the plaintext buffer straight into this value's buffer (the pipeline sends a view).
                 total = self._sealer.seal(buf, self.store_key(key), self._codec.name, memoryview(plain)[:n])
-            except _Expired:
+            except Expired:
                 continue
             except Exception as exc:  # a codec fault must not reach the engine
                 log.warning("kvtier remote tier %s: encoding a chunk failed: %s", self.name, exc)
@@ -661,7 +659,7 @@ class RemoteTier(JobQueue):
         self._entries = max(0, entries)
         self._metrics.occupancy(self.used_bytes)
 
-    def _load_batch(self, batch: list[tuple[_Job, int, bytes, torch.Tensor]]) -> None:
+    def _load_batch(self, batch: list[tuple[Job, int, bytes, torch.Tensor]]) -> None:
         started = time.perf_counter()
         live = [item for item in batch if not item[0].done.is_set()]
         if not live:
@@ -698,7 +696,7 @@ class RemoteTier(JobQueue):
                     _, payload = self._sealer.open(value, self.store_key(key), self._plain())
                     with job.io_lock:  # the only write of the caller's row
                         if job.expired:
-                            raise _Expired()
+                            raise Expired()
                         raw = self._raw_header
                         if raw is not None and len(payload) == len(raw) + self._row_bytes and payload[:len(raw)] == raw:
                             # What decode() would do for these header bytes (codec none, this shape and dtype: a
@@ -706,7 +704,7 @@ class RemoteTier(JobQueue):
                             ctypes.memmove(out.data_ptr(), self._local.plain_at + len(raw), self._row_bytes)
                         else:
                             decode(payload, out=out)
-                except _Expired:
+                except Expired:
                     continue
                 except RemoteFormatError as exc:
                     kind = exc.kind

@@ -27,7 +27,7 @@ PROG = "kvtier replay"
 DEFAULT_BLOCK_TOKENS = 512
 
 
-def _number(name: str, cast: type = float, *, allow_zero: bool = False):
+def number_arg(name: str, cast: type = float, *, allow_zero: bool = False):
     """An argparse ``type`` for a finite number > 0 (or >= 0) whose error names the option."""
     what = "an integer" if cast is int else "a number"
     rule = "a finite number >= 0" if allow_zero else ("a positive integer" if cast is int else "a finite number > 0")
@@ -43,7 +43,7 @@ def _number(name: str, cast: type = float, *, allow_zero: bool = False):
     return parse
 
 
-def _one_line_error(parser: argparse.ArgumentParser):
+def one_line_error(parser: argparse.ArgumentParser):
     """argparse's ``error`` without the usage block: the docs promise one line on stderr and exit status 2."""
     def error(message: str):
         parser.exit(2, f"{PROG}: error: {message} (see {PROG} --help)\n")
@@ -51,7 +51,7 @@ def _one_line_error(parser: argparse.ArgumentParser):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.error = _one_line_error(parser)  # type: ignore[method-assign]
+    parser.error = one_line_error(parser)  # type: ignore[method-assign]
     parser.description = ("Replay a Mooncake-format JSONL trace through kvtier's eviction/admission policies and "
                           "compare with the Belady-optimal bound. 'analyze' describes the trace's reuse instead; "
                           "'recommend' sizes a KVCachePolicy's tiers from it (kvtier replay recommend --help).")
@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-meta", action="store_true",
                         help="ignore a trace-meta.json next to --trace (capacities then default to 10%%)")
     parser.add_argument("--skip-bad", action="store_true", help="skip malformed lines (counted) instead of failing")
-    parser.add_argument("--block-tokens", type=_number("--block-tokens", int), default=None, metavar="N",
+    parser.add_argument("--block-tokens", type=number_arg("--block-tokens", int), default=None, metavar="N",
                         help=f"tokens per hash id (default: the recording's, else {DEFAULT_BLOCK_TOKENS}, as in "
                              "Mooncake traces)")
     parser.add_argument("--policy", action="append", metavar="NAME[+ADMISSION]",
@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", action="append", metavar="N[%]",
                         help="a tier's capacity in blocks, or N%% of the trace's distinct blocks; repeat for "
                              "several tiers, fastest first (default 10%%)")
-    parser.add_argument("--replicas", type=_number("--replicas", int), default=1, metavar="N",
+    parser.add_argument("--replicas", type=number_arg("--replicas", int), default=1, metavar="N",
                         help="spread the requests over N replicas in turn (a router without prefix affinity); each "
                              "replica has its own tiers, of the given capacities (default 1)")
     parser.add_argument("--shared", action="store_true",
@@ -92,16 +92,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep-capacities", metavar="LIST",
                         help="comma-separated capacities for --sweep (default 1%%,2%%,5%%,10%%,20%%,30%%,50%%)")
     parser.add_argument("--no-opt", action="store_true", help="skip the OPT bound (faster on huge traces)")
-    parser.add_argument("--model-kv-bytes-per-token", type=_number("--model-kv-bytes-per-token", int),
+    parser.add_argument("--model-kv-bytes-per-token", type=number_arg("--model-kv-bytes-per-token", int),
                         metavar="BYTES", help="KV cache bytes per token of the model (all layers, K and V)")
-    parser.add_argument("--bandwidth", action="append", type=_number("--bandwidth"), metavar="GB/S",
+    parser.add_argument("--bandwidth", action="append", type=number_arg("--bandwidth"), metavar="GB/S",
                         help="link bandwidth of a tier in GB/s; once for all tiers or once per tier")
-    parser.add_argument("--prefill-tokens-per-s", type=_number("--prefill-tokens-per-s"), metavar="TOKENS",
+    parser.add_argument("--prefill-tokens-per-s", type=number_arg("--prefill-tokens-per-s"), metavar="TOKENS",
                         help="prefill throughput, to turn hits into prefill time saved")
-    parser.add_argument("--transfer-latency-us", type=_number("--transfer-latency-us", allow_zero=True), default=50.0,
-                        metavar="US",
+    parser.add_argument("--transfer-latency-us", type=number_arg("--transfer-latency-us", allow_zero=True),
+                        default=50.0, metavar="US",
                         help="fixed cost per transfer for 'analyze' chunk sizing (default 50)")
-    parser.add_argument("--budget-gib", type=_number("--budget-gib"), metavar="GIB",
+    parser.add_argument("--budget-gib", type=number_arg("--budget-gib"), metavar="GIB",
                         help="'analyze': largest tier capacity to recommend, in GiB (needs --model-kv-bytes-per-token)")
 
 

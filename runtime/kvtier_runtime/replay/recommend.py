@@ -25,7 +25,7 @@ import yaml
 
 from .. import config
 from ..policies import ADMISSIONS, POLICIES
-from .cli import DEFAULT_BLOCK_TOKENS, _number, _one_line_error
+from .cli import DEFAULT_BLOCK_TOKENS, number_arg, one_line_error
 from .engine import PolicySpec, ReplayError, replay
 from .trace import RecordedModel, Trace, TraceError, load_meta, load_traces, recording_files, trace_warnings
 
@@ -370,7 +370,7 @@ def _flow(policy: PolicyFile) -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.error = _one_line_error(parser)  # type: ignore[method-assign]
+    parser.error = one_line_error(parser)  # type: ignore[method-assign]
     parser.description = ("Print the KVCachePolicy --policy with each enabled tier's size and evictionPolicy "
                           "chosen from the replayed trace, within --budget (default: the tiers' current sizes), "
                           "and the predicted figures as comments.")
@@ -380,13 +380,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", metavar="KEY=QUANTITY,...",
                         help="largest size per medium (cpu, filesystem, remote) or per tier name, e.g. "
                              "cpu=64Gi,filesystem=1Ti; a tier not named keeps its current size as its budget")
-    parser.add_argument("--block-bytes", type=_number("--block-bytes", int), metavar="N",
+    parser.add_argument("--block-bytes", type=number_arg("--block-bytes", int), metavar="N",
                         help="KV bytes of one block of the trace, all tensor-parallel ranks (default: the "
                              "recording's sidecar, or derived from the policy's cpu size and the recorded "
                              "host tier's blocks)")
-    parser.add_argument("--block-tokens", type=_number("--block-tokens", int), metavar="N",
+    parser.add_argument("--block-tokens", type=number_arg("--block-tokens", int), metavar="N",
                         help=f"tokens per hash id (default: the recording's, else {DEFAULT_BLOCK_TOKENS})")
-    parser.add_argument("--prefill-tokens-per-s", type=_number("--prefill-tokens-per-s"),
+    parser.add_argument("--prefill-tokens-per-s", type=number_arg("--prefill-tokens-per-s"),
                         default=DEFAULT_PREFILL_TOKENS_PER_S, metavar="T",
                         help=f"prefill throughput, turning tokens served into prefill time saved (default "
                              f"{DEFAULT_PREFILL_TOKENS_PER_S:.0f}: a mid-size model on one GPU)")

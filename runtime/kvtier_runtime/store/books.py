@@ -40,12 +40,13 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import torch
 
 from .. import metrics
-from ..fs.tier import FilesystemTier, JobResult, KeyState
+from ..tiers.base import KeyState, Tier
+from ..tiers.jobs import JobResult
 from ..policies import AccessContext
 from .breaker import BYPASS, PROBE, Breaker, TierBreakers
 from .memory_tier import MemoryTier
@@ -55,6 +56,10 @@ log = logging.getLogger(__name__)
 HIT, HIT_PENDING, RETRY, MISS = "hit", "hit_pending", "retry", "miss"
 HOST, DISK, REMOTE = "host", "disk", "remote"
 
+
+# What the books count per origin of a tier (``Tier.origin``): a promotion, a write-through stored, one refused.
+_COUNTERS = {DISK: ("promotions", "fs_stores", "fs_store_refusals"),
+             REMOTE: ("remote_promotions", "remote_stores", "remote_store_refusals")}
 
 # Keys remembered as "the last promotion failed" (each answered miss once): a bound, not a tuning knob.
 MAX_FAILED_PROMOTIONS = 4096
@@ -105,13 +110,13 @@ class OffloadBooks:
     def __init__(
         self,
         host: MemoryTier,
-        fs_tiers: Sequence[FilesystemTier] = (),
+        fs_tiers: Sequence[Tier] = (),
         *,
         fs_rows: Sequence[torch.Tensor] | None = None,
         key_suffix: bytes = b"",
         enable_events: bool = False,
         fs_events: Sequence[bool] | None = None,
-        remote_tiers: Sequence[Any] = (),
+        remote_tiers: Sequence[Tier] = (),
         remote_rows: Sequence[torch.Tensor] | None = None,
         breakers: TierBreakers | None = None,
     ) -> None:
@@ -119,7 +124,11 @@ class OffloadBooks:
         self.fs_tiers = list(fs_tiers)
         self.remote_tiers = list(remote_tiers)
         # Every tier behind the host, in lookup order; a tier index below is an index into this list.
-        self._tiers: list[Any] = [*self.fs_tiers, *self.remote_tiers]
+        self._tiers: list[Tier] = [*self.fs_tiers, *self.remote_tiers]
+        for tier in self._tiers:
+            if tier.origin not in _COUNTERS:
+                raise ValueError(f"tiers: {tier.name} has origin {tier.origin!r}; must be one of "
+                                 f"{', '.join(sorted(_COUNTERS))}")
         # A breaker per tier (index 0 the host tier, then tier index + 1): a tier loading slower than recomputing,
         # or disabled by the control file, is bypassed. Default: tiers named as they name themselves, no verdict by
         # cost and no control file, i.e. never bypassed.
@@ -137,6 +146,7 @@ class OffloadBooks:
         self._writing: set[bytes] = set()  # keys whose worker store is in flight
         self.load_failures: Counter[str] = Counter()  # by kind: corrupt, missing, eio, ...
         self.remote_load_failures: Counter[str] = Counter()  # by kind: evicted, down, timeout, forged, ...
+        self._load_failures_by_origin = {DISK: self.load_failures, REMOTE: self.remote_load_failures}
         # Keys whose promotion just failed: the next lookup answers miss instead of promoting again, so the request
         # that waited recomputes (on a hung disk every promotion times out, and retrying would hold it forever).
         self._promotion_failed: set[bytes] = set()
@@ -151,13 +161,14 @@ class OffloadBooks:
         self._fenced: dict[_Fence, int] = {}
         self.reset_at = 0.0  # time.monotonic() of the last reset
         # KV cache events: the host tier's when enable_events, a filesystem tier's when also fs_events[i] (vLLM's
-        # rule for secondary tiers: the global flag and the tier's own ``enable_kv_events``).
+        # rule for secondary tiers: the global flag and the tier's own ``enable_kv_events``); a tier with events
+        # on announces its removals (record_removals/take_removals). Remote tiers announce none.
         self.events: list[TierEvent] | None = [] if enable_events else None
         wanted = list(fs_events) if fs_events is not None else [True] * len(self.fs_tiers)
-        self._fs_events = [bool(enable_events and w) for w in wanted] + [False] * len(self.remote_tiers)
-        for tier, on in zip(self.fs_tiers, self._fs_events):
+        self._tier_events = [bool(enable_events and w) for w in wanted] + [False] * len(self.remote_tiers)
+        for tier, on in zip(self._tiers, self._tier_events):
             if on:
-                tier.record_removals()
+                tier.record_removals()  # type: ignore[attr-defined]
         for tier in self._tiers:
             tier.peer = host.name  # promotions/demotions are labelled with the tier they move to or from
         metrics.CAPACITY_BYTES.labels(host.name).set(host.capacity_bytes)
@@ -167,11 +178,9 @@ class OffloadBooks:
     def fs_key(self, key: bytes) -> bytes:
         return bytes(key) + self._suffix
 
-    def _is_remote(self, tier_index: int) -> bool:
-        return tier_index >= len(self.fs_tiers)
-
-    def _tier_key(self, tier_index: int, key: bytes) -> bytes:
-        return bytes(key) if self._is_remote(tier_index) else self.fs_key(key)
+    def _tier_key(self, tier: Tier, key: bytes) -> bytes:
+        """``key`` as ``tier`` stores it: raw if the tier scopes keys to the model itself, else with the suffix."""
+        return bytes(key) if tier.scoped_keys else self.fs_key(key)
 
     # ---- lookups ------------------------------------------------------------------------------------------
     def lookup(self, key: bytes, ctx: AccessContext | None = None, count: bool = True) -> str:
@@ -206,25 +215,15 @@ class OffloadBooks:
         if key in self._promotion_failed:
             self._promotion_failed.discard(key)
             return MISS
-        fkey = self.fs_key(key)
-        for i, tier in enumerate(self.fs_tiers):
+        for i, tier in enumerate(self._tiers):
             gate = self.breakers[i + 1].load_gate()
-            if gate == BYPASS:  # a miss here; a later tier may still serve it
+            if gate == BYPASS:  # a miss here (not even a presence probe); a later tier may still serve it
                 self._bypassed_lookup(self.breakers[i + 1])
                 continue
-            metrics.LOOKUPS.labels(tier.name).inc()
-            if tier.state(fkey) is KeyState.HIT:
-                metrics.HITS.labels(tier.name).inc()
-                return RETRY if self._promote(key, i, ctx, probe=gate == PROBE) else MISS
-        for i, tier in enumerate(self.remote_tiers, start=len(self.fs_tiers)):
-            gate = self.breakers[i + 1].load_gate()
-            if gate == BYPASS:  # not even a presence probe
-                self._bypassed_lookup(self.breakers[i + 1])
-                continue
-            state = tier.state(key)  # counts its own lookups and misses (by reason)
+            state = tier.probe(self._tier_key(tier, key))  # counted in the tier's lookups and hits
             if state is KeyState.HIT:
                 return RETRY if self._promote(key, i, ctx, probe=gate == PROBE) else MISS
-            if state is KeyState.PENDING:  # the tier is asking the store: vLLM asks again next step
+            if state is KeyState.PENDING:  # the tier is asking its store: vLLM asks again next step
                 return RETRY
         return MISS
 
@@ -245,7 +244,7 @@ class OffloadBooks:
         self._event(self._forget(victims), -1, removed=True)
         self.host.pin(key)
         tier = self._tiers[tier_index]
-        job = tier.submit_load([self._tier_key(tier_index, key)], [self._fs_rows[tier_index][slot]], ctx)
+        job = tier.submit_load([self._tier_key(tier, key)], [self._fs_rows[tier_index][slot]], ctx)
         self._promotions[(tier_index, job)] = _Promotion(key, tier_index, time.monotonic(), probe=probe,
                                                          t0=self.breakers.clock())
         if probe:
@@ -380,10 +379,7 @@ class OffloadBooks:
 
     def _write_through(self, keys: list[bytes]) -> None:
         for i, tier in enumerate(self._tiers):
-            if self._is_remote(i):  # the store may hold it (another replica): the tier's presence cache says
-                todo = [k for k in keys if not tier.known_present(k)]
-            else:
-                todo = [k for k in keys if tier.state(self.fs_key(k)) is KeyState.MISS]
+            todo = [k for k in keys if tier.needs_store(self._tier_key(tier, k))]
             if not todo:
                 continue
             breaker = self.breakers[i + 1]
@@ -394,20 +390,19 @@ class OffloadBooks:
             for key in todo:
                 self.host.pin(key)  # the row must not be reused before the tier has read it
             rows = [self._fs_rows[i][self.host.slot_of(k)] for k in todo]
-            job = tier.submit_store([self._tier_key(i, k) for k in todo], rows)
+            job = tier.submit_store([self._tier_key(tier, k) for k in todo], rows)
             self._writes[(i, job)] = _WriteThrough(tuple(todo), i, probe=gate == PROBE)
             if gate == PROBE:
                 breaker.probe_started("store")
 
     def _on_disk(self, key: bytes) -> bool:
-        """Whether a serving filesystem tier holds ``key`` (a bypassed tier's copy is not served: the host tier
-        stores the chunk again)."""
-        fkey = self.fs_key(key)
-        return any(self.breakers[i + 1].serving and t.state(fkey) is not KeyState.MISS
-                   for i, t in enumerate(self.fs_tiers))
+        """Whether a serving tier covers ``key`` (:meth:`Tier.covers`: a filesystem tier holds it; a bypassed tier's
+        copy is not served, so the host tier stores the chunk again)."""
+        return any(self.breakers[i + 1].serving and t.covers(self._tier_key(t, key))
+                   for i, t in enumerate(self._tiers))
 
     def _event(self, keys: Sequence[bytes], tier: int, *, removed: bool, metadata_only: bool = False) -> None:
-        if self.events is not None and keys and (tier < 0 or self._fs_events[tier]):
+        if self.events is not None and keys and (tier < 0 or self._tier_events[tier]):
             self.events.append(TierEvent(tuple(keys), tier, removed, metadata_only))
 
     def take_events(self) -> list[TierEvent]:
@@ -416,9 +411,12 @@ class OffloadBooks:
         if self.events is None:
             return []
         self.poll()
-        for i, tier in enumerate(self.fs_tiers):
-            n = len(self._suffix)
-            gone = [k[: len(k) - n] if n else k for k in tier.take_removals() if k.endswith(self._suffix)]
+        n = len(self._suffix)
+        for i, (tier, on) in enumerate(zip(self._tiers, self._tier_events)):
+            if not on:  # nothing recorded, nothing to announce
+                continue
+            removed = tier.take_removals()  # type: ignore[attr-defined]
+            gone = [k[: len(k) - n] if n else k for k in removed if k.endswith(self._suffix)]
             self._event(gone, i, removed=True)
         events, self.events = self.events, []
         out = []
@@ -459,7 +457,7 @@ class OffloadBooks:
         self._promotion_failed.clear()
         self._promoted_from.clear()
         dropped = 0
-        for key in list(self.host._slot_of):
+        for key in self.host.held_keys():
             if isinstance(key, _Fence):
                 continue
             if not self.host.is_pinned(key):
@@ -520,7 +518,7 @@ class OffloadBooks:
 
     @property
     def fenced_slots(self) -> int:
-        return sum(1 for k in self.host._slot_of if isinstance(k, _Fence))
+        return sum(1 for k in self.host.held_keys() if isinstance(k, _Fence))
 
     # ---- completions --------------------------------------------------------------------------------------
     def poll(self) -> None:
@@ -566,8 +564,7 @@ class OffloadBooks:
             self._fence(key)
             self._origin.pop(key, None)
             self._note_failed_promotion(key)
-            remote = self._is_remote(tier_index)
-            (self.remote_load_failures if remote else self.load_failures)["timeout"] += 1
+            self._load_failures_by_origin[tier.origin]["timeout"] += 1
             self.counters["promotions_expired"] += 1
             log.warning("kvtier: reading a block from %s took longer than %.3g s; vLLM recomputes it (the host "
                         "slot stays reserved until the read returns)", tier.name, tier.io_timeout_s)
@@ -582,22 +579,21 @@ class OffloadBooks:
                 self._drop_fence_pin(key, engine=False)
                 return
             self.host.unpin(key)
-            remote = self._is_remote(tier_index)
+            tier = self._tiers[tier_index]
             if result.ok[0]:
                 self.host.mark_ready(key)
-                self._origin[key] = REMOTE if remote else DISK
+                self._origin[key] = tier.origin
                 self._promoted_from[key] = tier_index + 1
-                self.counters["remote_promotions" if remote else "promotions"] += 1
+                self.counters[_COUNTERS[tier.origin][0]] += 1
                 self._event([key], -1, removed=False)
             else:
                 kind = result.errors.get(0, "other")
-                (self.remote_load_failures if remote else self.load_failures)[kind] += 1
+                self._load_failures_by_origin[tier.origin][kind] += 1
                 self.host.remove(key)
                 self._origin.pop(key, None)
                 self._note_failed_promotion(key)
-                if not remote:  # a remote tier logs its own faults (an evicted chunk is no incident)
-                    log.warning("kvtier: reading a block from %s failed (%s); vLLM recomputes it",
-                                self.fs_tiers[tier_index].name, kind)
+                if not tier.logs_load_faults:  # a remote tier logs its own (an evicted chunk is no incident)
+                    log.warning("kvtier: reading a block from %s failed (%s); vLLM recomputes it", tier.name, kind)
                 self._update_occupancy()
             return
         write = self._writes.pop((tier_index, result.job_id), None)
@@ -606,16 +602,14 @@ class OffloadBooks:
         if write.probe:
             self.breakers[tier_index + 1].probe_finished("store")
         stored: list[bytes] = []
+        _, stored_counter, refused_counter = _COUNTERS[self._tiers[tier_index].origin]
         for key, ok in zip(write.keys, result.ok):
             if isinstance(key, _Fence):
                 self._drop_fence_pin(key, engine=False)
                 key = key.key
             elif key in self.host:
                 self.host.unpin(key)
-            if self._is_remote(tier_index):
-                self.counters["remote_stores" if ok else "remote_store_refusals"] += 1
-            else:
-                self.counters["fs_stores" if ok else "fs_store_refusals"] += 1
+            self.counters[stored_counter if ok else refused_counter] += 1
             if ok:
                 stored.append(key)
         self._event(stored, tier_index, removed=False)
@@ -645,7 +639,7 @@ class OffloadBooks:
         return self.host.capacity_bytes
 
 
-def _default_names(host: MemoryTier, tiers: Sequence[Any]) -> list[str]:
+def _default_names(host: MemoryTier, tiers: Sequence[Tier]) -> list[str]:
     """Each tier's own name (made distinct with its index where two share one)."""
     names: list[str] = []
     own = [host.name, *(getattr(t, "name", f"tier{i + 1}") for i, t in enumerate(tiers))]

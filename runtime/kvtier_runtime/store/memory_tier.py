@@ -82,6 +82,10 @@ class MemoryTier:
     def keys(self) -> list[bytes]:
         return [k for k in self._slot_of if k not in self._pending]
 
+    def held_keys(self) -> list[bytes]:
+        """Every key holding a slot, filled or reserved (a snapshot: the caller may remove keys while walking it)."""
+        return list(self._slot_of)
+
     def is_ready(self, key: bytes) -> bool:
         """Held and filled (a reserved slot becomes ready when the plan that reserved it has copied into it)."""
         return key in self._slot_of and key not in self._pending

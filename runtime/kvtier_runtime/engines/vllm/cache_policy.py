@@ -28,7 +28,7 @@ from ...policies import AccessContext, EvictionPolicy, get_policy
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _access_context(key: OffloadKey, req_context: ReqContext | None) -> AccessContext | None:
+def access_context(key: OffloadKey, req_context: ReqContext | None) -> AccessContext | None:
     """vLLM's request context as the runtime's: the key's end-token position orders a request's chunks."""
     if req_context is None:
         return None
@@ -92,7 +92,7 @@ class KvtierCachePolicy(CachePolicy):
             self._chunks[key] = chunk
             self._sync_pin(key)
             return
-        ctx = _access_context(key, req_context) if self._uses_context else None
+        ctx = access_context(key, req_context) if self._uses_context else None
         self._chunks[key] = chunk
         policy = self.policy
         if policy.admission is None or policy.admit(key, 1, ctx):
@@ -133,7 +133,7 @@ class KvtierCachePolicy(CachePolicy):
         chunk = self._chunks.get(key)
         if chunk is None or not chunk.is_ready:
             return  # a chunk whose store is still in flight was not reused
-        ctx = _access_context(key, req_context) if self._uses_context else None
+        ctx = access_context(key, req_context) if self._uses_context else None
         if key in self._probation:
             del self._probation[key]  # reused while on probation: the filter's second chance
             self._enter_policy(key, ctx)
@@ -157,7 +157,7 @@ class KvtierCachePolicy(CachePolicy):
         if self._request_aware:  # vLLM's lru: the request's rank, tail before head, in flight or not
             for key in keys:
                 if key in self.policy:
-                    self.policy.touch(key, _access_context(key, req_context))
+                    self.policy.touch(key, access_context(key, req_context))
             return
         for key in keys:
             self._reuse(key, req_context)

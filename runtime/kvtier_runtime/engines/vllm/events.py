@@ -11,7 +11,7 @@ from vllm.v1.kv_offload.base import OffloadingEvent, OffloadingSpec
 from ...config import ConfigError
 
 
-def _kv_events_enabled(spec: OffloadingSpec) -> bool:
+def kv_events_enabled(spec: OffloadingSpec) -> bool:
     """vLLM's ``--kv-events-config enable_kv_cache_events`` as the spec sees it (0.33: ``kv_events_config``)."""
     events = getattr(spec, "kv_events_config", None)
     if events is not None:
@@ -19,7 +19,7 @@ def _kv_events_enabled(spec: OffloadingSpec) -> bool:
     return bool(getattr(spec.config, "enable_kv_cache_events", False))
 
 
-def _tier_kv_events(extra: Mapping[str, Any], index: int | None = None) -> bool:
+def tier_kv_events(extra: Mapping[str, Any], index: int | None = None) -> bool:
     """A tier's ``enable_kv_events`` (vLLM's secondary-tier key; default false): its events are published only when
     this and the engine's KV events are both on."""
     value = extra.get("enable_kv_events", False)
@@ -32,7 +32,7 @@ def _tier_kv_events(extra: Mapping[str, Any], index: int | None = None) -> bool:
 _EVENT_FIELDS = frozenset(getattr(OffloadingEvent, "__dataclass_fields__", ()))
 
 
-def _offloading_event(**fields: Any) -> OffloadingEvent:
+def offloading_event(**fields: Any) -> OffloadingEvent:
     """An OffloadingEvent with the fields this vLLM has (0.32 has no locality/ownership/metadata_only)."""
     if fields.get("metadata_only") and "metadata_only" not in _EVENT_FIELDS:
         fields["removed"] = True

@@ -16,7 +16,7 @@ from ..vllm_support import kv_torch_dtype
 _log = logging.getLogger(f"vllm.{__name__}")
 
 
-def _layout(config: Any, page_bytes: tuple[int, ...] = ()) -> KvLayout:
+def kv_layout(config: Any, page_bytes: tuple[int, ...] = ()) -> KvLayout:
     layer_names = [n for g in config.groups for n in g.layer_names]
     return KvLayout(
         num_layers=len(layer_names),
@@ -30,7 +30,7 @@ def _layout(config: Any, page_bytes: tuple[int, ...] = ()) -> KvLayout:
     )
 
 
-def _model_kv_shape(config: Any) -> tuple[int | None, int | None]:
+def model_kv_shape(config: Any) -> tuple[int | None, int | None]:
     """(KV heads per worker, head size) as vLLM's ``ModelConfig`` derives them. The spec only receives vLLM's
     ``OffloadingConfig`` (no model facts), so: the current ``VllmConfig`` where the process has one set, else the
     model's ``config.json`` (a local directory, or the Hugging Face cache vLLM filled at start-up; never the
@@ -89,11 +89,11 @@ def _attention_backend(dtype: str, block_tokens: int, head_dim: int | None) -> t
         return None, None
 
 
-def _chunk_facts(config: Any) -> ChunkFacts:
+def chunk_facts(config: Any) -> ChunkFacts:
     layer_names = [n for g in config.groups for n in g.layer_names]
     block_tokens = config.groups[0].tokens_per_block if config.groups else 0
     dtype = str(config.model.dtype)
-    heads, head_dim = _model_kv_shape(config)
+    heads, head_dim = model_kv_shape(config)
     backend, isa = _attention_backend(dtype, block_tokens, head_dim)
     return ChunkFacts(
         num_layers=len(layer_names), block_tokens=block_tokens, blocks_per_chunk=config.cache.blocks_per_chunk,

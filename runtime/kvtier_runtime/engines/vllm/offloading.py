@@ -39,17 +39,18 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ...codecs import KVChunkCodec
 from ...codecs.layout import describe
 from ...config import ConfigError, OffloadSpecConfig
-from ...fs.tier import FilesystemTier
 from ...store.books import REMOTE, OffloadBooks
 from ...store.breaker import TierBreakers
 from ...store.memory_tier import MemoryTier
+from ...tiers import Tier
+from ...tiers.registry import build_tier
 from ..chunk_layout import FLAT_REASONS, LayoutDecision, check_worker_pages, chunk_layout, tier_codec
 from ..host_region import HostRegion, remove_stale_regions
 from ..page_copy import PageCopier
 from ..vllm_support import block_view_dtype, namespace_suffix
-from .cache_policy import _access_context
-from .events import _kv_events_enabled, _offloading_event, _tier_kv_events
-from .model_config import _chunk_facts, _layout
+from .cache_policy import access_context
+from .events import kv_events_enabled, offloading_event, tier_kv_events
+from .model_config import chunk_facts, kv_layout
 from .remote_identity import remote_identity
 from .secondary_tier import run_identity
 
@@ -168,14 +169,14 @@ class KvtierOffloadingSpec(OffloadingSpec):
         self.remote_view_dtypes = [
             block_view_dtype(t.codec, config.model.dtype, self.row_bytes or 2) for t in self.kvtier.remote_tiers
         ]
-        self.layout = _layout(config)
+        self.layout = kv_layout(config)
         groups = getattr(config, "groups", None) or ()
         self.tokens_per_chunk = int(getattr(groups[0], "tokens_per_block", 0) if groups else 0) * \
             int(self.blocks_per_chunk)
-        self.fs_kv_events = [_tier_kv_events(t.extra, i) for i, t in enumerate(self.kvtier.fs_tiers)]
+        self.fs_kv_events = [tier_kv_events(t.extra, i) for i, t in enumerate(self.kvtier.fs_tiers)]
         # Only lossy tiers need the chunk's layout (and reading the model's config to find heads and head size).
         lossy = any(t.codec != "none" for t in (*self.kvtier.fs_tiers, *self.kvtier.remote_tiers))
-        self.layout_decision = chunk_layout(_chunk_facts(config)) if lossy else LayoutDecision(None)
+        self.layout_decision = chunk_layout(chunk_facts(config)) if lossy else LayoutDecision(None)
         self._manager: KvtierOffloadingManager | None = None
         self._worker: KvtierOffloadingWorker | None = None
 
@@ -211,7 +212,7 @@ class KvtierOffloadingManager(OffloadingManager):
         # Before the tiers: each tier stamps the end of its load jobs on its breaker's meter (docs/breaker.md).
         self.breakers = TierBreakers.for_spec(cfg, spec.tokens_per_chunk, logger=_log)
         meters = self.breakers.meters[1:]
-        tiers: list[FilesystemTier] = []
+        tiers: list[Tier] = []
         rows: list[torch.Tensor] = []
         decision = spec.layout_decision
         self.flat_codec_tiers: Counter[str] = Counter()
@@ -220,8 +221,8 @@ class KvtierOffloadingManager(OffloadingManager):
             codec = tier_codec(tcfg, decision)
             if tcfg.codec != "none" and not isinstance(codec, KVChunkCodec):  # flat (int4 refused: int8)
                 self.flat_codec_tiers[decision.reason] += 1
-            tiers.append(FilesystemTier(tcfg, (view.shape[1],), dtype, name=f"kvtier:{tcfg.root_dir}", peer="host",
-                                        codec=codec, on_complete=meter.on_complete))
+            tiers.append(build_tier("filesystem", tcfg, (view.shape[1],), dtype, name=f"kvtier:{tcfg.root_dir}",
+                                    peer="host", codec=codec, on_complete=meter.on_complete))
             rows.append(view)
         if self.flat_codec_tiers:
             _log.warning("kvtier: %d compressed filesystem tier(s) use the flat codec, whose scales do not follow K "
@@ -231,7 +232,7 @@ class KvtierOffloadingManager(OffloadingManager):
                       describe(decision.layout))
         remote, remote_rows = self._remote_tiers(spec, decision, meters[len(tiers):])
         self.books = OffloadBooks(host, tiers, fs_rows=rows, key_suffix=suffix,
-                                  enable_events=_kv_events_enabled(spec),
+                                  enable_events=kv_events_enabled(spec),
                                   fs_events=spec.fs_kv_events, remote_tiers=remote, remote_rows=remote_rows,
                                   breakers=self.breakers)
         self._reported: Counter[str] = Counter()
@@ -255,20 +256,19 @@ class KvtierOffloadingManager(OffloadingManager):
         """The remote tiers (a store shared by every replica of the scope; the scope and the model identity,
         derived from vLLM's config, are in each key; the offload keys the books hand them are vLLM's block hashes +
         group index, where a request's cache_salt already entered the first block's hash) and the host rows as each
-        sees them. The tier module (and its client, redis-py) is imported only when one is configured."""
-        if not spec.kvtier.remote_tiers:
-            return [], []
-        from ...remote.tier import RemoteTier
-
-        tiers, rows = [], []
+            sees them. The tier module (and its client, redis-py) is imported only when one is configured (the registry
+        imports a medium's module when it builds the first tier of it)."""
+        tiers: list[Any] = []
+        rows: list[Any] = []
         for rcfg, dtype, meter in zip(spec.kvtier.remote_tiers, spec.remote_view_dtypes, meters):
             view = self.region.rows.view(dtype)
             # the filesystem tiers' codec choice (layout-aware when the layout is known), verifying as they do
             codec = tier_codec(SimpleNamespace(codec=rcfg.codec, codec_fallback=True),  # type: ignore[arg-type]
                                decision)
             identity = remote_identity(spec, rcfg.codec)
-            tier = RemoteTier(rcfg, (view.shape[1],), dtype, identity=identity, name=f"kvtier-remote:{rcfg.url}",
-                              peer="host", codec=codec, on_complete=meter.on_complete)
+            tier: Any = build_tier("remote", rcfg, (view.shape[1],), dtype, identity=identity,
+                                   name=f"kvtier-remote:{rcfg.url}", peer="host", codec=codec,
+                                   on_complete=meter.on_complete)
             _log.info("kvtier: remote tier %s for scope %s, model identity %s (capacity %d chunks of %d bytes)",
                       rcfg.url, rcfg.scope, identity, tier.capacity_entries, tier.value_bytes)
             tiers.append(tier)
@@ -293,7 +293,7 @@ class KvtierOffloadingManager(OffloadingManager):
                 self._counted.clear()
             counted = self._counted[req_context.req_id] = set()
         count = key not in counted
-        found = self.books.lookup(bytes(key), _access_context(key, req_context), count=count)
+        found = self.books.lookup(bytes(key), access_context(key, req_context), count=count)
         if count and (found == "hit" or found == "miss"):
             counted.add(key)
         return _LOOKUP[found]
@@ -307,7 +307,7 @@ class KvtierOffloadingManager(OffloadingManager):
     def prepare_load(self, keys: Any, req_context: ReqContext, **kwargs: Any) -> LoadStoreSpec:
         keys = list(keys)
         self._observe(keys, req_context)
-        ctx = [_access_context(k, req_context) for k in keys] if self.books.request_aware else None
+        ctx = [access_context(k, req_context) for k in keys] if self.books.request_aware else None
         return KvtierHostSpec(self.books.prepare_load([bytes(k) for k in keys], ctx))
 
     def touch(self, keys: Any, req_context: ReqContext, **kwargs: Any) -> None:
@@ -358,7 +358,7 @@ class KvtierOffloadingManager(OffloadingManager):
             self._trace(req_context)
         keys = list(keys)
         self._observe(keys, req_context)
-        ctx = [_access_context(k, req_context) for k in keys]
+        ctx = [access_context(k, req_context) for k in keys]
         out = self.books.prepare_store([bytes(k) for k in keys], ctx)
         if out is None:
             return None
@@ -417,10 +417,10 @@ class KvtierOffloadingManager(OffloadingManager):
         for event in self.books.take_events():
             keys = [OffloadKey(k) for k in event.keys]
             if event.tier < 0:
-                yield _offloading_event(keys=keys, medium=Medium.CPU, removed=event.removed,
+                yield offloading_event(keys=keys, medium=Medium.CPU, removed=event.removed,
                                         metadata_only=event.metadata_only)
             else:
-                yield _offloading_event(keys=keys, medium=getattr(Medium, "STORAGE", Medium.CPU),
+                yield offloading_event(keys=keys, medium=getattr(Medium, "STORAGE", Medium.CPU),
                                         removed=event.removed, locality=Locality.LOCAL,
                                         ownership=f"{event.tier + 1}:kvtier-fs")
 
@@ -553,7 +553,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         tensors = [kv_caches.tensors[i].tensor for i in seen]
         pages = tuple(seen.values())
         self.spec = spec
-        self.layout = _layout(spec.config, pages)
+        self.layout = kv_layout(spec.config, pages)
         chunk = spec.layout_decision.layout
         wrong = (check_worker_pages(chunk, pages, max(1, int(spec.config.parallel.world_size)))
                  if chunk is not None else None)

@@ -10,7 +10,7 @@ from typing import Any
 from ...config import ConfigError
 
 from ...remote.identity import model_identity
-from .model_config import _model_kv_shape
+from .model_config import model_kv_shape
 from .secondary_tier import run_identity
 
 _log = logging.getLogger(f"vllm.{__name__}")
@@ -58,7 +58,7 @@ def remote_facts(spec: Any, codec: str) -> dict[str, Any]:
     """Every fact that changes the bytes of one chunk row of kvtier's host tier (which holds all TP ranks' slices
     of a chunk, so one value serves a whole engine of the same parallelism)."""
     config = spec.config
-    heads, head_size = _model_kv_shape(config)
+    heads, head_size = model_kv_shape(config)
     groups = [{"tokens_per_block": g.tokens_per_block, "layers": len(g.layer_names)} for g in config.groups]
     parallel = config.parallel
     return {

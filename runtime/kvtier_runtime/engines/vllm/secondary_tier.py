@@ -36,8 +36,8 @@ from ...config import FilesystemTierConfig
 from ...fs.tier import FilesystemTier
 from ...fs.tier import JobResult as TierJobResult
 from ..vllm_support import block_view_dtype, job_outcome, namespace_suffix
-from .cache_policy import _access_context
-from .events import _kv_events_enabled, _offloading_event, _tier_kv_events
+from .cache_policy import access_context
+from .events import kv_events_enabled, offloading_event, tier_kv_events
 
 # Under vLLM's logger tree: vLLM's handlers print only that tree, and this is where the engine's operators read.
 _log = logging.getLogger(f"vllm.{__name__}")
@@ -135,8 +135,8 @@ class KvtierFilesystemTier(SecondaryTierManager):
         self._labels = (self.config.root_dir,)
         self._evictions_seen = self._evictions_total()
         # KV events (vLLM's rule for secondary tiers: the tier's enable_kv_events and the engine's KV events).
-        wanted = _tier_kv_events(self.config.extra)
-        self.events: list[OffloadingEvent] | None = [] if wanted and _kv_events_enabled(offloading_spec) else None
+        wanted = tier_kv_events(self.config.extra)
+        self.events: list[OffloadingEvent] | None = [] if wanted and kv_events_enabled(offloading_spec) else None
         if wanted and self.events is None:
             _log.warning("kvtier: enable_kv_events is set on tier %s but the engine's KV cache events are off",
                          self.config.root_dir)
@@ -183,7 +183,7 @@ class KvtierFilesystemTier(SecondaryTierManager):
                                               transfer_time=0.0, transfer_bytes=None))
             return
         rows = [self._rows[int(c)] for c in job_metadata.chunk_ids]
-        ctx = _access_context(keys[-1], job_metadata.req_context) if keys else None
+        ctx = access_context(keys[-1], job_metadata.req_context) if keys else None
         submit = self.tier.submit_load if is_promotion else self.tier.submit_store
         tier_job = submit([self.tier_key(k) for k in keys], rows, ctx)
         self._pending[tier_job] = _PendingJob(job_metadata.job_id, is_promotion, keys, time.monotonic())
@@ -210,7 +210,7 @@ class KvtierFilesystemTier(SecondaryTierManager):
         for kind, count in outcome.failed.items():
             self._stats.increase_counter(METRIC_FAILED_CHUNKS, count, labels + (kind,))
         if self.events is not None and not job.is_promotion and outcome.success and job.keys:
-            self.events.append(_offloading_event(keys=list(job.keys), medium=self.medium, removed=False,
+            self.events.append(offloading_event(keys=list(job.keys), medium=self.medium, removed=False,
                                                  locality=self.locality))
         successful = None
         if job.is_promotion and not outcome.success and outcome.n_ok:
@@ -243,7 +243,7 @@ class KvtierFilesystemTier(SecondaryTierManager):
                 if k.endswith(self._suffix)]  # another run's chunks (another model) are not this engine's
         events, self.events = self.events, []
         if gone:
-            events.append(_offloading_event(keys=gone, medium=self.medium, removed=True, locality=self.locality))
+            events.append(offloading_event(keys=gone, medium=self.medium, removed=True, locality=self.locality))
         yield from events
 
     def drain_jobs(self) -> None:

@@ -1,17 +1,20 @@
-"""Jobs of the filesystem tier: ids, per-key settlement, results handed out once by ``get_finished`` (and to an
-``on_complete`` callback as they finish), deadlines (``io_timeout_s``: a job past it finishes with its late keys
-failed as ``timeout``), and the read and write thread pools the I/O tasks run on."""
+"""Jobs of the tiers behind the host tier (filesystem and remote): ids, per-key settlement, results handed out
+once by ``get_finished`` (and to an ``on_complete`` callback as they finish), deadlines (``io_timeout_s``: a job
+past it finishes with its late keys failed as ``timeout``), and the read and write thread pools the I/O tasks run
+on (a tier may run its own instead)."""
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 
-log = logging.getLogger("kvtier_runtime.fs.tier")
+__all__ = ["Expired", "Job", "JobQueue", "JobResult"]
 
 # How often drain re-checks a job held open by a read into lent memory (see JobQueue._expire).
 _LENT_POLL_S = 0.05
@@ -32,7 +35,7 @@ class JobResult:
 
 
 @dataclass
-class _Job:
+class Job:
     job_id: int
     kind: str
     keys: tuple[bytes, ...]
@@ -54,12 +57,35 @@ class _Job:
     overdue_reported: bool = False
 
 
-class _Expired(Exception):
+class Expired(Exception):
     """The job timed out before this task touched the caller's tensor: the task gives up."""
 
 
 class JobQueue:
-    """Mixin of :class:`~.tier.FilesystemTier`: job bookkeeping, waiting, expiry and the I/O pools."""
+    """Mixin of the tiers behind the host tier (:class:`~kvtier_runtime.fs.tier.FilesystemTier`,
+    :class:`~kvtier_runtime.remote.tier.RemoteTier`): job bookkeeping, waiting, expiry and the I/O pools.
+
+    A subclass calls :meth:`_init_jobs` in its constructor and provides ``name``, ``_metrics`` (with
+    ``error(kind, n)``) and ``_record_io_failure()`` (a job expired: counts towards its backoff)."""
+
+    # What the tier is, in its log lines ("filesystem tier nvme: ..."), and where it logs.
+    medium = "tier"
+    _log = logging.getLogger("kvtier_runtime.tiers")
+
+    def _init_jobs(self, io_timeout_s: float, on_complete: Callable[[JobResult], None] | None) -> None:
+        self._io_timeout_s = float(io_timeout_s)
+        self._on_complete = on_complete
+        self._lock = threading.Lock()
+        self._jobs: dict[int, Job] = {}
+        self._finished: OrderedDict[int, JobResult] = OrderedDict()
+        self._job_ids = itertools.count(1)
+        self._closed = False
+        self._running_tasks = 0
+
+    def _lent_read_overran(self) -> None:
+        """A read into the caller's memory outlived its job's deadline (see _expire): by default a failure
+        towards the tier's backoff."""
+        self._record_io_failure()
 
     def _start_pools(self, config: Any, name: str) -> None:
         self._write_pool = ThreadPoolExecutor(config.n_write_threads, thread_name_prefix=f"kvtier-{name}-w")
@@ -100,7 +126,7 @@ class JobQueue:
         for job in overdue:
             self._expire(job)
 
-    def _expire(self, job: _Job) -> None:
+    def _expire(self, job: Job) -> None:
         """Finish ``job`` now: keys not settled fail as ``timeout``. Taking ``io_lock`` waits for a task that is
         copying to or from the caller's tensor (memory speed, bounded) and stops every later one.
 
@@ -122,11 +148,10 @@ class JobQueue:
         if lent:
             if not job.overdue_reported:
                 job.overdue_reported = True
-                log.warning("filesystem tier %s: load job %d: %d reads into the caller's memory still in the kernel "
-                            "after %.1fs; the job ends when they return", self.name, job.job_id, reads,
-                            self._io_timeout_s)
-                self._direct_reads_resume_at = self._clock() + self._io_timeout_s
-                self._record_io_failure()
+                self._log.warning("%s tier %s: load job %d: %d reads into the caller's memory still in the "
+                                  "kernel after %.1fs; the job ends when they return", self.medium, self.name,
+                                  job.job_id, reads, self._io_timeout_s)
+                self._lent_read_overran()
             return
         with self._lock:
             if job.done.is_set():
@@ -137,8 +162,8 @@ class JobQueue:
             job.remaining = 1
             result = self._settle_locked(job, None, False)
         if late:
-            log.warning("filesystem tier %s: %s job %d: %d keys still waiting for the disk after %.1fs",
-                        self.name, job.kind, job.job_id, len(late), self._io_timeout_s)
+            self._log.warning("%s tier %s: %s job %d: %d keys still waiting after %.1fs", self.medium, self.name,
+                              job.kind, job.job_id, len(late), self._io_timeout_s)
             self._metrics.error("timeout", len(late))
             self._record_io_failure()
         if result is not None and self._on_complete is not None:
@@ -147,7 +172,7 @@ class JobQueue:
     def _check_open(self) -> None:
         # Before any reservation: a job refused by a shut-down pool would leave its keys "writing" and pinned.
         if self._closed:
-            raise RuntimeError(f"{self.name}: the filesystem tier is closed")
+            raise RuntimeError(f"{self.name}: the {self.medium} tier is closed")
 
     def close(self) -> None:
         if self._closed:
@@ -167,9 +192,9 @@ class JobQueue:
         self._read_pool.shutdown(wait=not hung, cancel_futures=hung)
 
     # ---- job bookkeeping --------------------------------------------------------------------------------
-    def _new_job(self, kind: str, keys: Sequence[bytes]) -> _Job:
+    def _new_job(self, kind: str, keys: Sequence[bytes]) -> Job:
         keys_t = tuple(bytes(k) for k in keys)
-        job = _Job(next(self._job_ids), kind, keys_t, [False] * len(keys_t), {}, len(keys_t) + 1,
+        job = Job(next(self._job_ids), kind, keys_t, [False] * len(keys_t), {}, len(keys_t) + 1,
                    time.monotonic() + self._io_timeout_s, settled=[False] * len(keys_t))
         with self._lock:
             # remaining is len(keys) + 1: the extra count keeps the job open until submit_* has queued every
@@ -177,13 +202,13 @@ class JobQueue:
             self._jobs[job.job_id] = job
         return job
 
-    def _settle(self, job: _Job, i: int | None, ok: bool) -> None:
+    def _settle(self, job: Job, i: int | None, ok: bool) -> None:
         with self._lock:
             result = self._settle_locked(job, i, ok)
         if result is not None and self._on_complete is not None:
             self._on_complete(result)
 
-    def _settle_locked(self, job: _Job, i: int | None, ok: bool) -> JobResult | None:
+    def _settle_locked(self, job: Job, i: int | None, ok: bool) -> JobResult | None:
         if job.done.is_set():  # expired: a late task's outcome is no longer the caller's
             return None
         if i is not None:
@@ -198,7 +223,7 @@ class JobQueue:
         job.done.set()
         return result
 
-    def _settled(self, task: Callable[..., bool], job: _Job, i: int, *args: Any) -> None:
+    def _settled(self, task: Callable[..., bool], job: Job, i: int, *args: Any) -> None:
         """Run an I/O task and settle its key whatever happens: an exception escaping a task would otherwise
         vanish in the pool and leave the job unfinished, so ``drain`` without a timeout would hang."""
         ok = False
@@ -207,7 +232,7 @@ class JobQueue:
         try:
             ok = task(job, i, *args)
         except Exception:
-            log.exception("filesystem tier %s: %s task failed unexpectedly", self.name, job.kind)
+            self._log.exception("%s tier %s: %s task failed unexpectedly", self.medium, self.name, job.kind)
             with self._lock:
                 job.errors.setdefault(i, "other")
             self._metrics.error("other")

@@ -1,0 +1,12 @@
+"""What the tiers behind the host tier share, whatever their medium: the :class:`~.base.Tier` protocol the books
+drive and :class:`~.base.KeyState` (:mod:`.base`), jobs with deadlines and results handed out once (:mod:`.jobs`),
+exponential backoff (:mod:`.backoff`), key files (:mod:`.keys`), the CRC (:mod:`.checksum`).
+
+The filesystem tier (:mod:`kvtier_runtime.fs`) and the remote tier (:mod:`kvtier_runtime.remote`) import from here
+and never from each other. Importing this package imports no torch.
+"""
+from __future__ import annotations
+
+from .base import KeyState, Tier
+
+__all__ = ["KeyState", "Tier"]

@@ -1,0 +1,77 @@
+"""What the books (:class:`kvtier_runtime.store.books.OffloadBooks`) need of a tier behind the host tier, whatever
+its medium: :class:`KeyState` and the :class:`Tier` protocol. Pure: no torch at import."""
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..policies import AccessContext
+    from .jobs import JobResult
+
+__all__ = ["KeyState", "Tier"]
+
+
+class KeyState(enum.Enum):
+    MISS = "miss"
+    HIT = "hit"
+    PENDING = "pending"  # not settled yet (a store in flight, or a presence probe): ask again later
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """A tier behind the host tier: it stores host rows and loads them back into host rows, by jobs that never
+    block the caller, and answers lookups from what it knows without I/O.
+
+    The books decide nothing by a tier's class or place: each question below is answered by the tier."""
+
+    name: str
+    # The tier blocks move to and from (the host tier's name), for the tier's promotion/demotion metrics.
+    peer: str
+    # What the tier is: "filesystem", "remote" (log lines, the registry that builds tiers from a spec).
+    medium: str
+    # What the books call a chunk promoted from this tier (:meth:`OffloadBooks.source`), and the family of their
+    # counters it is counted in: "disk" or "remote".
+    origin: str
+    # Whether the tier scopes keys to the model itself (a remote store key carries the model identity): the books
+    # then hand it raw offload keys, else offload keys with their run-identity suffix.
+    scoped_keys: bool
+    # Whether the tier logs its own failed loads (the books then do not: an evicted shared chunk is no incident).
+    logs_load_faults: bool
+
+    @property
+    def io_timeout_s(self) -> float:
+        """How long a promotion may take before the books treat its key as missed."""
+        ...
+
+    @property
+    def capacity_bytes(self) -> int: ...
+
+    @property
+    def used_bytes(self) -> int: ...
+
+    def probe(self, key: bytes) -> KeyState:
+        """Where ``key`` is, for a lookup of the engine's (counted in the tier's lookups and hits), without I/O:
+        HIT (a load may start now), PENDING (the answer is being fetched: ask again next step), MISS."""
+        ...
+
+    def needs_store(self, key: bytes) -> bool:
+        """Whether a write-through of ``key`` is worth queuing (the tier does not know it held or being written)."""
+        ...
+
+    def covers(self, key: bytes) -> bool:
+        """Whether the tier holds ``key`` firmly enough that the host tier need not store it (a lookup promotes it
+        from here instead). A tier whose knowledge is a hint (a shared store another replica may evict) says no."""
+        ...
+
+    def submit_store(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],
+                     ctx: AccessContext | None = None) -> int: ...
+
+    def submit_load(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor],
+                    ctx: AccessContext | None = None) -> int: ...
+
+    def get_finished(self) -> list[JobResult]: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,44 @@
+"""What every tier behind the host tier counts the same way (``kvtier_runtime_*``, defined in
+:mod:`kvtier_runtime.metrics`, labelled by the tier's name): its capacity and occupancy, its evictions, the engine's
+lookups of it, and blocks moved to or from it. Each medium adds its own faults (the filesystem tier's errors and
+backoff, the remote tier's misses by reason and up/down) in a subclass."""
+from __future__ import annotations
+
+from typing import Any
+
+from .. import metrics
+
+__all__ = ["TierMetricsBase"]
+
+
+class TierMetricsBase:
+    def __init__(self, name: str, capacity_bytes: int) -> None:
+        self.name = name
+        metrics.CAPACITY_BYTES.labels(name).set(capacity_bytes)
+        self._occupancy = metrics.OCCUPANCY_BYTES.labels(name)
+
+    def occupancy(self, nbytes: int) -> None:
+        self._occupancy.set(nbytes)
+
+    def evicted(self, n: int) -> None:
+        metrics.EVICTIONS.labels(self.name).inc(n)
+
+    def probed(self, hit: bool) -> None:
+        """One key looked up for the engine (the books' lookup of a key the host tier missed)."""
+        metrics.LOOKUPS.labels(self.name).inc()
+        if hit:
+            metrics.HITS.labels(self.name).inc()
+
+    def promoted(self, peer: str, nbytes: int, seconds: float, n: int = 1) -> None:
+        """``n`` blocks (``nbytes`` in all, in ``seconds``) copied from this tier into ``peer``."""
+        self._moved(metrics.PROMOTIONS, self.name, peer, nbytes, seconds, n)
+
+    def demoted(self, peer: str, nbytes: int, seconds: float, n: int = 1) -> None:
+        """``n`` blocks (``nbytes`` in all, in ``seconds``) copied from ``peer`` into this tier."""
+        self._moved(metrics.DEMOTIONS, peer, self.name, nbytes, seconds, n)
+
+    @staticmethod
+    def _moved(counter: Any, src: str, dst: str, nbytes: int, seconds: float, n: int) -> None:
+        counter.labels(src, dst).inc(n)
+        metrics.BYTES_MOVED.labels(src, dst).inc(nbytes)
+        metrics.TRANSFER_SECONDS.labels(src, dst).observe(seconds)

@@ -1,0 +1,38 @@
+"""The tiers behind the host tier, by medium: what builds a tier from its config (the vLLM spec builds its tier list
+through :func:`build_tier`). Pure at import: a medium's module (torch, and redis-py for ``remote``) is imported
+only when a tier of it is built, so an engine without a remote tier never imports the Valkey/Redis client."""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Sequence
+
+from .base import Tier
+
+__all__ = ["MEDIA", "build_tier", "tier_class"]
+
+# medium -> (module, class): the class takes (config, block_shape, dtype, **options) and satisfies Tier.
+_CLASSES: dict[str, tuple[str, str]] = {
+    "filesystem": ("kvtier_runtime.fs.tier", "FilesystemTier"),
+    "remote": ("kvtier_runtime.remote.tier", "RemoteTier"),
+}
+MEDIA = tuple(_CLASSES)
+
+
+def tier_class(medium: str) -> type[Any]:
+    """The class of ``medium``'s tier (its module is imported now). ValueError names the medium and the known ones."""
+    try:
+        module, name = _CLASSES[medium]
+    except (KeyError, TypeError):
+        raise ValueError(f"medium: {medium!r} is not a tier medium; known: {', '.join(MEDIA)}") from None
+    cls: type[Any] = getattr(importlib.import_module(module), name)
+    if cls.medium != medium:
+        raise RuntimeError(f"medium: {module}.{name} says it is {cls.medium!r}, registered as {medium!r}")
+    return cls
+
+
+def build_tier(medium: str, config: Any, block_shape: Sequence[int], dtype: Any, **options: Any) -> Tier:
+    """A tier of ``medium`` over ``config`` (that medium's config class), holding rows of ``block_shape`` and
+    ``dtype``; ``options`` are the class's keyword options (name, peer, codec, on_complete, a remote tier's
+    identity...)."""
+    tier: Tier = tier_class(medium)(config, block_shape, dtype, **options)
+    return tier

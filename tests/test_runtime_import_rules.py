@@ -1,0 +1,173 @@
+"""Import rules of the runtime package, checked on its source with ``ast`` (nothing is imported):
+
+* the filesystem tier (``kvtier_runtime.fs``) and the remote tier (``kvtier_runtime.remote``) never import each
+  other: what they share lives in ``kvtier_runtime.tiers``, so either can change without breaking the other;
+* no module imports another module's underscore name: what crosses a module boundary is public (the only
+  exceptions are the third-party private names the vLLM plug-ins cannot do without, listed below);
+* the books (``store/books.py``) never decide by a tier's kind: no isinstance/issubclass against a tier class, no
+  ``is_remote``-style test or attribute, no comparison of a tier's ``medium``/``origin``, and no look at which
+  constructor list a tier came from (``fs_tiers``/``remote_tiers``) outside ``__init__``: each question is asked
+  of the tier (``kvtier_runtime.tiers.base.Tier``).
+
+Each rule's checker takes the package root, so the same checks can be pointed at an older tree."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+RUNTIME = Path(__file__).resolve().parents[1] / "runtime" / "kvtier_runtime"
+
+# Private names of other projects that the vLLM plug-ins need and vLLM offers no public name for.
+THIRD_PARTY_PRIVATE = frozenset({
+    ("vllm", "_custom_ops"),  # vLLM's cache ops (swap_blocks), only reachable there
+    ("vllm.v1.attention.backends.cpu_attn", "_get_attn_isa"),  # the CPU attention backend's page layout
+})
+# What a kind test in the books looks like, besides isinstance against a *Tier class.
+KIND_MARKERS = frozenset({"remote", "is_remote", "_is_remote", "is_fs", "_is_fs", "medium", "origin", "kind"})
+TIER_LISTS = frozenset({"fs_tiers", "remote_tiers"})
+
+
+def _modules(root: Path) -> list[tuple[str, Path, ast.Module]]:
+    """(dotted module name, path, tree) of every module under ``root`` (the ``kvtier_runtime`` directory)."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out.append((name, path, ast.parse(path.read_text(), str(path))))
+    return out
+
+
+def _package_of(module: str, path: Path) -> str:
+    return module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _imports(module: str, path: Path, tree: ast.Module) -> list[tuple[int, str, str | None]]:
+    """(line, imported module, imported name or None for ``import x``) of every import, relative ones resolved."""
+    out: list[tuple[int, str, str | None]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = _package_of(module, path).split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            out += [(node.lineno, target, alias.name) for alias in node.names]
+    return out
+
+
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def fs_remote_violations(root: Path) -> list[str]:
+    """Imports from kvtier_runtime.remote in kvtier_runtime.fs, and the reverse."""
+    fs, remote = "kvtier_runtime.fs", "kvtier_runtime.remote"
+    bad = []
+    for module, path, tree in _modules(root):
+        for line, target, name in _imports(module, path, tree):
+            full = f"{target}.{name}" if name else target  # `from kvtier_runtime import fs` imports the package
+            for here, there in ((fs, remote), (remote, fs)):
+                if _under(module, here) and (_under(target, there) or _under(full, there)):
+                    bad.append(f"{path.relative_to(root.parent)}:{line}: {module} imports {full}")
+    return bad
+
+
+def private_import_violations(root: Path) -> list[str]:
+    """``from x import _name`` (or ``import x._mod``) where x is another module."""
+    bad = []
+    for module, path, tree in _modules(root):
+        for line, target, name in _imports(module, path, tree):
+            private = [p for p in (name or target).split(".") if p.startswith("_") and not p.startswith("__")]
+            if not private or target == module or (target, name) in THIRD_PARTY_PRIVATE:
+                continue
+            bad.append(f"{path.relative_to(root.parent)}:{line}: {module} imports {name or target} from {target}")
+    return bad
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+
+
+def kind_branch_violations(root: Path) -> list[str]:
+    """Places where store/books.py tells one kind of tier from another instead of asking the tier."""
+    path = root / "store" / "books.py"
+    tree = ast.parse(path.read_text(), str(path))
+    bad = []
+
+    def flag(node: ast.AST, why: str) -> None:
+        bad.append(f"store/books.py:{getattr(node, 'lineno', 0)}: {why}")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id in {"isinstance", "issubclass"} and len(node.args) == 2:
+                classes = _names(node.args[1])
+                if any(c.endswith("Tier") for c in classes):
+                    flag(node, f"{node.func.id} against {sorted(c for c in classes if c.endswith('Tier'))}")
+            if node.func.id in {"getattr", "hasattr"} and len(node.args) >= 2:
+                arg = node.args[1]
+                if isinstance(arg, ast.Constant) and arg.value in KIND_MARKERS:
+                    flag(node, f"{node.func.id}(..., {arg.value!r})")
+        if isinstance(node, (ast.FunctionDef, ast.Name, ast.Attribute)):
+            name = node.name if isinstance(node, ast.FunctionDef) else (
+                node.id if isinstance(node, ast.Name) else node.attr)
+            if name.lstrip("_").startswith(("is_remote", "is_fs", "is_filesystem")):
+                flag(node, f"kind test {name}")
+            if isinstance(node, ast.Attribute) and name == "remote":
+                flag(node, "a tier's 'remote' attribute")
+        if isinstance(node, ast.Compare):
+            names = _names(node)
+            # Equality with a medium or an origin is a kind test; membership in a table (validation) is not.
+            equality = any(isinstance(op, (ast.Eq, ast.NotEq, ast.Is, ast.IsNot)) for op in node.ops)
+            if equality and names & {"medium", "origin"}:
+                flag(node, f"comparison of a tier's {sorted(names & {'medium', 'origin'})}")
+            if names & TIER_LISTS:
+                flag(node, f"comparison with {sorted(names & TIER_LISTS)} (a tier's kind by its position)")
+        if isinstance(node, ast.FunctionDef) and node.name != "__init__":
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.Attribute) and inner.attr in TIER_LISTS:
+                    flag(inner, f"{node.name} picks tiers by constructor list ({inner.attr})")
+    return bad
+
+
+@pytest.mark.parametrize("check", [fs_remote_violations, private_import_violations, kind_branch_violations],
+                         ids=["fs-and-remote-never-import-each-other", "no-private-name-crosses-a-module",
+                              "books-never-branch-on-a-tier-kind"])
+def test_runtime_import_rules_hold(check) -> None:
+    assert check(RUNTIME) == []
+
+
+def test_the_checks_catch_what_they_forbid(tmp_path) -> None:
+    """Each checker flags a planted violation of its rule, so a clean run above is not a checker that sees
+    nothing (the package's own files are checked above; these are minimal copies of the forbidden shapes)."""
+    pkg = tmp_path / "kvtier_runtime"
+    for sub in ("fs", "remote", "store"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "fs" / "jobs.py").write_text("class _Job: ...\n")
+    (pkg / "remote" / "tier.py").write_text("from ..fs.jobs import _Job\nimport kvtier_runtime.fs\n")
+    (pkg / "fs" / "tier.py").write_text("from kvtier_runtime import remote\nfrom vllm import _custom_ops\n")
+    (pkg / "store" / "books.py").write_text(
+        "from ..fs.tier import FilesystemTier\n"
+        "class OffloadBooks:\n"
+        "    def __init__(self, fs_tiers, remote_tiers):\n"
+        "        self.fs_tiers = list(fs_tiers)\n"
+        "    def _is_remote(self, i):\n"
+        "        return i >= len(self.fs_tiers)\n"
+        "    def finish(self, tier):\n"
+        "        if isinstance(tier, FilesystemTier) or tier.remote or tier.medium == 'remote':\n"
+        "            return getattr(tier, 'remote', False)\n")
+    assert len(fs_remote_violations(pkg)) == 3
+    assert [v.split(": ", 1)[1] for v in private_import_violations(pkg)] == [
+        "kvtier_runtime.remote.tier imports _Job from kvtier_runtime.fs.jobs"]
+    found = "\n".join(kind_branch_violations(pkg))
+    for why in ("kind test _is_remote", "isinstance against ['FilesystemTier']", "a tier's 'remote' attribute",
+                "comparison of a tier's ['medium']", "getattr(..., 'remote')", "picks tiers by constructor list",
+                "(a tier's kind by its position)"):
+        assert why in found
