@@ -113,3 +113,9 @@ def test_a_request_that_loaded_nothing_offers_its_device_hits_again() -> None:
     served, _ = replay_engine_tiers([[1, 2], [5, 6, 7], [1, 2, 8], [1, 9]], device, [host], 16)
     # [1, 9]: 1 from the device, 9 computed; nothing loaded, so 1 is offered again but the host holds it already
     assert served[-2:] == [DEVICE, -1] and 9 in host
+
+
+def test_a_request_larger_than_the_device_cache_leaves_at_most_its_capacity_cached() -> None:
+    cache = VllmPrefixCache(3)
+    cache.serve(list(range(10)), 0)
+    assert len(cache) == 3 and cache.hit_run(list(range(10))) == 3  # the head stays, as vLLM frees tail first

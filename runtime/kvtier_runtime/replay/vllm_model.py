@@ -75,10 +75,7 @@ class VllmPrefixCache:
         uncached = self.capacity - len(self._queue) - hits
         for _ in range(min(max(0, need - uncached), len(self._queue))):
             block, old = self._queue.popitem(last=False)
-            copies = self._where[old]
-            copies.remove(block)
-            if not copies:
-                del self._where[old]
+            self._drop(block, old)
         blocks = pinned
         for key in keys[hits:]:
             block = self._next
@@ -88,6 +85,15 @@ class VllmPrefixCache:
         # Freed tail first: the request's head ends up the most recently used.
         for key, block in zip(reversed(keys), reversed(blocks)):
             self._queue[block] = key
+        while len(self._queue) > self.capacity:  # a request larger than the cache (vLLM would not run it whole)
+            block, old = self._queue.popitem(last=False)
+            self._drop(block, old)
+
+    def _drop(self, block: int, key: object) -> None:
+        copies = self._where[key]
+        copies.remove(block)
+        if not copies:
+            del self._where[key]
 
 
 def engine_context(request: int, pos: int, tokens_per_block: int) -> AccessContext:
@@ -109,7 +115,7 @@ def replay_engine_tiers(requests: Sequence[Sequence[int]], device: VllmPrefixCac
         n = len(req)
         h = device.hit_run(req) if device is not None else 0
         served.extend([DEVICE] * h)
-        used: list[object] = []  # chunks the request read or was offered (request-aware host policies)
+        used: list[int] = []  # chunks the request read or was offered (request-aware host policies)
         external = 0
         for pos in range(h, n):  # vLLM asks chunk by chunk after the device hit, up to the first miss
             key = req[pos]
@@ -137,7 +143,7 @@ def replay_engine_tiers(requests: Sequence[Sequence[int]], device: VllmPrefixCac
         # vLLM's chunk-level stores: after an offloaded hit, the chunks after it; else the whole prompt.
         first = h + external if external else 0
         offer = req[first:]
-        new: list[tuple[int, object]] = []
+        new: list[tuple[int, int]] = []
         for pos in range(first, n):
             key = req[pos]
             if key in host:
