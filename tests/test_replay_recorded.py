@@ -126,3 +126,15 @@ def test_analyze_takes_the_recordings_tokens_per_block_and_says_so(capsys, tmp_p
     assert "16 tokens/block -- overridden by --policy (tokens per block only: analyze chooses its own capacities)" \
         in captured.err
     assert "len(hash_ids)" not in captured.err  # input_length is whole chunks: no block-count warning
+
+
+def test_the_device_tier_moves_no_bytes_and_saves_nothing_for_offloading(capsys, tmp_path) -> None:
+    record(tmp_path)
+    d = run_json(capsys, ["--trace", str(tmp_path), "--model-kv-bytes-per-token", "1024", "--bandwidth", "10",
+                          "--prefill-tokens-per-s", "1000", "--no-opt"])
+    device, *offload = d["tiers"]
+    assert device["name"] == "device" and device["bytes_moved"] is None
+    assert "estimated_prefill_seconds_saved" not in device
+    assert d["total"]["bytes_moved"] == sum(t["bytes_moved"] for t in offload)
+    assert d["total"]["estimated_prefill_seconds_saved"] == pytest.approx(
+        sum(t["estimated_prefill_seconds_saved"] for t in offload))

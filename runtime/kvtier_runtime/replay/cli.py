@@ -155,7 +155,7 @@ def result_dict(res: ReplayResult, args, bandwidths: list) -> dict:
             "promotions": st.promotions, "loaded_blocks": st.prefix_hits, "stored_blocks": st.stored_blocks,
             "bytes_moved": None,
         }
-        if args.model_kv_bytes_per_token:
+        if args.model_kv_bytes_per_token and not st.device:  # the device tier (vLLM's prefix cache) moves nothing
             block_bytes = args.model_kv_bytes_per_token * args.block_tokens
             t["bytes_moved"] = (st.prefix_hits + st.stored_blocks) * block_bytes
             t.update(tier_cost(args.block_tokens, args.model_kv_bytes_per_token, st.prefix_hits, bw,
@@ -166,9 +166,10 @@ def result_dict(res: ReplayResult, args, bandwidths: list) -> dict:
         "block_hit_ratio": res.ratio(res.total_hits), "prefix_hit_ratio": res.ratio(res.total_prefix_hits),
         "opt_block_hit_ratio": res.ratio(sum(st.opt_hits for st in res.tiers)),
         "opt_prefix_hit_ratio": res.ratio(res.total_opt_prefix_hits),
-        "bytes_moved": (sum(t["bytes_moved"] for t in tiers) if args.model_kv_bytes_per_token else None),
+        "bytes_moved": (sum(t["bytes_moved"] or 0 for t in tiers) if args.model_kv_bytes_per_token else None),
     }
-    saved = [t.get("estimated_prefill_seconds_saved") for t in tiers]
+    # What offloading saves: vLLM's own prefix cache serves its share without kvtier.
+    saved = [t.get("estimated_prefill_seconds_saved") for t, st in zip(tiers, res.tiers) if not st.device]
     total["estimated_prefill_seconds_saved"] = sum(saved) if saved and all(s is not None for s in saved) else None
     return {"requests": res.n_requests, "block_accesses": res.n_accesses, "distinct_blocks": res.n_distinct,
             "block_tokens": args.block_tokens, "tiers": tiers, "total": total,

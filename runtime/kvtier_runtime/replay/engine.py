@@ -77,6 +77,8 @@ class TierStats:
     opt_hits: int = 0
     opt_prefix_hits: int = 0  # marginal: OPT(tiers 1..i) - OPT(tiers 1..i-1)
     opt_prefix_hits_through: int = 0  # OPT at the combined capacity of tiers 1..i
+    # vLLM's own prefix cache (the recorded-engine model): no offloading traffic, no offloading cost or saving.
+    device: bool = False
 
 
 @dataclass
@@ -296,7 +298,7 @@ def replay_recorded(trace: Trace, capacities: Sequence[int], policies: Sequence[
     for st, n in zip(stats, stored):
         st.stored_blocks = n
     if device is not None:
-        stats.insert(0, TierStats("device", device_blocks, "vllm prefix cache"))
+        stats.insert(0, TierStats("device", device_blocks, "vllm prefix cache", device=True))
         served = [0 if s == DEVICE else (s + 1 if s >= 0 else s) for s in served]
     for s in served:
         if s >= 0:
