@@ -47,7 +47,10 @@ def test_the_recorded_engine_is_modelled_by_default(capsys, tmp_path) -> None:
     record(tmp_path)
     d = run_json(capsys, ["--trace", str(tmp_path)])
     assert d["model"]["source"] == "recording" and d["model"]["overridden"] == []
-    assert [(t["capacity_blocks"], t["policy"]) for t in d["tiers"]] == [(4, "lru"), (20, "s3fifo+doorkeeper")]
+    assert d["model"]["replay"] == "recorded engine"
+    # vLLM's prefix cache first (1000 GPU blocks less the null block, one chunk each), then the recorded tiers.
+    assert [(t["name"], t["capacity_blocks"], t["policy"]) for t in d["tiers"]] == [
+        ("device", 999, "vllm prefix cache"), ("host", 4, "lru"), ("nvme", 20, "s3fifo+doorkeeper")]
     assert d["block_tokens"] == 16 and d["requests"] == 80
     assert d["total"]["prefix_hit_ratio"] > 0  # the documents repeat: the recorded tiers serve some of them
     # The first file names the same recording.
@@ -59,9 +62,11 @@ def test_flags_override_the_recording_and_say_so(capsys, tmp_path) -> None:
     d = run_json(capsys, ["--trace", str(tmp_path), "--capacity", "7", "--policy", "arc", "--block-tokens", "8"])
     assert [(t["capacity_blocks"], t["policy"]) for t in d["tiers"]] == [(7, "arc")]
     assert d["block_tokens"] == 8 and d["model"]["overridden"] == ["--capacity", "--policy", "--block-tokens"]
-    # Only the policies: the recorded capacities stay.
+    assert d["model"]["replay"] == "tiers"  # other capacities: the generic tier model, no device tier
+    # Only the policies: the recorded capacities (and the device tier) stay.
     d = run_json(capsys, ["--trace", str(tmp_path), "--policy", "lru"])
-    assert [(t["capacity_blocks"], t["policy"]) for t in d["tiers"]] == [(4, "lru"), (20, "lru")]
+    assert [(t["capacity_blocks"], t["policy"]) for t in d["tiers"]] == [
+        (999, "vllm prefix cache"), (4, "lru"), (20, "lru")]
     d = run_json(capsys, ["--trace", str(tmp_path), "--no-meta", "--block-tokens", "16"])
     assert d["model"] == {"source": "flags"} and len(d["tiers"]) == 1
 
@@ -70,7 +75,8 @@ def test_the_text_report_names_the_model_it_used(capsys, tmp_path) -> None:
     record(tmp_path)
     assert main(["--trace", str(tmp_path), "--no-opt"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"model: the recorded engine ({tmp_path / META_FILE}): host (cpu) 4 blocks lru, "
+    assert out.startswith(f"model: the recorded engine ({tmp_path / META_FILE}): device (vLLM prefix cache) "
+                          "999 blocks, host (cpu) 4 blocks lru, "
                           "nvme (disk) 20 blocks s3fifo+doorkeeper; 16 tokens/block")
 
 
@@ -99,6 +105,8 @@ def test_an_explicit_meta_file_models_a_trace_without_a_sibling(capsys, tmp_path
 @pytest.mark.parametrize(("meta", "message"), [
     ({**META, "tokens_per_block": 0}, "tokens_per_block: 0 must be a positive integer"),
     ({**META, "tiers": []}, "tiers: must be a non-empty list"),
+    ({**META, "device_blocks": 1}, "device_blocks: 1 must be an integer >= 2"),
+    ({**META, "device_block_tokens": -16}, "device_block_tokens: -16 must be a positive integer"),
     ({**META, "tiers": [{"name": "host", "capacity_blocks": "4Gi"}]},
      "tiers[0].capacity_blocks: '4Gi' must be a positive integer"),
 ])
@@ -118,3 +126,15 @@ def test_analyze_takes_the_recordings_tokens_per_block_and_says_so(capsys, tmp_p
     assert "16 tokens/block -- overridden by --policy (tokens per block only: analyze chooses its own capacities)" \
         in captured.err
     assert "len(hash_ids)" not in captured.err  # input_length is whole chunks: no block-count warning
+
+
+def test_the_device_tier_moves_no_bytes_and_saves_nothing_for_offloading(capsys, tmp_path) -> None:
+    record(tmp_path)
+    d = run_json(capsys, ["--trace", str(tmp_path), "--model-kv-bytes-per-token", "1024", "--bandwidth", "10",
+                          "--prefill-tokens-per-s", "1000", "--no-opt"])
+    device, *offload = d["tiers"]
+    assert device["name"] == "device" and device["bytes_moved"] is None
+    assert "estimated_prefill_seconds_saved" not in device
+    assert d["total"]["bytes_moved"] == sum(t["bytes_moved"] for t in offload)
+    assert d["total"]["estimated_prefill_seconds_saved"] == pytest.approx(
+        sum(t["estimated_prefill_seconds_saved"] for t in offload))

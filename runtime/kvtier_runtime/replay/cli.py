@@ -16,7 +16,7 @@ from typing import Sequence
 from .. import config
 from ..policies import ADMISSIONS, POLICIES
 from .cost import tier_cost
-from .engine import PolicySpec, ReplayError, ReplayResult, capacity_blocks, replay
+from .engine import PolicySpec, ReplayError, ReplayResult, capacity_blocks, replay, replay_recorded
 from .lru_curve import LRUCurve, equivalence
 from .metrics import flatten
 from .trace import RecordedModel, TraceError, load_meta, load_traces, recording_files, trace_warnings
@@ -155,7 +155,7 @@ def result_dict(res: ReplayResult, args, bandwidths: list) -> dict:
             "promotions": st.promotions, "loaded_blocks": st.prefix_hits, "stored_blocks": st.stored_blocks,
             "bytes_moved": None,
         }
-        if args.model_kv_bytes_per_token:
+        if args.model_kv_bytes_per_token and not st.device:  # the device tier (vLLM's prefix cache) moves nothing
             block_bytes = args.model_kv_bytes_per_token * args.block_tokens
             t["bytes_moved"] = (st.prefix_hits + st.stored_blocks) * block_bytes
             t.update(tier_cost(args.block_tokens, args.model_kv_bytes_per_token, st.prefix_hits, bw,
@@ -166,9 +166,10 @@ def result_dict(res: ReplayResult, args, bandwidths: list) -> dict:
         "block_hit_ratio": res.ratio(res.total_hits), "prefix_hit_ratio": res.ratio(res.total_prefix_hits),
         "opt_block_hit_ratio": res.ratio(sum(st.opt_hits for st in res.tiers)),
         "opt_prefix_hit_ratio": res.ratio(res.total_opt_prefix_hits),
-        "bytes_moved": (sum(t["bytes_moved"] for t in tiers) if args.model_kv_bytes_per_token else None),
+        "bytes_moved": (sum(t["bytes_moved"] or 0 for t in tiers) if args.model_kv_bytes_per_token else None),
     }
-    saved = [t.get("estimated_prefill_seconds_saved") for t in tiers]
+    # What offloading saves: vLLM's own prefix cache serves its share without kvtier.
+    saved = [t.get("estimated_prefill_seconds_saved") for t, st in zip(tiers, res.tiers) if not st.device]
     total["estimated_prefill_seconds_saved"] = sum(saved) if saved and all(s is not None for s in saved) else None
     return {"requests": res.n_requests, "block_accesses": res.n_accesses, "distinct_blocks": res.n_distinct,
             "block_tokens": args.block_tokens, "tiers": tiers, "total": total,
@@ -300,7 +301,15 @@ def _run(args: argparse.Namespace) -> int:
     bandwidths = _per_tier(args.bandwidth, len(caps), "--bandwidth", None)
     if args.shared and args.replicas < 2:
         raise ReplayError("--shared: needs --replicas 2 or more (one replica has nothing to share)")
-    res = replay(trace, caps, specs, with_opt=not args.no_opt, replicas=args.replicas, shared_last=args.shared)
+    # The recorded engine as it served the traffic (vLLM's prefix cache first, its lookup and store rules):
+    # what its own counters measured. Capacity flags or replicas ask what other tiers would serve instead.
+    engine_model = model is not None and not args.capacity and args.replicas == 1
+    if engine_model:
+        res = replay_recorded(trace, caps, specs, model.device_chunks, with_opt=not args.no_opt,
+                              names=model.names, tokens_per_block=model.tokens_per_block)
+        bandwidths = ([None] if model.device_chunks is not None else []) + bandwidths
+    else:
+        res = replay(trace, caps, specs, with_opt=not args.no_opt, replicas=args.replicas, shared_last=args.shared)
     d = result_dict(res, args, bandwidths)
     d["replicas"] = args.replicas
     if args.shared:
@@ -316,6 +325,8 @@ def _run(args: argparse.Namespace) -> int:
     d["trace"] = str(args.trace)
     d["trace_files"] = [str(f) for f in files]
     d["model"] = _model_dict(model, args)
+    if model is not None:
+        d["model"]["replay"] = "recorded engine" if engine_model else "tiers"
     d["skipped_lines"] = trace.skipped_lines
     if args.json:
         print(json.dumps(d, indent=2))
@@ -332,6 +343,7 @@ def _model_dict(model: RecordedModel | None, args) -> dict:
         {"name": n, "medium": m, "capacity_blocks": c, "policy": p}
         for n, m, c, p in zip(model.names, model.media, model.capacities, model.policies)],
         "tokens_per_block": model.tokens_per_block, "device_blocks": model.device_blocks,
+        "device_chunks": model.device_chunks,
         "overridden": [o for o, v in (("--capacity", args.capacity), ("--policy", args.policy),
                                       ("--block-tokens", args.block_tokens != model.tokens_per_block)) if v]}
 
@@ -339,7 +351,9 @@ def _model_dict(model: RecordedModel | None, args) -> dict:
 def _model_note(model: RecordedModel, args) -> str:
     d = _model_dict(model, args)
     tiers = ", ".join(f"{t['name']} ({t['medium']}) {t['capacity_blocks']} blocks {t['policy']}" for t in d["tiers"])
-    note = f"model: the recorded engine ({model.path}): {tiers}; {model.tokens_per_block} tokens/block"
+    modelled = d["device_chunks"] is not None and not args.capacity and args.replicas == 1
+    device = f"device (vLLM prefix cache) {d['device_chunks']} blocks, " if modelled else ""
+    note = f"model: the recorded engine ({model.path}): {device}{tiers}; {model.tokens_per_block} tokens/block"
     if d["overridden"]:
         note += f" -- overridden by {', '.join(d['overridden'])}"
     return note

@@ -17,6 +17,9 @@ shared tier matters most); every tier is private to its replica (each replica ha
 capacity), except the last one when ``shared_last`` is set: one store of that capacity that every replica looks up
 and writes through to, as kvtier's remote tier on a Valkey/Redis store.
 
+A recording of kvtier's own traffic replayed as the recorded engine (vLLM's prefix cache first, the engine's
+lookup and store rules) is :func:`replay_recorded` (:mod:`.vllm_model`); this model is the one for other sizes.
+
 OPT for tier i is the marginal gain of a single Belady cache of tiers 1..i's combined capacity over one of tiers
 1..i-1's, so tier figures add up to the total, and the total is OPT at the combined capacity -- an upper bound
 for any hierarchy of that size.
@@ -74,6 +77,8 @@ class TierStats:
     opt_hits: int = 0
     opt_prefix_hits: int = 0  # marginal: OPT(tiers 1..i) - OPT(tiers 1..i-1)
     opt_prefix_hits_through: int = 0  # OPT at the combined capacity of tiers 1..i
+    # vLLM's own prefix cache (the recorded-engine model): no offloading traffic, no offloading cost or saving.
+    device: bool = False
 
 
 @dataclass
@@ -245,22 +250,65 @@ def replay(trace: Trace, capacities: Sequence[int], policies: Sequence[PolicySpe
         hits = [s >= 0 for s in served]
     seconds = time.perf_counter() - start
     _credit_prefix(served, lengths, stats)
-    opt_seconds = 0.0
-    if with_opt:
-        t0 = time.perf_counter()
-        cumulative = 0
-        prev_hits = prev_prefix = 0
-        for i, st in enumerate(stats):
-            # The bound of a hierarchy holding this many blocks in all: private tiers count once per replica.
-            private = not (shared_last and i == len(stats) - 1)
-            cumulative += st.capacity_blocks * (replicas if private else 1)
-            oh = opt_hits(keys, cumulative)
-            h, ph = sum(oh), prefix_hit_count(oh, lengths)
-            st.opt_hits, st.opt_prefix_hits = h - prev_hits, ph - prev_prefix
-            st.opt_prefix_hits_through = ph
-            prev_hits, prev_prefix = h, ph
-        opt_seconds = time.perf_counter() - t0
+    opt_seconds = _opt(stats, keys, lengths, replicas, shared_last) if with_opt else 0.0
     return ReplayResult(len(requests), len(keys), n_distinct, stats, seconds, opt_seconds, hits)
+
+
+def _opt(stats: list[TierStats], keys: list[int], lengths: list[int], replicas: int = 1,
+         shared_last: bool = False) -> float:
+    """Fill each tier's OPT figures (see the module's doc); returns the seconds it took."""
+    t0 = time.perf_counter()
+    cumulative = 0
+    prev_hits = prev_prefix = 0
+    for i, st in enumerate(stats):
+        # The bound of a hierarchy holding this many blocks in all: private tiers count once per replica.
+        private = not (shared_last and i == len(stats) - 1)
+        cumulative += st.capacity_blocks * (replicas if private else 1)
+        oh = opt_hits(keys, cumulative)
+        h, ph = sum(oh), prefix_hit_count(oh, lengths)
+        st.opt_hits, st.opt_prefix_hits = h - prev_hits, ph - prev_prefix
+        st.opt_prefix_hits_through = ph
+        prev_hits, prev_prefix = h, ph
+    return time.perf_counter() - t0
+
+
+def replay_recorded(trace: Trace, capacities: Sequence[int], policies: Sequence[PolicySpec],
+                    device_blocks: int | None = None, with_opt: bool = True,
+                    names: Sequence[str] | None = None, tokens_per_block: int = 1) -> ReplayResult:
+    """Replay a recording as the recorded vLLM engine served it (:mod:`.vllm_model`): vLLM's prefix cache of
+    ``device_blocks`` chunks first (left out when ``None``: unknown), then the offload tiers of the given
+    capacities and policies. Tier figures are prefix figures: the engine loads only a leading run, so a chunk
+    after a request's first miss is never looked up and never counts as a hit."""
+    from .vllm_model import DEVICE, VllmPrefixCache, replay_engine_tiers
+
+    if len(capacities) != len(policies):
+        raise ReplayError("--policy: give one policy, or one per --capacity")
+    if device_blocks is not None and (isinstance(device_blocks, bool) or not isinstance(device_blocks, int)
+                                      or device_blocks < 1):
+        raise ReplayError(f"device_blocks: {device_blocks!r} must be a positive number of chunks")
+    requests = trace.requests
+    keys, lengths = flatten(requests)
+    names = list(names) if names is not None else [f"tier{i + 1}" for i in range(len(capacities))]
+    stats = [TierStats(name, c, str(p)) for name, c, p in zip(names, capacities, policies)]
+    device = VllmPrefixCache(device_blocks) if device_blocks is not None else None
+    start = time.perf_counter()
+    built = [spec.build(cap) for spec, cap in zip(policies, capacities)]
+    served, stored = replay_engine_tiers(requests, device, built, tokens_per_block)
+    seconds = time.perf_counter() - start
+    for st, n in zip(stats, stored):
+        st.stored_blocks = n
+    if device is not None:
+        stats.insert(0, TierStats("device", device_blocks, "vllm prefix cache", device=True))
+        served = [0 if s == DEVICE else (s + 1 if s >= 0 else s) for s in served]
+    for s in served:
+        if s >= 0:
+            stats[s].hits += 1
+            stats[s].prefix_hits += 1
+            if s > (1 if device is not None else 0):
+                stats[s].promotions += 1
+    opt_seconds = _opt(stats, keys, lengths) if with_opt else 0.0
+    return ReplayResult(len(requests), len(keys), len(set(keys)), stats, seconds, opt_seconds,
+                        [s >= 0 for s in served])
 
 
 def _credit_prefix(served: Sequence[int], lengths: Sequence[int], stats: list[TierStats]) -> None:

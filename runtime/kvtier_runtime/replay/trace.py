@@ -214,6 +214,16 @@ class RecordedModel:
     device_blocks: int | None = None
     # KV bytes of one block, all tensor-parallel ranks (recorders before it was written: None).
     block_bytes: int | None = None
+    # Tokens of one of vLLM's device blocks (``device_blocks`` counts those; None: the same as tokens_per_block).
+    device_block_tokens: int | None = None
+
+    @property
+    def device_chunks(self) -> int | None:
+        """The device tier's capacity in chunks: vLLM's GPU blocks less its null block (never cached)."""
+        if self.device_blocks is None:
+            return None
+        tokens = self.device_block_tokens or self.tokens_per_block
+        return max(1, (self.device_blocks - 1) * tokens // self.tokens_per_block)
 
 
 def load_meta(path: str | Path) -> RecordedModel:
@@ -255,5 +265,10 @@ def load_meta(path: str | Path) -> RecordedModel:
     if block_bytes is not None and (isinstance(block_bytes, bool) or not isinstance(block_bytes, int)
                                     or block_bytes <= 0):
         raise TraceError(f"{path}: block_bytes: {block_bytes!r} must be a positive integer")
-    return RecordedModel(path, tokens, names, caps, policies, media,
-                         device if isinstance(device, int) and not isinstance(device, bool) else None, block_bytes)
+    if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 2):
+        raise TraceError(f"{path}: device_blocks: {device!r} must be an integer >= 2 (vLLM's null block and one more)")
+    device_tokens = obj.get("device_block_tokens")
+    if device_tokens is not None and (isinstance(device_tokens, bool) or not isinstance(device_tokens, int)
+                                      or device_tokens <= 0):
+        raise TraceError(f"{path}: device_block_tokens: {device_tokens!r} must be a positive integer")
+    return RecordedModel(path, tokens, names, caps, policies, media, device, block_bytes, device_tokens)

@@ -506,10 +506,35 @@ def trace_meta(spec: KvtierOffloadingSpec, manager: KvtierOffloadingManager) -> 
         # by every replica of the model (replay --replicas N --shared models that).
         tiers.append({"name": names[i], "medium": "remote", "capacity_blocks": int(tier.capacity_entries),
                       "eviction_policy": "lru", "admission": "none", "shared": True})
-    device = getattr(spec.config, "num_gpu_blocks", None)
+    device = _device_blocks()
+    groups = getattr(spec.config, "groups", None) or ()
+    device_tokens = getattr(groups[0], "tokens_per_block", None) if groups else None
     return {"tokens_per_block": int(spec.tokens_per_chunk), "block_bytes": int(spec.row_bytes),
-            "device_blocks": int(device) if isinstance(device, int) and not isinstance(device, bool) else None,
+            "device_blocks": device,
+            "device_block_tokens": int(device_tokens) if device and isinstance(device_tokens, int) else None,
             "engine": "vllm", "tiers": tiers}
+
+
+def _device_blocks(max_frames: int = 16) -> int | None:
+    """vLLM's GPU block count (its null block included), or None. vLLM sizes its KV cache before it builds the
+    scheduler, but hands an offloading spec only an ``OffloadingConfig`` without it; the connector building this
+    manager holds it (its ``kv_cache_config.num_blocks``) a few frames up. Read-only and bounded; None where this
+    vLLM builds the manager some other way (replay then leaves the device tier out)."""
+    import sys
+
+    try:
+        frame = sys._getframe(1)
+    except ValueError:  # pragma: no cover - no caller frame
+        return None
+    for _ in range(max_frames):
+        if frame is None:
+            return None
+        cfg = frame.f_locals.get("kv_cache_config")
+        blocks = getattr(cfg, "num_blocks", None)
+        if isinstance(blocks, int) and not isinstance(blocks, bool) and blocks > 1:
+            return blocks
+        frame = frame.f_back
+    return None
 
 
 def _trace_recorder(spec: KvtierOffloadingSpec, manager: KvtierOffloadingManager) -> Any:

