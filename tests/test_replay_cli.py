@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from kvtier_runtime.replay.analyze import reuse_distances
 from kvtier_runtime.policies import POLICIES
 from kvtier_runtime.replay.cli import main
+from kvtier_runtime.replay.lru_curve import reuse_distances
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
