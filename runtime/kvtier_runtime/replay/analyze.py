@@ -11,7 +11,7 @@ from .metrics import flatten, prefix_hit_count
 from .trace import Trace
 
 # How far below LRU a policy may fall at any measured size and still be recommended (the floor the recommended
-# policy is tested against, tests/test_policies_floor.py).
+# policy is tested against, tests/runtime/policies/test_policies_floor.py).
 LRU_FLOOR = 0.005
 
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 0.99)

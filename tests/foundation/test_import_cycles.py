@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGES = (REPO / "operator" / "kvtier_operator", REPO / "runtime" / "kvtier_runtime")
 
 # Cycles accepted for now, each as the sorted modules of its strongly connected component, with the reason.
