@@ -21,7 +21,7 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_de
 PY
 
 echo "== cuda-marked codec tests"
-timeout 120 python -m pytest -q -p no:cacheprovider -m cuda tests/test_codecs_cuda.py
+timeout 120 python -m pytest -q -p no:cacheprovider -m cuda tests/runtime/codecs/test_codecs_cuda.py
 
 echo "== codecs on the device"
 timeout 60 python bench/gpu_codecs.py
@@ -30,6 +30,6 @@ timeout 60 python bench/gpu_codecs.py
 # path (vLLM's swap_blocks_batch: one call per job; needs a CUDA build of vllm in this python, else the table says
 # it was not measured) and the per-block path, against one raw copy_ of the same pages, device -> pinned host.
 echo "== vLLM offloading spec: worker page copies on CUDA"
-timeout 60 python -m pytest -q -p no:cacheprovider -m cuda tests/test_engine_offload_books.py
-timeout 60 python -m pytest -q -p no:cacheprovider tests/test_engine_offload_books.py -k "batched or scattered"
+timeout 60 python -m pytest -q -p no:cacheprovider -m cuda tests/runtime/engines/test_engine_offload_books.py
+timeout 60 python -m pytest -q -p no:cacheprovider tests/runtime/engines/test_engine_offload_books.py -k "batched or scattered"
 timeout 90 python bench/engine_offload.py --copy-only --device cuda

@@ -26,10 +26,11 @@ from .api import v1alpha1 as api
 from .controller import Operator, Outcome, ReleaseRefused
 from .event_filter import EventFilter
 from .kube import Kube, error_reason, is_transient
+from .labels import OPT_IN_ANY, OPT_IN_LABEL
 from .lanes import Lanes
 from .printable import printable
 from .selectors import matches
-from .settings import FINALIZER, OPT_IN_ANY, OPT_IN_LABEL, POLICY_LABEL, Settings
+from .settings import FINALIZER, POLICY_LABEL, Settings
 from .slo_tick import DEFAULT_INTERVAL
 from .wakeups import Wakeups
 from .workload import Workload

@@ -6,20 +6,15 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
+from .labels import PREFIX
+from .trust import check_endpoint_entry, check_host_path_prefix, check_pvc_entry, check_remote_store_entry
+
 FIELD_MANAGER = "kvtier-operator"
-PREFIX = "kvtier.io"
 FINALIZER = f"{PREFIX}/finalizer"
 POLICY_LABEL = f"{PREFIX}/policy"
 CONFIG_HASH_ANNOTATION = f"{PREFIX}/config-hash"
 REENABLE_ANNOTATION = f"{PREFIX}/reenable"  # a person asks the SLO guard to re-enable these tiers (comma list)
-# Set by a workload's owner: the policy allowed to configure it ("true": any policy in its namespace). The
-# operator never writes it, so only someone who may edit the workload can grant it.
-OPT_IN_LABEL = f"{PREFIX}/opt-in"
-OPT_IN_ANY = "true"
 DEFAULT_CLEANUP_IMAGE = "busybox:1.37.0"
-# Set on a Secret by someone who may edit Secrets: the remote stores (host:port, comma separated) whose tiers may
-# project it into pods. The operator never writes it, so a policy author cannot mark a Secret they cannot edit.
-REMOTE_STORES_ANNOTATION = f"{PREFIX}/remote-stores"
 
 
 @dataclass(frozen=True)
@@ -142,8 +137,6 @@ def from_args(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> Setti
 
     def listed(flag: Optional[list[str]], name: str) -> list[str]:
         return [v.strip() for v in (flag or env.get(_ENV + name, "").split(",")) if v.strip()]
-
-    from .trust import check_endpoint_entry, check_host_path_prefix, check_pvc_entry, check_remote_store_entry
 
     prefixes = listed(args.host_path_prefixes, "HOSTPATH_PREFIXES")
     allowed = listed(args.prometheus_allowed, "PROMETHEUS_ALLOWED")

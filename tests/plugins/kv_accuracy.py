@@ -52,7 +52,7 @@ def attention_cosine(layout: KVLayout, original: torch.Tensor, decoded: torch.Te
 
 # Provisional pass thresholds per codec for ``compare_logits`` (mean KL nats, top-1 agreement), to be calibrated
 # on the real engine: a float32 model whose reload is exact gives KL 0 and agreement 1. On the toy decoder of
-# tests/test_codecs_kv.py correct reloads scored KL <= 0.023 and top-1 >= 0.927, broken layouts KL >= 6.4 and
+# tests/runtime/codecs/test_codecs_kv.py correct reloads scored KL <= 0.023 and top-1 >= 0.927, broken layouts KL >= 6.4 and
 # top-1 0.01.
 LOGIT_THRESHOLDS: dict[str, tuple[float, float]] = {
     "none": (1e-6, 1.0),

@@ -14,7 +14,8 @@ from typing import Any, Callable, Iterator, Optional
 import pytest
 
 from kvtier_operator.kube import ApiError, policy_path, workload_path
-from kvtier_operator.settings import CONFIG_HASH_ANNOTATION, FIELD_MANAGER, OPT_IN_ANY, OPT_IN_LABEL
+from kvtier_operator.labels import OPT_IN_ANY, OPT_IN_LABEL
+from kvtier_operator.settings import CONFIG_HASH_ANNOTATION, FIELD_MANAGER
 
 GITOPS = "argocd-controller"
 

@@ -21,7 +21,7 @@ def sentinel(shape: tuple[int, ...] = (64, 256)):
 
     Never page-aligned (it starts one float into its storage), so a filesystem tier always loads into it through
     its staging buffer and a failed load leaves it untouched; a page-aligned row may be read into directly, and
-    then only "never reported loaded" holds (tests/test_fs_tier_aligned_format.py)."""
+    then only "never reported loaded" holds (tests/runtime/fs/test_fs_tier_aligned_format.py)."""
     import math
 
     import torch

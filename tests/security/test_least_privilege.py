@@ -13,7 +13,8 @@ import time
 import pytest
 
 from kvtier_operator.kube import ApiError, Kube, config_map_path, policy_path, workload_path
-from kvtier_operator.settings import OPT_IN_LABEL, POLICY_LABEL
+from kvtier_operator.labels import OPT_IN_LABEL
+from kvtier_operator.settings import POLICY_LABEL
 
 from plugins.operator import (cond, deployment, get_policy, get_workload, make_policy, user_apply, wait_applied,
                               wait_for)

@@ -3,7 +3,7 @@ body, and no negative number counts as within the SLO.
 
 The servers here are raw sockets on 127.0.0.1 scripted to misbehave in ways a real Prometheus never does (drip one
 byte at a time, answer without end, put a secret in an error page); a real Prometheus is used for the normal
-path in tests/test_slo_client.py.
+path in tests/operator/slo/test_slo_client.py.
 """
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ import pytest
 from kvtier_operator import reconcile as rc
 from kvtier_operator.controller import Operator
 from kvtier_operator.kube import policy_path, secret_path, workload_path
-from kvtier_operator.settings import REMOTE_STORES_ANNOTATION, Settings
+from kvtier_operator.labels import REMOTE_STORES_ANNOTATION
+from kvtier_operator.settings import Settings
 from kvtier_operator.status import condition
 
 from plugins.operator import deployment, observed, policy

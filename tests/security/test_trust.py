@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvtier_operator import reconcile as rc
-from kvtier_operator.settings import OPT_IN_LABEL, POLICY_LABEL, Settings, from_args
+from kvtier_operator.labels import OPT_IN_LABEL
+from kvtier_operator.settings import POLICY_LABEL, Settings, from_args
 from kvtier_operator.status import condition
 from kvtier_operator.trust import (check_endpoint_entry, endpoint_problem, host_path_problems, opted_in,
                                    owns_config_map, redacted, under_prefix)

@@ -124,10 +124,7 @@ def _offloading_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSp
     }
     if spec.offload.chunk_tokens is not None:
         extra["block_size"] = spec.offload.chunk_tokens
-    # kvtier's threshold admission on the cpu tier takes the threshold itself; vLLM's store_threshold in front
-    # of it would count the same offers a second time.
-    kvtier_threshold = spec.backend == "kvtier" and cpu.admission == "threshold"
-    if spec.offload.store_threshold and not secondary and not kvtier_threshold:
+    if spec.offload.store_threshold and not secondary:
         extra["store_threshold"] = spec.offload.store_threshold
     if cpu.eviction in VLLM_BUILTIN_EVICTION_POLICIES:
         extra["eviction_policy"] = cpu.eviction

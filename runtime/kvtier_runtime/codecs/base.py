@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 
 from .header import (
-    DTYPE_IDS, FLAG_FALLBACK, FLAG_PER_CHANNEL, HEADER_NBYTES, MAX_NDIM, CodecError, CodecHeader,
+    DTYPE_IDS, FLAG_FALLBACK, FLAG_PER_CHANNEL, HEADER_NBYTES, MAX_NDIM, CodecError, CodecHeader, unpack_header,
 )
 from .metrics import STATS
 from .scratch import ScratchPool
@@ -49,6 +49,15 @@ def as_byte_buffer(buf: object, name: str = "buf") -> torch.Tensor:
                 return torch.frombuffer(mv, dtype=torch.uint8)
         return torch.frombuffer(mv, dtype=torch.uint8)
     raise CodecError(f"{name}: {type(buf).__name__} is not a uint8 tensor, bytes, bytearray or memoryview")
+
+
+def read_header(data: torch.Tensor) -> CodecHeader:
+    """The header at the start of a block (a uint8 tensor on CPU or CUDA), parsed and checked for consistency;
+    whether its codec accepts it is the caller's check (``registry.peek_header``, ``kv.check_kv_header``)."""
+    head = data[:HEADER_NBYTES]
+    if head.device.type != "cpu":
+        head = head.cpu()
+    return unpack_header(head.numpy().tobytes())
 
 
 class Codec:

@@ -33,7 +33,7 @@ import math
 from typing import Sequence
 import torch
 
-from .base import CHUNK_ELEMS, as_byte_buffer
+from .base import CHUNK_ELEMS, as_byte_buffer, read_header
 from .errors import CodecError
 from .header import FLAG_FALLBACK, FLAG_KV_LAYOUT, HEADER_NBYTES, CodecHeader
 from .layout import KVLayout
@@ -639,10 +639,14 @@ class KVChunkCodec:
     def decode(self, buf: torch.Tensor | bytes | bytearray | memoryview, out: torch.Tensor) -> torch.Tensor:
         """Decode a block into ``out`` (a chunk of this codec's layout: bytes or its dtype). A block written under
         another layout (or a plain, non-layout block) raises ``CodecError``: a worker must not mix them up."""
-        from .registry import peek_header
-
         data = as_byte_buffer(buf)
-        header = peek_header(data)
+        try:
+            header = read_header(data)
+            if header.kv_layout:
+                check_kv_header(header)
+        except CodecError:
+            STATS.record_decode_error()
+            raise
         if not header.kv_layout:
             raise CodecError("buf: not a KV-layout block (written by the flat API)")
         written = KVLayout.from_code(header.layout_code, header.shape, str(header.dtype).removeprefix("torch."))

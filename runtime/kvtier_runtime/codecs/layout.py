@@ -18,7 +18,7 @@ and ``D`` (head dim, always innermost), outermost first. vLLM 0.32 (checked in i
 - FlashAttention / Triton / FlashInfer with layout ``LBNHC`` (``[B, N, H, C]``, FlashInfer's NHD; C = K then V of
   one head and token, split with ``split(head_size, -1)``): ``"THKD"``; with ``LBHNC`` (FlashInfer's HND):
   ``"HTKD"``. Unchanged in vLLM 0.33, and checked there against the indexing of ``reshape_and_cache_flash``
-  (``tests/test_codecs_vllm_layouts.py``, which cites the lines). Other ``KVCacheLayout`` members (cross-layer
+  (``tests/runtime/codecs/test_codecs_vllm_layouts.py``, which cites the lines). Other ``KVCacheLayout`` members (cross-layer
   ``BL..``, ``LHBNC``) are not described: refused.
 - MLA caches one latent vector per token (no K/V heads): no page order here describes it; refused.
 - Tensor parallelism: each worker's pages hold its own KV heads only, so a host row of W workers' chunks end to

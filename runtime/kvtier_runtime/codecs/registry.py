@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..config import CODECS
-from .base import Codec, PassthroughCodec, as_byte_buffer
-from .header import HEADER_NBYTES, CodecError, CodecHeader, unpack_header
+from .base import Codec, PassthroughCodec, as_byte_buffer, read_header
+from .header import HEADER_NBYTES, CodecError, CodecHeader
 from .kv import check_kv_header, decode_kv_block
 from .metrics import STATS
 from .quant import Fp8Codec, Fp8E5M2Codec, Int4Codec, Int8Codec, ScaledCodec
@@ -120,11 +120,7 @@ def _decoder(name: str) -> Codec:
 def peek_header(buf: torch.Tensor | bytes | bytearray | memoryview) -> CodecHeader:
     """Parse and validate the header at the start of ``buf`` (CPU or CUDA); raises ``CodecError``."""
     try:
-        data = as_byte_buffer(buf)
-        head = data[:HEADER_NBYTES]
-        if head.device.type != "cpu":
-            head = head.cpu()
-        header = unpack_header(head.numpy().tobytes())
+        header = read_header(as_byte_buffer(buf))
         if header.kv_layout:
             check_kv_header(header)
         else:

@@ -60,7 +60,7 @@ class AdaptivePolicy(EvictionPolicy):
     # 0.004 below LRU on conversations at 20-30%, where learning has few evictions to learn from.
     initial_weights = (4.0, 1.0, 64.0)
     # The hedge against recency (see the module docstring); tuned on generated shapes and the shared trace,
-    # checked on a held-out real trace (tests/test_policies_floor.py).
+    # checked on a held-out real trace (tests/runtime/policies/test_policies_floor.py).
     hedge_window = 0.05  # of the capacity, in bytes of accesses, and at least hedge_min_window accesses
     hedge_min_window = 32  # so that a small cache still sums enough accesses for a loss to show
     hedge_step = 0.1  # change of trust per window
@@ -296,7 +296,7 @@ class AdaptivePolicy(EvictionPolicy):
         ``replay.engine.replay_single`` does through the public methods; the hit flag of each access.
 
         The same steps in the same order on the same state (so the same hits, weights and trust, checked against
-        the public path in tests/test_policies_adaptive.py), fused into one loop over local names: no context
+        the public path in tests/runtime/policies/test_policies_adaptive.py), fused into one loop over local names: no context
         objects and no method call per access, which is most of what an access cost. ``None`` when the state is
         one the loop does not model (pinned entries, an admission filter, a capacity under one block): the
         caller then takes the public path.

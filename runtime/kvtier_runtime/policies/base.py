@@ -2,7 +2,7 @@
 
 A policy subclass adds only its *ordering* (which entry goes next) through five hooks; everything a caller can
 observe about capacity is decided in this module, so every policy obeys the same contract and one behavioural
-test suite (tests/test_policies_contract.py) checks them all.
+test suite (tests/runtime/policies/test_policies_contract.py) checks them all.
 """
 from __future__ import annotations
 

@@ -6,48 +6,15 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .engine import PolicySpec, replay_single
+from .lru_curve import LRUCurve, reuse_distances
 from .metrics import flatten, prefix_hit_count
 from .trace import Trace
 
 # How far below LRU a policy may fall at any measured size and still be recommended (the floor the recommended
-# policy is tested against, tests/test_policies_floor.py).
+# policy is tested against, tests/runtime/policies/test_policies_floor.py).
 LRU_FLOOR = 0.005
 
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
-
-
-def reuse_distances(keys: Sequence[int]) -> list[int]:
-    """LRU stack distance of every re-access: distinct other blocks touched since the previous access.
-
-    A block is a hit in an LRU cache of C blocks exactly when its distance is < C. O(N log N) with a Fenwick
-    tree over access positions holding 1 at each block's latest access.
-    """
-    n = len(keys)
-    tree = [0] * (n + 1)
-
-    def add(i: int, v: int) -> None:
-        i += 1
-        while i <= n:
-            tree[i] += v
-            i += i & -i
-
-    def prefix(i: int) -> int:  # sum over positions [0, i)
-        s = 0
-        while i > 0:
-            s += tree[i]
-            i -= i & -i
-        return s
-
-    last: dict[int, int] = {}
-    out: list[int] = []
-    for i, k in enumerate(keys):
-        j = last.get(k)
-        if j is not None:
-            out.append(prefix(i) - prefix(j + 1))
-            add(j, -1)
-        add(i, 1)
-        last[k] = i
-    return out
 
 
 def reuse_times_ms(trace: Trace) -> list[float]:
@@ -154,7 +121,6 @@ def analyze(trace: Trace, block_tokens: int, specs: Sequence[PolicySpec] | Polic
     max_blocks = distinct
     if budgets.capacity_bytes and block_bytes:
         max_blocks = max(1, min(distinct, budgets.capacity_bytes // block_bytes))
-    from .lru_curve import LRUCurve  # it imports reuse_distances from here
 
     pcts = (1, 2, 5, 10, 20, 30, 50, 100)
     lru_curve = LRUCurve(keys, lengths)

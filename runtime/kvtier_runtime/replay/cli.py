@@ -15,39 +15,15 @@ from typing import Sequence
 
 from .. import config
 from ..policies import ADMISSIONS, POLICIES
+from .args import DEFAULT_BLOCK_TOKENS, PROG, number_arg, one_line_error
 from .cost import tier_cost
 from .engine import PolicySpec, ReplayError, ReplayResult, capacity_blocks, replay, replay_recorded
 from .lru_curve import LRUCurve, equivalence
 from .metrics import flatten
+from .recommend import main as recommend
 from .trace import RecordedModel, TraceError, load_meta, load_traces, recording_files, trace_warnings
 
 PLOT_FORMATS = (".png", ".svg", ".pdf")
-
-PROG = "kvtier replay"
-DEFAULT_BLOCK_TOKENS = 512
-
-
-def number_arg(name: str, cast: type = float, *, allow_zero: bool = False):
-    """An argparse ``type`` for a finite number > 0 (or >= 0) whose error names the option."""
-    what = "an integer" if cast is int else "a number"
-    rule = "a finite number >= 0" if allow_zero else ("a positive integer" if cast is int else "a finite number > 0")
-
-    def parse(text: str) -> float:
-        try:
-            value = cast(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name}: {text!r} is not {what}") from None
-        if not (value >= 0 if allow_zero else value > 0) or value == float("inf"):  # NaN fails both
-            raise argparse.ArgumentTypeError(f"{name}: {text!r} must be {rule}")
-        return value
-    return parse
-
-
-def one_line_error(parser: argparse.ArgumentParser):
-    """argparse's ``error`` without the usage block: the docs promise one line on stderr and exit status 2."""
-    def error(message: str):
-        parser.exit(2, f"{PROG}: error: {message} (see {PROG} --help)\n")
-    return error
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -425,8 +401,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["recommend"]:  # its own options (its --policy is a KVCachePolicy file, not a policy name)
-        from .recommend import main as recommend
-
         return recommend(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)

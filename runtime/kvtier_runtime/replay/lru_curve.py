@@ -11,9 +11,42 @@ from __future__ import annotations
 import bisect
 from typing import Sequence
 
-from .analyze import reuse_distances
 
 _FIRST = float("inf")  # a block's first access misses at any capacity
+
+
+def reuse_distances(keys: Sequence[int]) -> list[int]:
+    """LRU stack distance of every re-access: distinct other blocks touched since the previous access.
+
+    A block is a hit in an LRU cache of C blocks exactly when its distance is < C. O(N log N) with a Fenwick
+    tree over access positions holding 1 at each block's latest access.
+    """
+    n = len(keys)
+    tree = [0] * (n + 1)
+
+    def add(i: int, v: int) -> None:
+        i += 1
+        while i <= n:
+            tree[i] += v
+            i += i & -i
+
+    def prefix(i: int) -> int:  # sum over positions [0, i)
+        s = 0
+        while i > 0:
+            s += tree[i]
+            i -= i & -i
+        return s
+
+    last: dict[int, int] = {}
+    out: list[int] = []
+    for i, k in enumerate(keys):
+        j = last.get(k)
+        if j is not None:
+            out.append(prefix(i) - prefix(j + 1))
+            add(j, -1)
+        add(i, 1)
+        last[k] = i
+    return out
 
 
 class LRUCurve:

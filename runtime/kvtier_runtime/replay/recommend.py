@@ -25,7 +25,7 @@ import yaml
 
 from .. import config
 from ..policies import ADMISSIONS, POLICIES
-from .cli import DEFAULT_BLOCK_TOKENS, number_arg, one_line_error
+from .args import DEFAULT_BLOCK_TOKENS, number_arg, one_line_error
 from .engine import PolicySpec, ReplayError, replay
 from .trace import RecordedModel, Trace, TraceError, load_meta, load_traces, recording_files, trace_warnings
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 SHAPES = ("conversation", "agent", "document", "mixture", "chat", "sysprompt", "drift")
-# Calibration (measured by tests/test_replay_synth.py): ~24 blocks/request, ~41% of reuses first reuses,
+# Calibration (measured by tests/runtime/replay/test_replay_synth.py): ~24 blocks/request, ~41% of reuses first reuses,
 # ~27% of blocks ever reused, infinite-cache hit ratio ~0.39 -- near Mooncake's conversation trace (24, 42%, 24%, 0.37).
 CONV_MULTI, CONV_CONTINUE, CONV_FIRST, CONV_NEXT = 0.25, 0.55, 6000, 1500
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -320,7 +321,7 @@ _WRITER = textwrap.dedent("""
 def test_kill_9_writer_mid_write_then_restart(fs_tier_factory, tmp_path) -> None:
     root = str(tmp_path / "fs")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER, root], env=env, cwd=os.path.dirname(__file__))
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, root], env=env, cwd=pathlib.Path(__file__).resolve().parents[2])  # tests/: the writer imports plugins
     ns = os.path.join(root, NAMESPACE)
     deadline = time.monotonic() + 60
     try:

@@ -387,7 +387,7 @@ def test_scratch_is_reused_not_regrown_across_calls():
     assert codec._scratch.nbytes() + _decoder("int4")._scratch.nbytes() == held
 
 
-RUNTIME_SRC = str(pathlib.Path(__file__).resolve().parents[1] / "runtime")
+RUNTIME_SRC = str(pathlib.Path(__file__).resolve().parents[3] / "runtime")
 
 
 def test_runtime_package_import_stays_torch_free():

@@ -2,7 +2,7 @@
 (lookups miss there, stores are not queued to it) while the other tiers keep serving, loads already in flight still
 deliver their own bytes, and a recovered or re-enabled tier comes back through half-open probes. Fake tiers whose
 jobs finish when the test says, an injected clock: nothing here depends on timing. The breaker's own logic:
-tests/test_breaker.py."""
+tests/runtime/store/test_breaker.py."""
 from __future__ import annotations
 
 import json

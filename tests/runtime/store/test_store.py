@@ -1,7 +1,7 @@
 """The engine path's store: the host tier's slot allocation, the metrics the dashboard reads, and the runtime's
 import boundary. The books' behaviour (placement, write-through, promotion, resets, events) is tested in
-tests/test_engine_offload_books.py and tests/test_engine_offload_contract.py; the filesystem tier in
-tests/test_fs_tier*.py.
+tests/runtime/engines/test_engine_offload_books.py and tests/runtime/engines/test_engine_offload_contract.py; the filesystem tier in
+tests/runtime/fs/test_fs_tier*.py.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_every_runtime_series_the_dashboard_reads_is_exported_by_the_engine_path
     # A dashboard panel on a metric only a test harness exports shows nothing in production. Drive the engine
     # path's store (books over a host tier and a filesystem tier) through stores, evictions, a disk promotion and
     # lookups, and require a non-zero sample labelled with one of its tiers for every kvtier_runtime_* series the
-    # dashboard queries (the remote tier's own series: tests/test_remote_tier_faults.py, against a real store).
+    # dashboard queries (the remote tier's own series: tests/runtime/remote/test_remote_tier_faults.py, against a real store).
     host_name, fs_name = f"host-{time.monotonic_ns()}", f"fs-{time.monotonic_ns()}"
     cfg = FilesystemTierConfig(root_dir=str(tmp_path / "fs"), capacity_bytes=1 << 20, n_read_threads=2,
                                n_write_threads=2)

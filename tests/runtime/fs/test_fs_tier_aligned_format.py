@@ -3,7 +3,7 @@ the file and page-aligned rows with no staging copy, format-1 files (written by 
 are still served, and a store survives its fan-out directory being pruned under it more than once.
 
 The direct path needs O_DIRECT; on a filesystem without it (tmpfs) those tests skip, and the staging path they
-fall back to is what the rest of tests/test_fs_tier*.py exercise (their tensors are never page-aligned)."""
+fall back to is what the rest of tests/runtime/fs/test_fs_tier*.py exercise (their tensors are never page-aligned)."""
 from __future__ import annotations
 
 import ctypes
@@ -25,7 +25,7 @@ from plugins.runtime import block_for, key_of, metric_value, sentinel
 from plugins.tier_sync import load_blocks, store_blocks
 
 SHAPE = (64, 256)  # 64 KiB of float32: whole pages
-V1_DATA = pathlib.Path(__file__).parent / "data" / "fs-v1"
+V1_DATA = pathlib.Path(__file__).resolve().parents[2] / "data" / "fs-v1"
 V1_SHAPE = (16, 64)
 
 

@@ -15,7 +15,7 @@ from kvtier_runtime.replay.cli import main as replay_main
 from kvtier_runtime.replay.recommend import parse_quantity
 from kvtier_runtime.replay.synth import generate, write_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 SYNTHETIC = ROOT / "tests" / "data" / "mooncake-synthetic.jsonl"
 ENV = {"PYTHONPATH": f"{ROOT / 'operator'}:{ROOT / 'runtime'}", "PATH": "/usr/bin:/bin"}
 MiB = 2**20

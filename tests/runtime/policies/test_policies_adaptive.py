@@ -174,7 +174,7 @@ def _traces():
     from kvtier_runtime.replay.synth import SHAPES, generate
     from kvtier_runtime.replay.trace import load_trace
 
-    data = pathlib.Path(__file__).resolve().parent / "data"
+    data = pathlib.Path(__file__).resolve().parents[2] / "data"
     yield "shared", load_trace(data / "mooncake-synthetic.jsonl").requests[:1500]
     for shape in SHAPES:
         yield shape, [r["hash_ids"] for r in generate(shape, 600, seed=3)]

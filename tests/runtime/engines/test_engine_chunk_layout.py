@@ -24,7 +24,7 @@ from kvtier_runtime.fs.format import HEADER_BYTES, parse_header
 from kvtier_runtime.store.books import HIT, RETRY, OffloadBooks
 from plugins.kv_accuracy import attention_cosine
 from plugins.runtime import engine_books
-from tests.test_codecs_kv import make_chunk
+from tests.runtime.codecs.test_codecs_kv import make_chunk
 
 # vLLM 0.32 on CPU with the e2e model's shape class: 4 layers, 4 KV heads of 64, float32, 16-token blocks, 2 blocks
 # per chunk; the bytes per block are what vLLM computes (2 x heads x tokens x head size x 4 bytes x layers).

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-RUNTIME = Path(__file__).resolve().parents[1] / "runtime" / "kvtier_runtime"
+RUNTIME = Path(__file__).resolve().parents[2] / "runtime" / "kvtier_runtime"
 
 # Private names of other projects that the vLLM plug-ins need and vLLM offers no public name for.
 THIRD_PARTY_PRIVATE = frozenset({

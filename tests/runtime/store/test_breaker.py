@@ -1,6 +1,6 @@
 """The per-tier breaker (kvtier_runtime.store.breaker) and the live control file (kvtier_runtime.store.control), as
 pure logic on an injected clock: no sleeps, nothing timing-dependent. Their wiring into the books:
-tests/test_engine_offload_breaker.py."""
+tests/runtime/engines/test_engine_offload_breaker.py."""
 from __future__ import annotations
 
 import json

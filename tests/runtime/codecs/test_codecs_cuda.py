@@ -1,5 +1,5 @@
 """Codecs on CUDA tensors. Marked ``cuda`` and skipped without a CUDA device (none in CI or on the dev machine;
-run them on a lent GPU with ``pytest -m cuda tests/test_codecs_cuda.py``)."""
+run them on a lent GPU with ``pytest -m cuda tests/runtime/codecs/test_codecs_cuda.py``)."""
 from __future__ import annotations
 
 import pytest

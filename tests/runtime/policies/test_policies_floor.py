@@ -5,7 +5,7 @@ long system prompts, one-shot documents, their mixture, fast multi-turn chat, sy
 mixture whose shares drift), and Mooncake's real conversation trace. The last was never used to design or tune
 the policy's model (issue 25 measured the old adaptive 0.009 below LRU on it at 20%); it is the held-out check
 that the hedge against recency holds on real traffic. LRU's ratios come from its stack-distance curve
-(tests/test_replay_cli_sizing.py checks it against replay).
+(tests/runtime/replay/test_replay_cli_sizing.py checks it against replay).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from kvtier_runtime.replay.trace import Trace, load_trace
 
 PERCENTS = (1, 2, 5, 10, 20, 30)
 FLOOR = 0.005
-HELD_OUT = pathlib.Path(__file__).parent / "data" / "mooncake-conversation.jsonl"
+HELD_OUT = pathlib.Path(__file__).resolve().parents[2] / "data" / "mooncake-conversation.jsonl"
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from kvtier_runtime.replay.analyze import reuse_distances
 from kvtier_runtime.policies import POLICIES
 from kvtier_runtime.replay.cli import main
+from kvtier_runtime.replay.lru_curve import reuse_distances
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def small_trace(tmp_path, n_requests=60, seed=3) -> pathlib.Path:

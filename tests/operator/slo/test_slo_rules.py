@@ -11,7 +11,7 @@ import yaml
 
 from kvtier_operator.slo.queries import ENGINE_METRICS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 RULES = REPO / "charts" / "kvtier" / "files" / "prometheus-rules.yaml"
 RULE_TESTS = sorted((REPO / "tests" / "promtool").glob("*.test.yaml"))
 
