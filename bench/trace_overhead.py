@@ -187,10 +187,12 @@ def ttft_summary(off: Sequence[float], on: Sequence[float]) -> dict[str, float]:
     return out
 
 
-def table(s: dict[str, float], rec: dict[str, int], max_bytes: int, n_files: int) -> str:
-    head = ("| requests | p50 off ms | p50 on ms | p50 on/off | p99 off ms | p99 on ms | p99 on/off "
-            "| median per-request on/off | recorded | bytes written | on disk / trace_max_bytes | files deleted |")
-    row = (f"| {rec['requests']} | {s['p50_off'] * 1e3:.1f} | {s['p50_on'] * 1e3:.1f} | {s['p50_ratio']:.3f} "
+def table(s: dict[str, float], n: int, rec: dict[str, int], max_bytes: int, n_files: int) -> str:
+    """One markdown row: ``n`` timed requests per engine, ``s`` from :func:`ttft_summary`, ``rec`` from
+    :func:`verify_recording`."""
+    head = ("| timed requests | p50 off ms | p50 on ms | p50 on/off | p99 off ms | p99 on ms | p99 on/off "
+            "| median per-request on/off | recorded (warm-up included) | bytes written | on disk / trace_max_bytes | files deleted |")
+    row = (f"| {n} | {s['p50_off'] * 1e3:.1f} | {s['p50_on'] * 1e3:.1f} | {s['p50_ratio']:.3f} "
            f"| {s['p99_off'] * 1e3:.1f} | {s['p99_on'] * 1e3:.1f} | {s['p99_ratio']:.3f} | {s['paired_ratio']:.3f} "
            f"| {rec['requests']} (last {rec['requests_on_disk']} on disk) | {rec['bytes_written']} "
            f"| {rec['bytes_on_disk']} / {max_bytes} ({n_files} files) | {rec['files_deleted']} |")
@@ -302,6 +304,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in servers.values():
             s.stop()
+        # vllm serve stopped by a signal to its process group leaves kvtier's host regions in /dev/shm (its
+        # manager's shutdown does not run); remove them as the next engine's start would.
+        from kvtier_runtime.config import DEFAULT_HOST_SHM_DIR
+        from kvtier_runtime.engines.host_region import remove_stale_regions
+
+        time.sleep(6)  # remove_stale_regions leaves files younger than 5 s (another engine's, being created)
+        removed = remove_stale_regions(DEFAULT_HOST_SHM_DIR)
+        if removed:
+            print(f"removed {len(removed)} host region(s) the engines left in {DEFAULT_HOST_SHM_DIR}", file=sys.stderr)
     load_after = loadavg()
 
     rec = verify_recording(sent, watch.files, sizes, args.max_bytes, args.files)
@@ -313,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     s = ttft_summary(ttfts["off"], ttfts["on"])
     print(f"\nTrace recording: TTFT with recording off and on (two engines in the same run, requests alternated), "
           f"load average {load_before} at the start, {load_after} at the end, {run_s:.0f} s of requests")
-    print(table(s, rec, args.max_bytes, args.files))
+    print(table(s, len(ttfts['on']), rec, args.max_bytes, args.files))
     print(f"(requests: {args.families} busiest prefix families of {pathlib.Path(args.trace).name}, at most "
           f"{args.max_blocks} blocks of {BLOCK_TOKENS} tokens + a 1-{MAX_TAIL} token tail; plus 1 warm-up each, "
           f"recorded too. Sidecar: requests_written {meta.get('requests_written')}"

@@ -136,3 +136,13 @@ def test_percentile_interpolates_and_refuses_what_it_cannot_compute() -> None:
         tables.percentile(xs, 100)
     with pytest.raises(ValueError, match="at least one sample"):
         tables.percentile([], 50)
+
+
+def test_the_table_has_one_cell_per_column_and_the_timed_count_apart_from_the_recorded_one() -> None:
+    s = bench.ttft_summary([0.1, 0.2, 0.3], [0.1, 0.2, 0.3])
+    rec = {"requests": 4, "requests_on_disk": 2, "bytes_written": 900, "bytes_on_disk": 400, "files_deleted": 1}
+    head, sep, row = bench.table(s, 3, rec, 512, 2).splitlines()
+    assert head.count("|") == sep.count("|") == row.count("|")
+    cells = dict(zip([c.strip() for c in head.split("|")], [c.strip() for c in row.split("|")]))
+    assert cells["timed requests"] == "3" and cells["recorded (warm-up included)"] == "4 (last 2 on disk)"
+    assert cells["p50 on/off"] == "1.000" and cells["on disk / trace_max_bytes"] == "400 / 512 (2 files)"
