@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import statistics
+from typing import Sequence
 
 
 def quartiles(xs: list[float]) -> tuple[float, float, float]:
@@ -11,3 +12,14 @@ def quartiles(xs: list[float]) -> tuple[float, float, float]:
         return xs[0], xs[0], xs[0]
     q = statistics.quantiles(xs, n=4, method="inclusive")
     return q[1], q[0], q[2]
+
+
+def percentile(xs: Sequence[float], q: int) -> float:
+    """The ``q``-th percentile of ``xs`` (1 <= q <= 99), interpolated between the samples around it."""
+    if not 1 <= q <= 99:
+        raise ValueError(f"q: {q!r} must be an integer from 1 to 99")
+    if not xs:
+        raise ValueError("xs: needs at least one sample")
+    if len(xs) == 1:
+        return float(xs[0])
+    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1]
