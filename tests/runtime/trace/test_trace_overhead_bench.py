@@ -14,7 +14,7 @@ import pytest
 
 from kvtier_runtime.trace import TraceRecorder
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def _load(name: str, path: pathlib.Path):
