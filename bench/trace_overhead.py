@@ -45,6 +45,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "runtime"), str(REPO / "operator")]
 
 from bench.tables import percentile  # noqa: E402
+from kvtier_runtime.replay.trace import load_trace  # noqa: E402
 from e2e.vllm_cpu import model, render  # noqa: E402
 from e2e.vllm_cpu.server import VllmServer  # noqa: E402
 
@@ -60,17 +61,7 @@ META_FILE = "trace-meta.json"
 # ---- workload --------------------------------------------------------------------------------------------------
 def workload(path: pathlib.Path, families: int, max_blocks: int, n_requests: int) -> list[tuple[int, ...]]:
     """Block ids per request, by the rule of the module's doc."""
-    rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                ids = tuple(int(h) for h in json.loads(line)["hash_ids"])
-            except (ValueError, KeyError, TypeError) as err:
-                raise ValueError(f"{path}:{n}: not a Mooncake trace record (hash_ids: a list of ints): {err}")
-            if ids:
-                rows.append(ids)
+    rows = [tuple(ids) for ids in load_trace(path).requests if ids]
     roots = {root for root, _ in Counter(ids[0] for ids in rows).most_common(families)}
     chosen = [ids[:max_blocks] for ids in rows if ids[0] in roots]
     if not chosen:

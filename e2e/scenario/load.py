@@ -26,18 +26,9 @@ BLOCK_TOKENS = 32
 def trace_prompts(path: Path, limit: int, max_blocks: int, block_tokens: int = BLOCK_TOKENS) -> list[list[int]]:
     from vllm_cpu.model import prompt_ids  # the harness model's vocabulary
 
-    rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                ids = [int(h) for h in row["hash_ids"]]
-            except (ValueError, KeyError, TypeError) as err:
-                raise ValueError(f"{path}:{n}: not a Mooncake trace record (hash_ids: a list of ints): {err}")
-            if ids:
-                rows.append(ids)
+    from kvtier_runtime.replay.trace import load_trace  # the one Mooncake reader (TraceError names the line)
+
+    rows = [ids for ids in load_trace(path).requests if ids]
     firsts = collections.Counter(ids[0] for ids in rows)
     shared = [ids for ids in rows if firsts[ids[0]] >= 2][:limit]
     blocks: dict[int, list[int]] = {}
