@@ -326,3 +326,17 @@ def pod_log(kube: Kube, namespace: str, pod: str, container: Optional[str] = Non
         return response.read().decode(errors="replace")
     except Exception as err:  # noqa: BLE001 - diagnostics only
         return f"(no log for pod {namespace}/{pod}: {err})"
+
+
+def restarts_since(before: dict[str, tuple[str, int]], now: dict[str, tuple[str, int]]) -> int:
+    """Engine restarts between two ``NodePods.restarts()`` readings (pod name -> (uid, container restarts)): each
+    pod of ``before`` that is gone or was replaced (another uid) counts once, plus the container restarts each pod
+    of ``now`` gained (all of them for a pod that was not there before)."""
+    count = 0
+    for name, (uid, _) in before.items():
+        if name not in now or now[name][0] != uid:
+            count += 1
+    for name, (uid, restarts) in now.items():
+        old_uid, old_restarts = before.get(name, ("", 0))
+        count += max(0, restarts - old_restarts) if old_uid == uid else restarts
+    return count

@@ -20,6 +20,7 @@ from kvtier_operator.render import CONFIG_FILE, CONTROL_FILE
 from kvtier_operator.settings import CONFIG_HASH_ANNOTATION, REENABLE_ANNOTATION
 from . import manifests, observe
 from .load import p99_back_under
+from .pods import restarts_since
 from .local import LocalEnvironment, LocalOptions
 from .processes import ScenarioError, Supervisor, tail, wait_until
 from .report import Reporter
@@ -540,12 +541,8 @@ class Scenario:
         return at
 
     def _restarts(self, before: dict[str, tuple[str, int]]) -> int:
-        """Engine restarts since ``before``, from the API server: pods replaced (another uid, or gone) plus
-        container restarts."""
-        now = self.pods.restarts()
-        return sum(max(0, r - (before.get(name, ("", 0))[1] if before.get(name, ("", 0))[0] == uid else 0))
-                   for name, (uid, r) in now.items()) + sum(1 for name, (uid, _) in before.items()
-                                                            if now.get(name, ("", 0))[0] != uid)
+        """Engine restarts since ``before``, from the API server (pods.restarts_since)."""
+        return restarts_since(before, self.pods.restarts())
 
     def _check_breach_from_tier(self, m0: dict, m1: dict, before: dict, after: dict, reads: Optional[int]) -> None:
         """The breach must have come from the slowed tier: the engine read KV from it while it was slow."""

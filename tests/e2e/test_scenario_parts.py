@@ -268,3 +268,13 @@ def test_p99_back_under_the_budget_is_timed_from_the_slowdown_over_the_guards_wi
     assert p99_back_under(healthy + slow, 10.0, 1.0, 8.0) is None
     failed = [Sample(12, "slowed", None, "connection refused")]
     assert p99_back_under(healthy + failed + fast, 10.0, 1.0, 8.0) == 10.0
+
+
+def test_engine_restarts_count_replaced_pods_and_container_restarts():
+    from scenario.pods import restarts_since
+
+    before = {"a": ("u1", 0), "b": ("u2", 1)}
+    assert restarts_since(before, {"a": ("u1", 0), "b": ("u2", 1)}) == 0  # the same pods, no new restart
+    assert restarts_since(before, {"a": ("u1", 2), "b": ("u2", 1)}) == 2  # a's container restarted twice
+    assert restarts_since(before, {"a": ("u9", 0), "b": ("u2", 1)}) == 1  # a replaced by another pod
+    assert restarts_since(before, {"b": ("u2", 1), "c": ("u3", 0)}) == 1  # a gone, a new pod c in its place
