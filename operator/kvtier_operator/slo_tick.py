@@ -26,6 +26,7 @@ from .reports import Cond, Event
 from .settings import REENABLE_ANNOTATION, Settings
 from .slo import hit_ratios as hr
 from .slo.client import PrometheusClientConfig, PrometheusSource, Unavailable, resolve_client_config
+from .tiers import derive, enabled
 from .trust import endpoint_problem
 
 # The API's default spec.slo.interval, used until the spec can be read.
@@ -154,7 +155,9 @@ def decide(guard: "slo.SLOSettings", policy_obj: dict[str, Any], source: Any, sc
     """One evaluation against ``source``; pure apart from the source's queries."""
     status = policy_obj.get("status") or {}
     reenable = reenable_requests(policy_obj)
-    decision = slo.tick(guard, status.get("slo"), source, scope, now, engine=status.get("engine"),
+    stored = status.get("slo")
+    state = slo.read_state(stored if isinstance(stored, dict) else None, now)  # status.slo parsed once
+    decision = slo.tick(guard, state, source, scope, now, engine=status.get("engine"),
                         reenable_requests=reenable, generation=policy_obj["metadata"].get("generation"))
     step = step_of(decision, guard.interval_s, reenable)
     step.hit_ratios = hit_ratios(guard, source, scope, decision, status.get("engine"))
@@ -171,11 +174,11 @@ def hit_ratios(guard: "slo.SLOSettings", source: Any, scope: "slo.Scope", decisi
     """
     chosen = engine or guard.engine or "vllm"
     query = getattr(source, "query_scalar", None)
-    if chosen not in hr.ENGINES or query is None or decision.state.get("verdict") == "error":
+    if chosen not in hr.ENGINES or query is None or decision.state.verdict == "error":
         return None
     try:
         # Backend native or lmcache exports no per-tier counters: only the GPU prefix cache is asked.
-        tiers = slo.enabled_tiers(guard, decision.state) if guard.tier_counters else []
+        tiers = enabled(derive(guard.declared, guard.staged, decision.state)) if guard.tier_counters else []
         declared = (*guard.tiers, *guard.spec_disabled_tiers)
         queries = hr.build(tiers, scope, guard.window_s, guard.idle_window_s, device=hr.DEVICE_TIER not in declared)
         # One query timeout for all of them, on top of the SLO queries (each query has the same deadline).
@@ -186,10 +189,11 @@ def hit_ratios(guard: "slo.SLOSettings", source: Any, scope: "slo.Scope", decisi
 
 
 def step_of(decision: "slo.Decision", interval: float, reenable: list[str] = ()) -> GuardStep:
-    """A decision of the engine as the pass's step: its conditions, Events and acknowledgements (pure)."""
-    state = decision.state
-    step = GuardStep(interval=interval, state=state, verdict=state.get("verdict"),
-                     slo_state=SLO_STATE.get(state.get("verdict") or "", "Unknown"))
+    """A decision of the engine as the pass's step: its conditions, Events and acknowledgements, and its state in
+    the stored form (``status.slo``, dumped once here) (pure)."""
+    verdict = decision.state.verdict
+    step = GuardStep(interval=interval, state=slo.stored_state(decision.state), verdict=verdict,
+                     slo_state=SLO_STATE.get(verdict or "", "Unknown"))
     acknowledged = []
     for a in decision.actions:
         if isinstance(a, slo.SetCondition):

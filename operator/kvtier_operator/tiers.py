@@ -10,19 +10,23 @@ function, so both sides speak one vocabulary:
 - ``Enabled``: ``Enabled``, ``Probation`` (re-enabled automatically, on probation) or ``DryRunWouldDisable``.
 
 Only Enabled tiers are rendered, and tiers the guard disabled where the engine bypasses them live (the control
-file; ``guard_disabled``).
+file; ``guard_disabled``). The tier an SLO breach rolls back is the newest of the Enabled ones
+(:func:`newest_enabled`): the guard asks this module, it has no rule of its own.
 """
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from .api import v1alpha1 as api
+from .api.guard_state import SLOGuardState
+from .api.guard_state import read as read_guard_state
 
 SPEC_DISABLED = "DisabledInSpec"
 STAGED = "StagedRollout"
+DRY_RUN = "DryRunWouldDisable"
 
 
-def derive(declared: Sequence[tuple[str, bool]], staged: bool, guard: Optional[Mapping[str, Any]],
+def derive(declared: Sequence[tuple[str, bool]], staged: bool, guard: Optional[SLOGuardState],
            previous: Iterable[Mapping[str, Any]] = (), now: Optional[str] = None,
            measured: bool = False) -> list[dict[str, Any]]:
     """``status.tiers`` entries, in spec order. Pure.
@@ -35,18 +39,12 @@ def derive(declared: Sequence[tuple[str, bool]], staged: bool, guard: Optional[M
     measure nothing).
     """
     before = {t.get("name"): t for t in previous}
-    disabled: Mapping[str, Any] = {}
-    probation: Mapping[str, Any] = {}
+    disabled = guard.disabled if guard is not None else {}
+    probation = guard.probation if guard is not None else {}
     rolled: Optional[set[str]] = None  # None: every declared tier (no staged rollout in progress)
-    if guard is not None:
-        disabled = guard.get("disabled") or {}
-        probation = guard.get("probation") or {}
-        ro = guard.get("rollout")
-        if staged:
-            # A policy switched from immediate to staged keeps what it was running (its stored rollout).
-            rolled = {t for t in ro.get("rolled") or [] if isinstance(t, str)} if isinstance(ro, Mapping) else set()
-    elif staged:
-        rolled = set()
+    if staged:
+        # A policy switched from immediate to staged keeps what it was running (its stored rollout).
+        rolled = set(guard.rollout.rolled) if guard is not None and guard.rollout is not None else set()
     out = []
     for name, on in declared:
         prev = before.get(name)
@@ -57,15 +55,15 @@ def derive(declared: Sequence[tuple[str, bool]], staged: bool, guard: Optional[M
                 and prev.get("reason") != SPEC_DISABLED:
             out.append(dict(prev))  # the guard's last word, kept while it has none
             continue
-        elif isinstance(disabled.get(name), Mapping) and not disabled[name].get("dryRun"):
-            state, reason, since = "Disabled", disabled[name].get("reason") or "Disabled", disabled[name].get("since")
+        elif name in disabled and not disabled[name].dry_run:
+            state, reason, since = "Disabled", disabled[name].reason or "Disabled", disabled[name].since
         elif rolled is not None and name not in rolled:
             state, reason = "Pending", STAGED
         else:
-            d = disabled.get(name) if isinstance(disabled.get(name), Mapping) else None
+            d, p = disabled.get(name), probation.get(name)
             state = "Enabled"
-            reason = "Probation" if name in probation else ("DryRunWouldDisable" if d else "Enabled")
-            since = (probation.get(name) or {}).get("since") or (d or {}).get("since")
+            reason = "Probation" if p is not None else (DRY_RUN if d is not None else "Enabled")
+            since = (p.since if p is not None else None) or (d.since if d is not None else None)
         same = prev is not None and prev.get("state") == state and prev.get("reason") == reason
         entry = {"name": name, "state": state, "reason": reason,
                  "since": since or (prev.get("since") if same else None) or now}
@@ -77,14 +75,24 @@ def derive(declared: Sequence[tuple[str, bool]], staged: bool, guard: Optional[M
 
 def tier_states(spec: api.KVCachePolicySpec, status: Mapping[str, Any], now: str) -> list[dict[str, Any]]:
     """``status.tiers`` for a parsed spec and the stored status (its ``slo`` and ``tiers``)."""
-    guard = status.get("slo") if spec.slo is not None else None
+    stored = status.get("slo") if spec.slo is not None else None
+    # Read, never written back here: a state a newer operator wrote is read for what this one understands.
+    guard = read_guard_state(stored, now) if isinstance(stored, Mapping) else None
     return derive([(t.name, t.enabled) for t in spec.tiers], spec.rollout.strategy == "staged",
-                  guard if isinstance(guard, Mapping) else None, status.get("tiers") or [], now,
-                  measured=spec.slo is not None)
+                  guard, status.get("tiers") or [], now, measured=spec.slo is not None)
 
 
 def enabled(states: Iterable[Mapping[str, Any]]) -> list[str]:
     return [t["name"] for t in states if t.get("state") == "Enabled"]
+
+
+def newest_enabled(states: Iterable[Mapping[str, Any]], simulated: bool = False) -> Optional[str]:
+    """The newest (coldest) Enabled tier of :func:`derive`'s ``states``: the one an SLO breach rolls back first.
+    None: GPU-only. ``simulated`` (a dry run): the tiers it would have disabled count as disabled, so its
+    simulation moves on to the next tier as a real guard would."""
+    names = [t["name"] for t in states
+             if t.get("state") == "Enabled" and not (simulated and t.get("reason") == DRY_RUN)]
+    return names[-1] if names else None
 
 
 def guard_disabled(states: Iterable[Mapping[str, Any]]) -> list[str]:

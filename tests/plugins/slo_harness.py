@@ -16,10 +16,12 @@ from typing import Any, Callable, Iterable, Mapping
 
 from kvtier_operator.api import v1alpha1 as api
 from kvtier_operator.api.validation import PolicyInvalid, parse_policy
-from kvtier_operator.slo.decisions import Action, SetCondition, enabled_tiers, tier_states
+from kvtier_operator.api import guard_state
+from kvtier_operator.slo.decisions import Action, SetCondition, format_time, read_state, stored_state
 from kvtier_operator.slo.guard import MeasurementSource, tick
 from kvtier_operator.slo.queries import Scope
 from kvtier_operator.slo.settings import SLOSettings, SLOSpecError
+from kvtier_operator.tiers import derive, enabled
 
 
 def slo_settings(spec: Mapping[str, Any] | api.KVCachePolicySpec) -> SLOSettings:
@@ -32,6 +34,13 @@ def slo_settings(spec: Mapping[str, Any] | api.KVCachePolicySpec) -> SLOSettings
     except PolicyInvalid as err:
         raise SLOSpecError([str(p) for p in err.problems]) from None
     return SLOSettings.from_policy_spec(policy.spec)
+
+
+def derived_tiers(settings: SLOSettings, stored: Mapping[str, Any] | None, now: float = 0.0) -> list[dict[str, Any]]:
+    """``status.tiers`` as the operator derives them from a stored ``status.slo`` (``tiers.derive``, the one rule;
+    the operator reads the spec's tiers in spec order, the guard's settings list the spec-disabled ones last)."""
+    state = None if stored is None else guard_state.read(stored, format_time(now))
+    return derive(settings.declared, settings.staged, state)
 
 
 @dataclass
@@ -59,10 +68,11 @@ class GuardLoop:
 
     def tick(self, reenable_requests: Iterable[str] = (), generation: int | None = None) -> TickRecord:
         now = self.clock()
-        decision = tick(self.settings, self.state, self.source, self.scope, now, engine=self.engine,
-                        reenable_requests=reenable_requests, generation=generation)
-        # Round-trip through JSON exactly as status storage would, so nothing non-serialisable survives.
-        self.state = json.loads(json.dumps(decision.state, allow_nan=False))
+        # Parsed from and dumped to its stored form as the operator does with status.slo, and round-tripped
+        # through JSON as status storage would, so nothing non-serialisable survives.
+        decision = tick(self.settings, read_state(self.state, now), self.source, self.scope, now,
+                        engine=self.engine, reenable_requests=reenable_requests, generation=generation)
+        self.state = json.loads(json.dumps(stored_state(decision.state), allow_nan=False))
         st = self.state
         record = TickRecord(
             wall=now, monotonic=time.monotonic(), verdict=st["verdict"], reason=st["reason"],
@@ -106,11 +116,11 @@ class GuardLoop:
 
     @property
     def enabled(self) -> list[str]:
-        return enabled_tiers(self.settings, self.state)
+        return enabled(self.tiers)
 
     @property
     def tiers(self) -> list[dict[str, Any]]:
-        return tier_states(self.settings, self.state)
+        return derived_tiers(self.settings, self.state, self.clock())
 
     def actions(self, kind: str | None = None) -> list[Action]:
         return [a for r in self.records for a in r.actions if kind is None or a.kind == kind]

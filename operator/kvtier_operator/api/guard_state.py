@@ -6,12 +6,14 @@ exceptions that keep the system safe. A rolled-back tier stays rolled back (an u
 ``reason: Restored``, an unreadable ``since`` the time of reading), and an unreadable ``lastRollback`` becomes the
 time of reading (the cooldown starts over rather than being skipped). The CRD keeps this object schemaless
 (``x-kubernetes-preserve-unknown-fields``), so the API server stores whatever a newer version writes; unknown
-keys are kept. Read with :func:`load` (which passes the time of reading), write with ``model_dump(by_alias=True)``.
+keys are kept. The guard reads with :func:`load` (which passes the time of reading and refuses a newer version),
+readers that never write it back with :func:`read`, and the stored form is :func:`dump`: one parse in, one dump out,
+the dict exists only there.
 """
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any, Callable, Optional
+from typing import Annotated, Any, Callable, Mapping, Optional
 
 from pydantic import (
     BaseModel,
@@ -20,7 +22,9 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    SerializerFunctionWrapHandler,
     WrapValidator,
+    model_serializer,
     model_validator,
 )
 from pydantic.alias_generators import to_camel
@@ -162,6 +166,14 @@ class Rollout(_State):
             self.stage_start = _now(info)  # a stage must hold a full observation period, never none
         return self
 
+    @model_serializer(mode="wrap")
+    def _shape(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """An immediate rollout has no stages: stored as ``strategy`` and ``rolled`` only, as it always was."""
+        out: dict[str, Any] = handler(self)
+        if self.strategy != "staged":
+            return {k: out[k] for k in ("strategy", "rolled")}
+        return out
+
 
 def _history(value: Any) -> list[dict[str, Any]]:
     return [h for h in value if isinstance(h, dict)] if isinstance(value, list) else []
@@ -190,16 +202,24 @@ class SLOGuardState(_State):
     history: Annotated[list[dict[str, Any]], BeforeValidator(_history)] = Field(default_factory=list)
 
 
-def load(state: Optional[dict[str, Any]], now: str) -> SLOGuardState:
+def load(state: Optional[Mapping[str, Any]], now: str) -> SLOGuardState:
     """The stored state, readable whatever was stored (see the module's docstring); raises only for a state
     written by a newer operator, which this one must not overwrite with what it understands."""
-    raw = dict(state or {})
-    version = raw.get("version", STATE_VERSION)
-    if isinstance(version, int) and version > STATE_VERSION:
+    version = (state or {}).get("version", STATE_VERSION)
+    if isinstance(version, int) and not isinstance(version, bool) and version > STATE_VERSION:
         raise ValueError(f"status.slo.version: {version} is newer than this operator understands")
+    return read(state, now)
+
+
+def read(state: Optional[Mapping[str, Any]], now: str) -> SLOGuardState:
+    """The stored state for a reader that never writes it back (which tiers are rendered): a newer version is
+    read for what this operator understands of it, never refused. ``now``: the time of reading (RFC 3339)."""
+    raw = dict(state) if isinstance(state, Mapping) else {}
     raw["version"] = STATE_VERSION
     return SLOGuardState.model_validate(raw, context={"now": now})
 
 
-def initial() -> dict[str, Any]:
-    return SLOGuardState().model_dump(by_alias=True)
+def dump(state: SLOGuardState) -> dict[str, Any]:
+    """The stored form (``status.slo``): camelCase, every field present, JSON-able."""
+    out: dict[str, Any] = state.model_dump(by_alias=True, mode="json")
+    return out

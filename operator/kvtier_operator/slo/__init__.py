@@ -10,13 +10,12 @@ from .decisions import (
     SetCondition,
     action_to_dict,
     assess,
-    enabled_tiers,
     evaluate,
-    initial_state,
+    read_state,
+    stored_state,
     thresholds,
-    tier_states,
 )
-from .guard import queries_for, scope_for, tick
+from .guard import queries_for, tick
 from .measurements import Measurements, Reading
 from .queries import QuerySet, Scope, build_queries
 from .settings import PrometheusSettings, SecretKeyRef, SLOSettings, SLOSpecError
@@ -24,6 +23,6 @@ from .settings import PrometheusSettings, SecretKeyRef, SLOSettings, SLOSpecErro
 __all__ = [
     "AcknowledgeReenable", "Action", "Decision", "DisableTier", "EnableTier", "Measurements",
     "PrometheusSettings", "QuerySet", "Reading", "RecordEvent", "SLOSettings", "SLOSpecError", "Scope",
-    "SecretKeyRef", "SetCondition", "action_to_dict", "assess", "build_queries", "enabled_tiers", "evaluate",
-    "initial_state", "queries_for", "scope_for", "thresholds", "tick", "tier_states",
+    "SecretKeyRef", "SetCondition", "action_to_dict", "assess", "build_queries", "evaluate", "queries_for",
+    "read_state", "stored_state", "thresholds", "tick",
 ]

@@ -1,9 +1,11 @@
 """The SLO guard's decisions: a pure function from (settings, stored state, measurements, now) to a new state
 and a list of actions.
 
-Nothing here talks to Kubernetes or Prometheus. The state is a plain JSON-able dict that the operator stores in
-``status.slo`` after every evaluation, so an operator restart resumes exactly where it stopped; the actions say
-what the operator must do (re-render without a tier, emit an Event, set a condition, drop an annotation).
+Nothing here talks to Kubernetes or Prometheus. The state is the typed model of ``status.slo``
+(:class:`~kvtier_operator.api.guard_state.SLOGuardState`): the operator parses the stored dict once before an
+evaluation (:func:`read_state`) and stores :func:`stored_state` of the result after it, so an operator restart
+resumes exactly where it stopped; the actions say what the operator must do (re-render without a tier, emit an
+Event, set a condition, drop an annotation).
 
 Rules:
 - breach = a p99 over its threshold (absolute, or a multiple of the staged rollout's GPU-only baseline);
@@ -25,10 +27,11 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any, Iterable, Literal, NamedTuple, Union
+from typing import Any, Iterable, Literal, Mapping, NamedTuple, Union
 
 from ..api import guard_state
-from ..tiers import derive, enabled
+from ..api.guard_state import Baseline, DisabledTier, Last, ProbationTier, Rollout, Samples, SLOGuardState
+from ..tiers import derive, newest_enabled
 from .measurements import Measurements, Reading
 from .settings import SLOSettings
 
@@ -104,7 +107,7 @@ def action_to_dict(action: Action) -> dict[str, Any]:
 
 
 class Decision(NamedTuple):
-    state: dict[str, Any]
+    state: SLOGuardState
     actions: list[Action]
 
 
@@ -136,55 +139,39 @@ def parse_time(text: str | None) -> float | None:
 
 
 # -------------------------------------------------------------------------------------------------- state
-def initial_state() -> dict[str, Any]:
-    return guard_state.initial()
+def read_state(stored: Mapping[str, Any] | None, now: float | datetime) -> SLOGuardState:
+    """``status.slo`` as stored, parsed once for an evaluation at ``now`` (unreadable fields take their defaults,
+    see ``api.guard_state``); raises ValueError for a state a newer operator wrote."""
+    return guard_state.load(stored, format_time(_epoch(now)))
 
 
-def _load(settings: SLOSettings, state: dict[str, Any] | None, now: float) -> dict[str, Any]:
-    """The stored state read through its model (a fresh copy; unreadable fields take their defaults, see
-    ``api.guard_state``), with bookkeeping for tiers that left the spec."""
-    st = guard_state.load(state, format_time(now)).model_dump(by_alias=True)
+def stored_state(state: SLOGuardState) -> dict[str, Any]:
+    """The state as ``status.slo`` stores it (the JSON shape every operator version wrote)."""
+    return guard_state.dump(state)
+
+
+def _load(settings: SLOSettings, state: SLOGuardState | None, now: float) -> SLOGuardState:
+    """A copy of the state to evolve (the caller's is never modified), with bookkeeping for tiers that left the
+    spec and for a dry run switched off."""
+    st = state.model_copy(deep=True) if state is not None else read_state(None, now)
     tiers = set(settings.tiers)
-    st["disabled"] = {t: v for t, v in st["disabled"].items() if t in tiers}
-    st["probation"] = {t: v for t, v in st["probation"].items() if t in tiers}
+    st.disabled = {t: v for t, v in st.disabled.items() if t in tiers}
+    st.probation = {t: v for t, v in st.probation.items() if t in tiers}
     if not settings.dry_run:
         # Dry-run disables never happened; once dry run is off they must not linger as real ones.
-        st["disabled"] = {t: v for t, v in st["disabled"].items() if not v.get("dryRun")}
-        st["probation"] = {t: v for t, v in st["probation"].items() if not v.get("dryRun")}
-    ro = st.get("rollout")
+        st.disabled = {t: v for t, v in st.disabled.items() if not v.dry_run}
+        st.probation = {t: v for t, v in st.probation.items() if not v.dry_run}
+    ro = st.rollout
     if settings.rollout_strategy == "staged":
-        if not isinstance(ro, dict) or ro.get("strategy") != "staged":
-            ro = {"strategy": "staged", "rolled": sorted(_rolled(settings, st)), "stageStart": format_time(now),
-                  "stageOk": 0, "samples": {"ttftP99": [], "itlP99": []}}
-        ro["rolled"] = [t for t in settings.tiers if t in ro.get("rolled", [])]
+        if ro is None or ro.strategy != "staged":
+            # A policy switched from immediate to staged keeps what it was running; none yet: GPU-only first.
+            ro = Rollout(strategy="staged", rolled=sorted(ro.rolled if ro is not None else []),
+                         stage_start=format_time(now), stage_ok=0, samples=Samples())
+        ro.rolled = [t for t in settings.tiers if t in ro.rolled]
     else:
-        ro = {"strategy": "immediate", "rolled": list(settings.tiers)}
-    st["rollout"] = ro
+        ro = Rollout(strategy="immediate", rolled=list(settings.tiers))
+    st.rollout = ro
     return st
-
-
-def _rolled(settings: SLOSettings, st: dict[str, Any]) -> set[str]:
-    """Tiers the rollout has reached. Staged with no record yet: none (GPU-only first, also for the very first
-    render, before any evaluation). A policy switched from immediate to staged keeps what it was running."""
-    ro = st.get("rollout")
-    if settings.rollout_strategy != "staged":
-        return set(settings.tiers)
-    if isinstance(ro, dict) and isinstance(ro.get("rolled"), list):
-        return {t for t in ro["rolled"] if isinstance(t, str)}
-    return set()
-
-
-def enabled_tiers(settings: SLOSettings, state: dict[str, Any] | None) -> list[str]:
-    """Tiers the renderer must include, hottest first: the Enabled ones of :func:`tier_states` (the operator's one
-    derivation, ``tiers.derive``: there is no second rule set)."""
-    return enabled(tier_states(settings, state))
-
-
-def tier_states(settings: SLOSettings, state: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """``status.tiers[]`` entries as the operator derives them (:func:`kvtier_operator.tiers.derive`); tiers
-    declared with ``enabled: false`` come last."""
-    declared = [(t, True) for t in settings.tiers] + [(t, False) for t in settings.spec_disabled_tiers]
-    return derive(declared, settings.rollout_strategy == "staged", state or {})
 
 
 # ---------------------------------------------------------------------------------------------- verdicts
@@ -198,7 +185,7 @@ class Assessment:
     error: str | None = None
 
 
-def thresholds(settings: SLOSettings, baseline: dict[str, Any] | None) -> dict[str, float]:
+def thresholds(settings: SLOSettings, baseline: Baseline | None) -> dict[str, float]:
     """The active threshold per metric: the absolute one, the baseline multiple, or the stricter of both."""
     out: dict[str, float] = {}
     for metric, absolute, ratio in (
@@ -206,7 +193,7 @@ def thresholds(settings: SLOSettings, baseline: dict[str, Any] | None) -> dict[s
         ("itlP99", settings.itl_p99_s, settings.itl_p99_max_ratio),
     ):
         candidates = [absolute] if absolute is not None else []
-        base = (baseline or {}).get(metric)
+        base = None if baseline is None else (baseline.ttft_p99 if metric == "ttftP99" else baseline.itl_p99)
         if ratio is not None and base is not None and base > 0:
             candidates.append(ratio * base)
         if candidates:
@@ -220,7 +207,7 @@ def measured_metrics(settings: SLOSettings) -> tuple[str, ...]:
                  if a is not None or r is not None)
 
 
-def assess(settings: SLOSettings, measurements: Measurements, baseline: dict[str, Any] | None) -> Assessment:
+def assess(settings: SLOSettings, measurements: Measurements, baseline: Baseline | None) -> Assessment:
     """Classify one evaluation. A valid breach wins over errors elsewhere; an error wins over missing data."""
     limits = thresholds(settings, baseline)
     readings: dict[str, Reading] = {"ttftP99": measurements.ttft_p99, "itlP99": measurements.itl_p99}
@@ -287,14 +274,15 @@ def _finite_or_none(reading: Reading) -> float | None:
 # ---------------------------------------------------------------------------------------------- evaluate
 def evaluate(
     settings: SLOSettings,
-    state: dict[str, Any] | None,
+    state: SLOGuardState | None,
     measurements: Measurements,
     now: float | datetime,
     *,
     reenable_requests: Iterable[str] = (),
     generation: int | None = None,
 ) -> Decision:
-    """One SLO evaluation. Pure: ``state`` is not modified; the returned state replaces it in ``status.slo``.
+    """One SLO evaluation. Pure: ``state`` (None: nothing stored yet) is not modified; the returned state replaces
+    it (:func:`stored_state` in ``status.slo``).
 
     ``reenable_requests``: tier names a person asked to re-enable (the ``kvtier.io/reenable`` annotation,
     comma-separated; ``*`` means every disabled tier). ``generation``: the policy's ``metadata.generation``;
@@ -306,33 +294,33 @@ def evaluate(
     g = _Guard(settings, st, t, actions)
 
     if generation is not None:
-        seen = st.get("observedGeneration")
-        if seen is not None and generation != seen and st["disabled"]:
-            g.manual_reenable(sorted(st["disabled"], key=settings.tiers.index), "SpecChanged",
+        seen = st.observed_generation
+        if seen is not None and generation != seen and st.disabled:
+            g.manual_reenable(sorted(st.disabled, key=settings.tiers.index), "SpecChanged",
                               f"spec changed (generation {seen} -> {generation})", acknowledge=False)
-        st["observedGeneration"] = generation
+        st.observed_generation = generation
     requests = _expand_requests(reenable_requests, st)
     if requests:
         g.handle_requests(requests)
 
-    a = assess(settings, measurements, st.get("baseline"))
+    a = assess(settings, measurements, st.baseline)
     g.record(a)
     g.probation(a)
     g.rollback(a)
     g.auto_reenable(a)
     g.rollout(a)
     actions.extend(conditions(settings, st))
-    st["history"] = st["history"][-settings.history_limit:]
+    st.history = st.history[-settings.history_limit:]
     return Decision(st, actions)
 
 
-def _expand_requests(requests: Iterable[str], st: dict[str, Any]) -> list[str]:
+def _expand_requests(requests: Iterable[str], st: SLOGuardState) -> list[str]:
     out: list[str] = []
     for raw in requests:
         for name in str(raw).split(","):
             name = name.strip()
             if name in ("*", "all"):
-                out.extend(t for t in st["disabled"] if t not in out)
+                out.extend(t for t in st.disabled if t not in out)
             elif name and name not in out:
                 out.append(name)
     return out
@@ -341,7 +329,7 @@ def _expand_requests(requests: Iterable[str], st: dict[str, Any]) -> list[str]:
 class _Guard:
     """The steps of one evaluation over a mutable copy of the state."""
 
-    def __init__(self, settings: SLOSettings, st: dict[str, Any], now: float, actions: list[Action]):
+    def __init__(self, settings: SLOSettings, st: SLOGuardState, now: float, actions: list[Action]):
         self.s, self.st, self.now, self.actions = settings, st, now, actions
 
     # -- bookkeeping
@@ -356,65 +344,70 @@ class _Guard:
         for key, val in (("metric", metric), ("value", value), ("threshold", threshold)):
             if val is not None:
                 entry[key] = val
-        self.st["history"].append(entry)
+        self.st.history.append(entry)
 
     def since(self, key_time: str | None) -> float:
         parsed = parse_time(key_time)
         return math.inf if parsed is None else self.now - parsed
 
     def newest_enabled(self) -> str | None:
-        disabled = set(self.st["disabled"])
-        rolled = set(self.st["rollout"]["rolled"])
-        candidates = [t for t in self.s.tiers if t in rolled and t not in disabled]
-        return candidates[-1] if candidates else None
+        """The tier a rollback removes: the operator's one rule (``tiers.newest_enabled`` of ``tiers.derive``),
+        where a dry run's simulated disables count as done."""
+        return newest_enabled(derive(self.s.declared, self.s.staged, self.st), simulated=self.s.dry_run)
 
     # -- steps
     def handle_requests(self, requests: list[str]) -> None:
         for tier in requests:
             if tier not in self.s.tiers:
                 self.actions.append(AcknowledgeReenable(tier, "UnknownTier"))
-            elif tier not in self.st["disabled"]:
+            elif tier not in self.st.disabled:
                 self.actions.append(AcknowledgeReenable(tier, "NotDisabled"))
             else:
                 self.manual_reenable([tier], "ManualReenable", "re-enabled by the kvtier.io/reenable annotation")
 
     def manual_reenable(self, tiers: list[str], reason: str, message: str, acknowledge: bool = True) -> None:
         for tier in tiers:
-            entry = self.st["disabled"].pop(tier)
-            self.history("Reenabled", tier, reason=reason, dry_run=bool(entry.get("dryRun")))
-            self.actions.append(EnableTier(tier, reason, f"{tier}: {message}", dry_run=bool(entry.get("dryRun"))))
+            entry = self.st.disabled.pop(tier)
+            self.history("Reenabled", tier, reason=reason, dry_run=entry.dry_run)
+            self.actions.append(EnableTier(tier, reason, f"{tier}: {message}", dry_run=entry.dry_run))
             if acknowledge:
                 self.actions.append(AcknowledgeReenable(tier, "Reenabled"))
         # A person acted: automatic re-enabling may resume, and the streak starts over for the new config.
-        self.st["autoReenableBlocked"] = False
-        self.st["consecutiveBreaches"] = 0
+        self.st.auto_reenable_blocked = False
+        self.st.consecutive_breaches = 0
 
     def record(self, a: Assessment) -> None:
         st = self.st
-        st["lastEvaluation"] = format_time(self.now)
-        st["verdict"] = a.verdict
-        st["reason"] = a.reason
-        st["last"] = {**a.values, "thresholds": dict(a.thresholds)}
-        counts = st["counts"]
-        counts["evaluations"] += 1
-        key = {"breach": "breaches", "error": "errors", "noData": "noData", "lowTraffic": "lowTraffic"}.get(a.verdict)
-        if key:
-            counts[key] += 1
+        st.last_evaluation = format_time(self.now)
+        st.verdict = a.verdict
+        st.reason = a.reason
+        st.last = Last(ttft_p99=a.values["ttftP99"], itl_p99=a.values["itlP99"],
+                       request_rate=a.values["requestRate"], thresholds=dict(a.thresholds))
+        counts = st.counts
+        counts.evaluations += 1
+        if a.verdict == "breach":
+            counts.breaches += 1
+        elif a.verdict == "error":
+            counts.errors += 1
+        elif a.verdict == "noData":
+            counts.no_data += 1
+        elif a.verdict == "lowTraffic":
+            counts.low_traffic += 1
         if a.verdict == "error":
-            st["consecutiveErrors"] += 1
-            st["lastError"] = a.error
+            st.consecutive_errors += 1
+            st.last_error = a.error
         else:
-            st["consecutiveErrors"] = 0
+            st.consecutive_errors = 0
 
         breach = self.effective_breach(a)
         if breach is not None:
             if self.settling():
-                st["reason"] = "Settling"
+                st.reason = "Settling"
             else:
-                st["consecutiveBreaches"] += 1
+                st.consecutive_breaches += 1
         elif a.verdict == "ok":
-            st["consecutiveBreaches"] = 0
-            st["gpuOnlyBreachReported"] = False
+            st.consecutive_breaches = 0
+            st.gpu_only_breach_reported = False
         # error / noData / lowTraffic (with onNoData: hold): the counter holds.
 
     def effective_breach(self, a: Assessment) -> tuple[str, float | None, float | None] | None:
@@ -428,20 +421,19 @@ class _Guard:
 
     def settling(self) -> bool:
         """True while the window still measures the configuration that the last rollback removed."""
-        return self.since(self.st["lastRollback"]) < max(self.s.cooldown_s, self.s.window_s)
+        return self.since(self.st.last_rollback) < max(self.s.cooldown_s, self.s.window_s)
 
     def disable(self, tier: str, reason: str, breach: tuple[str, float | None, float | None], message: str) -> None:
         metric, raw_value, threshold = breach
         value = _json_number(raw_value)
         st = self.st
-        st["disabled"][tier] = {
-            "since": format_time(self.now), "reason": reason, "metric": metric, "value": value,
-            "threshold": threshold, "dryRun": self.s.dry_run, "probationFailed": reason == "ProbationBreach",
-        }
-        st["probation"].pop(tier, None)
-        st["lastRollback"] = format_time(self.now)
-        st["consecutiveBreaches"] = 0
-        st["counts"]["rollbacks"] += 1
+        st.disabled[tier] = DisabledTier(
+            since=format_time(self.now), reason=reason, metric=metric, value=value, threshold=threshold,
+            dry_run=self.s.dry_run, probation_failed=reason == "ProbationBreach")
+        st.probation.pop(tier, None)
+        st.last_rollback = format_time(self.now)
+        st.consecutive_breaches = 0
+        st.counts.rollbacks += 1
         self.history("ProbationFailed" if reason == "ProbationBreach" else "Disabled", tier, reason=reason,
                      metric=metric, value=value, threshold=threshold, dry_run=self.s.dry_run)
         prefix = "dry run, would disable" if self.s.dry_run else "disabled"
@@ -451,38 +443,38 @@ class _Guard:
     def probation(self, a: Assessment) -> None:
         st = self.st
         breach = self.effective_breach(a)
-        for tier in [t for t in self.s.tiers if t in st["probation"]]:
+        for tier in [t for t in self.s.tiers if t in st.probation]:
             if breach is not None:
                 metric, value, threshold = breach
-                st["autoReenableBlocked"] = True
+                st.auto_reenable_blocked = True
                 self.disable(tier, "ProbationBreach", breach,
                              f"{metric} {_fmt(value, metric)} > {_fmt(threshold, metric)} during probation; automatic "
                              "re-enabling stops until a person re-enables it")
                 self.actions.append(RecordEvent("Warning", "AutoReenableBlocked",
                                                 f"tier {tier} breached the SLO during probation; re-enable it with "
                                                 f"the annotation kvtier.io/reenable={tier} or change the spec"))
-            elif self.since(st["probation"][tier]["since"]) >= self.s.probation_s:
-                st["probation"].pop(tier)
+            elif self.since(st.probation[tier].since) >= self.s.probation_s:
+                st.probation.pop(tier)
                 self.history("ProbationPassed", tier, reason="HeldSLO")
                 self.actions.append(RecordEvent("Normal", "ProbationPassed",
                                                 f"tier {tier} held the SLO for its probation period"))
 
     def rollback(self, a: Assessment) -> None:
         st = self.st
-        if st["consecutiveBreaches"] < self.s.consecutive_breaches:
+        if st.consecutive_breaches < self.s.consecutive_breaches:
             return
         breach = self.effective_breach(a)
         if breach is None:   # the streak was reached earlier and this evaluation held; nothing new to act on
             return
-        if self.since(st["lastRollback"]) < self.s.cooldown_s:
-            st["reason"] = "Cooldown"
+        if self.since(st.last_rollback) < self.s.cooldown_s:
+            st.reason = "Cooldown"
             return
         tier = self.newest_enabled()
         metric, value, threshold = breach
         if tier is None:
-            st["reason"] = "NothingToDisable"
-            if not st.get("gpuOnlyBreachReported"):
-                st["gpuOnlyBreachReported"] = True   # one Event per episode, not one per interval
+            st.reason = "NothingToDisable"
+            if not st.gpu_only_breach_reported:
+                st.gpu_only_breach_reported = True   # one Event per episode, not one per interval
                 self.actions.append(RecordEvent("Warning", "SLOBreachedGPUOnly",
                                                 f"{metric} {_fmt(value, metric)} > {_fmt(threshold, metric)} with no offload tier "
                                                 "enabled: the SLO is not met by the GPU-only configuration"))
@@ -493,101 +485,100 @@ class _Guard:
 
     def auto_reenable(self, a: Assessment) -> None:
         st = self.st
-        if self.s.reenable_mode != "auto" or st["autoReenableBlocked"] or st["probation"]:
+        if self.s.reenable_mode != "auto" or st.auto_reenable_blocked or st.probation:
             return
-        if a.verdict != "ok" or st["consecutiveBreaches"] > 0:
+        if a.verdict != "ok" or st.consecutive_breaches > 0:
             return
-        disabled = [t for t in self.s.tiers if t in st["disabled"]]
+        disabled = [t for t in self.s.tiers if t in st.disabled]
         if not disabled:
             return
         # Hottest first: rollbacks removed the coldest first, and a colder tier without the hotter one in front
         # of it is not a configuration the engines accept (vLLM's secondary tiers sit behind the CPU tier).
         tier = disabled[0]
-        entry = st["disabled"][tier]
-        if entry.get("probationFailed") or self.since(entry["since"]) < self.s.reenable_after_s:
+        entry = st.disabled[tier]
+        if entry.probation_failed or self.since(entry.since) < self.s.reenable_after_s:
             return
-        if self.s.dry_run and not entry.get("dryRun"):
+        if self.s.dry_run and not entry.dry_run:
             return   # dry run changes nothing real: it only undoes its own simulated rollbacks
-        st["disabled"].pop(tier)
-        st["probation"][tier] = {"since": format_time(self.now),
-                                 "until": format_time(self.now + self.s.probation_s),
-                                 "dryRun": bool(entry.get("dryRun"))}
-        self.history("Reenabled", tier, reason="AutoReenable", dry_run=bool(entry.get("dryRun")))
+        st.disabled.pop(tier)
+        st.probation[tier] = ProbationTier(since=format_time(self.now),
+                                           until=format_time(self.now + self.s.probation_s), dry_run=entry.dry_run)
+        self.history("Reenabled", tier, reason="AutoReenable", dry_run=entry.dry_run)
         self.actions.append(EnableTier(tier, "AutoReenable",
                                        f"tier {tier} re-enabled after {_dur(self.s.reenable_after_s)}; on probation "
-                                       f"for {_dur(self.s.probation_s)}", dry_run=bool(entry.get("dryRun"))))
+                                       f"for {_dur(self.s.probation_s)}", dry_run=entry.dry_run))
 
     def rollout(self, a: Assessment) -> None:
-        ro = self.st["rollout"]
-        if ro["strategy"] != "staged":
+        ro = self.st.rollout
+        if ro is None or ro.strategy != "staged":
             return
-        pending = [t for t in self.s.tiers if t not in ro["rolled"]]
-        stage = len(ro["rolled"])
+        pending = [t for t in self.s.tiers if t not in ro.rolled]
+        stage = len(ro.rolled)
         if self.effective_breach(a) is not None:
-            ro["stageStart"] = format_time(self.now)   # the stage must hold a FULL observation period
-            ro["stageOk"] = 0
+            ro.stage_start = format_time(self.now)   # the stage must hold a FULL observation period
+            ro.stage_ok = 0
             return
         if a.verdict != "ok":
             return
-        ro["stageOk"] = ro.get("stageOk", 0) + 1
-        if self.st["baseline"] is None:
-            for metric in METRICS:
+        ro.stage_ok += 1
+        samples = ro.samples
+        if self.st.baseline is None:
+            for metric, kept in (("ttftP99", samples.ttft_p99), ("itlP99", samples.itl_p99)):
                 value = a.values.get(metric)
                 if value is not None:
-                    samples = ro.setdefault("samples", {}).setdefault(metric, [])
-                    samples.append(value)
-                    del samples[:-MAX_BASELINE_SAMPLES]
-        if not pending and self.st["baseline"] is not None:
+                    kept.append(value)
+                    del kept[:-MAX_BASELINE_SAMPLES]
+        if not pending and self.st.baseline is not None:
             return
         # Half the evaluations of the period must have produced a verdict, or "held" means "was not measured".
         needed = max(1, int(self.s.stage_observation_s / self.s.interval_s / 2))
-        if self.since(ro["stageStart"]) < self.s.stage_observation_s or ro["stageOk"] < needed:
+        if self.since(ro.stage_start) < self.s.stage_observation_s or ro.stage_ok < needed:
             return
-        if self.st["disabled"] or self.st["probation"]:
+        if self.st.disabled or self.st.probation:
             return   # a rolled-back or probationary tier must be settled before the next stage adds risk
-        if self.st["baseline"] is None:
-            samples = ro.get("samples", {})
-            b = self.st["baseline"] = {
-                "ttftP99": statistics.median(samples["ttftP99"]) if samples.get("ttftP99") else None,
-                "itlP99": statistics.median(samples["itlP99"]) if samples.get("itlP99") else None,
-                "samples": max(len(samples.get("ttftP99", [])), len(samples.get("itlP99", []))),
-                "recordedAt": format_time(self.now),
-                "tiers": list(ro["rolled"]),
-            }
-            ro["samples"] = {"ttftP99": [], "itlP99": []}
+        if self.st.baseline is None:
+            b = self.st.baseline = Baseline(
+                ttft_p99=statistics.median(samples.ttft_p99) if samples.ttft_p99 else None,
+                itl_p99=statistics.median(samples.itl_p99) if samples.itl_p99 else None,
+                samples=max(len(samples.ttft_p99), len(samples.itl_p99)),
+                recorded_at=format_time(self.now),
+                tiers=list(ro.rolled),
+            )
+            ro.samples = Samples()
             self.actions.append(RecordEvent("Normal", "BaselineRecorded",
-                                            f"baseline p99 TTFT {_fmt(b['ttftP99'])}, ITL {_fmt(b['itlP99'])} "
-                                            f"over {b['samples']} evaluations"))
+                                            f"baseline p99 TTFT {_fmt(b.ttft_p99)}, ITL {_fmt(b.itl_p99)} "
+                                            f"over {b.samples} evaluations"))
         if not pending:
             return
         tier = pending[0]
-        ro["rolled"].append(tier)
-        ro["stageStart"] = format_time(self.now)
-        ro["stageOk"] = 0
+        ro.rolled.append(tier)
+        ro.stage_start = format_time(self.now)
+        ro.stage_ok = 0
         self.history("StageEnabled", tier, reason=f"stage {stage + 1} of {len(self.s.tiers)}")
         self.actions.append(EnableTier(tier, "StagedRollout",
                                        f"stage {stage} held the SLO for {_dur(self.s.stage_observation_s)}; "
                                        f"enabling tier {tier} (stage {stage + 1} of {len(self.s.tiers)})"))
 
 
-def conditions(settings: SLOSettings, st: dict[str, Any]) -> list[SetCondition]:
+def conditions(settings: SLOSettings, st: SLOGuardState) -> list[SetCondition]:
     """The SLO conditions after this evaluation (full set, every time; the operator diffs them)."""
     out: list[SetCondition] = []
-    if st["verdict"] == "error":
-        out.append(SetCondition("SLOUnknown", "True", st["reason"] or "QueryError",
-                                f"{st['consecutiveErrors']} evaluation(s) in a row failed: {st['lastError']}"))
+    if st.verdict == "error":
+        out.append(SetCondition("SLOUnknown", "True", st.reason or "QueryError",
+                                f"{st.consecutive_errors} evaluation(s) in a row failed: {st.last_error}"))
     else:
-        out.append(SetCondition("SLOUnknown", "False", st["reason"] or "Evaluated", "the last evaluation had data"
-                                if st["verdict"] in ("ok", "breach") else f"no verdict: {st['reason']}"))
-    if st["verdict"] == "breach":
-        last = st["last"]
-        over = [f"{m} {_fmt(last.get(m))} > {_fmt(th)}" for m, th in last["thresholds"].items()
-                if last.get(m) is not None and last[m] > th]
-        out.append(SetCondition("SLOBreached", "True", st["reason"] or "Breach",
-                                f"{', '.join(over)} ({st['consecutiveBreaches']}/{settings.consecutive_breaches})"))
-    elif st["verdict"] == "ok":
+        out.append(SetCondition("SLOUnknown", "False", st.reason or "Evaluated", "the last evaluation had data"
+                                if st.verdict in ("ok", "breach") else f"no verdict: {st.reason}"))
+    if st.verdict == "breach":
+        last = st.last
+        values = {"ttftP99": last.ttft_p99, "itlP99": last.itl_p99}
+        over = [f"{m} {_fmt(values.get(m))} > {_fmt(th)}" for m, th in last.thresholds.items()
+                if (v := values.get(m)) is not None and v > th]
+        out.append(SetCondition("SLOBreached", "True", st.reason or "Breach",
+                                f"{', '.join(over)} ({st.consecutive_breaches}/{settings.consecutive_breaches})"))
+    elif st.verdict == "ok":
         out.append(SetCondition("SLOBreached", "False", "WithinSLO", "p99s within their thresholds"))
-    real = {t: v for t, v in st["disabled"].items() if not v.get("dryRun")}
+    real = [t for t, v in st.disabled.items() if not v.dry_run]
     if real:
         out.append(SetCondition("TierRolledBack", "True", "SLOBreach",
                                 "disabled by the SLO guard: " + ", ".join(sorted(real, key=settings.tiers.index))))

@@ -4,7 +4,9 @@ status, Events and re-render (``slo_tick``); tests and the benchmark drive it th
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Iterable, Protocol
+from typing import Iterable, Protocol
+
+from ..api.guard_state import SLOGuardState
 
 from .decisions import Decision, evaluate
 from .measurements import Measurements
@@ -16,18 +18,6 @@ class MeasurementSource(Protocol):
     def measure(self, queries: QuerySet) -> Measurements: ...
 
 
-def scope_for(settings: SLOSettings, namespace: str, pods: Iterable[str]) -> Scope:
-    """The policy's targets as PromQL matchers: the names of the target workloads' pods, always within the
-    policy's namespace; ``spec.slo.modelName`` (the engine's ``model_name`` label) narrows that, never replaces
-    it (alone it matched every workload serving the model)."""
-    names = sorted(set(pods))
-    model = settings.model_name or None
-    if not names:
-        # No pods yet: match nothing rather than every pod in the namespace (no data, so no verdict).
-        return Scope(namespace=namespace, pod_regex="$^", model_name=model)
-    return Scope(namespace=namespace, pods=names, model_name=model)
-
-
 def queries_for(settings: SLOSettings, scope: Scope, engine: str | None = None) -> QuerySet:
     """The policy's three queries; ``engine`` (detected from the container) wins over ``spec.engine``."""
     chosen = engine or settings.engine or "vllm"
@@ -36,7 +26,7 @@ def queries_for(settings: SLOSettings, scope: Scope, engine: str | None = None) 
 
 def tick(
     settings: SLOSettings,
-    state: dict[str, Any] | None,
+    state: SLOGuardState | None,
     source: MeasurementSource,
     scope: Scope,
     now: float | datetime,
@@ -45,7 +35,8 @@ def tick(
     reenable_requests: Iterable[str] = (),
     generation: int | None = None,
 ) -> Decision:
-    """Measure then :func:`evaluate`. A source that raises is an error reading (SLOUnknown), never a crash."""
+    """Measure then :func:`evaluate` (``state``: the stored state, parsed; None when nothing is stored). A source
+    that raises is an error reading (SLOUnknown), never a crash."""
     queries = queries_for(settings, scope, engine)
     try:
         measurements = source.measure(queries)

@@ -82,6 +82,16 @@ class SLOSettings:
     tier_counters: bool
     history_limit: int = api.HISTORY_LIMIT
 
+    @property
+    def declared(self) -> list[tuple[str, bool]]:
+        """Every declared tier with whether the spec enables it (``tiers.derive``'s input); the ones declared with
+        ``enabled: false`` come last, which changes nothing of the Enabled tiers' order."""
+        return [(t, True) for t in self.tiers] + [(t, False) for t in self.spec_disabled_tiers]
+
+    @property
+    def staged(self) -> bool:
+        return self.rollout_strategy == "staged"
+
     @classmethod
     def from_policy_spec(cls, spec: api.KVCachePolicySpec) -> "SLOSettings":
         """The guard's view of a parsed spec; raises :class:`SLOSpecError` when the spec has no ``slo``."""

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 from kvtier_operator.api.v1alpha1 import HistoryEntry, KVCachePolicy, TierStatus
-from kvtier_operator.slo import Measurements, SLOSettings, evaluate, tier_states
+from kvtier_operator.slo import Measurements, SLOSettings, evaluate, read_state, stored_state
 from foundation.policies import policy
-from plugins.slo_harness import slo_settings
+from plugins.slo_harness import derived_tiers, slo_settings
 
 # The foundation tests' base policy (one copy of it), with every SLO setting the guard reads.
 POLICY = policy(
@@ -47,13 +47,14 @@ def test_status_written_by_the_guard_fits_the_status_models():
     # GPU-only baseline, both stages, a rollback, an auto re-enable and its probation.
     for m, n in ((ok, 200), (slow, 3), (ok, 200)):
         for _ in range(n):
-            state = json.loads(json.dumps(evaluate(s, state, m, now).state, allow_nan=False))
+            decision = evaluate(s, read_state(state, now), m, now)
+            state = json.loads(json.dumps(stored_state(decision.state), allow_nan=False))
             now += s.interval_s
     actions = [h["action"] for h in state["history"]]
     assert actions == ["StageEnabled", "StageEnabled", "Disabled", "Reenabled", "ProbationPassed"], actions
     for entry in state["history"]:
         HistoryEntry.model_validate(entry)
-    for tier in tier_states(s, state):
+    for tier in derived_tiers(s, state, now):
         TierStatus.model_validate(tier)
 
 
@@ -77,10 +78,11 @@ def test_guard_status_validates_against_the_status_model_and_keeps_transition_ti
     status: dict = {"conditions": [ready]}
     transitions = {}
     for i, m in enumerate([Measurements.of(0.5, 0.05, 5.0)] * 2 + [Measurements.of(3.0, 0.05, 5.0)] * 3):
-        decision = evaluate(s, status.get("slo"), m, 1000.0 + i * 30, generation=4)
+        t = 1000.0 + i * 30
+        decision = evaluate(s, read_state(status.get("slo"), t), m, t, generation=4)
         now = f"2026-01-01T00:0{i}:00Z"
         step = step_of(decision, s.interval_s)
-        status = {**status, **guard_fields(step, status.get("conditions") or [], 4, now), "slo": decision.state}
+        status = {**status, **guard_fields(step, status.get("conditions") or [], 4, now)}
         status["tiers"] = tier_states(KVCachePolicySpec.model_validate(spec), status, now)
         transitions[i] = {c["type"]: c["lastTransitionTime"] for c in status["conditions"]}
     KVCachePolicyStatus.model_validate(json.loads(json.dumps(status)))

@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 
 from kvtier_operator.slo import (
-    DisableTier, EnableTier, Measurements, Reading, RecordEvent, SetCondition, SLOSettings, enabled_tiers,
-    evaluate, tier_states,
+    DisableTier, EnableTier, Measurements, Reading, RecordEvent, SetCondition, SLOSettings, evaluate, read_state,
+    stored_state,
 )
-from plugins.slo_harness import slo_settings
+from kvtier_operator.tiers import enabled
+from plugins.slo_harness import derived_tiers, slo_settings
 
 OK = Measurements.of(0.5, 0.05, 5.0)        # TTFT 500 ms, ITL 50 ms, 5 req/s
 SLOW = Measurements.of(3.0, 0.05, 5.0)      # TTFT over the 2 s budget
@@ -38,15 +39,16 @@ def spec(**slo: Any) -> dict[str, Any]:
 
 
 class Driver:
-    """Feeds measurements one interval apart, round-tripping the state through JSON as status storage does."""
+    """Feeds measurements one interval apart, keeping the state in its stored form: parsed before each evaluation
+    and dumped after it as the operator does with status.slo, and round-tripped through JSON as storage does."""
 
     def __init__(self, settings: SLOSettings, start: float = 1_000_000.0):
         self.settings, self.now, self.state = settings, start, None
         self.actions: list[Any] = []
 
     def step(self, m: Measurements, dt: float | None = None, **kw: Any) -> list[Any]:
-        decision = evaluate(self.settings, self.state, m, self.now, **kw)
-        self.state = json.loads(json.dumps(decision.state, allow_nan=False))
+        decision = evaluate(self.settings, read_state(self.state, self.now), m, self.now, **kw)
+        self.state = json.loads(json.dumps(stored_state(decision.state), allow_nan=False))
         self.now += self.settings.interval_s if dt is None else dt
         changes = [a for a in decision.actions if not isinstance(a, SetCondition)]
         self.actions.extend(changes)
@@ -61,7 +63,7 @@ class Driver:
 
     @property
     def enabled(self) -> list[str]:
-        return enabled_tiers(self.settings, self.state)
+        return enabled(derived_tiers(self.settings, self.state, self.now))
 
     def disables(self) -> list[DisableTier]:
         return [a for a in self.actions if isinstance(a, DisableTier)]
@@ -177,7 +179,7 @@ def test_dry_run_records_but_changes_nothing():
     acts = d.run(SLOW, 3)
     assert [(a.tier, a.dry_run) for a in acts] == [("nvme", True)]
     assert d.enabled == ["host", "nvme"]
-    assert [t["state"] for t in tier_states(d.settings, d.state)] == ["Enabled", "Enabled"]
+    assert [t["state"] for t in derived_tiers(d.settings, d.state)] == ["Enabled", "Enabled"]
     assert d.state["history"][-1]["action"] == "WouldDisable"
     d.run(SLOW, 20)
     acts = d.run(SLOW, 3)
@@ -226,7 +228,7 @@ def test_auto_reenable_after_wait_then_probation_passes():
     assert d.run(OK, 29) == []
     acts = d.step(OK)
     assert [(a.kind, a.tier, a.reason) for a in acts] == [("EnableTier", "nvme", "AutoReenable")]
-    assert tier_states(d.settings, d.state)[1]["reason"] == "Probation"
+    assert derived_tiers(d.settings, d.state)[1]["reason"] == "Probation"
     acts = d.run(OK, 10)
     assert [a.reason for a in acts if isinstance(a, RecordEvent)] == ["ProbationPassed"]
     assert d.state["probation"] == {}
@@ -275,7 +277,7 @@ def staged(**slo: Any) -> Driver:
 def test_staged_rollout_starts_gpu_only_records_a_baseline_and_adds_one_tier_per_stage():
     d = staged()
     assert d.step(OK) == [] and d.enabled == []
-    assert [t["state"] for t in tier_states(d.settings, d.state)] == ["Pending", "Pending"]
+    assert [t["state"] for t in derived_tiers(d.settings, d.state)] == ["Pending", "Pending"]
     acts = d.run(OK, 10)
     assert [a.reason for a in acts if isinstance(a, RecordEvent)] == ["BaselineRecorded"]
     assert [(a.tier, a.reason) for a in acts if isinstance(a, EnableTier)] == [("host", "StagedRollout")]
@@ -344,22 +346,23 @@ def test_removed_tier_leaves_the_state():
 
 def test_state_from_a_newer_operator_is_refused():
     with pytest.raises(ValueError, match="status.slo.version"):
-        evaluate(slo_settings(spec()), {"version": 99}, OK, 0.0)
+        read_state({"version": 99}, 0.0)
 
 
 def test_evaluate_does_not_mutate_its_input():
     settings = slo_settings(spec())
     state = evaluate(settings, None, SLOW, 0.0).state
-    before = json.dumps(state, sort_keys=True)
-    evaluate(settings, state, SLOW, 1.0)
-    assert json.dumps(state, sort_keys=True) == before
+    before = json.dumps(stored_state(state), sort_keys=True)
+    after = evaluate(settings, state, SLOW, 1.0).state
+    assert json.dumps(stored_state(state), sort_keys=True) == before
+    assert after.counts.evaluations == 2 and state.counts.evaluations == 1  # the control: the evaluation ran
 
 
 def test_staged_policy_renders_gpu_only_before_its_first_evaluation():
     settings = slo_settings(spec(rollout={"strategy": "staged"}))
-    assert enabled_tiers(settings, None) == []
-    assert [t["state"] for t in tier_states(settings, None)] == ["Pending", "Pending"]
-    assert enabled_tiers(slo_settings(spec()), None) == ["host", "nvme"]
+    assert enabled(derived_tiers(settings, None)) == []
+    assert [t["state"] for t in derived_tiers(settings, None)] == ["Pending", "Pending"]
+    assert enabled(derived_tiers(slo_settings(spec()), None)) == ["host", "nvme"]
 
 
 def test_switching_a_running_policy_to_staged_keeps_its_tiers():

@@ -116,14 +116,15 @@ def test_bad_scope_and_engine_are_errors():
         build_queries("vllm", Scope(extra_labels={"bad-label": "x"}), 60)
 
 
-def test_scope_for_narrows_by_model_name_and_never_widens_to_the_namespace():
-    from kvtier_operator.slo import scope_for
+def test_scope_narrows_by_model_name_and_never_widens_to_the_namespace():
+    from kvtier_operator.slo_tick import scope_for
 
-    spec_ = spec({"modelName": "llama-70b"})
-    assert scope_for(slo_settings(spec_), "llm", ["a"]).matchers() == [
-        'namespace="llm"', 'pod=~"a"', 'model_name="llama-70b"']
-    assert scope_for(slo_settings(spec_), "llm", []).matchers() == [
-        'namespace="llm"', 'pod=~"$^"', 'model_name="llama-70b"']
-    plain = slo_settings(spec())
-    assert scope_for(plain, "llm", ["b", "a", "a"]).matchers() == ['namespace="llm"', 'pod=~"a|b"']
-    assert scope_for(plain, "llm", []).matchers() == ['namespace="llm"', 'pod=~"$^"']
+    applied = {"targets": [{"kind": "StatefulSet", "name": "b", "state": "Applied"},
+                           {"kind": "StatefulSet", "name": "a", "state": "Applied"}]}
+    model = slo_settings(spec({"modelName": "llama-70b"})).model_name
+    assert scope_for("llm", applied, model).matchers() == [
+        'namespace="llm"', 'pod=~"a-[0-9]+|b-[0-9]+"', 'model_name="llama-70b"']
+    assert scope_for("llm", applied, slo_settings(spec()).model_name).matchers() == [
+        'namespace="llm"', 'pod=~"a-[0-9]+|b-[0-9]+"']
+    # No pods yet: nothing is queried, rather than every pod in the namespace or of the model.
+    assert scope_for("llm", {"targets": []}, model) is None
