@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 
 __all__ = ["Expired", "Job", "JobQueue", "JobResult"]
@@ -57,6 +57,12 @@ class Job:
     overdue_reported: bool = False
 
 
+class ErrorCounter(Protocol):
+    """What a tier's metrics must offer JobQueue: count ``n`` failed keys of ``kind`` (e.g. ``timeout``)."""
+
+    def error(self, kind: str, n: int = 1) -> None: ...
+
+
 class Expired(Exception):
     """The job timed out before this task touched the caller's tensor: the task gives up."""
 
@@ -71,6 +77,14 @@ class JobQueue:
     # What the tier is, in its log lines ("filesystem tier nvme: ..."), and where it logs.
     medium = "tier"
     _log = logging.getLogger("kvtier_runtime.tiers")
+
+    if TYPE_CHECKING:
+        # Provided by the subclass (declared for the type checker only: a method defined here would come before
+        # the subclass's other bases in its MRO, e.g. the filesystem tier's TierHealth._record_io_failure).
+        name: str
+        _metrics: ErrorCounter
+
+        def _record_io_failure(self) -> None: ...
 
     def _init_jobs(self, io_timeout_s: float, on_complete: Callable[[JobResult], None] | None) -> None:
         self._io_timeout_s = float(io_timeout_s)
