@@ -32,7 +32,8 @@ def detect_engine(facts: TargetFacts) -> str:
 
 
 def effective_tiers(spec: api.KVCachePolicySpec, enabled: Optional[Iterable[str]] = None) -> list[api.TierSpec]:
-    """Tiers to render: declared enabled, and (when given) in the enabled set.
+    """Tiers to render: declared enabled, and (when given) in the enabled set. Which tiers are on is decided by
+    ``tiers.derive`` (the operator passes its Enabled ones); this only maps names to their specs.
 
     A filesystem tier is reachable only through the cpu tier (every offloaded block passes through host memory),
     so with the cpu tier off nothing below it is rendered either.
