@@ -30,7 +30,6 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 STATE_VERSION = 1
-METRICS = ("ttftP99", "itlP99")
 
 
 def _is_time(value: Any) -> bool:

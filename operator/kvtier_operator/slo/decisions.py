@@ -35,9 +35,7 @@ from ..tiers import derive, newest_enabled
 from .measurements import Measurements, Reading
 from .settings import SLOSettings
 
-STATE_VERSION = guard_state.STATE_VERSION
 MAX_BASELINE_SAMPLES = 240
-METRICS = guard_state.METRICS
 
 Verdict = Literal["ok", "breach", "noData", "lowTraffic", "error"]
 

@@ -16,7 +16,7 @@ from kvtier_operator.slo import (
     DisableTier, EnableTier, Measurements, Reading, RecordEvent, SetCondition, SLOSettings, evaluate, read_state,
     stored_state,
 )
-from kvtier_operator.tiers import enabled
+from kvtier_operator.tiers import enabled, newest_enabled
 from plugins.slo_harness import derived_tiers, slo_settings
 
 OK = Measurements.of(0.5, 0.05, 5.0)        # TTFT 500 ms, ITL 50 ms, 5 req/s
@@ -412,3 +412,25 @@ def test_a_stage_never_ends_before_its_full_observation_period():
         enables += [now for a in d.step(OK, dt=0.0999999) if isinstance(a, EnableTier)]
     assert len(enables) == 2
     assert enables[1] - enables[0] >= 4
+
+
+def test_newest_enabled_is_the_coldest_enabled_tier_and_a_dry_run_moves_past_its_own_disables():
+    states = [{"name": "host", "state": "Enabled", "reason": "Enabled"},
+              {"name": "nvme", "state": "Enabled", "reason": "DryRunWouldDisable"},
+              {"name": "s3", "state": "Pending", "reason": "StagedRollout"}]
+    assert newest_enabled(states) == "nvme"
+    assert newest_enabled(states, simulated=True) == "host"
+    assert newest_enabled([{"name": "host", "state": "Disabled", "reason": "SLOBreach"}]) is None
+
+
+def test_a_rollback_removes_the_newest_tier_the_operator_renders():
+    """The guard has no rule of its own: mid staged rollout, what it removes is the newest tier of the derivation
+    the operator renders from (host), never the one still pending (nvme)."""
+    d = driver(rollout={"strategy": "staged", "stageObservation": "10s"})
+    d.run(OK, 11)
+    tiers = derived_tiers(d.settings, d.state)
+    assert [(t["name"], t["state"]) for t in tiers] == [("host", "Enabled"), ("nvme", "Pending")]
+    assert newest_enabled(tiers) == "host"
+    d.run(SLOW, 3)
+    assert [a.tier for a in d.disables()] == ["host"]
+    assert newest_enabled(derived_tiers(d.settings, d.state)) is None
