@@ -117,3 +117,22 @@ def test_an_immediate_rollout_is_stored_without_stages() -> None:
     settings = slo_settings(spec())
     state = evaluate(settings, None, Measurements.of(0.5, 0.05, 5.0), NOW).state
     assert stored_state(state)["rollout"] == {"strategy": "immediate", "rolled": ["host", "nvme"]}
+
+
+def test_the_derived_tier_states_read_any_stored_state_and_never_refuse_one() -> None:
+    """The reconcile reads status.slo to render (``tiers.tier_states``) but never writes it back, so it reads a
+    newer operator's state for what it understands, where the guard refuses to evaluate (and overwrite) it; and a
+    tier the guard rolled back stays rolled back whatever is left of its entry."""
+    from kvtier_operator.api.v1alpha1 import KVCachePolicySpec
+    from kvtier_operator.tiers import tier_states
+
+    parsed = KVCachePolicySpec.model_validate(spec())
+    newer = {**IMMEDIATE, "version": 2}
+    with pytest.raises(ValueError, match="status.slo.version: 2 is newer"):
+        read_state(newer, NOW)
+    now = "2026-01-01T00:00:00Z"
+    assert [(t["name"], t["state"], t["reason"]) for t in tier_states(parsed, {"slo": newer}, now)] == [
+        ("host", "Enabled", "Enabled"), ("nvme", "Disabled", "SLOBreach")]
+    damaged = {"disabled": {"nvme": "not an entry"}}
+    assert [(t["name"], t["state"], t["reason"], t["since"]) for t in tier_states(parsed, {"slo": damaged}, now)] == [
+        ("host", "Enabled", "Enabled", now), ("nvme", "Disabled", "Restored", now)]
