@@ -45,9 +45,10 @@ crd: setup
 
 # A local single-node cluster that stays up until `make cluster-down`: the control plane, a real node
 # (containerd, runc, CNI bridge, kubelet, kube-scheduler), kvtier's images and the operator installed by its
-# chart as a pod (scripts/cluster; docs/node.md). Needs root. Prints KUBECONFIG=<path>.
+# chart as a pod (scripts/cluster; docs/node.md). Needs root. Prints KUBECONFIG=<path>. GITOPS=1 adds Flux syncing
+# a bare Git repository on this host and prints GITOPS_REPO=<path> (docs/gitops.md).
 cluster: setup
-	@scripts/cluster up
+	@GITOPS=$(GITOPS) scripts/cluster up
 
 cluster-down:
 	@scripts/cluster down
