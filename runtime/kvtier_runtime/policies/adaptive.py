@@ -45,6 +45,7 @@ from .ghost import GhostList
 
 FRESH, AGAIN, TAIL = 0, 1, 2
 _TIE_ORDER = (TAIL, FRESH, AGAIN)
+_NO_HEAD = object()  # the fused replay loop's "no cached head"
 
 
 class AdaptivePolicy(EvictionPolicy):
@@ -341,6 +342,18 @@ class AdaptivePolicy(EvictionPolicy):
         used, tick, request = self._used, self._tick, self._request
         current = {k: cls[k] for k in self._current}  # key -> its class, kept equal to cls[key]
         ghost_rate, evictions, ev_used = self._ghost_rate, self._evictions, self._evicted_bytes
+        # Each class's head (its oldest entry) and that entry's tick, cached for the victim choice; no_head: look
+        # it up. Only a head that is not in the running request is cached (for one that is, the candidate is the
+        # list's tail, which every insert changes). A cached head stays the head until it is evicted, hit (a hit
+        # deletes it from FRESH/TAIL or moves it to AGAIN's young end) -- both reset the cache -- since inserts and
+        # closing a request only move keys to the young end, and a cached head is never in the running request
+        # (accessing it would be a hit). An empty class never has a cached head: its last entry left by one of
+        # those two ways.
+        no_head = _NO_HEAD  # not None: None may be a key
+        fresh_head: Key = no_head
+        again_head: Key = no_head
+        tail_head: Key = no_head
+        fresh_head_tick = again_head_tick = tail_head_tick = 0
         hits: list[bool] = []
         append = hits.append
         for rid, req in enumerate(requests):
@@ -385,25 +398,54 @@ class AdaptivePolicy(EvictionPolicy):
                         else:
                             e0, e1, e2 = m0 ** trust, m1 ** trust, m2 ** trust
                     if used >= capacity:
-                        # _choose_unblocked, unrolled in _TIE_ORDER (a tie keeps the earlier class).
-                        best_c, best_score = -1, -1.0
-                        if tail_list:
-                            k = next(iter(tail_list))
+                        # _choose_unblocked, unrolled in _TIE_ORDER (a tie keeps the earlier class), reading each class's
+                        # head from its cache when it has one (see the cache's rules where it is set up).
+                        if tail_head is not no_head:
+                            best, best_c, best_score = tail_head, TAIL, (tick - tail_head_tick + 1) * e2
+                        elif tail_list:
+                            for k in tail_list:
+                                break
                             if k in current:
                                 k = next(reversed(tail_list))
-                            best, best_c, best_score = k, TAIL, (tick - tail_list[k] + 1) * e2
-                        if fresh_list:
-                            k = next(iter(fresh_list))
+                                t = tail_list[k]
+                            else:
+                                tail_head, tail_head_tick = k, tail_list[k]
+                                t = tail_head_tick
+                            best, best_c, best_score = k, TAIL, (tick - t + 1) * e2
+                        else:
+                            best_c, best_score = -1, -1.0
+                        if fresh_head is not no_head:
+                            k, t = fresh_head, fresh_head_tick
+                        elif fresh_list:
+                            for k in fresh_list:
+                                break
                             if k in current:
                                 k = next(reversed(fresh_list))
-                            score = (tick - fresh_list[k] + 1) * e0
+                                t = fresh_list[k]
+                            else:
+                                fresh_head, fresh_head_tick = k, fresh_list[k]
+                                t = fresh_head_tick
+                        else:
+                            k = no_head
+                        if k is not no_head:
+                            score = (tick - t + 1) * e0
                             if score > best_score:
                                 best, best_c, best_score = k, FRESH, score
-                        if again:
-                            k = next(iter(again))
+                        if again_head is not no_head:
+                            k, t = again_head, again_head_tick
+                        elif again:
+                            for k in again:
+                                break
                             if k in current:
                                 k = next(reversed(again))
-                            score = (tick - again[k] + 1) * e1
+                                t = again[k]
+                            else:
+                                again_head, again_head_tick = k, again[k]
+                                t = again_head_tick
+                        else:
+                            k = no_head
+                        if k is not no_head:
+                            score = (tick - t + 1) * e1
                             if score > best_score:
                                 best, best_c = k, AGAIN
                         del cls[best]
@@ -414,6 +456,7 @@ class AdaptivePolicy(EvictionPolicy):
                         # _record_eviction: the victim's class ages faster, bounded by the ratio to the slowest.
                         if best_c == TAIL:
                             del tail_list[best]
+                            tail_head = no_head
                             evicted[best] = ghost_tail
                             m2 *= grow
                             low = m0 if m0 < m1 else m1  # min(m0, m1, m2), inline
@@ -423,6 +466,7 @@ class AdaptivePolicy(EvictionPolicy):
                                 m2 = max_ratio * low
                         elif best_c == FRESH:
                             del fresh_list[best]
+                            fresh_head = no_head
                             evicted[best] = ghost_fresh
                             m0 *= grow
                             low = m0 if m0 < m1 else m1
@@ -432,6 +476,7 @@ class AdaptivePolicy(EvictionPolicy):
                                 m0 = max_ratio * low
                         else:
                             del again[best]
+                            again_head = no_head
                             evicted[best] = ghost_again
                             m1 *= grow
                             low = m0 if m0 < m1 else m1
@@ -519,12 +564,18 @@ class AdaptivePolicy(EvictionPolicy):
                             hpop(False)
                             h_used -= 1
                     if c == AGAIN:
+                        if key == again_head:
+                            again_head = no_head
                         again[key] = tick
                         again_move(key)
                     else:
                         if c == FRESH:
+                            if key == fresh_head:
+                                fresh_head = no_head
                             del fresh_list[key]
                         else:
+                            if key == tail_head:
+                                tail_head = no_head
                             del tail_list[key]
                         cls[key] = AGAIN
                         again[key] = tick
