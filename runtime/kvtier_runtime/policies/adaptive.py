@@ -305,7 +305,8 @@ class AdaptivePolicy(EvictionPolicy):
         of three shared tuples, and the running request remembers each key's class so that closing it moves
         keys without a lookup. ``None`` when the state is one the loop does not model (pinned entries, an
         admission filter, a capacity under one block, an entry or ghost larger than one byte, a subclass that
-        tempers weights its own way): the caller then takes the public path.
+        tempers weights its own way or whose learning parameters leave the positive weights the loop assumes):
+        the caller then takes the public path.
         """
         sizes, cls, evicted = self._sizes, self._class, self._evicted
         history, shadow = self._history, self._shadow
@@ -314,7 +315,9 @@ class AdaptivePolicy(EvictionPolicy):
                 or history.used_bytes != len(hsizes) or shadow._used != len(skeys)
                 or self._evicted_bytes != len(evicted) or shadow._seen != shadow._accesses
                 or type(self)._temper is not AdaptivePolicy._temper
-                or not all(k in cls for k in self._current)):
+                or not all(k in cls for k in self._current)
+                # The weight bound's shortcut below needs positive weights and a ratio of at least 1.
+                or not (0.0 <= self.learning_rate < 1.0 and self.max_weight_ratio >= 1.0 and min(self._model) > 0.0)):
             return None
         fresh_list, again, tail_list = lists = self._lists
         fresh_move, again_move, tail_move = (lst.move_to_end for lst in lists)
@@ -452,38 +455,37 @@ class AdaptivePolicy(EvictionPolicy):
                         if best in current:
                             del current[best]
                         ghost_rate *= 0.999
-                        grow = 1.0 + lr * ghost_rate
-                        # _record_eviction: the victim's class ages faster, bounded by the ratio to the slowest.
+                        # _record_eviction: the victim's class ages faster, at most max_ratio times the slowest.
+                        # The bound compares with the other two classes only: a class that is the slowest after
+                        # growing is under max_ratio times itself, so min() over all three bounds it the same.
+                        # Tempering only the weight that changed gives the same floats as tempering all three.
                         if best_c == TAIL:
                             del tail_list[best]
                             tail_head = no_head
                             evicted[best] = ghost_tail
-                            m2 *= grow
-                            low = m0 if m0 < m1 else m1  # min(m0, m1, m2), inline
-                            if m2 < low:
-                                low = m2
+                            m2 *= 1.0 + lr * ghost_rate
+                            low = m0 if m0 < m1 else m1
                             if m2 > max_ratio * low:
                                 m2 = max_ratio * low
+                            e2 = m2 if trusted else m2 ** trust
                         elif best_c == FRESH:
                             del fresh_list[best]
                             fresh_head = no_head
                             evicted[best] = ghost_fresh
-                            m0 *= grow
-                            low = m0 if m0 < m1 else m1
-                            if m2 < low:
-                                low = m2
+                            m0 *= 1.0 + lr * ghost_rate
+                            low = m1 if m1 < m2 else m2
                             if m0 > max_ratio * low:
                                 m0 = max_ratio * low
+                            e0 = m0 if trusted else m0 ** trust
                         else:
                             del again[best]
                             again_head = no_head
                             evicted[best] = ghost_again
-                            m1 *= grow
-                            low = m0 if m0 < m1 else m1
-                            if m2 < low:
-                                low = m2
+                            m1 *= 1.0 + lr * ghost_rate
+                            low = m0 if m0 < m2 else m2
                             if m1 > max_ratio * low:
                                 m1 = max_ratio * low
+                            e1 = m1 if trusted else m1 ** trust
                         evictions += 1
                         if not evictions & 1023:  # only ratios matter: keep the numbers far from over/underflow
                             low = m0 if m0 < m1 else m1
@@ -496,14 +498,6 @@ class AdaptivePolicy(EvictionPolicy):
                                 e0, e1, e2 = m0, m1, m2
                             else:
                                 e0, e1, e2 = m0 ** trust, m1 ** trust, m2 ** trust
-                        elif trusted:
-                            e0, e1, e2 = m0, m1, m2
-                        elif best_c == TAIL:  # tempering the one weight that changed: the same power of it
-                            e2 = m2 ** trust
-                        elif best_c == FRESH:
-                            e0 = m0 ** trust
-                        else:
-                            e1 = m1 ** trust
                         ev_used += 1
                         while ev_used > ghost_limit:
                             epop(False)
