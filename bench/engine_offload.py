@@ -132,7 +132,8 @@ def copy_rates(n_blocks: int, rounds: int, device: str = "cpu") -> dict[str, lis
     """GB/s of the worker's copies (PageCopier, the paths the engine's worker runs) and of one raw copy_ of the same
     bytes, alternated per round.
 
-    Paths: consecutive blocks (one copy_ per run); scattered blocks through the default path (one copy_ per block)
+    Paths: consecutive blocks (one copy per run); scattered blocks through the default path (one copy per block:
+    a numpy slice assignment on CPU, a copy_ on CUDA)
     and forced gather (``scatter="gather"``: one index_select + index_copy_ per tensor); on CUDA also the
     batched path (vLLM's ``swap_blocks_batch``, one call per job) when vLLM is importable. On CUDA: device pages ->
     pinned host rows, every path synchronised before the clock stops."""
@@ -162,7 +163,7 @@ def copy_rates(n_blocks: int, rounds: int, device: str = "cpu") -> dict[str, lis
             print(f"(vLLM's swap_blocks_batch not importable: {exc}; the batched path is not measured)")
     copiers = {
         "consecutive": PageCopier(kv, pages, rows),
-        "scattered": PageCopier(kv, pages, rows),  # the default: one copy_ per block
+        "scattered": PageCopier(kv, pages, rows),  # the default: one copy per block
         "scattered-gather": PageCopier(kv, pages, rows, scatter="gather"),
     }
     if batch_op is not None:
@@ -213,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     rm, r25, r75 = quartiles(rates["raw"])
     labels = {
         "raw": "raw copy_",
-        "consecutive": "kvtier worker, consecutive blocks (one copy_ per run)",
-        "scattered": "kvtier worker, scattered blocks (default path: one copy_ per block)",
+        "consecutive": "kvtier worker, consecutive blocks (one copy per run)",
+        "scattered": "kvtier worker, scattered blocks (default path: one copy per block; numpy slices on CPU)",
         "scattered-gather": "kvtier worker, scattered blocks, forced gather (index_select + index_copy_ per tensor)",
         "scattered-batched": "kvtier worker, scattered blocks, vLLM swap_blocks_batch (one call per job)",
         "consecutive-batched": "kvtier worker, consecutive blocks, vLLM swap_blocks_batch (one call per job)",

@@ -7,14 +7,20 @@ worker's share of a tensor-parallel row).
 
 Three copy paths, chosen per job:
 
-* *runs* (CPU): one ``copy_`` per (tensor, run of consecutive blocks) between plain (contiguous or row-strided)
-  views. Measured here: int8 advanced indexing (``dst[idx] = src[idx]``) was 17x slower, and a call per block
-  costs ~0.3x of a raw copy in dispatch overhead -- so scattered blocks (runs of one) were slow.
+* *runs* (CPU): one copy per (tensor, run of consecutive blocks) between plain (contiguous or row-strided)
+  views. Measured here: int8 advanced indexing (``dst[idx] = src[idx]``) was 17x slower, and torch's two views
+  and ``copy_`` per block cost ~0.2-0.3x of a raw copy in dispatch overhead -- so scattered blocks (runs of one)
+  were slow. On CPU the copies therefore go through numpy views of the same memory made once per copier: one
+  slice assignment per (tensor, run) costs about a microsecond, and never waits at an OpenMP barrier (torch's
+  ``copy_`` with more intra-op threads than free cores measured 10-20x slower). Block and row ids are checked
+  against the tensors first: numpy slices, like torch's, clip out-of-range ids instead of failing.
+  Without numpy views (numpy missing, a tensor numpy cannot view) the same runs go through torch ``copy_``.
 * *gather* (CPU, scattered blocks): per cache tensor, one ``index_select`` of the engine pages and one
   ``index_copy_`` into the host rows (or the reverse for a load), on the widest integer view the page size allows
   (int64 for pages of a multiple of 8 bytes), so a job costs two calls per tensor whatever its fragmentation.
   Measured idle (``bench/engine_offload.py --copy-only``, 3 runs): 0.35-0.58 of a raw ``copy_`` against
-  0.69-0.73 for one ``copy_`` per block, so the default is ``scatter="runs"``; ``"gather"`` stays for
+  0.69-0.73 for one torch ``copy_`` per block (numpy slices per block: 0.97-0.98 on a busy 2-core machine, where
+  torch's per-block path measured 0.82), so the default is ``scatter="runs"``; ``"gather"`` stays for
   benchmarks and for hosts where its two calls per tensor win.
 * *batched* (CUDA, when the engine gives a batched block-copy op, e.g. vLLM's ``ops.swap_blocks_batch``): one
   call per job for every (tensor, block), from address/size arrays, on a side stream into the pinned host rows.
@@ -119,6 +125,20 @@ class PageCopier:
         self._pending: list[_Pending] = []
         self._done: list[CopyResult] = []
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # CPU: (engine pages per tensor, host rows) as numpy arrays over the same memory, for the runs path.
+        self._np_views = self._numpy_views() if self.device.type == "cpu" else None
+
+    def _numpy_views(self) -> tuple[list[Any], Any] | None:
+        try:
+            import numpy  # noqa: F401 - only whether it is there: Tensor.numpy() needs it
+
+            kv_np = [kv.detach().numpy() for kv in self.kv]
+            host_np = self._host_i8.detach().numpy()
+        except (ImportError, RuntimeError, TypeError, ValueError):  # e.g. a tensor off the CPU, a dtype numpy lacks
+            return None
+        if not host_np.flags.writeable or not all(a.flags.writeable for a in kv_np):
+            return None
+        return kv_np, host_np
 
     @property
     def chunk_bytes(self) -> int:
@@ -202,6 +222,8 @@ class PageCopier:
             runs = self.runs(pairs)
         else:
             runs = [(b, r, j, 1) for b, r, j in pairs]
+        if self._np_views is not None and self._stream is None:
+            return self._copy_numpy(runs, to_host)
         for t, (kv, page) in enumerate(zip(self.kv, self.page_bytes)):
             base = self._offsets[t]
             for block, row, j, n in runs:
@@ -213,6 +235,31 @@ class PageCopier:
                     host.copy_(dev, non_blocking=non_blocking)
                 else:
                     dev.copy_(host, non_blocking=non_blocking)
+                nbytes += page * n
+        return nbytes
+
+    def _copy_numpy(self, runs: Sequence[tuple[int, int, int, int]], to_host: bool) -> int:
+        """CPU: one numpy slice assignment per (tensor, run), on views made once (see the module's docstring)."""
+        assert self._np_views is not None
+        kv_np, host_np = self._np_views
+        if runs:
+            first_block = min(r[0] for r in runs)
+            end_block = max(r[0] + r[3] for r in runs)
+            first_row = min(r[1] for r in runs)
+            end_row = max(r[1] + r[3] for r in runs)
+            if first_row < 0 or end_row > host_np.shape[0]:
+                raise ValueError(f"host row ids: {first_row}..{end_row - 1} must lie in [0, {host_np.shape[0]})")
+            if first_block < 0 or any(end_block > pages.shape[0] for pages in kv_np):
+                raise ValueError(f"engine block ids: {first_block}..{end_block - 1} must lie in "
+                                 f"[0, {min(pages.shape[0] for pages in kv_np)})")
+        nbytes = 0
+        for pages, page, base in zip(kv_np, self.page_bytes, self._offsets):
+            for block, row, j, n in runs:
+                start = base + j * page
+                if to_host:
+                    host_np[row:row + n, start:start + page] = pages[block:block + n, :page]
+                else:
+                    pages[block:block + n, :page] = host_np[row:row + n, start:start + page]
                 nbytes += page * n
         return nbytes
 

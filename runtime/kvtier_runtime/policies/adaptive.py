@@ -45,6 +45,7 @@ from .ghost import GhostList
 
 FRESH, AGAIN, TAIL = 0, 1, 2
 _TIE_ORDER = (TAIL, FRESH, AGAIN)
+_NO_HEAD = object()  # the fused replay loop's "no cached head"
 
 
 class AdaptivePolicy(EvictionPolicy):
@@ -296,172 +297,314 @@ class AdaptivePolicy(EvictionPolicy):
         ``replay.engine.replay_single`` does through the public methods; the hit flag of each access.
 
         The same steps in the same order on the same state (so the same hits, weights and trust, checked against
-        the public path in tests/runtime/policies/test_policies_adaptive.py), fused into one loop over local names: no context
-        objects and no method call per access, which is most of what an access cost. ``None`` when the state is
-        one the loop does not model (pinned entries, an admission filter, a capacity under one block): the
-        caller then takes the public path.
+        the public path in tests/runtime/policies/test_policies_adaptive.py), fused into one loop over local names:
+        no context objects and no method call per access, which is most of what an access cost. The loop is
+        specialised to unit sizes, which is what replay stores: a block's size is not looked up (``_sizes`` is
+        rebuilt from the class map at the end, in the same order), every byte count is an entry count, the class
+        weights are six local floats (the model and its tempered copy) instead of lists, a ghost's value is one
+        of three shared tuples, and the running request remembers each key's class so that closing it moves
+        keys without a lookup. ``None`` when the state is one the loop does not model (pinned entries, an
+        admission filter, a capacity under one block, an entry or ghost larger than one byte, a subclass that
+        tempers weights its own way or whose learning parameters leave the positive weights the loop assumes):
+        the caller then takes the public path.
         """
-        if self._pins or self.admission is not None or self.capacity_bytes < 1:
-            return None
-        sizes, lists, cls, evicted = self._sizes, self._lists, self._class, self._evicted
-        fresh_list, again, tail_list = lists
+        sizes, cls, evicted = self._sizes, self._class, self._evicted
         history, shadow = self._history, self._shadow
-        hsizes, hcap, h_used = history._sizes, history.capacity_bytes, history.used_bytes
-        skeys, scap, s_used = shadow._keys, shadow.capacity, shadow._used
-        window, min_acc, decay = shadow.window, shadow.min_accesses, shadow.decay
-        s_request, s_run, s_shadow_run = shadow._request, shadow._run, shadow._shadow_run
-        s_seen, s_acc, s_diff, s_score = shadow._seen, shadow._accesses, shadow._diff, shadow._score
+        hsizes, skeys = history._sizes, shadow._keys
+        if (self._pins or self.admission is not None or self.capacity_bytes < 1 or self._used != len(sizes)
+                or history.used_bytes != len(hsizes) or shadow._used != len(skeys)
+                or self._evicted_bytes != len(evicted) or shadow._seen != shadow._accesses
+                or type(self)._temper is not AdaptivePolicy._temper
+                or not all(k in cls for k in self._current)
+                # The weight bound's shortcut below needs positive weights and a ratio of at least 1.
+                or not (0.0 <= self.learning_rate < 1.0 and self.max_weight_ratio >= 1.0 and min(self._model) > 0.0)):
+            return None
+        fresh_list, again, tail_list = lists = self._lists
+        fresh_move, again_move, tail_move = (lst.move_to_end for lst in lists)
+        hmove, hpop, smove, spop, epop = (hsizes.move_to_end, hsizes.popitem, skeys.move_to_end, skeys.popitem,
+                                          evicted.popitem)
+        hcap, h_used = history.capacity_bytes, history.used_bytes
+        scap, s_used = shadow.capacity, shadow._used
+        # A window closes once both its bytes and its accesses reach their minimum; with unit sizes they are equal.
+        window = max(shadow.window, shadow.min_accesses)
+        decay = shadow.decay
+        s_run, s_shadow_run = shadow._run, shadow._shadow_run
+        s_acc, s_diff, s_score = shadow._accesses, shadow._diff, shadow._score
+        # Class weights: the model (m*) and what eviction reads (e*: the model itself while fully trusted, else
+        # the model tempered by trust). FRESH = 0, AGAIN = 1, TAIL = 2.
         w = self._model
-        weights = self._weights
+        m0, m1, m2 = w
+        trusted = self._weights is w
+        e0, e1, e2 = self._weights
+        trust = self._trust
         lr, max_ratio = self.learning_rate, self.max_weight_ratio
+        shrink = 1.0 - lr
+        ghost_fresh, ghost_again, ghost_tail = (FRESH, 1), (AGAIN, 1), (TAIL, 1)
         ghost_limit = self.ghost_factor * self.capacity_bytes
         capacity = self.capacity_bytes
-        used, tick, request, current = self._used, self._tick, self._request, self._current
-        ghost_rate, evictions, ev_bytes = self._ghost_rate, self._evictions, self._evicted_bytes
+        used, tick, request = self._used, self._tick, self._request
+        current = {k: cls[k] for k in self._current}  # key -> its class, kept equal to cls[key]
+        ghost_rate, evictions, ev_used = self._ghost_rate, self._evictions, self._evicted_bytes
+        # Each class's head (its oldest entry) and that entry's tick, cached for the victim choice; no_head: look
+        # it up. Only a head that is not in the running request is cached (for one that is, the candidate is the
+        # list's tail, which every insert changes). A cached head stays the head until it is evicted, hit (a hit
+        # deletes it from FRESH/TAIL or moves it to AGAIN's young end) -- both reset the cache -- since inserts and
+        # closing a request only move keys to the young end, and a cached head is never in the running request
+        # (accessing it would be a hit). An empty class never has a cached head: its last entry left by one of
+        # those two ways.
+        no_head = _NO_HEAD  # not None: None may be a key
+        fresh_head: Key = no_head
+        again_head: Key = no_head
+        tail_head: Key = no_head
+        fresh_head_tick = again_head_tick = tail_head_tick = 0
         hits: list[bool] = []
         append = hits.append
         for rid, req in enumerate(requests):
+            if not req:
+                continue
             last = len(req) - 1
+            # The hedge's run of prefix hits restarts with each request (its position 0).
+            s_request = rid
+            s_run = s_shadow_run = True
+            entering = rid != request
             for pos, key in enumerate(req):
-                hit = key in sizes
-                size = sizes[key] if hit else 1
-                if not hit:
-                    # insert: learn from a ghost, then evict, both before the access enters its request.
-                    ghost = evicted.pop(key, None)
-                    if ghost is not None:
-                        gc, gsize = ghost
-                        ev_bytes -= gsize
-                        w[gc] *= 1.0 - lr
-                        ghost_rate += 0.001 * (1.0 - ghost_rate)
-                        limit = max_ratio * min(w)
-                        for i in range(3):
-                            if w[i] > limit:
-                                w[i] = limit
-                        if weights is not w:
-                            self._temper()
-                            weights = self._weights
-                    if used + 1 > capacity:
-                        freed = 0
-                        while freed < used + 1 - capacity:
-                            # _choose_unblocked, unrolled in _TIE_ORDER (a tie keeps the earlier class).
-                            best, best_c, best_score = None, FRESH, -1.0
-                            if tail_list:
-                                k = next(iter(tail_list))
-                                if k in current:
-                                    k = next(reversed(tail_list))
-                                best, best_c, best_score = k, TAIL, (tick - tail_list[k] + 1) * weights[TAIL]
-                            if fresh_list:
-                                k = next(iter(fresh_list))
-                                if k in current:
-                                    k = next(reversed(fresh_list))
-                                score = (tick - fresh_list[k] + 1) * weights[FRESH]
-                                if score > best_score:
-                                    best, best_c, best_score = k, FRESH, score
-                            if again:
-                                k = next(iter(again))
-                                if k in current:
-                                    k = next(reversed(again))
-                                score = (tick - again[k] + 1) * weights[AGAIN]
-                                if score > best_score:
-                                    best, best_c = k, AGAIN
-                            del lists[best_c][best]
-                            del cls[best]
-                            current.pop(best, None)
-                            vsize = sizes.pop(best)
-                            freed += vsize
-                            ghost_rate *= 0.999
-                            w[best_c] *= 1.0 + lr * ghost_rate
-                            limit = max_ratio * min(w)
-                            if w[best_c] > limit:
-                                w[best_c] = limit
-                            evictions += 1
-                            if not evictions & 1023:
-                                low = min(w)
-                                for i in range(3):
-                                    w[i] /= low
-                                if weights is not w:
-                                    self._temper()
-                                    weights = self._weights
-                            elif weights is not w:
-                                # _temper for the one weight that changed: the same power of the same number.
-                                weights[best_c] = w[best_c] ** self._trust
-                            evicted[best] = (best_c, vsize)
-                            ev_bytes += vsize
-                            while ev_bytes > ghost_limit:
-                                ev_bytes -= evicted.popitem(last=False)[1][1]
-                        used -= freed
-                    sizes[key] = 1
-                    used += 1
-                # The hedge's shadow LRU sees the access.
-                if key in skeys:
-                    skeys.move_to_end(key)
-                    shadow_hit = True
+                if key in cls:
+                    hit = True
+                    c = cls[key]
                 else:
-                    shadow_hit = False
-                    skeys[key] = size
-                    s_used += size
+                    hit = False
+                    # insert: learn from a ghost, then evict, both before the access enters its request.
+                    if key in evicted:
+                        gc = evicted.pop(key)[0]
+                        ev_used -= 1
+                        if gc == FRESH:
+                            m0 *= shrink
+                        elif gc == AGAIN:
+                            m1 *= shrink
+                        else:
+                            m2 *= shrink
+                        ghost_rate += 0.001 * (1.0 - ghost_rate)
+                        low = m0
+                        if m1 < low:
+                            low = m1
+                        if m2 < low:
+                            low = m2
+                        limit = max_ratio * low
+                        if m0 > limit:
+                            m0 = limit
+                        if m1 > limit:
+                            m1 = limit
+                        if m2 > limit:
+                            m2 = limit
+                        if trusted:
+                            e0, e1, e2 = m0, m1, m2
+                        else:
+                            e0, e1, e2 = m0 ** trust, m1 ** trust, m2 ** trust
+                    if used >= capacity:
+                        # _choose_unblocked, unrolled in _TIE_ORDER (a tie keeps the earlier class), reading each class's
+                        # head from its cache when it has one (see the cache's rules where it is set up).
+                        if tail_head is not no_head:
+                            best, best_c, best_score = tail_head, TAIL, (tick - tail_head_tick + 1) * e2
+                        elif tail_list:
+                            for k in tail_list:
+                                break
+                            if k in current:
+                                k = next(reversed(tail_list))
+                                t = tail_list[k]
+                            else:
+                                tail_head, tail_head_tick = k, tail_list[k]
+                                t = tail_head_tick
+                            best, best_c, best_score = k, TAIL, (tick - t + 1) * e2
+                        else:
+                            best_c, best_score = -1, -1.0
+                        if fresh_head is not no_head:
+                            k, t = fresh_head, fresh_head_tick
+                        elif fresh_list:
+                            for k in fresh_list:
+                                break
+                            if k in current:
+                                k = next(reversed(fresh_list))
+                                t = fresh_list[k]
+                            else:
+                                fresh_head, fresh_head_tick = k, fresh_list[k]
+                                t = fresh_head_tick
+                        else:
+                            k = no_head
+                        if k is not no_head:
+                            score = (tick - t + 1) * e0
+                            if score > best_score:
+                                best, best_c, best_score = k, FRESH, score
+                        if again_head is not no_head:
+                            k, t = again_head, again_head_tick
+                        elif again:
+                            for k in again:
+                                break
+                            if k in current:
+                                k = next(reversed(again))
+                                t = again[k]
+                            else:
+                                again_head, again_head_tick = k, again[k]
+                                t = again_head_tick
+                        else:
+                            k = no_head
+                        if k is not no_head:
+                            score = (tick - t + 1) * e1
+                            if score > best_score:
+                                best, best_c = k, AGAIN
+                        del cls[best]
+                        if best in current:
+                            del current[best]
+                        ghost_rate *= 0.999
+                        # _record_eviction: the victim's class ages faster, at most max_ratio times the slowest.
+                        # The bound compares with the other two classes only: a class that is the slowest after
+                        # growing is under max_ratio times itself, so min() over all three bounds it the same.
+                        # Tempering only the weight that changed gives the same floats as tempering all three.
+                        if best_c == TAIL:
+                            del tail_list[best]
+                            tail_head = no_head
+                            evicted[best] = ghost_tail
+                            m2 *= 1.0 + lr * ghost_rate
+                            low = m0 if m0 < m1 else m1
+                            if m2 > max_ratio * low:
+                                m2 = max_ratio * low
+                            e2 = m2 if trusted else m2 ** trust
+                        elif best_c == FRESH:
+                            del fresh_list[best]
+                            fresh_head = no_head
+                            evicted[best] = ghost_fresh
+                            m0 *= 1.0 + lr * ghost_rate
+                            low = m1 if m1 < m2 else m2
+                            if m0 > max_ratio * low:
+                                m0 = max_ratio * low
+                            e0 = m0 if trusted else m0 ** trust
+                        else:
+                            del again[best]
+                            again_head = no_head
+                            evicted[best] = ghost_again
+                            m1 *= 1.0 + lr * ghost_rate
+                            low = m0 if m0 < m2 else m2
+                            if m1 > max_ratio * low:
+                                m1 = max_ratio * low
+                            e1 = m1 if trusted else m1 ** trust
+                        evictions += 1
+                        if not evictions & 1023:  # only ratios matter: keep the numbers far from over/underflow
+                            low = m0 if m0 < m1 else m1
+                            if m2 < low:
+                                low = m2
+                            m0 /= low
+                            m1 /= low
+                            m2 /= low
+                            if trusted:
+                                e0, e1, e2 = m0, m1, m2
+                            else:
+                                e0, e1, e2 = m0 ** trust, m1 ** trust, m2 ** trust
+                        ev_used += 1
+                        while ev_used > ghost_limit:
+                            epop(False)
+                            ev_used -= 1
+                    else:
+                        used += 1
+                # The hedge's shadow LRU sees the access; the policy's and the shadow's prefix-hit runs are scored.
+                if key in skeys:
+                    smove(key)
+                    if not hit:
+                        s_run = False
+                        if s_shadow_run:
+                            s_diff -= 1
+                    elif s_run != s_shadow_run:
+                        s_diff += s_run - s_shadow_run
+                else:
+                    skeys[key] = 1
+                    s_used += 1
                     while s_used > scap:
-                        s_used -= skeys.popitem(last=False)[1]
-                if rid != s_request or pos == 0:
-                    s_request = rid
-                    s_run = s_shadow_run = True
-                s_run = s_run and hit
-                s_shadow_run = s_shadow_run and shadow_hit
-                s_diff += s_run - s_shadow_run
-                s_seen += size
+                        spop(False)
+                        s_used -= 1
+                    s_shadow_run = False
+                    if not hit:
+                        s_run = False
+                    elif s_run:
+                        s_diff += 1
                 s_acc += 1
-                if s_seen >= window and s_acc >= min_acc:
+                if s_acc >= window:
                     s_score = s_score * decay + s_diff
-                    s_seen = s_acc = s_diff = 0
+                    s_acc = s_diff = 0
+                    w[0], w[1], w[2] = m0, m1, m2
                     self._hedge(s_score)
-                    weights = self._weights
-                # The access enters its request (leaf-first order).
-                if rid != request:
+                    trust = self._trust
+                    trusted = self._weights is w
+                    e0, e1, e2 = self._weights
+                # The access enters its request (leaf-first order): the request before moves to the young end,
+                # tail first.
+                if entering:
+                    entering = False
                     if current:
-                        for k in reversed(current):
-                            c = cls.get(k)
-                            if c is not None:
-                                lists[c].move_to_end(k)
+                        for k, kc in reversed(current.items()):
+                            if kc == FRESH:
+                                fresh_move(k)
+                            elif kc == AGAIN:
+                                again_move(k)
+                            else:
+                                tail_move(k)
                         current = {}
                     request = rid
                     tick += 1
-                current[key] = None
                 if hit:
-                    old = hsizes.get(key)
-                    if old == size:
-                        hsizes.move_to_end(key)
+                    if key in hsizes:
+                        hmove(key)
                     else:
-                        if old is not None:
-                            h_used -= hsizes.pop(key)
-                        hsizes[key] = size
-                        h_used += size
+                        hsizes[key] = 1
+                        h_used += 1
                         while h_used > hcap:
-                            h_used -= hsizes.popitem(last=False)[1]
-                    c = cls[key]
-                    if c != AGAIN:
-                        del lists[c][key]
+                            hpop(False)
+                            h_used -= 1
+                    if c == AGAIN:
+                        if key == again_head:
+                            again_head = no_head
+                        again[key] = tick
+                        again_move(key)
+                    else:
+                        if c == FRESH:
+                            if key == fresh_head:
+                                fresh_head = no_head
+                            del fresh_list[key]
+                        else:
+                            if key == tail_head:
+                                tail_head = no_head
+                            del tail_list[key]
                         cls[key] = AGAIN
-                    again[key] = tick
-                    again.move_to_end(key)
+                        again[key] = tick
+                    current[key] = AGAIN
+                    append(True)
                 else:
                     if key in hsizes:
-                        c = AGAIN
-                        h_used -= hsizes.pop(key)
+                        hmove(key)
+                        cls[key] = current[key] = AGAIN
+                        again[key] = tick
                     else:
-                        c = TAIL if pos == last > 0 else FRESH
-                    hsizes[key] = 1
-                    h_used += 1
-                    while h_used > hcap:
-                        h_used -= hsizes.popitem(last=False)[1]
-                    cls[key] = c
-                    lists[c][key] = tick
-                append(hit)
+                        hsizes[key] = 1
+                        h_used += 1
+                        while h_used > hcap:
+                            hpop(False)
+                            h_used -= 1
+                        if pos == last > 0:
+                            cls[key] = current[key] = TAIL
+                            tail_list[key] = tick
+                        else:
+                            cls[key] = current[key] = FRESH
+                            fresh_list[key] = tick
+                    append(False)
+            shadow._request = s_request
+        # Write the state back in the public path's form.
+        sizes.clear()
+        sizes.update(dict.fromkeys(cls, 1))
         history.used_bytes = h_used
-        shadow._used, shadow._request, shadow._run, shadow._shadow_run = s_used, s_request, s_run, s_shadow_run
-        shadow._seen, shadow._accesses, shadow._diff, shadow._score = s_seen, s_acc, s_diff, s_score
-        self._weights = weights
-        self._used, self._tick, self._request, self._current = used, tick, request, current
-        self._ghost_rate, self._evictions, self._evicted_bytes = ghost_rate, evictions, ev_bytes
+        shadow._used, shadow._run, shadow._shadow_run = s_used, s_run, s_shadow_run
+        shadow._seen = shadow._accesses = s_acc
+        shadow._diff, shadow._score = s_diff, s_score
+        w[0], w[1], w[2] = m0, m1, m2
+        self._weights = w if trusted else [e0, e1, e2]
+        self._used, self._tick, self._request, self._current = used, tick, request, dict.fromkeys(current)
+        self._ghost_rate, self._evictions, self._evicted_bytes = ghost_rate, evictions, ev_used
         return hits
 
     def _order_clear(self) -> None:

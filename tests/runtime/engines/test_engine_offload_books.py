@@ -421,3 +421,50 @@ def test_a_promoted_chunk_evicted_before_its_hit_is_not_counted_for_its_tier_lat
     assert books.hit_keys[disk] == 0
     books.close()
     region.close(unlink=True)
+
+
+@pytest.mark.parametrize("bpc", [1, 2])
+def test_page_copier_cpu_runs_go_through_numpy_views_with_the_bytes_of_torch_copies(bpc) -> None:
+    """On CPU the per-run copies are numpy slice assignments (a microsecond of overhead against several for torch's
+    views and copy_); every byte must land where torch's copy_ path puts it, for stores and loads, with padded
+    engine pages (row stride > page), consecutive runs and scattered blocks, chunks entered mid-way."""
+    torch.manual_seed(3)
+    pages = [48, 40]
+    kv = [torch.randint(-128, 127, (24, p + 8), dtype=torch.int8) for p in pages]
+    blocks = [4, 5, 6, 19, 2, 11, 12, 7]
+    chunks = [0, 1, 2, 7, 3, 5, 6, 4]  # one block per chunk: runs of 3 and 2 blocks, and single blocks
+    skip = 1 if bpc == 2 else 0
+    stored = {}
+    for path in ("numpy", "torch"):
+        rows = torch.zeros(8, bpc * sum(pages), dtype=torch.uint8)
+        copier = PageCopier(kv, pages, rows, blocks_per_chunk=bpc)
+        assert copier._np_views is not None  # numpy is a dependency: CPU copiers get the views
+        if path == "torch":
+            copier._np_views = None
+        pairs = copier.pairs(blocks, chunks, skip)
+        assert bpc > 1 or [r[3] for r in copier.runs(pairs)] == [3, 1, 1, 2, 1]
+        copier.submit(1, pairs, to_host=True)
+        (done,) = copier.finished()
+        assert done.nbytes == len(blocks) * sum(pages)
+        stored[path] = rows.clone()
+        back = [torch.zeros_like(t) for t in kv]
+        loader = PageCopier(back, pages, rows, blocks_per_chunk=bpc)
+        if path == "torch":
+            loader._np_views = None
+        loader.submit(2, pairs, to_host=False)
+        for t, b, p in zip(kv, back, pages):
+            assert torch.equal(b[blocks, :p], t[blocks, :p]) and not b[:, p:].any()
+            assert not b[[i for i in range(24) if i not in blocks]].any()
+    assert torch.equal(stored["numpy"], stored["torch"]) and stored["numpy"].any()
+
+
+def test_page_copier_rejects_block_and_row_ids_outside_the_tensors_before_copying() -> None:
+    # numpy slices clip an out-of-range id instead of failing: the ids are checked first, and nothing is copied.
+    kv = [torch.ones(10, 8, dtype=torch.int8)]
+    rows = torch.zeros(4, 8, dtype=torch.uint8)
+    copier = PageCopier(kv, [8], rows)
+    for pairs, field_name in (([(3, 0, 0), (10, 1, 0)], "engine block ids"), ([(-1, 0, 0)], "engine block ids"),
+                              ([(3, 0, 0), (4, 4, 0)], "host row ids")):
+        with pytest.raises(ValueError, match=field_name):
+            copier.submit(1, pairs, to_host=True)
+        assert not rows.any()

@@ -211,3 +211,43 @@ def test_the_fused_replay_loop_declines_what_it_does_not_model() -> None:
     p.pin(1)
     assert p.replay_unit_blocks([[1, 2]]) is None and p.used_bytes == 1  # pinned: nothing done
     assert AdaptivePolicy(8, admission=DoorkeeperAdmission()).replay_unit_blocks([[1]]) is None
+
+
+def test_the_fused_replay_loop_declines_sizes_and_subclasses_it_does_not_model() -> None:
+    # The loop counts entries for bytes: one block larger than a byte and it must leave the state alone.
+    p = AdaptivePolicy(8)
+    p.insert(1, 2)
+    before = _state(p)
+    assert p.replay_unit_blocks([[1, 2, 3]]) is None and _state(p) == before
+    # A subclass that tempers its weights another way would be bypassed by the loop's inlined tempering.
+    assert Traced(8).replay_unit_blocks([[1]]) is None
+
+    class Unbounded(AdaptivePolicy):
+        max_weight_ratio = 0.5  # under 1: the loop's shortcut for the bound would not hold
+
+    assert Unbounded(8).replay_unit_blocks([[1]]) is None
+    # The default policy, fresh or after public steps of unit blocks, takes the loop.
+    q = AdaptivePolicy(8)
+    assert q.replay_unit_blocks([[1, 2]]) == [False, False]
+    assert _public_path(q, [[1, 3]]) == [True, False] and q.replay_unit_blocks([[3, 4]]) == [True, False]
+
+
+def test_the_fused_replay_loop_matches_touch_and_insert_on_random_small_traces() -> None:
+    # Tiny caches over a few keys: keys repeated inside a request, empty requests, a running request that fills a
+    # whole class, constant eviction -- the corners of the loop's cached class heads and inlined bookkeeping.
+    import random
+
+    for seed in range(150):
+        rng = random.Random(seed)
+        universe = rng.randint(3, 60)
+        requests = [[rng.randrange(universe) for _ in range(rng.choice([0, 1, 1, 2, 3, 5, 8]))]
+                    for _ in range(rng.randint(1, 120))]
+        cap = rng.randint(1, 12)
+        whole_fused, whole_public = AdaptivePolicy(cap), AdaptivePolicy(cap)
+        assert whole_fused.replay_unit_blocks(requests) == _public_path(whole_public, requests), seed
+        assert _state(whole_fused) == _state(whole_public), seed
+        fused, public = AdaptivePolicy(cap), AdaptivePolicy(cap)
+        cut = rng.randint(0, len(requests))
+        got = fused.replay_unit_blocks(requests[:cut]) + _public_path(fused, requests[cut:])
+        want = _public_path(public, requests[:cut]) + public.replay_unit_blocks(requests[cut:])
+        assert got == want and _state(fused) == _state(public), seed
