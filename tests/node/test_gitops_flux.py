@@ -1,6 +1,6 @@
 """kvtier beside a real GitOps controller: Flux's source-controller and kustomize-controller (built from their Go
 modules by e2e/flux/run, run as pods on the real node) sync a bare Git repository on this host, with pruning and a
-10 s interval, while the operator (installed by its chart, as a pod) configures what Flux applies.
+5 s interval, while the operator (installed by its chart, as a pod) configures what Flux applies.
 
 What a real controller does that the unit tests' second field manager does not: it re-applies on an interval with
 its own server-side apply options (forced ownership of what Git says), it checks drift with dry runs, it prunes what
@@ -12,8 +12,10 @@ namespace, an opted-in Deployment and a policy; then changes to both; then the p
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,17 +26,21 @@ import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from plugins.node import NodeCluster, image_ref, wait_until
+from plugins.node import CHART, HELM, OPERATOR_NAMESPACE, OPERATOR_RELEASE, NodeCluster, image_ref, wait_until
+from plugins.prometheus import require_prometheus
+from scenario.manifests import (DEGRADED, HEALTHY, Names, synthetic_deployment, synthetic_engine_config_map)
+from scenario.manifests import policy as scenario_policy
+from scenario.prometheus import PrometheusProcess
 
 from kvtier_operator.labels import OPT_IN_ANY, OPT_IN_LABEL
-from kvtier_operator.settings import CONFIG_HASH_ANNOTATION, FIELD_MANAGER
+from kvtier_operator.settings import CONFIG_HASH_ANNOTATION, FIELD_MANAGER, REENABLE_ANNOTATION
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.node, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 FLUX_RUN = REPO / "e2e" / "flux" / "run"
 FLUX_MANAGER = "kustomize-controller"
-INTERVAL_S = 10  # e2e/flux/sync.yaml
+INTERVAL_S = 5  # e2e/flux/sync.yaml
 SYNC_TIMEOUT_S = 120
 KUSTOMIZE = ("kustomize.toolkit.fluxcd.io", "v1", "flux-system", "kustomizations", "gitops")
 
@@ -269,3 +275,109 @@ def test_the_policy_pruned_from_git_releases_the_workload(gitops: GitOps) -> Non
     assert spec["containers"][0]["args"] == ["--config", "/etc/kvtier/engine.yaml", "--max-model-len", "4096"]
     assert d["spec"]["replicas"] == 2
     g.synced(sha)
+
+
+# ------------------------------------------------------------------------------------ the SLO guard under Flux
+@pytest.fixture
+def guarded(gitops: GitOps, tmp_path: Path) -> Iterator[tuple[GitOps, Any, Names]]:
+    """A second namespace in the same repository: the synthetic engine (e2e/synthetic_engine) opted in to a policy
+    with a cpu and a filesystem tier and short SLO settings; Prometheus on the node's bridge scrapes its pods, and
+    the operator is allowed to query it (a helm upgrade of the session's release, undone afterwards)."""
+    require_prometheus()
+    g = gitops
+    # The node's bridge address, as e2e/node/run recorded it: pods reach the host there.
+    env = dict(line.split("=", 1) for line in (g.cluster.cp.state_dir / "node" / "net.env").read_text().split())
+    prom = PrometheusProcess(tmp_path / "prometheus", scrape_interval="1s", host=env["gateway"])
+    prom.start()
+    names = Names(namespace=f"{g.namespace}-slo", workload="llm-slo", policy="llm-slo")
+    helm_env = {**os.environ, **{f"HELM_{k}_HOME": str(g.cluster.cp.state_dir.parent / "helm")
+                                 for k in ("CACHE", "CONFIG", "DATA")}}
+
+    def upgrade(*settings: str) -> None:
+        subprocess.run([str(HELM), "upgrade", OPERATOR_RELEASE, str(CHART), "--namespace", OPERATOR_NAMESPACE,
+                        "--kubeconfig", str(g.cluster.cp.kubeconfig), "--reuse-values", "--wait", "--timeout", "180s",
+                        *settings], check=True, env=helm_env, capture_output=True, text=True, timeout=240)
+    upgrade("--set", "slo.prometheus.allowHttp=true",
+            "--set-json", f'slo.prometheus.allowed=["{prom.host}:{prom.port}"]',
+            "--set-json", 'operator.extraArgs=["--resync=60","--backoff-max=5"]')
+    try:
+        yield g, prom, names
+    finally:
+        prom.stop()
+        upgrade("--set", "slo.prometheus.allowHttp=false", "--set-json", "slo.prometheus.allowed=[]",
+                "--set-json", "operator.extraArgs=[]")
+
+
+def tier_state(g: GitOps, names: Names, tier: str) -> str | None:
+    with g.cluster.cp.api_client() as api:
+        pol = client.CustomObjectsApi(api).get_namespaced_custom_object(
+            "kvtier.io", "v1alpha1", names.namespace, "kvcachepolicies", names.policy)
+    return next((t.get("state") for t in (pol.get("status") or {}).get("tiers") or [] if t.get("name") == tier), None)
+
+
+def test_the_slo_guards_rollback_and_re_enable_survive_flux(guarded: tuple[GitOps, Any, Names]) -> None:
+    g, prom, names = guarded
+    script = (REPO / "e2e" / "synthetic_engine" / "engine.py").read_text()
+    deployment = synthetic_deployment(names, image_ref("operator"), HEALTHY)
+    deployment["spec"]["replicas"] = 1  # as Git has it: the pod started before the config was injected is replaced
+    files = {"slo/namespace.yaml": {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": names.namespace}},
+             "slo/engine-script.yaml": synthetic_engine_config_map(names, script),
+             "slo/deployment.yaml": deployment, "slo/policy.yaml": scenario_policy(names, prom.url)}
+    (g.work / "slo").mkdir(exist_ok=True)
+    g.synced(g.commit(files, "llm-slo: a synthetic engine guarded by its SLO"))
+    with g.cluster.cp.api_client() as api:
+        apps, core = client.AppsV1Api(api), client.CoreV1Api(api)
+
+        def workload() -> dict[str, Any]:
+            return api.sanitize_for_serialization(apps.read_namespaced_deployment(names.workload, names.namespace))
+
+        def serving() -> list[client.V1Pod] | None:
+            """The Running, ready pods of the current template, each a Prometheus target (old ones dropped)."""
+            want = template_hash(workload())
+            pods = [p for p in core.list_namespaced_pod(names.namespace, label_selector=f"app={names.workload}").items
+                    if p.metadata.deletion_timestamp is None and p.status.phase == "Running"
+                    and (p.metadata.annotations or {}).get(CONFIG_HASH_ANNOTATION) == want
+                    and all(c.ready for c in p.status.container_statuses or [])]
+            for address in list(prom.targets):
+                if address not in {f"{p.status.pod_ip}:8000" for p in pods}:
+                    prom.remove_target(address)
+            for p in pods:
+                prom.add_target(f"{p.status.pod_ip}:8000", namespace=names.namespace, pod=p.metadata.name)
+            return pods or None
+
+        (pod,) = wait_until(serving, 180, "the guarded engine serving its configured template")
+        healthy_hash = template_hash(workload())
+        wait_until(lambda: tier_state(g, names, names.fs_tier) == "Enabled" or None, 60, "both tiers Enabled")
+
+        # The engine slows down: three breaches in a row disable the newest tier.
+        request = urllib.request.Request(f"http://{pod.status.pod_ip}:8000/control", method="POST",
+                                         data=json.dumps(DEGRADED).encode(), headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=5).close()
+        wait_until(lambda: serving() and tier_state(g, names, names.fs_tier) == "Disabled" or None, 120,
+                   "the guard disabled the filesystem tier", interval_s=2)
+        rolled_hash = wait_until(lambda: (h := template_hash(workload())) != healthy_hash and h, 60,
+                                 "the rollback re-rendered")
+        generation = workload()["metadata"]["generation"]
+        # Flux syncs three more times: none of them undoes the rollback, nor reports the operator's change as drift.
+        end = time.monotonic() + 3.5 * INTERVAL_S
+        while time.monotonic() < end:
+            assert tier_state(g, names, names.fs_tier) == "Disabled"
+            assert template_hash(workload()) == rolled_hash
+            assert condition(g.kustomization(), "Ready") != "False"
+            time.sleep(2)
+        assert workload()["metadata"]["generation"] == generation
+
+        # A person re-enables it (the annotation is not in Git; Flux leaves what it does not own alone).
+        serving()
+        g.cluster.cp.kubectl("-n", names.namespace, "annotate", "kvcachepolicy", names.policy,
+                             f"{REENABLE_ANNOTATION}={names.fs_tier}")
+        wait_until(lambda: tier_state(g, names, names.fs_tier) == "Enabled" or None, 120,
+                   "the filesystem tier re-enabled", interval_s=2)
+        wait_until(lambda: template_hash(workload()) == healthy_hash or None, 60, "re-rendered with both tiers")
+        end = time.monotonic() + 2.5 * INTERVAL_S
+        while time.monotonic() < end:
+            serving()
+            assert tier_state(g, names, names.fs_tier) == "Enabled"
+            assert template_hash(workload()) == healthy_hash
+            assert condition(g.kustomization(), "Ready") != "False"
+            time.sleep(2)
