@@ -10,6 +10,7 @@ for its lifetime, so a file nobody holds (left by a killed engine) is recognised
 """
 from __future__ import annotations
 
+import atexit
 import fcntl
 import logging
 import mmap
@@ -64,6 +65,99 @@ def remove_stale_regions(shm_dir: str, now: float | None = None) -> list[str]:
         except OSError:
             pass
     return removed
+
+
+# Folders whose dead regions this process removes when it exits (see remove_dead_regions_at_exit).
+_EXIT_CLEANUP: set[str] = set()
+# How long that exit waits for the engine's processes, killed a moment before, to be gone (their locks released).
+EXIT_WAIT_S = 5.0
+EXIT_SETTLE_S = 1.0
+
+
+def remove_dead_regions_at_exit(shm_dir: str) -> None:
+    """Remove, when this process exits, the region files under ``shm_dir`` that no live process holds.
+
+    For vLLM's front end (the API server), the process that outlives the engine: on SIGTERM with the default
+    ``--shutdown-timeout 0`` it SIGKILLs the engine core (the region's owner) in the same instant it SIGTERMs it, so
+    the owner's shutdown never runs; the front end then exits normally and this removes what the killed engine
+    left in ``/dev/shm``. Only regions nobody holds are removed (the rule of :func:`remove_stale_regions`), so a
+    folder shared with live engines is safe. Registered once per folder."""
+    if shm_dir in _EXIT_CLEANUP:
+        return
+    _EXIT_CLEANUP.add(shm_dir)
+    atexit.register(_remove_dead_regions, shm_dir, EXIT_WAIT_S)
+
+
+def _remove_dead_regions(shm_dir: str, wait_s: float, poll_s: float = 0.05) -> list[str]:
+    """:func:`remove_stale_regions` once no descendant of this process holds a region under ``shm_dir`` open
+    (bounded by ``wait_s``): vLLM killed its engine core and workers just before, and a killed process releases its
+    lock when it is torn down. (Other descendants, e.g. multiprocessing's resource tracker, are not waited for.)"""
+    deadline = time.monotonic() + wait_s
+    while _held_below(shm_dir, os.getpid()) and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    # A reaped-to-zombie process may still hold its lock a moment (its mapping is torn down after): retry briefly
+    # while region files remain (some may be live engines' sharing the folder: those stay, the retry is bounded).
+    settle = min(deadline, time.monotonic() + EXIT_SETTLE_S)
+    removed = remove_stale_regions(shm_dir)
+    while _region_names(shm_dir) and time.monotonic() < settle:
+        time.sleep(poll_s)
+        removed += remove_stale_regions(shm_dir)
+    if removed:
+        log.info("kvtier: removed %d shared-memory region(s) of a stopped engine from %s", len(removed), shm_dir)
+    return removed
+
+
+def _region_names(shm_dir: str) -> list[str]:
+    try:
+        return [n for n in os.listdir(shm_dir) if n.startswith(PREFIX) and n.endswith(SUFFIX)]
+    except OSError:
+        return []
+
+
+def _held_below(shm_dir: str, pid: int) -> bool:
+    """Whether a live descendant of ``pid`` has a region file under ``shm_dir`` open (from /proc/<pid>/fd)."""
+    folder = os.path.realpath(shm_dir)
+    for child in _live_descendants(pid):
+        try:
+            fds = os.listdir(f"/proc/{child}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{child}/fd/{fd}")
+            except OSError:
+                continue
+            name = os.path.basename(target)
+            if os.path.dirname(target) == folder and name.startswith(PREFIX) and name.endswith(SUFFIX):
+                return True
+    return False
+
+
+def _live_descendants(pid: int) -> list[int]:
+    """Processes below ``pid`` that have not exited (zombies, whose files are closed, do not count); from /proc,
+    empty where there is none."""
+    parents: dict[int, int] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as handle:
+                stat = handle.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        if len(fields) >= 2 and fields[0] not in (b"Z", b"X"):
+            parents[int(name)] = int(fields[1])
+    below: list[int] = []
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier}
+        below += frontier
+    return below
 
 
 class HostRegion:
