@@ -35,8 +35,10 @@ def region_path(shm_dir: str, engine_id: str) -> str:
     return os.path.join(shm_dir, f"{PREFIX}{safe}{SUFFIX}")
 
 
-def remove_stale_regions(shm_dir: str, now: float | None = None) -> list[str]:
-    """Delete region files no live process holds (their engine was killed); returns the removed paths."""
+def remove_stale_regions(shm_dir: str, now: float | None = None, min_age_s: float = STALE_AFTER_S) -> list[str]:
+    """Delete region files no live process holds (their engine was killed) and at least ``min_age_s`` old; returns
+    the removed paths. (A region is locked before it appears under its name, so the age is only a margin for
+    regions made by older kvtier versions, which created the file before locking it.)"""
     removed: list[str] = []
     now = time.time() if now is None else now
     try:
@@ -52,7 +54,7 @@ def remove_stale_regions(shm_dir: str, now: float | None = None) -> list[str]:
         except OSError:
             continue
         try:
-            if now - os.fstat(fd).st_mtime < STALE_AFTER_S:
+            if now - os.fstat(fd).st_mtime < min_age_s:
                 continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -98,10 +100,10 @@ def _remove_dead_regions(shm_dir: str, wait_s: float, poll_s: float = 0.05) -> l
     # A reaped-to-zombie process may still hold its lock a moment (its mapping is torn down after): retry briefly
     # while region files remain (some may be live engines' sharing the folder: those stay, the retry is bounded).
     settle = min(deadline, time.monotonic() + EXIT_SETTLE_S)
-    removed = remove_stale_regions(shm_dir)
+    removed = remove_stale_regions(shm_dir, min_age_s=0.0)
     while _region_names(shm_dir) and time.monotonic() < settle:
         time.sleep(poll_s)
-        removed += remove_stale_regions(shm_dir)
+        removed += remove_stale_regions(shm_dir, min_age_s=0.0)
     if removed:
         log.info("kvtier: removed %d shared-memory region(s) of a stopped engine from %s", len(removed), shm_dir)
     return removed
@@ -160,6 +162,46 @@ def _live_descendants(pid: int) -> list[int]:
     return below
 
 
+def _open_locked(path: str) -> int:
+    """The region file at ``path``, opened and holding a shared lock; created if absent. A file this creates is
+    locked before it appears under its name (made under a private name, locked, then hard-linked into place), so a
+    region file nobody holds is always one whose processes are gone -- never one being created."""
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            pass
+        else:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if _same_file(fd, path):
+                return fd
+            os.close(fd)  # removed as stale between our open and our lock (its engine was gone): start again
+            continue
+        private = f"{path}.{os.getpid()}.{time.monotonic_ns()}.new"
+        fd = os.open(private, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            os.link(private, path)
+        except FileExistsError:
+            os.close(fd)  # another process of this engine published it first: use that one
+            continue
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            os.unlink(private)
+        return fd
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
 class HostRegion:
     """A ``(n_rows, row_bytes)`` uint8 tensor over the shared file; created by whichever process comes first."""
 
@@ -171,8 +213,7 @@ class HostRegion:
         self.n_rows = n_rows
         self.row_bytes = row_bytes
         self.nbytes = n_rows * row_bytes
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(self._fd, fcntl.LOCK_SH)
+        self._fd = _open_locked(self.path)
         size = os.fstat(self._fd).st_size
         if size < self.nbytes:
             # posix_fallocate, not ftruncate: a tmpfs too small for the tier fails here, at start-up, instead of

@@ -171,7 +171,6 @@ _HOLDER = """
 import os, signal, sys, time
 from kvtier_runtime.engines.host_region import HostRegion
 region = HostRegion(sys.argv[1], "killed-engine", 2, 64)
-os.utime(region.path, (time.time() - 60, time.time() - 60))  # created long ago, as an engine's region is
 print("held", flush=True)
 time.sleep(float(sys.argv[2]))
 os.kill(os.getpid(), signal.SIGKILL)
@@ -186,7 +185,6 @@ def test_a_front_end_exiting_removes_a_killed_engines_region_and_keeps_live_ones
 
     shm = str(tmp_path)
     live = HostRegion(shm, "live-engine", 2, 64)  # another engine sharing the folder, still running
-    os.utime(live.path, (time.time() - 60, time.time() - 60))
     engine = subprocess.Popen([sys.executable, "-c", _HOLDER, shm, "0.5"], stdout=subprocess.PIPE, text=True)
     # a descendant holding no region (as multiprocessing's resource tracker in vLLM's front end): not waited for
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
@@ -201,7 +199,8 @@ def test_a_front_end_exiting_removes_a_killed_engines_region_and_keeps_live_ones
             proc.wait(10)
     assert removed == [region_path(shm, "killed-engine")]  # removed once its holder was gone ...
     assert 0.2 < waited < 5.0  # ... which the exit waited for, not its whole bound
-    assert os.path.exists(live.path)
+    assert os.path.exists(live.path)  # (both were seconds old: a region is locked before it has its name)
+    assert sorted(os.listdir(shm)) == [os.path.basename(live.path)]  # no private name of the creation left
     live.close(unlink=True)
 
 
