@@ -14,6 +14,12 @@ Measured, from the engine's /metrics: the device tier's share is vLLM's ``prefix
 filesystem tiers' are kvtier's ``hit_tokens{tier}``, each over the prompt tokens in whole blocks (vLLM's
 ``prompt_tokens`` less the partial blocks this test sent). Predicted: the recording's folder through ``kvtier
 replay --trace DIR --json`` with no capacity flag (the model of the recorded engine its sidecar describes).
+
+Then the loop a user runs: ``kvtier replay recommend`` on that recording, with a budget below the recorded engine's
+sizes (48 MiB of host, 96 MiB of filesystem: both tiers then serve a share), prints a KVCachePolicy that ``kvtier
+validate`` accepts; the operator's renderer turns it into a second engine's config (its tiers' sizes and eviction
+policies), which serves held-out traffic -- the requests of the trace's next 16 busiest prefix families, never
+seen by recommend -- recording them; replay of that recording predicts each tier's share within the same bound.
 """
 from __future__ import annotations
 
@@ -24,12 +30,14 @@ import pathlib
 import random
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 import pytest
 import yaml
 
 from e2e.vllm_cpu import model, render
 from e2e.vllm_cpu.server import VllmServer
+from kvtier_runtime.replay.recommend import parse_quantity
 
 MiB = 1 << 20
 BLOCK_TOKENS = 32
@@ -41,17 +49,24 @@ MAX_TAIL = 16
 MAX_MODEL_LEN = 640  # 16 blocks + a partial block + the generated token
 FAMILIES = 16
 N_REQUESTS = 250
+# recommend's budget: below the recorded engine's tiers (64 MiB, 160 MiB), so both tiers are sized by it and serve
+BUDGET = "cpu=48Mi,filesystem=96Mi"
+# the held-out traffic: the prefix families ranked 17 to 32 (185 requests)
+HELD_OUT = (FAMILIES, 2 * FAMILIES)
 # Absolute error allowed on each tier's share of prompt tokens and on the total (docs/replay.md, "Fidelity").
 BOUND = 0.03
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data" / "mooncake-synthetic.jsonl"
+HIT = "vllm:kv_offload_kvtier_hit_tokens_total"
 
 
-def workload() -> list[tuple[list[int], int]]:
-    """(block ids, partial-block tokens) per request, by the rule of the module's doc."""
+def workload(families: tuple[int, int] = (0, FAMILIES)) -> list[tuple[list[int], int]]:
+    """(block ids, partial-block tokens) per request, by the rule of the module's doc: the requests of the trace's
+    prefix families ranked ``families`` (busiest first), at most N_REQUESTS of them in file order."""
     rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r["hash_ids"]]
-    roots = {root for root, _ in Counter(r["hash_ids"][0] for r in rows).most_common(FAMILIES)}
+    ranked = [root for root, _ in Counter(r["hash_ids"][0] for r in rows).most_common(families[1])]
+    roots = set(ranked[families[0]:])
     chosen = [r for r in rows if r["hash_ids"][0] in roots][:N_REQUESTS]
     return [(r["hash_ids"][:MAX_BLOCKS], 1 + r["input_length"] % MAX_TAIL) for r in chosen]
 
@@ -67,8 +82,12 @@ def prompt(ids: list[int], tail: int, index: int) -> list[int]:
     return tokens + [len(model.SPECIAL_TOKENS) + rng.randrange(model.ModelSpec().vocab_words) for _ in range(tail)]
 
 
-def engine_config(tmp: pathlib.Path) -> pathlib.Path:
-    policy = render.policy_document(tiers=[render.host_tier(HOST_BYTES), render.fs_tier(str(tmp / "fs"), FS_BYTES)])
+def recorded_policy(tmp: pathlib.Path) -> dict:
+    return render.policy_document(tiers=[render.host_tier(HOST_BYTES), render.fs_tier(str(tmp / "fs"), FS_BYTES)])
+
+
+def engine_config(tmp: pathlib.Path, policy: dict) -> pathlib.Path:
+    """The operator's rendering of ``policy``, recording into ``tmp/trace``."""
     path = render.render_engine_config(policy, tmp / "engine.yaml")
     doc = yaml.safe_load(path.read_text())
     extra = doc["kv-transfer-config"]["kv_connector_extra_config"]
@@ -100,57 +119,127 @@ def _settled(server: VllmServer, names: list[str]) -> dict:
     return samples
 
 
-def test_replay_of_the_recording_predicts_each_tiers_share(tmp_path) -> None:
-    import kvtier_runtime
+@dataclass
+class Served:
+    """One engine's run: the recording, the engine's settled metrics and what replay predicts."""
 
-    print(f"\nkvtier_runtime from {kvtier_runtime.__file__}")
-    requests = workload()
-    assert len(requests) == N_REQUESTS
-    config = engine_config(tmp_path)
-    server = VllmServer(model.ensure_model(tmp_path.parent / "models"), config, kv_cache_memory_bytes=KV_CACHE_BYTES,
-                        max_model_len=MAX_MODEL_LEN, log_path=tmp_path / "engine.log", startup_timeout_s=420)
-    hit = "vllm:kv_offload_kvtier_hit_tokens_total"
+    tmp: pathlib.Path
+    server: VllmServer  # stopped: its metric() reads the samples below
+    requests: list[tuple[list[int], int]]
+    seconds: float
+    samples: dict
+    whole: float
+    replay: dict
+    predicted: dict[str, float]
+    measured: dict[str, float]
+
+
+def serve(tmp: pathlib.Path, policy: dict, requests: list[tuple[list[int], int]], first_index: int = 0) -> Served:
+    """Start an engine on ``policy``'s rendering (recording), send ``requests`` one at a time, stop it, and compare
+    replay of its recording with its counters."""
+    config = engine_config(tmp, policy)
+    server = VllmServer(model.ensure_model(tmp.parent / "models"), config, kv_cache_memory_bytes=KV_CACHE_BYTES,
+                        max_model_len=MAX_MODEL_LEN, log_path=tmp / "engine.log", startup_timeout_s=420)
     with server:
         t0 = time.monotonic()
-        for i, (ids, tail) in enumerate(requests):
+        for i, (ids, tail) in enumerate(requests, start=first_index):
             server.complete(prompt(ids, tail, i), max_tokens=1)
         seconds = time.monotonic() - t0
-        samples = _settled(server, [hit, "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total"])
+        samples = _settled(server, [HIT, "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total"])
         time.sleep(1.5)  # the recorder's writer flushes every 0.5 s
     prompt_tokens = server.metric("vllm:prompt_tokens_total", samples)
     whole = prompt_tokens - sum(tail for _, tail in requests)
     assert whole == BLOCK_TOKENS * sum(len(ids) for ids, _ in requests)
 
-    d = replay_json(tmp_path / "trace")
+    d = replay_json(tmp / "trace")
     assert d["model"]["replay"] == "recorded engine"
     # The recording holds every request and every full block the engine saw.
-    assert d["requests"] == N_REQUESTS and d["block_accesses"] * d["block_tokens"] == whole
-
+    assert d["requests"] == len(requests) and d["block_accesses"] * d["block_tokens"] == whole
     predicted = {t["name"]: t["prefix_hit_ratio"] for t in d["tiers"]}
     measured = {"device": server.metric("vllm:prefix_cache_hits_total", samples) / whole}
     for t in d["tiers"][1:]:
-        measured[t["name"]] = server.metric(hit, samples, tier=t["name"]) / whole
+        measured[t["name"]] = server.metric(HIT, samples, tier=t["name"]) / whole
     predicted["total"] = d["total"]["prefix_hit_ratio"]
     measured["total"] = sum(measured.values())
-    by_source = {s: server.metric("vllm:prompt_tokens_cached_by_source_total", samples, source=s) / whole
+    return Served(tmp, server, requests, seconds, samples, whole, d, predicted, measured)
+
+
+def report(run: Served) -> None:
+    d, samples, whole = run.replay, run.samples, run.whole
+    metric = run.server.metric
+    by_source = {s: metric("vllm:prompt_tokens_cached_by_source_total", samples, source=s) / whole
                  for s in ("device", "host", "disk")}
-    print(f"{N_REQUESTS} requests in {seconds:.1f} s; {whole:.0f} prompt tokens in whole blocks; model "
+    print(f"\n{len(run.requests)} requests in {run.seconds:.1f} s; {whole:.0f} prompt tokens in whole blocks; model "
           f"{json.dumps(d['model']['tiers'])}, device {d['model']['device_chunks']} chunks")
     print(f"vLLM prompt_tokens_cached_by_source / whole-block tokens: {by_source}")
     disk = d["tiers"][-1]
-    print(f"promotions from disk: predicted {disk['promotions']}, measured "
-          f"{server.metric('vllm:kv_offload_kvtier_promotions_total', samples):.0f}; written to disk: predicted "
-          f"{disk['stored_blocks']}, measured {server.metric('vllm:kv_offload_kvtier_fs_stores_total', samples):.0f}")
+    promotions = metric("vllm:kv_offload_kvtier_promotions_total", samples)
+    stores = metric("vllm:kv_offload_kvtier_fs_stores_total", samples)
+    print(f"promotions from disk: predicted {disk['promotions']}, measured {promotions:.0f}; written to disk: "
+          f"predicted {disk['stored_blocks']}, measured {stores:.0f}")
     print(f"{'tier':<10}{'predicted':>11}{'measured':>10}{'error':>9}")
-    for name in predicted:
-        print(f"{name:<10}{predicted[name]:>11.4f}{measured[name]:>10.4f}{predicted[name] - measured[name]:>+9.4f}")
+    for name in run.predicted:
+        print(f"{name:<10}{run.predicted[name]:>11.4f}{run.measured[name]:>10.4f}"
+              f"{run.predicted[name] - run.measured[name]:>+9.4f}")
+
+
+def check(run: Served) -> None:
+    d, measured = run.replay, run.measured
     # The device tier is modelled: the sidecar has vLLM's block count.
     assert d["model"]["device_chunks"] is not None and d["tiers"][0]["name"] == "device"
-    for name in d["tiers"][1:]:
-        assert measured[name["name"]] > 0, f"tier {name['name']} served nothing: the sizes do not test it"
+    for tier in d["tiers"][1:]:
+        assert measured[tier["name"]] > 0, f"tier {tier['name']} served nothing: the sizes do not test it"
     assert measured["device"] > 0
-    errors = {name: abs(predicted[name] - measured[name]) for name in predicted}
+    errors = {name: abs(run.predicted[name] - measured[name]) for name in run.predicted}
     assert max(errors.values()) <= BOUND, f"replay off by more than {BOUND}: {errors}"
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> Served:
+    """The recorded engine's run (module-scoped: the recommend test sizes its policy from this recording)."""
+    import kvtier_runtime
+
+    print(f"\nkvtier_runtime from {kvtier_runtime.__file__}")
+    requests = workload()
+    assert len(requests) == N_REQUESTS
+    tmp = tmp_path_factory.mktemp("recorded")
+    return serve(tmp, recorded_policy(tmp), requests)
+
+
+def test_replay_of_the_recording_predicts_each_tiers_share(recorded) -> None:
+    report(recorded)
+    check(recorded)
+
+
+def test_recommend_sizes_a_policy_whose_engine_replay_predicts_on_held_out_traffic(recorded, tmp_path) -> None:
+    from kvtier_operator.cli import main as kvtier
+
+    current = tmp_path / "current.yaml"
+    current.write_text(yaml.safe_dump(recorded_policy(recorded.tmp), sort_keys=False))
+    out = tmp_path / "recommended.yaml"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert kvtier(["replay", "recommend", "--trace", str(recorded.tmp / "trace"), "--policy", str(current),
+                       "--budget", BUDGET, "-o", str(out)]) == 0
+        assert kvtier(["validate", str(out)]) == 0
+    text = out.read_text()
+    print("\n" + "\n".join(line for line in text.splitlines() if line.startswith("#") and "replay" in line))
+    policy = yaml.safe_load(text)
+    tiers = {t["name"]: t for t in policy["spec"]["tiers"]}
+    print("recommended: " + ", ".join(f"{n} {t['size']} {t['evictionPolicy']}" for n, t in tiers.items()))
+    # Within the budget, below the recorded engine's sizes: recommend chose them.
+    assert parse_quantity(tiers["host"]["size"], "host") <= 48 * MiB
+    assert parse_quantity(tiers["disk"]["size"], "disk") <= 96 * MiB
+    tiers["disk"]["path"] = str(tmp_path / "fs")  # the new engine's own (empty) filesystem tier
+
+    held_out = workload(HELD_OUT)
+    assert len(held_out) > 150 and not {ids[0] for ids, _ in held_out} & {ids[0] for ids, _ in recorded.requests}
+    run = serve(tmp_path, policy, held_out, first_index=N_REQUESTS)
+    report(run)
+    # The engine runs what recommend wrote: the host tier's blocks and each tier's eviction policy.
+    meta = json.loads((tmp_path / "trace" / "trace-meta.json").read_text())
+    assert meta["tiers"][0]["capacity_blocks"] == parse_quantity(tiers["host"]["size"], "host") // meta["block_bytes"]
+    assert [t["eviction_policy"] for t in meta["tiers"]] == [t["evictionPolicy"] for t in policy["spec"]["tiers"]]
+    check(run)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -13,6 +13,13 @@ Cost on the engine thread: :meth:`TraceRecorder.record` reads the clock and appe
 no hashing, no formatting, no I/O; when the deque is full the request is dropped and counted, never waited for.
 A writer thread hashes, formats, writes and rotates: the files never hold more than ``max_bytes`` in all (each at
 most ``max_bytes // files``; the oldest file is deleted when a new one would exceed the count).
+
+Crash consistency: an engine may end without :meth:`TraceRecorder.close` -- vLLM's front end SIGKILLs its engine core
+in the same instant it SIGTERMs it unless ``--shutdown-timeout`` is set (the Kubernetes default path), and OOM kills
+run nothing. So the folder is valid at every moment, not only after close: each flush writes its lines with one
+unbuffered write per file (no torn line is left in a buffer) and then rewrites the sidecar (atomic rename) with the
+counters of what is on disk. A killed engine loses at most the requests of its last flush interval; the sidecar's
+``state`` says ``recording`` (it was not closed) or ``closed``.
 """
 from __future__ import annotations
 
@@ -76,6 +83,8 @@ class TraceRecorder:
         self._files: list[tuple[int, int]] = []  # (index, bytes) of the files on disk, oldest first
         self._handle: Any = None
         self._write_failed = False
+        self._closed = False
+        self._meta_written: tuple[int, ...] = ()  # the counters the sidecar on disk holds
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one writer at a time: the thread, or close()'s final drain
         self._started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -114,16 +123,23 @@ class TraceRecorder:
     def flush(self) -> None:
         """Write what is queued (the writer thread calls this; tests and close() may too)."""
         with self._lock:
-            wrote = False
+            batch: list[bytes] = []  # lines bound for the current file, written with one call
             while self._queue:
                 t, n_in, n_out, keys = self._queue.popleft()
-                self._write_line(self._line(t, n_in, n_out, keys))
-                wrote = True
-            if wrote and self._handle is not None:
-                try:
-                    self._handle.flush()
-                except OSError as exc:
-                    self._write_error(exc)
+                line = self._line(t, n_in, n_out, keys)
+                if len(line) > self.file_bytes:
+                    self.dropped["too_large"] += 1
+                    continue
+                index, size = self._files[-1] if self._files else (-1, 0)
+                pending = sum(map(len, batch))
+                if self._handle is not None and size + pending + len(line) > self.file_bytes:
+                    self._write_batch(batch)
+                    batch = []
+                    self._rotate(index + 1)
+                batch.append(line)
+            self._write_batch(batch)
+            if self._meta_written != self._meta_state():
+                self._write_meta()
 
     def _line(self, t: float, n_in: int, n_out: int, keys: tuple[bytes, ...]) -> bytes:
         ids = self._ids
@@ -144,28 +160,28 @@ class TraceRecorder:
         return (json.dumps({"timestamp": ms, "input_length": n_in, "output_length": n_out, "hash_ids": out},
                            separators=(",", ":")) + "\n").encode()
 
-    def _write_line(self, line: bytes) -> None:
-        if len(line) > self.file_bytes:
-            self.dropped["too_large"] += 1
+    def _write_batch(self, batch: list[bytes]) -> None:
+        """Whole lines to the current file in one unbuffered write: a kill leaves no line half on disk."""
+        if not batch:
             return
         if self._handle is None:
-            self.dropped["write_error"] += 1
+            self.dropped["write_error"] += len(batch)
             return
-        index, size = self._files[-1]
-        if size + len(line) > self.file_bytes:
-            self._rotate(index + 1)
-            if self._handle is None:
-                self.dropped["write_error"] += 1
-                return
-            index, size = self._files[-1]
+        data = b"".join(batch)
         try:
-            self._handle.write(line)
+            written = self._handle.write(data)
+            while written < len(data):  # a short write (a full disk, a signal): the rest, or an OSError
+                more = self._handle.write(data[written:])
+                if not more:
+                    raise OSError(f"wrote {written} of {len(data)} bytes")
+                written += more
         except OSError as exc:
             self._write_error(exc)
-            self.dropped["write_error"] += 1
+            self.dropped["write_error"] += len(batch)
             return
-        self._files[-1] = (index, size + len(line))
-        self.requests_written += 1
+        index, size = self._files[-1]
+        self._files[-1] = (index, size + len(data))
+        self.requests_written += len(batch)
 
     def _rotate(self, index: int) -> None:
         self._close_handle()
@@ -183,7 +199,8 @@ class TraceRecorder:
     def _open(self, index: int) -> None:
         path = os.path.join(self.trace_dir, trace_file_name(index))
         try:
-            self._handle = open(path, "wb")  # noqa: SIM115 -- closed at rotation and close()
+            # Unbuffered: every flush reaches the kernel at once (a kill of the process loses nothing written).
+            self._handle = open(path, "wb", buffering=0)  # noqa: SIM115 -- closed at rotation and close()
         except OSError as exc:
             self._handle = None
             self._write_error(exc)
@@ -225,11 +242,18 @@ class TraceRecorder:
             "requests_dropped": {"queue_full": self.dropped_queue_full, **self.dropped},
             "ids_forgotten": self.ids_forgotten,
             "output_length": "always 0: the offloading manager is not told a request's output length",
+            # recording: the engine may still be writing, or was killed (its last flush interval is missing).
+            "state": "closed" if self._closed else "recording",
         }
+
+    def _meta_state(self) -> tuple[int, ...]:
+        return (self.requests_written, self.dropped_queue_full, *self.dropped.values(), self.ids_forgotten,
+                len(self._files), int(self._closed))
 
     def _write_meta(self) -> None:
         path = os.path.join(self.trace_dir, META_FILE)
         tmp = path + ".tmp"
+        state = self._meta_state()
         try:
             with open(tmp, "w", encoding="utf-8") as handle:
                 json.dump(self.meta_dict(), handle, indent=2)
@@ -237,6 +261,8 @@ class TraceRecorder:
             os.replace(tmp, path)
         except OSError as exc:
             self._write_error(exc)
+            return
+        self._meta_written = state
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -248,6 +274,7 @@ class TraceRecorder:
         self.flush()
         with self._lock:
             self._close_handle()
+            self._closed = True
             self._write_meta()
 
     @property

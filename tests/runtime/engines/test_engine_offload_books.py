@@ -166,6 +166,44 @@ def test_host_region_is_shared_and_stale_files_are_removed(tmp_path) -> None:
     assert remove_stale_regions(shm, now=time.time() + 3600) == [a.path] and not os.path.exists(a.path)
 
 
+# An engine process holding its region, killed (SIGKILL: no shutdown) a moment after the front end's exit began.
+_HOLDER = """
+import os, signal, sys, time
+from kvtier_runtime.engines.host_region import HostRegion
+region = HostRegion(sys.argv[1], "killed-engine", 2, 64)
+print("held", flush=True)
+time.sleep(float(sys.argv[2]))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_front_end_exiting_removes_a_killed_engines_region_and_keeps_live_ones(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from kvtier_runtime.engines.host_region import _remove_dead_regions
+
+    shm = str(tmp_path)
+    live = HostRegion(shm, "live-engine", 2, 64)  # another engine sharing the folder, still running
+    engine = subprocess.Popen([sys.executable, "-c", _HOLDER, shm, "0.5"], stdout=subprocess.PIPE, text=True)
+    # a descendant holding no region (as multiprocessing's resource tracker in vLLM's front end): not waited for
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert engine.stdout is not None and engine.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        removed = _remove_dead_regions(shm, wait_s=10.0)
+        waited = time.monotonic() - t0
+    finally:
+        for proc in (engine, bystander):
+            proc.kill()
+            proc.wait(10)
+    assert removed == [region_path(shm, "killed-engine")]  # removed once its holder was gone ...
+    assert 0.2 < waited < 5.0  # ... which the exit waited for, not its whole bound
+    assert os.path.exists(live.path)  # (both were seconds old: a region is locked before it has its name)
+    assert sorted(os.listdir(shm)) == [os.path.basename(live.path)]  # no private name of the creation left
+    live.close(unlink=True)
+
+
 def test_page_copier_merges_consecutive_blocks_into_runs() -> None:
     assert PageCopier.runs([(4, 0, 0), (5, 1, 0), (6, 2, 0), (9, 3, 0), (10, 9, 0)]) == [
         (4, 0, 0, 3), (9, 3, 0, 1), (10, 9, 0, 1)]

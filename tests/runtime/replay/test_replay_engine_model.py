@@ -70,7 +70,8 @@ def test_lookups_stop_at_the_first_miss() -> None:
 def test_disk_hits_are_promoted_and_the_store_after_them_skips_what_was_loaded() -> None:
     host, disk = PolicySpec("lru").build(3), PolicySpec("lru").build(10)
     requests = [[1, 2, 3], [4, 5, 6], [1, 2, 7]]
-    served, stored = replay_engine_tiers(requests, None, [host, disk], 16)
+    # (write-throughs landing at once: each store may evict the previous request's chunks)
+    served, stored = replay_engine_tiers(requests, None, [host, disk], 16, write_through_requests=0)
     assert served[6:] == [1, 1, -1]  # 1 and 2 from disk (the host tier holds 4, 5, 6), 7 computed
     assert stored == [3 + 3 + 2 + 1, 7]  # host: the stores and the two promotions; disk: each chunk once
     assert 7 in host and 7 in disk and 1 in host
@@ -78,9 +79,28 @@ def test_disk_hits_are_promoted_and_the_store_after_them_skips_what_was_loaded()
 
 def test_a_chunk_held_only_on_disk_is_not_copied_back_by_a_store() -> None:
     host, disk = PolicySpec("lru").build(2), PolicySpec("lru").build(10)
-    served, _ = replay_engine_tiers([[1, 2], [3, 4], [8, 1]], None, [host, disk], 16)
+    served, _ = replay_engine_tiers([[1, 2], [3, 4], [8, 1]], None, [host, disk], 16, write_through_requests=0)
     assert served[4:] == [-1, -1]  # 8 misses first: nothing is looked up after it
     assert 1 not in host and 8 in host and 1 in disk  # the whole prompt was offered; 1 stayed on disk only
+
+
+def test_a_stored_chunk_stays_pinned_while_the_next_request_runs_its_write_through_in_flight() -> None:
+    # The host tier holds 3; request 0's chunks are still being written to disk while request 1 runs.
+    host, disk = PolicySpec("lru").build(3), PolicySpec("lru").build(10)
+    _, stored = replay_engine_tiers([[1, 2, 3], [4, 5], [6, 7]], None, [host, disk], 16)
+    # request 1 cannot make room (1, 2, 3 pinned): nothing stored, as vLLM's allocation failure; request 2 can
+    assert stored == [3 + 0 + 2, 3 + 0 + 2]
+    assert 4 not in host and 6 in host and 7 in host and 4 not in disk
+    # pinned through one more request only: by request 2, request 0's write-through has landed
+    host, disk = PolicySpec("lru").build(3), PolicySpec("lru").build(10)
+    _, stored = replay_engine_tiers([[1, 2, 3], [4, 5], [6, 7]], None, [host, disk], 16, write_through_requests=0)
+    assert stored == [3 + 2 + 2, 7]
+
+
+def test_without_a_tier_to_write_through_to_nothing_stays_pinned() -> None:
+    host = PolicySpec("lru").build(3)
+    _, stored = replay_engine_tiers([[1, 2, 3], [4, 5]], None, [host], 16)
+    assert stored == [5] and 4 in host and 5 in host and not host.pinned_bytes
 
 
 def test_a_store_that_cannot_fit_stores_nothing() -> None:

@@ -139,11 +139,35 @@ def test_percentile_interpolates_and_refuses_what_it_cannot_compute() -> None:
         tables.percentile([], 50)
 
 
-def test_the_table_has_one_cell_per_column_and_the_timed_count_apart_from_the_recorded_one() -> None:
-    s = bench.ttft_summary([0.1, 0.2, 0.3], [0.1, 0.2, 0.3])
-    rec = {"requests": 4, "requests_on_disk": 2, "bytes_written": 900, "bytes_on_disk": 400, "files_deleted": 1}
-    head, sep, row = bench.table(s, 3, rec, 512, 2).splitlines()
-    assert head.count("|") == sep.count("|") == row.count("|")
-    cells = dict(zip([c.strip() for c in head.split("|")], [c.strip() for c in row.split("|")]))
+def test_runs_alternate_in_abba_order_one_engine_at_a_time() -> None:
+    assert bench.run_order(3) == [(1, "off"), (1, "on"), (2, "on"), (2, "off"), (3, "off"), (3, "on")]
+    with pytest.raises(ValueError, match="rounds: 0 must be at least 1"):
+        bench.run_order(0)
+
+
+def test_the_overall_ratio_is_the_median_of_the_rounds_ratios() -> None:
+    rounds = [bench.ttft_summary([0.1, 0.2, 0.3], [f * x for x in (0.1, 0.2, 0.3)]) for f in (1.0, 1.5, 1.1)]
+    o = bench.overall_summary(rounds)
+    assert o["p50_ratio"] == pytest.approx(1.1) and o["p99_ratio"] == pytest.approx(1.1)
+    assert o["paired_ratio"] == pytest.approx(1.1)
+    with pytest.raises(ValueError, match="no round"):
+        bench.overall_summary([])
+
+
+def test_the_table_has_one_cell_per_column_a_row_per_round_and_the_overall_row() -> None:
+    rounds = [(1, "off, on", bench.ttft_summary([0.1, 0.2, 0.3], [0.1, 0.2, 0.3]),
+               {"requests": 4, "requests_on_disk": 2, "bytes_written": 900, "bytes_on_disk": 400, "files_deleted": 1}),
+              (2, "on, off", bench.ttft_summary([0.1, 0.2, 0.3], [0.2, 0.4, 0.6]),
+               {"requests": 4, "requests_on_disk": 3, "bytes_written": 900, "bytes_on_disk": 450, "files_deleted": 1})]
+    head, sep, *rows = bench.table(rounds, 3, 512, 2).splitlines()
+    assert len(rows) == 3
+    assert all(head.count("|") == sep.count("|") == row.count("|") for row in rows)
+    names = [c.strip() for c in head.split("|")]
+    first, second, overall = ([c.strip() for c in row.split("|")] for row in rows)
+    cells = dict(zip(names, first))
     assert cells["timed requests"] == "3" and cells["recorded (warm-up included)"] == "4 (last 2 on disk)"
     assert cells["p50 on/off"] == "1.000" and cells["on disk / trace_max_bytes"] == "400 / 512 (2 files)"
+    assert dict(zip(names, second))["p50 on/off"] == "2.000" and dict(zip(names, second))["order"] == "on, off"
+    cells = dict(zip(names, overall))
+    assert cells["round"] == "all (2)" and cells["p50 on/off"] == "1.500"  # the median of 1.0 and 2.0
+    assert cells["on disk / trace_max_bytes"] == "at most 450 / 512"

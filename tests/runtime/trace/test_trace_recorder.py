@@ -194,3 +194,72 @@ def test_a_folder_that_cannot_be_made_fails_at_start(tmp_path) -> None:
     (tmp_path / "file").write_text("")
     with pytest.raises(OSError):
         _recorder(tmp_path / "file" / "trace")
+
+
+# A process that records through the writer thread, waits until its requests are flushed, and is then SIGKILLed,
+# as vLLM's front end kills its engine core on SIGTERM (no close(), no atexit, no finally).
+_KILLED_RECORDER = """
+import os, signal, sys, time
+from kvtier_runtime.trace import TraceRecorder
+rec = TraceRecorder(sys.argv[1], 1 << 20, 2, {"tokens_per_block": 16, "tiers": [
+    {"name": "host", "medium": "cpu", "capacity_blocks": 8}]}, flush_interval_s=0.05)
+for i in range(int(sys.argv[2])):
+    rec.record([(j % 7).to_bytes(32, "big") + b"\\0\\0\\0\\0" for j in range(i % 5 + 1)], 16 * (i % 5 + 1))
+deadline = time.monotonic() + 10
+while rec.requests_written < int(sys.argv[2]) and time.monotonic() < deadline:
+    time.sleep(0.01)
+time.sleep(0.2)  # the flush's sidecar rewrite follows its write
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_recorder_leaves_a_valid_recording_whose_sidecar_counts_its_lines(tmp_path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _KILLED_RECORDER, str(tmp_path), "300"], timeout=60,
+                          capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    meta = json.loads((tmp_path / META_FILE).read_text())
+    lines = _lines(tmp_path)  # every line parses: none was left half-written
+    assert meta["state"] == "recording"  # not closed: a reader knows the engine did not finish it
+    assert meta["requests_written"] == len(lines) == 300
+    assert meta["files"] == sorted(n for n in os.listdir(tmp_path) if TRACE_FILE.match(n))
+    trace = load_traces(recording_files(tmp_path)[0])
+    assert len(trace.requests) == 300 and load_meta(tmp_path / META_FILE).tokens_per_block == 16
+
+
+def test_the_sidecar_follows_each_flush_and_says_closed_after_close(tmp_path) -> None:
+    rec = _recorder(tmp_path)
+    rec.record([seq_key(1)], 16)
+    rec.flush()
+    meta = json.loads((tmp_path / META_FILE).read_text())
+    assert (meta["requests_written"], meta["state"]) == (1, "recording")
+    rec.record([seq_key(2)], 16)
+    rec.record([seq_key(3)], 16)
+    rec.flush()
+    assert json.loads((tmp_path / META_FILE).read_text())["requests_written"] == 3
+    before = (tmp_path / META_FILE).stat().st_mtime_ns
+    rec.flush()  # nothing new: the sidecar is not rewritten
+    assert (tmp_path / META_FILE).stat().st_mtime_ns == before
+    rec.close()
+    meta = json.loads((tmp_path / META_FILE).read_text())
+    assert (meta["requests_written"], meta["state"]) == (3, "closed")
+    assert len(_lines(tmp_path)) == 3
+
+
+def test_one_flush_larger_than_a_file_rotates_mid_batch_within_the_bound(tmp_path) -> None:
+    max_bytes, files = 256 * 1024, 4
+    rec = _recorder(tmp_path, max_bytes=max_bytes, files=files, queue_max=1 << 20)
+    for i in range(3000):
+        rec.record([seq_key(i * 40 + j) for j in range(40)], 40 * 16)
+    rec.flush()  # one flush, many files' worth: each file gets whole lines up to its share
+    names = sorted(n for n in os.listdir(tmp_path) if TRACE_FILE.match(n))
+    assert len(names) == files
+    assert all(os.path.getsize(tmp_path / n) <= max_bytes // files for n in names)
+    lines = _lines(tmp_path)
+    meta = json.loads((tmp_path / META_FILE).read_text())
+    assert meta["files"] == names and meta["requests_written"] == 3000
+    assert 0 < len(lines) < 3000 and lines[-1]["input_length"] == 40 * 16
+    rec.close()

@@ -38,14 +38,14 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...codecs import KVChunkCodec
 from ...codecs.layout import describe
-from ...config import ConfigError, OffloadSpecConfig
+from ...config import DEFAULT_HOST_SHM_DIR, ConfigError, OffloadSpecConfig
 from ...store.books import REMOTE, OffloadBooks
 from ...store.breaker import TierBreakers
 from ...store.memory_tier import MemoryTier
 from ...tiers import Tier
 from ...tiers.registry import build_tier
 from ..chunk_layout import FLAT_REASONS, LayoutDecision, check_worker_pages, chunk_layout, tier_codec
-from ..host_region import HostRegion, remove_stale_regions
+from ..host_region import HostRegion, remove_dead_regions_at_exit, remove_stale_regions
 from ..page_copy import PageCopier
 from ..vllm_support import block_view_dtype, namespace_suffix
 from .cache_policy import access_context
@@ -101,6 +101,9 @@ class KvtierOffloadingSpec(OffloadingSpec):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        # vLLM calls this in its front end (its Prometheus metrics), the process that outlives the engine core on
+        # SIGTERM: there, remove at exit the host region a SIGKILLed engine core leaves behind.
+        _front_end_cleanup(extra_config)
         tier = ("tier",)
         return {
             METRIC_HOST_USED_BYTES: OffloadingGaugeMetadata("Bytes held by kvtier's host tier."),
@@ -489,6 +492,15 @@ class KvtierOffloadingManager(OffloadingManager):
             self.recorder.close()
         self.books.close()
         self.region.close(unlink=True)
+
+
+def _front_end_cleanup(extra_config: Any) -> None:
+    """Register the exit-time removal of dead host regions (:func:`remove_dead_regions_at_exit`) for the configured
+    ``host_shm_dir``; a config it cannot read is left to the engine core's own start-up to report."""
+    shm_dir = (extra_config or {}).get("host_shm_dir", DEFAULT_HOST_SHM_DIR) if hasattr(extra_config, "get") \
+        else None
+    if isinstance(shm_dir, str) and shm_dir.startswith("/"):
+        remove_dead_regions_at_exit(shm_dir)
 
 
 def trace_meta(spec: KvtierOffloadingSpec, manager: KvtierOffloadingManager) -> dict[str, Any]:
