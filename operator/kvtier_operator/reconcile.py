@@ -368,6 +368,12 @@ def revocation(policy_obj: dict[str, Any], spec: api.KVCachePolicySpec, workload
     return out
 
 
+# kstatus' terminal condition (sigs.k8s.io/cli-utils, which Flux's health checks and `kubectl wait` tools read):
+# True when nothing more happens until a person acts. Without it a refused policy reads as "in progress" to them
+# (Ready False), so Flux waited its whole timeout and then reported a timeout instead of the refusal.
+STALLED = "Stalled"
+
+
 def refusal(policy_obj: dict[str, Any], reason: str, problems: str, now: str,
             what_fixes: str = "the policy is fixed") -> Plan:
     """A plan that writes nothing but status: Ready False and Degraded True with ``reason`` (Events follow from
@@ -375,7 +381,8 @@ def refusal(policy_obj: dict[str, Any], reason: str, problems: str, now: str,
     generation, old = policy_obj["metadata"].get("generation"), policy_obj.get("status") or {}
     problems = _short(problems, 8192)
     conds = [Cond("Ready", "False", reason, problems), Cond("Degraded", "True", reason, problems),
-             Cond("Progressing", "False", reason, f"nothing is applied until {what_fixes}")]
+             Cond("Progressing", "False", reason, f"nothing is applied until {what_fixes}"),
+             Cond(STALLED, "True", reason, problems)]
     status = {"observedGeneration": generation,
               "conditions": merge_conditions(old.get("conditions") or [], conds, generation, now)}
     return Plan(None, [], status, _events(old.get("conditions") or [], status["conditions"], [], old), invalid=True)
@@ -471,6 +478,12 @@ def _conditions(targets: list[TargetPlan], workloads: list[Workload], namespace:
         out.append(Cond("Conflict", "True", "SelectedByAnotherPolicy", msgs({CONFLICT})))
     else:
         out.append(Cond("Conflict", "False", "NoConflict", ""))
+    # What waits for a person (an opt-in, the config argument, one policy per workload) and not for a retry.
+    waits = [t for t in targets if t.state in (REFUSED, NOT_OPTED_IN, MISSING_ARG, CONFLICT)]
+    if waits:
+        out.append(Cond(STALLED, "True", waits[0].state, msgs({REFUSED, NOT_OPTED_IN, MISSING_ARG, CONFLICT})))
+    else:
+        out.append(Cond(STALLED, "False", "AsExpected", ""))
     rolling = []
     for t in targets:
         if t.config_hash is None:

@@ -11,7 +11,7 @@ from typing import Any, Iterable, Optional
 from .printable import printable
 from .reports import Cond
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Conflict")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Conflict", "Stalled")
 GUARD_CONDITION_TYPES = ("SLOUnknown", "SLOBreached", "TierRolledBack", "TierIdle")
 # Status fields that are not the operator's own document: kopf's bookkeeping (written by kopf) and ``history``
 # (an older operator's copy of ``slo.history``, dropped from status when a pass writes it).

@@ -258,6 +258,30 @@ def test_git_changes_to_the_workload_and_to_the_policy_both_land_and_only_the_po
     assert after["spec"]["replicas"] == 2 and after["metadata"]["labels"]["team"] == "search"
 
 
+def test_a_refused_policy_fails_fluxs_health_check_at_once_with_the_refusal(gitops: GitOps) -> None:
+    """Flux waits (wait: true) for what it applied to be healthy. A refused policy says Stalled, so Flux's kstatus
+    reads it as Failed and reports the refusal at once, rather than waiting out its timeout on "in progress"."""
+    g = gitops
+    refused = manifests(g)["policy.yaml"]
+    refused["metadata"]["name"] = "refused"
+    refused["spec"]["selector"] = {"matchLabels": {"app": "nothing-yet"}}
+    refused["spec"]["tiers"].append({"name": "nvme", "medium": "filesystem", "size": "1Gi", "path": "/mnt/kv",
+                                     "volume": {"hostPath": {"path": "/var/lib/not-allowed"}}})
+    sha = g.commit({"refused.yaml": refused}, "a policy the admin's settings do not allow")
+    started = time.monotonic()
+
+    def failed() -> dict[str, Any] | None:
+        k = g.kustomization()
+        ready = next((c for c in k["status"].get("conditions") or [] if c["type"] == "Ready"), {})
+        return ready if ready.get("status") == "False" and sha in k["status"].get("lastAttemptedRevision", "") \
+            else None
+    ready = wait_until(failed, 60, "Flux's health check failed on the refused policy")
+    # Flux's own timeout is 60 s (e2e/flux/sync.yaml); it did not wait it out.
+    assert time.monotonic() - started < 45, time.monotonic() - started
+    assert f"KVCachePolicy/{g.namespace}/refused" in ready["message"] and "Failed" in ready["message"], ready
+    g.synced(g.commit({"refused.yaml": None}, "drop the refused policy"))
+
+
 def test_the_policy_pruned_from_git_releases_the_workload(gitops: GitOps) -> None:
     g = gitops
     sha = g.commit({"policy.yaml": None}, "llm: no more tiering")

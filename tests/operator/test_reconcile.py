@@ -260,3 +260,36 @@ def test_a_refusal_is_posted_as_one_event_not_one_per_condition():
     warnings = [e for e in p.events if e.type == "Warning"]
     assert len(warnings) == 1, warnings
     assert "81Gi" in warnings[0].message
+
+
+# kstatus (Flux's health checks, `kubectl wait`-style tools) reads a policy as Failed only through a Stalled
+# condition; with Ready False alone it reads "in progress" and waits out its timeout.
+@pytest.mark.parametrize("case", ["invalid", "refused", "missing-arg", "not-opted-in", "conflict"])
+def test_what_waits_for_a_person_is_stalled(case):
+    wl = observed(deployment())
+    others: list = []
+    if case == "invalid":
+        mine = policy(tiers=[nvme_tier()])
+    elif case == "refused":
+        mine, wl = policy(), observed(deployment(memory_request="8Gi", memory_limit="20Gi"))
+    elif case == "missing-arg":
+        mine, wl = policy(), observed(deployment(args=["--model", "m"]))
+    elif case == "not-opted-in":
+        mine, wl = policy(), observed(deployment(opt_in=None))
+    else:
+        wl = observed(deployment(labels={"app": "llm", "team": "a"}))
+        mine = policy("one", selector={"matchLabels": {"app": "llm"}})
+        others = [policy("two", selector={"matchLabels": {"team": "a"}}, uid="uid-2")]
+    p = rc.plan(mine, [wl], others, now=NOW)
+    stalled = cond(p, "Stalled")
+    assert stalled["status"] == "True" and stalled["message"], stalled
+    assert stalled["reason"] in (cond(p, "Ready")["reason"], cond(p, "Degraded")["reason"], rc.CONFLICT)
+
+
+def test_applied_and_no_targets_are_not_stalled():
+    applied = rc.plan(policy(), [observed(deployment())], [], now=NOW)
+    assert cond(applied, "Ready")["status"] == "True"
+    assert cond(applied, "Stalled")["status"] == "False"
+    # A workload may still be on its way (Git applies both at once): Ready False, not Stalled.
+    empty = rc.plan(policy(), [], [], now=NOW)
+    assert cond(empty, "Ready")["status"] == "False" and cond(empty, "Stalled")["status"] == "False"
