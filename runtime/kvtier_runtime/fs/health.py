@@ -11,7 +11,7 @@ import threading
 
 from ..config import ConfigError
 from ..tiers.backoff import Backoff
-from .tier_metrics import TierMetrics
+from .tier_metrics import FilesystemMetrics
 
 log = logging.getLogger("kvtier_runtime.fs.tier")
 
@@ -31,7 +31,7 @@ class TierHealth:
 
     ``lock`` is the tier's: faults are reported from several pool threads."""
 
-    def __init__(self, *, name: str, root: str, metrics: TierMetrics, backoff: Backoff,
+    def __init__(self, *, name: str, root: str, metrics: FilesystemMetrics, backoff: Backoff,
                  lock: threading.Lock) -> None:
         self.name = name
         self.root = root

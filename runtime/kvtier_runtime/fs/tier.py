@@ -44,7 +44,7 @@ from .index import DIRECTORY_BYTES, BlockIndex, Entry, LookupRun, file_budget
 from .io import BlockIO
 from .paths import NAMESPACE, block_relpath
 from .scan import StartupScan
-from .tier_metrics import TierMetrics
+from .tier_metrics import FilesystemMetrics
 
 __all__ = ["DIRECTORY_BYTES", "FilesystemTier", "JobResult", "KeyState", "LookupRun", "file_budget"]
 
@@ -85,7 +85,7 @@ class FilesystemTier(BlockIndex, BlockIO, StartupScan):
         """``codec`` overrides the codec named by the config (e.g. one with another error budget)."""
         self.config = config
         self.name = name
-        self._metrics = TierMetrics(name, config.capacity_bytes)  # before anything that may count a fault
+        self._metrics = FilesystemMetrics(name, config.capacity_bytes)  # before anything that may count a fault
         # The tier blocks come from and go to, for the promotion/demotion metrics (vLLM's CPU tier by default).
         self.peer = peer
         self.block_shape = tuple(int(d) for d in block_shape)

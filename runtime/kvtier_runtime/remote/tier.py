@@ -46,7 +46,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import metrics
 from ..codecs import STATS, Codec, CodecError, CodecHeader, KVChunkCodec, decode, get_codec
 from ..codecs.base import PassthroughCodec
 from ..config import ConfigError, RemoteTierConfig
@@ -55,9 +54,9 @@ from ..tiers.backoff import Backoff
 from ..tiers.base import KeyState
 from ..tiers.jobs import Expired, Job, JobQueue, JobResult
 from ..tiers.keys import read_mac_key
-from ..tiers.metrics import TierMetricsBase
 from .client import RemoteStore, failure_kind
 from .format import RemoteFormatError, Sealer, value_bytes
+from .tier_metrics import RemoteMetrics
 from .identity import chunk_key, index_key, key_prefix
 
 log = logging.getLogger("kvtier_runtime.remote")
@@ -80,43 +79,6 @@ STORE_DEADLINE_FACTOR = 8
 # a damaged store.
 _REFUSED_KINDS = frozenset({"forged", "corrupt", "truncated", "foreign", "version"})
 _HEX = frozenset(b"0123456789abcdef")
-
-
-class RemoteMetrics(TierMetricsBase):
-    """What one remote tier counts, in :mod:`kvtier_runtime.metrics` (labelled by the tier's name), and the same
-    counts kept here for the engine's own stats (vLLM exports those from its API server)."""
-
-    def __init__(self, name: str, capacity_bytes: int) -> None:
-        super().__init__(name, capacity_bytes)
-        self.misses: Counter[str] = Counter()
-        self.store_failures: Counter[str] = Counter()
-        self._lock = threading.Lock()
-        self._up = metrics.REMOTE_UP.labels(name)
-        self._up.set(0)
-
-    def miss(self, reason: str, n: int = 1) -> None:
-        with self._lock:
-            self.misses[reason] += n
-        metrics.REMOTE_MISSES.labels(self.name, reason).inc(n)
-
-    def store_failed(self, reason: str, n: int = 1) -> None:
-        with self._lock:
-            self.store_failures[reason] += n
-        metrics.REMOTE_STORE_FAILURES.labels(self.name, reason).inc(n)
-
-    # The job queue counts a job's late keys through error(); a late key is a miss (load) or a failed store.
-    def error(self, kind: str, n: int = 1) -> None:
-        self.miss(kind, n)
-
-    def up(self, on: bool) -> None:
-        self._up.set(1 if on else 0)
-
-    def moved(self, src: str, dst: str, nbytes: int, seconds: float, n: int) -> None:
-        if dst != self.name:
-            self.promoted(dst, nbytes, seconds, n)
-        else:
-            self.demoted(src, nbytes, seconds, n)
-
 
 
 class _Lane:
