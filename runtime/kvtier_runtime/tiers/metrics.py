@@ -1,8 +1,8 @@
 """What every tier behind the host tier counts the same way (``kvtier_runtime_*``, defined in
 :mod:`kvtier_runtime.metrics`, labelled by the tier's name): its capacity and occupancy, its evictions, the engine's
 lookups of it, and blocks moved to or from it. Each medium adds its own faults (the filesystem tier's errors and
-backoff, the remote tier's misses by reason and up/down) in a subclass: :class:`~kvtier_runtime.fs.tier_metrics.
-FilesystemMetrics`, :class:`~kvtier_runtime.remote.tier_metrics.RemoteMetrics`."""
+backoff, the remote tier's misses by reason and up/down) in a subclass of :class:`TierMetrics`
+(``fs/tier_metrics.py``, ``remote/tier_metrics.py``)."""
 from __future__ import annotations
 
 from typing import Any
