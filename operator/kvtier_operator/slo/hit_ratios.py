@@ -23,9 +23,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable, Iterable, Mapping, Optional, Protocol
 
-from kvtier_runtime.engines import metric_defs as engine_metrics
-from kvtier_runtime.engines.metric_defs import prometheus_pattern
-
 from .measurements import Reading
 from .queries import Scope, _selector, promql_duration
 
@@ -34,9 +31,10 @@ IDLE_RATIO = 0.01
 # The summary's name for the engine's own GPU prefix cache (left out when a declared tier has this name).
 DEVICE_TIER = "gpu"
 DECIMALS = 3
-# The engine plug-in's counters, by the names it defines them under (one definition for the plug-in and this reader).
-HIT_TOKENS = prometheus_pattern(engine_metrics.HIT_TOKENS)
-LOOKUP_TOKENS = prometheus_pattern(engine_metrics.LOOKUP_TOKENS)
+# kvtier's engine counters (defined in kvtier_runtime/engines/metric_defs.py; the operator imports only the runtime's
+# config contract, so a runtime test checks that these patterns match the names defined there).
+HIT_TOKENS = "vllm[:_]kv_offload_kvtier_hit_tokens_total"
+LOOKUP_TOKENS = "vllm[:_]kv_offload_kvtier_lookup_tokens_total"
 PREFIX_HITS = "vllm[:_]prefix_cache_hits_total"
 PREFIX_QUERIES = "vllm[:_]prefix_cache_queries_total"
 # Engines whose counters these are (kvtier's runtime and the prefix-cache counters are vLLM's).

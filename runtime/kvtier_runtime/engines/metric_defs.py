@@ -1,7 +1,7 @@
 """The metrics kvtier's engine plug-ins export through the engine (vLLM's ``vllm:kv_offload_*`` family), defined
 once: name, kind, help and label names. Pure (no vllm, no torch): the plug-ins turn these into the engine's metadata
-(:func:`kvtier_runtime.engines.vllm.metric_metadata.vllm_metric_definitions`), and the operator's SLO reader builds
-its queries from the same names.
+(:func:`kvtier_runtime.engines.vllm.metric_metadata.vllm_metric_definitions`). The operator's SLO reader queries two of
+them by name (it imports only the runtime's config contract; a test checks its patterns match these names).
 
 Two sets, one per backend that runs kvtier code inside vLLM:
 
