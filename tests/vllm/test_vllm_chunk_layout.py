@@ -23,7 +23,7 @@ from vllm_driver import offloading_config  # noqa: E402
 from kvtier_runtime.codecs import KVChunkCodec  # noqa: E402
 from kvtier_runtime.config import ConfigError  # noqa: E402
 from kvtier_runtime.engines.vllm import model_config  # noqa: E402
-from kvtier_runtime.engines.vllm_adapter import METRIC_FLAT_CODEC_TIERS  # noqa: E402
+from kvtier_runtime.engines.metric_defs import FLAT_CODEC_TIERS  # noqa: E402
 
 HEADS, HEAD_DIM, TOKENS = 4, 64, 16
 BLOCK = 2 * HEADS * TOKENS * HEAD_DIM * 2  # one layer, float16
@@ -63,7 +63,7 @@ def test_without_the_attention_backend_a_lossy_tier_keeps_the_flat_codec_and_rep
         # a GPU engine's path: the int4 tier is refused int4 (nothing checks it on attention) and stores int8
         assert nvme._codec.name == "int8" and hdd._codec.name == "none"
         stats = manager.get_stats()
-        assert stats._values[METRIC_FLAT_CODEC_TIERS] == {("backend_unknown",): 1}  # the int4 tier, not "none"
+        assert stats._values[FLAT_CODEC_TIERS.name] == {("backend_unknown",): 1}  # the int4 tier, not "none"
     finally:
         manager.shutdown()
 
@@ -84,7 +84,7 @@ def test_cpu_backend_gives_the_layout_codec_and_the_worker_checks_its_pages(tmp_
     try:
         nvme, hdd = manager.books.fs_tiers
         assert isinstance(nvme._codec, KVChunkCodec) and nvme._codec.declared == layout
-        assert METRIC_FLAT_CODEC_TIERS not in manager.get_stats()._values
+        assert FLAT_CODEC_TIERS.name not in manager.get_stats()._values
         # A worker whose cache is not one tensor per layer of the layout's page size must not start.
         kv = torch.zeros((8, BLOCK // 2), dtype=torch.int8)
         wrong = CanonicalKVCaches(tensors=[CanonicalKVCacheTensor(kv, BLOCK // 2)],

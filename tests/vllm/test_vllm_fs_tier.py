@@ -34,13 +34,13 @@ from kvtier_runtime.config import (  # noqa: E402
     FilesystemTierConfig,
     vllm_cache_policy_class,
 )
-from kvtier_runtime.engines.vllm_adapter import (  # noqa: E402
-    METRIC_EVICTED_CHUNKS,
-    METRIC_FAILED_CHUNKS,
-    METRIC_STORED_CHUNKS,
-    METRIC_USED_BYTES,
-    KvtierFilesystemTier,
+from kvtier_runtime.engines.metric_defs import (  # noqa: E402
+    FS_EVICTED_CHUNKS,
+    FS_FAILED_CHUNKS,
+    FS_STORED_CHUNKS,
+    FS_USED_BYTES,
 )
+from kvtier_runtime.engines.vllm_adapter import KvtierFilesystemTier  # noqa: E402
 from kvtier_runtime.fs.format import file_bytes_for  # noqa: E402
 
 ROW = BLOCK_BYTES  # the CPU tier's row for one chunk (already 4 KiB aligned)
@@ -228,7 +228,7 @@ def test_a_refused_store_is_not_a_failed_store(tmp_path, engine_id):
         (result,) = tier.get_finished_jobs()
         assert result.success and result.transfer_bytes == ROW  # second offer admitted
         stats = tier.get_stats().reduce()
-        assert stats[f"{METRIC_STORED_CHUNKS}:{(str(tmp_path),)}"] == 1
+        assert stats[f"{FS_STORED_CHUNKS.name}:{(str(tmp_path),)}"] == 1
     finally:
         tier.shutdown()
 
@@ -283,7 +283,7 @@ def test_capacity_is_a_hard_bound_and_the_policy_evicts(tmp_path, sched_factory)
     evicted = REGISTRY.get_sample_value("kvtier_runtime_evictions_total", {"tier": tier.tier.name})
     assert evicted == 20  # 30 stored, 10 kept: exactly the policy's evictions
     stats = sched.manager.get_stats().reduce()
-    assert stats[f"{METRIC_EVICTED_CHUNKS}:{(str(tmp_path),)}"] == 20, "vLLM's metric reports the same evictions"
+    assert stats[f"{FS_EVICTED_CHUNKS.name}:{(str(tmp_path),)}"] == 20, "vLLM's metric reports the same evictions"
 
 
 def test_restart_finds_the_blocks_again(tmp_path, sched_factory):
@@ -329,8 +329,8 @@ def test_a_corrupted_block_is_a_miss_not_wrong_bytes(tmp_path, sched_factory):
     sched.finish(ctx)
     assert not path.exists()
     stats = sched.manager.get_stats().reduce()
-    assert stats[f"{METRIC_FAILED_CHUNKS}:{(str(tmp_path), 'corrupt')}"] == 1
-    assert stats.get(f"{METRIC_EVICTED_CHUNKS}:{(str(tmp_path),)}", 0) == 0, "a corrupt block is not an eviction"
+    assert stats[f"{FS_FAILED_CHUNKS.name}:{(str(tmp_path), 'corrupt')}"] == 1
+    assert stats.get(f"{FS_EVICTED_CHUNKS.name}:{(str(tmp_path),)}", 0) == 0, "a corrupt block is not an eviction"
     assert stats[f"vllm:kv_offload_tiering_promotion_job_failures:('1:{VLLM_SECONDARY_TIER_CLASS}',)"] == 1
     rest = read_back(sched, list(payloads)[1:])
     assert rest == {k: payloads[k] for k in list(payloads)[1:]}
@@ -366,7 +366,7 @@ def test_metrics_reach_vllm_through_its_definitions_hook(tmp_path, sched_factory
     for name in ours:  # vLLM asserts label arity when it exports; check it here without a frontend
         for labelvalues in values[name]:
             assert len(labelvalues) == len(definitions[name].labelnames), name
-    assert values[METRIC_USED_BYTES][(str(tmp_path),)] == sched.tiers[0].tier.used_bytes > 0
+    assert values[FS_USED_BYTES.name][(str(tmp_path),)] == sched.tiers[0].tier.used_bytes > 0
     # The runtime's own metrics (prometheus_client default registry) count the same writes.
     demoted = REGISTRY.get_sample_value("kvtier_runtime_demotions_total", {"src": "host", "dst": sched.tiers[0].tier.name})
     assert demoted == 8
@@ -407,8 +407,8 @@ def test_a_disk_fault_fails_the_store_and_a_partial_load_names_what_loaded(tmp_p
         assert buf[2 * ROW : 3 * ROW] == buf[:ROW]
         assert tier.lookup(key(2), ctx) is LookupResult.MISS  # never served again
         stats = tier.get_stats().reduce()
-        assert stats[f"{METRIC_FAILED_CHUNKS}:{(str(tmp_path), 'eio')}"] == 1
-        assert stats[f"{METRIC_FAILED_CHUNKS}:{(str(tmp_path), 'corrupt')}"] == 1
+        assert stats[f"{FS_FAILED_CHUNKS.name}:{(str(tmp_path), 'eio')}"] == 1
+        assert stats[f"{FS_FAILED_CHUNKS.name}:{(str(tmp_path), 'corrupt')}"] == 1
     finally:
         tier.shutdown()
 

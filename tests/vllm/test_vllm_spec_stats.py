@@ -17,7 +17,7 @@ from tests.v1.kv_offload.conftest import make_offloading_config  # noqa: E402
 from vllm.v1.kv_offload.base import ReqContext, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
-from kvtier_runtime.engines.vllm.offloading import METRIC_FS_STORES  # noqa: E402
+from kvtier_runtime.engines.metric_defs import FS_STORES  # noqa: E402
 
 
 def _reported(stats, metric: str) -> float:
@@ -38,21 +38,21 @@ def test_an_idle_engine_steps_until_finished_write_throughs_reach_its_stats(tmp_
         out = manager.prepare_store(keys, ctx)
         assert out is not None and list(out.keys_to_store) == keys
         manager.complete_store(keys, ctx)  # the worker's copy is done: write-through to disk starts
-        reported = _reported(manager.get_stats(), METRIC_FS_STORES)  # the step that completed the store
+        reported = _reported(manager.get_stats(), FS_STORES.name)  # the step that completed the store
         manager.books.fs_tiers[0].drain(timeout=30)  # the disk writes finish while nothing else happens
         steps = 0
         while manager.has_pending_work():  # what vLLM's engine loop asks before each idle step
             steps += 1
             assert steps < 10, "the engine was kept stepping for nothing"
             manager.on_schedule_end()
-            reported += _reported(manager.get_stats(), METRIC_FS_STORES)
+            reported += _reported(manager.get_stats(), FS_STORES.name)
         assert reported == 2, f"{reported} of 2 disk stores reached vLLM's stats after {steps} idle steps"
     finally:
         manager.shutdown()
 
 
 def test_a_tier_the_control_file_disables_is_reported_bypassed_and_its_skipped_lookups_counted(tmp_path) -> None:
-    from kvtier_runtime.engines.vllm.offloading import METRIC_TIER_BYPASSED, METRIC_TIER_MISSES
+    from kvtier_runtime.engines.metric_defs import TIER_BYPASSED, TIER_MISSES
 
     control = tmp_path / "control.json"
     control.write_text('{"disabledTiers": ["nvme"], "generation": 7}')
@@ -68,16 +68,16 @@ def test_a_tier_the_control_file_disables_is_reported_bypassed_and_its_skipped_l
         ctx = ReqContext(req_id="r1")
         manager.lookup(make_offload_key(b"\x07" * 32, 0), ctx)  # not in the host tier: reaches the disabled tier
         stats = manager.get_stats()
-        gauges = stats._values[METRIC_TIER_BYPASSED]
+        gauges = stats._values[TIER_BYPASSED.name]
         assert gauges[("nvme", "disabled")] == 1 and gauges[("nvme", "slow")] == 0
         assert gauges[("cpu", "disabled")] == 0
-        assert stats._values[METRIC_TIER_MISSES][("nvme", "bypassed")] == 1
+        assert stats._values[TIER_MISSES.name][("nvme", "bypassed")] == 1
     finally:
         manager.shutdown()
 
 
 def test_hit_and_lookup_tokens_are_reported_per_tier_by_name(tmp_path) -> None:
-    from kvtier_runtime.engines.vllm.offloading import METRIC_HIT_TOKENS, METRIC_LOOKUP_TOKENS
+    from kvtier_runtime.engines.metric_defs import HIT_TOKENS, LOOKUP_TOKENS
 
     extra = {"spec_module_path": ADAPTER, "host_shm_dir": str(tmp_path / "shm"), "tier_names": ["cpu", "nvme"],
              "fs_tiers": [{"root_dir": str(tmp_path / "fs"), "capacity_bytes": 1 << 20,
@@ -97,13 +97,13 @@ def test_hit_and_lookup_tokens_are_reported_per_tier_by_name(tmp_path) -> None:
         stats = manager.get_stats()
         tokens = manager.spec.tokens_per_chunk
         assert tokens == 16
-        assert stats._values[METRIC_HIT_TOKENS] == {("cpu",): 2 * tokens}
-        assert stats._values[METRIC_LOOKUP_TOKENS] == {(): 3 * tokens}
+        assert stats._values[HIT_TOKENS.name] == {("cpu",): 2 * tokens}
+        assert stats._values[LOOKUP_TOKENS.name] == {(): 3 * tokens}
         manager.on_request_finished(ctx)
         manager.lookup(keys[0], ReqContext(req_id="r2"))  # another request: counted again
         stats = manager.get_stats()
-        assert stats._values[METRIC_HIT_TOKENS] == {("cpu",): tokens}
-        assert stats._values[METRIC_LOOKUP_TOKENS] == {(): tokens}
+        assert stats._values[HIT_TOKENS.name] == {("cpu",): tokens}
+        assert stats._values[LOOKUP_TOKENS.name] == {(): tokens}
     finally:
         manager.shutdown()
 

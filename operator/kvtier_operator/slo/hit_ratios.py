@@ -31,6 +31,8 @@ IDLE_RATIO = 0.01
 # The summary's name for the engine's own GPU prefix cache (left out when a declared tier has this name).
 DEVICE_TIER = "gpu"
 DECIMALS = 3
+# kvtier's engine counters (defined in kvtier_runtime/engines/metric_defs.py; the operator imports only the runtime's
+# config contract, so a runtime test checks that these patterns match the names defined there).
 HIT_TOKENS = "vllm[:_]kv_offload_kvtier_hit_tokens_total"
 LOOKUP_TOKENS = "vllm[:_]kv_offload_kvtier_lookup_tokens_total"
 PREFIX_HITS = "vllm[:_]prefix_cache_hits_total"

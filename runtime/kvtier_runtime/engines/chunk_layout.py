@@ -22,18 +22,8 @@ from ..codecs import Codec, CodecError, KVChunkCodec, KVLayout, get_codec, get_k
 from ..codecs.metrics import STATS
 from ..codecs.layout import DTYPE_NAMES
 from ..config import FilesystemTierConfig
-
-# Reason codes (a metric label): why a lossy tier encodes with the flat codec.
-FLAT_REASONS = (
-    "kv_groups",           # more than one KV cache group
-    "tensor_parallel",     # ranks whose shares of a host row are not each one layer-major chunk (pipeline...)
-    "mla",                 # a latent (MLA) cache: one vector per token, no K/V heads for K/V scales to follow
-    "kv_dtype",            # KV dtype the layout codecs do not quantise
-    "shape_unknown",       # heads or head size not available in the scheduler process
-    "backend_unknown",     # attention backend not known in the scheduler process
-    "unsupported_layout",  # a backend/layout/ISA the layout codecs have no checked page order for
-    "size_mismatch",       # the described chunk does not add up to the bytes vLLM reports per block
-)
+# Why a lossy tier encodes with the flat codec: the reason label of its metric, defined with it.
+from .metric_defs import FLAT_REASONS
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,10 @@ Header layout (little-endian)::
 
 The MAC sits outside the header CRC on purpose: the MAC covers the CRC'd bytes itself. A tier configured with a
 key serves only blocks whose MAC verifies.
+
+What every medium's format shares -- the refusal kinds (:class:`FormatError` is the envelope's error), the order of
+the reader's checks (magic, version, length, then CRC or MAC), the bounded key and name fields -- is written once in
+:mod:`kvtier_runtime.tiers.envelope`; this module keeps the block layout and its primitives (CRC32, HMAC-SHA256).
 """
 from __future__ import annotations
 
@@ -43,6 +47,8 @@ import struct
 from dataclasses import dataclass
 
 from ..tiers.checksum import checksum
+from ..tiers.envelope import EnvelopeError, check_key, check_length, name_field, open_head, read_name
+from ..tiers.envelope import verify_mac as verify_stored_mac
 
 MAGIC = b"KVTIERB1"
 FORMAT_VERSION = 2
@@ -70,18 +76,11 @@ BLOB_OFFSET = {1: HEADER_BYTES, 2: HEADER_BYTES - BLOB_HEADER_BYTES}
 assert HEADER_USED <= MAC_OFFSET and MAC_OFFSET + MAC_BYTES <= BLOB_OFFSET[2]
 
 
-class FormatError(Exception):
-    """A block file (or its header) is not a valid block of this format; ``kind`` says why.
-
-    Kinds: ``foreign`` (not our magic, or not a regular file), ``forged`` (the keyed MAC does not verify), ``version`` (a format this build does not read), ``corrupt`` (a CRC does
-    not match or a field is out of range), ``truncated`` (shorter than its header says), ``mismatch`` (a valid block,
-    but not the key, shape or dtype that was asked for).
-    """
-
-    def __init__(self, kind: str, detail: str) -> None:
-        super().__init__(f"{kind}: {detail}")
-        self.kind = kind
-        self.detail = detail
+# A block refused for what it holds; ``kind`` says why (the envelope's kinds, kvtier_runtime.tiers.envelope.KINDS):
+# ``foreign`` (not our magic, or not a regular file), ``forged`` (the keyed MAC does not verify), ``version`` (a
+# format this build does not read), ``corrupt`` (a CRC does not match or a field is out of range), ``truncated``
+# (shorter than its header says), ``mismatch`` (a valid block, but not the key, shape or dtype that was asked for).
+FormatError = EnvelopeError
 
 
 @dataclass(frozen=True)
@@ -113,13 +112,6 @@ def file_bytes_for(payload_len: int, version: int = FORMAT_VERSION) -> int:
     return align_up(BLOB_OFFSET[version] + payload_len)
 
 
-def _name_field(field: str, value: str) -> bytes:
-    raw = value.encode("ascii")
-    if not raw or len(raw) > NAME_BYTES:
-        raise ValueError(f"{field}: {value!r} must be 1..{NAME_BYTES} ASCII characters")
-    return raw
-
-
 def pack_header(
     *, codec: str, dtype: str, shape: tuple[int, ...], payload_len: int, payload_crc: int, key: bytes,
     version: int = FORMAT_VERSION,
@@ -133,14 +125,13 @@ def pack_header(
         raise ValueError(f"shape: {len(shape)} dimensions, at most {MAX_NDIM}")
     if any(d < 0 for d in shape):
         raise ValueError(f"shape: {shape} has a negative dimension")
-    if not 0 < len(key) <= MAX_KEY_BYTES:
-        raise ValueError(f"key: {len(key)} bytes, must be 1..{MAX_KEY_BYTES}")
+    check_key(key, MAX_KEY_BYTES)
     if payload_len < 0:
         raise ValueError(f"payload_len: {payload_len} must be >= 0")
     dims = tuple(shape) + (0,) * (MAX_NDIM - len(shape))
     fixed = _FIXED.pack(
-        MAGIC, version, HEADER_USED, 0, _name_field("codec", codec), _name_field("dtype", dtype),
-        len(shape), *dims, payload_len, payload_crc & 0xFFFFFFFF, len(key),
+        MAGIC, version, HEADER_USED, 0, name_field("codec", codec, NAME_BYTES),
+        name_field("dtype", dtype, NAME_BYTES), len(shape), *dims, payload_len, payload_crc & 0xFFFFFFFF, len(key),
     )
     body = bytearray(HEADER_BYTES)
     body[: _FIXED.size] = fixed
@@ -153,36 +144,21 @@ def pack_header(
 def parse_header(buf: bytes | memoryview) -> BlockHeader:
     """Parse and verify a header; raises FormatError (never anything else) for any bytes it is given."""
     mv = memoryview(buf)
-    if len(mv) < HEADER_USED:
-        if len(mv) < len(MAGIC) or bytes(mv[: len(MAGIC)]) != MAGIC:
-            raise FormatError("foreign", f"{len(mv)} bytes, no block magic")
-        raise FormatError("truncated", f"header is {len(mv)} bytes, needs {HEADER_USED}")
-    magic, version, used, crc, codec, dtype, ndim, *rest = _FIXED.unpack_from(mv, 0)
-    if magic != MAGIC:
-        raise FormatError("foreign", "no block magic")
-    if version not in READ_VERSIONS:
-        raise FormatError("version", f"format version {version}, this build reads {READ_VERSIONS}")
+    open_head(mv, magic=MAGIC, head_bytes=HEADER_USED, readable=READ_VERSIONS, what="block")
+    _, version, used, crc, codec, dtype, ndim, *rest = _FIXED.unpack_from(mv, 0)
     if used != HEADER_USED or checksum(mv[16:HEADER_USED]) != crc:
         raise FormatError("corrupt", "header checksum mismatch")
     dims, (payload_len, payload_crc, key_len) = rest[:MAX_NDIM], rest[MAX_NDIM:]
     if ndim > MAX_NDIM or not 0 < key_len <= MAX_KEY_BYTES:
         raise FormatError("corrupt", f"ndim={ndim} key_len={key_len} out of range")
-    try:
-        codec_s = codec.rstrip(b"\0").decode("ascii")
-        dtype_s = dtype.rstrip(b"\0").decode("ascii")
-    except UnicodeDecodeError as exc:
-        raise FormatError("corrupt", "codec/dtype name is not ASCII") from exc
+    codec_s, dtype_s = read_name(codec, "codec name"), read_name(dtype, "dtype name")
     key = bytes(mv[_FIXED.size : _FIXED.size + key_len])
     return BlockHeader(codec_s, dtype_s, tuple(dims[:ndim]), payload_len, payload_crc, key, version)
 
 
 def verify_length(header: BlockHeader, file_len: int) -> None:
     """Raise FormatError(truncated|corrupt) unless the file is exactly as long as its header says."""
-    expected = header.file_bytes
-    if file_len < expected:
-        raise FormatError("truncated", f"file is {file_len} bytes, header says {expected}")
-    if file_len > expected:
-        raise FormatError("corrupt", f"file is {file_len} bytes, header says {expected}")
+    check_length(file_len, header.file_bytes, "file")
 
 
 def verify_crc(header: BlockHeader, *blob: memoryview | bytes) -> None:
@@ -222,5 +198,4 @@ def verify_mac(mac_key: bytes, header: memoryview, *blob: memoryview | bytes) ->
         want = block_mac(mac_key, header, *blob)
     except FormatError:  # a version without a MAC domain: no MAC can verify (parse_header refuses it first)
         raise FormatError("forged", "keyed MAC does not verify") from None
-    if not hmac.compare_digest(want, bytes(header[MAC_OFFSET : MAC_OFFSET + MAC_BYTES])):
-        raise FormatError("forged", "keyed MAC does not verify")
+    verify_stored_mac(want, header[MAC_OFFSET : MAC_OFFSET + MAC_BYTES])

@@ -7,8 +7,11 @@ import errno
 import logging
 import os
 import stat
+import threading
 
 from ..config import ConfigError
+from ..tiers.backoff import Backoff
+from .tier_metrics import FilesystemMetrics
 
 log = logging.getLogger("kvtier_runtime.fs.tier")
 
@@ -23,13 +26,27 @@ BACKOFF_KINDS = frozenset({"enospc", "eio", "erofs", "eacces", "timeout"})
 
 
 class TierHealth:
-    """Mixin of :class:`~.tier.FilesystemTier`: the namespace directory, degraded mode and store backoff."""
+    """The filesystem tier's health, a helper object of :class:`~.tier.FilesystemTier` (``tier.disk_health``): the
+    namespace directory, degraded mode (``degraded``: why the tier cannot store, or None) and store backoff.
+
+    ``lock`` is the tier's: faults are reported from several pool threads."""
+
+    def __init__(self, *, name: str, root: str, metrics: FilesystemMetrics, backoff: Backoff,
+                 lock: threading.Lock) -> None:
+        self.name = name
+        self.root = root
+        self.backoff = backoff
+        self._metrics = metrics
+        self._lock = lock
+        # Why the tier cannot store (a read-only or forbidden directory), or None: it then serves what it finds
+        # and refuses every store with this reason, instead of failing the engine's start-up.
+        self.degraded: str | None = None
 
     @property
     def in_backoff(self) -> bool:
         return self.backoff.active
 
-    def _open_namespace(self) -> None:
+    def open_namespace(self) -> None:
         """Create ``<root_dir>/kvtier-blocks-v1`` and make sure it is a real directory.
 
         A symlink there is refused: start-up removes every file of the namespace it does not recognise, and
@@ -67,7 +84,14 @@ class TierHealth:
         self._metrics.error(kind)
 
     # ---- backoff ----------------------------------------------------------------------------------------
-    def _record_io_failure(self) -> None:
+    def io_failure(self) -> None:
+        """A disk-level fault (or an expired job): one more towards store backoff."""
         with self._lock:
             if self.backoff.failure() is not None:
                 self._metrics.backoff(True)
+
+    def io_success(self) -> None:
+        """A block written: the faults in a row start over."""
+        with self._lock:
+            self.backoff.success()
+        self._metrics.backoff(False)

@@ -17,7 +17,7 @@ Two paths (format 2, see :mod:`.format`):
 A direct load lends the caller's memory to the kernel for one ``preadv``: if that call is still running when the
 job's ``io_timeout_s`` passes, the job is not finished until it returns (finishing it would hand the caller
 back memory a late read could still overwrite); meanwhile new loads take the staging path, which times out
-cleanly, and stores count the fault towards backoff. See :meth:`~.jobs.JobQueue._expire`.
+cleanly, and stores count the fault towards backoff. See :meth:`kvtier_runtime.tiers.jobs.JobQueue._expire`.
 """
 from __future__ import annotations
 
@@ -160,9 +160,7 @@ class BlockIO:
                 job.errors[i] = kind
         self._unlink_doomed(late)
         if ok:
-            with self._lock:  # _record_io_failure updates it under the lock from other pool threads
-                self.backoff.success()
-            self._metrics.backoff(False)
+            self.disk_health.io_success()
             self._metrics.demoted(self.peer, block.numel() * block.element_size(), time.perf_counter() - started)
         else:
             if kind != "timeout":  # counted once, when the job expired
@@ -170,7 +168,7 @@ class BlockIO:
             if kind == "enospc":
                 self._make_real_room(file_bytes_for(self._codec.encoded_nbytes(self.block_shape, self.dtype)))
             if kind in BACKOFF_KINDS and kind != "timeout":
-                self._record_io_failure()
+                self.disk_health.io_failure()
         self._update_occupancy()
         return ok
 

@@ -1,8 +1,10 @@
 """The durable, bounded filesystem tier: the public class, assembled from one module per concern.
 
-Modules: :mod:`.index` (index, eviction accounting, unlinking), :mod:`.jobs` (jobs, deadlines, thread pools),
-:mod:`.io` (block files through codecs), :mod:`.scan` (start-up scan), :mod:`.health` (degraded mode, backoff),
-:mod:`.tier_metrics` (what the tier counts, in :mod:`kvtier_runtime.metrics`).
+Helper objects the tier owns: its jobs, deadlines and thread pools (``jobs``, a
+:class:`kvtier_runtime.tiers.jobs.JobQueue`, the remote tier's too), its degraded mode and store backoff
+(``disk_health``, :mod:`.health`) and what it counts (:mod:`.tier_metrics`, in :mod:`kvtier_runtime.metrics`). The
+block files' own concerns are still mixins over one shared state: :mod:`.index` (index, eviction accounting,
+unlinking), :mod:`.io` (block files through codecs), :mod:`.scan` (start-up scan).
 
 Non-blocking by construction: ``lookup``/``state`` only read an in-memory index, ``submit_store``/``submit_load``
 only reserve space and enqueue work on separate write and read thread pools, and completions are collected with
@@ -42,7 +44,7 @@ from .index import DIRECTORY_BYTES, BlockIndex, Entry, LookupRun, file_budget
 from .io import BlockIO
 from .paths import NAMESPACE, block_relpath
 from .scan import StartupScan
-from .tier_metrics import TierMetrics
+from .tier_metrics import FilesystemMetrics
 
 __all__ = ["DIRECTORY_BYTES", "FilesystemTier", "JobResult", "KeyState", "LookupRun", "file_budget"]
 
@@ -52,7 +54,7 @@ def _torch_dtype_name(dtype: torch.dtype) -> str:
 
 
 
-class FilesystemTier(BlockIndex, JobQueue, BlockIO, StartupScan, TierHealth):
+class FilesystemTier(BlockIndex, BlockIO, StartupScan):
     """Blocks of one fixed shape and dtype, stored as checksummed files under ``root_dir``, bounded in bytes."""
 
     # The Tier protocol (kvtier_runtime.tiers.base): a local disk, keys with the books' run-identity suffix (one
@@ -83,7 +85,7 @@ class FilesystemTier(BlockIndex, JobQueue, BlockIO, StartupScan, TierHealth):
         """``codec`` overrides the codec named by the config (e.g. one with another error budget)."""
         self.config = config
         self.name = name
-        self._metrics = TierMetrics(name, config.capacity_bytes)  # before anything that may count a fault
+        self._metrics = FilesystemMetrics(name, config.capacity_bytes)  # before anything that may count a fault
         # The tier blocks come from and go to, for the promotion/demotion metrics (vLLM's CPU tier by default).
         self.peer = peer
         self.block_shape = tuple(int(d) for d in block_shape)
@@ -91,16 +93,22 @@ class FilesystemTier(BlockIndex, JobQueue, BlockIO, StartupScan, TierHealth):
         self._dtype_name = _torch_dtype_name(dtype)
         self._codec = codec or get_codec(config.codec, fallback=config.codec_fallback)
         self._ops = file_ops or FileOps()
-        self.backoff = Backoff(backoff_base_s, backoff_max_s, after=backoff_after, clock=clock)
+        backoff = Backoff(backoff_base_s, backoff_max_s, after=backoff_after, clock=clock)
         self._clock = clock
         self._mac_key = read_mac_key(config.mac_key_file)
-        self._init_jobs(config.io_timeout_s, on_complete)
+        # Jobs, deadlines and pools (a helper object: kvtier_runtime.tiers.jobs). Its lock is the tier's: an index
+        # entry and its job's key settle in one step.
+        self.jobs = JobQueue(name=name, medium=self.medium, io_timeout_s=config.io_timeout_s, errors=self._metrics,
+                             on_io_failure=self._record_io_failure, on_complete=on_complete,
+                             on_lent_read_overrun=self._lent_read_overran, log=self._log)
+        self._lock = self.jobs.lock
+        self._io_timeout_s = self.jobs.io_timeout_s
 
         self.root = os.path.join(os.path.realpath(config.root_dir), NAMESPACE)
-        # Why the tier cannot store (a read-only or forbidden directory), or None: it then serves what it finds
-        # and refuses every store with this reason, instead of failing the engine's start-up.
-        self.degraded: str | None = None
-        self._open_namespace()
+        # The namespace directory, degraded mode and store backoff (a helper object: .health).
+        self.disk_health = TierHealth(name=name, root=self.root, metrics=self._metrics, backoff=backoff,
+                                      lock=self._lock)
+        self.disk_health.open_namespace()
         if self.degraded is not None:
             self.direct_io = False if direct_io is None else direct_io
         else:
@@ -135,12 +143,30 @@ class FilesystemTier(BlockIndex, JobQueue, BlockIO, StartupScan, TierHealth):
 
         self.rebuild_stats = self._rebuild_index() if os.path.isdir(self.root) else {"blocks": 0}
         self._update_occupancy()
-        self._start_pools(config, name)
+        self._read_pool, self._write_pool = self.jobs.start_pools(config.n_read_threads, config.n_write_threads)
 
     @property
     def capacity_blocks(self) -> int:
         """Blocks of the nominal size (the tier's codec, no fallback) the tier holds when full."""
         return self._file_budget // self._nominal_file_bytes
+
+    @property
+    def backoff(self) -> Backoff:
+        return self.disk_health.backoff
+
+    @property
+    def in_backoff(self) -> bool:
+        """Whether stores are refused for now after repeated disk faults."""
+        return self.disk_health.in_backoff
+
+    @property
+    def degraded(self) -> str | None:
+        """Why the tier cannot store (a read-only or forbidden directory), or None: it then serves what it finds
+        and refuses every store with this reason, instead of failing the engine's start-up."""
+        return self.disk_health.degraded
+
+    def _record_io_failure(self) -> None:
+        self.disk_health.io_failure()
 
     @property
     def io_timeout_s(self) -> float:
@@ -168,6 +194,19 @@ class FilesystemTier(BlockIndex, JobQueue, BlockIO, StartupScan, TierHealth):
         """Held or being written here: the index is this tier's own, so the host tier need not keep a copy."""
         return self.state(key) is not KeyState.MISS
 
+    # ---- jobs (kvtier_runtime.tiers.jobs.JobQueue) ------------------------------------------------------
+    def get_finished(self) -> list[JobResult]:
+        """Results of jobs finished since the last call (each once); a job past ``io_timeout_s`` finishes here with
+        its unfinished keys failed as ``timeout``."""
+        return self.jobs.get_finished()
+
+    def drain(self, timeout: float | None = 60) -> None:
+        """Wait until every submitted job finished (see :meth:`JobQueue.drain`)."""
+        self.jobs.drain(timeout)
+
+    def close(self) -> None:
+        self.jobs.close()
+
     def _lent_read_overran(self) -> None:
         # Later loads take the staging path (which times out cleanly) for io_timeout_s; the overrun counts towards
         # store backoff.
@@ -183,13 +222,13 @@ class FilesystemTier(BlockIndex, JobQueue, BlockIO, StartupScan, TierHealth):
         Keys already present (or being written) succeed without I/O. A key is refused (a failed key, no
         exception) in backoff, when the admission filter declines it, or when pinned blocks leave no room.
         """
-        self._check_open()
+        self.jobs.check_open()
         if len(keys) != len(blocks):
             raise ValueError(f"blocks: {len(blocks)} blocks for {len(keys)} keys")
         for key in keys:
             block_relpath(key)  # rejects non-bytes or empty keys with a ValueError naming the key
         keys = [bytes(k) for k in keys]
-        job = self._new_job("store", keys)
+        job = self.jobs.new_job("store", keys)
         size = file_bytes_for(self._codec.encoded_nbytes(self.block_shape, self.dtype))
         work: list[tuple[int, bytes, torch.Tensor, list[bytes]]] = []
         backoff = self.in_backoff
@@ -197,7 +236,7 @@ class FilesystemTier(BlockIndex, JobQueue, BlockIO, StartupScan, TierHealth):
             for i, (key, block) in enumerate(zip(keys, blocks)):
                 if key in self._index:
                     self._policy.touch(key, ctx)
-                    self._settle_locked(job, i, True)
+                    self.jobs.settle_locked(job, i, True)
                     continue
                 if len(key) > MAX_KEY_BYTES:
                     reason = "key-too-long"
@@ -223,11 +262,11 @@ class FilesystemTier(BlockIndex, JobQueue, BlockIO, StartupScan, TierHealth):
                         continue
                 self._metrics.rejected(reason)
                 job.errors[i] = reason
-                self._settle_locked(job, i, False)
+                self.jobs.settle_locked(job, i, False)
         self._update_occupancy()
         for i, key, block, doomed in work:
-            self._write_pool.submit(self._settled, self._write_task, job, i, key, block, doomed)
-        self._settle(job, None, True)
+            self._write_pool.submit(self.jobs.settled, self._write_task, job, i, key, block, doomed)
+        self.jobs.settle(job, None, True)
         return job.job_id
 
     def submit_load(
@@ -235,29 +274,29 @@ class FilesystemTier(BlockIndex, JobQueue, BlockIO, StartupScan, TierHealth):
     ) -> int:
         """Queue reads of ``keys`` into ``outs`` (contiguous CPU tensors of the tier's shape and dtype); any
         other destination fails its key as ``mismatch`` here, before a read could blame the file for it."""
-        self._check_open()
+        self.jobs.check_open()
         if len(keys) != len(outs):
             raise ValueError(f"outs: {len(outs)} tensors for {len(keys)} keys")
         keys = [bytes(k) for k in keys]
-        job = self._new_job("load", keys)
+        job = self.jobs.new_job("load", keys)
         work: list[tuple[int, bytes, torch.Tensor]] = []
         with self._lock:
             for i, (key, out) in enumerate(zip(keys, outs)):
                 entry = self._index.get(key)
                 if entry is None or entry.state != "ready":
                     job.errors[i] = "miss"
-                    self._settle_locked(job, i, False)
+                    self.jobs.settle_locked(job, i, False)
                 elif (tuple(out.shape) != self.block_shape or out.dtype != self.dtype
                       or out.device.type != "cpu" or not out.is_contiguous()):
                     job.errors[i] = "mismatch"
-                    self._settle_locked(job, i, False)
+                    self.jobs.settle_locked(job, i, False)
                 else:
                     self._policy.pin(key)
                     self._policy.touch(key, ctx)
                     work.append((i, key, out))
         for i, key, out in work:
-            self._read_pool.submit(self._settled, self._read_task, job, i, key, out)
-        self._settle(job, None, True)
+            self._read_pool.submit(self.jobs.settled, self._read_task, job, i, key, out)
+        self.jobs.settle(job, None, True)
         return job.job_id
 
     def __enter__(self) -> "FilesystemTier":

@@ -1,17 +1,17 @@
 """The metrics one filesystem tier exports (``kvtier_runtime_*``, defined in :mod:`kvtier_runtime.metrics`), behind
 named methods, so the tier's other modules say what happened and this one says how it is counted. What every tier
 counts alike (capacity, occupancy, evictions, lookups, promotions and demotions) is in
-:class:`kvtier_runtime.tiers.metrics.TierMetricsBase`.
+:class:`kvtier_runtime.tiers.metrics.TierMetrics`.
 
 Labels: ``tier`` is the tier's name; promotions and demotions are labelled with the tier blocks come from or go
 to (``peer``: the host tier's name), passed per call since the books set it after construction."""
 from __future__ import annotations
 
 from .. import metrics
-from ..tiers.metrics import TierMetricsBase
+from ..tiers.metrics import TierMetrics
 
 
-class TierMetrics(TierMetricsBase):
+class FilesystemMetrics(TierMetrics):
     def __init__(self, name: str, capacity_bytes: int) -> None:
         super().__init__(name, capacity_bytes)
         self._backoff = metrics.FS_BACKOFF.labels(name)
@@ -27,7 +27,3 @@ class TierMetrics(TierMetricsBase):
     def rejected(self, reason: str) -> None:
         """A store refused before any I/O (backoff, not-admitted, no-room, busy, mismatch, ...)."""
         metrics.STORES_REJECTED.labels(self.name, reason).inc()
-
-    def looked_up(self, asked: int, hits: int) -> None:
-        metrics.LOOKUPS.labels(self.name).inc(asked)
-        metrics.HITS.labels(self.name).inc(hits)

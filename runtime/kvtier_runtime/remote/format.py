@@ -22,6 +22,10 @@ without the key sees the header (format, codec, sizes) and ciphertext only.
 Values of format version 1 (an HMAC or a CRC, the payload in clear) read as ``version``: a counted miss, never
 decoded. GCM's bound for random nonces (2^32 values per key) is far above what one model of one scope writes
 between key rotations at any plausible rate; the key is per scope and model too.
+
+The reader's checks (magic, version, length, then the tag), the refusal kinds (:class:`RemoteFormatError` is the
+envelope's error) and the bounded key and name fields are shared with the filesystem tier's format in
+:mod:`kvtier_runtime.tiers.envelope`; this module keeps the value layout and its primitives (HKDF, AES-256-GCM).
 """
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from ..tiers.envelope import EnvelopeError, bound_data, check_key, check_length, name_field, open_head, read_name
 
 MAGIC = b"KVTIERR1"
 FORMAT_VERSION = 2
@@ -51,14 +57,9 @@ VALUE_KEY_BYTES = 32
 _HKDF_DOMAIN = b"kvtier-remote-value-v2\0"
 
 
-class RemoteFormatError(Exception):
-    """A value is not a valid chunk for the key it was read from; ``kind`` says why (``foreign``, ``version``,
-    ``truncated``, ``corrupt``, ``forged``)."""
-
-    def __init__(self, kind: str, detail: str) -> None:
-        super().__init__(f"{kind}: {detail}")
-        self.kind = kind
-        self.detail = detail
+# A value refused for what it holds; ``kind`` says why (``foreign``, ``version``, ``truncated``, ``corrupt``,
+# ``forged``: kvtier_runtime.tiers.envelope.KINDS).
+RemoteFormatError = EnvelopeError
 
 
 def value_bytes(payload_len: int) -> int:
@@ -84,7 +85,7 @@ class Sealer:
         payload but the cipher's own output); returns its length (``buf[:n]`` is what to store). ValueError names the
         field that cannot be represented."""
         mv, nonce, total = self._head(buf, key, codec, len(payload))
-        aad = bytes(mv[:HEAD_BYTES]) + bytes(key)
+        aad = bound_data(mv[:HEAD_BYTES], key)
         self._aead.encrypt_into(nonce, payload, aad, mv[HEAD_BYTES:total])
         return total
 
@@ -95,7 +96,7 @@ class Sealer:
         views = [memoryview(p).cast("B") for p in parts]
         mv, nonce, total = self._head(buf, key, codec, sum(len(v) for v in views))
         enc = Cipher(algorithms.AES(self._value_key), modes.GCM(nonce)).encryptor()
-        enc.authenticate_additional_data(bytes(mv[:HEAD_BYTES]) + bytes(key))
+        enc.authenticate_additional_data(bound_data(mv[:HEAD_BYTES], key))
         at = HEAD_BYTES
         for v in views:
             # update_into wants room for a block more than it writes; the tag's 16 bytes follow the last part.
@@ -106,11 +107,8 @@ class Sealer:
 
     def _head(self, buf: bytearray | memoryview, key: bytes, codec: str, n: int) -> tuple[memoryview, bytes, int]:
         """Check the arguments, pack the header of a ``n``-byte payload with a fresh nonce into ``buf``."""
-        if not 0 < len(key) <= MAX_KEY_BYTES:
-            raise ValueError(f"key: {len(key)} bytes, must be 1..{MAX_KEY_BYTES}")
-        name = codec.encode("ascii")
-        if not name or len(name) > CODEC_NAME_BYTES:
-            raise ValueError(f"codec: {codec!r} must be 1..{CODEC_NAME_BYTES} ASCII characters")
+        check_key(key, MAX_KEY_BYTES)
+        name = name_field("codec", codec, CODEC_NAME_BYTES)
         mv = memoryview(buf)
         total = value_bytes(n)
         if len(mv) < total:
@@ -126,35 +124,22 @@ class Sealer:
         bytes (the cipher decrypts, then checks the tag), which nothing reads. Raises :class:`RemoteFormatError`
         (never anything else) for any bytes it is given."""
         mv = memoryview(value)
-        if len(mv) < HEAD_BYTES:
-            raise RemoteFormatError("foreign" if bytes(mv[:8]) != MAGIC else "truncated", f"{len(mv)} bytes")
-        if bytes(mv[:8]) != MAGIC:
-            raise RemoteFormatError("foreign", "no kvtier value magic")
-        version = struct.unpack_from("<H", mv, 8)[0]
-        if version != FORMAT_VERSION:
-            raise RemoteFormatError("version", f"format version {version}, this build reads {FORMAT_VERSION} "
-                                               "(values are encrypted since version 2)")
+        open_head(mv, magic=MAGIC, head_bytes=HEAD_BYTES, readable=(FORMAT_VERSION,), what="kvtier value",
+                  version_note=" (values are encrypted since version 2)")
         _, _, sealing, payload_len, codec, nonce = _HEAD.unpack_from(mv, 0)
         if sealing != SEALING_AES_256_GCM:
             raise RemoteFormatError("corrupt", f"sealing kind {sealing}")
         expected = value_bytes(payload_len)
-        if len(mv) < expected:
-            raise RemoteFormatError("truncated", f"{len(mv)} bytes, the header says {expected}")
-        if len(mv) > expected:
-            raise RemoteFormatError("corrupt", f"{len(mv)} bytes, the header says {expected}")
+        check_length(len(mv), expected, "value")
         dst = memoryview(out)
         if len(dst) < payload_len:
             raise RemoteFormatError("corrupt", f"a payload of {payload_len} bytes, larger than this tier's "
                                                f"largest ({len(dst)})")
-        aad = bytes(mv[:HEAD_BYTES]) + bytes(key)
+        aad = bound_data(mv[:HEAD_BYTES], key)
         try:
             self._aead.decrypt_into(nonce, mv[HEAD_BYTES:expected], aad, dst[:payload_len])
         except InvalidTag:
             raise RemoteFormatError("forged", "the value does not verify under this scope's key (another key "
                                               "wrote it, it was altered, or it was moved from another store key)"
                                     ) from None
-        try:
-            name = codec.rstrip(b"\0").decode("ascii")
-        except UnicodeDecodeError:
-            raise RemoteFormatError("corrupt", "codec name is not ASCII") from None
-        return name, dst[:payload_len]
+        return read_name(codec, "codec name"), dst[:payload_len]

@@ -46,7 +46,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import metrics
 from ..codecs import STATS, Codec, CodecError, CodecHeader, KVChunkCodec, decode, get_codec
 from ..codecs.base import PassthroughCodec
 from ..config import ConfigError, RemoteTierConfig
@@ -55,9 +54,9 @@ from ..tiers.backoff import Backoff
 from ..tiers.base import KeyState
 from ..tiers.jobs import Expired, Job, JobQueue, JobResult
 from ..tiers.keys import read_mac_key
-from ..tiers.metrics import TierMetricsBase
 from .client import RemoteStore, failure_kind
 from .format import RemoteFormatError, Sealer, value_bytes
+from .tier_metrics import RemoteMetrics
 from .identity import chunk_key, index_key, key_prefix
 
 log = logging.getLogger("kvtier_runtime.remote")
@@ -82,43 +81,6 @@ _REFUSED_KINDS = frozenset({"forged", "corrupt", "truncated", "foreign", "versio
 _HEX = frozenset(b"0123456789abcdef")
 
 
-class RemoteMetrics(TierMetricsBase):
-    """What one remote tier counts, in :mod:`kvtier_runtime.metrics` (labelled by the tier's name), and the same
-    counts kept here for the engine's own stats (vLLM exports those from its API server)."""
-
-    def __init__(self, name: str, capacity_bytes: int) -> None:
-        super().__init__(name, capacity_bytes)
-        self.misses: Counter[str] = Counter()
-        self.store_failures: Counter[str] = Counter()
-        self._lock = threading.Lock()
-        self._up = metrics.REMOTE_UP.labels(name)
-        self._up.set(0)
-
-    def miss(self, reason: str, n: int = 1) -> None:
-        with self._lock:
-            self.misses[reason] += n
-        metrics.REMOTE_MISSES.labels(self.name, reason).inc(n)
-
-    def store_failed(self, reason: str, n: int = 1) -> None:
-        with self._lock:
-            self.store_failures[reason] += n
-        metrics.REMOTE_STORE_FAILURES.labels(self.name, reason).inc(n)
-
-    # JobQueue counts a job's late keys through error(); a late key is a miss (load) or a failed store.
-    def error(self, kind: str, n: int = 1) -> None:
-        self.miss(kind, n)
-
-    def up(self, on: bool) -> None:
-        self._up.set(1 if on else 0)
-
-    def moved(self, src: str, dst: str, nbytes: int, seconds: float, n: int) -> None:
-        if dst != self.name:
-            self.promoted(dst, nbytes, seconds, n)
-        else:
-            self.demoted(src, nbytes, seconds, n)
-
-
-
 class _Lane:
     """A queue drained by up to ``workers`` pool tasks, each taking what is queued (``batch_of`` decides how
     much) and handing it to ``run`` as one batch: one round trip for many keys once there is a backlog."""
@@ -129,7 +91,7 @@ class _Lane:
         self._run = run
         self._workers = workers
         self._batch_of = batch_of
-        self._count = count  # +1/-1 around a running batch (the tier's _running_tasks)
+        self._count = count  # +1/-1 around a running batch (the job queue's count_task)
         self._items: deque[Any] = deque()
         self._active = 0
         self._lock = threading.Lock()
@@ -164,7 +126,7 @@ class _Lane:
                 self._count(-1)
 
 
-class RemoteTier(JobQueue):
+class RemoteTier:
     """Chunks of one fixed shape and dtype in a shared Valkey/Redis store, keyed by the config's scope and
     ``identity``, sealed under the tenant's key (``config.mac_key_file``)."""
 
@@ -210,7 +172,7 @@ class RemoteTier(JobQueue):
         self.scope = config.scope
         self._sealer = Sealer(tenant_key, config.scope, identity)
         del tenant_key
-        self._init_jobs(config.io_timeout_s, on_complete)  # ids, results handed out once, deadlines
+        self._io_timeout_s = float(config.io_timeout_s)
         self._clock = clock
         self._prefix = key_prefix(config.scope, identity)
         self.identity = identity
@@ -227,6 +189,11 @@ class RemoteTier(JobQueue):
             raise ConfigError(f"capacity_bytes: {config.capacity_bytes} bytes hold no chunk of {self.value_bytes} "
                               "bytes (one stored value)")
         self._metrics = RemoteMetrics(self.name, config.capacity_bytes)
+        # Jobs: ids, results handed out once, deadlines (a helper object: kvtier_runtime.tiers.jobs).
+        self.jobs = JobQueue(name=self.name, medium=self.medium, io_timeout_s=config.io_timeout_s,
+                             errors=self._metrics, on_io_failure=self._record_io_failure, on_complete=on_complete,
+                             log=log)
+        self._lock = self.jobs.lock
         self._store = store or RemoteStore(config)
         self._presence_ttl_s = presence_ttl_s
         self._absent_ttl_s = absent_ttl_s
@@ -247,13 +214,12 @@ class RemoteTier(JobQueue):
         self._local = threading.local()
         self._buffer_bytes = value_bytes(self._max_payload)
 
-        self._read_pool = ThreadPoolExecutor(n_threads, thread_name_prefix=f"kvtier-{self.name}-r")
-        self._write_pool = ThreadPoolExecutor(n_threads, thread_name_prefix=f"kvtier-{self.name}-w")
+        self._read_pool, self._write_pool = self.jobs.start_pools(n_threads, n_threads)
         self._probe_pool = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{self.name}-p")
         per_batch = max(1, max_batch_bytes // self.value_bytes)
-        self._loads = _Lane(self._read_pool, self._load_batch, n_threads, lambda q: per_batch, self._count_task)
-        self._stores = _Lane(self._write_pool, self._store_batch, n_threads, lambda q: per_batch, self._count_task)
-        self._probes = _Lane(self._probe_pool, self._probe_batch, 1, lambda q: 1024, self._count_task)
+        self._loads = _Lane(self._read_pool, self._load_batch, n_threads, lambda q: per_batch, self.jobs.count_task)
+        self._stores = _Lane(self._write_pool, self._store_batch, n_threads, lambda q: per_batch, self.jobs.count_task)
+        self._probes = _Lane(self._probe_pool, self._probe_batch, 1, lambda q: 1024, self.jobs.count_task)
         self._probe_pool.submit(self._reconnect)
         self._metrics.occupancy(0)
 
@@ -298,16 +264,12 @@ class RemoteTier(JobQueue):
         return chunk_key(self._prefix, key)
 
     # ---- health -----------------------------------------------------------------------------------------
-    def _count_task(self, delta: int) -> None:
-        with self._lock:
-            self._running_tasks += delta
-
     def _available(self) -> bool:
         """Whether the store may be asked now; when a down store's backoff ran out, start one reconnect."""
         health = self._health
         if health == "up":
             return True
-        if health == "down" and not self.backoff.active and not self._closed:
+        if health == "down" and not self.backoff.active and not self.jobs.closed:
             with self._plock:
                 if self._health != "down":
                     return False
@@ -374,16 +336,14 @@ class RemoteTier(JobQueue):
         if kind != "timeout":
             self._store.reset()
 
-    def _record_io_failure(self, kind: str = "timeout") -> None:
-        """JobQueue calls this when a job expires. Not a store fault by itself: the keys may have waited behind a
+    def _record_io_failure(self) -> None:
+        """The job queue calls this when a job expires. Not a store fault by itself: the keys may have waited behind a
         burst in this process's own queue. A slow store shows as socket timeouts (io_timeout_s per operation),
         which the batches report to :meth:`_fault`."""
 
     def _new_job(self, kind: str, keys: Sequence[bytes]) -> Job:
-        job = JobQueue._new_job(self, kind, keys)
         factor = STORE_DEADLINE_FACTOR if kind == "store" else LOAD_DEADLINE_FACTOR
-        job.deadline += (factor - 1) * self._io_timeout_s
-        return job
+        return self.jobs.new_job(kind, keys, timeout_s=factor * self._io_timeout_s)
 
     # ---- presence (scheduler thread: no I/O) ------------------------------------------------------------
     def _remember(self, key: bytes, present: bool, reason: str = "absent") -> None:
@@ -480,7 +440,7 @@ class RemoteTier(JobQueue):
                      ctx: AccessContext | None = None) -> int:
         """Queue writes of ``blocks`` (host rows, unchanged until the job finishes) under ``keys``. Refused at
         once (failed keys, no exception) while the store is down or, after a ``full`` reply, for a backoff."""
-        self._check_open()
+        self.jobs.check_open()
         if len(keys) != len(blocks):
             raise ValueError(f"blocks: {len(blocks)} blocks for {len(keys)} keys")
         keys = [bytes(k) for k in keys]
@@ -500,13 +460,13 @@ class RemoteTier(JobQueue):
                 work.append((job, i, key, block))
         if work:
             self._stores.put(work)
-        self._settle(job, None, True)
+        self.jobs.settle(job, None, True)
         return job.job_id
 
     def submit_load(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor],
                     ctx: AccessContext | None = None) -> int:
         """Queue reads of ``keys`` into ``outs`` (contiguous CPU tensors of the tier's shape and dtype)."""
-        self._check_open()
+        self.jobs.check_open()
         if len(keys) != len(outs):
             raise ValueError(f"outs: {len(outs)} tensors for {len(keys)} keys")
         keys = [bytes(k) for k in keys]
@@ -523,22 +483,21 @@ class RemoteTier(JobQueue):
                 work.append((job, i, key, out))
         if work:
             self._loads.put(work)
-        self._settle(job, None, True)
+        self.jobs.settle(job, None, True)
         return job.job_id
 
     def _fail_key(self, job: Job, i: int, reason: str, store: bool = False) -> None:
         with self._lock:
             job.errors[i] = reason
-            result = self._settle_locked(job, i, False)
+            result = self.jobs.settle_locked(job, i, False)
         if store:
             self._metrics.store_failed(reason)
         else:
             self._metrics.miss(reason)
-        if result is not None and self._on_complete is not None:
-            self._on_complete(result)
+        self.jobs.completed(result)
 
     def _succeed_key(self, job: Job, i: int) -> None:
-        self._settle(job, i, True)
+        self.jobs.settle(job, i, True)
 
     # ---- batches (pool threads) -------------------------------------------------------------------------
     def _plain(self) -> bytearray:
@@ -734,10 +693,20 @@ class RemoteTier(JobQueue):
         if nbytes:
             self._metrics.moved(src, dst, nbytes, time.perf_counter() - started, n)
 
+    # ---- jobs (kvtier_runtime.tiers.jobs.JobQueue) ------------------------------------------------------
+    def get_finished(self) -> list[JobResult]:
+        """Results of jobs finished since the last call (each once); a job past its deadline finishes here with
+        its unfinished keys failed as ``timeout``."""
+        return self.jobs.get_finished()
+
+    def drain(self, timeout: float | None = 60) -> None:
+        """Wait until every submitted job finished (see :meth:`JobQueue.drain`)."""
+        self.jobs.drain(timeout)
+
     def close(self) -> None:
-        if self._closed:
+        if self.jobs.closed:
             return
-        JobQueue.close(self)
+        self.jobs.close()
         self._probe_pool.shutdown(wait=False, cancel_futures=True)
         self._store.close()
 

@@ -1,7 +1,8 @@
 """Jobs of the tiers behind the host tier (filesystem and remote): ids, per-key settlement, results handed out
 once by ``get_finished`` (and to an ``on_complete`` callback as they finish), deadlines (``io_timeout_s``: a job
 past it finishes with its late keys failed as ``timeout``), and the read and write thread pools the I/O tasks run
-on (a tier may run its own instead)."""
+on. Each tier owns a :class:`JobQueue` (composition: the queue knows the tier only by the callbacks it was
+given)."""
 from __future__ import annotations
 
 import itertools
@@ -11,7 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 
 __all__ = ["Expired", "Job", "JobQueue", "JobResult"]
@@ -68,48 +69,60 @@ class Expired(Exception):
 
 
 class JobQueue:
-    """Mixin of the tiers behind the host tier (:class:`~kvtier_runtime.fs.tier.FilesystemTier`,
-    :class:`~kvtier_runtime.remote.tier.RemoteTier`): job bookkeeping, waiting, expiry and the I/O pools.
+    """The jobs of one tier behind the host tier (:class:`~kvtier_runtime.fs.tier.FilesystemTier`,
+    :class:`~kvtier_runtime.remote.tier.RemoteTier`): job bookkeeping, waiting, expiry and the I/O pools. A helper
+    object each tier owns (``tier.jobs``), told at construction what it needs of the tier:
 
-    A subclass calls :meth:`_init_jobs` in its constructor and provides ``name``, ``_metrics`` (with
-    ``error(kind, n)``) and ``_record_io_failure()`` (a job expired: counts towards its backoff)."""
+    ``errors`` counts a job's late keys (``error(kind, n)``, the tier's metrics); ``on_io_failure`` is called when a
+    job expires (a filesystem tier counts it towards its store backoff); ``on_lent_read_overrun`` when a read into
+    the caller's memory outlives its job's deadline (see :meth:`_expire`; by default ``on_io_failure``).
 
-    # What the tier is, in its log lines ("filesystem tier nvme: ..."), and where it logs.
-    medium = "tier"
-    _log = logging.getLogger("kvtier_runtime.tiers")
+    :attr:`lock` guards the jobs; a tier whose own state must change in the same step as a job's (a filesystem
+    tier's index) uses it as its lock too."""
 
-    if TYPE_CHECKING:
-        # Provided by the subclass (declared for the type checker only: a method defined here would come before
-        # the subclass's other bases in its MRO, e.g. the filesystem tier's TierHealth._record_io_failure).
-        name: str
-        _metrics: ErrorCounter
-
-        def _record_io_failure(self) -> None: ...
-
-    def _init_jobs(self, io_timeout_s: float, on_complete: Callable[[JobResult], None] | None) -> None:
-        self._io_timeout_s = float(io_timeout_s)
+    def __init__(self, *, name: str, medium: str, io_timeout_s: float, errors: ErrorCounter,
+                 on_io_failure: Callable[[], None], on_complete: Callable[[JobResult], None] | None = None,
+                 on_lent_read_overrun: Callable[[], None] | None = None,
+                 log: logging.Logger = logging.getLogger("kvtier_runtime.tiers")) -> None:
+        # What the tier is, in log lines ("filesystem tier nvme: ..."), and where it logs.
+        self.name = name
+        self.medium = medium
+        self.io_timeout_s = float(io_timeout_s)
+        self._errors = errors
+        self._on_io_failure = on_io_failure
+        self._on_lent_read_overrun = on_lent_read_overrun or on_io_failure
         self._on_complete = on_complete
-        self._lock = threading.Lock()
+        self._log = log
+        self.lock = threading.Lock()
         self._jobs: dict[int, Job] = {}
         self._finished: OrderedDict[int, JobResult] = OrderedDict()
         self._job_ids = itertools.count(1)
         self._closed = False
         self._running_tasks = 0
+        self.read_pool: ThreadPoolExecutor | None = None
+        self.write_pool: ThreadPoolExecutor | None = None
 
-    def _lent_read_overran(self) -> None:
-        """A read into the caller's memory outlived its job's deadline (see _expire): by default a failure
-        towards the tier's backoff."""
-        self._record_io_failure()
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
-    def _start_pools(self, config: Any, name: str) -> None:
-        self._write_pool = ThreadPoolExecutor(config.n_write_threads, thread_name_prefix=f"kvtier-{name}-w")
-        self._read_pool = ThreadPoolExecutor(config.n_read_threads, thread_name_prefix=f"kvtier-{name}-r")
+    def start_pools(self, n_read: int, n_write: int) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        """The read and write pools the tier's I/O tasks run on (shut down by :meth:`close`)."""
+        self.write_pool = ThreadPoolExecutor(n_write, thread_name_prefix=f"kvtier-{self.name}-w")
+        self.read_pool = ThreadPoolExecutor(n_read, thread_name_prefix=f"kvtier-{self.name}-r")
+        return self.read_pool, self.write_pool
+
+    def count_task(self, delta: int) -> None:
+        """A task of the tier's own (not run through :meth:`settled`) starts (+1) or ends (-1): :meth:`close`
+        waits for running ones."""
+        with self.lock:
+            self._running_tasks += delta
 
     def get_finished(self) -> list[JobResult]:
         """Results of jobs finished since the last call (each result is returned once); a job past its
         ``io_timeout_s`` finishes here with its unfinished keys failed as ``timeout``."""
         self._expire_overdue()
-        with self._lock:
+        with self.lock:
             out = list(self._finished.values())
             self._finished.clear()
         return out
@@ -121,7 +134,7 @@ class JobQueue:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._expire_overdue()
-            with self._lock:
+            with self.lock:
                 pending = [j for j in self._jobs.values() if not j.done.is_set()]
             if not pending:
                 return
@@ -135,7 +148,7 @@ class JobQueue:
 
     def _expire_overdue(self) -> None:
         now = time.monotonic()
-        with self._lock:
+        with self.lock:
             overdue = [j for j in self._jobs.values() if j.deadline <= now and not j.done.is_set()]
         for job in overdue:
             self._expire(job)
@@ -164,26 +177,26 @@ class JobQueue:
                 job.overdue_reported = True
                 self._log.warning("%s tier %s: load job %d: %d reads into the caller's memory still in the "
                                   "kernel after %.1fs; the job ends when they return", self.medium, self.name,
-                                  job.job_id, reads, self._io_timeout_s)
-                self._lent_read_overran()
+                                  job.job_id, reads, self.io_timeout_s)
+                self._on_lent_read_overrun()
             return
-        with self._lock:
+        with self.lock:
             if job.done.is_set():
                 return
             late = [i for i, settled in enumerate(job.settled) if not settled]
             for i in late:
                 job.errors[i] = "timeout"
             job.remaining = 1
-            result = self._settle_locked(job, None, False)
+            result = self.settle_locked(job, None, False)
         if late:
             self._log.warning("%s tier %s: %s job %d: %d keys still waiting after %.1fs", self.medium, self.name,
-                              job.kind, job.job_id, len(late), self._io_timeout_s)
-            self._metrics.error("timeout", len(late))
-            self._record_io_failure()
+                              job.kind, job.job_id, len(late), self.io_timeout_s)
+            self._errors.error("timeout", len(late))
+            self._on_io_failure()
         if result is not None and self._on_complete is not None:
             self._on_complete(result)
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         # Before any reservation: a job refused by a shut-down pool would leave its keys "writing" and pinned.
         if self._closed:
             raise RuntimeError(f"{self.name}: the {self.medium} tier is closed")
@@ -193,36 +206,41 @@ class JobQueue:
             return
         self._closed = True
         try:
-            self.drain(timeout=self._io_timeout_s)
+            self.drain(timeout=self.io_timeout_s)
         except TimeoutError:
             pass
-        deadline = time.monotonic() + self._io_timeout_s
+        deadline = time.monotonic() + self.io_timeout_s
         while self._running_tasks and time.monotonic() < deadline:
             time.sleep(0.005)
         hung = self._running_tasks > 0
         # Tasks of expired jobs may still sit in a hung system call: then do not wait for them (they touch no
         # caller memory any more), so closing is bounded too.
-        self._write_pool.shutdown(wait=not hung, cancel_futures=hung)
-        self._read_pool.shutdown(wait=not hung, cancel_futures=hung)
+        for pool in (self.write_pool, self.read_pool):
+            if pool is not None:
+                pool.shutdown(wait=not hung, cancel_futures=hung)
 
     # ---- job bookkeeping --------------------------------------------------------------------------------
-    def _new_job(self, kind: str, keys: Sequence[bytes]) -> Job:
+    def new_job(self, kind: str, keys: Sequence[bytes], timeout_s: float | None = None) -> Job:
+        """A job of ``keys``, due ``timeout_s`` from now (by default ``io_timeout_s``)."""
         keys_t = tuple(bytes(k) for k in keys)
+        due = self.io_timeout_s if timeout_s is None else timeout_s
         job = Job(next(self._job_ids), kind, keys_t, [False] * len(keys_t), {}, len(keys_t) + 1,
-                   time.monotonic() + self._io_timeout_s, settled=[False] * len(keys_t))
-        with self._lock:
+                  time.monotonic() + due, settled=[False] * len(keys_t))
+        with self.lock:
             # remaining is len(keys) + 1: the extra count keeps the job open until submit_* has queued every
             # key, and is released by its last line.
             self._jobs[job.job_id] = job
         return job
 
-    def _settle(self, job: Job, i: int | None, ok: bool) -> None:
-        with self._lock:
-            result = self._settle_locked(job, i, ok)
+    def settle(self, job: Job, i: int | None, ok: bool) -> None:
+        with self.lock:
+            result = self.settle_locked(job, i, ok)
         if result is not None and self._on_complete is not None:
             self._on_complete(result)
 
-    def _settle_locked(self, job: Job, i: int | None, ok: bool) -> JobResult | None:
+    def settle_locked(self, job: Job, i: int | None, ok: bool) -> JobResult | None:
+        """Settle key ``i`` of ``job`` (None: the submitter's own count) under :attr:`lock`; the job's result when
+        this finished it (the caller hands it to ``on_complete`` after releasing the lock: :meth:`completed`)."""
         if job.done.is_set():  # expired: a late task's outcome is no longer the caller's
             return None
         if i is not None:
@@ -237,20 +255,25 @@ class JobQueue:
         job.done.set()
         return result
 
-    def _settled(self, task: Callable[..., bool], job: Job, i: int, *args: Any) -> None:
+    def completed(self, result: JobResult | None) -> None:
+        """Hand a result :meth:`settle_locked` returned to ``on_complete`` (outside the lock)."""
+        if result is not None and self._on_complete is not None:
+            self._on_complete(result)
+
+    def settled(self, task: Callable[..., bool], job: Job, i: int, *args: Any) -> None:
         """Run an I/O task and settle its key whatever happens: an exception escaping a task would otherwise
         vanish in the pool and leave the job unfinished, so ``drain`` without a timeout would hang."""
         ok = False
-        with self._lock:
+        with self.lock:
             self._running_tasks += 1
         try:
             ok = task(job, i, *args)
         except Exception:
             self._log.exception("%s tier %s: %s task failed unexpectedly", self.medium, self.name, job.kind)
-            with self._lock:
+            with self.lock:
                 job.errors.setdefault(i, "other")
-            self._metrics.error("other")
+            self._errors.error("other")
         finally:
-            self._settle(job, i, ok)
-            with self._lock:
+            self.settle(job, i, ok)
+            with self.lock:
                 self._running_tasks -= 1

@@ -1,17 +1,18 @@
 """What every tier behind the host tier counts the same way (``kvtier_runtime_*``, defined in
 :mod:`kvtier_runtime.metrics`, labelled by the tier's name): its capacity and occupancy, its evictions, the engine's
 lookups of it, and blocks moved to or from it. Each medium adds its own faults (the filesystem tier's errors and
-backoff, the remote tier's misses by reason and up/down) in a subclass."""
+backoff, the remote tier's misses by reason and up/down) in a subclass of :class:`TierMetrics`
+(``fs/tier_metrics.py``, ``remote/tier_metrics.py``)."""
 from __future__ import annotations
 
 from typing import Any
 
 from .. import metrics
 
-__all__ = ["TierMetricsBase"]
+__all__ = ["TierMetrics"]
 
 
-class TierMetricsBase:
+class TierMetrics:
     def __init__(self, name: str, capacity_bytes: int) -> None:
         self.name = name
         metrics.CAPACITY_BYTES.labels(name).set(capacity_bytes)
@@ -29,6 +30,11 @@ class TierMetricsBase:
         if hit:
             metrics.HITS.labels(self.name).inc()
 
+    def looked_up(self, asked: int, hits: int) -> None:
+        """``asked`` keys looked up for the engine in one run, ``hits`` of them found."""
+        metrics.LOOKUPS.labels(self.name).inc(asked)
+        metrics.HITS.labels(self.name).inc(hits)
+
     def promoted(self, peer: str, nbytes: int, seconds: float, n: int = 1) -> None:
         """``n`` blocks (``nbytes`` in all, in ``seconds``) copied from this tier into ``peer``."""
         self._moved(metrics.PROMOTIONS, self.name, peer, nbytes, seconds, n)
@@ -36,6 +42,14 @@ class TierMetricsBase:
     def demoted(self, peer: str, nbytes: int, seconds: float, n: int = 1) -> None:
         """``n`` blocks (``nbytes`` in all, in ``seconds``) copied from ``peer`` into this tier."""
         self._moved(metrics.DEMOTIONS, peer, self.name, nbytes, seconds, n)
+
+    def moved(self, src: str, dst: str, nbytes: int, seconds: float, n: int = 1) -> None:
+        """``n`` blocks copied from ``src`` to ``dst``, one of which is this tier: a promotion out of it or a
+        demotion into it."""
+        if src == self.name:
+            self.promoted(dst, nbytes, seconds, n)
+        else:
+            self.demoted(src, nbytes, seconds, n)
 
     @staticmethod
     def _moved(counter: Any, src: str, dst: str, nbytes: int, seconds: float, n: int) -> None:

@@ -21,8 +21,6 @@ from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
-    OffloadingCounterMetadata,
-    OffloadingGaugeMetadata,
     OffloadingManager,
     OffloadingMetricMetadata,
     OffloadingSpec,
@@ -44,11 +42,13 @@ from ...store.breaker import TierBreakers
 from ...store.memory_tier import MemoryTier
 from ...tiers import Tier
 from ...tiers.registry import build_tier
-from ..chunk_layout import FLAT_REASONS, LayoutDecision, check_worker_pages, chunk_layout, tier_codec
+from ..chunk_layout import LayoutDecision, check_worker_pages, chunk_layout, tier_codec
+from .. import metric_defs as M
 from ..host_region import HostRegion, remove_dead_regions_at_exit, remove_stale_regions
 from ..page_copy import PageCopier
 from ..vllm_support import block_view_dtype, namespace_suffix
 from .cache_policy import access_context
+from .metric_metadata import vllm_metric_definitions
 from .events import kv_events_enabled, offloading_event, tier_kv_events
 from .model_config import chunk_facts, kv_layout
 from .remote_identity import remote_identity
@@ -62,32 +62,6 @@ _log = logging.getLogger(f"vllm.{__name__}")
 # KvtierOffloadingSpec: kvtier's own offloading spec (host tier + filesystem tiers, kvtier's policies and codecs)
 # ---------------------------------------------------------------------------------------------------------------
 
-_SPEC_PREFIX = "vllm:kv_offload_kvtier_"
-METRIC_HOST_USED_BYTES = _SPEC_PREFIX + "host_used_bytes"
-METRIC_HOST_CAPACITY_BYTES = _SPEC_PREFIX + "host_capacity_bytes"
-METRIC_TIER_USED_BYTES = _SPEC_PREFIX + "tier_used_bytes"
-METRIC_TIER_CAPACITY_BYTES = _SPEC_PREFIX + "tier_capacity_bytes"
-METRIC_LOAD_FAILURES = _SPEC_PREFIX + "load_failures"
-METRIC_PROMOTIONS = _SPEC_PREFIX + "promotions"
-METRIC_FS_STORES = _SPEC_PREFIX + "fs_stores"
-METRIC_HOST_EVICTIONS = _SPEC_PREFIX + "host_evictions"
-METRIC_FLAT_CODEC_TIERS = _SPEC_PREFIX + "flat_codec_tiers"
-METRIC_REMOTE_USED_BYTES = _SPEC_PREFIX + "remote_used_bytes"
-METRIC_REMOTE_CAPACITY_BYTES = _SPEC_PREFIX + "remote_capacity_bytes"
-METRIC_REMOTE_UP = _SPEC_PREFIX + "remote_up"
-METRIC_REMOTE_HITS = _SPEC_PREFIX + "remote_hits"
-METRIC_REMOTE_MISSES = _SPEC_PREFIX + "remote_misses"
-METRIC_REMOTE_STORES = _SPEC_PREFIX + "remote_stores"
-METRIC_REMOTE_STORE_FAILURES = _SPEC_PREFIX + "remote_store_failures"
-METRIC_TIER_BYPASSED = _SPEC_PREFIX + "tier_bypassed"
-METRIC_TIER_MISSES = _SPEC_PREFIX + "tier_misses"
-METRIC_TIER_STORES_SKIPPED = _SPEC_PREFIX + "tier_stores_skipped"
-METRIC_CONTROL_ERRORS = _SPEC_PREFIX + "control_file_errors"
-METRIC_CONTROL_GENERATION = _SPEC_PREFIX + "control_file_generation"
-METRIC_HIT_TOKENS = _SPEC_PREFIX + "hit_tokens"
-METRIC_LOOKUP_TOKENS = _SPEC_PREFIX + "lookup_tokens"
-# The reason of a lookup or store a bypassed tier was not asked for (tier_misses, tier_stores_skipped).
-BYPASSED = "bypassed"
 
 
 class KvtierHostSpec(CPULoadStoreSpec):
@@ -104,54 +78,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
         # vLLM calls this in its front end (its Prometheus metrics), the process that outlives the engine core on
         # SIGTERM: there, remove at exit the host region a SIGKILLed engine core leaves behind.
         _front_end_cleanup(extra_config)
-        tier = ("tier",)
-        return {
-            METRIC_HOST_USED_BYTES: OffloadingGaugeMetadata("Bytes held by kvtier's host tier."),
-            METRIC_HOST_CAPACITY_BYTES: OffloadingGaugeMetadata("Capacity of kvtier's host tier in bytes."),
-            METRIC_TIER_USED_BYTES: OffloadingGaugeMetadata("Bytes held by a kvtier filesystem tier.", tier),
-            METRIC_TIER_CAPACITY_BYTES: OffloadingGaugeMetadata("Capacity of a kvtier filesystem tier.", tier),
-            METRIC_LOAD_FAILURES: OffloadingCounterMetadata(
-                "Blocks a kvtier filesystem tier could not serve (corrupt, missing, eio...); vLLM recomputed them.",
-                ("kind",),
-            ),
-            METRIC_PROMOTIONS: OffloadingCounterMetadata("Blocks read from a kvtier filesystem tier into the host tier."),
-            METRIC_FS_STORES: OffloadingCounterMetadata("Blocks written through to kvtier's filesystem tiers."),
-            METRIC_HOST_EVICTIONS: OffloadingCounterMetadata("Blocks evicted from kvtier's host tier."),
-            METRIC_FLAT_CODEC_TIERS: OffloadingGaugeMetadata(
-                "Lossy kvtier filesystem tiers encoding with the flat codec because the KV layout could not be "
-                f"described, by reason ({', '.join(FLAT_REASONS)}).", ("reason",)),
-            METRIC_REMOTE_USED_BYTES: OffloadingGaugeMetadata(
-                "Bytes kvtier's chunks of this model take in a remote tier's store (all replicas; an upper bound).",
-                ("url",)),
-            METRIC_REMOTE_CAPACITY_BYTES: OffloadingGaugeMetadata("kvtier's budget in a remote tier's store.",
-                                                                  ("url",)),
-            METRIC_REMOTE_UP: OffloadingGaugeMetadata("1 while a remote tier's store answers, else 0.", ("url",)),
-            METRIC_REMOTE_HITS: OffloadingCounterMetadata("Chunks read from a remote tier into the host tier."),
-            METRIC_REMOTE_MISSES: OffloadingCounterMetadata(
-                "Chunks a remote tier did not serve, by reason (absent, evicted, down, timeout, forged, ...); "
-                "vLLM recomputed them.", ("reason",)),
-            METRIC_REMOTE_STORES: OffloadingCounterMetadata("Chunks written through to remote tiers."),
-            METRIC_REMOTE_STORE_FAILURES: OffloadingCounterMetadata(
-                "Chunks a remote tier did not store, by reason (full, down, timeout, ...).", ("reason",)),
-            METRIC_TIER_BYPASSED: OffloadingGaugeMetadata(
-                "1 while a kvtier tier is bypassed, by reason (slow: loading from it cost more than recomputing; "
-                "disabled: the control file disables it), else 0.", ("tier", "reason")),
-            METRIC_TIER_MISSES: OffloadingCounterMetadata(
-                "Lookups a kvtier tier was not asked, by reason (bypassed); vLLM recomputed them unless a later "
-                "tier served them.", ("tier", "reason")),
-            METRIC_TIER_STORES_SKIPPED: OffloadingCounterMetadata(
-                "Chunks not written through to a kvtier tier, by reason (bypassed).", ("tier", "reason")),
-            METRIC_CONTROL_ERRORS: OffloadingCounterMetadata(
-                "Versions of kvtier's control file refused (the last good state kept), by reason (too_large, "
-                "unparsable, invalid, unknown_tier, unreadable).", ("reason",)),
-            METRIC_CONTROL_GENERATION: OffloadingGaugeMetadata(
-                "The generation of the kvtier control file in force (absent until a file with one is read)."),
-            METRIC_HIT_TOKENS: OffloadingCounterMetadata(
-                "Prompt tokens kvtier served, by the tier that held them (the host tier, or the filesystem or remote "
-                "tier a chunk was promoted from): the measured side of what kvtier replay predicts.", tier),
-            METRIC_LOOKUP_TOKENS: OffloadingCounterMetadata(
-                "Prompt tokens vLLM looked up in kvtier (settled lookups: hit or miss)."),
-        }
+        return vllm_metric_definitions(M.SPEC_METRICS)
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
@@ -433,39 +360,39 @@ class KvtierOffloadingManager(OffloadingManager):
         self._stats_seen = self._stats_state()
         self._extra_steps = 0
         stats = OffloadingConnectorStats()
-        stats.set_gauge(METRIC_HOST_USED_BYTES, books.host_used_bytes)
-        stats.set_gauge(METRIC_HOST_CAPACITY_BYTES, books.host_capacity_bytes)
+        stats.set_gauge(M.HOST_USED_BYTES.name, books.host_used_bytes)
+        stats.set_gauge(M.HOST_CAPACITY_BYTES.name, books.host_capacity_bytes)
         for reason, n in self.flat_codec_tiers.items():
-            stats.set_gauge(METRIC_FLAT_CODEC_TIERS, n, (reason,))
+            stats.set_gauge(M.FLAT_CODEC_TIERS.name, n, (reason,))
         for tier in books.fs_tiers:
-            stats.set_gauge(METRIC_TIER_USED_BYTES, tier.used_bytes, (tier.config.root_dir,))
-            stats.set_gauge(METRIC_TIER_CAPACITY_BYTES, tier.capacity_bytes, (tier.config.root_dir,))
+            stats.set_gauge(M.TIER_USED_BYTES.name, tier.used_bytes, (tier.config.root_dir,))
+            stats.set_gauge(M.TIER_CAPACITY_BYTES.name, tier.capacity_bytes, (tier.config.root_dir,))
         for kind, n in books.load_failures.items():
-            self._delta(stats, METRIC_LOAD_FAILURES, "fail:" + kind, n, (kind,))
-        self._delta(stats, METRIC_PROMOTIONS, "promotions", books.counters["promotions"])
-        self._delta(stats, METRIC_FS_STORES, "fs_stores", books.counters["fs_stores"])
-        self._delta(stats, METRIC_HOST_EVICTIONS, "host_evictions", books.counters["host_evictions"])
+            self._delta(stats, M.LOAD_FAILURES.name, "fail:" + kind, n, (kind,))
+        self._delta(stats, M.PROMOTIONS.name, "promotions", books.counters["promotions"])
+        self._delta(stats, M.FS_STORES.name, "fs_stores", books.counters["fs_stores"])
+        self._delta(stats, M.HOST_EVICTIONS.name, "host_evictions", books.counters["host_evictions"])
         for tier in books.remote_tiers:
             url = (tier.config.url,)
-            stats.set_gauge(METRIC_REMOTE_USED_BYTES, tier.used_bytes, url)
-            stats.set_gauge(METRIC_REMOTE_CAPACITY_BYTES, tier.capacity_bytes, url)
-            stats.set_gauge(METRIC_REMOTE_UP, 1 if tier.health == "up" else 0, url)
+            stats.set_gauge(M.REMOTE_USED_BYTES.name, tier.used_bytes, url)
+            stats.set_gauge(M.REMOTE_CAPACITY_BYTES.name, tier.capacity_bytes, url)
+            stats.set_gauge(M.REMOTE_UP.name, 1 if tier.health == "up" else 0, url)
         breakers = books.breakers
         for breaker in breakers.breakers:
             for reason, on in breaker.bypass_gauges().items():
-                stats.set_gauge(METRIC_TIER_BYPASSED, on, (breaker.name, reason))
+                stats.set_gauge(M.TIER_BYPASSED.name, on, (breaker.name, reason))
         for name, n in breakers.bypassed_lookups.items():
-            self._delta(stats, METRIC_TIER_MISSES, "tier_miss:" + name, n, (name, BYPASSED))
+            self._delta(stats, M.TIER_MISSES.name, "tier_miss:" + name, n, (name, M.BYPASSED))
         for name, n in breakers.bypassed_stores.items():
-            self._delta(stats, METRIC_TIER_STORES_SKIPPED, "tier_store_skipped:" + name, n, (name, BYPASSED))
+            self._delta(stats, M.TIER_STORES_SKIPPED.name, "tier_store_skipped:" + name, n, (name, M.BYPASSED))
         for reason, n in breakers.control_errors.items():
-            self._delta(stats, METRIC_CONTROL_ERRORS, "control_error:" + reason, n, (reason,))
+            self._delta(stats, M.CONTROL_ERRORS.name, "control_error:" + reason, n, (reason,))
         if breakers.generation is not None:
-            stats.set_gauge(METRIC_CONTROL_GENERATION, breakers.generation)
+            stats.set_gauge(M.CONTROL_GENERATION.name, breakers.generation)
         tokens = self.spec.tokens_per_chunk
         for name, n in books.hit_keys.items():
-            self._delta(stats, METRIC_HIT_TOKENS, "hit_tokens:" + name, n * tokens, (name,))
-        self._delta(stats, METRIC_LOOKUP_TOKENS, "lookup_tokens", books.counters["lookup_keys"] * tokens)
+            self._delta(stats, M.HIT_TOKENS.name, "hit_tokens:" + name, n * tokens, (name,))
+        self._delta(stats, M.LOOKUP_TOKENS.name, "lookup_tokens", books.counters["lookup_keys"] * tokens)
         if books.remote_tiers:
             misses: Counter[str] = Counter()
             failures: Counter[str] = Counter()
@@ -473,11 +400,11 @@ class KvtierOffloadingManager(OffloadingManager):
                 misses.update(dict(tier.misses))
                 failures.update(dict(tier.store_failures))
             for reason, n in misses.items():
-                self._delta(stats, METRIC_REMOTE_MISSES, "remote_miss:" + reason, n, (reason,))
+                self._delta(stats, M.REMOTE_MISSES.name, "remote_miss:" + reason, n, (reason,))
             for reason, n in failures.items():
-                self._delta(stats, METRIC_REMOTE_STORE_FAILURES, "remote_store_failure:" + reason, n, (reason,))
-            self._delta(stats, METRIC_REMOTE_HITS, "remote_hits", books.counters["remote_promotions"])
-            self._delta(stats, METRIC_REMOTE_STORES, "remote_stores", books.counters["remote_stores"])
+                self._delta(stats, M.REMOTE_STORE_FAILURES.name, "remote_store_failure:" + reason, n, (reason,))
+            self._delta(stats, M.REMOTE_HITS.name, "remote_hits", books.counters["remote_promotions"])
+            self._delta(stats, M.REMOTE_STORES.name, "remote_stores", books.counters["remote_stores"])
         return stats
 
     def _delta(self, stats: OffloadingConnectorStats, metric: str, key: str, total: int,

@@ -15,9 +15,7 @@ from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
-    OffloadingCounterMetadata,
     OffloadingEvent,
-    OffloadingGaugeMetadata,
     OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
@@ -35,8 +33,10 @@ except ImportError:  # pragma: no cover - depends on the installed vLLM
 from ...config import FilesystemTierConfig
 from ...fs.tier import FilesystemTier
 from ...fs.tier import JobResult as TierJobResult
+from .. import metric_defs as M
 from ..vllm_support import block_view_dtype, job_outcome, namespace_suffix
 from .cache_policy import access_context
+from .metric_metadata import vllm_metric_definitions
 from .events import kv_events_enabled, offloading_event, tier_kv_events
 
 # Under vLLM's logger tree: vLLM's handlers print only that tree, and this is where the engine's operators read.
@@ -59,16 +59,6 @@ def run_identity(offloading_spec: Any, root_dir: str) -> dict[str, Any]:
     )
     return mapper.get_run_config()
 
-_PREFIX = "vllm:kv_offload_kvtier_fs_"
-METRIC_USED_BYTES = _PREFIX + "used_bytes"
-METRIC_CAPACITY_BYTES = _PREFIX + "capacity_bytes"
-METRIC_STORED_CHUNKS = _PREFIX + "stored_chunks"
-METRIC_LOADED_CHUNKS = _PREFIX + "loaded_chunks"
-METRIC_REFUSED_CHUNKS = _PREFIX + "refused_chunks"
-METRIC_FAILED_CHUNKS = _PREFIX + "failed_chunks"
-METRIC_EVICTED_CHUNKS = _PREFIX + "evicted_chunks"
-METRIC_BACKOFF = _PREFIX + "backoff"
-ROOT_LABEL = "root_dir"
 
 
 @dataclass(frozen=True)
@@ -202,13 +192,13 @@ class KvtierFilesystemTier(SecondaryTierManager):
         outcome = job_outcome(done.ok, done.errors, job.is_promotion)
         labels = self._labels
         if job.is_promotion:
-            self._stats.increase_counter(METRIC_LOADED_CHUNKS, outcome.n_ok, labels)
+            self._stats.increase_counter(M.FS_LOADED_CHUNKS.name, outcome.n_ok, labels)
         else:
-            self._stats.increase_counter(METRIC_STORED_CHUNKS, outcome.n_ok, labels)
+            self._stats.increase_counter(M.FS_STORED_CHUNKS.name, outcome.n_ok, labels)
         for reason, count in outcome.refused.items():
-            self._stats.increase_counter(METRIC_REFUSED_CHUNKS, count, labels + (reason,))
+            self._stats.increase_counter(M.FS_REFUSED_CHUNKS.name, count, labels + (reason,))
         for kind, count in outcome.failed.items():
-            self._stats.increase_counter(METRIC_FAILED_CHUNKS, count, labels + (kind,))
+            self._stats.increase_counter(M.FS_FAILED_CHUNKS.name, count, labels + (kind,))
         if self.events is not None and not job.is_promotion and outcome.success and job.keys:
             self.events.append(offloading_event(keys=list(job.keys), medium=self.medium, removed=False,
                                                  locality=self.locality))
@@ -258,37 +248,17 @@ class KvtierFilesystemTier(SecondaryTierManager):
     # ---- metrics (vLLM's hook; the runtime's own kvtier_runtime_* metrics are updated by the tier itself) ----
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
-        root = (ROOT_LABEL,)
-        return {
-            METRIC_USED_BYTES: OffloadingGaugeMetadata("Bytes held by a kvtier filesystem tier.", root),
-            METRIC_CAPACITY_BYTES: OffloadingGaugeMetadata("Configured capacity of a kvtier filesystem tier.", root),
-            METRIC_BACKOFF: OffloadingGaugeMetadata(
-                "1 while a kvtier filesystem tier refuses stores after repeated I/O errors.", root
-            ),
-            METRIC_STORED_CHUNKS: OffloadingCounterMetadata("Chunks written to a kvtier filesystem tier.", root),
-            METRIC_LOADED_CHUNKS: OffloadingCounterMetadata(
-                "Chunks read back from a kvtier filesystem tier into the CPU tier.", root
-            ),
-            METRIC_REFUSED_CHUNKS: OffloadingCounterMetadata(
-                "Chunks a kvtier filesystem tier declined to store, by reason (not-admitted, no-room, backoff, busy).",
-                root + ("reason",),
-            ),
-            METRIC_FAILED_CHUNKS: OffloadingCounterMetadata(
-                "Chunk transfers of a kvtier filesystem tier that failed, by kind (corrupt, missing, enospc, eio...).",
-                root + ("kind",),
-            ),
-            METRIC_EVICTED_CHUNKS: OffloadingCounterMetadata("Chunks evicted from a kvtier filesystem tier.", root),
-        }
+        return vllm_metric_definitions(M.FS_TIER_METRICS)
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         stats, self._stats = self._stats, OffloadingConnectorStats()
         labels = self._labels
-        stats.set_gauge(METRIC_USED_BYTES, self.tier.used_bytes, labels)
-        stats.set_gauge(METRIC_CAPACITY_BYTES, self.tier.capacity_bytes, labels)
-        stats.set_gauge(METRIC_BACKOFF, 1 if self.tier.in_backoff else 0, labels)
+        stats.set_gauge(M.FS_USED_BYTES.name, self.tier.used_bytes, labels)
+        stats.set_gauge(M.FS_CAPACITY_BYTES.name, self.tier.capacity_bytes, labels)
+        stats.set_gauge(M.FS_BACKOFF.name, 1 if self.tier.in_backoff else 0, labels)
         total = self._evictions_total()
         if total > self._evictions_seen:
-            stats.increase_counter(METRIC_EVICTED_CHUNKS, total - self._evictions_seen, labels)
+            stats.increase_counter(M.FS_EVICTED_CHUNKS.name, total - self._evictions_seen, labels)
             self._evictions_seen = total
         return stats
 
