@@ -37,6 +37,14 @@ TRACE = REPO / "tests" / "data" / "mooncake-synthetic.jsonl"
 LIMIT_S = float(os.environ.get("KVTIER_DEMO_LIMIT_S", "600"))
 
 
+# Where the interrupted runs are stopped: everything the demo makes exists (node, slow device, Prometheus, the
+# operator's pod, the engine image in containerd) and the engine's pod is starting (its container runs vLLM's
+# start-up), the most state at once. Waiting for the engine to be Ready as well cost a minute or more per run
+# and made nothing more to clean up.
+ENGINE_STARTING = "to 1 replica"
+ENGINE_STARTING_PAUSE_S = 15
+
+
 def _vllm_python() -> str:
     def why_not() -> str | None:
         if slowdisk.probe_loop() or (slowdisk.probe_dm() and slowdisk.probe_blkio()):
@@ -55,7 +63,7 @@ def _wait_none_left(workdir: Path, timeout: float = 60) -> list[str]:
 
 
 def _demo(workdir: Path, python: str, *, stop_at: str | None = None, sig: int = signal.SIGINT,
-          timeout: float = 1500) -> tuple[int, str, float]:
+          timeout: float = 1500, pause_s: float = 3) -> tuple[int, str, float]:
     env = {**os.environ, "PYTHONPATH": str(REPO / "e2e"), "PYTHONUNBUFFERED": "1",
            "KVTIER_VLLM_CPU_PYTHON": python}
     started = time.monotonic()
@@ -69,7 +77,7 @@ def _demo(workdir: Path, python: str, *, stop_at: str | None = None, sig: int = 
         for line in proc.stdout:
             lines.append(line)
             if stop_at and stop_at in line:
-                time.sleep(3)
+                time.sleep(pause_s)
                 proc.send_signal(sig)
                 stop_at = None
             if time.monotonic() - started > timeout:
@@ -120,7 +128,7 @@ def test_make_demo_on_a_real_engine_breaches_because_of_the_slow_tier_and_recove
 def test_ctrl_c_in_the_middle_of_the_real_demo_leaves_nothing(tmp_path):
     require_prometheus()
     python = _vllm_python()
-    rc, out, _ = _demo(tmp_path / "demo", python, stop_at="Ready on the node at")
+    rc, out, _ = _demo(tmp_path / "demo", python, stop_at=ENGINE_STARTING, pause_s=ENGINE_STARTING_PAUSE_S)
     print(out)
     assert rc == 130, out
     assert "Traceback" not in out
@@ -130,7 +138,8 @@ def test_ctrl_c_in_the_middle_of_the_real_demo_leaves_nothing(tmp_path):
 def test_a_sigkilled_real_demo_is_cleaned_up_by_the_kernel_and_the_next_run(tmp_path):
     require_prometheus()
     python = _vllm_python()
-    rc, out, _ = _demo(tmp_path / "demo", python, stop_at="Ready on the node at", sig=signal.SIGKILL)
+    rc, out, _ = _demo(tmp_path / "demo", python, stop_at=ENGINE_STARTING, pause_s=ENGINE_STARTING_PAUSE_S,
+                       sig=signal.SIGKILL)
     print(out)
     assert rc == -signal.SIGKILL
     # Its children die with it (parent-death signal; the control plane's owner watchdog) ...
