@@ -628,12 +628,23 @@ class RemoteTier:
                 self._fail_key(job, i, "down")
             return
         try:
-            pipe = self._store.pipeline()
-            for _, _, key, _ in live:
-                pipe.get(self.store_key(key))
             # A read is a use: the chunk moves to the young end of the model's index (XX: only if listed).
-            pipe.zadd(self._index, {key.hex().encode(): time.time() for _, _, key, _ in live}, xx=True)
-            replies = pipe.execute(raise_on_error=False)[:len(live)]
+            now = time.time()
+            touched = {key.hex().encode(): now for _, _, key, _ in live}
+            if self._store.cluster:
+                pipe = self._store.pipeline()
+                for _, _, key, _ in live:
+                    pipe.get(self.store_key(key))
+                pipe.zadd(self._index, touched, xx=True)
+                replies = pipe.execute(raise_on_error=False)[:len(live)]
+            else:
+                # One round trip as well, each value read off the socket straight into this thread's value buffer
+                # (redis-py's reply parser copies it twice more before the cipher reads it).
+                zadd: list[Any] = ["ZADD", self._index, "XX"]
+                for member, score in touched.items():
+                    zadd += [repr(score), member]
+                replies = self._store.read_values([self.store_key(key) for _, _, key, _ in live],
+                                                  self._buffers(len(live)), [tuple(zadd)])[:len(live)]
         except Exception as exc:
             kind = failure_kind(exc)
             self._fault(kind)

@@ -34,7 +34,7 @@ def _load_libdeflate() -> Callable[[int, Any, int], int] | None:
         probe = bytes(range(256)) * 129
         if fn(0, probe, len(probe)) != zlib.crc32(probe) or fn(7, probe, 1000) != zlib.crc32(probe[:1000], 7):
             continue
-        return fn  # type: ignore[no-any-return]
+        return fn
     return None
 
 
