@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import ssl
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
 
 import redis
@@ -295,24 +295,25 @@ class RemoteStore:
         """A non-transactional pipeline (cluster mode: commands grouped per node, one round trip each)."""
         return self.connect().pipeline(transaction=False)
 
-    def read_values(self, keys: Sequence[bytes], bufs: Sequence[bytearray],
+    def read_values(self, keys: Sequence[bytes], buf: bytearray, on_value: Callable[[Any], None],
                     after: Sequence[tuple[Any, ...]] = ()) -> list[Any]:
         """Standalone mode: ``GET`` of every key, then the commands ``after``, in one round trip on one pooled
-        connection, each value read straight into its buffer (``bufs[i]``; a new one for a value larger than it).
-        Returns, per command, what a non-transactional pipeline with ``raise_on_error=False`` returns -- a value
-        (here a memoryview of its buffer), None, an int, or the exception of an error reply. A failed connection
-        raises a redis-py error (the connection is dropped, never reused half read)."""
+        connection. Each GET reply is handed to ``on_value`` as it arrives, in key order -- a value (a memoryview of
+        ``buf``, or of a new buffer for a value larger than it, valid only during the call), None for a missing key,
+        or the exception of an error reply -- while the store's next replies keep arriving in the socket's buffer.
+        Returns the replies of ``after`` (ints, strs, exceptions). A failed connection raises a redis-py error (the
+        connection is dropped, never reused half read); so does whatever ``on_value`` raises."""
         client = self.connect()
         if self.cluster:
             raise RuntimeError("read_values: standalone mode only (cluster mode routes keys per node)")
-        if len(bufs) < len(keys):
-            raise ValueError(f"bufs: {len(bufs)} buffers for {len(keys)} keys")
         pool = client.connection_pool
         conn = pool.get_connection()
         try:
             conn.send_packed_command(conn.pack_commands([("GET", key) for key in keys] + list(after)))
             reader = _ReplyReader(conn._sock)
-            replies = [reader.reply(bufs[i]) for i in range(len(keys))] + [reader.reply(None) for _ in after]
+            for _ in keys:
+                on_value(reader.reply(buf))
+            replies = [reader.reply(None) for _ in after]
             if reader.leftover:
                 raise InvalidResponse(f"{reader.leftover} bytes past the last reply")
         except BaseException:
