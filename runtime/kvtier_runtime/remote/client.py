@@ -14,18 +14,20 @@ from __future__ import annotations
 import logging
 import ssl
 import threading
-from typing import Any
+from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.connection import PythonRespSerializer
+from redis._parsers.base import BaseParser
 from redis.exceptions import (
     AuthenticationError,
     AuthorizationError,
     ClusterDownError,
     ClusterError,
+    InvalidResponse,
     NoPermissionError,
     OutOfMemoryError,
     RedisClusterException,
@@ -136,6 +138,84 @@ def send_values_in_place(client: Any) -> None:
         pool.reset()
 
 
+# The longest reply header line read_values accepts ("$" and a length, "-" and an error, ":" and an integer).
+_MAX_LINE = 4096
+
+
+class _ReplyReader:
+    """RESP2 replies (the protocol :class:`RemoteStore` connections speak) of one connection read straight off its socket: a bulk reply (a value) lands in a caller's
+    buffer with one copy (the kernel's), where redis-py's reply parser copies it twice more (into its reader, then
+    into a bytes object). Reply header lines are read in small pieces, so at most a few hundred bytes of a value
+    pass through the line buffer."""
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self._pending = bytearray()
+        self._scratch = bytearray(512)
+
+    @property
+    def leftover(self) -> int:
+        return len(self._pending)
+
+    def _recv_into(self, dst: memoryview) -> int:
+        try:
+            got = int(self._sock.recv_into(dst))
+        except TimeoutError:  # socket.timeout: a slow store is a timeout, not a down one (failure_kind)
+            raise RedisTimeoutError("Timeout reading from the store") from None
+        except OSError as exc:
+            raise RedisConnectionError(f"Error reading from the store: {exc}") from None
+        if got <= 0:
+            raise RedisConnectionError("the store closed the connection")
+        return got
+
+    def _line(self) -> bytes:
+        while True:
+            at = self._pending.find(b"\r\n")
+            if at >= 0:
+                line = bytes(self._pending[:at])
+                del self._pending[: at + 2]
+                return line
+            if len(self._pending) > _MAX_LINE:
+                raise InvalidResponse("a reply header line longer than expected")
+            got = self._recv_into(memoryview(self._scratch))
+            self._pending += memoryview(self._scratch)[:got]
+
+    def _exactly(self, dst: memoryview) -> None:
+        take = min(len(dst), len(self._pending))
+        dst[:take] = self._pending[:take]
+        del self._pending[:take]
+        while take < len(dst):
+            take += self._recv_into(dst[take:])
+
+    def reply(self, buf: bytearray | None) -> Any:
+        """The next reply: a bulk string as a view of ``buf`` (or of a new buffer when it does not fit), None for a
+        nil, an int, a str for a status, the redis-py exception of an error reply (returned, not raised)."""
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"_":  # RESP3's nil, should a connection speak it after all
+            return None
+        if kind == b"$":
+            n = int(rest)
+            if n < 0:
+                return None
+            if buf is None or len(buf) < n:
+                buf = bytearray(n)  # larger than any value this tier writes: read, then refused by what it holds
+            value = memoryview(buf)[:n]
+            self._exactly(value)
+            end = bytearray(2)
+            self._exactly(memoryview(end))
+            if end != b"\r\n":
+                raise InvalidResponse("a bulk reply without its CRLF")
+            return value
+        if kind == b":":
+            return int(rest)
+        if kind == b"+":
+            return rest.decode("utf-8", "replace")
+        if kind == b"-":
+            return BaseParser.parse_error(rest.decode("utf-8", "replace"))
+        raise InvalidResponse(f"an unexpected reply type {kind!r}")
+
+
 class RemoteStore:
     """A connected redis-py client for one :class:`RemoteTierConfig` (thread-safe: redis-py pools connections)."""
 
@@ -157,8 +237,11 @@ class RemoteStore:
         self._lock = threading.Lock()
 
     def _options(self) -> dict[str, Any]:
+        # RESP2 (redis-py 8 speaks RESP3 unless told): replies are only the simple kinds _ReplyReader reads, and the
+        # store never pushes out-of-band messages (RESP3 push frames) between them.
         options = dict(username=self.username, password=self._password, ssl=self.ssl, socket_timeout=self.timeout_s,
-                       socket_connect_timeout=self.timeout_s, retry=Retry(NoBackoff(), 0), health_check_interval=0)
+                       socket_connect_timeout=self.timeout_s, retry=Retry(NoBackoff(), 0), health_check_interval=0,
+                       protocol=2)
         if self.ssl:
             # Never cert_reqs "none": the store's certificate and host name are always checked, against ca_file
             # only when set (load_verify_locations on a fresh context), else against the system CA bundle.
@@ -211,6 +294,34 @@ class RemoteStore:
     def pipeline(self) -> Any:
         """A non-transactional pipeline (cluster mode: commands grouped per node, one round trip each)."""
         return self.connect().pipeline(transaction=False)
+
+    def read_values(self, keys: Sequence[bytes], buf: bytearray, on_value: Callable[[Any], None],
+                    after: Sequence[tuple[Any, ...]] = ()) -> list[Any]:
+        """Standalone mode: ``GET`` of every key, then the commands ``after``, in one round trip on one pooled
+        connection. Each GET reply is handed to ``on_value`` as it arrives, in key order -- a value (a memoryview of
+        ``buf``, or of a new buffer for a value larger than it, valid only during the call), None for a missing key,
+        or the exception of an error reply -- while the store's next replies keep arriving in the socket's buffer.
+        Returns the replies of ``after`` (ints, strs, exceptions). A failed connection raises a redis-py error (the
+        connection is dropped, never reused half read); so does whatever ``on_value`` raises."""
+        client = self.connect()
+        if self.cluster:
+            raise RuntimeError("read_values: standalone mode only (cluster mode routes keys per node)")
+        pool = client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(conn.pack_commands([("GET", key) for key in keys] + list(after)))
+            reader = _ReplyReader(conn._sock)
+            for _ in keys:
+                on_value(reader.reply(buf))
+            replies = [reader.reply(None) for _ in after]
+            if reader.leftover:
+                raise InvalidResponse(f"{reader.leftover} bytes past the last reply")
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+        return replies
 
     def reset(self) -> None:
         """Forget the connection after a fault: the next :meth:`connect` detects the mode again."""

@@ -627,23 +627,15 @@ class RemoteTier:
             for job, i, key, _ in live:
                 self._fail_key(job, i, "down")
             return
-        try:
-            pipe = self._store.pipeline()
-            for _, _, key, _ in live:
-                pipe.get(self.store_key(key))
-            # A read is a use: the chunk moves to the young end of the model's index (XX: only if listed).
-            pipe.zadd(self._index, {key.hex().encode(): time.time() for _, _, key, _ in live}, xx=True)
-            replies = pipe.execute(raise_on_error=False)[:len(live)]
-        except Exception as exc:
-            kind = failure_kind(exc)
-            self._fault(kind)
-            for job, i, key, _ in live:
-                self._remember(key, False, kind)
-                self._fail_key(job, i, kind)
-            return
         fault = ""
         nbytes = 0
-        for (job, i, key, out), value in zip(live, replies):
+        done = 0  # how many of live have their reply handled
+
+        def settle(value: Any) -> None:
+            """One key's reply: its value verified and copied into its row, or the key failed with the reason."""
+            nonlocal fault, nbytes, done
+            job, i, key, out = live[done]
+            done += 1
             kind = ""
             if isinstance(value, Exception):
                 kind = failure_kind(value)
@@ -664,7 +656,7 @@ class RemoteTier:
                         else:
                             decode(payload, out=out)
                 except Expired:
-                    continue
+                    return
                 except RemoteFormatError as exc:
                     kind = exc.kind
                 except CodecError:
@@ -682,6 +674,34 @@ class RemoteTier:
                 nbytes += out.numel() * out.element_size()
                 self._remember(key, True)
                 self._succeed_key(job, i)
+
+        try:
+            # A read is a use: the chunk moves to the young end of the model's index (XX: only if listed).
+            now = time.time()
+            touched = {key.hex().encode(): now for _, _, key, _ in live}
+            if self._store.cluster:
+                pipe = self._store.pipeline()
+                for _, _, key, _ in live:
+                    pipe.get(self.store_key(key))
+                pipe.zadd(self._index, touched, xx=True)
+                for value in pipe.execute(raise_on_error=False)[:len(live)]:
+                    settle(value)
+            else:
+                # One round trip as well, each value read off the socket straight into this thread's value buffer
+                # (redis-py's reply parser copies it twice more) and settled as it arrives: the cipher checks one
+                # while the kernel receives the next.
+                zadd: list[Any] = ["ZADD", self._index, "XX"]
+                for member, score in touched.items():
+                    zadd += [repr(score), member]
+                self._store.read_values([self.store_key(key) for _, _, key, _ in live], self._buffers(1)[0], settle,
+                                        [tuple(zadd)])
+        except Exception as exc:
+            kind = failure_kind(exc)
+            self._fault(kind)
+            for job, i, key, _ in live[done:]:  # no reply handled: the connection failed first
+                self._remember(key, False, kind)
+                self._fail_key(job, i, kind)
+            return
         self._batch_done(fault, self.name, self.peer, nbytes, started, len(live))
 
     def _batch_done(self, fault: str, src: str, dst: str, nbytes: int, started: float, n: int) -> None:

@@ -294,3 +294,31 @@ def test_every_remote_series_the_dashboard_reads_is_exported_by_the_engine_path(
         filling.close()
         full.kill()
         region.close(unlink=True)
+
+
+def test_odd_replies_amid_good_values_fail_their_own_keys_and_leave_the_connection_in_step(redis_server) -> None:
+    """Standalone loads read replies off the socket themselves: a value far larger than any this tier writes, an
+    error reply (a key holding a list) and a nil between good values must each fail only their key, with the reason
+    a pipeline gave, and the next batches on the pooled connections must still read the right values."""
+    tier = _tier(redis_server.url)
+    try:
+        assert connected(tier) and not tier.cluster
+        good = [key_of(40 + i) for i in range(4)]
+        assert store_blocks(tier, good, [_block(k) for k in good]).success
+        huge, listed, gone = key_of(50), key_of(51), key_of(52)
+        client = redis_server.client()
+        client.set(tier.store_key(huge), b"\xab" * (3 * tier.value_bytes + 17))
+        client.rpush(tier.store_key(listed), b"x")
+        keys = [good[0], huge, good[1], listed, good[2], gone, good[3]]
+        for _ in range(3):  # the same pooled connections, again and again
+            outs = [_sentinel() for _ in keys]
+            result = load_blocks(tier, keys, outs)
+            assert result.errors == {1: "foreign", 3: "other", 5: "evicted"}
+            for i, key in enumerate(keys):
+                if i in result.errors:
+                    assert torch.all(outs[i] == UNTOUCHED)
+                else:
+                    assert torch.equal(outs[i], _block(key))
+            client.set(tier.store_key(huge), b"\xab" * (3 * tier.value_bytes + 17))  # refused values are dropped
+    finally:
+        tier.close()
