@@ -183,3 +183,20 @@ def test_a_sparse_channel_index_outside_the_head_is_refused():
 def test_sparse_k_must_be_a_bool():
     with pytest.raises(CodecError, match="sparse_k"):
         get_kv_codec("int4", KVLayout(**GOAL), sparse_k=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sparse_k_chunks_encode_on_cuda_and_decode_alike_on_either_device():
+    lay = KVLayout(**GOAL)
+    x = make_chunk(lay, seed=12, outlier=20.0)
+    codec = get_kv_codec("int4", lay)
+    out = torch.empty(codec.max_encoded_nbytes(), dtype=torch.uint8, device="cuda")
+    n = codec.encode(x.cuda(), out)
+    assert peek_header(out[:n]).scheme == SCHEME_SPARSE_K | 4 << 8
+    y_gpu = torch.empty(lay.numel, dtype=x.dtype, device="cuda")
+    codec.decode(out[:n], y_gpu)
+    y_cpu = torch.empty_like(x)
+    codec.decode(out[:n].cpu(), y_cpu)
+    assert torch.equal(y_gpu.cpu().view(torch.int16), y_cpu.view(torch.int16))
+    assert attention_cosine(lay, x, y_cpu) >= 0.99
