@@ -9,8 +9,9 @@ heads, 64 random queries: ``plugins.kv_accuracy.attention_cosine``), with and wi
 The chunks are held out: seeds 5000 and up, which the sparse-K design (ratio, counts) was not tuned on. Sets:
 normal K and V; K with 4 (or 16) channels scaled x5..x50, the same channels in every layer, head and token (the
 ``bench/codecs.py --kv-proxy`` kinds); K with 4 channels offset by +20 (a large constant with unit variation, the
-shape real K caches' outlier channels mostly have); each in pages of 256 tokens, and the x20 set also in 16-token
-pages (16 pages per chunk, vLLM's default block size).
+shape real K caches' outlier channels mostly have); "mixed per head": each layer and head its own 1 to 6 outlier
+channels, each scaled x5..x50 or offset by +5..+50 (drawn per channel); each in pages of 256 tokens, and the x20
+set also in 16-token pages (16 pages per chunk, vLLM's default block size).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from plugins.kv_accuracy import attention_cosine, chunk_error  # noqa: E402  (te
 BASE = dict(num_layers=2, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_order="HKTD")
 PAGES_256 = dict(block_tokens=256, pages=1)
 PAGES_16 = dict(block_tokens=16, pages=16)
-# name -> (pages, outlier scale, outlier channels, offset instead of scale)
+# name -> (pages, outlier scale, outlier channels, offset instead of scale); scale -1: "mixed per head"
 SETS: dict[str, tuple[dict, float, int, bool]] = {
     "normal": (PAGES_256, 0.0, 0, False),
     "outlier x5": (PAGES_256, 5.0, 4, False),
@@ -42,6 +43,7 @@ SETS: dict[str, tuple[dict, float, int, bool]] = {
     "outlier x50": (PAGES_256, 50.0, 4, False),
     "outlier x20 16ch": (PAGES_256, 20.0, 16, False),
     "offset +20": (PAGES_256, 20.0, 4, True),
+    "mixed per head": (PAGES_256, -1.0, 6, False),
     "outlier x20 16-token pages": (PAGES_16, 20.0, 4, False),
 }
 
@@ -52,7 +54,17 @@ def chunk(lay: KVLayout, seed: int, scale: float, n_out: int, offset: bool) -> t
     gen = torch.Generator().manual_seed(seed)
     shape = (lay.num_layers, lay.num_kv_heads, lay.tokens, lay.head_dim)
     k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    if n_out:
+    if scale < 0:   # mixed: per layer and head, 1..n_out channels, each its own scale or offset
+        for layer in range(lay.num_layers):
+            for head in range(lay.num_kv_heads):
+                count = int(torch.randint(1, n_out + 1, (1,), generator=gen))
+                for c in torch.randperm(lay.head_dim, generator=gen)[:count].tolist():
+                    size = 5.0 + 45.0 * float(torch.rand((), generator=gen))
+                    if float(torch.rand((), generator=gen)) < 0.5:
+                        k[layer, head, :, c] += size
+                    else:
+                        k[layer, head, :, c] *= size
+    elif n_out:
         ch = torch.randperm(lay.head_dim, generator=gen)[:n_out]
         if offset:
             k[..., ch] += scale

@@ -549,7 +549,14 @@ class KVChunkCodec:
         ``sparse_k_max``; 0 when K has no outlier channel or a non-finite value (scheme 1 then judges it)."""
         lay = self.layout
         k = canonical(lay, flat, lay.num_layers)[:, 0]                          # [L, H, P, T, D]
-        amax = k.abs().amax(dim=3).float()
+        bits = _FP8_BITS.get(flat.dtype)
+        if bits is None:
+            amax = k.abs().amax(dim=3).float()
+        else:   # |K| as integer bits, as ``_sample`` does: the same maxima at a fraction of abs + amax's cost
+            int_dtype, _, mag_mask = bits
+            m = self._scratch.get("smag", k.shape, int_dtype, flat.device)
+            torch.bitwise_and(k.view(int_dtype), mag_mask, out=m)
+            amax = m.amax(dim=3).view(flat.dtype).float()
         if not bool(torch.isfinite(amax).all()):
             return 0, None
         median = amax.median(dim=3, keepdim=True).values
