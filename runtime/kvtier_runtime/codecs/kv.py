@@ -505,13 +505,15 @@ class KVChunkCodec:
         for codec in self.chain:
             n = HEADER_NBYTES + self.payload_nbytes(codec)
             payload = out[HEADER_NBYTES:n]
+            sparse = 0
             if codec == "none":
                 payload.copy_(flat.view(torch.uint8))
                 err = 0.0
             else:
                 measure = self.verify
-                sparse, amax = self._sparse_count(flat) if codec == "int4" and self.sparse_k_max else (0, None)
-                if sparse:
+                if codec == "int4" and self.sparse_k_max:
+                    sparse, amax = self._sparse_count(flat)
+                if sparse and amax is not None:
                     n = HEADER_NBYTES + self.payload_nbytes(codec, sparse)
                     err = self._encode_sparse(flat, out[HEADER_NBYTES:n], sparse, amax, sample)
                 elif codec == "fp8" and self.dtype in _FP8_BITS:
@@ -521,7 +523,7 @@ class KVChunkCodec:
                 # ``not <=``: a NaN error (non-finite input) falls back too; ``none`` keeps the bytes as they are.
                 if measure and not err <= self.budgets[codec]:
                     continue
-            self._write_header(out, codec, n, sparse if codec == "int4" else 0)
+            self._write_header(out, codec, n, sparse)
             if codec != self.name:
                 STATS.record_fallback(self.name, codec, err)
             STATS.record_encode(codec, self.layout.nbytes, n)
