@@ -20,7 +20,8 @@ Layout (little endian)::
     12 u32 group size (0 for codecs without groups; KV-layout blocks: K token group | V channel group << 16)
     16 u64 payload bytes following the header
     24 8 x u64 shape (unused dims 0)
-    88 u32 KV-layout blocks: the quantisation scheme (1: K per channel, V per token, bf16 scales); else 0
+    88 u32 KV-layout blocks: the quantisation scheme (1: K per channel, V per token, bf16 scales; 2 | n << 8:
+           scheme 1 with n K channels per layer, head and page kept apart exactly, int4 only, see ``kv.py``); else 0
     92 u32 CRC32 of bytes 0..91
 """
 from __future__ import annotations

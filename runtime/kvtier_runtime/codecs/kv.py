@@ -23,6 +23,14 @@ probe queries are isotropic normal, half are shaped like the chunk's K (scaled p
 queries that align with K's outlier channels, as real queries do, are probed too. docs/compression.md has the
 evidence that this check tracks the attention of held-out queries.
 
+Sparse K channels (scheme 2, int4 only, verified encodes only): a chunk whose K has outlier channels (a channel's
+largest magnitude in a page over SPARSE_K_RATIO times the median channel's) keeps the ``n`` largest K channels of
+every (layer, head, page) apart, exactly, in the chunk's dtype, with their indices (KVQuant's dense-and-sparse);
+the rest is scheme 1's int4. With per-channel K scales an outlier channel does not widen the others' scales, but
+its own int4 step is coarse in absolute terms, and the probe queries that follow K's channels multiply that error
+into the logits: that, not the scales, is what made every outlier-K chunk fall back. The header's ``scheme`` is
+``2 | n << 8``; a chunk with no outlier channel is written as scheme 1, byte for byte as before.
+
 Blocks carry the layout in their header (flag ``FLAG_KV_LAYOUT``), so ``decode`` restores the page order the
 chunk was written in; ``KVChunkCodec.decode`` also refuses a block written under another layout.
 """
@@ -43,6 +51,18 @@ from .scratch import ScratchPool
 
 F32 = torch.float32
 SCHEME_KIVI_BF16 = 1
+# Scheme 1 plus, per (layer, head, page), the ``n`` K channels of largest magnitude stored apart exactly: int32
+# indices [L, H, P, n], then the values [L, H, P, n, T] in the chunk's dtype, after scheme 1's payload. The header's
+# scheme field holds ``SCHEME_SPARSE_K | n << 8``.
+SCHEME_SPARSE_K = 2
+# A K channel is an outlier when its largest magnitude in a page is over this many times the median channel's
+# (normal keys: at most ~1.5x over 256 tokens, ~2.3x over 16). The encoder keeps the outlier count of the worst
+# (layer, head, page), rounded up to SPARSE_K_STEP, apart in every one; at most head_dim / SPARSE_K_MAX_SHARE
+# channels (past that a chunk is not "a few outlier channels" and falls back to int8 as before). A reader takes
+# up to head_dim / 2 (the format's bound).
+SPARSE_K_RATIO = 3.0
+SPARSE_K_STEP = 4
+SPARSE_K_MAX_SHARE = 8
 KV_CODECS = ("none", "fp8", "fp8_e5m2", "int8", "int4")
 # The next wider codec after a chunk over budget; "none" is exact and ends every chain.
 FALLBACK_CHAINS: dict[str, tuple[str, ...]] = {
@@ -233,17 +253,21 @@ class KVChunkCodec:
 
     def __init__(self, name: str, layout: KVLayout, *, k_group: int | None = None, v_group: int | None = None,
                  verify: bool = True, budgets: dict[str, float] | None = None,
-                 verify_sample: int | None = None) -> None:
+                 verify_sample: int | None = None, sparse_k: bool = True) -> None:
         if name not in FALLBACK_CHAINS:
             raise CodecError(f"codec: {name!r} is not one of {', '.join(FALLBACK_CHAINS)}")
         if not isinstance(layout, KVLayout):
             raise CodecError(f"layout: {type(layout).__name__} is not a KVLayout")
         if not isinstance(verify, bool):
             raise CodecError(f"verify: {verify!r} must be a bool")
+        if not isinstance(sparse_k, bool):
+            raise CodecError(f"sparse_k: {sparse_k!r} must be a bool")
         # ``declared`` is the chunk's real order (the header records it); ``layout`` is what the kernels see:
         # the same, or for a staged order (K or V not [T][D]) the order its chunks are gathered into first.
         self.name, self.declared, self.layout, self.verify = name, layout, layout.stage_layout, verify
         self.chain = FALLBACK_CHAINS[name] if verify else (name,)
+        # outlier K channels kept apart (int4 only): only when verifying, since the check is what decides
+        self.sparse_k_max = max(1, layout.head_dim // SPARSE_K_MAX_SHARE) if sparse_k and verify else 0
         self.budgets = dict(ATTENTION_BUDGETS)
         for key, value in (budgets or {}).items():
             if key not in ATTENTION_BUDGETS or key == "none":
@@ -414,12 +438,13 @@ class KVChunkCodec:
         h, n, d = lay.num_kv_heads, lay.tokens, lay.head_dim
         return h * (n // kg) * d, h * n * (d // vg)
 
-    def payload_nbytes(self, codec: str) -> int:
+    def payload_nbytes(self, codec: str, sparse: int = 0) -> int:
+        """Payload bytes of a chunk stored with ``codec`` (``sparse``: K channels kept apart, int4 only)."""
         lay = self.layout
         if codec == "none":
             return lay.nbytes
         nk, nv = self._scale_counts(codec)
-        return lay.num_layers * (2 * (nk + nv)) + lay.numel * _QUANTS[codec].bits // 8
+        return lay.num_layers * (2 * (nk + nv)) + lay.numel * _QUANTS[codec].bits // 8 + sparse_nbytes(lay, sparse)
 
     def encoded_nbytes(self, shape: Sequence[int] | None = None, dtype: torch.dtype | None = None) -> int:
         """Bytes of a chunk stored with the requested codec (no fallback). ``shape``/``dtype`` (optional, as the
@@ -480,35 +505,87 @@ class KVChunkCodec:
         for codec in self.chain:
             n = HEADER_NBYTES + self.payload_nbytes(codec)
             payload = out[HEADER_NBYTES:n]
+            sparse = 0
             if codec == "none":
                 payload.copy_(flat.view(torch.uint8))
                 err = 0.0
             else:
                 measure = self.verify
-                if codec == "fp8" and self.dtype in _FP8_BITS:
+                if codec == "int4" and self.sparse_k_max:
+                    sparse, amax = self._sparse_count(flat)
+                if sparse and amax is not None:
+                    n = HEADER_NBYTES + self.payload_nbytes(codec, sparse)
+                    err = self._encode_sparse(flat, out[HEADER_NBYTES:n], sparse, amax, sample)
+                elif codec == "fp8" and self.dtype in _FP8_BITS:
                     err = self._encode_fp8_bits(flat, payload, measure, sample)
                 else:
                     err = self._encode_payload(codec, flat, payload, measure, sample)
                 # ``not <=``: a NaN error (non-finite input) falls back too; ``none`` keeps the bytes as they are.
                 if measure and not err <= self.budgets[codec]:
                     continue
-            self._write_header(out, codec, n)
+            self._write_header(out, codec, n, sparse)
             if codec != self.name:
                 STATS.record_fallback(self.name, codec, err)
             STATS.record_encode(codec, self.layout.nbytes, n)
             return n
         raise AssertionError("every fallback chain ends in 'none'")
 
-    def _write_header(self, out: torch.Tensor, codec: str, n: int) -> None:
+    def _header(self, codec: str, n: int, sparse: int = 0) -> CodecHeader:
         lay = self.declared
         kg, vg = self.groups.get(codec, (0, 0))
         flags = FLAG_KV_LAYOUT | (FLAG_FALLBACK if codec != self.name else 0)
-        header = CodecHeader(
+        return CodecHeader(
             codec=codec, codec_version=1, dtype=self.dtype, shape=lay.chunk_shape, group_size=kg | (vg << 16),
             payload_nbytes=n - HEADER_NBYTES, requested_codec=self.name, flags=flags, layout_code=lay.code,
-            scheme=SCHEME_KIVI_BF16,
-        ).pack()
+            scheme=SCHEME_SPARSE_K | sparse << 8 if sparse else SCHEME_KIVI_BF16,
+        )
+
+    def _write_header(self, out: torch.Tensor, codec: str, n: int, sparse: int = 0) -> None:
+        header = self._header(codec, n, sparse).pack()
         out[:HEADER_NBYTES].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+
+    # ---- sparse K channels (scheme 2) ------------------------------------------------------------------------
+    def _sparse_count(self, flat: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """(K channels to keep apart per (layer, head, page), K's channel maxima [L, H, P, D] in fp32): the
+        outlier count (SPARSE_K_RATIO) of the worst (layer, head, page), rounded up to SPARSE_K_STEP, at most
+        ``sparse_k_max``; 0 when K has no outlier channel or a non-finite value (scheme 1 then judges it)."""
+        lay = self.layout
+        k = canonical(lay, flat, lay.num_layers)[:, 0]                          # [L, H, P, T, D]
+        bits = _FP8_BITS.get(flat.dtype)
+        if bits is None:
+            amax = k.abs().amax(dim=3).float()
+        else:   # |K| as integer bits, as ``_sample`` does: the same maxima at a fraction of abs + amax's cost
+            int_dtype, _, mag_mask = bits
+            m = self._scratch.get("smag", k.shape, int_dtype, flat.device)
+            torch.bitwise_and(k.view(int_dtype), mag_mask, out=m)
+            amax = m.amax(dim=3).view(flat.dtype).float()
+        if not bool(torch.isfinite(amax).all()):
+            return 0, None
+        median = amax.median(dim=3, keepdim=True).values
+        count = int((amax > SPARSE_K_RATIO * median).sum(dim=3).max())
+        if not count:
+            return 0, None
+        return min(self.sparse_k_max, -(-count // SPARSE_K_STEP) * SPARSE_K_STEP), amax
+
+    def _encode_sparse(self, flat: torch.Tensor, payload: torch.Tensor, sparse: int, amax: torch.Tensor,
+                       sample: "_TokenSample | None") -> float:
+        """int4 with the ``sparse`` largest K channels of each (layer, head, page) kept apart; returns the
+        attention check's error of the chunk as it decodes (the same measure as ``_sample_error``, on the
+        sampled tokens, or every token when ``sample`` is None)."""
+        lay, dev = self.layout, flat.device
+        dense = self.payload_nbytes("int4")
+        self._encode_payload("int4", flat, payload[:dense], False)
+        idx = amax.topk(sparse, dim=3).indices.sort(dim=3).values                # [L, H, P, n]
+        write_sparse(lay, flat, idx, payload[dense:])
+        rec = self._scratch.get("sparse_rec", flat.numel(), F32, dev)
+        _decode_into(lay, self._header("int4", HEADER_NBYTES + payload.numel(), sparse), payload, rec)
+        if not bool(torch.isfinite(rec).all()):
+            return math.inf
+        xc, rc = canonical(lay, flat, lay.num_layers), canonical(lay, rec, lay.num_layers)
+        if sample is None:
+            return float(attention_errors(xc, rc).max())
+        err = attention_errors(self._take(xc, 4, sample), self._take(rc, 4, sample))
+        return float(err.max()) / VERIFY_SAMPLE_MARGIN
 
     def _steps(self, bits: bool = False):
         """(first layer, end layer, first element, end element) of each run of layers encoded at once (``bits``:
@@ -843,12 +920,54 @@ def _decode_into(lay: KVLayout, header: CodecHeader, payload: torch.Tensor, flat
         dequantize(lay, q, code_bytes.view(-1, d * q.bits // 8), sk, sv, rec, lg)
         if rec is not dst:
             dst.copy_(rec)
+    sparse = header.scheme >> 8
+    if sparse:
+        dense = lay.num_layers * 2 * (nk + nv) + lay.numel * q.bits // 8
+        read_sparse(lay, sparse, header.dtype, payload[dense:], flat)
+
+
+def sparse_nbytes(lay: KVLayout, sparse: int) -> int:
+    """Bytes of ``sparse`` K channels kept apart per (layer, head, page): int32 indices, then the values in the
+    chunk's dtype."""
+    return lay.num_layers * lay.num_kv_heads * lay.pages * sparse * (4 + lay.block_tokens * lay.itemsize)
+
+
+def write_sparse(lay: KVLayout, flat: torch.Tensor, idx: torch.Tensor, section: torch.Tensor) -> None:
+    """Write K's channels ``idx`` [L, H, P, n] of every (layer, head, page) of ``flat`` (the chunk's elements)
+    into ``section``: the indices as int32, then the values [L, H, P, n, T]."""
+    nl, h, p, n = idx.shape
+    t = lay.block_tokens
+    k = canonical(lay, flat, lay.num_layers)[:, 0]                              # [L, H, P, T, D]
+    vals = k.gather(4, idx.unsqueeze(3).expand(nl, h, p, t, n)).transpose(3, 4)
+    ni = idx.numel() * 4
+    section[:ni].copy_(idx.to(torch.int32).view(torch.uint8).view(-1))
+    section[ni:].copy_(vals.contiguous().view(torch.uint8).view(-1))
+
+
+def read_sparse(lay: KVLayout, sparse: int, dtype: torch.dtype, section: torch.Tensor, flat: torch.Tensor) -> None:
+    """Put the K channels kept apart (``write_sparse``'s ``section``) back into ``flat`` (the chunk's elements,
+    any float dtype); an index outside the head dim is refused."""
+    nl, h, p, t, d = lay.num_layers, lay.num_kv_heads, lay.pages, lay.block_tokens, lay.head_dim
+    ni = nl * h * p * sparse * 4
+    idx = torch.empty((nl, h, p, sparse), dtype=torch.int32, device=flat.device)
+    idx.view(torch.uint8).view(-1).copy_(section[:ni])
+    if bool(((idx < 0) | (idx >= d)).any()):
+        raise CodecError(f"payload: a sparse K channel index is outside head_dim {d}")
+    vals = torch.empty((nl, h, p, sparse, t), dtype=dtype, device=flat.device)
+    vals.view(torch.uint8).view(-1).copy_(section[ni:])
+    src = vals.transpose(3, 4)
+    k = canonical(lay, flat, nl)[:, 0]
+    k.scatter_(4, idx.long().unsqueeze(3).expand(nl, h, p, t, sparse), src if src.dtype == flat.dtype
+               else src.to(flat.dtype))
 
 
 def check_kv_header(header: CodecHeader) -> None:
     """Reject a KV-layout header whose fields cannot belong together (called before anything is allocated)."""
-    if header.scheme != SCHEME_KIVI_BF16:
+    scheme, sparse = header.scheme & 0xFF, header.scheme >> 8
+    if scheme not in (SCHEME_KIVI_BF16, SCHEME_SPARSE_K) or (scheme == SCHEME_KIVI_BF16 and sparse):
         raise CodecError(f"header.scheme: {header.scheme} is unknown")
+    if scheme == SCHEME_SPARSE_K and header.codec != "int4":
+        raise CodecError(f"header.scheme: sparse K channels (scheme 2) are int4's, not {header.codec!r}'s")
     if header.codec not in KV_CODECS:
         raise CodecError(f"header.codec: {header.codec!r} has no KV-layout form")
     dtype = str(header.dtype).removeprefix("torch.")
@@ -865,6 +984,11 @@ def check_kv_header(header: CodecHeader) -> None:
         h, n, d = lay.num_kv_heads, lay.tokens, lay.head_dim
         nk, nv = h * (n // kg) * d, h * n * (d // vg)
         expected = lay.num_layers * 2 * (nk + nv) + lay.numel * _QUANTS[header.codec].bits // 8
+        if scheme == SCHEME_SPARSE_K:
+            if not 1 <= sparse <= lay.head_dim // 2:
+                raise CodecError(f"header.scheme: {sparse} sparse K channels, 1 to head_dim / 2 "
+                                 f"({lay.head_dim // 2}) are allowed")
+            expected += sparse_nbytes(lay, sparse)
     if header.payload_nbytes != expected:
         raise CodecError(f"header.payload_nbytes: {header.payload_nbytes}, codec {header.codec!r} stores {expected} "
                          f"for layout {lay.page_order} {header.shape}")
@@ -872,10 +996,10 @@ def check_kv_header(header: CodecHeader) -> None:
 
 def get_kv_codec(name: str, layout: KVLayout, *, k_group: int | None = None, v_group: int | None = None,
                  verify: bool = True, budgets: dict[str, float] | None = None,
-                 verify_sample: int | None = None) -> KVChunkCodec:
+                 verify_sample: int | None = None, sparse_k: bool = True) -> KVChunkCodec:
     """The layout-aware codec ``name`` for chunks of ``layout``; see the module docstring."""
     return KVChunkCodec(name, layout, k_group=k_group, v_group=v_group, verify=verify, budgets=budgets,
-                        verify_sample=verify_sample)
+                        verify_sample=verify_sample, sparse_k=sparse_k)
 
 
 def to_stage(layout: KVLayout, chunk: torch.Tensor) -> torch.Tensor:

@@ -45,3 +45,13 @@ def test_engine_path_speed_table_prints_ratios_against_copy():
     assert "copy_" in out
     for codec in ("fp8", "flat fp8", "int4 verify"):
         assert f"| {codec} | " in out
+
+
+@pytest.mark.slow
+def test_int4_outlier_table_prints_both_variants_and_the_why_table():
+    out = subprocess.run([sys.executable, str(BENCH / "kv_int4.py"), "--chunks", "1", "--sets", "outlier x20"],
+                         check=True, capture_output=True, text=True).stdout
+    assert "| outlier x20 | no | 0.00 |" in out and "| outlier x20 | yes | 1.00 |" in out
+    out = subprocess.run([sys.executable, str(BENCH / "kv_int4.py"), "--why", "--chunks", "1", "--sets", "normal"],
+                         check=True, capture_output=True, text=True).stdout
+    assert "| normal | 0." in out

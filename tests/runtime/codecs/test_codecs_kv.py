@@ -195,7 +195,7 @@ def test_an_over_budget_chunk_falls_back_and_the_metric_counts_it():
     from prometheus_client import CollectorRegistry, generate_latest
 
     lay = KVLayout(**GOAL)
-    codec = get_kv_codec("int4", lay)
+    codec = get_kv_codec("int4", lay, sparse_k=False)    # without its sparse K channels int4 is over budget here
     STATS.reset()
     x = make_chunk(lay, seed=4, outlier=20.0)
     for expected in (1, 2):
@@ -354,17 +354,22 @@ def test_compare_logits_on_identical_noisy_and_broken_runs():
 
 
 def test_the_filesystem_tier_stores_chunks_through_a_kv_codec(fs_tier_factory):
-    """The seam the engine worker uses: a tier of chunk-sized rows with a KV codec instead of a flat one."""
+    """The seam the engine worker uses: a tier of chunk-sized rows with a KV codec instead of a flat one. Blocks of
+    three sizes go through it: int4, int4 with 4 sparse K channels (4 outlier channels), and int8 (24 outlier
+    channels: more than int4 keeps apart, so the chunk falls back)."""
     lay = KVLayout(num_layers=2, block_tokens=16, num_kv_heads=2, head_dim=64, dtype="float32")
     tier = fs_tier_factory(shape=(lay.numel,), codec="int4", codec_obj=get_kv_codec("int4", lay))
     STATS.reset()
-    chunks = {bytes([i]) * 36: make_chunk(lay, seed=i, outlier=20.0 if i == 2 else 0.0) for i in range(3)}
+    outliers = {2: 4, 3: 24}
+    chunks = {bytes([i]) * 36: make_chunk(lay, seed=i, outlier=20.0 if i in outliers else 0.0,
+                                          n_outliers=outliers.get(i, 0)) for i in range(4)}
     assert store_blocks(tier, list(chunks), list(chunks.values())).success
     outs = [torch.full((lay.numel,), 12345.0) for _ in chunks]
     assert load_blocks(tier, list(chunks), outs).success
     for x, y in zip(chunks.values(), outs):
         assert attention_cosine(lay, x, y) >= 0.99
     assert STATS.snapshot()["kvtier_runtime_codec_fallbacks_total"] == {("int4", "int8"): 1}
+    assert STATS.snapshot()["kvtier_runtime_codec_blocks_total"] == {"int4": 3, "int8": 1}
 
 
 # ---- the sampled attention check -----------------------------------------------------------------------------
@@ -388,7 +393,8 @@ def test_the_sampled_attention_check_gives_the_full_checks_verdict_at_a_quarter_
     cosine stays >= 0.99 (or no worse than under the full check), a requested codec clearly over budget (twice)
     is refused as under the full check, and only the sample is dequantised for the check."""
     lay = KVLayout(**SAMPLED)
-    sampled, full = get_kv_codec(name, lay), get_kv_codec(name, lay, verify_sample=1)
+    # one payload kind throughout (int4's sparse K channels have a test of their own)
+    sampled, full = get_kv_codec(name, lay, sparse_k=False), get_kv_codec(name, lay, verify_sample=1, sparse_k=False)
     assert sampled.verify_sample == 4 and full.verify_sample == 1
     chunks = [make_chunk(lay, seed=s, outlier=o) for s, o in ((1, 0.0), (2, 5.0), (3, 5.0), (3, 20.0), (4, 50.0))]
     chunks += [_token_outliers(lay, 5), _token_outliers(lay, 6)]
