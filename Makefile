@@ -6,6 +6,8 @@ export KVTIER_VENV := $(VENV)
 # Every env is isolated (no system site-packages) and pytest runs in isolated mode (-I: no PYTHONPATH, no user
 # site), so a package that reaches an env undeclared cannot make the suite pass here and fail on a new machine.
 PYTEST := -I -m pytest -p no:cacheprovider -ra
+# `make test` lists its slowest tests, so a run's log says where the budget (60 minutes cold) goes.
+DURATIONS := --durations=25 --durations-min=20
 
 .PHONY: setup check test demo crd cluster cluster-down
 
@@ -29,9 +31,9 @@ check: setup
 test: setup
 	.ci/vllm-env
 	.ci/vllm-cpu-env
-	KVTIER_REQUIRE_ENGINE=1 KVTIER_REQUIRE_NODE=1 $(PY) $(PYTEST) --ignore=tests/vllm --ignore=tests/engine $(PYTEST_ARGS)
+	KVTIER_REQUIRE_ENGINE=1 KVTIER_REQUIRE_NODE=1 $(PY) $(PYTEST) $(DURATIONS) --ignore=tests/vllm --ignore=tests/engine $(PYTEST_ARGS)
 	KVTIER_REQUIRE_VLLM=1 $(CURDIR)/.venv-vllm/bin/python $(PYTEST) tests/vllm
-	KVTIER_REQUIRE_ENGINE=1 $(CURDIR)/.venv-vllm-cpu/bin/python $(PYTEST) tests/engine
+	KVTIER_REQUIRE_ENGINE=1 $(CURDIR)/.venv-vllm-cpu/bin/python $(PYTEST) $(DURATIONS) tests/engine
 
 # Real vLLM engines (vllm-cpu) as pods on a local cluster with a real node (e2e/node), the operator installed by
 # its chart; needs root. DEMO_ARGS="--engine synthetic" runs without a model.
