@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import zlib
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 __all__ = ["checksum", "checksum_backend"]
 
@@ -19,8 +19,14 @@ __all__ = ["checksum", "checksum_backend"]
 _FAST_MIN_BYTES = 16 << 10
 
 
+def _library_names() -> Iterator[str | None]:
+    yield "libdeflate.so.0"
+    # Only when the soname is not there: find_library runs ldconfig (a subprocess) in every importing process.
+    yield ctypes.util.find_library("deflate")
+
+
 def _load_libdeflate() -> Callable[[int, Any, int], int] | None:
-    for name in ("libdeflate.so.0", ctypes.util.find_library("deflate")):
+    for name in _library_names():
         if not name:
             continue
         try:
