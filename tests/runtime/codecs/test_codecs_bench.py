@@ -45,3 +45,12 @@ def test_engine_path_speed_table_prints_ratios_against_copy():
     assert "copy_" in out
     for codec in ("fp8", "flat fp8", "int4 verify"):
         assert f"| {codec} | " in out
+
+
+@pytest.mark.slow
+def test_bound_table_prints_every_row():
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "codecs.py"), "--kv-bound", "--threads", "1", "--chunks", "1"],
+        check=True, capture_output=True, text=True).stdout
+    for row in ("normal", "outlier K x5", "outlier tokens x300", "whole chunk x0.05"):
+        assert f"| {row} | " in out and "/16 |" in out   # 2 layers x 8 heads a chunk
