@@ -23,6 +23,8 @@ LAYOUTS = {
     "page-major": dict(num_layers=3, block_tokens=128, num_kv_heads=2, head_dim=64, dtype="bfloat16",
                        page_order="KHTD", outer="PL", pages=2),
     "fp16": dict(num_layers=2, block_tokens=256, num_kv_heads=2, head_dim=128, dtype="float16", page_order="HKTD"),
+    "fp32, staged (CPU_VEC)": dict(num_layers=2, block_tokens=256, num_kv_heads=2, head_dim=64, dtype="float32",
+                                   page_order="CPU_VEC"),
     "short page (checked whole)": dict(num_layers=2, block_tokens=64, num_kv_heads=2, head_dim=64,
                                        dtype="bfloat16", page_order="HKTD"),
 }
