@@ -8,6 +8,7 @@
     python bench/codecs.py --kv                 # layout-aware chunk codecs (engine path) vs copy_, per-round ratios
     python bench/codecs.py --kv-accuracy        # engine path on normal and outlier-K chunks: cosine, bytes, fallbacks
     python bench/codecs.py --kv-proxy           # does the codec's attention check track held-out attention?
+    python bench/codecs.py --kv-bound           # could an analytical error bound pass chunks without the check?
 
 Throughput: GB/s of *input* bytes for encode and decode, against ``dst.copy_(src)`` of the same bytes into
 preallocated memory over the same blocks; ``rt/copy`` is the encode+decode round trip (bytes / (t_enc + t_dec))
@@ -453,6 +454,60 @@ def kv_accuracy(args: argparse.Namespace) -> None:
                       f"{statistics.mean(ratio):.3f} | {max(errs):.3f} | {stored} |", flush=True)
 
 
+def kv_bound(args: argparse.Namespace) -> None:
+    """Could an analytical bound pass chunks without running the attention check? For every (layer, head) pair
+    of fp8-encoded chunks, the bound on the probe check's relative error that |q.(k - k')| <= |q| |k - k'| gives:
+    logits move by at most eps = |q| max_i |k_i - k'_i| / sqrt(D), so softmax weights by at most a factor
+    e^(2 eps), and |o' - o| <= max_i |v_i - v'_i| + (e^(2 eps) - 1) max_i |v_i - o|. The bound is given every
+    advantage: the exact per-token errors and the original output o (half the check's work). A pair is proved
+    safe when its bound is within the sampled check's limit (budget x VERIFY_SAMPLE_MARGIN)."""
+    from kvtier_runtime.codecs import kv
+
+    torch.set_num_threads(args.threads)
+    lay = KVLayout(dtype=args.kv_dtype, **KV_LAYOUT)
+    codec = get_kv_codec("fp8", lay, verify=False)
+    out = torch.empty(codec.max_encoded_nbytes(), dtype=torch.uint8)
+    limit = kv.ATTENTION_BUDGETS["fp8"] * kv.VERIFY_SAMPLE_MARGIN
+
+    def token_outliers(gen: torch.Generator) -> torch.Tensor:
+        x = kv_chunk(lay, gen)
+        canonical = x.view(lay.chunk_shape).permute(lay.canonical_permutation())
+        canonical[:, 0, :, :, 3::37] *= 300.0
+        return x
+
+    rows = {"normal": lambda g: kv_chunk(lay, g), "outlier K x5": lambda g: kv_chunk(lay, g, 5.0),
+            f"outlier K x{args.outlier:g}": lambda g: kv_chunk(lay, g, args.outlier),
+            "outlier tokens x300": token_outliers, "whole chunk x0.05": lambda g: kv_chunk(lay, g) * 0.05}
+    print(f"# {args.chunks} chunks per row, {lay.chunk_shape} {lay.dtype}, fp8; limit {limit:.3f}; bound/limit over "
+          "(layer, head) pairs")
+    print("| data | pairs proved safe | bound / limit, min | median |")
+    print("|------|------------------:|-------------------:|-------:|")
+    for kind, make in rows.items():
+        ratios: list[float] = []
+        for i in range(args.chunks):
+            x = make(torch.Generator().manual_seed(2000 + i))
+            y = torch.empty_like(x)
+            codec.decode(out[:codec.encode(x, out)], y)
+            c = kv.canonical(lay, x, lay.num_layers).float()
+            cy = kv.canonical(lay, y, lay.num_layers).float()
+            lg, _, h, p, t, d = c.shape
+            k, v, k2, v2 = (z[:, j].reshape(lg * h, p * t, d) for z in (c, cy) for j in (0, 1))
+            qs = kv.probe_queries(d, k.device)
+            half = qs.shape[0] // 2
+            w = k.square().mean(dim=1, keepdim=True)
+            w = (w / w.mean(dim=2, keepdim=True).clamp(min=1e-38)).sqrt()
+            q = torch.cat([qs[:half].expand(k.shape[0], half, d), qs[half:] * w], dim=1)     # [B, queries, D]
+            o = torch.softmax(k @ q.transpose(1, 2) / math.sqrt(d), dim=1).transpose(1, 2) @ v
+            eps = q.norm(dim=2) * (k2 - k).norm(dim=2).amax(dim=1, keepdim=True) / math.sqrt(d)
+            bound = ((v2 - v).norm(dim=2).amax(dim=1, keepdim=True)
+                     + torch.expm1(2 * eps) * (v.unsqueeze(1) - o.unsqueeze(2)).norm(dim=3).amax(dim=2))
+            rel = bound.square().sum(dim=1).sqrt() / o.square().sum(dim=(1, 2)).sqrt()
+            ratios += (rel / limit).tolist()
+        ratios.sort()
+        proved = sum(r <= 1.0 for r in ratios)
+        print(f"| {kind} | {proved}/{len(ratios)} | {ratios[0]:.1f} | {ratios[len(ratios) // 2]:.1f} |", flush=True)
+
+
 def kv_proxy(args: argparse.Namespace) -> None:
     """Evidence that the codec's check (probe-query attention error, ``kv.attention_errors``) tracks held-out
     attention: chunks of several kinds through every codec without fallback, check error against the worst
@@ -501,6 +556,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv", action="store_true", help="layout-aware chunk codecs vs copy_ (engine path speed)")
     p.add_argument("--kv-accuracy", action="store_true", help="engine path: cosine, bytes, fallbacks")
     p.add_argument("--kv-proxy", action="store_true", help="the codec's attention check vs held-out attention")
+    p.add_argument("--kv-bound", action="store_true", help="pairs an analytical error bound proves within budget")
     p.add_argument("--kv-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--chunks", type=int, default=8, help="chunks per row (--kv-accuracy, --kv-proxy)")
     p.add_argument("--outlier", type=float, default=20.0, help="outlier K channel scale (--kv-accuracy)")
@@ -524,6 +580,8 @@ def main(argv: list[str] | None = None) -> None:
         kv_accuracy(args)
     elif args.kv_proxy:
         kv_proxy(args)
+    elif args.kv_bound:
+        kv_bound(args)
     elif args.accuracy:
         accuracy(args)
     elif args.budgets:

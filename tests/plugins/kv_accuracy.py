@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier_runtime.codecs import kv
 from kvtier_runtime.codecs.errors import CodecError
 from kvtier_runtime.codecs.kv import KVChunkCodec, attention_errors, canonical, to_stage
 from kvtier_runtime.codecs.layout import KVLayout
@@ -125,3 +126,39 @@ def chunk_error(layout: KVLayout, original: torch.Tensor, decoded: torch.Tensor)
     shape = (lay.num_layers, 2, lay.num_kv_heads, lay.tokens, lay.head_dim)
     rel = attention_errors(a.reshape(shape), b.reshape(shape))
     return float(rel.max()) if rel.numel() else 0.0
+
+
+def reference_check_error(layout: KVLayout, original: torch.Tensor, decoded: torch.Tensor, phase: int,
+                          stride: int | None = None) -> float:
+    """The codec's attention check written out plainly, from the chunk and its decoded copy (chunk byte order):
+    the error a verifying ``KVChunkCodec`` judges against its budget for the chunk it encodes with sample phase
+    ``phase`` (its encodes so far, modulo the stride). One token in ``stride`` of each page (``VERIFY_TOKEN_STRIDE``
+    when None) plus every heavy token, judged with ``VERIFY_SAMPLE_MARGIN``; every token, unmargined, when the
+    chunk is short, the heavy tokens are over half a page or a key is not finite. Any non-finite value: inf.
+    A fast path of the check must give the same verdict as this on every chunk (tests/runtime/codecs)."""
+    codec = KVChunkCodec("none", layout, verify=False)
+    a, b = codec._as_chunk(original, "original"), codec._as_chunk(decoded, "decoded")
+    if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+        return math.inf
+    if layout.staged:
+        a, b = to_stage(layout, a), to_stage(layout, b)
+    lay = layout.stage_layout
+    ca, cb = canonical(lay, a, lay.num_layers).float(), canonical(lay, b, lay.num_layers).float()   # [L,2,H,P,T,D]
+    stride = kv.VERIFY_TOKEN_STRIDE if stride is None else stride
+    t = lay.block_tokens
+    idx = None
+    if stride > 1 and stride <= t and lay.tokens // stride >= kv.VERIFY_MIN_TOKENS:
+        mask = torch.zeros(t, dtype=torch.bool)
+        mask[phase % stride::stride] = True
+        peak = ca[:, 0].abs().amax(dim=4)                                   # [L, H, P, T]
+        mask |= (peak > kv.HEAVY_TOKEN * peak.mean(dim=3, keepdim=True)).flatten(0, 2).any(dim=0)
+        if int(mask.sum()) * 2 <= t:
+            idx = mask.nonzero().view(-1)
+    lg, _, h, p, _, d = ca.shape
+    if idx is None:
+        shape = (lg, 2, h, p * t, d)
+        return float(attention_errors(ca.reshape(shape), cb.reshape(shape)).max())
+    sa, sb = ca.index_select(4, idx), cb.index_select(4, idx)
+    n = p * idx.numel()
+    rel = kv.attention_rel(*(s[:, i].reshape(lg * h, n, d) for s in (sa, sb) for i in (0, 1)))
+    return float(rel.max()) / kv.VERIFY_SAMPLE_MARGIN

@@ -304,22 +304,32 @@ class KVChunkCodec:
         stride, lay = self.verify_sample, self.layout
         if stride == 1:
             return None
-        mask = torch.zeros(lay.block_tokens, dtype=torch.bool)
-        mask[next(self._chunks) % stride::stride] = True
         k = canonical(lay, flat, lay.num_layers)[:, 0]                          # [L, H, P, T, D]
         bits = _FP8_BITS.get(flat.dtype)
         if bits is None:
             peak = self._scratch.get("vpeak", k.shape[:4], k.dtype, flat.device)
             torch.amax(k.abs(), dim=4, out=peak)
-        else:
-            # |K| as integer bits (non-negative floats order like their bit patterns): one integer mask and an
-            # integer max, several times cheaper than abs + amax in bf16; the same peaks, bit for bit
-            int_dtype, _, mag_mask = bits
-            m = self._scratch.get("vmag", k.shape, int_dtype, flat.device)
-            torch.bitwise_and(k.view(int_dtype), mag_mask, out=m)
-            peak = self._scratch.get("vpeak", k.shape[:4], int_dtype, flat.device)
-            torch.amax(m, dim=4, out=peak)
-            peak = peak.view(flat.dtype)
+            return self._sample_of(peak)
+        # |K| as integer bits (non-negative floats order like their bit patterns): one integer mask and an
+        # integer max, several times cheaper than abs + amax in bf16; the same peaks, bit for bit
+        int_dtype, _, mag_mask = bits
+        m = self._scratch.get("vmag", k.shape, int_dtype, flat.device)
+        torch.bitwise_and(k.view(int_dtype), mag_mask, out=m)
+        return self._sample_of_magnitudes(m, flat.dtype)
+
+    def _sample_of_magnitudes(self, m: torch.Tensor, dtype: torch.dtype) -> "_TokenSample | None":
+        """``_sample`` from K's magnitudes as integer bits, [L, H, P, T, D] (``m & mag_mask`` of ``dtype``)."""
+        peak = self._scratch.get("vpeak", m.shape[:4], m.dtype, m.device)
+        torch.amax(m, dim=4, out=peak)
+        return self._sample_of(peak.view(dtype))
+
+    def _sample_of(self, peak: torch.Tensor) -> "_TokenSample | None":
+        """``_sample`` from each key's largest magnitude, [L, H, P, T] (takes the chunk's phase)."""
+        lay = self.layout
+        stride = self.verify_sample
+        # on the chunk's device: the sample indexes the chunk's tensors (CUDA ones too)
+        mask = torch.zeros(lay.block_tokens, dtype=torch.bool, device=peak.device)
+        mask[next(self._chunks) % stride::stride] = True
         peak = peak.float()
         heavy = peak > HEAVY_TOKEN * peak.mean(dim=3, keepdim=True)
         mask |= heavy.flatten(0, 2).any(dim=0)
@@ -501,7 +511,15 @@ class KVChunkCodec:
             gather_staged(self.declared, flat, stage)
             flat = stage
         err = 0.0
-        sample = self._sample(flat) if self.verify else None
+        # the fp8 integer encoder masks K's magnitudes anyway: when it takes the chunk in one step it picks the
+        # check's sample from them (the same sample, one pass over K less); otherwise it is picked here
+        sample: _TokenSample | None = None
+        pick = False    # the fp8 integer encoder picks the sample
+        if self.verify and self.verify_sample > 1:
+            one_step = self.layout.outer == "PL" or self._layers_per_bits_step >= self.layout.num_layers
+            pick = self.chain[0] == "fp8" and self.dtype in _FP8_BITS and one_step
+            if not pick:
+                sample = self._sample(flat)
         for codec in self.chain:
             n = HEADER_NBYTES + self.payload_nbytes(codec)
             payload = out[HEADER_NBYTES:n]
@@ -517,7 +535,7 @@ class KVChunkCodec:
                     n = HEADER_NBYTES + self.payload_nbytes(codec, sparse)
                     err = self._encode_sparse(flat, out[HEADER_NBYTES:n], sparse, amax, sample)
                 elif codec == "fp8" and self.dtype in _FP8_BITS:
-                    err = self._encode_fp8_bits(flat, payload, measure, sample)
+                    err, sample = self._encode_fp8_bits(flat, payload, measure, sample, pick)
                 else:
                     err = self._encode_payload(codec, flat, payload, measure, sample)
                 # ``not <=``: a NaN error (non-finite input) falls back too; ``none`` keeps the bytes as they are.
@@ -647,12 +665,14 @@ class KVChunkCodec:
         return worst
 
     def _encode_fp8_bits(self, flat: torch.Tensor, payload: torch.Tensor, measure: bool,
-                         sample: "_TokenSample | None" = None) -> float:
+                         sample: "_TokenSample | None" = None,
+                         pick_sample: bool = False) -> tuple[float, "_TokenSample | None"]:
         """fp8 (e4m3) from bf16/fp32 without float conversions: with a power-of-two scale, e4m3 is the input's
         sign, its exponent minus a per-group bias and its top 3 mantissa bits, rounded: a handful of integer
         passes instead of converting through fp32 and fp16. Scaled values below e4m3's smallest normal (2^-6,
         i.e. under 2^-14 of the group's max) land within 2^-6 of themselves (no exact subnormals), far inside
-        fp8's error; zeros stay zero."""
+        fp8's error; zeros stay zero. Returns the check's error and its sample (with ``pick_sample``, for a
+        chunk of one step, the sample is picked here from K's magnitudes, as ``_sample`` picks it)."""
         lay, dev = self.layout, flat.device
         h, n, d = lay.num_kv_heads, lay.tokens, lay.head_dim
         kg, vg = self.groups["fp8"]
@@ -666,6 +686,9 @@ class KVChunkCodec:
             m = self._scratch.get("fm", ne, int_dtype, dev)
             torch.bitwise_and(bits[e0:e1], mag_mask, out=m)
             mc = canonical(lay, m, lg)
+            if pick_sample:
+                assert (l0, l1) == (0, lay.num_layers), "the sample covers every layer: one step only"
+                sample = self._sample_of_magnitudes(mc[:, 0], flat.dtype)
             ek = self._scratch.get("fek", (lg, h, n // kg, d), int_dtype, dev)
             ev = self._scratch.get("fev", (lg, h, n, d // vg), int_dtype, dev)
             # positive floats order like their bit patterns: the max magnitude is the max of the masked bits
@@ -673,7 +696,7 @@ class KVChunkCodec:
             torch.amax(v_groups(mc, vg), dim=5, out=ev.view(lg, h, lay.pages, lay.block_tokens, -1))
             # magnitudes at or above inf's bit pattern are inf or NaN: only ``none`` keeps those as they are
             if measure and max(int(ek.max()), int(ev.max())) >= 0xFF << mant:
-                return math.inf
+                return math.inf, sample
             scale_bytes, code_bytes = self._split("fp8", payload, l0, l1)
             sb = self._scratch.get("fsb", (lg, nk + nv), torch.int16, dev)
             for e, sl in ((ek, slice(0, nk)), (ev, slice(nk, nk + nv))):
@@ -710,7 +733,7 @@ class KVChunkCodec:
                                                        flat[e0:e1], l0, lg, sample, batch))
         if measure and sample is not None:
             worst = max(worst, self._sample_error(self._quants["fp8"], sample, kg, vg, batch))
-        return worst
+        return worst, sample
 
     # ---- decode ----------------------------------------------------------------------------------------------
     def decode(self, buf: torch.Tensor | bytes | bytearray | memoryview, out: torch.Tensor) -> torch.Tensor:

@@ -55,3 +55,12 @@ def test_int4_outlier_table_prints_both_variants_and_the_why_table():
     out = subprocess.run([sys.executable, str(BENCH / "kv_int4.py"), "--why", "--chunks", "1", "--sets", "normal"],
                          check=True, capture_output=True, text=True).stdout
     assert "| normal | 0." in out
+
+
+@pytest.mark.slow
+def test_bound_table_prints_every_row():
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "codecs.py"), "--kv-bound", "--threads", "1", "--chunks", "1"],
+        check=True, capture_output=True, text=True).stdout
+    for row in ("normal", "outlier K x5", "outlier tokens x300", "whole chunk x0.05"):
+        assert f"| {row} | " in out and "/16 |" in out   # 2 layers x 8 heads a chunk

@@ -100,3 +100,27 @@ def test_cuda_scratch_is_reused():
         decode(out, out=dst)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - before < 4096   # small per-call tensors only (0-d results)
+
+
+def test_cuda_verified_kv_chunks_get_the_cpu_verdicts_and_bytes():
+    """The verifying KV codec on CUDA (its sampled check indexes the chunk's own device): the same stored codec
+    as on CPU wherever the check's error is not within 1% of the budget (CUDA's matmuls round differently), and
+    the same fp8 bytes (fp8 codes are integer passes)."""
+    from kvtier_runtime.codecs import ATTENTION_BUDGETS, KVLayout, get_kv_codec
+    from plugins.kv_accuracy import reference_check_error
+    from tests.runtime.codecs.test_codecs_kv import GOAL, roundtrip as kv_roundtrip
+    from tests.runtime.codecs.test_codecs_verdicts import chunks
+
+    lay = KVLayout(**GOAL)
+    on_cpu, on_gpu, plain = get_kv_codec("fp8", lay), get_kv_codec("fp8", lay), get_kv_codec("fp8", lay, verify=False)
+    budget = ATTENTION_BUDGETS["fp8"]
+    for phase, (label, x) in enumerate(chunks(lay)):
+        out_cpu = torch.empty(on_cpu.max_encoded_nbytes(), dtype=torch.uint8)
+        out_gpu = torch.empty(on_gpu.max_encoded_nbytes(), dtype=torch.uint8, device="cuda")
+        n_cpu, n_gpu = on_cpu.encode(x, out_cpu), on_gpu.encode(x.cuda(), out_gpu)
+        stored_cpu, stored_gpu = peek_header(out_cpu[:n_cpu]).codec, peek_header(out_gpu[:n_gpu].cpu()).codec
+        err = reference_check_error(lay, x, kv_roundtrip(plain, x)[0], phase)
+        if abs(err - budget) > 0.01 * budget:
+            assert stored_gpu == stored_cpu, (label, err, stored_cpu, stored_gpu)
+        if stored_gpu == stored_cpu == "fp8":
+            assert torch.equal(out_gpu[:n_gpu].cpu(), out_cpu[:n_cpu]), label
