@@ -528,7 +528,7 @@ def test_the_engine_path_rows_are_aligned_so_promotions_and_write_through_never_
     cfg = FilesystemTierConfig(root_dir=direct_dir, capacity_bytes=1 << 22, n_read_threads=2, n_write_threads=2)
     books, region = engine_books(tmp_path, 2, row, [cfg])  # rows seen as float16, as the spec does
     try:
-        tier = books.fs_tiers[0]
+        tier = books.tiers[0]
         staged = _count_staging(tier)
         fill = {seq_key(i): torch.randint(0, 255, (row,), dtype=torch.uint8) for i in range(3)}
         for key in fill:  # two host rows: the first key ends up only on disk
