@@ -1,10 +1,11 @@
 """The books of kvtier's vLLM offloading spec: which chunk is where, in the scheduler process (no vllm import).
 
 Tiers: a host tier (:class:`~kvtier_runtime.store.memory_tier.MemoryTier` over the shared
-:class:`~kvtier_runtime.engines.host_region.HostRegion`, slots chosen by a kvtier eviction policy) and behind it zero or more durable
-filesystem tiers (:class:`~kvtier_runtime.fs.tier.FilesystemTier`, bounded, checksummed, optionally compressed),
-then zero or more remote tiers (:class:`~kvtier_runtime.remote.tier.RemoteTier`, a Valkey/Redis store shared by
-every replica of the model). Lookup order: host, filesystem tiers, remote tiers.
+:class:`~kvtier_runtime.engines.host_region.HostRegion`, slots chosen by a kvtier eviction policy) and behind it one
+ordered list of tiers (:class:`~kvtier_runtime.tiers.base.Tier`), which the books drive alike whatever their medium:
+the vLLM spec puts durable filesystem tiers (:class:`~kvtier_runtime.fs.tier.FilesystemTier`, bounded, checksummed,
+optionally compressed) before remote tiers (:class:`~kvtier_runtime.remote.tier.RemoteTier`, a Valkey/Redis store
+shared by every replica of the model). Lookup order: host, then the list's order.
 
 Flow, and why it is split this way:
 
