@@ -144,7 +144,7 @@ class PhaseTimer:
         for name in self.STEPS:
             self._saved[name] = getattr(tier_module, name)
             setattr(tier_module, name, self._timed(name, self._saved[name]))
-        tier._codec.encode = self._timed("encode (copy in)", tier._codec.encode)
+        tier.codec.encode = self._timed("encode (copy in)", tier.codec.encode)
 
     def uninstall(self) -> None:
         for name, fn in self._saved.items():

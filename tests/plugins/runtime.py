@@ -81,7 +81,7 @@ def engine_books(tmp_path, n_rows: int, row_bytes: int, fs=(), *, view_dtype=Non
         cfg, options = entry if isinstance(entry, tuple) else (entry, {})
         options = {"name": f"t{time.monotonic_ns()}", **options}
         tiers.append(FilesystemTier(cfg, (view.shape[1],), view.dtype, **options))
-    books = OffloadBooks(host, tiers, fs_rows=[view] * len(tiers), key_suffix=key_suffix,
+    books = OffloadBooks(host, tiers, rows=[view] * len(tiers), key_suffix=key_suffix,
                          enable_events=enable_events)
     return books, region
 

@@ -5,9 +5,9 @@
 * no module imports another module's underscore name: what crosses a module boundary is public (the only
   exceptions are the third-party private names the vLLM plug-ins cannot do without, listed below);
 * the books (``store/books.py``) never decide by a tier's kind: no isinstance/issubclass against a tier class, no
-  ``is_remote``-style test or attribute, no comparison of a tier's ``medium``/``origin``, and no look at which
-  constructor list a tier came from (``fs_tiers``/``remote_tiers``) outside ``__init__``: each question is asked
-  of the tier (``kvtier_runtime.tiers.base.Tier``).
+  ``is_remote``-style test or attribute, no comparison of a tier's ``medium``/``origin``, and no per-kind tier
+  list (``fs_tiers``/``remote_tiers``): the books take one ordered list and each question is asked of the tier
+  (``kvtier_runtime.tiers.base.Tier``).
 
 Each rule's checker takes the package root, so the same checks can be pointed at an older tree."""
 from __future__ import annotations
@@ -128,10 +128,12 @@ def kind_branch_violations(root: Path) -> list[str]:
                 flag(node, f"comparison of a tier's {sorted(names & {'medium', 'origin'})}")
             if names & TIER_LISTS:
                 flag(node, f"comparison with {sorted(names & TIER_LISTS)} (a tier's kind by its position)")
-        if isinstance(node, ast.FunctionDef) and node.name != "__init__":
+        if isinstance(node, ast.FunctionDef):
             for inner in ast.walk(node):
                 if isinstance(inner, ast.Attribute) and inner.attr in TIER_LISTS:
                     flag(inner, f"{node.name} picks tiers by constructor list ({inner.attr})")
+                if isinstance(inner, ast.arg) and inner.arg in TIER_LISTS:
+                    flag(inner, f"{node.name} takes a per-kind tier list ({inner.arg})")
     return bad
 
 
@@ -169,5 +171,5 @@ def test_the_checks_catch_what_they_forbid(tmp_path) -> None:
     found = "\n".join(kind_branch_violations(pkg))
     for why in ("kind test _is_remote", "isinstance against ['FilesystemTier']", "a tier's 'remote' attribute",
                 "comparison of a tier's ['medium']", "getattr(..., 'remote')", "picks tiers by constructor list",
-                "(a tier's kind by its position)"):
+                "(a tier's kind by its position)", "__init__ takes a per-kind tier list (remote_tiers)"):
         assert why in found

@@ -58,10 +58,10 @@ def test_without_the_attention_backend_a_lossy_tier_keeps_the_flat_codec_and_rep
     assert spec.layout_decision.reason == "backend_unknown"
     manager = spec.get_manager()
     try:
-        nvme, hdd = manager.books.fs_tiers
-        assert not isinstance(nvme._codec, KVChunkCodec)
+        nvme, hdd = manager.fs_tiers
+        assert not isinstance(nvme.codec, KVChunkCodec)
         # a GPU engine's path: the int4 tier is refused int4 (nothing checks it on attention) and stores int8
-        assert nvme._codec.name == "int8" and hdd._codec.name == "none"
+        assert nvme.codec.name == "int8" and hdd.codec.name == "none"
         stats = manager.get_stats()
         assert stats._values[FLAT_CODEC_TIERS.name] == {("backend_unknown",): 1}  # the int4 tier, not "none"
     finally:
@@ -82,8 +82,8 @@ def test_cpu_backend_gives_the_layout_codec_and_the_worker_checks_its_pages(tmp_
                                                                                            "CPU_VEC")
     manager = spec.get_manager()
     try:
-        nvme, hdd = manager.books.fs_tiers
-        assert isinstance(nvme._codec, KVChunkCodec) and nvme._codec.declared == layout
+        nvme, hdd = manager.fs_tiers
+        assert isinstance(nvme.codec, KVChunkCodec) and nvme.codec.declared == layout
         assert FLAT_CODEC_TIERS.name not in manager.get_stats()._values
         # A worker whose cache is not one tensor per layer of the layout's page size must not start.
         kv = torch.zeros((8, BLOCK // 2), dtype=torch.int8)

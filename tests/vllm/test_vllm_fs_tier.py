@@ -167,7 +167,7 @@ class GatedWrites:
 
     def __init__(self, tier: KvtierFilesystemTier) -> None:
         self.gate = threading.Event()
-        ops = tier.tier._ops
+        ops = tier.tier.file_ops
         original = ops.write
 
         def write(fd, data):
@@ -382,7 +382,7 @@ def test_a_disk_fault_fails_the_store_and_a_partial_load_names_what_loaded(tmp_p
         tier.drain_jobs()
         assert [r.success for r in tier.get_finished_jobs()] == [True]
 
-        ops = tier.tier._ops
+        ops = tier.tier.file_ops
         original = ops.write
 
         # EIO rather than ENOSPC: on ENOSPC the tier also evicts its coldest blocks to make room, which would

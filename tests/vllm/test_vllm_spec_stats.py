@@ -39,7 +39,7 @@ def test_an_idle_engine_steps_until_finished_write_throughs_reach_its_stats(tmp_
         assert out is not None and list(out.keys_to_store) == keys
         manager.complete_store(keys, ctx)  # the worker's copy is done: write-through to disk starts
         reported = _reported(manager.get_stats(), FS_STORES.name)  # the step that completed the store
-        manager.books.fs_tiers[0].drain(timeout=30)  # the disk writes finish while nothing else happens
+        manager.fs_tiers[0].drain(timeout=30)  # the disk writes finish while nothing else happens
         steps = 0
         while manager.has_pending_work():  # what vLLM's engine loop asks before each idle step
             steps += 1

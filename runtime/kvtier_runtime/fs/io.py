@@ -1,6 +1,7 @@
-"""The filesystem tier's block I/O (pool threads): encode with the tier's codec, write a checksummed file
-atomically; read it back, verify header, length, CRC or MAC, and decode into the caller's tensor. A task never
-raises: its outcome is an ``ok`` or an error kind for the key.
+"""The filesystem tier's block I/O (pool threads), :class:`BlockIO`: encode with the tier's codec, write a
+checksummed file atomically; read it back, verify header, length, CRC or MAC, and decode into the caller's tensor.
+A helper object the tier owns: it knows the file format and the codec, not the index (the tier's tasks turn what
+it raises into an error kind for the key and settle the index).
 
 Two paths (format 2, see :mod:`.format`):
 
@@ -17,19 +18,22 @@ Two paths (format 2, see :mod:`.format`):
 A direct load lends the caller's memory to the kernel for one ``preadv``: if that call is still running when the
 job's ``io_timeout_s`` passes, the job is not finished until it returns (finishing it would hand the caller
 back memory a late read could still overwrite); meanwhile new loads take the staging path, which times out
-cleanly, and stores count the fault towards backoff. See :meth:`kvtier_runtime.tiers.jobs.JobQueue._expire`.
+cleanly, and stores count the fault towards backoff (:meth:`BlockIO.pause_direct_reads`). See
+:meth:`kvtier_runtime.tiers.jobs.JobQueue._expire`.
 """
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
+import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from ..codecs import STATS, Codec, CodecError, CodecHeader, HEADER_NBYTES, KVChunkCodec, decode, peek_header
+from ..codecs import STATS, Codec, CodecHeader, HEADER_NBYTES, KVChunkCodec, decode, peek_header
 from ..codecs.base import PassthroughCodec
 from ..codecs.header import FLAG_PER_CHANNEL
 from .fileio import (
@@ -45,7 +49,6 @@ from .format import (
     MAC_OFFSET,
     FormatError,
     block_mac,
-    checksum,
     file_bytes_for,
     pack_header,
     parse_header,
@@ -54,8 +57,11 @@ from .format import (
     verify_mac,
     verify_payload,
 )
+from ..tiers.checksum import checksum
 from ..tiers.jobs import Expired, Job
-from .health import BACKOFF_KINDS, IO_ERRNO_KIND
+from .fanout import FanoutDirs
+from .fileio import FileOps
+from .format import READ_VERSIONS
 from .paths import TMP_MARK
 
 assert BLOB_HEADER_BYTES == HEADER_NBYTES, "format 2 reserves the codec header's size at the end of the header page"
@@ -78,12 +84,46 @@ def _may_fall_back(codec: Codec | KVChunkCodec) -> bool:
 
 
 class BlockIO:
-    """Mixin of :class:`~.tier.FilesystemTier`: the write and read tasks and the file format around a block."""
+    """Block files of one shape and dtype through ``codec``: written under ``dirs`` with ``ops``, read back and
+    checked (``mac_key``: the files carry a MAC, checked instead of the payload CRC). ``direct_io``: O_DIRECT is
+    on (files opened with it; codec ``none`` then takes the direct path for page-aligned tensors)."""
+
+    def __init__(self, *, name: str, codec: Codec | KVChunkCodec, ops: FileOps, dirs: FanoutDirs,
+                 block_shape: tuple[int, ...], dtype: torch.dtype, mac_key: bytes | None, direct_io: bool,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._name = name
+        self.codec = codec
+        self._ops = ops
+        self._dirs = dirs
+        self.block_shape = block_shape
+        self.dtype = dtype
+        self.dtype_name = str(dtype).removeprefix("torch.")
+        self._mac_key = mac_key
+        self.direct_io = direct_io
+        self._clock = clock
+        # Staging buffers hold a whole file of either format (format 1's is the longer); a codec with fallback
+        # may emit its wider fallback encoding.
+        self.max_payload = codec.max_encoded_nbytes(block_shape, dtype)
+        self.nominal_file_bytes = file_bytes_for(codec.encoded_nbytes(block_shape, dtype))
+        self._buffer_bytes = max(file_bytes_for(self.max_payload, v) for v in READ_VERSIONS)
+        self._local = threading.local()
+        self._tmp_ids = itertools.count(1)
+        self._init_direct_path()
+
+    @property
+    def direct(self) -> bool:
+        """Whether blocks may take the direct path (off for good once the filesystem refused it)."""
+        return self._direct
+
+    def pause_direct_reads(self, until: float) -> None:
+        """Loads take the staging path (which times out cleanly) until ``until`` on the tier's clock: a direct
+        read overran its job."""
+        self._direct_reads_resume_at = until
 
     def _init_direct_path(self) -> None:
         """Decide once whether blocks of this tier can take the direct path (codec ``none``, O_DIRECT), and
         precompute what every such block shares: its codec header and its split into whole pages and a tail."""
-        codec = self._codec
+        codec = self.codec
         self._direct = bool(self.direct_io) and type(codec) is PassthroughCodec
         self._direct_reads_resume_at = 0.0  # reads take the staging path until then (a read overran its job)
         nbytes = 1
@@ -94,7 +134,7 @@ class BlockIO:
         self._row_pages = nbytes // ALIGN * ALIGN  # the part of a row moved straight to or from the file
         self._direct_file_bytes = file_bytes_for(HEADER_NBYTES + nbytes)
         self._none_blob_header = b""
-        if self._direct:
+        if self._direct and isinstance(codec, PassthroughCodec):
             self._none_blob_header = CodecHeader(
                 codec="none", codec_version=codec.version, dtype=self.dtype, shape=self.block_shape,
                 group_size=codec.group_size, payload_nbytes=nbytes, requested_codec="none",
@@ -102,7 +142,7 @@ class BlockIO:
             ).pack()
 
     # ---- I/O tasks (pool threads) -----------------------------------------------------------------------
-    def _staging(self) -> tuple[AlignedBuffer, torch.Tensor]:
+    def staging(self) -> tuple[AlignedBuffer, torch.Tensor]:
         """This thread's staging buffer (a whole file of either format), allocated on first use."""
         local = self._local
         if getattr(local, "buf", None) is None:
@@ -120,80 +160,28 @@ class BlockIO:
     def _aligned(self, t: torch.Tensor) -> bool:
         return t.device.type == "cpu" and t.is_contiguous() and t.data_ptr() % ALIGN == 0
 
-    def _write_task(self, job: Job, i: int, key: bytes, block: torch.Tensor, evicted: list[bytes]) -> bool:
-        self._unlink_doomed(evicted)
-        if self._stuck:
-            self._retry_stuck()
-        ok, kind = False, ""
-        started = time.perf_counter()
-        try:
-            nbytes = self._write_block(job, key, block)
-            ok = True
-        except Expired:
-            kind = "timeout"
-        except FormatError as exc:
-            kind = exc.kind
-        except OSError as exc:
-            kind = IO_ERRNO_KIND.get(exc.errno or 0, "other")
-        except Exception:  # a codec or programming fault must not kill the pool thread or reach the engine
-            kind = "other"
-        late: list[bytes] = []
-        with self._lock:
-            self._policy.unpin(key)
-            entry = self._index[key]
-            if ok and file_bytes_for(nbytes) != entry.nbytes:
-                # The codec fell back to a wider encoding: account the real size (this may evict more).
-                self._policy.remove(key)
-                more = self._policy.insert(key, file_bytes_for(nbytes))
-                if more is None:
-                    ok, kind = False, "no-room"
-                    late = self._doom_locked([key])
-                else:
-                    entry.nbytes = file_bytes_for(nbytes)
-                    late = self._doom_locked(more, evicted=True)
-            if ok:
-                entry.state = "ready"
-            else:
-                if kind != "no-room":
-                    self._policy.remove(key)
-                    del self._index[key]
-                job.errors[i] = kind
-        self._unlink_doomed(late)
-        if ok:
-            self.disk_health.io_success()
-            self._metrics.demoted(self.peer, block.numel() * block.element_size(), time.perf_counter() - started)
-        else:
-            if kind != "timeout":  # counted once, when the job expired
-                self._metrics.error(kind)
-            if kind == "enospc":
-                self._make_real_room(file_bytes_for(self._codec.encoded_nbytes(self.block_shape, self.dtype)))
-            if kind in BACKOFF_KINDS and kind != "timeout":
-                self.disk_health.io_failure()
-        self._update_occupancy()
-        return ok
-
     def _direct_refused(self, exc: OSError, what: str) -> None:
         """An O_DIRECT transfer between the file and the caller's memory failed: EINVAL means the filesystem
         refused the row's alignment after all, so the staging buffer is used from now on; anything else raises."""
         if exc.errno != errno.EINVAL:
             raise exc
         log.warning("filesystem tier %s: O_DIRECT refused %s the caller's memory (%s); using the staging buffer",
-                    self.name, what, exc.strerror or exc)
+                    self._name, what, exc.strerror or exc)
         self._direct = False
 
-    def _write_block(self, job: Job, key: bytes, block: torch.Tensor) -> int:
+    def write_block(self, job: Job, key: bytes, block: torch.Tensor) -> int:
         if self._direct and self._aligned(block):
             try:
                 return self._write_direct(job, key, block)
             except OSError as exc:
                 self._direct_refused(exc, "a write straight from")
-        buf, tensor = self._staging()
+        buf, tensor = self.staging()
         with job.io_lock:  # the only read of the caller's tensor
             if job.expired:
                 raise Expired()
             src = block if block.is_contiguous() else block.contiguous()
             # The codec writes its blob where format 2 wants it: header at the end of the header page.
-            nbytes = self._codec.encode(src, tensor[_BLOB : _BLOB + self._max_payload])
+            nbytes = self.codec.encode(src, tensor[_BLOB : _BLOB + self.max_payload])
         end = _BLOB + nbytes
         total = file_bytes_for(nbytes)
         if end < total:  # zero the padding so no stale bytes of an earlier block reach the disk
@@ -201,13 +189,13 @@ class BlockIO:
         crc = checksum(buf.mv[_BLOB:end])
         header = pack_header(
             # the codec actually used (after any fallback), from the blob's own header
-            codec=self._written_codec(tensor[_BLOB:end]), dtype=self._dtype_name, shape=self.block_shape,
+            codec=self._written_codec(tensor[_BLOB:end]), dtype=self.dtype_name, shape=self.block_shape,
             payload_len=nbytes, payload_crc=crc, key=key,
         )
         buf.mv[:_BLOB] = header[:_BLOB]  # the blob's header, already in place, stays
         if self._mac_key is not None:
             buf.mv[MAC_OFFSET : MAC_OFFSET + MAC_BYTES] = block_mac(self._mac_key, buf.mv, buf.mv[_BLOB:end])
-        self._write_file(key, buf.mv[:total])
+        self.write_file(key, buf.mv[:total])
         return nbytes
 
     def _write_direct(self, job: Job, key: bytes, block: torch.Tensor) -> int:
@@ -229,7 +217,7 @@ class BlockIO:
             if n > whole:
                 tail[: n - whole] = row[whole:]
                 tail[n - whole :] = bytes(ALIGN - (n - whole))
-            page[:] = pack_header(codec="none", dtype=self._dtype_name, shape=self.block_shape,
+            page[:] = pack_header(codec="none", dtype=self.dtype_name, shape=self.block_shape,
                                   payload_len=HEADER_NBYTES + n, payload_crc=crc, key=key)
             page[_BLOB:] = blob_header
             if self._mac_key is not None:
@@ -243,92 +231,52 @@ class BlockIO:
             segments.append(row[:whole])
         if n > whole:
             segments.append(tail)
-        self._write_file(key, segments)
+        self.write_file(key, segments)
         return HEADER_NBYTES + n
 
-    def _write_file(self, key: bytes, data: memoryview | Sequence[memoryview]) -> None:
+    def write_file(self, key: bytes, data: memoryview | Sequence[memoryview]) -> None:
         """Write a block file atomically under its fan-out directory, recreating the directory when it was
         pruned under us (another store's unlink emptied it) -- as often as that happens, up to _DIR_ATTEMPTS."""
-        final = self.block_path(key)
+        final = self._dirs.block_path(key)
         directory = os.path.dirname(final)
         tmp = f"{final}{TMP_MARK}{os.getpid()}.{next(self._tmp_ids)}"
         for attempt in range(_DIR_ATTEMPTS):
-            if directory not in self._made_dirs:
-                os.makedirs(directory, exist_ok=True)
-                self._made_dirs.add(directory)
+            self._dirs.ensure(directory)
             try:
                 write_atomic(self._ops, tmp, final, data, self.direct_io)
                 return
             except FileNotFoundError:  # the fan-out directory was removed behind our back
-                self._made_dirs.discard(directory)
+                self._dirs.lost(directory)
                 if attempt == _DIR_ATTEMPTS - 1:
                     raise
 
     def _written_codec(self, blob: torch.Tensor) -> str:
         # Parsing the blob's header costs ~0.4 ms of GIL-held Python per block (measured in the fs bench
         # breakdown); only a codec that can fall back needs it to learn what it wrote.
-        if not _may_fall_back(self._codec):
-            return self._codec.name
+        if not _may_fall_back(self.codec):
+            return self.codec.name
         return peek_header(blob).codec
 
-    def _read_task(self, job: Job, i: int, key: bytes, out: torch.Tensor) -> bool:
-        started = time.perf_counter()
-        kind = ""
-        try:
-            self._read_block(job, key, out)
-        except Expired:
-            pass  # the caller gave up on this key: the block itself is fine
-        except FormatError as exc:
-            kind = exc.kind
-        except FileNotFoundError:
-            kind = "missing"
-        except OSError as exc:
-            kind = IO_ERRNO_KIND.get(exc.errno or 0, "other")
-        except CodecError:
-            kind = "corrupt"
-        except Exception:
-            kind = "other"
-        with self._lock:
-            doomed = self._unpin_locked(key)
-            if kind:
-                job.errors[i] = kind
-                # A block that failed to read is never served again: forget it and delete the file (at once,
-                # or at the last unpin if another transfer still holds it).
-                if key in self._index:
-                    if self._policy.is_pinned(key):
-                        self._bad.add(key)
-                        del self._index[key]
-                    else:
-                        self._policy.remove(key)
-                        doomed += self._doom_locked([key])
-        self._unlink_doomed(doomed)
-        if kind:
-            self._metrics.error(kind)
-            self._update_occupancy()
-        else:
-            self._metrics.promoted(self.peer, out.numel() * out.element_size(), time.perf_counter() - started)
-        return not kind
-
-    def _read_block(self, job: Job, key: bytes, out: torch.Tensor) -> None:
-        fd = open_block(self._ops, self.block_path(key), self.direct_io)
+    def read_block(self, job: Job, key: bytes, out: torch.Tensor) -> None:
+        fd = open_block(self._ops, self._dirs.block_path(key), self.direct_io)
         try:
             size = regular_size(self._ops, fd)
             if (self._direct and size == self._direct_file_bytes and self._aligned(out)
                     and self._clock() >= self._direct_reads_resume_at
                     and self._read_direct(job, fd, size, key, out)):
                 return
-            buf, tensor = self._staging()
+            buf, tensor = self.staging()
             size = read_whole_fd(self._ops, fd, buf.mv, self.direct_io)
         finally:
             self._ops.close(fd)
         header = parse_header(buf.mv[: min(size, HEADER_BYTES)])
-        self._check_header(header, key)
+        self.check_header(header, key)
         start = header.blob_offset
         # With a MAC key the MAC is the integrity check (it catches every change a CRC catches), so the CRC pass
         # over the payload is skipped: one hash per block instead of two.
         verify_payload(header, size, buf.mv[start:], check_crc=self._mac_key is None)
-        if header.payload_len > self._max_payload:
-            raise FormatError("mismatch", f"payload of {header.payload_len} bytes exceeds {self._max_payload}")
+        if header.payload_len > self.max_payload:
+            raise FormatError("mismatch", f"payload of {header.payload_len} bytes exceeds {self.max_payload}")
         blob = buf.mv[start : start + header.payload_len]
         if self._mac_key is not None:
             verify_mac(self._mac_key, buf.mv[:HEADER_BYTES], blob)
@@ -363,7 +311,7 @@ class BlockIO:
                 self._direct_refused(exc, "a read straight into")
                 return False
             header = parse_header(page[: min(got, HEADER_BYTES)])
-            self._check_header(header, key)
+            self.check_header(header, key)
             if (header.version != FORMAT_VERSION or header.codec != "none"
                     or header.payload_len != HEADER_NBYTES + n or page[_BLOB:] != self._none_blob_header):
                 return False
@@ -380,10 +328,10 @@ class BlockIO:
                 job.lent -= 1
                 job.lent_reads -= 1
 
-    def _check_header(self, header: Any, key: bytes | None) -> None:
+    def check_header(self, header: Any, key: bytes | None) -> None:
         if key is not None and header.key != key:
             raise FormatError("mismatch", "file holds another key")
-        if header.shape != self.block_shape or header.dtype != self._dtype_name:
+        if header.shape != self.block_shape or header.dtype != self.dtype_name:
             raise FormatError(
-                "mismatch", f"block is {header.dtype}{list(header.shape)}, tier is {self._dtype_name}{list(self.block_shape)}"
+                "mismatch", f"block is {header.dtype}{list(header.shape)}, tier is {self.dtype_name}{list(self.block_shape)}"
             )

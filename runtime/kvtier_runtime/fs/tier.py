@@ -1,10 +1,12 @@
 """The durable, bounded filesystem tier: the public class, assembled from one module per concern.
 
-Helper objects the tier owns: its jobs, deadlines and thread pools (``jobs``, a
-:class:`kvtier_runtime.tiers.jobs.JobQueue`, the remote tier's too), its degraded mode and store backoff
-(``disk_health``, :mod:`.health`) and what it counts (:mod:`.tier_metrics`, in :mod:`kvtier_runtime.metrics`). The
-block files' own concerns are still mixins over one shared state: :mod:`.index` (index, eviction accounting,
-unlinking), :mod:`.io` (block files through codecs), :mod:`.scan` (start-up scan).
+Helper objects the tier owns, each reached only through its methods: its jobs, deadlines and thread pools
+(``jobs``, a :class:`kvtier_runtime.tiers.jobs.JobQueue`, the remote tier's too), its degraded mode and store
+backoff (``disk_health``, :mod:`.health`), its index, eviction accounting and file removal (``index``,
+:class:`.index.BlockIndex`), its block files through codecs (``io``, :class:`.io.BlockIO`), the fan-out
+directories both use (:class:`.fanout.FanoutDirs`) and what it counts (:mod:`.tier_metrics`, in
+:mod:`kvtier_runtime.metrics`). The start-up scan is a function (:func:`.scan.scan_blocks`) whose findings the index
+adopts. The tier itself only routes: its I/O tasks run a block through ``io`` and settle the outcome in ``index``.
 
 Non-blocking by construction: ``lookup``/``state`` only read an in-memory index, ``submit_store``/``submit_load``
 only reserve space and enqueue work on separate write and read thread pools, and completions are collected with
@@ -21,40 +23,34 @@ can never delete a newer copy.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import os
-import threading
 import time
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..codecs import Codec, get_codec
+from ..codecs import Codec, CodecError, KVChunkCodec, get_codec
 from ..config import FilesystemTierConfig
 from ..policies import AccessContext, get_policy
-from .fileio import FileOps, probe_o_direct
-from .format import MAX_KEY_BYTES, READ_VERSIONS, file_bytes_for
 from ..tiers.backoff import Backoff
 from ..tiers.base import KeyState
-from ..tiers.jobs import JobQueue, JobResult
+from ..tiers.jobs import Expired, Job, JobQueue, JobResult
 from ..tiers.keys import read_mac_key
-from .health import TierHealth
-from .index import DIRECTORY_BYTES, BlockIndex, Entry, LookupRun, file_budget
+from .fanout import FanoutDirs
+from .fileio import FileOps, probe_o_direct
+from .format import MAX_KEY_BYTES, FormatError, file_bytes_for
+from .health import BACKOFF_KINDS, IO_ERRNO_KIND, TierHealth
+from .index import DIRECTORY_BYTES, BlockIndex, LookupRun, file_budget
 from .io import BlockIO
 from .paths import NAMESPACE, block_relpath
-from .scan import StartupScan
+from .scan import scan_blocks
 from .tier_metrics import FilesystemMetrics
 
 __all__ = ["DIRECTORY_BYTES", "FilesystemTier", "JobResult", "KeyState", "LookupRun", "file_budget"]
 
 
-def _torch_dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-
-class FilesystemTier(BlockIndex, BlockIO, StartupScan):
+class FilesystemTier:
     """Blocks of one fixed shape and dtype, stored as checksummed files under ``root_dir``, bounded in bytes."""
 
     # The Tier protocol (kvtier_runtime.tiers.base): a local disk, keys with the books' run-identity suffix (one
@@ -90,65 +86,57 @@ class FilesystemTier(BlockIndex, BlockIO, StartupScan):
         self.peer = peer
         self.block_shape = tuple(int(d) for d in block_shape)
         self.dtype = dtype
-        self._dtype_name = _torch_dtype_name(dtype)
-        self._codec = codec or get_codec(config.codec, fallback=config.codec_fallback)
-        self._ops = file_ops or FileOps()
-        backoff = Backoff(backoff_base_s, backoff_max_s, after=backoff_after, clock=clock)
+        self.file_ops = file_ops or FileOps()
         self._clock = clock
-        self._mac_key = read_mac_key(config.mac_key_file)
-        # Jobs, deadlines and pools (a helper object: kvtier_runtime.tiers.jobs). Its lock is the tier's: an index
-        # entry and its job's key settle in one step.
+        # Config errors (an unknown codec, an unreadable MAC key) before anything touches the disk.
+        codec = codec or get_codec(config.codec, fallback=config.codec_fallback)
+        mac_key = read_mac_key(config.mac_key_file)
+        # Jobs, deadlines and pools. Its lock is the tier's and the index's: an index entry and its job's key
+        # settle in one step.
         self.jobs = JobQueue(name=name, medium=self.medium, io_timeout_s=config.io_timeout_s, errors=self._metrics,
                              on_io_failure=self._record_io_failure, on_complete=on_complete,
                              on_lent_read_overrun=self._lent_read_overran, log=self._log)
         self._lock = self.jobs.lock
-        self._io_timeout_s = self.jobs.io_timeout_s
-
         self.root = os.path.join(os.path.realpath(config.root_dir), NAMESPACE)
-        # The namespace directory, degraded mode and store backoff (a helper object: .health).
-        self.disk_health = TierHealth(name=name, root=self.root, metrics=self._metrics, backoff=backoff,
+        # The namespace directory, degraded mode and store backoff.
+        self.disk_health = TierHealth(name=name, root=self.root, metrics=self._metrics,
+                                      backoff=Backoff(backoff_base_s, backoff_max_s, after=backoff_after, clock=clock),
                                       lock=self._lock)
         self.disk_health.open_namespace()
-        if self.degraded is not None:
-            self.direct_io = False if direct_io is None else direct_io
-        else:
-            self.direct_io = probe_o_direct(self.root, self._ops) if direct_io is None else direct_io
-        # Staging buffers hold a whole file of either format (format 1's is the longer); a codec with fallback
-        # may emit its wider fallback encoding.
-        self._max_payload = self._codec.max_encoded_nbytes(self.block_shape, dtype)
-        self._nominal_file_bytes = file_bytes_for(self._codec.encoded_nbytes(self.block_shape, dtype))
-        self._buffer_bytes = max(file_bytes_for(self._max_payload, v) for v in READ_VERSIONS)
-        self._local = threading.local()
-        self._init_direct_path()
-
-        self._index: dict[bytes, Entry] = {}
-        # Keys whose file is being unlinked (bytes on disk), so the key cannot be stored again before that.
-        self._doomed: dict[bytes, int] = {}
-        self._removals: list[bytes] | None = None  # keys that left the tier, for KV events (record_removals)
-        # Files that could not be unlinked: their bytes still occupy the disk, so they stay counted against
-        # capacity (the policy's capacity shrinks by them) and are retried until really gone.
-        self._stuck: dict[bytes, int] = {}
-        self._stuck_retry_at = 0.0
-        # Keys whose file failed to read while someone else had them pinned: gone from the index, their
-        # accounting and file are dropped at the last unpin.
-        self._bad: set[bytes] = set()
+        if direct_io is None:
+            direct_io = False if self.degraded is not None else probe_o_direct(self.root, self.file_ops)
+        dirs = FanoutDirs(self.root)
+        # Block files through the codec (and the file format around them).
+        self.io = BlockIO(name=name, codec=codec, ops=self.file_ops, dirs=dirs, block_shape=self.block_shape,
+                          dtype=dtype, mac_key=mac_key, direct_io=direct_io, clock=clock)
         # What the block files may occupy: the capacity less the directories they live in. A volume's limit (an
         # emptyDir's sizeLimit, a quota) counts every byte under it, and the kubelet evicts a pod whose emptyDir
         # exceeds its sizeLimit: a full tier must stay under the capacity it was given, fan-out included.
-        self._file_budget = file_budget(config.capacity_bytes, self._nominal_file_bytes)
-        self._policy = get_policy(config.eviction_policy, self._file_budget, admission=config.admission,
-                                  admission_threshold=config.admission_threshold)
-        self._tmp_ids = itertools.count(1)
-        self._made_dirs: set[str] = set()
-
+        budget = file_budget(config.capacity_bytes, self.io.nominal_file_bytes)
+        # Which keys are held, their accounting in the eviction policy, and the removal of their files.
+        self.index = BlockIndex(
+            dirs=dirs, ops=self.file_ops, lock=self._lock, metrics=self._metrics, file_budget=budget,
+            nominal_file_bytes=self.io.nominal_file_bytes,
+            policy=get_policy(config.eviction_policy, budget, admission=config.admission,
+                              admission_threshold=config.admission_threshold))
         self.rebuild_stats = self._rebuild_index() if os.path.isdir(self.root) else {"blocks": 0}
         self._update_occupancy()
         self._read_pool, self._write_pool = self.jobs.start_pools(config.n_read_threads, config.n_write_threads)
 
     @property
+    def codec(self) -> Codec | KVChunkCodec:
+        """The codec blocks are written with (the config's, or the one given)."""
+        return self.io.codec
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether block files are opened with O_DIRECT."""
+        return self.io.direct_io
+
+    @property
     def capacity_blocks(self) -> int:
         """Blocks of the nominal size (the tier's codec, no fallback) the tier holds when full."""
-        return self._file_budget // self._nominal_file_bytes
+        return self.index.file_budget // self.io.nominal_file_bytes
 
     @property
     def backoff(self) -> Backoff:
@@ -171,7 +159,7 @@ class FilesystemTier(BlockIndex, BlockIO, StartupScan):
     @property
     def io_timeout_s(self) -> float:
         """How long a transfer may take before the caller treats its keys as missed (the config's io_timeout_s)."""
-        return self._io_timeout_s
+        return self.jobs.io_timeout_s
 
     @classmethod
     def from_kwargs(
@@ -210,7 +198,7 @@ class FilesystemTier(BlockIndex, BlockIO, StartupScan):
     def _lent_read_overran(self) -> None:
         # Later loads take the staging path (which times out cleanly) for io_timeout_s; the overrun counts towards
         # store backoff.
-        self._direct_reads_resume_at = self._clock() + self._io_timeout_s
+        self.io.pause_direct_reads(self._clock() + self.io_timeout_s)
         self._record_io_failure()
 
     # ---- jobs (non-blocking) ----------------------------------------------------------------------------
@@ -229,13 +217,13 @@ class FilesystemTier(BlockIndex, BlockIO, StartupScan):
             block_relpath(key)  # rejects non-bytes or empty keys with a ValueError naming the key
         keys = [bytes(k) for k in keys]
         job = self.jobs.new_job("store", keys)
-        size = file_bytes_for(self._codec.encoded_nbytes(self.block_shape, self.dtype))
+        size = self.io.nominal_file_bytes
+        index = self.index
         work: list[tuple[int, bytes, torch.Tensor, list[bytes]]] = []
         backoff = self.in_backoff
         with self._lock:
             for i, (key, block) in enumerate(zip(keys, blocks)):
-                if key in self._index:
-                    self._policy.touch(key, ctx)
+                if index.held_locked(key, ctx):
                     self.jobs.settle_locked(job, i, True)
                     continue
                 if len(key) > MAX_KEY_BYTES:
@@ -244,20 +232,17 @@ class FilesystemTier(BlockIndex, BlockIO, StartupScan):
                     reason = self.degraded
                 elif backoff:
                     reason = "backoff"
-                elif key in self._doomed or key in self._bad:
+                elif index.busy_locked(key):
                     reason = "busy"
                 elif tuple(block.shape) != self.block_shape or block.dtype != self.dtype:
                     reason = "mismatch"
-                elif not self._policy.admit(key, size, ctx):
+                elif not index.admit_locked(key, size, ctx):
                     reason = "not-admitted"
                 else:
-                    evicted = self._policy.insert(key, size, ctx)
-                    if evicted is None:
+                    doomed = index.reserve_locked(key, size, ctx)
+                    if doomed is None:
                         reason = "no-room"
                     else:
-                        self._policy.pin(key)
-                        self._index[key] = Entry("writing", size)
-                        doomed = self._doom_locked(evicted, evicted=True)
                         work.append((i, key, block, doomed))
                         continue
                 self._metrics.rejected(reason)
@@ -282,8 +267,7 @@ class FilesystemTier(BlockIndex, BlockIO, StartupScan):
         work: list[tuple[int, bytes, torch.Tensor]] = []
         with self._lock:
             for i, (key, out) in enumerate(zip(keys, outs)):
-                entry = self._index.get(key)
-                if entry is None or entry.state != "ready":
+                if not self.index.ready_locked(key):
                     job.errors[i] = "miss"
                     self.jobs.settle_locked(job, i, False)
                 elif (tuple(out.shape) != self.block_shape or out.dtype != self.dtype
@@ -291,13 +275,146 @@ class FilesystemTier(BlockIndex, BlockIO, StartupScan):
                     job.errors[i] = "mismatch"
                     self.jobs.settle_locked(job, i, False)
                 else:
-                    self._policy.pin(key)
-                    self._policy.touch(key, ctx)
+                    self.index.pin_for_read_locked(key, ctx)
                     work.append((i, key, out))
         for i, key, out in work:
             self._read_pool.submit(self.jobs.settled, self._read_task, job, i, key, out)
         self.jobs.settle(job, None, True)
         return job.job_id
+
+    # ---- I/O tasks (pool threads): a block through ``io``, its outcome settled in ``index`` ------------------
+    def _write_task(self, job: Job, i: int, key: bytes, block: torch.Tensor, evicted: list[bytes]) -> bool:
+        """Write one block (never raises for the disk: the outcome is ``ok`` or an error kind for the key)."""
+        self.index.unlink_doomed(evicted)
+        self.index.retry_stuck()
+        ok, kind, nbytes = False, "", 0
+        started = time.perf_counter()
+        try:
+            nbytes = self.io.write_block(job, key, block)
+            ok = True
+        except Expired:
+            kind = "timeout"
+        except FormatError as exc:
+            kind = exc.kind
+        except OSError as exc:
+            kind = IO_ERRNO_KIND.get(exc.errno or 0, "other")
+        except Exception:  # a codec or programming fault must not kill the pool thread or reach the engine
+            kind = "other"
+        with self._lock:
+            ok, kind, late = self.index.settle_write_locked(key, ok, kind, file_bytes_for(nbytes))
+            if not ok:
+                job.errors[i] = kind
+        self.index.unlink_doomed(late)
+        if ok:
+            self.disk_health.io_success()
+            self._metrics.demoted(self.peer, block.numel() * block.element_size(), time.perf_counter() - started)
+        else:
+            if kind != "timeout":  # counted once, when the job expired
+                self._metrics.error(kind)
+            if kind == "enospc":
+                self.index.make_real_room(self.io.nominal_file_bytes)
+            if kind in BACKOFF_KINDS and kind != "timeout":
+                self.disk_health.io_failure()
+        self._update_occupancy()
+        return ok
+
+    def _read_task(self, job: Job, i: int, key: bytes, out: torch.Tensor) -> bool:
+        """Read one block into ``out`` (never raises for the disk); a block that fails to read is deleted."""
+        started = time.perf_counter()
+        kind = ""
+        try:
+            self.io.read_block(job, key, out)
+        except Expired:
+            pass  # the caller gave up on this key: the block itself is fine
+        except FormatError as exc:
+            kind = exc.kind
+        except FileNotFoundError:
+            kind = "missing"
+        except OSError as exc:
+            kind = IO_ERRNO_KIND.get(exc.errno or 0, "other")
+        except CodecError:
+            kind = "corrupt"
+        except Exception:
+            kind = "other"
+        with self._lock:
+            doomed = self.index.settle_read_locked(key, failed=bool(kind))
+            if kind:
+                job.errors[i] = kind
+        self.index.unlink_doomed(doomed)
+        if kind:
+            self._metrics.error(kind)
+            self._update_occupancy()
+        else:
+            self._metrics.promoted(self.peer, out.numel() * out.element_size(), time.perf_counter() - started)
+        return not kind
+
+    # ---- the index (observation, pins, removal) ---------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self.config.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the tier's files on disk: blocks held, plus files that could not be deleted yet."""
+        return self.index.used_bytes
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def keys(self) -> list[bytes]:
+        return self.index.keys()
+
+    def state(self, key: bytes) -> KeyState:
+        return self.index.state(key)
+
+    def lookup(self, keys: Sequence[bytes], ctx: AccessContext | None = None) -> LookupRun:
+        """Longest run of leading keys that are ready. Does not touch the eviction order: an engine asks again
+        every scheduling step while a request waits, which would inflate frequency-based policies; the load
+        that follows a hit is what counts as an access."""
+        run = self.index.lookup(keys)
+        self._metrics.looked_up(min(len(keys), run.hits + 1), run.hits)
+        return run
+
+    def block_path(self, key: bytes) -> str:
+        return os.path.join(self.root, block_relpath(key))
+
+    def remove(self, key: bytes) -> bool:
+        """Drop a ready, unpinned block (its file is unlinked); False if absent, pinned or being written."""
+        return self.index.remove(key)
+
+    def pin(self, key: bytes) -> bool:
+        """Keep a ready block from eviction; False if absent or still being written (the write holds its own
+        pin, and its failure path must be free to drop the block)."""
+        return self.index.pin(key)
+
+    def unpin(self, key: bytes) -> None:
+        self.index.unpin(key)
+
+    def record_removals(self) -> None:
+        """From now on remember every key that leaves the tier (evicted, corrupt, removed) for
+        :meth:`take_removals`: KV cache events announce them (:class:`kvtier_runtime.tiers.base.RemovalLog`)."""
+        self.index.record_removals()
+
+    def take_removals(self) -> list[bytes]:
+        """Keys that left the tier since the last call (empty unless :meth:`record_removals` was called)."""
+        return self.index.take_removals()
+
+    def _update_occupancy(self) -> None:
+        self.index.update_occupancy()
+
+    def _rebuild_index(self) -> dict[str, int]:
+        """Rebuild the index from the block files' headers (:func:`.scan.scan_blocks`; only our own namespace
+        directory is scanned and cleaned); blocks are adopted oldest first, so the eviction order starts close to
+        the previous run's."""
+        stats, found = scan_blocks(self.root, self.file_ops, self.io.check_header)
+        stats["evicted"] += self.index.adopt(found)
+        stats["blocks"] = len(self.index)
+        for kind in ("foreign", "corrupt", "truncated", "mismatch", "version"):
+            if stats[kind]:
+                self._metrics.error(kind, stats[kind])
+        if stats["tmp"]:
+            self._metrics.error("torn", stats["tmp"])
+        return stats
 
     def __enter__(self) -> "FilesystemTier":
         return self

@@ -1,10 +1,11 @@
 """The books of kvtier's vLLM offloading spec: which chunk is where, in the scheduler process (no vllm import).
 
 Tiers: a host tier (:class:`~kvtier_runtime.store.memory_tier.MemoryTier` over the shared
-:class:`~kvtier_runtime.engines.host_region.HostRegion`, slots chosen by a kvtier eviction policy) and behind it zero or more durable
-filesystem tiers (:class:`~kvtier_runtime.fs.tier.FilesystemTier`, bounded, checksummed, optionally compressed),
-then zero or more remote tiers (:class:`~kvtier_runtime.remote.tier.RemoteTier`, a Valkey/Redis store shared by
-every replica of the model). Lookup order: host, filesystem tiers, remote tiers.
+:class:`~kvtier_runtime.engines.host_region.HostRegion`, slots chosen by a kvtier eviction policy) and behind it one
+ordered list of tiers (:class:`~kvtier_runtime.tiers.base.Tier`), which the books drive alike whatever their medium:
+the vLLM spec puts durable filesystem tiers (:class:`~kvtier_runtime.fs.tier.FilesystemTier`, bounded, checksummed,
+optionally compressed) before remote tiers (:class:`~kvtier_runtime.remote.tier.RemoteTier`, a Valkey/Redis store
+shared by every replica of the model). Lookup order: host, then the list's order.
 
 Flow, and why it is split this way:
 
@@ -45,7 +46,7 @@ from typing import Iterable, Sequence
 import torch
 
 from .. import metrics
-from ..tiers.base import KeyState, Tier
+from ..tiers.base import KeyState, RemovalLog, Tier
 from ..tiers.jobs import JobResult
 from ..policies import AccessContext
 from .breaker import BYPASS, PROBE, Breaker, TierBreakers
@@ -94,7 +95,7 @@ class _Fence:
 @dataclass(frozen=True)
 class TierEvent:
     """A KV cache event: ``keys`` were stored in (``removed`` False) or removed from a tier. ``tier`` is -1 for
-    the host tier, else the index of the filesystem tier. ``metadata_only``: a failed store released keys that
+    the host tier, else the tier's index in the books' ``tiers``. ``metadata_only``: a failed store released keys that
     were never announced as stored (vLLM's convention; no public removal)."""
 
     keys: tuple[bytes, ...]
@@ -104,41 +105,42 @@ class TierEvent:
 
 
 class OffloadBooks:
-    """Host slots + filesystem tiers for one engine. Keys are vLLM's offload keys (bytes); on disk they carry
-    ``key_suffix`` (a digest of the run identity) so different models sharing a directory never mix."""
+    """Host slots + the tiers behind them (anything that satisfies ``Tier``: filesystem, remote) for one engine.
+    Keys are vLLM's offload keys (bytes); a tier that does not scope keys itself sees them with ``key_suffix`` (a
+    digest of the run identity) so different models sharing a directory never mix."""
 
     def __init__(
         self,
         host: MemoryTier,
-        fs_tiers: Sequence[Tier] = (),
+        tiers: Sequence[Tier] = (),
         *,
-        fs_rows: Sequence[torch.Tensor] | None = None,
+        rows: Sequence[torch.Tensor] | None = None,
         key_suffix: bytes = b"",
         enable_events: bool = False,
-        fs_events: Sequence[bool] | None = None,
-        remote_tiers: Sequence[Tier] = (),
-        remote_rows: Sequence[torch.Tensor] | None = None,
+        tier_events: Sequence[bool] | None = None,
         breakers: TierBreakers | None = None,
     ) -> None:
+        """``tiers``: every tier behind the host tier, in lookup order (the registry builds them in the policy's
+        order); a tier index below is an index into this list. ``rows``: per tier, the host rows as that tier sees
+        them (the KV dtype its codec quantizes; same memory), the host slab by default. ``tier_events``: per tier,
+        whether its stores and removals are KV cache events (with ``enable_events``; default: every tier that can
+        list its removals, :class:`~kvtier_runtime.tiers.base.RemovalLog`)."""
         self.host = host
-        self.fs_tiers = list(fs_tiers)
-        self.remote_tiers = list(remote_tiers)
-        # Every tier behind the host, in lookup order; a tier index below is an index into this list.
-        self._tiers: list[Tier] = [*self.fs_tiers, *self.remote_tiers]
-        for tier in self._tiers:
+        self.tiers: list[Tier] = list(tiers)
+        for tier in self.tiers:
             if tier.origin not in _COUNTERS:
                 raise ValueError(f"tiers: {tier.name} has origin {tier.origin!r}; must be one of "
                                  f"{', '.join(sorted(_COUNTERS))}")
         # A breaker per tier (index 0 the host tier, then tier index + 1): a tier loading slower than recomputing,
         # or disabled by the control file, is bypassed. Default: tiers named as they name themselves, no verdict by
         # cost and no control file, i.e. never bypassed.
-        self.breakers = breakers if breakers is not None else TierBreakers(_default_names(host, self._tiers))
-        if len(self.breakers.breakers) != 1 + len(self._tiers):
-            raise ValueError(f"breakers: {len(self.breakers.breakers)} breakers for {1 + len(self._tiers)} tiers "
-                             "(the host tier, then the filesystem and remote tiers)")
-        # Per tier, the host rows as that tier sees them (the KV dtype its codec quantizes); same memory.
-        self._fs_rows = list(fs_rows) if fs_rows is not None else [host.slab] * len(self.fs_tiers)
-        self._fs_rows += list(remote_rows) if remote_rows is not None else [host.slab] * len(self.remote_tiers)
+        self.breakers = breakers if breakers is not None else TierBreakers(_default_names(host, self.tiers))
+        if len(self.breakers.breakers) != 1 + len(self.tiers):
+            raise ValueError(f"breakers: {len(self.breakers.breakers)} breakers for {1 + len(self.tiers)} tiers "
+                             "(the host tier, then the tiers behind it)")
+        self._rows = list(rows) if rows is not None else [host.slab] * len(self.tiers)
+        if len(self._rows) != len(self.tiers):
+            raise ValueError(f"rows: {len(self._rows)} row views for {len(self.tiers)} tiers (one per tier)")
         self._suffix = key_suffix
         self._origin: dict[bytes, str] = {}  # host-resident key -> where its bytes came from
         self._promotions: dict[tuple[int, int], _Promotion] = {}  # (tier, fs job id) -> promotion
@@ -160,16 +162,24 @@ class OffloadBooks:
         self.generation = 0
         self._fenced: dict[_Fence, int] = {}
         self.reset_at = 0.0  # time.monotonic() of the last reset
-        # KV cache events: the host tier's when enable_events, a filesystem tier's when also fs_events[i] (vLLM's
-        # rule for secondary tiers: the global flag and the tier's own ``enable_kv_events``); a tier with events
-        # on announces its removals (record_removals/take_removals). Remote tiers announce none.
+        # KV cache events: the host tier's when enable_events, a tier's when also tier_events[i] (vLLM's rule for
+        # secondary tiers: the global flag and the tier's own ``enable_kv_events``); a tier with events on announces
+        # its removals (RemovalLog), so only a tier that can list them may have events on.
         self.events: list[TierEvent] | None = [] if enable_events else None
-        wanted = list(fs_events) if fs_events is not None else [True] * len(self.fs_tiers)
-        self._tier_events = [bool(enable_events and w) for w in wanted] + [False] * len(self.remote_tiers)
-        for tier, on in zip(self._tiers, self._tier_events):
-            if on:
-                tier.record_removals()  # type: ignore[attr-defined]
-        for tier in self._tiers:
+        logs: list[RemovalLog | None] = [t if isinstance(t, RemovalLog) else None for t in self.tiers]
+        wanted = list(tier_events) if tier_events is not None else [r is not None for r in logs]
+        if len(wanted) != len(self.tiers):
+            raise ValueError(f"tier_events: {len(wanted)} flags for {len(self.tiers)} tiers (one per tier)")
+        for tier, removals, want in zip(self.tiers, logs, wanted):
+            if enable_events and want and removals is None:
+                raise ValueError(f"tier_events: {tier.name} cannot list the keys that leave it (no "
+                                 "record_removals/take_removals), so it cannot announce KV cache events")
+        self._removal_logs: list[RemovalLog | None] = [
+            removals if enable_events and want else None for removals, want in zip(logs, wanted)]
+        for removal_log in self._removal_logs:
+            if removal_log is not None:
+                removal_log.record_removals()
+        for tier in self.tiers:
             tier.peer = host.name  # promotions/demotions are labelled with the tier they move to or from
         metrics.CAPACITY_BYTES.labels(host.name).set(host.capacity_bytes)
         self._update_occupancy()
@@ -215,7 +225,7 @@ class OffloadBooks:
         if key in self._promotion_failed:
             self._promotion_failed.discard(key)
             return MISS
-        for i, tier in enumerate(self._tiers):
+        for i, tier in enumerate(self.tiers):
             gate = self.breakers[i + 1].load_gate()
             if gate == BYPASS:  # a miss here (not even a presence probe); a later tier may still serve it
                 self._bypassed_lookup(self.breakers[i + 1])
@@ -243,8 +253,8 @@ class OffloadBooks:
         slot, victims = reserved
         self._event(self._forget(victims), -1, removed=True)
         self.host.pin(key)
-        tier = self._tiers[tier_index]
-        job = tier.submit_load([self._tier_key(tier, key)], [self._fs_rows[tier_index][slot]], ctx)
+        tier = self.tiers[tier_index]
+        job = tier.submit_load([self._tier_key(tier, key)], [self._rows[tier_index][slot]], ctx)
         self._promotions[(tier_index, job)] = _Promotion(key, tier_index, time.monotonic(), probe=probe,
                                                          t0=self.breakers.clock())
         if probe:
@@ -378,7 +388,7 @@ class OffloadBooks:
             self._write_through(done)
 
     def _write_through(self, keys: list[bytes]) -> None:
-        for i, tier in enumerate(self._tiers):
+        for i, tier in enumerate(self.tiers):
             todo = [k for k in keys if tier.needs_store(self._tier_key(tier, k))]
             if not todo:
                 continue
@@ -389,7 +399,7 @@ class OffloadBooks:
                 continue
             for key in todo:
                 self.host.pin(key)  # the row must not be reused before the tier has read it
-            rows = [self._fs_rows[i][self.host.slot_of(k)] for k in todo]
+            rows = [self._rows[i][self.host.slot_of(k)] for k in todo]
             job = tier.submit_store([self._tier_key(tier, k) for k in todo], rows)
             self._writes[(i, job)] = _WriteThrough(tuple(todo), i, probe=gate == PROBE)
             if gate == PROBE:
@@ -399,10 +409,10 @@ class OffloadBooks:
         """Whether a serving tier covers ``key`` (:meth:`Tier.covers`: a filesystem tier holds it; a bypassed tier's
         copy is not served, so the host tier stores the chunk again)."""
         return any(self.breakers[i + 1].serving and t.covers(self._tier_key(t, key))
-                   for i, t in enumerate(self._tiers))
+                   for i, t in enumerate(self.tiers))
 
     def _event(self, keys: Sequence[bytes], tier: int, *, removed: bool, metadata_only: bool = False) -> None:
-        if self.events is not None and keys and (tier < 0 or self._tier_events[tier]):
+        if self.events is not None and keys and (tier < 0 or self._removal_logs[tier] is not None):
             self.events.append(TierEvent(tuple(keys), tier, removed, metadata_only))
 
     def take_events(self) -> list[TierEvent]:
@@ -412,11 +422,10 @@ class OffloadBooks:
             return []
         self.poll()
         n = len(self._suffix)
-        for i, (tier, on) in enumerate(zip(self._tiers, self._tier_events)):
-            if not on:  # nothing recorded, nothing to announce
+        for i, removal_log in enumerate(self._removal_logs):
+            if removal_log is None:  # nothing recorded, nothing to announce
                 continue
-            removed = tier.take_removals()  # type: ignore[attr-defined]
-            gone = [k[: len(k) - n] if n else k for k in removed if k.endswith(self._suffix)]
+            gone = [k[: len(k) - n] if n else k for k in removal_log.take_removals() if k.endswith(self._suffix)]
             self._event(gone, i, removed=True)
         events, self.events = self.events, []
         out = []
@@ -525,7 +534,7 @@ class OffloadBooks:
         self.breakers.tick()  # at most once a second: the control file, breakers' dwell times
         if not self._promotions and not self._writes:
             return
-        for i, tier in enumerate(self._tiers):
+        for i, tier in enumerate(self.tiers):
             for result in tier.get_finished():
                 self._finish(i, result)
             self.breakers.count_loads(i + 1)
@@ -554,7 +563,7 @@ class OffloadBooks:
         has landed in it and the job finishes (``_finish`` then frees it)."""
         now = time.monotonic()
         for (tier_index, job), promo in list(self._promotions.items()):
-            tier = self._tiers[tier_index]
+            tier = self.tiers[tier_index]
             if isinstance(promo.key, _Fence) or now - promo.started <= tier.io_timeout_s:
                 continue
             key = promo.key
@@ -579,7 +588,7 @@ class OffloadBooks:
                 self._drop_fence_pin(key, engine=False)
                 return
             self.host.unpin(key)
-            tier = self._tiers[tier_index]
+            tier = self.tiers[tier_index]
             if result.ok[0]:
                 self.host.mark_ready(key)
                 self._origin[key] = tier.origin
@@ -602,7 +611,7 @@ class OffloadBooks:
         if write.probe:
             self.breakers[tier_index + 1].probe_finished("store")
         stored: list[bytes] = []
-        _, stored_counter, refused_counter = _COUNTERS[self._tiers[tier_index].origin]
+        _, stored_counter, refused_counter = _COUNTERS[self.tiers[tier_index].origin]
         for key, ok in zip(write.keys, result.ok):
             if isinstance(key, _Fence):
                 self._drop_fence_pin(key, engine=False)
@@ -626,7 +635,7 @@ class OffloadBooks:
 
     def close(self) -> None:
         self.drain()
-        for tier in self._tiers:
+        for tier in self.tiers:
             tier.close()
 
     # ---- observation --------------------------------------------------------------------------------------

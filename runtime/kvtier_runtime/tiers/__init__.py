@@ -1,5 +1,6 @@
 """What the tiers behind the host tier share, whatever their medium: the :class:`~.base.Tier` protocol the books
-drive and :class:`~.base.KeyState` (:mod:`.base`), the job queue each tier owns, with deadlines and results handed
+drive, its optional :class:`~.base.RemovalLog` (keys that left it, for KV events) and :class:`~.base.KeyState`
+(:mod:`.base`), the job queue each tier owns, with deadlines and results handed
 out once (:mod:`.jobs`), exponential backoff (:mod:`.backoff`), key files (:mod:`.keys`), the CRC (:mod:`.checksum`),
 the sealed-value envelope both formats share (:mod:`.envelope`), the metrics every tier counts alike (:mod:`.metrics`)
 and the registry that builds a tier by medium (:mod:`.registry`).
@@ -9,6 +10,6 @@ and never from each other. Importing this package imports no torch.
 """
 from __future__ import annotations
 
-from .base import KeyState, Tier
+from .base import KeyState, RemovalLog, Tier
 
-__all__ = ["KeyState", "Tier"]
+__all__ = ["KeyState", "RemovalLog", "Tier"]

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from ..policies import AccessContext
     from .jobs import JobResult
 
-__all__ = ["KeyState", "Tier"]
+__all__ = ["KeyState", "RemovalLog", "Tier"]
 
 
 class KeyState(enum.Enum):
@@ -75,3 +75,18 @@ class Tier(Protocol):
     def get_finished(self) -> list[JobResult]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class RemovalLog(Protocol):
+    """An optional capability of a tier: it can list the keys that left it (evicted, corrupt, removed), for the KV
+    cache events an engine publishes. A tier whose contents others change behind its back (a store shared by every
+    replica) cannot, and does not implement it; the books then announce no events for that tier."""
+
+    def record_removals(self) -> None:
+        """From now on remember every key that leaves the tier, for :meth:`take_removals`."""
+        ...
+
+    def take_removals(self) -> list[bytes]:
+        """Keys that left the tier since the last call (empty until :meth:`record_removals` was called)."""
+        ...

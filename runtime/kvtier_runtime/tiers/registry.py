@@ -1,14 +1,15 @@
-"""The tiers behind the host tier, by medium: what builds a tier from its config (the vLLM spec builds its tier list
-through :func:`build_tier`). Pure at import: a medium's module (torch, and redis-py for ``remote``) is imported
+"""The tiers behind the host tier, by medium: what builds a tier from its config (the vLLM spec builds its ordered
+tier list through :func:`build_tiers`, one :class:`TierPlan` per tier of the policy, in the policy's order). Pure at import: a medium's module (torch, and redis-py for ``remote``) is imported
 only when a tier of it is built, so an engine without a remote tier never imports the Valkey/Redis client."""
 from __future__ import annotations
 
 import importlib
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
 
 from .base import Tier
 
-__all__ = ["MEDIA", "build_tier", "tier_class"]
+__all__ = ["MEDIA", "TierPlan", "build_tier", "build_tiers", "tier_class"]
 
 # medium -> (module, class): the class takes (config, block_shape, dtype, **options) and satisfies Tier.
 _CLASSES: dict[str, tuple[str, str]] = {
@@ -36,3 +37,29 @@ def build_tier(medium: str, config: Any, block_shape: Sequence[int], dtype: Any,
     identity...)."""
     tier: Tier = tier_class(medium)(config, block_shape, dtype, **options)
     return tier
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """One tier to build: its ``medium``, that medium's ``config``, the rows it holds (``block_shape``, ``dtype``)
+    and the class's keyword ``options``."""
+
+    medium: str
+    config: Any
+    block_shape: tuple[int, ...]
+    dtype: Any
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+def build_tiers(plans: Sequence[TierPlan]) -> list[Tier]:
+    """One tier per plan, in the plans' order (the books' lookup order). Should one fail to build, the tiers
+    already built are closed (their threads stopped) before the error propagates."""
+    tiers: list[Tier] = []
+    try:
+        for plan in plans:
+            tiers.append(build_tier(plan.medium, plan.config, plan.block_shape, plan.dtype, **plan.options))
+    except BaseException:
+        for tier in reversed(tiers):
+            tier.close()
+        raise
+    return tiers

@@ -111,7 +111,7 @@ def _books(tmp_path, lay: KVLayout, codec_name: str, layout_aware: bool, n_rows:
     assert decision.layout in (None, lay)
     books, region = engine_books(tmp_path, n_rows, lay.nbytes, [(cfg, {"codec": tier_codec(cfg, decision)})],
                                  view_dtype=getattr(torch, lay.dtype))
-    return books, region, books.fs_tiers[0]
+    return books, region, books.tiers[0]
 
 
 def _reload(books: OffloadBooks, region: HostRegion, key: bytes, chunk: torch.Tensor) -> torch.Tensor:

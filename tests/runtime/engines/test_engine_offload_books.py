@@ -61,7 +61,7 @@ def test_store_then_host_hit_and_write_through(tmp_path) -> None:
     books.complete_store(keys)
     assert [books.lookup(k) for k in keys] == [HIT] * 3 and books.source(keys[0]) == HOST
     books.drain()
-    assert books.counters["fs_stores"] == 3 and len(books.fs_tiers[0]) == 3
+    assert books.counters["fs_stores"] == 3 and len(books.tiers[0]) == 3
     slots = books.prepare_load(keys)
     assert all(torch.equal(region.rows[s], _fill(k)) for s, k in zip(slots, keys))
     # Pinned for the load: a store that needs every slot cannot evict them, and only the whole offer is stored
@@ -110,7 +110,7 @@ def test_corrupt_file_is_a_counted_miss_never_a_hit(tmp_path) -> None:
     victim = seq_key(7)
     _store(books, region, [victim], _fill)
     books.drain()
-    path = books.fs_tiers[0].block_path(books.fs_key(victim))
+    path = books.tiers[0].block_path(books.fs_key(victim))
     with open(path, "r+b") as f:
         f.seek(HEADER_BYTES + 10)  # inside the payload
         byte = f.read(1)

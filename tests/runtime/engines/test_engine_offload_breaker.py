@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvtier_runtime.config import OffloadSpecConfig
-from kvtier_runtime.tiers import KeyState, Tier
+from kvtier_runtime.tiers import KeyState, RemovalLog, Tier
 from kvtier_runtime.tiers.jobs import JobResult
 from kvtier_runtime.store.books import HIT, MISS, RETRY, OffloadBooks
 from kvtier_runtime.store.breaker import CLOSED, DISABLED, HALF_OPEN, OPEN, BreakerSettings, TierBreakers
@@ -112,7 +112,7 @@ def make_books(clock, control_file: str | None = None, n_rows: int = 8, stamps: 
     nvme, remote = (FakeTier(name, on_complete=breakers.meters[i].on_complete if stamps else None, shared=i == 2)
                     for i, name in ((1, "nvme"), (2, "remote")))
     assert isinstance(nvme, Tier) and isinstance(remote, Tier)
-    books = OffloadBooks(host, [nvme], key_suffix=SUFFIX, remote_tiers=[remote], breakers=breakers)
+    books = OffloadBooks(host, [nvme, remote], key_suffix=SUFFIX, breakers=breakers)
     return books, nvme, remote
 
 
@@ -320,7 +320,7 @@ def test_expired_loads_count_once_as_timeouts_and_their_late_end_is_not_counted_
     host = MemoryTier("host", (ROW,), torch.uint8, 8 * ROW)
     remote = FakeTier("remote", io_timeout_s=0.0, shared=True)  # every promotion is overdue at the next poll
     breakers = TierBreakers(["host", "remote"], settings(), clock=clock)
-    books = OffloadBooks(host, [], remote_tiers=[remote], breakers=breakers)
+    books = OffloadBooks(host, [remote], breakers=breakers)
     for i in range(4):
         held_in(remote, seq_key(i), remote=True)
         assert books.lookup(seq_key(i)) == RETRY
@@ -368,7 +368,7 @@ def test_a_real_filesystem_tier_reports_its_load_ends_to_the_meter_and_can_be_di
                                n_write_threads=1)
     disk = FilesystemTier(cfg, (ROW // 2,), torch.float16, name=f"disk-{time.monotonic_ns()}",
                           on_complete=breakers.meters[1].on_complete)
-    books = OffloadBooks(host, [disk], fs_rows=[host.slab.view(torch.float16)], key_suffix=SUFFIX,
+    books = OffloadBooks(host, [disk], rows=[host.slab.view(torch.float16)], key_suffix=SUFFIX,
                          breakers=breakers)
     try:
         for i in range(3):  # two host rows: the first key ends up on disk only
@@ -395,3 +395,48 @@ def test_two_remote_tiers_on_one_store_get_distinct_default_names() -> None:
         {"url": "redis://kv:6379", "capacity_bytes": 1, "scope": "team-a", "mac_key_file": "/etc/kvtier/tenant-key"},
         {"url": "redis://kv:6379", "capacity_bytes": 2, "scope": "team-a", "mac_key_file": "/etc/kvtier/tenant-key"}]})
     assert TierBreakers.for_spec(cfg, TOKENS).names == ["host", "redis://kv:6379", "redis://kv:6379#2"]
+
+
+class ListingTier(FakeTier):
+    """A FakeTier that can list the keys that left it (kvtier_runtime.tiers.RemovalLog), as a filesystem tier can."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.recording = False
+        self.removed: list[bytes] = []
+
+    def record_removals(self) -> None:
+        self.recording = True
+
+    def take_removals(self) -> list[bytes]:
+        out, self.removed = self.removed, []
+        return out
+
+
+def test_one_ordered_tier_list_events_come_from_the_tiers_that_can_list_their_removals() -> None:
+    """The books take every tier in one list, in lookup order; which tier announces KV events is decided by what
+    the tier can do (list its removals), never by its kind or its place in the list."""
+    host = MemoryTier("host", (ROW,), torch.uint8, 4 * ROW)
+    shared, listing = FakeTier("remote", shared=True), ListingTier("nvme")
+    assert not isinstance(shared, RemovalLog) and isinstance(listing, RemovalLog)
+    books = OffloadBooks(host, [shared, listing], key_suffix=SUFFIX, enable_events=True)
+    assert books.tiers == [shared, listing] and listing.recording
+    listing.removed = [seq_key(1) + SUFFIX, seq_key(2) + b"other-model"]  # another run's key is not announced
+    events = [e for e in books.take_events() if e.tier >= 0]
+    assert [(e.tier, e.removed, e.keys) for e in events] == [(1, True, (seq_key(1),))]
+    # Events off for the listing tier: it is not asked to record.
+    quiet = ListingTier("hdd")
+    OffloadBooks(host, [quiet], enable_events=True, tier_events=[False])
+    assert not quiet.recording
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"enable_events": True, "tier_events": [True, False]},
+     r"tier_events: remote cannot list the keys that leave it .* cannot announce KV cache events"),
+    ({"tier_events": [True]}, r"tier_events: 1 flags for 2 tiers \(one per tier\)"),
+    ({"rows": [None]}, r"rows: 1 row views for 2 tiers \(one per tier\)"),
+])
+def test_the_books_refuse_per_tier_options_that_do_not_fit_the_tier_list(kw, message) -> None:
+    host = MemoryTier("host", (ROW,), torch.uint8, 4 * ROW)
+    with pytest.raises(ValueError, match=message):
+        OffloadBooks(host, [FakeTier("remote", shared=True), ListingTier("nvme")], **kw)

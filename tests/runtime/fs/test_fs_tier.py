@@ -550,6 +550,27 @@ def test_a_block_being_written_cannot_be_pinned_so_a_failed_write_still_settles(
     assert tier.state(key) is KeyState.MISS and tier.used_bytes == 0
 
 
+def test_the_tier_is_built_from_helpers_that_share_no_mutable_state(fs_tier_factory) -> None:
+    """The index, the block I/O and the tier itself each keep their own dicts, sets and lists: what they share
+    is only the objects passed to both on purpose (the fan-out directories, the file operations, the job lock),
+    so one helper can change without reaching into another's state. A mixin over one shared index breaks this."""
+    tier = fs_tier_factory()
+    assert FilesystemTier.__bases__ == (object,), "the tier is composed, not assembled from mixins"
+    _store(tier, [key_of(1)])
+    containers = (dict, set, list, bytearray, threading.local)  # threading.local: the staging buffers
+
+    def owned(obj) -> dict[int, str]:
+        return {id(v): k for k, v in vars(obj).items() if isinstance(v, containers)}
+
+    index, io, own = owned(tier.index), owned(tier.io), owned(tier)
+    assert index and io, "each helper holds state of its own"
+    assert set(index) & set(io) == set() and set(index) & set(own) == set() and set(io) & set(own) == set()
+    # What both helpers hold on purpose, and nothing else of each other's.
+    assert vars(tier.index)["_dirs"] is vars(tier.io)["_dirs"] and tier.index.lock is tier.jobs.lock
+    assert not any(v is tier.io for v in vars(tier.index).values())
+    assert not any(v is tier.index for v in vars(tier.io).values())
+
+
 def test_an_unexpected_fault_in_an_io_task_still_finishes_the_job(fs_tier_factory, monkeypatch) -> None:
     tier = fs_tier_factory()
     real = tier._update_occupancy

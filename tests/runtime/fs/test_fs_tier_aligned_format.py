@@ -84,13 +84,13 @@ def direct_dir(tmp_path) -> str:
 
 def _count_staging(tier) -> list[int]:
     calls = [0]
-    original = tier._staging
+    original = tier.io.staging
 
     def counted():
         calls[0] += 1
         return original()
 
-    tier._staging = counted
+    tier.io.staging = counted
     return calls
 
 
@@ -172,7 +172,7 @@ def test_o_direct_refusing_the_rows_alignment_mid_run_falls_back_to_staging(fs_t
     outs = [aligned() for _ in keys]
     assert load_blocks(tier, keys, outs).success
     assert all(torch.equal(out, block_for(k)) for k, out in zip(keys, outs))
-    assert staged[0] >= 3 and tier._direct is False
+    assert staged[0] >= 3 and tier.io.direct is False
 
 
 def test_a_row_that_is_not_whole_pages_moves_its_tail_through_one_page(fs_tier_factory, direct_dir) -> None:
@@ -528,7 +528,7 @@ def test_the_engine_path_rows_are_aligned_so_promotions_and_write_through_never_
     cfg = FilesystemTierConfig(root_dir=direct_dir, capacity_bytes=1 << 22, n_read_threads=2, n_write_threads=2)
     books, region = engine_books(tmp_path, 2, row, [cfg])  # rows seen as float16, as the spec does
     try:
-        tier = books.fs_tiers[0]
+        tier = books.tiers[0]
         staged = _count_staging(tier)
         fill = {seq_key(i): torch.randint(0, 255, (row,), dtype=torch.uint8) for i in range(3)}
         for key in fill:  # two host rows: the first key ends up only on disk

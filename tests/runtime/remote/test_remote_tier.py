@@ -314,7 +314,7 @@ def test_the_books_serve_one_replicas_chunk_to_another_from_the_store(tmp_path, 
     for name in ("a", "b"):
         tier = _tier(redis_server.url)
         books, region = engine_books(tmp_path / name, 4, ROW * 2, [], key_suffix=b"")
-        books = type(books)(books.host, [], remote_tiers=[tier], remote_rows=[region.rows.view(torch.float16)])
+        books = type(books)(books.host, [tier], rows=[region.rows.view(torch.float16)])
         assert connected(tier)
         replicas.append((books, region))
     (a, region_a), (b, region_b) = replicas

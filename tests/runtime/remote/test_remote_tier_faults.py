@@ -200,7 +200,7 @@ def test_the_books_turn_a_forged_value_into_a_recompute_never_a_hit(tmp_path, re
     mac = _mac_file(tmp_path, "mac", b"K")
     tier = _tier(redis_server.url, mac_key_file=mac)
     books, region = engine_books(tmp_path / "b", 4, ROW * 2, [], key_suffix=b"")
-    books = type(books)(books.host, [], remote_tiers=[tier], remote_rows=[region.rows.view(torch.float16)])
+    books = type(books)(books.host, [tier], rows=[region.rows.view(torch.float16)])
     try:
         assert connected(tier)
         key = key_of(11)
@@ -271,7 +271,7 @@ def test_every_remote_series_the_dashboard_reads_is_exported_by_the_engine_path(
             "kvtier_runtime_remote_up"} <= wanted
     tier = _tier(redis_server.url, mac_key_file=_mac_file(tmp_path, "mac", b"K"))
     books, region = engine_books(tmp_path / "b", 4, ROW * 2, [], key_suffix=b"")
-    books = type(books)(books.host, [], remote_tiers=[tier], remote_rows=[region.rows.view(torch.float16)])
+    books = type(books)(books.host, [tier], rows=[region.rows.view(torch.float16)])
     full = RedisServer(tmp_path / "full", maxmemory=3 << 20, policy="noeviction").start()
     filling = _tier(full.url, capacity=64 << 20)
     try:

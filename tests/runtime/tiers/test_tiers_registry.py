@@ -11,7 +11,8 @@ import torch
 
 from kvtier_runtime.config import FilesystemTierConfig
 from kvtier_runtime.tiers import KeyState, Tier
-from kvtier_runtime.tiers.registry import MEDIA, build_tier, tier_class
+from kvtier_runtime.tiers import registry
+from kvtier_runtime.tiers.registry import MEDIA, TierPlan, build_tier, build_tiers, tier_class
 
 
 def test_a_filesystem_tier_built_by_medium_is_a_tier_the_books_can_drive(tmp_path) -> None:
@@ -56,3 +57,28 @@ def test_importing_the_registry_imports_no_tier_module() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": "runtime"}, cwd=str(Path(__file__).resolve().parents[3]))
     assert out.stdout.strip() == "[]"
+
+
+def test_build_tiers_keeps_the_plans_order_and_closes_what_it_built_when_one_fails(tmp_path) -> None:
+    plans = [TierPlan("filesystem", FilesystemTierConfig(root_dir=str(tmp_path / name), capacity_bytes=1 << 20),
+                      (256,), torch.float32, {"name": name}) for name in ("nvme", "hdd")]
+    tiers = build_tiers(plans)
+    try:
+        assert [t.name for t in tiers] == ["nvme", "hdd"]
+    finally:
+        for tier in tiers:
+            tier.close()
+    built: list[Tier] = []
+    real = registry.build_tier
+
+    def spy(*args, **kwargs):
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(registry, "build_tier", spy)
+        with pytest.raises(ValueError, match="medium: 'tape' is not a tier medium"):
+            build_tiers([plans[0], TierPlan("tape", None, (256,), torch.float32)])
+    (first,) = built
+    with pytest.raises(RuntimeError, match="the filesystem tier is closed"):
+        first.submit_store([b"k" * 8], [torch.ones(256)])

@@ -40,8 +40,7 @@ from ...config import DEFAULT_HOST_SHM_DIR, ConfigError, OffloadSpecConfig
 from ...store.books import REMOTE, OffloadBooks
 from ...store.breaker import TierBreakers
 from ...store.memory_tier import MemoryTier
-from ...tiers import Tier
-from ...tiers.registry import build_tier
+from ...tiers.registry import TierPlan, build_tiers
 from ..chunk_layout import LayoutDecision, check_worker_pages, chunk_layout, tier_codec
 from .. import metric_defs as M
 from ..host_region import HostRegion, remove_dead_regions_at_exit, remove_stale_regions
@@ -141,29 +140,22 @@ class KvtierOffloadingManager(OffloadingManager):
         suffix = namespace_suffix(run_identity(spec, "/"))
         # Before the tiers: each tier stamps the end of its load jobs on its breaker's meter (docs/breaker.md).
         self.breakers = TierBreakers.for_spec(cfg, spec.tokens_per_chunk, logger=_log)
-        meters = self.breakers.meters[1:]
-        tiers: list[Tier] = []
-        rows: list[torch.Tensor] = []
-        decision = spec.layout_decision
-        self.flat_codec_tiers: Counter[str] = Counter()
-        for tcfg, dtype, meter in zip(cfg.fs_tiers, spec.fs_view_dtypes, meters):
-            view = self.region.rows.view(dtype)
-            codec = tier_codec(tcfg, decision)
-            if tcfg.codec != "none" and not isinstance(codec, KVChunkCodec):  # flat (int4 refused: int8)
-                self.flat_codec_tiers[decision.reason] += 1
-            tiers.append(build_tier("filesystem", tcfg, (view.shape[1],), dtype, name=f"kvtier:{tcfg.root_dir}",
-                                    peer="host", codec=codec, on_complete=meter.on_complete))
-            rows.append(view)
-        if self.flat_codec_tiers:
-            _log.warning("kvtier: %d compressed filesystem tier(s) use the flat codec, whose scales do not follow K "
-                         "and V (%s: %s)", sum(self.flat_codec_tiers.values()), decision.reason, decision.detail)
-        elif decision.layout is not None:
-            _log.info("kvtier: compressed filesystem tiers encode chunks of %s with layout-aware scales",
-                      describe(decision.layout))
-        remote, remote_rows = self._remote_tiers(spec, decision, meters[len(tiers):])
-        self.books = OffloadBooks(host, tiers, fs_rows=rows, key_suffix=suffix,
-                                  enable_events=kv_events_enabled(spec),
-                                  fs_events=spec.fs_kv_events, remote_tiers=remote, remote_rows=remote_rows,
+        # One plan per tier behind the host tier, in the policy's order (the filesystem tiers, then the remote
+        # tiers: the order of cfg.tier_names and of the breakers); the registry builds them all.
+        plans = self._tier_plans(spec, self.breakers.meters[1:])
+        tiers = build_tiers(plans)
+        # What the engine reports per medium (gauges by root_dir or url, a remote store's misses): the books never
+        # ask which kind a tier is, the manager that planned them knows.
+        self.fs_tiers: list[Any] = [t for t, p in zip(tiers, plans) if p.medium == "filesystem"]
+        self.remote_tiers: list[Any] = [t for t, p in zip(tiers, plans) if p.medium == "remote"]
+        for tier, plan in zip(tiers, plans):
+            if plan.medium == "remote":
+                _log.info("kvtier: remote tier %s for scope %s, model identity %s (capacity %d chunks of %d bytes)",
+                          plan.config.url, plan.config.scope, plan.options["identity"], tier.capacity_entries,
+                          tier.value_bytes)
+        self.books = OffloadBooks(host, tiers, rows=[self.region.rows.view(p.dtype) for p in plans],
+                                  key_suffix=suffix, enable_events=kv_events_enabled(spec),
+                                  tier_events=[*spec.fs_kv_events, *[False] * len(self.remote_tiers)],
                                   breakers=self.breakers)
         self._reported: Counter[str] = Counter()
         self._stats_seen: tuple[int, ...] = ()  # _stats_state() when get_stats last ran
@@ -181,29 +173,40 @@ class KvtierOffloadingManager(OffloadingManager):
             self.region.close(unlink=True)
             raise
 
-    def _remote_tiers(self, spec: KvtierOffloadingSpec, decision: LayoutDecision,
-                      meters: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-        """The remote tiers (a store shared by every replica of the scope; the scope and the model identity,
-        derived from vLLM's config, are in each key; the offload keys the books hand them are vLLM's block hashes +
-        group index, where a request's cache_salt already entered the first block's hash) and the host rows as each
-            sees them. The tier module (and its client, redis-py) is imported only when one is configured (the registry
-        imports a medium's module when it builds the first tier of it)."""
-        tiers: list[Any] = []
-        rows: list[Any] = []
-        for rcfg, dtype, meter in zip(spec.kvtier.remote_tiers, spec.remote_view_dtypes, meters):
-            view = self.region.rows.view(dtype)
+    def _tier_plans(self, spec: KvtierOffloadingSpec, meters: Sequence[Any]) -> list[TierPlan]:
+        """What to build for each tier behind the host tier, in the policy's order: the filesystem tiers, then the
+        remote tiers (a store shared by every replica of the scope; the scope and the model identity, derived from
+        vLLM's config, are in each key; the offload keys the books hand them are vLLM's block hashes + group index,
+        where a request's cache_salt already entered the first block's hash). Each reads the host rows as the KV
+        dtype its codec quantizes; each stamps the end of its load jobs on its breaker's meter. A medium's module
+        (a remote tier's client, redis-py) is imported only when a tier of it is built."""
+        cfg = spec.kvtier
+        decision = spec.layout_decision
+        plans: list[TierPlan] = []
+        self.flat_codec_tiers: Counter[str] = Counter()
+        for tcfg, dtype in zip(cfg.fs_tiers, spec.fs_view_dtypes):
+            codec = tier_codec(tcfg, decision)
+            if tcfg.codec != "none" and not isinstance(codec, KVChunkCodec):  # flat (int4 refused: int8)
+                self.flat_codec_tiers[decision.reason] += 1
+            plans.append(TierPlan("filesystem", tcfg, (self.region.rows.view(dtype).shape[1],), dtype, {
+                "name": f"kvtier:{tcfg.root_dir}", "peer": "host", "codec": codec}))
+        if self.flat_codec_tiers:
+            _log.warning("kvtier: %d compressed filesystem tier(s) use the flat codec, whose scales do not follow K "
+                         "and V (%s: %s)", sum(self.flat_codec_tiers.values()), decision.reason, decision.detail)
+        elif decision.layout is not None:
+            _log.info("kvtier: compressed filesystem tiers encode chunks of %s with layout-aware scales",
+                      describe(decision.layout))
+        for rcfg, dtype in zip(cfg.remote_tiers, spec.remote_view_dtypes):
             # the filesystem tiers' codec choice (layout-aware when the layout is known), verifying as they do
             codec = tier_codec(SimpleNamespace(codec=rcfg.codec, codec_fallback=True),  # type: ignore[arg-type]
                                decision)
-            identity = remote_identity(spec, rcfg.codec)
-            tier: Any = build_tier("remote", rcfg, (view.shape[1],), dtype, identity=identity,
-                                   name=f"kvtier-remote:{rcfg.url}", peer="host", codec=codec,
-                                   on_complete=meter.on_complete)
-            _log.info("kvtier: remote tier %s for scope %s, model identity %s (capacity %d chunks of %d bytes)",
-                      rcfg.url, rcfg.scope, identity, tier.capacity_entries, tier.value_bytes)
-            tiers.append(tier)
-            rows.append(view)
-        return tiers, rows
+            plans.append(TierPlan("remote", rcfg, (self.region.rows.view(dtype).shape[1],), dtype, {
+                "identity": remote_identity(spec, rcfg.codec), "name": f"kvtier-remote:{rcfg.url}", "peer": "host",
+                "codec": codec}))
+        if len(meters) != len(plans):
+            raise RuntimeError(f"breakers: {len(meters)} meters for {len(plans)} tiers")
+        return [TierPlan(p.medium, p.config, p.block_shape, p.dtype, {**p.options, "on_complete": m.on_complete})
+                for p, m in zip(plans, meters)]
 
     @property
     def lock(self) -> threading.RLock:
@@ -332,7 +335,7 @@ class KvtierOffloadingManager(OffloadingManager):
         books = self.books
         return (sum(books.counters.values()), sum(books.load_failures.values()),
                 sum(books.remote_load_failures.values()), sum(books.breakers.bypassed_stores.values()),
-                *(sum(t.misses.values()) + sum(t.store_failures.values()) for t in books.remote_tiers))
+                *(sum(t.misses.values()) + sum(t.store_failures.values()) for t in self.remote_tiers))
 
     def reset_cache(self) -> None:
         self.books.reset_host()
@@ -364,7 +367,7 @@ class KvtierOffloadingManager(OffloadingManager):
         stats.set_gauge(M.HOST_CAPACITY_BYTES.name, books.host_capacity_bytes)
         for reason, n in self.flat_codec_tiers.items():
             stats.set_gauge(M.FLAT_CODEC_TIERS.name, n, (reason,))
-        for tier in books.fs_tiers:
+        for tier in self.fs_tiers:
             stats.set_gauge(M.TIER_USED_BYTES.name, tier.used_bytes, (tier.config.root_dir,))
             stats.set_gauge(M.TIER_CAPACITY_BYTES.name, tier.capacity_bytes, (tier.config.root_dir,))
         for kind, n in books.load_failures.items():
@@ -372,7 +375,7 @@ class KvtierOffloadingManager(OffloadingManager):
         self._delta(stats, M.PROMOTIONS.name, "promotions", books.counters["promotions"])
         self._delta(stats, M.FS_STORES.name, "fs_stores", books.counters["fs_stores"])
         self._delta(stats, M.HOST_EVICTIONS.name, "host_evictions", books.counters["host_evictions"])
-        for tier in books.remote_tiers:
+        for tier in self.remote_tiers:
             url = (tier.config.url,)
             stats.set_gauge(M.REMOTE_USED_BYTES.name, tier.used_bytes, url)
             stats.set_gauge(M.REMOTE_CAPACITY_BYTES.name, tier.capacity_bytes, url)
@@ -393,10 +396,10 @@ class KvtierOffloadingManager(OffloadingManager):
         for name, n in books.hit_keys.items():
             self._delta(stats, M.HIT_TOKENS.name, "hit_tokens:" + name, n * tokens, (name,))
         self._delta(stats, M.LOOKUP_TOKENS.name, "lookup_tokens", books.counters["lookup_keys"] * tokens)
-        if books.remote_tiers:
+        if self.remote_tiers:
             misses: Counter[str] = Counter()
             failures: Counter[str] = Counter()
-            for tier in books.remote_tiers:
+            for tier in self.remote_tiers:
                 misses.update(dict(tier.misses))
                 failures.update(dict(tier.store_failures))
             for reason, n in misses.items():
@@ -437,10 +440,10 @@ def trace_meta(spec: KvtierOffloadingSpec, manager: KvtierOffloadingManager) -> 
     names = [b.name for b in manager.books.breakers.breakers]
     tiers = [{"name": names[0], "medium": "cpu", "capacity_blocks": int(spec.n_rows),
               "eviction_policy": cfg.eviction_policy, "admission": cfg.admission}]
-    for i, (tcfg, tier) in enumerate(zip(cfg.fs_tiers, manager.books.fs_tiers), start=1):
+    for i, (tcfg, tier) in enumerate(zip(cfg.fs_tiers, manager.fs_tiers), start=1):
         tiers.append({"name": names[i], "medium": "disk", "capacity_blocks": int(tier.capacity_blocks),
                       "eviction_policy": tcfg.eviction_policy, "admission": tcfg.admission})
-    for i, tier in enumerate(manager.books.remote_tiers, start=1 + len(cfg.fs_tiers)):
+    for i, tier in enumerate(manager.remote_tiers, start=1 + len(cfg.fs_tiers)):
         # kvtier trims the model's chunks in the store least recently written or read first; the store is shared
         # by every replica of the model (replay --replicas N --shared models that).
         tiers.append({"name": names[i], "medium": "remote", "capacity_blocks": int(tier.capacity_entries),

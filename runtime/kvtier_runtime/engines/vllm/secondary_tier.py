@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from prometheus_client import REGISTRY
@@ -31,8 +31,11 @@ except ImportError:  # pragma: no cover - depends on the installed vLLM
     ConfigInfoMapping = Mapping[str, Any]
 
 from ...config import FilesystemTierConfig
-from ...fs.tier import FilesystemTier
-from ...fs.tier import JobResult as TierJobResult
+from ...tiers.jobs import JobResult as TierJobResult
+from ...tiers.registry import build_tier
+
+if TYPE_CHECKING:
+    from ...fs.tier import FilesystemTier
 from .. import metric_defs as M
 from ..vllm_support import block_view_dtype, job_outcome, namespace_suffix
 from .cache_policy import access_context
@@ -113,12 +116,10 @@ class KvtierFilesystemTier(SecondaryTierManager):
         # One row per primary chunk, seen as the dtype the codec quantizes (the bytes are never copied here).
         self._rows = flat[: n_rows * row_bytes].view(n_rows, row_bytes).view(self._view_dtype)
         self._suffix = namespace_suffix(run_identity(offloading_spec, self.config.root_dir))
-        self.tier = FilesystemTier(
-            self.config,
-            (self._rows.shape[1],),
-            self._view_dtype,
-            name=f"{tier_type}:{self.config.root_dir}",
-        )
+        # Built through the registry as the kvtier backend builds its tiers (a filesystem tier: this class uses its
+        # whole API, state/drain/removals included).
+        self.tier = cast("FilesystemTier", build_tier("filesystem", self.config, (self._rows.shape[1],),
+                                                      self._view_dtype, name=f"{tier_type}:{self.config.root_dir}"))
         self._pending: dict[int, _PendingJob] = {}
         self._failed_now: list[JobResult] = []  # jobs refused at submission, reported at the next collection
         self._stats = OffloadingConnectorStats()
