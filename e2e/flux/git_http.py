@@ -20,14 +20,19 @@ TIMEOUT_S = 60
 
 class Handler(BaseHTTPRequestHandler):
     root = ""
+    timeout = TIMEOUT_S  # a client that stops sending does not hold its thread forever
 
     def do_GET(self) -> None:
         self.backend(b"")
 
     def do_POST(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY or self.headers.get("Transfer-Encoding"):
-            self.send_error(413, "body too large or chunked")
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            self.send_error(400, "Content-Length is not a number")
+            return
+        if not 0 <= length <= MAX_BODY or self.headers.get("Transfer-Encoding"):
+            self.send_error(413, f"Content-Length must be 0-{MAX_BODY} bytes, not chunked")
             return
         self.backend(self.rfile.read(length))
 

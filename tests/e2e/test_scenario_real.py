@@ -38,9 +38,9 @@ LIMIT_S = float(os.environ.get("KVTIER_DEMO_LIMIT_S", "600"))
 
 
 # Where the interrupted runs are stopped: everything the demo makes exists (node, slow device, Prometheus, the
-# operator's pod, the engine image in containerd) and the engine's pod is starting (its container runs vLLM's
-# start-up), the most state at once. Waiting for the engine to be Ready as well cost a minute or more per run
-# and made nothing more to clean up.
+# operator's pod, the engine image in containerd) and the engine's pod was created 15 s before (its sandbox and
+# container starting). Waiting for the engine to be Ready as well cost a minute or more per run; the synthetic
+# demo's interrupted run (test_scenario_local.py) stops with its engine pods running.
 ENGINE_STARTING = "to 1 replica"
 ENGINE_STARTING_PAUSE_S = 15
 
