@@ -57,6 +57,8 @@ const (
 	concurrentRSSyncs         = 5
 	concurrentNamespaceSyncs  = 10
 	namespaceSyncPeriod       = 5 * time.Minute
+	kubeAPIQPS                = 20
+	kubeAPIBurst              = 30
 	concurrentGCSyncs         = 20
 	gcSyncPeriod              = 30 * time.Second
 	restMapperResetPeriod     = 30 * time.Second
@@ -105,6 +107,11 @@ func runControllers(ctx context.Context, kubeconfigPath, rootCAFile string) erro
 	if err != nil {
 		return fmt.Errorf("--kubeconfig: %w", err)
 	}
+	// kube-controller-manager's --kube-api-qps and --kube-api-burst defaults. A kubeconfig carries no rate, and
+	// client-go's fallback (5 QPS) throttled the loops that scale it below: at 0 x 20 the namespace controller
+	// fell back to 5 QPS, and emptying one namespace took 16 s on an idle server, minutes with many CRDs.
+	base.QPS = kubeAPIQPS
+	base.Burst = kubeAPIBurst
 	// configFor gives each loop its own user agent, as upstream's client builder does, so the API server's
 	// audit and metrics tell them apart.
 	configFor := func(name string) *restclient.Config {
