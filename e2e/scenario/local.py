@@ -180,7 +180,8 @@ class LocalEnvironment:
         from .vllm_pod import find_vllm_python
 
         python = find_vllm_python(self.o.repo, self.o.vllm_python)
-        cache = self.o.model_cache or Path(os.environ.get("KVTIER_CACHE_DIR") or Path.home() / ".cache" / "kvtier") / "models"
+        caches = Path(os.environ.get("KVTIER_CACHE_DIR") or Path.home() / ".cache" / "kvtier")
+        cache = self.o.model_cache or caches / "models"
         started = time.monotonic()
         proc = subprocess.run([str(python), "-c", "import sys; from vllm_cpu.model import ensure_model; "
                                "print(ensure_model(sys.argv[1]))", str(cache)], capture_output=True, text=True,

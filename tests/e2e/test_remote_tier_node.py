@@ -95,8 +95,9 @@ class Cluster:
         load = subprocess.run([str(images / "load"), str(self.env.cluster_dir), "engine", "store"],
                               capture_output=True, text=True, timeout=900)
         assert load.returncode == 0, load.stderr[-3000:]
+        models = Path(os.environ.get("KVTIER_CACHE_DIR") or Path.home() / ".cache" / "kvtier") / "models"
         gen = subprocess.run([self.python, "-c", "import sys; from vllm_cpu.model import ensure_model; "
-                              "print(ensure_model(sys.argv[1]))", str(Path(os.environ.get("KVTIER_CACHE_DIR") or Path.home() / ".cache" / "kvtier") / "models")],
+                              "print(ensure_model(sys.argv[1]))", str(models)],
                              capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO / "e2e")},
                              timeout=600)
         assert gen.returncode == 0, gen.stderr[-2000:]
