@@ -91,6 +91,12 @@ def tier_idle_event(before: dict[str, Any], after: dict[str, Any]) -> Optional[r
     return None
 
 
+def _versions(secrets: dict[str, Optional[dict[str, Any]]]) -> dict[str, Optional[str]]:
+    """Each Secret's resourceVersion (None: missing or unreadable): what changes when its data or its mark does."""
+    return {name: (obj or {}).get("metadata", {}).get("resourceVersion") if obj is not None else None
+            for name, obj in secrets.items()}
+
+
 class Operator:
     """What the passes of one operator process share: settings, the API client, metrics, caches."""
 
@@ -99,6 +105,8 @@ class Operator:
         self.kube = kube
         self.metrics = metrics or Metrics()
         self.applied_config_maps: dict[tuple[str, str], tuple[float, str]] = {}
+        # (namespace, policy) -> {Secret name: resourceVersion or None}, as the last pass read them.
+        self.secret_versions: dict[tuple[str, str], dict[str, Optional[str]]] = {}
         self._nodes: tuple[float, Optional[int]] = (0.0, None)
         self._nodes_readable = settings.read_nodes
         self.written: Any = None  # set by handlers: called with (key, resourceVersion) after each workload write
@@ -227,18 +235,30 @@ class Operator:
                        cleanup_image=self.settings.cleanup_image, server_validated=True,
                        host_path_prefixes=self.settings.host_path_prefixes, pvc_allowed=self.settings.pvc_allowed,
                        remote_stores_allowed=self.settings.remote_stores_allowed,
-                       secrets=self._remote_secrets(policy))
+                       secrets=self._remote_secrets(policy),
+                       secret_namespaces=self.settings.remote_secret_namespaces)
 
     def _remote_secrets(self, policy: dict[str, Any]) -> dict[str, Optional[dict[str, Any]]]:
         """The Secrets the policy's remote tiers name, each read by name (a get, never a list); None where missing
-        or not readable (the chart grants get on Secrets only in the namespaces the admin lists)."""
+        or not readable. Nothing is read outside the namespaces the admin lists (operator.remoteSecretNamespaces):
+        the plan refuses those tiers on that list alone, whatever Role would let the read through. What was read is
+        remembered (``secret_versions``) for the recheck between passes (``secrets_changed``)."""
+        meta = policy["metadata"]
+        key = (meta["namespace"], meta["name"])
         try:
             spec = parsed.parse(parsed.key(policy), True).spec
         except PolicyInvalid:
+            self.secret_versions.pop(key, None)
             return {}
-        namespace = policy["metadata"]["namespace"]
+        out = self._read_secrets(meta["namespace"], remote_secret_names(spec))
+        self.secret_versions[key] = _versions(out)
+        return out
+
+    def _read_secrets(self, namespace: str, names: list[str]) -> dict[str, Optional[dict[str, Any]]]:
+        if not names or namespace not in self.settings.remote_secret_namespaces:
+            return {}
         out: dict[str, Optional[dict[str, Any]]] = {}
-        for name in remote_secret_names(spec):
+        for name in names:
             try:
                 out[name] = self.kube.get(secret_path(namespace, name))
             except ApiError as err:
@@ -246,6 +266,15 @@ class Operator:
                     raise
                 out[name] = None
         return out
+
+    def secrets_changed(self, namespace: str, name: str) -> bool:
+        """Whether a Secret the policy's last pass read has changed since (a new resourceVersion, deleted, or no
+        longer readable): a get by name for each, the cheap recheck that lets consent taken back or a Secret deleted
+        take effect within ``settings.secret_recheck_seconds`` without a list or a watch on Secrets."""
+        seen = self.secret_versions.get((namespace, name))
+        if not seen:
+            return False
+        return _versions(self._read_secrets(namespace, list(seen))) != seen
 
     def _guard(self, policy: dict[str, Any], plan: rc.Plan) -> Optional[GuardStep]:
         meta = policy["metadata"]
@@ -332,6 +361,7 @@ class Operator:
     def release(self, namespace: str, name: str, body: dict[str, Any]) -> int:
         """Undo everything applied for a deleted policy; returns how many workloads were released. Raises
         ``ReleaseRefused`` when a workload could not be released (the finalizer must wait)."""
+        self.secret_versions.pop((namespace, name), None)
         workloads = []
         for kind in KINDS:
             workloads += self.kube.list(workload_path(kind, namespace), f"{POLICY_LABEL}={name}")

@@ -18,7 +18,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import kopf
 
@@ -100,7 +100,9 @@ def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
 
 @kopf.index(*POLICY, id="kvtier_policies", registry=REGISTRY)  # the id is the kwarg name
 async def kvtier_policies(namespace: str, name: str, spec: Any, meta: Any, **_: Any) -> dict[str, Any]:
+    tiers = dict(spec).get("tiers") or []
     return {namespace: {"name": name, "selector": dict(spec).get("selector"), "slo": bool(dict(spec).get("slo")),
+                        "remote": any(isinstance(t, Mapping) and t.get("remote") for t in tiers),
                         "deleting": bool(meta.get("deletionTimestamp"))}}
 
 
@@ -195,17 +197,25 @@ async def policy_loop(shared: Shared, namespace: str, name: str, stopped: kopf.D
     op = shared.op
     shared.wakeups.trigger(key)  # a pass on start (operator start or new policy)
     failures, guard_at = 0, 0.0  # guard_at: monotonic time the SLO guard is next due
+    # resync_at: the next pass nothing else asked for; recheck_at: the next re-read of the Secrets remote tiers name.
+    resync_at = recheck_at = time.monotonic()
     stop_task = asyncio.ensure_future(stopped.wait())
     try:
         while not stopped:
-            timeout = op.settings.resync_seconds
+            now = time.monotonic()
             mine = next((p for p in index.get(namespace, []) if p["name"] == name), None)
-            has_slo = bool(mine and mine.get("slo"))
-            if has_slo:
-                timeout = max(0.0, min(timeout, guard_at - time.monotonic()))
-            await shared.wakeups.wait(key, timeout, stop_task)
+            has_slo, has_remote = bool(mine and mine.get("slo")), bool(mine and mine.get("remote"))
+            due = [resync_at] + ([guard_at] if has_slo else []) + ([recheck_at] if has_remote else [])
+            woken = await shared.wakeups.wait(key, max(0.0, min(due) - now), stop_task)
             if stopped:
                 break
+            now = time.monotonic()
+            if has_remote and now >= recheck_at:
+                recheck_at = now + op.settings.secret_recheck_seconds
+                if not woken and now < resync_at and not (has_slo and now >= guard_at) and \
+                        not await secrets_changed(op, namespace, name):
+                    continue  # only the recheck was due, and the Secrets are as the last pass read them
+            resync_at = now + op.settings.resync_seconds
             mine = next((p for p in index.get(namespace, []) if p["name"] == name), None)
             # The index's entries are the dicts kvtier_policies returned, replaced (never changed) on each event:
             # read as they are, not copied (copying all of them for every pass was quadratic in policies).
@@ -235,6 +245,16 @@ async def policy_loop(shared: Shared, namespace: str, name: str, stopped: kopf.D
     finally:
         stop_task.cancel()
         shared.lanes.close(key)
+
+
+async def secrets_changed(op: Operator, namespace: str, name: str) -> bool:
+    """``Operator.secrets_changed`` off kopf's event loop; a failed read counts as a change, so a pass reads the
+    Secrets again and reports (or retries) what failed."""
+    try:
+        return await asyncio.to_thread(op.secrets_changed, namespace, name)
+    except Exception as err:  # noqa: BLE001 - the pass that follows retries with backoff
+        log.info("re-reading the Secrets of %s/%s failed (%s); running a pass", namespace, name, err)
+        return True
 
 
 async def run_pass(shared: Shared, key: Key, others: list[dict[str, Any]],

@@ -20,9 +20,14 @@ def _no_rule(rule: dict[str, Any]) -> bool:
 
 
 def key(policy_obj: Mapping[str, Any]) -> str:
-    """What a parse depends on (kind, name and spec): the cache key, computed once per object."""
+    """What a parse depends on (kind, namespace, name and spec): the cache key, computed once per object.
+
+    The namespace is part of the parse, not only of the key: the renderer reads it from the parsed metadata (it is
+    the tenant scope of the remote tiers), so two policies of one name and spec in two namespaces are two parses."""
+    meta = policy_obj["metadata"]
     doc = {"apiVersion": policy_obj.get("apiVersion", api.API_VERSION), "kind": policy_obj.get("kind", api.KIND),
-           "metadata": {"name": policy_obj["metadata"]["name"]}, "spec": policy_obj.get("spec")}
+           "metadata": {"name": meta["name"], **({"namespace": meta["namespace"]} if meta.get("namespace") else {})},
+           "spec": policy_obj.get("spec")}
     return json.dumps(doc, sort_keys=True)
 
 

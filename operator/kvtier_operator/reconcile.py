@@ -22,7 +22,7 @@ from .slo.decisions import parse_time
 from .status import Cond, merge_conditions, transitions
 from .tiers import enabled, guard_disabled, tier_states
 from .trust import (host_path_problems, not_opted_in_message, opted_in, pvc_problems, remote_secret_problems,
-                    remote_store_problems)
+                    remote_store_problems, secret_namespace_problems)
 from .workload import (
     Workload,
     already_applied,
@@ -219,7 +219,8 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
          *, now: str, node_allocatable: Optional[int] = None, cleanup_image: str = "busybox:1.37.0",
          server_validated: bool = False, host_path_prefixes: Iterable[str] = (),
          pvc_allowed: Iterable[str] = (), remote_stores_allowed: Iterable[str] = (),
-         secrets: Optional[Mapping[str, Optional[Mapping[str, Any]]]] = None) -> Plan:
+         secrets: Optional[Mapping[str, Optional[Mapping[str, Any]]]] = None,
+         secret_namespaces: Optional[Iterable[str]] = None) -> Plan:
     """Everything one reconcile of ``policy_obj`` must write.
 
     ``workloads``: Deployments and StatefulSets of the namespace that match the selector or carry our policy
@@ -232,6 +233,8 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
     ``secrets``: the Secrets remote tiers name, as read by the operator (None where missing or unreadable); each
     must consent to its store (trust.remote_secret_problems). None: not checked (offline rendering only; the
     operator always passes them).
+    ``secret_namespaces``: namespaces whose Secrets remote tiers may name (operator.remoteSecretNamespaces); None:
+    not checked (offline rendering only; the operator always passes them).
     """
     meta = policy_obj["metadata"]
     name = meta["name"]
@@ -249,7 +252,11 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
         refused = host_path_problems(policy.spec, host_path_prefixes)
         claims = pvc_problems(policy.spec, meta.get("namespace", ""), pvc_allowed)
         stores = remote_store_problems(policy.spec, remote_stores_allowed)
-        consent = remote_secret_problems(policy.spec, secrets) if secrets is not None and not stores else []
+        consent: list[str] = []
+        if not stores and secret_namespaces is not None:
+            consent = secret_namespace_problems(policy.spec, meta.get("namespace", ""), secret_namespaces)
+        if not stores and not consent and secrets is not None:
+            consent = remote_secret_problems(policy.spec, secrets)
     except PolicyInvalid as err:
         refused = [str(p) for p in err.problems]
         reason = "InvalidPolicy"

@@ -47,6 +47,13 @@ class Settings:
     allow_query_overrides: bool = False
     # Valkey/Redis stores remote tiers may use (host:port for TLS, redis://host:port for plain TCP); default none.
     remote_stores_allowed: tuple[str, ...] = ()
+    # Namespaces whose Secrets remote tiers may name (the chart's operator.remoteSecretNamespaces, which also grants
+    # the Role that reads them); default none. The operator checks this list itself before any read, so a Secret
+    # another Role happens to let it read (the SLO guard's, say) is never projected for a remote tier.
+    remote_secret_namespaces: tuple[str, ...] = ()
+    # How often the Secrets a remote tier names are read again between passes (a get each, never a list or a
+    # watch), so consent taken back or a Secret deleted takes effect within this time, not at the next resync.
+    secret_recheck_seconds: float = 30.0
 
 
 _ENV = "KVTIER_"
@@ -103,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Valkey/Redis store remote tiers may use: host:port (TLS only) or redis://host:port (plain "
                         "TCP) (repeatable; env KVTIER_REMOTE_STORES_ALLOWED, comma separated); default: none, "
                         "remote tiers are refused")
+    p.add_argument("--remote-secret-namespace", action="append", dest="remote_secret_namespaces",
+                   help="namespace whose Secrets remote tiers may name (repeatable; env "
+                        "KVTIER_REMOTE_SECRET_NAMESPACES, comma separated); default: none, every remote tier's "
+                        "Secret is refused")
+    p.add_argument("--secret-recheck", type=float, dest="secret_recheck_seconds",
+                   help="seconds between re-reads of the Secrets remote tiers name (env KVTIER_SECRET_RECHECK, "
+                        "default 30): consent taken back takes effect within this time")
     p.add_argument("--allow-query-overrides", action="store_true", default=None,
                    help="let spec.slo.queries replace the built-in PromQL (arbitrary queries with the namespace's "
                         "Prometheus credentials; env KVTIER_ALLOW_QUERY_OVERRIDES); default: refused")
@@ -142,13 +156,16 @@ def from_args(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> Setti
     allowed = listed(args.prometheus_allowed, "PROMETHEUS_ALLOWED")
     pvcs = listed(args.pvc_allowed, "PVC_ALLOWED")
     stores = listed(args.remote_stores_allowed, "REMOTE_STORES_ALLOWED")
+    secret_namespaces = listed(args.remote_secret_namespaces, "REMOTE_SECRET_NAMESPACES")
     for value, check, flag, name in [(v, check_host_path_prefix, "--hostpath-prefix", "HOSTPATH_PREFIXES")
                                      for v in prefixes] + \
                                     [(v, check_endpoint_entry, "--prometheus-allow", "PROMETHEUS_ALLOWED")
                                      for v in allowed] + \
                                     [(v, check_pvc_entry, "--pvc-allow", "PVC_ALLOWED") for v in pvcs] + \
                                     [(v, check_remote_store_entry, "--remote-store-allow", "REMOTE_STORES_ALLOWED")
-                                     for v in stores]:
+                                     for v in stores] + \
+                                    [(v, check_namespace_entry, "--remote-secret-namespace",
+                                      "REMOTE_SECRET_NAMESPACES") for v in secret_namespaces]:
         problem = check(value)
         if problem:
             raise SystemExit(f"kvtier operator: {flag} ({_ENV}{name}): {value!r}: {problem}")
@@ -174,6 +191,9 @@ def from_args(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> Setti
                                         lambda v: _env_bool(v, False), False)),
         pvc_allowed=tuple(pvcs),
         remote_stores_allowed=tuple(stores),
+        remote_secret_namespaces=tuple(secret_namespaces),
+        secret_recheck_seconds=positive(pick(args.secret_recheck_seconds, "SECRET_RECHECK", float,
+                                             d.secret_recheck_seconds), "--secret-recheck", "SECRET_RECHECK"),
         allow_query_overrides=bool(pick(args.allow_query_overrides, "ALLOW_QUERY_OVERRIDES",
                                         lambda v: _env_bool(v, False), False)),
     )

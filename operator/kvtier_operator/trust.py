@@ -329,54 +329,164 @@ def remote_store_problems(spec: api.KVCachePolicySpec, allowed: Iterable[str]) -
 MIN_MAC_KEY_BYTES = 32
 SERVICE_ACCOUNT_TOKEN = "kubernetes.io/service-account-token"
 TLS_SECRET = "kubernetes.io/tls"
+# What no Secret key reaching a pod through kvtier may hold, whatever the Secret's type: a PEM private key (PKCS#1,
+# PKCS#8, encrypted PKCS#8, EC, DSA, OpenSSH) or a PuTTY one. A CA bundle is held to more: certificates only.
+_PRIVATE_KEY = re.compile(rb"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----|PuTTY-User-Key-File-")
+_CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----")
+_PEM_BLOCK = re.compile(rb"-----BEGIN ([A-Z0-9 ]+)-----")
+NAMESPACE_RULE = ("must be a namespace name: 1..63 lowercase letters, digits and '-', starting and ending with a "
+                  "letter or digit")
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
-def _store_name(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+def check_namespace_entry(entry: str) -> Optional[str]:
+    """Why an admin-supplied namespace (operator.remoteSecretNamespaces) is unusable, or None."""
+    return None if _NAMESPACE.fullmatch(entry) else NAMESPACE_RULE
 
 
-def marked_stores(secret: Mapping[str, Any]) -> set[tuple[str, int]]:
-    """(host, port) of every store the Secret's ``kvtier.io/remote-stores`` annotation lists; unusable entries
-    admit nothing."""
-    text = ((secret.get("metadata") or {}).get("annotations") or {}).get(REMOTE_STORES_ANNOTATION) or ""
-    out = set()
-    for entry in text.split(","):
-        store = _store(entry.strip()) if entry.strip() else None
-        if store is not None:
-            out.add((store[1], store[2]))
+def secret_namespace_problems(spec: api.KVCachePolicySpec, namespace: str, allowed: Iterable[str]) -> list[str]:
+    """One ``field: rule`` line per Secret reference of a remote tier when the policy's namespace is not one whose
+    Secrets the admin lets remote tiers use (operator.remoteSecretNamespaces). The operator checks this itself,
+    before any read: which Role happens to let it read a Secret (the SLO guard's, for one) grants nothing here."""
+    if namespace in set(allowed):
+        return []
+    out = []
+    for i, tier in enumerate(spec.tiers):
+        if tier.remote is None:
+            continue
+        for field, ref in (("passwordSecret", tier.remote.password_secret),
+                           ("macKeySecret", tier.remote.mac_key_secret), ("caSecret", tier.remote.ca_secret)):
+            if ref is not None:
+                out.append(f"spec.tiers[{i}].remote.{field}: Secrets of namespace {namespace!r} are not ones the "
+                           "operator's admin lets remote tiers use (operator setting remoteSecretNamespaces); "
+                           "kvtier reads, mounts and sends none of them")
     return out
 
 
-def _secret_problem(secret: Optional[Mapping[str, Any]], name: str, key: str, store: tuple[str, int],
-                    minimum: int, what: str) -> Optional[str]:
-    """Why one Secret key must not reach the pods of a tier on ``store``, or None. A Secret that is missing, that
-    the operator may not read, or that is not marked for the store reads the same: the policy's author may not be
-    allowed to read Secrets, and the condition must not tell them which exist."""
-    host, port = store
-    if secret is None or store not in marked_stores(secret):
-        return (f"Secret {name!r} is not marked for the store {_store_name(host, port)}: kvtier projects a Secret "
-                f"into pods only if someone who may edit Secrets annotated it {REMOTE_STORES_ANNOTATION}: "
-                f"\"{_store_name(host, port)}\" (a comma-separated list of host:port)")
-    kind = secret.get("type") or "Opaque"
-    if kind == SERVICE_ACCOUNT_TOKEN:
-        return f"Secret {name!r} is a service-account token ({SERVICE_ACCOUNT_TOKEN}): kvtier never projects one"
-    if kind == TLS_SECRET and key.endswith(".key"):
-        return (f"key {key!r} of Secret {name!r} is a TLS private key ({TLS_SECRET}): kvtier never projects one "
-                "(a CA bundle is ca.crt)")
+# A store as a mark names it, and as a tier's URL does: (scheme, host, port, db or None).
+Store = tuple[Optional[str], str, int, Optional[int]]
+
+
+def _store_name(store: Store) -> str:
+    """``scheme://host:port`` (IPv6 in brackets), the spelling a mark for exactly this store takes."""
+    scheme, host, port, _ = store
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"{scheme or 'rediss'}://{where}"
+
+
+def marked_stores(secret: Mapping[str, Any]) -> list[Store]:
+    """Every store the Secret's ``kvtier.io/remote-stores`` annotation lists: ``rediss://host:port`` or a bare
+    ``host:port`` (TLS only, like the admin's allowlist), ``redis://host:port`` (plain TCP), each with an optional
+    ``/DB``. Unusable entries admit nothing."""
+    text = ((secret.get("metadata") or {}).get("annotations") or {}).get(REMOTE_STORES_ANNOTATION) or ""
+    out = []
+    for entry in text.split(","):
+        store = _store(entry.strip()) if entry.strip() else None
+        if store is not None:
+            out.append(store)
+    return out
+
+
+def _mark_admits(mark: Store, tier: Store) -> bool:
+    """Whether a mark consents to a tier's store: the same scheme (a bare host:port is rediss://), host and port,
+    and the same database when the mark names one. A mark for TLS never lets a password cross plain TCP."""
+    scheme, host, port, db = mark
+    return ((scheme or "rediss") == (tier[0] or "rediss") and host == tier[1] and port == tier[2]
+            and (db is None or db == (tier[3] or 0)))
+
+
+def secret_value(secret: Optional[Mapping[str, Any]], key: str) -> Optional[bytes]:
+    """The bytes of one Secret key (``data`` base64, or ``stringData``), None where absent or undecodable."""
+    if secret is None:
+        return None
     raw = (secret.get("data") or {}).get(key)
     if raw is None:
         text = (secret.get("stringData") or {}).get(key)
-        value = text.encode() if isinstance(text, str) else None
-    else:
-        try:
-            value = base64.b64decode(raw, validate=True)
-        except (binascii.Error, ValueError, TypeError):
-            value = None
+        return text.encode() if isinstance(text, str) else None
+    try:
+        return base64.b64decode(raw, validate=True)
+    except (binascii.Error, ValueError, TypeError):
+        return None
+
+
+def _content_problem(value: bytes, name: str, key: str, field: str) -> Optional[str]:
+    """Why a Secret key's content must not reach a pod, whatever the Secret's type and the key's name."""
+    if _PRIVATE_KEY.search(value):
+        return (f"key {key!r} of Secret {name!r} holds a private key: kvtier never projects one, whatever the "
+                "Secret's type")
+    if field == "caSecret":
+        kinds = set(_PEM_BLOCK.findall(value))
+        if not _CERTIFICATE.search(value) or kinds - {b"CERTIFICATE", b"TRUSTED CERTIFICATE"}:
+            return (f"key {key!r} of Secret {name!r} must be a PEM CA bundle: CERTIFICATE blocks only (a CA "
+                    "bundle is ca.crt)")
+    return None
+
+
+def _secret_problem(secret: Optional[Mapping[str, Any]], name: str, key: str, store: Store, field: str,
+                    minimum: int, what: str, required: bool = True) -> Optional[str]:
+    """Why one Secret key must not reach the pods of a tier on ``store``, or None. A Secret that is missing, that
+    the operator may not read, or that is not marked for the store reads the same: the policy's author may not be
+    allowed to read Secrets, and the condition must not tell them which exist. ``required``: False for a key
+    projected only when present (the previous tenant key, during a rotation)."""
+    if secret is None or not any(_mark_admits(m, store) for m in marked_stores(secret)):
+        mark = _store_name(store)
+        return (f"Secret {name!r} is not marked for the store {mark}: kvtier projects a Secret into pods only if "
+                f"someone who may edit Secrets annotated it {REMOTE_STORES_ANNOTATION}: \"{mark}\" (a "
+                "comma-separated list of stores; the scheme, host and port must be the tier's, a bare host:port "
+                "is rediss://)")
+    kind = secret.get("type") or "Opaque"
+    if kind == SERVICE_ACCOUNT_TOKEN:
+        return f"Secret {name!r} is a service-account token ({SERVICE_ACCOUNT_TOKEN}): kvtier never projects one"
+    if key.endswith(".key"):
+        return (f"key {key!r} of Secret {name!r} is named as a private key (*.key): kvtier never projects one, "
+                "whatever the Secret's type (a CA bundle is ca.crt)")
+    value = secret_value(secret, key)
     if value is None:
-        return f"Secret {name!r} has no key {key!r}"
+        return f"Secret {name!r} has no key {key!r}" if required else None
     if len(value) < minimum:
         return f"key {key!r} of Secret {name!r} must hold at least {minimum} bytes ({what})"
-    return None
+    return _content_problem(value, name, key, field)
+
+
+def _refs(remote: api.RemoteStoreSpec) -> list[tuple[str, api.SecretKeyRef, str, int, str, bool]]:
+    """(field, Secret, key, least bytes, what it is, required) of every Secret key a remote tier projects. The
+    tenant key keys every block (the password never does): it alone has a minimum length."""
+    out: list[tuple[str, api.SecretKeyRef, str, int, str, bool]] = []
+    if remote.password_secret is not None:
+        out.append(("passwordSecret", remote.password_secret, remote.password_secret.key, 1, "a password", True))
+    if remote.mac_key_secret is not None:
+        mac = remote.mac_key_secret
+        out.append(("macKeySecret", mac, mac.key, MIN_MAC_KEY_BYTES, "the tenant key", True))
+        out.append(("macKeySecret.previousKey", mac, mac.previous, MIN_MAC_KEY_BYTES,
+                    "the previous tenant key", False))
+    if remote.ca_secret is not None:
+        out.append(("caSecret", remote.ca_secret, remote.ca_secret.key, 1, "a PEM CA bundle", True))
+    return out
+
+
+def _credential_problems(remote: api.RemoteStoreSpec, where: str,
+                         secrets: Mapping[str, Optional[Mapping[str, Any]]]) -> list[str]:
+    """The tenant key is never a credential of the store: whoever can AUTH could otherwise claim the tenant's scope,
+    read its blocks and write blocks it loads as its own. Compared by bytes, whatever Secret or key holds them."""
+    mac = remote.mac_key_secret
+    if mac is None:
+        return []
+    credentials: list[tuple[str, bytes]] = []
+    if remote.password_secret is not None:
+        pw = secret_value(secrets.get(remote.password_secret.name), remote.password_secret.key)
+        if pw:
+            credentials.append(("passwordSecret", pw))
+    if remote.username:
+        credentials.append(("username", remote.username.encode()))
+    out = []
+    for field, key in (("macKeySecret", mac.key), ("macKeySecret.previousKey", mac.previous)):
+        value = secret_value(secrets.get(mac.name), key)
+        for other, credential in credentials:
+            if value is not None and value == credential:
+                out.append(f"{where}.{field}: holds the same bytes as {where}.{other}: the tenant key is never a "
+                           "credential of the store (whoever can log in to the store could read and forge this "
+                           "tenant's blocks); generate it apart, e.g. `openssl rand 32`")
+    return out
 
 
 def remote_secret_problems(spec: api.KVCachePolicySpec, secrets: Mapping[str, Optional[Mapping[str, Any]]]) -> \
@@ -391,16 +501,15 @@ def remote_secret_problems(spec: api.KVCachePolicySpec, secrets: Mapping[str, Op
         store = _store(remote.url)
         if store is None:
             continue  # the URL's own problem is reported (remote_store_problems)
-        # The tenant key keys every block (the password never does): it alone has a minimum length.
-        refs = (("passwordSecret", remote.password_secret, 1, "a password"),
-                ("macKeySecret", remote.mac_key_secret, MIN_MAC_KEY_BYTES, "the tenant key"),
-                ("caSecret", remote.ca_secret, 1, "a PEM CA bundle"))
-        for field, ref, minimum, what in refs:
-            if ref is None:
-                continue
-            problem = _secret_problem(secrets.get(ref.name), ref.name, ref.key, (store[1], store[2]), minimum, what)
+        where = f"spec.tiers[{i}].remote"
+        mine = []
+        for field, ref, key, minimum, what, required in _refs(remote):
+            problem = _secret_problem(secrets.get(ref.name), ref.name, key, store, field, minimum, what, required)
             if problem:
-                out.append(f"spec.tiers[{i}].remote.{field}: {problem}")
+                mine.append(f"{where}.{field}: {problem}")
+        # Compared only once each Secret may be read for this store: the comparison itself must tell an author
+        # nothing about a Secret that is not theirs to use.
+        out += mine or _credential_problems(remote, where, secrets)
     return out
 
 

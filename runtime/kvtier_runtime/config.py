@@ -202,13 +202,18 @@ class RemoteTierConfig(_TierKwargs):
     """
 
     REQUIRED = ("url", "capacity_bytes")
-    OMITTED_AT_DEFAULT = frozenset({"codec", "password_file", "mac_key_file", "io_timeout_s", "ca_file", "username"})
+    OMITTED_AT_DEFAULT = frozenset({"codec", "password_file", "mac_key_file", "previous_mac_key_file", "io_timeout_s",
+                                    "ca_file", "username"})
 
     url: str
     capacity_bytes: int
     codec: str = "none"
     password_file: str | None = None
     mac_key_file: str | None = None
+    # The previous tenant key during a rotation: values written under it are still read (and counted), new ones are
+    # written under ``mac_key_file``. The file may be absent (no rotation under way); both files are read again when
+    # they change on disk, so a rotated Secret takes effect without a restart.
+    previous_mac_key_file: str | None = None
     io_timeout_s: float = DEFAULT_REMOTE_IO_TIMEOUT_S
     # rediss:// only: the PEM CA bundle the store's certificate must chain to (host name checked too).
     ca_file: str | None = None
@@ -224,7 +229,7 @@ class RemoteTierConfig(_TierKwargs):
         _positive_int("capacity_bytes", self.capacity_bytes)
         _one_of("codec", self.codec, CODECS)
         check_remote_scope("scope", self.scope)
-        for key in ("password_file", "mac_key_file", "ca_file"):
+        for key in ("password_file", "mac_key_file", "previous_mac_key_file", "ca_file"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, str) or not value.startswith("/")):
                 raise ConfigError(f"{key}: {value!r} must be an absolute path")
@@ -232,6 +237,9 @@ class RemoteTierConfig(_TierKwargs):
             raise ConfigError(f"mac_key_file: required: {REMOTE_KEY_RULE}")
         if self.mac_key_file == self.password_file:
             raise ConfigError(f"mac_key_file: is the password_file: {REMOTE_KEY_RULE}")
+        if self.previous_mac_key_file is not None and self.previous_mac_key_file in (self.mac_key_file,
+                                                                                    self.password_file):
+            raise ConfigError(f"previous_mac_key_file: is the mac_key_file or the password_file: {REMOTE_KEY_RULE}")
         if self.username is not None and (not isinstance(self.username, str)
                                           or not _REMOTE_USERNAME.fullmatch(self.username)):
             raise ConfigError(f"username: {self.username!r} must be 1..{MAX_REMOTE_USERNAME_CHARS} characters of "

@@ -262,6 +262,9 @@ FLOWS: dict[str, Flow] = {
     "tiers.remote.macKeySecret.key": Flow(
         setter("tiers[2].remote.macKeySecret.key", "k2"), ("targets",),
         before=lambda: base(tiers=[CPU, DISK, remote(**REMOTE_SECRETS)])),
+    "tiers.remote.macKeySecret.previousKey": Flow(
+        setter("tiers[2].remote.macKeySecret.previousKey", "k-old"), ("targets",),
+        before=lambda: base(tiers=[CPU, DISK, remote(**REMOTE_SECRETS)])),
     "tiers.remote.caSecret.name": Flow(
         setter("tiers[2].remote.caSecret", CA), ("targets", "files", "runtime"),
         before=lambda: base(tiers=[CPU, DISK, remote(url=TLS_STORE, **REMOTE_SECRETS)]), check=ca_file_reaches_runtime),

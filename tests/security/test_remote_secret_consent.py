@@ -1,8 +1,10 @@
 """Secrets by consent: a remote tier's passwordSecret, macKeySecret and caSecret reach the serving pods only if the
-Secret carries the kvtier.io/remote-stores annotation listing the tier's store (set by someone who may edit
-Secrets; a policy author who may edit only KVCachePolicies cannot). Never a service-account token, never a TLS
-private key, and a MAC key of at least 32 bytes. Before, a policy could project any Secret of its namespace (another
-app's database password, a token, a TLS key as ca.crt) into pods, and the password was sent to the store."""
+Secret carries the kvtier.io/remote-stores annotation listing the tier's store, scheme, host and port (set by
+someone who may edit Secrets; a policy author who may edit only KVCachePolicies cannot), and only from namespaces
+the admin lists. Never a service-account token, never a private key (by name or by content, in any Secret type), a
+CA bundle of certificates only, a tenant key of at least 32 bytes that is no credential of the store. Before, a
+policy could project any Secret of its namespace (another app's database password, a token, a TLS key as ca.crt)
+into pods, and the password was sent to the store."""
 from __future__ import annotations
 
 import base64
@@ -50,8 +52,9 @@ def remote_policy(**store) -> dict:
     return policy(tiers=[CPU, tier], backend="kvtier", engine="vllm")
 
 
-def plan(pol: dict, secrets: dict) -> rc.Plan:
-    return rc.plan(pol, [observed(deployment())], [], now=NOW, remote_stores_allowed=ALLOWED, secrets=secrets)
+def plan(pol: dict, secrets: dict, allowed=ALLOWED, namespaces=("default",)) -> rc.Plan:
+    return rc.plan(pol, [observed(deployment())], [], now=NOW, remote_stores_allowed=allowed, secrets=secrets,
+                   secret_namespaces=namespaces)
 
 
 def test_secrets_marked_for_the_store_are_projected():
@@ -64,10 +67,14 @@ def with_(name: str, obj) -> dict:
 
 
 MAC_REF = {"name": "kv-mac", "key": "mac"}
+PW_REF = {"name": "valkey", "key": "password"}
+PEM_KEY = b"-----BEGIN EC PRIVATE KEY-----\nMHcCAQEEIB\n-----END EC PRIVATE KEY-----\n"
+PKCS8_KEY = b"-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBg\n-----END PRIVATE KEY-----\n"
+CERT = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
 CASES = {
     # field, secrets the operator read, policy's store refs, what the condition says
     "password not marked": ("passwordSecret", with_("valkey", secret("valkey", {"password": b"x"}, stores=None)),
-                            None, "is not marked for the store valkey.kv:6379"),
+                            None, "is not marked for the store rediss://valkey.kv:6379"),
     "marked for another store": ("passwordSecret",
                                  with_("valkey", secret("valkey", {"password": b"x"}, stores="other:6379")),
                                  None, "is not marked for the store"),
@@ -82,7 +89,25 @@ CASES = {
     "TLS private key as CA": ("caSecret", GOOD, {"passwordSecret": {"name": "valkey", "key": "password"},
                                                  "macKeySecret": MAC_REF,
                                                  "caSecret": {"name": "valkey-tls", "key": "tls.key"}},
-                              "TLS private key"),
+                              "is named as a private key (*.key)"),
+    "private key named *.key in an Opaque Secret": (
+        "caSecret", with_("valkey-tls", secret("valkey-tls", {"ca.crt": CERT, "tls.key": PEM_KEY})),
+        {"passwordSecret": PW_REF, "macKeySecret": MAC_REF, "caSecret": {"name": "valkey-tls", "key": "tls.key"}},
+        "is named as a private key"),
+    "PEM private key content as the CA bundle": (
+        "caSecret", with_("valkey-tls", secret("valkey-tls", {"ca.crt": CERT + PKCS8_KEY})), None,
+        "holds a private key"),
+    "PEM private key content as the password": (
+        "passwordSecret", with_("valkey", secret("valkey", {"password": PEM_KEY})), None, "holds a private key"),
+    "a CA bundle that is not PEM certificates": (
+        "caSecret", with_("valkey-tls", secret("valkey-tls", {"ca.crt": b"not a certificate"})), None,
+        "must be a PEM CA bundle: CERTIFICATE blocks only"),
+    "a CA bundle with another PEM block": (
+        "caSecret", with_("valkey-tls", secret("valkey-tls", {"ca.crt": CERT + b"-----BEGIN PUBLIC KEY-----\nx\n"})),
+        None, "CERTIFICATE blocks only"),
+    "previous tenant key too short": (
+        "macKeySecret.previousKey", with_("kv-mac", secret("kv-mac", {"mac": MAC_KEY, "mac.previous": b"k" * 31})),
+        None, "at least 32 bytes (the previous tenant key)"),
     "short MAC key": ("macKeySecret", with_("kv-mac", secret("kv-mac", {"mac": b"k" * 31})), None,
                       "at least 32 bytes"),
     "absent key": ("macKeySecret", GOOD, {"passwordSecret": {"name": "valkey", "key": "password"},
@@ -100,6 +125,67 @@ def test_a_secret_without_consent_is_refused_with_a_condition_naming_field_and_r
     ready = condition(p.status, "Ready")
     assert ready["reason"] == "SecretNotAllowed"
     assert f"spec.tiers[1].remote.{field}: " in ready["message"] and words in ready["message"], ready["message"]
+
+
+STORE_PW = b"the-store-password-that-is-32-bytes-long"
+SAME_BYTES = {
+    # The store password's bytes as the tenant key, from another Secret, from the same Secret under another key,
+    # as the previous tenant key, and the ACL username's.
+    "another Secret": ({"valkey": secret("valkey", {"password": STORE_PW}),
+                        "kv-mac": secret("kv-mac", {"mac": STORE_PW})}, {}, "macKeySecret", "passwordSecret"),
+    "the same Secret": ({"valkey": secret("valkey", {"password": STORE_PW, "mac": STORE_PW})},
+                        {"macKeySecret": {"name": "valkey", "key": "mac"}}, "macKeySecret", "passwordSecret"),
+    "the previous key": ({"valkey": secret("valkey", {"password": STORE_PW}),
+                          "kv-mac": secret("kv-mac", {"mac": MAC_KEY, "mac.previous": STORE_PW})}, {},
+                         "macKeySecret.previousKey", "passwordSecret"),
+    "the username": ({"kv-mac": secret("kv-mac", {"mac": b"tenant-a-user-name-of-32-bytes-xx"})},
+                     {"username": "tenant-a-user-name-of-32-bytes-xx"}, "macKeySecret", "username"),
+}
+
+
+@pytest.mark.parametrize("case", SAME_BYTES, ids=list(SAME_BYTES))
+def test_the_tenant_key_is_never_a_credential_of_the_store(case):
+    read, store, field, other = SAME_BYTES[case]
+    refs = {"passwordSecret": PW_REF, "macKeySecret": MAC_REF, **store}
+    p = plan(remote_policy(**refs), {**GOOD, **read})
+    assert p.invalid and p.targets == [] and p.config_map is None, "nothing is applied"
+    ready = condition(p.status, "Ready")
+    assert ready["reason"] == "SecretNotAllowed"
+    assert (f"spec.tiers[1].remote.{field}: holds the same bytes as spec.tiers[1].remote.{other}: the tenant key is "
+            "never a credential of the store") in ready["message"], ready["message"]
+    assert STORE_PW.decode() not in ready["message"], "the value itself is never reported"
+
+
+def test_a_mark_admits_only_the_scheme_host_and_port_it_names():
+    plain = {"name": "shared", "medium": "remote", "size": "8Gi",
+             "remote": {"url": "redis://valkey.kv:6379", "passwordSecret": PW_REF, "macKeySecret": MAC_REF}}
+    pol = policy(tiers=[CPU, plain], backend="kvtier", engine="vllm")
+    allowed = ("redis://valkey.kv:6379",)
+    for tls_only in ("valkey.kv:6379", "rediss://valkey.kv:6379"):
+        marked = {n: secret(n, v, stores=tls_only) for n, v in (("valkey", {"password": b"x"}),
+                                                                ("kv-mac", {"mac": MAC_KEY}))}
+        ready = condition(plan(pol, marked, allowed).status, "Ready")
+        assert ready["reason"] == "SecretNotAllowed", f"a TLS-only mark {tls_only!r} let the password cross plain TCP"
+        assert 'kvtier.io/remote-stores: "redis://valkey.kv:6379"' in ready["message"], ready["message"]
+    marked = {n: secret(n, v, stores="redis://valkey.kv:6379") for n, v in (("valkey", {"password": b"x"}),
+                                                                          ("kv-mac", {"mac": MAC_KEY}))}
+    assert not plan(pol, marked, allowed).invalid
+    # A mark naming a database admits that database only.
+    db1 = {n: secret(n, v, stores="redis://valkey.kv:6379/1") for n, v in (("valkey", {"password": b"x"}),
+                                                                         ("kv-mac", {"mac": MAC_KEY}))}
+    assert plan(pol, db1, allowed).invalid
+    # And a mark for plain TCP does not admit the TLS store either (it was given for another channel).
+    tls = remote_policy()
+    assert plan(tls, {**GOOD, "valkey": secret("valkey", {"password": b"x"}, stores="redis://valkey.kv:6379")}).invalid
+
+
+def test_secrets_of_a_namespace_the_admin_did_not_list_are_refused_before_any_read():
+    p = plan(remote_policy(), GOOD, namespaces=("serving",))
+    ready = condition(p.status, "Ready")
+    assert p.invalid and ready["reason"] == "SecretNotAllowed"
+    for field in ("passwordSecret", "macKeySecret", "caSecret"):
+        assert (f"spec.tiers[1].remote.{field}: Secrets of namespace 'default' are not ones the operator's admin "
+                "lets remote tiers use (operator setting remoteSecretNamespaces)") in ready["message"]
 
 
 def test_missing_unreadable_and_unmarked_secrets_read_the_same():
@@ -134,7 +220,8 @@ def test_the_operator_reads_only_the_named_secrets_and_applies_nothing_without_c
     reads: list[str] = []
     get = kube.get
     kube.get = lambda path: reads.append(path) or get(path)
-    op = Operator(Settings(read_nodes=False, remote_stores_allowed=ALLOWED), kube)
+    op = Operator(Settings(read_nodes=False, remote_stores_allowed=ALLOWED, remote_secret_namespaces=("default",)),
+                  kube)
     op.run_pass("default", "llm", [])
     assert kube.applied == [], "no workload written, no ConfigMap"
     assert {r for r in reads if "/secrets/" in r} == {secret_path("default", n) for n in ("valkey", "kv-mac",
@@ -142,10 +229,35 @@ def test_the_operator_reads_only_the_named_secrets_and_applies_nothing_without_c
     stored = kube.objects[policy_path("default", "llm")]
     assert condition(stored["status"], "Ready")["reason"] == "SecretNotAllowed"
 
-    # Someone who may edit Secrets marks it: the next pass applies.
-    kube.objects[secret_path("default", "valkey")] = GOOD["valkey"]
+    # Someone who may edit Secrets marks it: the recheck sees the change, and the next pass applies.
+    assert not op.secrets_changed("default", "llm")
+    kube.objects[secret_path("default", "valkey")] = {**GOOD["valkey"], "metadata": {
+        **GOOD["valkey"]["metadata"], "resourceVersion": "11"}}
+    assert op.secrets_changed("default", "llm")
     op.run_pass("default", "llm", [])
     assert [p for p, _ in kube.applied if p == w_path]
+    assert not op.secrets_changed("default", "llm")
+    del kube.objects[secret_path("default", "valkey")]
+    assert op.secrets_changed("default", "llm"), "a deleted Secret is a change"
+
+
+def test_the_operator_reads_no_secret_of_a_namespace_the_admin_did_not_list():
+    """The SLO guard's Role (or any other) may let the operator read a namespace's Secrets: that grants a remote tier
+    nothing. The list is checked before any read, and the condition names the setting."""
+    pol = remote_policy()
+    pol["metadata"]["resourceVersion"] = "10"
+    objects = {policy_path("default", "llm"): pol, workload_path("Deployment", "default", "llm"):
+               observed(deployment()), **{secret_path("default", n): s for n, s in GOOD.items()}}
+    kube = FakeKube(copy.deepcopy(objects))
+    reads: list[str] = []
+    get = kube.get
+    kube.get = lambda path: reads.append(path) or get(path)
+    op = Operator(Settings(read_nodes=False, remote_stores_allowed=ALLOWED, remote_secret_namespaces=("serving",)),
+                  kube)
+    op.run_pass("default", "llm", [])
+    assert kube.applied == [] and not [r for r in reads if "/secrets/" in r]
+    ready = condition(kube.objects[policy_path("default", "llm")]["status"], "Ready")
+    assert ready["reason"] == "SecretNotAllowed" and "remoteSecretNamespaces" in ready["message"]
 
 
 def test_consent_withdrawn_releases_what_was_applied():
@@ -172,8 +284,9 @@ def test_on_a_real_api_server_only_a_marked_secret_is_projected_and_unmarking_it
     kube.create(secrets, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "kv-mac"},
                           "stringData": {"mac": MAC_KEY.decode()}})
     user_apply(kube, deployment("llm", namespace))
-    # The operator watches no Secret: a mark set or taken away counts from the next pass (here a 1 s resync).
-    run_operator(remote_stores_allowed=ALLOWED, resync_seconds=1.0)
+    # The operator watches no Secret: it reads the named ones again every secret_recheck_seconds (here 1 s; the
+    # resync stays at its 5 minutes) and runs a pass when one changed.
+    run_operator(remote_stores_allowed=ALLOWED, remote_secret_namespaces=(namespace,), secret_recheck_seconds=1.0)
     tier = {"name": "shared", "medium": "remote", "size": "1Gi",
             "remote": {"url": STORE, "passwordSecret": {"name": "db-password", "key": "password"},
                        "macKeySecret": {"name": "kv-mac", "key": "mac"}}}

@@ -19,6 +19,9 @@ PASSWORD = {"name": "valkey", "key": "password"}
 # The tenant's key every remote tier needs (macKeySecret=None in a test leaves it out).
 KEY = {"name": "kv-mac", "key": "k"}
 KEY_SOURCE = {"secret": {"name": "kv-mac", "items": [{"key": "k", "path": "mac-key"}]}}
+# The previous tenant key, projected while the Secret holds it (a rotation), so no rotation edits the policy.
+PREVIOUS_SOURCE = {"secret": {"name": "kv-mac", "optional": True,
+                              "items": [{"key": "k.previous", "path": "mac-key.previous"}]}}
 
 
 def remote(url: str = "redis://valkey.kv:6379/0", **store) -> dict:
@@ -87,12 +90,13 @@ def test_an_allowed_store_renders_the_tier_and_mounts_only_the_named_keys_read_o
     volume = next(v for v in pod["volumes"] if v["name"] == "kvtier-remote-shared")
     sources = volume["projected"]["sources"]
     assert sources == [{"secret": {"name": "valkey", "items": [{"key": "password", "path": "password"}]}},
-                       {"secret": {"name": "kv-mac", "items": [{"key": "k", "path": "mac-key"}]}}]
+                       KEY_SOURCE, PREVIOUS_SOURCE]
     mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "kvtier-remote-shared")
     assert mount == {"name": "kvtier-remote-shared", "mountPath": "/etc/kvtier-remote/shared", "readOnly": True}
     engine = p.config_map["data"]["engine.yaml"]
     assert "password_file: /etc/kvtier-remote/shared/password" in engine
     assert "mac_key_file: /etc/kvtier-remote/shared/mac-key" in engine
+    assert "previous_mac_key_file: /etc/kvtier-remote/shared/mac-key.previous" in engine
     # The operator renders references to files, never a Secret's value (it cannot read Secrets for this).
     assert "prefix-caching-hash-algo: sha256_cbor" in engine
 
@@ -128,7 +132,7 @@ def test_a_private_ca_joins_the_read_only_secret_volume_and_the_runtime_gets_its
     pod = p.targets[0].apply["spec"]["template"]["spec"]
     volume = next(v for v in pod["volumes"] if v["name"] == "kvtier-remote-shared")
     assert volume["projected"]["sources"] == [
-        {"secret": {"name": "valkey", "items": [{"key": "password", "path": "password"}]}}, KEY_SOURCE,
+        {"secret": {"name": "valkey", "items": [{"key": "password", "path": "password"}]}}, KEY_SOURCE, PREVIOUS_SOURCE,
         {"secret": {"name": "valkey-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}}]
     mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "kvtier-remote-shared")
     assert mount == {"name": "kvtier-remote-shared", "mountPath": "/etc/kvtier-remote/shared", "readOnly": True}
@@ -139,7 +143,7 @@ def test_a_private_ca_joins_the_read_only_secret_volume_and_the_runtime_gets_its
     alone = plan(remote_policy("rediss://valkey.kv:6380", caSecret=CA), ("valkey.kv:6380",))
     sources = next(v for v in alone.targets[0].apply["spec"]["template"]["spec"]["volumes"]
                    if v["name"] == "kvtier-remote-shared")["projected"]["sources"]
-    assert sources == [KEY_SOURCE, {"secret": {"name": "valkey-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}}]
+    assert sources == [KEY_SOURCE, PREVIOUS_SOURCE, {"secret": {"name": "valkey-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}}]
     bare = plan(remote_policy("rediss://valkey.kv:6380", passwordSecret=PASSWORD), ("valkey.kv:6380",))
     assert "ca_file" not in bare.config_map["data"]["engine.yaml"]
 

@@ -24,7 +24,7 @@ CRD = yaml.safe_load((ROOT / "crds" / "kvtier.io_kvcachepolicies.yaml").read_tex
 SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 REMOTE = SCHEMA["properties"]["spec"]["properties"]["tiers"]["items"]["properties"]["remote"]
 URL_NODE = REMOTE["properties"]["url"]
-KEY_NODE = REMOTE["properties"]["macKeySecret"]["properties"]["key"]
+KEY_NODE = REMOTE["properties"]["passwordSecret"]["properties"]["key"]
 MAC = {"name": "kv-mac", "key": "mac"}
 
 GOOD_URLS = [

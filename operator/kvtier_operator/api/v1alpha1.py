@@ -276,6 +276,44 @@ class SecretKeyRef(_Model):
     key: str = Field(description="Key in the Secret.", pattern=SECRET_KEY_PATTERN, min_length=1, max_length=253)
 
 
+# The Secret key of the previous tenant key when previousKey is unset: the current key's name plus this.
+PREVIOUS_KEY_SUFFIX = ".previous"
+
+
+PREVIOUS_KEY_RULE = "must differ from key: the previous tenant key is kept beside the current one"
+
+
+class TenantKeyRef(_Model):
+    """The tenant key's Secret key, and the key that held the previous tenant key while one is rotated."""
+
+    model_config = ConfigDict(json_schema_extra=_cel(
+        _rule("!has(self.previousKey) || self.previousKey != self.key", PREVIOUS_KEY_RULE,
+              field_path=".previousKey")))
+
+    name: str = Field(description="Secret name.", pattern=NAME_PATTERN, max_length=253)
+    key: str = Field(description="Key in the Secret holding the current tenant key.", pattern=SECRET_KEY_PATTERN,
+                     min_length=1, max_length=253 - len(PREVIOUS_KEY_SUFFIX))
+    previous_key: Optional[str] = Field(
+        None, description="Key in the same Secret holding the previous tenant key during a rotation (default: the "
+                          "key's name plus .previous). Projected only while present: values written under it are "
+                          "still read, new ones are written under the current key (docs/security.md, \"Rotating "
+                          "the tenant key\").",
+        pattern=SECRET_KEY_PATTERN, min_length=1, max_length=253)
+
+    @property
+    def previous(self) -> str:
+        """The Secret key that holds the previous tenant key during a rotation."""
+        return self.previous_key or f"{self.key}{PREVIOUS_KEY_SUFFIX}"
+
+    @field_validator("previous_key")
+    @classmethod
+    def _previous_differs(cls, value: Optional[str], info: ValidationInfo) -> Optional[str]:
+        # The CEL rule above, for `kvtier validate` and the operator's own parse (same message, same field).
+        if value is not None and value == info.data.get("key"):
+            raise paths.RuleError(PREVIOUS_KEY_RULE)
+        return value
+
+
 # The CEL side of kvtier_runtime.config.check_remote_url (the runtime re-checks with that function; the operator's
 # validation runs it too, so `kvtier validate` and the API server agree on every rule below).
 # Printable ASCII without spaces: the same set in RE2, Rust and Python (a `\s` class is Unicode-aware in some).
@@ -316,7 +354,7 @@ class RemoteStoreSpec(_Model):
         None, description="Secret key holding the store's password (AUTH). It is mounted read-only into the serving "
                           "pods and sent only to an allowed store. The Secret must be annotated "
                           "kvtier.io/remote-stores with the store's host:port by someone who may edit Secrets.")
-    mac_key_secret: Optional[SecretKeyRef] = Field(
+    mac_key_secret: Optional[TenantKeyRef] = Field(
         None,
         description="Required. Secret key holding the tenant's key (at least 32 bytes, e.g. `openssl rand 32`): "
                     "every block in the shared store is encrypted and authenticated (AES-256-GCM) under a key "
@@ -347,7 +385,7 @@ class RemoteStoreSpec(_Model):
 
     @field_validator("mac_key_secret")
     @classmethod
-    def _key_required(cls, value: Optional[SecretKeyRef]) -> Optional[SecretKeyRef]:
+    def _key_required(cls, value: Optional[TenantKeyRef]) -> Optional[TenantKeyRef]:
         # The CEL rule above, for `kvtier validate` and the operator's own parse (same message, same field).
         if value is None:
             raise paths.RuleError(REMOTE_KEY_RULE)

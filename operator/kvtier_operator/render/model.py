@@ -35,6 +35,9 @@ SHM_VOLUME = "kvtier-shm"
 REMOTE_SECRETS_DIR = "/etc/kvtier-remote"
 REMOTE_PASSWORD_FILE = "password"
 REMOTE_MAC_KEY_FILE = "mac-key"
+# The previous tenant key during a rotation: projected only while its Secret key exists (an optional source), so a
+# rotation is two edits of the Secret, no edit of the policy and no restart (docs/security.md).
+REMOTE_PREVIOUS_MAC_KEY_FILE = "mac-key.previous"
 REMOTE_CA_FILE = "ca.crt"
 
 
@@ -164,15 +167,16 @@ def tier_volume_name(tier_name: str, prefix: str = "kvtier-tier-") -> str:
     return f"{name[:54]}-{hashlib.sha256(tier_name.encode()).hexdigest()[:8]}"
 
 
-def remote_secret_files(tier: api.TierSpec) -> tuple[Optional[str], str]:
-    """Paths of the remote tier's password file (None where not set) and the tenant's key file in the container. The
-    key is required (the models refuse a remote tier without remote.macKeySecret); the password is never the key."""
+def remote_secret_files(tier: api.TierSpec) -> tuple[Optional[str], str, str]:
+    """Paths of the remote tier's password file (None where not set), the tenant's key file and the previous tenant
+    key's file (present only during a rotation) in the container. The key is required (the models refuse a remote
+    tier without remote.macKeySecret); the password is never the key."""
     assert tier.remote is not None
     if tier.remote.mac_key_secret is None:
         raise RenderError(f"spec.tiers[{tier.name}].remote.macKeySecret: {REMOTE_KEY_RULE}")
     base = f"{REMOTE_SECRETS_DIR}/{tier.name}"
     password = f"{base}/{REMOTE_PASSWORD_FILE}" if tier.remote.password_secret is not None else None
-    return password, f"{base}/{REMOTE_MAC_KEY_FILE}"
+    return password, f"{base}/{REMOTE_MAC_KEY_FILE}", f"{base}/{REMOTE_PREVIOUS_MAC_KEY_FILE}"
 
 
 def remote_scope(policy_metadata: dict) -> str:
@@ -199,10 +203,17 @@ def remote_secret_volume(tier: api.TierSpec) -> Optional[tuple[dict[str, Any], d
     volume: the keys may live in different Secrets, only the named keys are projected, and a rotated Secret
     reaches the pod without a restart (a subPath mount would freeze it)."""
     assert tier.remote is not None
-    sources = [{"secret": {"name": ref.name, "items": [{"key": ref.key, "path": file}]}}
-               for ref, file in ((tier.remote.password_secret, REMOTE_PASSWORD_FILE),
-                                 (tier.remote.mac_key_secret, REMOTE_MAC_KEY_FILE),
-                                 (tier.remote.ca_secret, REMOTE_CA_FILE)) if ref is not None]
+    sources: list[dict[str, Any]] = []
+    for ref, file in ((tier.remote.password_secret, REMOTE_PASSWORD_FILE), (tier.remote.mac_key_secret, REMOTE_MAC_KEY_FILE),
+                      (tier.remote.ca_secret, REMOTE_CA_FILE)):
+        if ref is None:
+            continue
+        sources.append({"secret": {"name": ref.name, "items": [{"key": ref.key, "path": file}]}})
+        if isinstance(ref, api.TenantKeyRef):
+            # optional: the kubelet skips the item while the Secret lacks the key, and adds or removes the file in
+            # place when the key comes and goes, so the runtime sees a rotation without a restart.
+            sources.append({"secret": {"name": ref.name, "optional": True,
+                                       "items": [{"key": ref.previous, "path": REMOTE_PREVIOUS_MAC_KEY_FILE}]}})
     if not sources:
         return None
     # Its own prefix: a filesystem tier named "<this tier>-secrets" must not get the same volume name.

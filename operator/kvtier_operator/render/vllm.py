@@ -107,10 +107,10 @@ def _remote_tier_config(tier: api.TierSpec, scope: str) -> RemoteTierConfig:
     """``scope``: the policy's namespace, the first part of every store key (each namespace its own chunks, index
     and budget; a store ACL user per namespace confines it)."""
     assert tier.remote is not None
-    password, key = remote_secret_files(tier)
+    password, key, previous = remote_secret_files(tier)
     return RemoteTierConfig(url=tier.remote.url, capacity_bytes=tier.size_bytes, codec=tier.compression,
-                            password_file=password, mac_key_file=key, ca_file=remote_ca_file(tier), scope=scope,
-                            username=tier.remote.username)
+                            password_file=password, mac_key_file=key, previous_mac_key_file=previous,
+                            ca_file=remote_ca_file(tier), scope=scope, username=tier.remote.username)
 
 
 def _offloading_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], scope: str) -> dict[str, Any]:
