@@ -3,9 +3,11 @@
 One chunk is one store value, sealed with AES-256-GCM::
 
     0   8s   magic  b"KVTIERR1"
-    8   H    format version (2)
+    8   H    format version (3)
     10  B    sealing: 1 = AES-256-GCM
-    11  5x
+    11  I    key id: which tenant key sealed it (version 3; 0 in version 2), so a reader holding the current and
+             the previous key during a rotation opens each value with its own key (:mod:`.keyring`)
+    15  x
     16  Q    payload length (the codec's self-describing blob; the ciphertext is as long)
     24  16s  codec name the writer was configured with (ASCII, NUL padded)
     40  12s  nonce (96 random bits per value, os.urandom)
@@ -20,7 +22,8 @@ altered in any byte, or moved to another key (another chunk, another model, anot
 without the key sees the header (format, codec, sizes) and ciphertext only.
 
 Values of format version 1 (an HMAC or a CRC, the payload in clear) read as ``version``: a counted miss, never
-decoded. GCM's bound for random nonces (2^32 values per key) is far above what one model of one scope writes
+decoded. Version 2 values (no key id) are read with the current key, then the previous one. The key id is a digest
+of the value key (not of the tenant's key material), so it tells a reader of the store nothing it could use. GCM's bound for random nonces (2^32 values per key) is far above what one model of one scope writes
 between key rotations at any plausible rate; the key is per scope and model too.
 
 The reader's checks (magic, version, length, then the tag), the refusal kinds (:class:`RemoteFormatError` is the
@@ -29,6 +32,8 @@ envelope's error) and the bounded key and name fields are shared with the filesy
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import struct
 
@@ -43,9 +48,11 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from ..tiers.envelope import EnvelopeError, bound_data, check_key, check_length, name_field, open_head, read_name
 
 MAGIC = b"KVTIERR1"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+# Version 2: the same layout, the key id field zero (written before key ids).
+READABLE_VERSIONS = (2, 3)
 SEALING_AES_256_GCM = 1
-_HEAD = struct.Struct("<8sHB5xQ16s12s")
+_HEAD = struct.Struct("<8sHBIxQ16s12s")
 HEAD_BYTES = _HEAD.size  # 52
 NONCE_BYTES = 12
 TAG_BYTES = 16
@@ -73,12 +80,29 @@ def derive_value_key(tenant_key: bytes, scope: str, identity: str) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=VALUE_KEY_BYTES, salt=None, info=info).derive(tenant_key)
 
 
+def _key_id(value_key: bytes) -> int:
+    """A value key's id: 32 bits of a keyed digest of it, never 0 (version 2's "no id")."""
+    digest = hmac.new(value_key, b"kvtier-remote-key-id", hashlib.sha256).digest()
+    return int.from_bytes(digest[:4], "little") or 1
+
+
+def key_id_of(value: bytes | bytearray | memoryview) -> int | None:
+    """The key id in a value's header; None for a version 2 value (it names no key) or bytes too short or foreign
+    to say (the sealer's own checks then name the refusal)."""
+    mv = memoryview(value)
+    if len(mv) < HEAD_BYTES or bytes(mv[:len(MAGIC)]) != MAGIC:
+        return None
+    version, _, key_id = struct.unpack_from("<HBI", mv, len(MAGIC))
+    return key_id if version >= 3 and key_id else None
+
+
 class Sealer:
     """Seals and opens the values of one scope and model (thread-safe: the AEAD context holds only the key)."""
 
     def __init__(self, tenant_key: bytes, scope: str, identity: str) -> None:
         self._value_key = derive_value_key(tenant_key, scope, identity)
         self._aead = AESGCM(self._value_key)
+        self.key_id = _key_id(self._value_key)
 
     def seal(self, buf: bytearray | memoryview, key: bytes, codec: str, payload: memoryview) -> int:
         """Write the value of ``payload`` stored under ``key`` into ``buf`` (header, ciphertext, tag: no copy of the
@@ -114,7 +138,7 @@ class Sealer:
         if len(mv) < total:
             raise ValueError(f"buf: {len(mv)} bytes, the value needs {total}")
         nonce = os.urandom(NONCE_BYTES)
-        _HEAD.pack_into(mv, 0, MAGIC, FORMAT_VERSION, SEALING_AES_256_GCM, n, name, nonce)
+        _HEAD.pack_into(mv, 0, MAGIC, FORMAT_VERSION, SEALING_AES_256_GCM, self.key_id, n, name, nonce)
         return mv, nonce, total
 
     def open(self, value: bytes | bytearray | memoryview, key: bytes, out: bytearray | memoryview,
@@ -124,9 +148,9 @@ class Sealer:
         bytes (the cipher decrypts, then checks the tag), which nothing reads. Raises :class:`RemoteFormatError`
         (never anything else) for any bytes it is given."""
         mv = memoryview(value)
-        open_head(mv, magic=MAGIC, head_bytes=HEAD_BYTES, readable=(FORMAT_VERSION,), what="kvtier value",
+        open_head(mv, magic=MAGIC, head_bytes=HEAD_BYTES, readable=READABLE_VERSIONS, what="kvtier value",
                   version_note=" (values are encrypted since version 2)")
-        _, _, sealing, payload_len, codec, nonce = _HEAD.unpack_from(mv, 0)
+        _, _, sealing, _, payload_len, codec, nonce = _HEAD.unpack_from(mv, 0)
         if sealing != SEALING_AES_256_GCM:
             raise RemoteFormatError("corrupt", f"sealing kind {sealing}")
         expected = value_bytes(payload_len)

@@ -28,8 +28,9 @@ __all__ = [
 
 # Why a stored value is refused: foreign (not this medium's magic, or not a regular file), version (a format this
 # build does not read), truncated (shorter than its header says), corrupt (a checksum or field out of range),
-# forged (the keyed MAC or AEAD tag does not verify), mismatch (valid, but not the key, shape or dtype asked for).
-KINDS = frozenset({"foreign", "version", "truncated", "corrupt", "forged", "mismatch"})
+# forged (the keyed MAC or AEAD tag does not verify), mismatch (valid, but not the key, shape or dtype asked for),
+# key (sealed under a tenant key the reader does not hold: the other side of a key rotation, or a removed key).
+KINDS = frozenset({"foreign", "version", "truncated", "corrupt", "forged", "mismatch", "key"})
 
 
 class EnvelopeError(Exception):
