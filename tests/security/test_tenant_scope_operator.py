@@ -92,13 +92,12 @@ def test_two_namespaces_through_the_operator_each_use_their_own_acl_user_and_key
     import redis
     import torch
 
-    from kvtier_runtime.remote.identity import model_identity, scope_pattern
+    from kvtier_runtime.remote.identity import acl_rule, model_identity, scope_pattern
     from kvtier_runtime.remote.tier import RemoteTier
     from plugins.operator import user_apply, wait_applied
     from plugins.redis_server import RedisServer
     from plugins.runtime import key_of
     from plugins.tier_sync import connected, load_blocks, store_blocks
-    from runtime.remote.test_remote_tier_tenancy import TIER_COMMANDS
 
     other = f"op-{uuid.uuid4().hex[:8]}"
     kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": other}})
@@ -110,8 +109,7 @@ def test_two_namespaces_through_the_operator_each_use_their_own_acl_user_and_key
         secrets: dict[str, dict[str, bytes]] = {}
         for i, ns in enumerate((namespace, other)):
             secrets[ns] = {"password": f"{ns}-password".encode(), "key": bytes([i + 1]) * 32}
-            admin.execute_command("ACL", "SETUSER", ns, "reset", "on", f">{ns}-password", f"~{scope_pattern(ns)}",
-                                  "resetchannels", *TIER_COMMANDS.split())
+            admin.execute_command("ACL", "SETUSER", ns, "reset", "on", f">{ns}-password", *acl_rule(ns))
             for name, key in (("store-login", "password"), ("tenant-key", "key")):
                 kube.create(f"/api/v1/namespaces/{ns}/secrets", _secret(name, {key: secrets[ns][key]}, store))
             user_apply(kube, deployment("llm", ns))

@@ -54,6 +54,20 @@ def scope_pattern(scope: str) -> str:
     return f"{KEY_PREFIX}:{scope}:*"
 
 
+# The commands the remote tier sends, as an ACL rule (docs/remote.md's recipe): the mode probe (INFO), the health
+# check (PING), a chunk's EXISTS/GET/SET/DEL, the index's ZADD/ZCARD/ZPOPMIN. In cluster mode also redis-py's slot
+# discovery and command table (ACL_CLUSTER_COMMANDS). redis-py's CLIENT SETINFO on connect (Redis 7.2+) may be
+# refused: redis-py ignores that.
+ACL_COMMANDS = ("-@all", "+ping", "+info", "+exists", "+get", "+set", "+del", "+zadd", "+zcard", "+zpopmin")
+ACL_CLUSTER_COMMANDS = ("+cluster|slots", "+command")
+
+
+def acl_rule(scope: str) -> list[str]:
+    """The ACL SETUSER arguments (after the user's name and password) that confine a user to one scope's keys and the
+    commands the tier sends: a tenant's user in docs/remote.md's recipe."""
+    return ["resetkeys", f"~{scope_pattern(scope)}", "resetchannels", *ACL_COMMANDS]
+
+
 def chunk_key(prefix: bytes, key: bytes) -> bytes:
     """The store key of the chunk whose offload key is ``key`` (vLLM's block hash + group index)."""
     return prefix + bytes(key).hex().encode()
