@@ -249,7 +249,7 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
             raise PolicyInvalid([Problem("metadata.name", f"must be at most {api.MAX_POLICY_NAME} characters (it "
                                                           "is the kvtier.io/policy label's value); recreate the "
                                                           "policy under a shorter name")])
-        refused = host_path_problems(policy.spec, host_path_prefixes)
+        refused = host_path_problems(policy.spec, host_path_prefixes, meta.get("namespace", ""))
         claims = pvc_problems(policy.spec, meta.get("namespace", ""), pvc_allowed)
         stores = remote_store_problems(policy.spec, remote_stores_allowed)
         consent: list[str] = []

@@ -53,13 +53,27 @@ def not_opted_in_message(ref: str, policy: str) -> str:
 _segments = segments  # the one normaliser's segments (api.paths)
 
 
+# A prefix segment the operator replaces with the policy's namespace: /mnt/nvme/{namespace} gives each namespace
+# its own node directory, so two tenants never share a hostPath tier's files (a CRC is no key, and blocks on disk
+# are not encrypted: docs/security.md).
+NAMESPACE_SEGMENT = "{namespace}"
+
+
 def check_host_path_prefix(prefix: str) -> Optional[str]:
     """Why an admin-supplied hostPath prefix is unusable, or None."""
     if not prefix.startswith("/"):
         return "must be an absolute path"
     if any(p in (".", "..") for p in _segments(prefix)):
         return "must not contain '.' or '..' segments"
+    if "{" in prefix.replace(NAMESPACE_SEGMENT, "") or "}" in prefix.replace(NAMESPACE_SEGMENT, "") or any(
+            NAMESPACE_SEGMENT in p and p != NAMESPACE_SEGMENT for p in _segments(prefix)):
+        return f"may hold {NAMESPACE_SEGMENT} only as a whole path segment"
     return None
+
+
+def expand_prefix(prefix: str, namespace: str) -> str:
+    """An allowlist prefix for one namespace: its {namespace} segments replaced by the namespace's name."""
+    return prefix.replace(NAMESPACE_SEGMENT, namespace)
 
 
 def under_prefix(path: str, prefix: str) -> bool:
@@ -68,9 +82,10 @@ def under_prefix(path: str, prefix: str) -> bool:
     return have[: len(want)] == want and ".." not in have and "." not in have
 
 
-def host_path_problems(spec: api.KVCachePolicySpec, prefixes: Iterable[str]) -> list[str]:
-    """One ``field: rule`` line per tier whose hostPath the admin has not allowed (PVC and emptyDir always are)."""
-    allowed = list(prefixes)
+def host_path_problems(spec: api.KVCachePolicySpec, prefixes: Iterable[str], namespace: str = "") -> list[str]:
+    """One ``field: rule`` line per tier whose hostPath the admin has not allowed (PVC and emptyDir always are).
+    A prefix with a {namespace} segment allows that namespace's own directory only."""
+    allowed = [expand_prefix(p, namespace) for p in prefixes]
     out = []
     for i, tier in enumerate(spec.tiers):
         host = tier.volume.host_path if tier.volume is not None else None

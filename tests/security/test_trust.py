@@ -89,6 +89,28 @@ def test_pvc_and_empty_dir_are_always_allowed():
     assert host_path_problems(spec, ()) == []
 
 
+def test_a_namespace_segment_in_a_host_path_prefix_confines_each_namespace_to_its_own_directory():
+    """A cluster-wide prefix lets every namespace name every path below it, so two tenants could share one
+    hostPath tier's files (no key, no encryption on disk). /mnt/nvme/{namespace} allows each its own directory."""
+    from kvtier_operator.api.validation import parse_policy
+    from kvtier_operator.trust import check_host_path_prefix
+
+    def spec(path: str):
+        tier = {"name": "d", "medium": "filesystem", "size": "1Gi", "path": "/mnt/d",
+                "volume": {"hostPath": {"path": path}}}
+        return parse_policy(policy(tiers=[CPU, tier])).spec
+
+    prefixes = ("/mnt/nvme/{namespace}",)
+    assert host_path_problems(spec("/mnt/nvme/team-a"), prefixes, "team-a") == []
+    assert host_path_problems(spec("/mnt/nvme/team-a/kv"), prefixes, "team-a") == []
+    [refused] = host_path_problems(spec("/mnt/nvme/team-a"), prefixes, "team-b")
+    assert refused.startswith("spec.tiers[1].volume.hostPath.path: '/mnt/nvme/team-a' is not under a node path")
+    assert host_path_problems(spec("/mnt/nvme/team-ab"), prefixes, "team-a"), "segment by segment"
+    assert check_host_path_prefix("/mnt/{namespace}/kv") is None
+    for bad in ("/mnt/x{namespace}", "/mnt/{ns}", "/mnt/{namespace"):
+        assert check_host_path_prefix(bad) == "may hold {namespace} only as a whole path segment", bad
+
+
 def test_config_map_ownership():
     cm = {"metadata": {"name": "kvtier-llm", "ownerReferences": [{"kind": "KVCachePolicy", "name": "llm",
                                                                    "uid": "u1"}]}}
