@@ -2,8 +2,9 @@
 
 * the filesystem tier (``kvtier_runtime.fs``) and the remote tier (``kvtier_runtime.remote``) never import each
   other: what they share lives in ``kvtier_runtime.tiers``, so either can change without breaking the other;
-* no module imports another module's underscore name: what crosses a module boundary is public (the only
-  exceptions are the third-party private names the vLLM plug-ins cannot do without, listed below);
+* no module imports another module's underscore name, nor anything from a private module (``redis._parsers``):
+  what crosses a module boundary is public (the only exceptions are the third-party private names the vLLM
+  plug-ins cannot do without, listed below);
 * the books (``store/books.py``) never decide by a tier's kind: no isinstance/issubclass against a tier class, no
   ``is_remote``-style test or attribute, no comparison of a tier's ``medium``/``origin``, and no per-kind tier
   list (``fs_tiers``/``remote_tiers``): the books take one ordered list and each question is asked of the tier
@@ -78,11 +79,13 @@ def fs_remote_violations(root: Path) -> list[str]:
 
 
 def private_import_violations(root: Path) -> list[str]:
-    """``from x import _name`` (or ``import x._mod``) where x is another module."""
+    """``from x import _name``, ``from x._mod import name`` or ``import x._mod``, where x is another module."""
     bad = []
     for module, path, tree in _modules(root):
         for line, target, name in _imports(module, path, tree):
-            private = [p for p in (name or target).split(".") if p.startswith("_") and not p.startswith("__")]
+            # The imported name and every part of the module it comes from (``redis._parsers.base``).
+            parts = target.split(".") + (name.split(".") if name else [])
+            private = [p for p in parts if p.startswith("_") and not p.startswith("__")]
             if not private or target == module or (target, name) in THIRD_PARTY_PRIVATE:
                 continue
             bad.append(f"{path.relative_to(root.parent)}:{line}: {module} imports {name or target} from {target}")
@@ -153,7 +156,8 @@ def test_the_checks_catch_what_they_forbid(tmp_path) -> None:
         (pkg / sub / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
     (pkg / "fs" / "jobs.py").write_text("class _Job: ...\n")
-    (pkg / "remote" / "tier.py").write_text("from ..fs.jobs import _Job\nimport kvtier_runtime.fs\n")
+    (pkg / "remote" / "tier.py").write_text("from ..fs.jobs import _Job\nimport kvtier_runtime.fs\n"
+                                            "from redis._parsers.base import BaseParser\n")
     (pkg / "fs" / "tier.py").write_text("from kvtier_runtime import remote\nfrom vllm import _custom_ops\n")
     (pkg / "store" / "books.py").write_text(
         "from ..fs.tier import FilesystemTier\n"
@@ -167,7 +171,8 @@ def test_the_checks_catch_what_they_forbid(tmp_path) -> None:
         "            return getattr(tier, 'remote', False)\n")
     assert len(fs_remote_violations(pkg)) == 3
     assert [v.split(": ", 1)[1] for v in private_import_violations(pkg)] == [
-        "kvtier_runtime.remote.tier imports _Job from kvtier_runtime.fs.jobs"]
+        "kvtier_runtime.remote.tier imports _Job from kvtier_runtime.fs.jobs",
+        "kvtier_runtime.remote.tier imports BaseParser from redis._parsers.base"]
     found = "\n".join(kind_branch_violations(pkg))
     for why in ("kind test _is_remote", "isinstance against ['FilesystemTier']", "a tier's 'remote' attribute",
                 "comparison of a tier's ['medium']", "getattr(..., 'remote')", "picks tiers by constructor list",

@@ -1,8 +1,9 @@
 """The durable, bounded filesystem tier: the public class, assembled from one module per concern.
 
 Helper objects the tier owns, each reached only through its methods: its jobs, deadlines and thread pools
-(``jobs``, a :class:`kvtier_runtime.tiers.jobs.JobQueue`, the remote tier's too), its degraded mode and store
-backoff (``disk_health``, :mod:`.health`), its index, eviction accounting and file removal (``index``,
+(``jobs``, a :class:`kvtier_runtime.tiers.jobs.JobQueue`, the remote tier's too, whose results, draining and
+closing it serves as every tier does: :class:`kvtier_runtime.tiers.queued.QueuedTier`), its degraded mode and
+store backoff (``disk_health``, :mod:`.health`), its index, eviction accounting and file removal (``index``,
 :class:`.index.BlockIndex`), its block files through codecs (``io``, :class:`.io.BlockIO`), the fan-out
 directories both use (:class:`.fanout.FanoutDirs`) and what it counts (:mod:`.tier_metrics`, in
 :mod:`kvtier_runtime.metrics`). The start-up scan is a function (:func:`.scan.scan_blocks`) whose findings the index
@@ -36,6 +37,7 @@ from ..policies import AccessContext, get_policy
 from ..tiers.backoff import Backoff
 from ..tiers.base import KeyState
 from ..tiers.jobs import Expired, Job, JobQueue, JobResult
+from ..tiers.queued import QueuedTier
 from ..tiers.keys import read_mac_key
 from .fanout import FanoutDirs
 from .fileio import FileOps, probe_o_direct
@@ -50,7 +52,7 @@ from .tier_metrics import FilesystemMetrics
 __all__ = ["DIRECTORY_BYTES", "FilesystemTier", "JobResult", "KeyState", "LookupRun", "file_budget"]
 
 
-class FilesystemTier:
+class FilesystemTier(QueuedTier):
     """Blocks of one fixed shape and dtype, stored as checksummed files under ``root_dir``, bounded in bytes."""
 
     # The Tier protocol (kvtier_runtime.tiers.base): a local disk, keys with the books' run-identity suffix (one
@@ -181,19 +183,6 @@ class FilesystemTier:
     def covers(self, key: bytes) -> bool:
         """Held or being written here: the index is this tier's own, so the host tier need not keep a copy."""
         return self.state(key) is not KeyState.MISS
-
-    # ---- jobs (kvtier_runtime.tiers.jobs.JobQueue) ------------------------------------------------------
-    def get_finished(self) -> list[JobResult]:
-        """Results of jobs finished since the last call (each once); a job past ``io_timeout_s`` finishes here with
-        its unfinished keys failed as ``timeout``."""
-        return self.jobs.get_finished()
-
-    def drain(self, timeout: float | None = 60) -> None:
-        """Wait until every submitted job finished (see :meth:`JobQueue.drain`)."""
-        self.jobs.drain(timeout)
-
-    def close(self) -> None:
-        self.jobs.close()
 
     def _lent_read_overran(self) -> None:
         # Later loads take the staging path (which times out cleanly) for io_timeout_s; the overrun counts towards
@@ -415,9 +404,3 @@ class FilesystemTier:
         if stats["tmp"]:
             self._metrics.error("torn", stats["tmp"])
         return stats
-
-    def __enter__(self) -> "FilesystemTier":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -21,13 +21,11 @@ import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.connection import PythonRespSerializer
-from redis._parsers.base import BaseParser
 from redis.exceptions import (
     AuthenticationError,
     AuthorizationError,
     ClusterDownError,
     ClusterError,
-    InvalidResponse,
     NoPermissionError,
     OutOfMemoryError,
     RedisClusterException,
@@ -39,6 +37,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 
 from ..config import ConfigError, RemoteTierConfig, check_remote_url
+from .wire import Address, Arg, Reply, ValueConnections
 
 log = logging.getLogger("kvtier_runtime.remote")
 
@@ -128,92 +127,12 @@ def send_values_in_place(client: Any) -> None:
         pools = [client.connection_pool]
     for pool in pools:
         kwargs = pool.connection_kwargs
-        # The Connection's own defaults: 6000-byte cutoff, its Encoder (bytes and memoryviews pass unchanged).
-        encoder = redis.connection.Encoder(kwargs.get("encoding", "utf-8"), kwargs.get("encoding_errors", "strict"),
-                                           kwargs.get("decode_responses", False))
-        kwargs["command_packer"] = PythonRespSerializer(6000, encoder.encode)
+        # The Connection's own defaults: 6000-byte cutoff, the pool's encoder (bytes and memoryviews pass unchanged).
+        kwargs["command_packer"] = PythonRespSerializer(6000, pool.get_encoder().encode)
         # Connections already open (cluster mode: the nodes' discovery) were made with the other packer: closed
         # and dropped, the next ones are opened with this one. Nothing else holds the client yet.
         pool.disconnect()
         pool.reset()
-
-
-# The longest reply header line read_values accepts ("$" and a length, "-" and an error, ":" and an integer).
-_MAX_LINE = 4096
-
-
-class _ReplyReader:
-    """RESP2 replies (the protocol :class:`RemoteStore` connections speak) of one connection read straight off its socket: a bulk reply (a value) lands in a caller's
-    buffer with one copy (the kernel's), where redis-py's reply parser copies it twice more (into its reader, then
-    into a bytes object). Reply header lines are read in small pieces, so at most a few hundred bytes of a value
-    pass through the line buffer."""
-
-    def __init__(self, sock: Any) -> None:
-        self._sock = sock
-        self._pending = bytearray()
-        self._scratch = bytearray(512)
-
-    @property
-    def leftover(self) -> int:
-        return len(self._pending)
-
-    def _recv_into(self, dst: memoryview) -> int:
-        try:
-            got = int(self._sock.recv_into(dst))
-        except TimeoutError:  # socket.timeout: a slow store is a timeout, not a down one (failure_kind)
-            raise RedisTimeoutError("Timeout reading from the store") from None
-        except OSError as exc:
-            raise RedisConnectionError(f"Error reading from the store: {exc}") from None
-        if got <= 0:
-            raise RedisConnectionError("the store closed the connection")
-        return got
-
-    def _line(self) -> bytes:
-        while True:
-            at = self._pending.find(b"\r\n")
-            if at >= 0:
-                line = bytes(self._pending[:at])
-                del self._pending[: at + 2]
-                return line
-            if len(self._pending) > _MAX_LINE:
-                raise InvalidResponse("a reply header line longer than expected")
-            got = self._recv_into(memoryview(self._scratch))
-            self._pending += memoryview(self._scratch)[:got]
-
-    def _exactly(self, dst: memoryview) -> None:
-        take = min(len(dst), len(self._pending))
-        dst[:take] = self._pending[:take]
-        del self._pending[:take]
-        while take < len(dst):
-            take += self._recv_into(dst[take:])
-
-    def reply(self, buf: bytearray | None) -> Any:
-        """The next reply: a bulk string as a view of ``buf`` (or of a new buffer when it does not fit), None for a
-        nil, an int, a str for a status, the redis-py exception of an error reply (returned, not raised)."""
-        line = self._line()
-        kind, rest = line[:1], line[1:]
-        if kind == b"_":  # RESP3's nil, should a connection speak it after all
-            return None
-        if kind == b"$":
-            n = int(rest)
-            if n < 0:
-                return None
-            if buf is None or len(buf) < n:
-                buf = bytearray(n)  # larger than any value this tier writes: read, then refused by what it holds
-            value = memoryview(buf)[:n]
-            self._exactly(value)
-            end = bytearray(2)
-            self._exactly(memoryview(end))
-            if end != b"\r\n":
-                raise InvalidResponse("a bulk reply without its CRLF")
-            return value
-        if kind == b":":
-            return int(rest)
-        if kind == b"+":
-            return rest.decode("utf-8", "replace")
-        if kind == b"-":
-            return BaseParser.parse_error(rest.decode("utf-8", "replace"))
-        raise InvalidResponse(f"an unexpected reply type {kind!r}")
 
 
 class RemoteStore:
@@ -235,10 +154,13 @@ class RemoteStore:
         self.cluster = False
         self._client: Any = None
         self._lock = threading.Lock()
+        # Standalone loads' connections (opened when first used): replies read straight into the tier's buffer.
+        self._values = ValueConnections(Address(self.host, self.port, self.db, self.username, self._password,
+                                                self.timeout_s, self.ssl, self.ca_file))
 
     def _options(self) -> dict[str, Any]:
-        # RESP2 (redis-py 8 speaks RESP3 unless told): replies are only the simple kinds _ReplyReader reads, and the
-        # store never pushes out-of-band messages (RESP3 push frames) between them.
+        # RESP2 (redis-py 8 speaks RESP3 unless told), as the tier's own load connections speak it (.wire): one
+        # protocol to the store, whose replies (ZPOPMIN's pairs, INFO) have the shapes the tier was written for.
         options = dict(username=self.username, password=self._password, ssl=self.ssl, socket_timeout=self.timeout_s,
                        socket_connect_timeout=self.timeout_s, retry=Retry(NoBackoff(), 0), health_check_interval=0,
                        protocol=2)
@@ -295,38 +217,21 @@ class RemoteStore:
         """A non-transactional pipeline (cluster mode: commands grouped per node, one round trip each)."""
         return self.connect().pipeline(transaction=False)
 
-    def read_values(self, keys: Sequence[bytes], buf: bytearray, on_value: Callable[[Any], None],
-                    after: Sequence[tuple[Any, ...]] = ()) -> list[Any]:
-        """Standalone mode: ``GET`` of every key, then the commands ``after``, in one round trip on one pooled
-        connection. Each GET reply is handed to ``on_value`` as it arrives, in key order -- a value (a memoryview of
-        ``buf``, or of a new buffer for a value larger than it, valid only during the call), None for a missing key,
-        or the exception of an error reply -- while the store's next replies keep arriving in the socket's buffer.
-        Returns the replies of ``after`` (ints, strs, exceptions). A failed connection raises a redis-py error (the
-        connection is dropped, never reused half read); so does whatever ``on_value`` raises."""
-        client = self.connect()
+    def read_values(self, keys: Sequence[bytes], buf: bytearray, on_value: Callable[[Reply], None],
+                    after: Sequence[Sequence[Arg]] = ()) -> list[Reply]:
+        """Standalone mode: ``GET`` of every key, then the commands ``after``, in one round trip on one of the tier's
+        own connections, each value read off the socket into ``buf`` and handed to ``on_value`` as it arrives (see
+        :meth:`kvtier_runtime.remote.wire.ValueConnections.read_values`). Returns the replies of ``after``."""
+        self.connect()
         if self.cluster:
             raise RuntimeError("read_values: standalone mode only (cluster mode routes keys per node)")
-        pool = client.connection_pool
-        conn = pool.get_connection()
-        try:
-            conn.send_packed_command(conn.pack_commands([("GET", key) for key in keys] + list(after)))
-            reader = _ReplyReader(conn._sock)
-            for _ in keys:
-                on_value(reader.reply(buf))
-            replies = [reader.reply(None) for _ in after]
-            if reader.leftover:
-                raise InvalidResponse(f"{reader.leftover} bytes past the last reply")
-        except BaseException:
-            conn.disconnect()
-            raise
-        finally:
-            pool.release(conn)
-        return replies
+        return self._values.read_values(keys, buf, on_value, after)
 
     def reset(self) -> None:
         """Forget the connection after a fault: the next :meth:`connect` detects the mode again."""
         with self._lock:
             client, self._client = self._client, None
+        self._values.close()
         if client is not None:
             try:
                 client.close()

@@ -1,7 +1,7 @@
 """What the tiers behind the host tier share, whatever their medium: the :class:`~.base.Tier` protocol the books
 drive, its optional :class:`~.base.RemovalLog` (keys that left it, for KV events) and :class:`~.base.KeyState`
 (:mod:`.base`), the job queue each tier owns, with deadlines and results handed
-out once (:mod:`.jobs`), exponential backoff (:mod:`.backoff`), key files (:mod:`.keys`), the CRC (:mod:`.checksum`),
+out once (:mod:`.jobs`), what every tier serves from it alike (:mod:`.queued`), exponential backoff (:mod:`.backoff`), key files (:mod:`.keys`), the CRC (:mod:`.checksum`),
 the sealed-value envelope both formats share (:mod:`.envelope`), the metrics every tier counts alike (:mod:`.metrics`)
 and the registry that builds a tier by medium (:mod:`.registry`).
 

@@ -101,6 +101,7 @@ class JobQueue:
         self._running_tasks = 0
         self.read_pool: ThreadPoolExecutor | None = None
         self.write_pool: ThreadPoolExecutor | None = None
+        self._at_close: list[Callable[[], None]] = []
 
     @property
     def closed(self) -> bool:
@@ -201,7 +202,14 @@ class JobQueue:
         if self._closed:
             raise RuntimeError(f"{self.name}: the {self.medium} tier is closed")
 
+    def at_close(self, release: Callable[[], None]) -> None:
+        """Have :meth:`close` call ``release`` once, after the pools stopped: what else the tier holds (a remote
+        tier's probe thread and store connections), released in the order given."""
+        self._at_close.append(release)
+
     def close(self) -> None:
+        """Refuse new jobs, wait (bounded by ``io_timeout_s``) for the running ones, stop the pools, then release
+        what :meth:`at_close` was given. A second call does nothing."""
         if self._closed:
             return
         self._closed = True
@@ -218,6 +226,8 @@ class JobQueue:
         for pool in (self.write_pool, self.read_pool):
             if pool is not None:
                 pool.shutdown(wait=not hung, cancel_futures=hung)
+        for release in self._at_close:
+            release()
 
     # ---- job bookkeeping --------------------------------------------------------------------------------
     def new_job(self, kind: str, keys: Sequence[bytes], timeout_s: float | None = None) -> Job:

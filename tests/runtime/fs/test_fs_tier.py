@@ -24,6 +24,7 @@ from kvtier_runtime.fs import FilesystemTier, KeyState
 from kvtier_runtime.fs.fileio import FileOps
 from kvtier_runtime.fs.format import HEADER_BYTES
 from kvtier_runtime.fs.paths import NAMESPACE
+from kvtier_runtime.tiers.queued import QueuedTier
 from plugins.runtime import block_file_bytes, block_for, key_of, metric_value, run_in_threads, sentinel
 from plugins.tier_sync import load_blocks, store_blocks, wait_job
 
@@ -555,7 +556,11 @@ def test_the_tier_is_built_from_helpers_that_share_no_mutable_state(fs_tier_fact
     is only the objects passed to both on purpose (the fan-out directories, the file operations, the job lock),
     so one helper can change without reaching into another's state. A mixin over one shared index breaks this."""
     tier = fs_tier_factory()
-    assert FilesystemTier.__bases__ == (object,), "the tier is composed, not assembled from mixins"
+    # The tier is composed, not assembled from mixins: its one base is the job plumbing every tier serves from its
+    # own job queue (tier.jobs), which holds no state of its own.
+    assert FilesystemTier.__bases__ == (QueuedTier,)
+    assert QueuedTier.__bases__ == (object,) and "__init__" not in vars(QueuedTier)
+    assert all(callable(v) for k, v in vars(QueuedTier).items() if not k.startswith("__")), "only methods"
     _store(tier, [key_of(1)])
     containers = (dict, set, list, bytearray, threading.local)  # threading.local: the staging buffers
 

@@ -13,8 +13,10 @@ import redis
 import torch
 
 from kvtier_runtime.config import RemoteTierConfig
+from kvtier_runtime.remote.format import Sealer
 from kvtier_runtime.remote.identity import chunk_key, index_key, key_prefix, model_identity, scope_pattern
 from kvtier_runtime.remote.tier import KeyState, RemoteTier
+from kvtier_runtime.tiers.keys import read_mac_key
 from plugins.redis_server import RedisCluster, RedisServer, tenant_key_file
 from plugins.runtime import key_of
 from plugins.tier_sync import connected, load_blocks, settled_state, store_blocks
@@ -78,9 +80,10 @@ def test_another_tenant_cannot_read_decode_overwrite_or_evict(redis_server) -> N
         # keys: A refuses both as forged, counted, and never loads a byte of them.
         before = a.misses["forged"]
         buf = bytearray(b.value_bytes)
-        payload = bytearray(b._max_payload)
-        n = b._codec.encode(torch.zeros(ROW, dtype=torch.float16), torch.frombuffer(payload, dtype=torch.uint8))
-        total = b._sealer.seal(buf, _store_key(A, keys[1]), "none", memoryview(payload)[:n])
+        payload = bytearray(b.values.max_payload)
+        n = b.values.codec.encode(torch.zeros(ROW, dtype=torch.float16), torch.frombuffer(payload, dtype=torch.uint8))
+        b_sealer = Sealer(read_mac_key(tenant_key_file(B)), B, MODEL)  # what B's tier seals with
+        total = b_sealer.seal(buf, _store_key(A, keys[1]), "none", memoryview(payload)[:n])
         client.set(_store_key(A, keys[1]), bytes(buf[:total]))
         impostor = _tier(redis_server.url, A, key_name=B)
         try:

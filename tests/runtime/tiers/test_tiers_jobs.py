@@ -107,6 +107,24 @@ def test_close_drains_shuts_the_pools_and_refuses_new_work_by_name():
     q.close()  # a second close is a no-op
 
 
+def test_close_releases_what_the_tier_handed_it_once_after_the_pools_stopped_in_order():
+    q, *_ = _queue()
+    _, write_pool = q.start_pools(1, 1)
+    released = []
+
+    def release(what):
+        with pytest.raises(RuntimeError):  # the pools are shut down first: nothing may start after a release
+            write_pool.submit(lambda: None)
+        released.append(what)
+
+    q.at_close(lambda: release("probe thread"))
+    q.at_close(lambda: release("connections"))
+    assert released == []
+    q.close()
+    q.close()
+    assert released == ["probe thread", "connections"]
+
+
 def test_drain_raises_when_jobs_outlive_its_timeout():
     q, *_ = _queue(io_timeout_s=30.0)
     job = q.new_job("load", [b"a"])
