@@ -36,7 +36,7 @@ FS_BACKOFF = Gauge("kvtier_runtime_fs_backoff", "1 while the filesystem tier ref
 # The remote (Valkey/Redis) tier: every chunk it could not serve or keep is counted here, by reason, never raised.
 REMOTE_MISSES = Counter(
     "kvtier_runtime_remote_misses",
-    "Chunks the remote tier did not serve, by reason (absent, evicted, down, timeout, auth, forged, version, "
+    "Chunks the remote tier did not serve, by reason (absent, evicted, down, timeout, auth, forged, key, version, "
     "corrupt, mismatch, ...); vLLM recomputed them",
     ["tier", "reason"],
 )
@@ -44,6 +44,16 @@ REMOTE_STORE_FAILURES = Counter(
     "kvtier_runtime_remote_store_failures",
     "Chunks the remote tier did not store, by reason (full, down, timeout, auth, mismatch, other)",
     ["tier", "reason"],
+)
+REMOTE_PREVIOUS_KEY_READS = Counter(
+    "kvtier_runtime_remote_previous_key_reads",
+    "Values the remote tier opened with the previous tenant key (a key rotation under way: docs/security.md)",
+    ["tier"],
+)
+REMOTE_KEY_RELOADS = Counter(
+    "kvtier_runtime_remote_key_reloads",
+    "Times the remote tier took new tenant keys from its key files without a restart (a rotation step)",
+    ["tier"],
 )
 REMOTE_UP = Gauge("kvtier_runtime_remote_up", "1 while the remote store answers, 0 while kvtier treats it as down",
                   ["tier"])

@@ -27,9 +27,10 @@ log = logging.getLogger("kvtier_runtime.remote")
 
 # One key of a job: (job, index in the job, offload key, the caller's host row).
 RowWork = tuple[Job, int, bytes, torch.Tensor]
-# Values refused for what they hold (not for a store fault): logged, since they mean a writer without the key or
-# a damaged store.
-REFUSED_KINDS = frozenset({"forged", "corrupt", "truncated", "foreign", "version"})
+# Values refused for what they hold (not for a store fault): logged, since they mean a writer without the key, a
+# damaged store, or (``key``) a value sealed under a tenant key this replica does not hold: the other side of a key
+# rotation, a removed key, or another tenant's value copied here.
+REFUSED_KINDS = frozenset({"forged", "corrupt", "truncated", "foreign", "version", "key"})
 
 
 class KeyOutcomes:

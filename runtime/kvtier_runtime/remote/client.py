@@ -74,6 +74,18 @@ def read_password(path: str | None) -> str | None:
         raise ConfigError(f"password_file: {path} is not UTF-8 text") from None
 
 
+def store_credentials(config: RemoteTierConfig) -> dict[str, bytes]:
+    """The store's credentials by the field that names them, as bytes (the password file read as the client reads
+    it): what the tenant key must never equal."""
+    out: dict[str, bytes] = {}
+    password = read_password(config.password_file)
+    if password is not None:
+        out["password_file"] = password.encode()
+    if config.username:
+        out["username"] = config.username.encode()
+    return out
+
+
 def check_ca_file(path: str | None) -> str | None:
     """``ca_file`` when it holds at least one PEM certificate; ConfigError names the key otherwise. redis-py loads it
     on each new connection, so a CA rotated in the mounted Secret is used from the next connection on."""

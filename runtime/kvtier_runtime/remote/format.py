@@ -22,8 +22,9 @@ altered in any byte, or moved to another key (another chunk, another model, anot
 without the key sees the header (format, codec, sizes) and ciphertext only.
 
 Values of format version 1 (an HMAC or a CRC, the payload in clear) read as ``version``: a counted miss, never
-decoded. Version 2 values (no key id) are read with the current key, then the previous one. The key id is a digest
-of the value key (not of the tenant's key material), so it tells a reader of the store nothing it could use. GCM's bound for random nonces (2^32 values per key) is far above what one model of one scope writes
+decoded. Version 2 values (no key id) are read with the current key, then the previous one. The key id is a keyed
+digest of the tenant's key (HMAC under it of a fixed message), so it tells a reader of the store nothing it could
+use about the key. GCM's bound for random nonces (2^32 values per key) is far above what one model of one scope writes
 between key rotations at any plausible rate; the key is per scope and model too.
 
 The reader's checks (magic, version, length, then the tag), the refusal kinds (:class:`RemoteFormatError` is the
@@ -38,7 +39,7 @@ import os
 import struct
 
 from cryptography.exceptions import InvalidTag
-from typing import Sequence
+from typing import Protocol, Sequence
 
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -80,9 +81,12 @@ def derive_value_key(tenant_key: bytes, scope: str, identity: str) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=VALUE_KEY_BYTES, salt=None, info=info).derive(tenant_key)
 
 
-def _key_id(value_key: bytes) -> int:
-    """A value key's id: 32 bits of a keyed digest of it, never 0 (version 2's "no id")."""
-    digest = hmac.new(value_key, b"kvtier-remote-key-id", hashlib.sha256).digest()
+def _key_id(tenant_key: bytes) -> int:
+    """A tenant key's id: 32 bits of HMAC-SHA256 under the key of a fixed message (a pseudo-random fingerprint that
+    tells nothing of the key), never 0 (version 2's "no id"). Per tenant key, not per scope and model: a value moved
+    from another model of the same tenant names a key the reader holds, so it is ``forged`` (its tag fails), and
+    only a value sealed under a key the reader does not hold at all is a ``key`` miss."""
+    digest = hmac.new(tenant_key, b"kvtier-remote-key-id", hashlib.sha256).digest()
     return int.from_bytes(digest[:4], "little") or 1
 
 
@@ -96,13 +100,25 @@ def key_id_of(value: bytes | bytearray | memoryview) -> int | None:
     return key_id if version >= 3 and key_id else None
 
 
+class ValueSealer(Protocol):
+    """What seals and opens a tier's values: a :class:`Sealer` (one key) or a :class:`~.keyring.Keyring` (the
+    current and the previous key of a rotation)."""
+
+    def seal(self, buf: bytearray | memoryview, key: bytes, codec: str, payload: memoryview) -> int: ...
+
+    def seal_parts(self, buf: bytearray | memoryview, key: bytes, codec: str, parts: Sequence[memoryview]) -> int: ...
+
+    def open(self, value: bytes | bytearray | memoryview, key: bytes, out: bytearray | memoryview,
+             ) -> tuple[str, memoryview]: ...
+
+
 class Sealer:
     """Seals and opens the values of one scope and model (thread-safe: the AEAD context holds only the key)."""
 
     def __init__(self, tenant_key: bytes, scope: str, identity: str) -> None:
         self._value_key = derive_value_key(tenant_key, scope, identity)
         self._aead = AESGCM(self._value_key)
-        self.key_id = _key_id(self._value_key)
+        self.key_id = _key_id(tenant_key)
 
     def seal(self, buf: bytearray | memoryview, key: bytes, codec: str, payload: memoryview) -> int:
         """Write the value of ``payload`` stored under ``key`` into ``buf`` (header, ciphertext, tag: no copy of the

@@ -59,12 +59,15 @@ class Keyring:
 
     def __init__(self, current_file: str, previous_file: str | None, scope: str, identity: str, *,
                  credentials: Mapping[str, bytes] | None = None, recheck_s: float = DEFAULT_RECHECK_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, on_previous_read: Callable[[], None] | None = None,
+                 on_reload: Callable[[], None] | None = None) -> None:
         self._files = (current_file, previous_file)
         self._scope, self._identity = scope, identity
         self._credentials = dict(credentials or {})
         self._recheck_s = recheck_s
         self._clock = clock
+        self._on_previous_read = on_previous_read
+        self._on_reload = on_reload
         self._lock = threading.Lock()
         self.previous_reads = 0
         self.reloads = 0
@@ -111,6 +114,8 @@ class Keyring:
             self._sealers = sealers
             if changed:
                 self.reloads += 1
+                if self._on_reload is not None:
+                    self._on_reload()
                 log.warning("remote tier %s: tenant keys reloaded (a previous key is %s)", self._scope,
                             "kept for reads" if sealers[1] is not None else "not present")
             return changed
@@ -150,6 +155,8 @@ class Keyring:
             opened = previous.open(value, key, out)
             with self._lock:
                 self.previous_reads += 1
+            if self._on_previous_read is not None:
+                self._on_previous_read()
             return opened
         raise RemoteFormatError("key", f"written under a tenant key this replica does not hold (key id "
                                        f"{wanted:08x}: a rotation under way, or a key since removed)")

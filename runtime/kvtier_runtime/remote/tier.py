@@ -15,8 +15,9 @@ lookups, ``submit_store`` (write-through from the host tier), ``submit_load`` (p
   late reply never touches a host row the books may have reused.
 * Every fault is a failed key with a reason, never an exception into the engine: ``down`` (refused, reset,
   cluster slot not served), ``timeout``, ``full`` (a write refused by the store's maxmemory under ``noeviction``),
-  ``auth``, and for values ``evicted`` (gone since the probe), ``forged`` (does not verify under this scope's key:
-  written without it, altered, or moved from another key), ``corrupt``/``truncated``/``foreign``, ``version`` (an
+  ``auth``, and for values ``evicted`` (gone since the probe), ``forged`` (names a tenant key this tier holds but
+  does not verify: altered, or moved from another store key), ``key`` (sealed under a tenant key this tier does not
+  hold: the other side of a key rotation, a removed key, another tenant's value), ``corrupt``/``truncated``/``foreign``, ``version`` (an
   older format, e.g. an unencrypted value), ``mismatch`` (a row of another shape).
   ``down``/``auth``, or three ``timeout``s in a row, mark the store down for a backoff (1 s doubling to 30 s):
   lookups miss at once, stores are refused, and one background reconnect decides when it is back (:mod:`.health`).
@@ -45,14 +46,13 @@ from ..policies import AccessContext
 from ..tiers.backoff import Backoff
 from ..tiers.base import KeyState
 from ..tiers.jobs import Job, JobQueue, JobResult
-from ..tiers.keys import read_mac_key
 from ..tiers.queued import QueuedTier
 from .batches import Batches, KeyOutcomes, RowWork
-from .client import RemoteStore
-from .format import Sealer
+from .client import RemoteStore, store_credentials
 from .health import StoreHealth
 from .identity import chunk_key, key_prefix
 from .index import CapacityIndex, chunk_cost
+from .keyring import Keyring
 from .lane import Lane
 from .presence import PresenceCache
 from .tier_metrics import RemoteMetrics
@@ -109,20 +109,21 @@ class RemoteTier(QueuedTier):
         self.identity = identity
         self.block_shape = tuple(int(d) for d in block_shape)
         self.dtype = dtype
-        # RemoteTierConfig guarantees a scope and a key file of the tenant's own (never the store password's file).
-        tenant_key = read_mac_key(config.mac_key_file)
-        assert tenant_key is not None and config.scope is not None
+        # RemoteTierConfig guarantees a scope and a key file of the tenant's own (never the store password's file);
+        # the keyring checks the bytes too (never the store's password or username) and follows a rotation.
+        assert config.mac_key_file is not None and config.scope is not None
         self.scope = config.scope
         self._prefix = key_prefix(config.scope, identity)
-        self.values = ChunkValues(codec=codec or get_codec(config.codec, fallback=True),
-                                  sealer=Sealer(tenant_key, config.scope, identity), block_shape=self.block_shape,
-                                  dtype=dtype)
-        del tenant_key
+        self._metrics = RemoteMetrics(self.name, config.capacity_bytes)
+        self.keys = Keyring(config.mac_key_file, config.previous_mac_key_file, config.scope, identity,
+                            credentials=store_credentials(config), on_previous_read=self._metrics.previous_key_read,
+                            on_reload=self._metrics.key_reload)
+        self.values = ChunkValues(codec=codec or get_codec(config.codec, fallback=True), sealer=self.keys,
+                                  block_shape=self.block_shape, dtype=dtype)
         self._io_timeout_s = float(config.io_timeout_s)
         self._clock = clock
         # What one chunk costs the store at most: its value (header, ciphertext, tag) and its key.
         self.value_bytes = chunk_cost(self.values.max_payload, self._prefix)
-        self._metrics = RemoteMetrics(self.name, config.capacity_bytes)
         self._store = store or RemoteStore(config)
         self.index = CapacityIndex(name=self.name, store=self._store, prefix=self._prefix,
                                    capacity_bytes=config.capacity_bytes, cost=self.value_bytes, metrics=self._metrics)

@@ -39,5 +39,11 @@ class RemoteMetrics(TierMetrics):
     def error(self, kind: str, n: int = 1) -> None:
         self.miss(kind, n)
 
+    def previous_key_read(self) -> None:
+        metrics.REMOTE_PREVIOUS_KEY_READS.labels(self.name).inc()
+
+    def key_reload(self) -> None:
+        metrics.REMOTE_KEY_RELOADS.labels(self.name).inc()
+
     def up(self, on: bool) -> None:
         self._up.set(1 if on else 0)

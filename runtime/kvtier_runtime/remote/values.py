@@ -14,7 +14,7 @@ import torch
 from ..codecs import STATS, Codec, CodecHeader, KVChunkCodec, decode
 from ..codecs.base import PassthroughCodec
 from ..tiers.jobs import Expired, Job
-from .format import Sealer, value_bytes
+from .format import ValueSealer, value_bytes
 
 __all__ = ["ChunkValues"]
 
@@ -23,7 +23,7 @@ class ChunkValues:
     """Values of rows of ``block_shape`` and ``dtype`` through ``codec``, sealed by ``sealer`` (thread-safe: the
     buffers are per thread)."""
 
-    def __init__(self, *, codec: Codec | KVChunkCodec, sealer: Sealer, block_shape: Sequence[int],
+    def __init__(self, *, codec: Codec | KVChunkCodec, sealer: ValueSealer, block_shape: Sequence[int],
                  dtype: torch.dtype) -> None:
         self.codec = codec
         self._sealer = sealer

@@ -159,7 +159,11 @@ def _format_1_value() -> bytes:
 
 
 @pytest.mark.parametrize("writer_mac, reader_mac, tamper, reason", [
-    ("a", "b", "", "forged"),         # written with another key: a writer without the fleet's key
+    # Written under another tenant key (a writer without the fleet's key): a "key" miss, the value names a key the
+    # reader does not hold (it cannot tell such a writer from the other side of a key rotation, so neither counts
+    # as forged); the same value claiming the reader's key id is forged (the id is in the authenticated header).
+    ("a", "b", "", "key"),
+    ("a", "b", "claim", "forged"),
     ("b", "b", "flip", "forged"),     # one ciphertext byte changed after sealing
     ("b", "b", "header", "forged"),   # one header byte (the codec name) changed: the header is associated data
     ("b", "b", "v1", "version"),      # a value of the format before encryption: a counted miss, never decoded
@@ -179,6 +183,8 @@ def test_a_forged_or_damaged_value_is_refused_never_decoded(tmp_path, redis_serv
             value = bytearray(client.get(name))
             if tamper == "flip":
                 value[len(value) // 2] ^= 0x01
+            elif tamper == "claim":
+                value[11:15] = struct.pack("<I", reader.keys.key_ids[0])
             elif tamper == "header":
                 value[24] ^= 0x01
             else:
@@ -216,7 +222,8 @@ def test_the_books_turn_a_forged_value_into_a_recompute_never_a_hit(tmp_path, re
                 break
             time.sleep(0.005)
         assert answers[-1] == MISS and "hit" not in answers, answers
-        assert books.remote_load_failures["forged"] == 1 and books.counters["remote_promotions"] == 0
+        # Sealed under the forger's own key: a "key" refusal (a key this tier does not hold), never loaded.
+        assert books.remote_load_failures["key"] == 1 and books.counters["remote_promotions"] == 0
         assert len(books.host) == 0  # the reserved host slot was given back
     finally:
         books.close()

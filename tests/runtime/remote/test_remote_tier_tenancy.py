@@ -70,15 +70,16 @@ def test_another_tenant_cannot_read_decode_overwrite_or_evict(redis_server) -> N
         raw = _block(keys[0]).numpy().tobytes()
         assert all(raw[i:i + 32] not in value for i in range(0, len(raw), 256))
 
-        # Decode: A's value under B's key (B's scope) does not open with B's key: a counted miss, B's row untouched.
+        # Decode: A's value under B's key (B's scope) does not open with B's key: a counted miss ("key": sealed under
+        # a tenant key B does not hold), B's row untouched.
         client.set(_store_key(B, keys[0]), value)
         out = _sentinel()
         result = load_blocks(b, [keys[0]], [out])
-        assert not result.ok[0] and result.errors[0] == "forged" and torch.all(out == UNTOUCHED)
+        assert not result.ok[0] and result.errors[0] == "key" and torch.all(out == UNTOUCHED)
 
         # Overwrite: B's sealed value put under A's key, and a tier claiming A's scope with B's key writing A's
-        # keys: A refuses both as forged, counted, and never loads a byte of them.
-        before = a.misses["forged"]
+        # keys: A refuses both ("key": sealed under a key A does not hold), counted, and never loads a byte of them.
+        before = a.misses["key"]
         buf = bytearray(b.value_bytes)
         payload = bytearray(b.values.max_payload)
         n = b.values.codec.encode(torch.zeros(ROW, dtype=torch.float16), torch.frombuffer(payload, dtype=torch.uint8))
@@ -93,9 +94,9 @@ def test_another_tenant_cannot_read_decode_overwrite_or_evict(redis_server) -> N
             impostor.close()
         outs = [_sentinel(), _sentinel()]
         result = load_blocks(a, keys[1:3], outs)
-        assert not any(result.ok) and set(result.errors.values()) == {"forged"}
+        assert not any(result.ok) and set(result.errors.values()) == {"key"}
         assert all(torch.all(out == UNTOUCHED) for out in outs)
-        assert a.misses["forged"] == before + 2
+        assert a.misses["key"] == before + 2
 
         # Evict: B writes far past its small budget; its trims pop B's index only, every chunk of A stays.
         many = [key_of(1000 + i) for i in range(3 * b.capacity_entries)]
@@ -229,7 +230,7 @@ def test_a_binary_tenant_key_is_used_as_written(tmp_path, redis_server, material
         assert load_blocks(reader, [key], [out]).success and torch.equal(out, _block(key))
         out = _sentinel()
         result = load_blocks(other, [key], [out])
-        assert not result.ok[0] and result.errors[0] == "forged" and torch.all(out == UNTOUCHED)
+        assert not result.ok[0] and result.errors[0] == "key" and torch.all(out == UNTOUCHED)
     finally:
         writer.close()
         reader.close()

@@ -116,11 +116,11 @@ OLD_VALUE = bytes.fromhex(
     "1a87aaed241ca770dab8b4bbc88492b237eef3d4d7d728bc")
 
 
-# The same value as this build seals it (format 3: the key id 0x140b8c2f in the header's spare bytes, so the tag
+# The same value as this build seals it (format 3: the key id 0x55b6fca1 in the header's spare bytes, so the tag
 # differs too): pinned, so a format change is a decision, never an accident.
 VALUE = bytes.fromhex(
-    "4b565449455252310300012f8c0b14000b000000000000006e6f6e65000000000000000000000000000102030405060708090a0b7ad066"
-    "1a87aaed241ca770ce8863d85ed7a8ae57b75875529be4b8")
+    "4b56544945525231030001a1fcb655000b000000000000006e6f6e65000000000000000000000000000102030405060708090a0b7ad066"
+    "1a87aaed241ca7703d110b0d86a5812c135ef5bac083c315")
 
 
 def _sealer() -> remote_format.Sealer:
