@@ -55,5 +55,8 @@ REMOTE_KEY_RELOADS = Counter(
     "Times the remote tier took new tenant keys from its key files without a restart (a rotation step)",
     ["tier"],
 )
+REMOTE_REFUSED = Gauge("kvtier_runtime_remote_refused",
+                       "1 while the store refuses this remote tier's user (a wrong password or an ACL refusal: this "
+                       "tier's fault, the store itself is up)", ["tier"])
 REMOTE_UP = Gauge("kvtier_runtime_remote_up", "1 while the remote store answers, 0 while kvtier treats it as down",
                   ["tier"])

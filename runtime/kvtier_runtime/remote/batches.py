@@ -141,9 +141,9 @@ class Batches:
             for job, i, _, _ in sent:
                 self._outcomes.fail(job, i, kind, store=True)
             return
-        entries = replies[-1]
+        entries, added = replies[-1], replies[-2]
         if isinstance(entries, int):
-            for key in self._index.trim(entries):
+            for key in self._index.trim(entries, added if isinstance(added, int) else 0):
                 self._presence.remember(key, False, "evicted")
         stored_bytes = 0
         fault = ""
@@ -168,7 +168,7 @@ class Batches:
             return
         if not self._health.up:
             for job, i, _, _ in live:
-                self._outcomes.fail(job, i, "down")
+                self._outcomes.fail(job, i, self._health.miss_reason)
             return
         replies = _LoadReplies(live, self._settle_value)
         try:
@@ -259,7 +259,7 @@ class Batches:
                 self._health.ok()
         for key, reply in zip(keys, present):
             if isinstance(reply, _Unavailable):
-                self._presence.remember(key, False, "down")
+                self._presence.remember(key, False, self._health.miss_reason)
             elif isinstance(reply, Exception):
                 self._presence.remember(key, False, failure_kind(reply))
             else:

@@ -1,7 +1,13 @@
 """The remote tier's connection and health: whether the store may be asked now, the one reconnect that decides when a
-store marked down is back, and what a store-level fault does (``down``/``auth``, or three ``timeout``s in a row,
-mark it down for a backoff; ``full`` pauses stores only). Lookups never wait for any of it: a store that is down or
-still connecting answers a miss at once."""
+store marked down is back, and what a store-level fault does (``down``, or three ``timeout``s in a row, mark it down
+for a backoff; ``full`` pauses stores only). Lookups never wait for any of it: a store that is down or still
+connecting answers a miss at once.
+
+``auth`` (a wrong password, or an ACL refusal: a key outside the user's pattern, a command it may not send) is this
+tier's fault, not the store's: the tier backs off the same way (state ``refused``: its lookups miss as ``auth``, its
+stores are refused), but the store is reported up (it answers) and its connections are kept; the refusal is
+``kvtier_runtime_remote_refused{tier}``. A store shared by many tenants' tiers is then not reported down by every
+dashboard because one tenant's user is misconfigured."""
 from __future__ import annotations
 
 import logging
@@ -17,14 +23,16 @@ __all__ = ["DOWN_KINDS", "TIMEOUTS_TO_DOWN", "StoreHealth"]
 
 log = logging.getLogger("kvtier_runtime.remote")
 
-# Faults that mean the store itself is unusable (mark it down at once); "timeout" needs TIMEOUTS_TO_DOWN in a row.
+# Faults that stop this tier at once: "down" (the store is unusable) and "auth" (the store refuses this tier's user);
+# "timeout" needs TIMEOUTS_TO_DOWN in a row.
 DOWN_KINDS = frozenset({"down", "auth"})
 TIMEOUTS_TO_DOWN = 3
 
 
 class StoreHealth:
-    """``state``: "connecting" (at start and while a reconnect runs), "up", or "down" (until ``backoff`` ends; then
-    the next question starts one reconnect on ``spawn``, the tier's probe thread, unless ``closed()``)."""
+    """``state``: "connecting" (at start and while a reconnect runs), "up", "down" or "refused" (the store refuses
+    this tier's user; both until ``backoff`` ends; then the next question starts one reconnect on ``spawn``, the
+    tier's probe thread, unless ``closed()``)."""
 
     def __init__(self, *, name: str, store: RemoteStore, metrics: RemoteMetrics, backoff: Backoff,
                  clock: Callable[[], float], spawn: Callable[[Callable[[], None]], object],
@@ -45,6 +53,16 @@ class StoreHealth:
     def up(self) -> bool:
         return self.state == "up"
 
+    @property
+    def store_answers(self) -> bool:
+        """Whether the store itself is up (it answers, though it may refuse this tier)."""
+        return self.state in ("up", "refused")
+
+    @property
+    def miss_reason(self) -> str:
+        """Why a key fails while the tier may not ask the store: ``auth`` while refused, else ``down``."""
+        return "auth" if self.state == "refused" else "down"
+
     def connect(self) -> None:
         """Start the first connection (on the probe thread)."""
         self._spawn(self.reconnect)
@@ -53,9 +71,9 @@ class StoreHealth:
         """Whether the store may be asked now; when a down store's backoff ran out, start one reconnect."""
         if self.state == "up":
             return True
-        if self.state == "down" and not self.backoff.active and not self._closed():
+        if self.state in ("down", "refused") and not self.backoff.active and not self._closed():
             with self._lock:
-                if self.state != "down":
+                if self.state not in ("down", "refused"):
                     return False
                 self.state = "connecting"
             try:
@@ -65,9 +83,10 @@ class StoreHealth:
         return False
 
     def store_refusal(self, up: bool) -> str:
-        """Why a store is refused now ("down", "full" for a while after the store said it is full), or ""."""
+        """Why a store is refused now ("down", "auth" while the store refuses this tier, "full" for a while after the
+        store said it is full), or ""."""
         if not up:
-            return "down"
+            return self.miss_reason
         return "full" if self._clock() < self._stores_paused_until else ""
 
     def reconnect(self) -> None:
@@ -100,10 +119,13 @@ class StoreHealth:
         """A round trip succeeded: the store is up (and its fault counts reset)."""
         if self.state != "up" or self.backoff.failures or self._timeouts:
             with self._lock:
+                refused = self.state == "refused"
                 self.state = "up"
                 self.backoff.success()
                 self._timeouts = 0
             self._metrics.up(True)
+            if refused:
+                self._metrics.refused(False)
 
     def fault(self, kind: str, force: bool = False) -> None:
         """A store-level fault: ``down``/``auth`` (or forced) mark the store down at once; timeouts after
@@ -121,7 +143,16 @@ class StoreHealth:
                 return
             delay = self.backoff.failure(now) or 0.0
             was_up = self.state == "up"
-            self.state = "down"
+            self.state = "refused" if kind == "auth" else "down"
+        if kind == "auth":
+            # This tier's fault: the store answered (with a refusal), its connections are fine.
+            self._metrics.up(True)
+            self._metrics.refused(True)
+            if was_up:
+                log.warning("kvtier remote tier %s: the store refuses this tier's user (auth: a wrong password, or "
+                            "an ACL that does not allow the scope's keys or the tier's commands: docs/remote.md); "
+                            "lookups miss for %.1f s, then one reconnect", self.name, delay)
+            return
         self._metrics.up(False)
         if was_up:
             log.warning("kvtier remote tier %s: store %s (%s); lookups miss for %.1f s, then one reconnect",

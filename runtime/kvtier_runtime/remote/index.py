@@ -4,7 +4,12 @@ batch by popping and deleting the oldest. Used bytes = entries x the largest val
 upper bound: the store's own eviction may drop values the set still lists, which then read as ``evicted`` misses
 and leave the set as they are popped. Replicas of one scope share the set, so the budget is fleet-wide per scope
 and model (another scope's trim pops its own set only); concurrent writers may overshoot it by at most one batch
-each before the next trim."""
+each before the next trim.
+
+Replicas of every policy of one namespace share the scope's index, so a trim could pop another policy's chunks: a
+policy with a one-chunk ``size`` would empty the scope for everyone. So a tier pops at most as many chunks as it
+added to the index (``ZADD``'s count of new members) and has not popped yet: a small policy removes what it wrote,
+oldest first, never more; the budget of a larger one is kept by that one's own trims."""
 from __future__ import annotations
 
 import logging
@@ -52,6 +57,8 @@ class CapacityIndex:
         self._store = store
         self._metrics = metrics
         self._entries = 0
+        # Chunks this tier added to the index and has not popped: the most its trims may pop.
+        self._credit = 0
         metrics.occupancy(0)
 
     @property
@@ -60,8 +67,8 @@ class CapacityIndex:
         return self._entries * self.cost
 
     def record_writes(self, pipe: Any, keys: Sequence[bytes], now: float) -> None:
-        """Add to ``pipe`` the index's update for chunks written now (ZADD), then its size (ZCARD: the last reply,
-        for :meth:`trim`)."""
+        """Add to ``pipe`` the index's update for chunks written now (ZADD: its reply, the members it added, is
+        :meth:`trim`'s ``added``), then its size (ZCARD: the last reply, :meth:`trim`'s ``entries``)."""
         pipe.zadd(self.key, {_member(key): now for key in keys})
         pipe.zcard(self.key)
 
@@ -76,18 +83,21 @@ class CapacityIndex:
             command += [repr(now), _member(key)]
         return tuple(command)
 
-    def trim(self, entries: int) -> list[bytes]:
-        """Pop the oldest chunks past the capacity (the index held ``entries``) and delete them; the offload keys
+    def trim(self, entries: int, added: int) -> list[bytes]:
+        """Pop the oldest chunks past the capacity (the index held ``entries`` after this tier's write added
+        ``added``), at most as many as this tier added and has not popped, and delete them; the offload keys
         deleted. Best effort: the store's maxmemory stays the hard bound whatever happens here."""
         evicted: list[bytes] = []
+        self._credit += max(0, added)
         try:
-            over = entries - self.capacity_entries
+            over = min(entries - self.capacity_entries, self._credit)
             if over > 0:
                 popped = self._store.connect().zpopmin(self.key, over)
                 if popped:
                     evicted = self._delete([bytes(member) for member, _ in popped])
                     self._metrics.evicted(len(popped))
                 entries -= len(popped)
+                self._credit -= len(popped)
         except Exception as exc:
             log.debug("kvtier remote tier %s: trimming the index failed (%s)", self.name, exc)
         self._entries = max(0, entries)

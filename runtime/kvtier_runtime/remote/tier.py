@@ -194,7 +194,8 @@ class RemoteTier(QueuedTier):
 
     @property
     def health(self) -> str:
-        """The store's: "connecting", "up" or "down" (:class:`.health.StoreHealth`)."""
+        """The store's: "connecting", "up", "down" or "refused" (it refuses this tier's user:
+        :class:`.health.StoreHealth`)."""
         return self.store_health.state
 
     @property
@@ -230,7 +231,7 @@ class RemoteTier(QueuedTier):
         if not probe:
             return KeyState.MISS
         if not self.store_health.available():
-            self._count_lookup(False, "down")
+            self._count_lookup(False, self.store_health.miss_reason)
             return KeyState.MISS
         self.presence.probing(key)
         self._probes.put([key])
@@ -293,7 +294,7 @@ class RemoteTier(QueuedTier):
                     or not out.is_contiguous()):
                 self._outcomes.fail(job, i, "mismatch")
             elif not up:
-                self._outcomes.fail(job, i, "down")
+                self._outcomes.fail(job, i, self.store_health.miss_reason)
             else:
                 work.append((job, i, key, out))
         if work:

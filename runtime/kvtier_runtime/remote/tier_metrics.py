@@ -24,6 +24,8 @@ class RemoteMetrics(TierMetrics):
         self._lock = threading.Lock()
         self._up = metrics.REMOTE_UP.labels(name)
         self._up.set(0)
+        self._refused = metrics.REMOTE_REFUSED.labels(name)
+        self._refused.set(0)
 
     def miss(self, reason: str, n: int = 1) -> None:
         with self._lock:
@@ -47,3 +49,6 @@ class RemoteMetrics(TierMetrics):
 
     def up(self, on: bool) -> None:
         self._up.set(1 if on else 0)
+
+    def refused(self, on: bool) -> None:
+        self._refused.set(1 if on else 0)

@@ -272,10 +272,15 @@ def test_the_password_comes_from_the_file_and_a_wrong_one_is_a_counted_miss(tmp_
         tier.close()
         denied = _tier(server.url, password_file=str(bad))
         assert not connected(denied)
+        # This tier's fault, not the store's: its keys fail as "auth", the store is reported up (it answers).
+        assert denied.health == "refused"
         assert denied.state(key_of(1)) is KeyState.MISS
-        assert denied.misses["down"] >= 1
+        assert denied.misses["auth"] >= 1 and not denied.misses["down"]
         result = store_blocks(denied, [key_of(2)], [_block(key_of(2))])
-        assert not result.ok[0] and denied.store_failures["down"] == 1
+        assert not result.ok[0] and denied.store_failures["auth"] == 1
+        from prometheus_client import REGISTRY
+        assert REGISTRY.get_sample_value("kvtier_runtime_remote_refused", {"tier": denied.name}) == 1
+        assert REGISTRY.get_sample_value("kvtier_runtime_remote_up", {"tier": denied.name}) == 1
         denied.close()
     finally:
         server.kill()

@@ -263,3 +263,31 @@ def test_the_acl_recipe_works_in_cluster_mode_and_confines_the_tenant(tmp_path) 
         as_a.close()
     finally:
         cluster.kill()
+
+
+def test_a_policy_with_a_one_chunk_size_trims_only_what_it_wrote(redis_server) -> None:
+    """Every policy of a namespace shares the scope's index. A second author's policy with a one-chunk ``size`` used
+    to pop the whole index down to one chunk at its first store (the probe trimmed another owner's chunks this way);
+    a tier now pops at most what it added itself: each of the small tier's stores pops one chunk (the index's
+    oldest), so the index does not grow and the small tier removes no more chunks than it wrote."""
+    owner = _tier(redis_server.url, A)
+    small = _tier(redis_server.url, A, capacity=owner.value_bytes)  # one chunk
+    try:
+        assert connected(owner) and connected(small)
+        assert small.capacity_entries == 1
+        keys = [key_of(1200 + i) for i in range(10)]
+        assert store_blocks(owner, keys, [_block(k) for k in keys]).success
+        client = redis_server.client()
+        index = index_key(key_prefix(A, MODEL))
+        assert client.zcard(index) == 10
+        mine = [key_of(1300 + i) for i in range(3)]
+        for k in mine:
+            assert store_blocks(small, [k], [_block(k)]).success
+        # Each of the small tier's stores added one chunk and popped one (the oldest): the index holds as many as the
+        # owner wrote, three of the owner's oldest gave way for the three written, the other seven stay.
+        assert client.zcard(index) == 10
+        assert sum(client.exists(_store_key(A, k)) for k in keys) == 7
+        assert client.exists(_store_key(A, mine[-1]))
+    finally:
+        owner.close()
+        small.close()

@@ -379,7 +379,9 @@ class KvtierOffloadingManager(OffloadingManager):
             url = (tier.config.url,)
             stats.set_gauge(M.REMOTE_USED_BYTES.name, tier.used_bytes, url)
             stats.set_gauge(M.REMOTE_CAPACITY_BYTES.name, tier.capacity_bytes, url)
-            stats.set_gauge(M.REMOTE_UP.name, 1 if tier.health == "up" else 0, url)
+            # The store's health: up while it answers, also when it refuses this tier's user (auth is the tier's
+            # fault, counted in its misses, not the store's).
+            stats.set_gauge(M.REMOTE_UP.name, 1 if tier.health in ("up", "refused") else 0, url)
         breakers = books.breakers
         for breaker in breakers.breakers:
             for reason, on in breaker.bypass_gauges().items():
