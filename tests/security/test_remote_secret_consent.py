@@ -315,3 +315,59 @@ def test_on_a_real_api_server_only_a_marked_secret_is_projected_and_unmarking_it
              what="SecretNotAllowed after the mark was taken away")  # the status is written after the workload
     wl = get_workload(kube, namespace, "llm")
     assert "kvtier.io/policy" not in (wl["metadata"].get("labels") or {})
+
+
+@pytest.mark.controlplane
+def test_through_the_operator_each_secret_rule_refuses_naming_the_field_and_the_rule(kube, namespace, run_operator):
+    """The rules above as the operator applies them on a real API server: a namespace the admin did not list, the
+    tenant key equal to the store password, a mark for TLS on a plain-TCP store and a private key as the password,
+    each refused with Ready SecretNotAllowed naming the field and the rule, and released; each fixed, applied again
+    (the Secrets are re-read every second here: no resync is waited for)."""
+    from plugins.operator import cond, get_policy, make_policy, user_apply, wait_applied, wait_for
+
+    store = "redis://valkey.kv:6379"
+    secrets = f"/api/v1/namespaces/{namespace}/secrets"
+    good = {"password": base64.b64encode(b"the-store-password-of-at-least-32-bytes").decode(),
+            "tenant": base64.b64encode(MAC_KEY).decode()}
+    kube.create(secrets, {"apiVersion": "v1", "kind": "Secret", "metadata": {
+        "name": "kv-login", "annotations": {REMOTE_STORES_ANNOTATION: store}}, "data": good})
+    user_apply(kube, deployment("llm", namespace))
+    tier = {"name": "shared", "medium": "remote", "size": "1Gi",
+            "remote": {"url": store, "passwordSecret": {"name": "kv-login", "key": "password"},
+                       "macKeySecret": {"name": "kv-login", "key": "tenant"}}}
+
+    def refused(*words: str) -> None:
+        def check():
+            c = cond(get_policy(kube, namespace, "llm"), "Ready")
+            return c.get("reason") == "SecretNotAllowed" and all(w in c.get("message", "") for w in words) and c
+        wait_for(check, 30, what=f"SecretNotAllowed naming {words}")
+
+    # A namespace the admin did not list: nothing is read, the condition names the setting.
+    first = run_operator(remote_stores_allowed=(store,), remote_secret_namespaces=("someone-else",),
+                         secret_recheck_seconds=1.0)
+    kube.create(policy_path(namespace), make_policy("llm", namespace, backend="kvtier", engine="vllm",
+                                                    tiers=[CPU, tier]))
+    refused("spec.tiers[1].remote.passwordSecret: Secrets of namespace", "operator setting remoteSecretNamespaces")
+    first.stop()
+    run_operator(remote_stores_allowed=(store,), remote_secret_namespaces=(namespace,), secret_recheck_seconds=1.0)
+    wait_applied(kube, namespace, "llm", "llm")
+
+    cases = [
+        ({"data": {"tenant": good["password"]}},
+         ("spec.tiers[1].remote.macKeySecret: holds the same bytes as spec.tiers[1].remote.passwordSecret",
+          "the tenant key is never a credential of the store")),
+        ({"metadata": {"annotations": {REMOTE_STORES_ANNOTATION: "valkey.kv:6379"}}},
+         ("spec.tiers[1].remote.passwordSecret: Secret 'kv-login' is not marked for the store "
+          "redis://valkey.kv:6379",)),
+        ({"data": {"password": base64.b64encode(PEM_KEY).decode()}},
+         ("spec.tiers[1].remote.passwordSecret: key 'password' of Secret 'kv-login' holds a private key",)),
+    ]
+    restore = {"metadata": {"annotations": {REMOTE_STORES_ANNOTATION: store}}, "data": good}
+    for patch, words in cases:
+        kube.patch(f"{secrets}/kv-login", patch)
+        refused(*words)
+        wl = kube.get(workload_path("Deployment", namespace, "llm"))
+        assert not [v for v in wl["spec"]["template"]["spec"].get("volumes") or []
+                    if v["name"].startswith("kvtier-remote-")], "released while refused"
+        kube.patch(f"{secrets}/kv-login", restore)
+        wait_applied(kube, namespace, "llm", "llm")
