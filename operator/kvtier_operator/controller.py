@@ -2,13 +2,15 @@
 
 A pass (``Operator.run_pass``, blocking, run in a thread by the policy's daemon in ``handlers``):
 
-1. read the policy and its workloads, ``reconcile.plan`` (pure) what to write;
-2. when the SLO guard is due (``spec.slo``), evaluate it once (``slo_tick.evaluate``) against the targets of this
-   plan; when its new state changes the tiers ``tiers.tier_states`` derives, plan again with that state (pure), so
-   the rendered configuration follows the verdict in the same pass;
+1. read the policy and its workloads, parse the SLO guard's state (``status.slo``) once, ``reconcile.plan`` (pure)
+   what to write from that state;
+2. when the SLO guard is due (``spec.slo``), evaluate it once (``slo_tick.evaluate``) from that state against the
+   targets of this plan; when its new state (typed, as the guard returned it) changes the tiers
+   ``tiers.tier_states`` derives, plan again with that state (pure), so the rendered configuration and the control
+   file follow the verdict in the same pass;
 3. write the ConfigMap and the workloads the plan names;
-4. write the status once: ``status.compose`` of the plan's fields and the guard's, serialised once, compared with
-   the stored one and sent only when it differs (``status_writer``).
+4. write the status once: ``status.compose`` of the plan's fields and the guard's (its state dumped once here),
+   serialised once, compared with the stored one and sent only when it differs (``status_writer``).
 
 Nothing here talks to kopf: ``handlers`` posts the Events a pass returns and owns the daemon, the retries and the
 wake-ups.
@@ -23,6 +25,9 @@ from typing import Any, Optional
 
 from . import parsed
 from . import reconcile as rc
+from .api import guard_state
+from .api.guard_state import SLOGuardState
+from .api.times import format_time
 from .api.units import parse_quantity
 from .api.validation import PolicyInvalid
 from .kube import NODES, STRATEGIC, ApiError, Kube, config_map_path, policy_path, secret_path, workload_path
@@ -33,7 +38,7 @@ from .slo import hit_ratios as hr
 from .slo_tick import DEFAULT_INTERVAL, GuardStep, evaluate, misconfigured
 from .status import Cond, compose, condition, merge_conditions, now_rfc3339
 from .status_writer import write_status
-from .tiers import tier_states
+from .tiers import stored_guard, tier_states
 from .trust import foreign_holder_message, owns_config_map, remote_secret_names
 from .workload import KINDS, Workload, removal_patch
 
@@ -51,11 +56,6 @@ class Outcome:
     events: list[rc.Event] = field(default_factory=list)
     applied: dict[str, str] = field(default_factory=dict)  # workload ref -> config hash now on it
     guard: Optional[GuardStep] = None  # the SLO guard's step, when it evaluated in this pass
-
-
-def with_guard_state(policy: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
-    """The policy as the planner must see it after the guard's step: ``status.slo`` replaced."""
-    return {**policy, "status": {**(policy.get("status") or {}), "slo": state}}
 
 
 def guard_fields(step: GuardStep, conditions: list[dict[str, Any]], generation: Optional[int],
@@ -79,7 +79,7 @@ def guard_fields(step: GuardStep, conditions: list[dict[str, Any]], generation: 
             new.append(Cond("TierIdle", *hr.idle_condition(out["tiers"], measured, now)))
     out["conditions"] = merge_conditions(conditions, new, generation, now)
     if step.state is not None:
-        out["slo"] = step.state
+        out["slo"] = guard_state.dump(step.state)  # the pass's one dump of the guard's state
     return out
 
 
@@ -230,8 +230,8 @@ class Operator:
     # ----------------------------------------------------------------------------------------- the pass
 
     def _plan(self, policy: dict[str, Any], workloads: list[dict[str, Any]], others: list[dict[str, Any]],
-              now: str) -> rc.Plan:
-        return rc.plan(policy, workloads, others, now=now, node_allocatable=self.node_allocatable(),
+              now: str, guard: Optional[SLOGuardState]) -> rc.Plan:
+        return rc.plan(policy, workloads, others, now=now, guard=guard, node_allocatable=self.node_allocatable(),
                        cleanup_image=self.settings.cleanup_image, server_validated=True,
                        host_path_prefixes=self.settings.host_path_prefixes, pvc_allowed=self.settings.pvc_allowed,
                        remote_stores_allowed=self.settings.remote_stores_allowed,
@@ -276,7 +276,8 @@ class Operator:
             return False
         return _versions(self._read_secrets(namespace, list(seen))) != seen
 
-    def _guard(self, policy: dict[str, Any], plan: rc.Plan) -> Optional[GuardStep]:
+    def _guard(self, policy: dict[str, Any], plan: rc.Plan, state: Optional[SLOGuardState],
+               at: float) -> Optional[GuardStep]:
         meta = policy["metadata"]
         try:
             spec = parsed.parse(parsed.key(policy)).spec
@@ -286,7 +287,17 @@ class Operator:
         if targets is None:  # a refusal computed none: measure what the stored status names
             targets = (policy.get("status") or {}).get("targets") or []
         source = self.measurement_source(meta["namespace"], meta["name"])
-        return evaluate(self.kube, self.settings, policy, spec, targets, source)
+        return evaluate(self.kube, self.settings, policy, spec, targets, source, state=state, now=at)
+
+    @staticmethod
+    def _stored_guard(policy: dict[str, Any], at: float) -> Optional[SLOGuardState]:
+        """``status.slo`` parsed, once per pass, at the time the guard evaluates (None: the policy is invalid, has
+        no ``spec.slo`` or no stored state)."""
+        try:
+            spec = parsed.parse(parsed.key(policy), True).spec
+        except PolicyInvalid:
+            return None
+        return stored_guard(spec, policy.get("status") or {}, format_time(at))
 
     def run_pass(self, namespace: str, name: str, others: list[dict[str, Any]],
                  hints: Optional[dict[str, tuple[bool, bool]]] = None, guard_due: bool = False) -> Outcome:
@@ -298,21 +309,21 @@ class Operator:
         selector = (policy.get("spec") or {}).get("selector")
         workloads = self.observe_workloads(namespace, name, selector, hints)
         others_objs = [{"metadata": {"name": o["name"]}, "spec": {"selector": o.get("selector")}} for o in others]
-        now = now_rfc3339()
-        plan = self._plan(policy, workloads, others_objs, now)
+        now, at = now_rfc3339(), time.time()
+        guard = self._stored_guard(policy, at)
+        plan = self._plan(policy, workloads, others_objs, now, guard)
         outcome = Outcome(policy)
-        step = self._guard(policy, plan) if guard_due and (policy.get("spec") or {}).get("slo") else None
-        planned_from = policy
+        step = self._guard(policy, plan, guard, at) if guard_due and (policy.get("spec") or {}).get("slo") else None
         if step is not None and step.state is not None and not plan.invalid:
-            planned_from = with_guard_state(policy, step.state)
+            guard = step.state
             spec = parsed.parse(parsed.key(policy)).spec
-            if tier_states(spec, planned_from["status"], now) != plan.status.get("tiers"):
-                plan = self._plan(planned_from, workloads, others_objs, now)  # the verdict, rendered now
-        plan = self._apply_config_map(planned_from, plan, now)
+            if tier_states(spec, policy.get("status") or {}, now, guard) != plan.status.get("tiers"):
+                plan = self._plan(policy, workloads, others_objs, now, guard)  # the verdict, rendered now
+        plan = self._apply_config_map(policy, plan, now)
         failures: dict[str, str] = {}
         for t in plan.targets:
             self._write_workload(namespace, t, failures, outcome)
-        plan = rc.with_failures(plan, planned_from, failures, now)
+        plan = rc.with_failures(plan, policy, failures, now)
         if plan.release_config_map and not failures:
             self._delete_config_map(namespace, name, policy["metadata"].get("uid"))
         fields = dict(plan.status)

@@ -11,6 +11,8 @@ from typing import Any, Iterable, Mapping, Optional
 from kvtier_runtime.config import control_file_json
 
 from .api import v1alpha1 as api
+from .api.guard_state import SLOGuardState
+from .api.times import parse_time
 from . import parsed
 from .api.validation import PolicyInvalid, Problem, parse_policy
 from .printable import printable
@@ -18,9 +20,8 @@ from .reports import Event
 from .render import CONFIG_DIR, CONFIG_FILE, CONTROL_FILE, RenderedConfig, RenderError, detect_engine, render
 from .selectors import matches
 from .settings import FIELD_MANAGER, POLICY_LABEL
-from .slo.decisions import parse_time
 from .status import Cond, merge_conditions, transitions
-from .tiers import enabled, guard_disabled, tier_states
+from .tiers import STORED, GuardInput, enabled, guard_disabled, stored_guard, tier_states
 from .trust import (host_path_problems, not_opted_in_message, opted_in, pvc_problems, remote_secret_problems,
                     remote_store_problems, secret_namespace_problems)
 from .workload import (
@@ -94,16 +95,13 @@ class Plan:
     release_config_map: bool = False
 
 
-def control_generation(status: Mapping[str, Any]) -> int:
-    """The control file's generation: the newest guard decision's time in epoch milliseconds (0 before any), so it
-    grows with every decision and the same status always writes the same bytes."""
-    history = (status.get("slo") or {}).get("history") if isinstance(status.get("slo"), Mapping) else None
+def control_generation(guard: Optional[SLOGuardState]) -> int:
+    """The control file's generation: the newest guard decision's time in epoch milliseconds (0 before any, or
+    without a guard), so it grows with every decision and the same state always writes the same bytes. An entry
+    whose time does not read (a hand edit) is skipped: it cannot void the file."""
     newest = 0
-    for entry in history or ():
-        try:
-            when = parse_time(entry.get("time")) if isinstance(entry, Mapping) else None
-        except (TypeError, ValueError):
-            when = None  # a hand-edited entry: skipped, it cannot void the file
+    for entry in guard.history if guard is not None else ():
+        when = parse_time(entry.time)  # a time that does not validate reads as None (api.guard_state)
         if when is not None and when > 0:
             newest = max(newest, round(when * 1000))
     return newest
@@ -220,12 +218,13 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
          server_validated: bool = False, host_path_prefixes: Iterable[str] = (),
          pvc_allowed: Iterable[str] = (), remote_stores_allowed: Iterable[str] = (),
          secrets: Optional[Mapping[str, Optional[Mapping[str, Any]]]] = None,
-         secret_namespaces: Optional[Iterable[str]] = None) -> Plan:
+         secret_namespaces: Optional[Iterable[str]] = None, guard: GuardInput = STORED) -> Plan:
     """Everything one reconcile of ``policy_obj`` must write.
 
     ``workloads``: Deployments and StatefulSets of the namespace that match the selector or carry our policy
     label. ``other_policies``: the namespace's other live policies (for conflicts). Tier states come from
-    ``tiers.tier_states`` (the spec and the SLO guard's state in ``status.slo``).
+    ``tiers.tier_states`` (the spec and the SLO guard's state). ``guard``: that state as the pass holds it (typed;
+    None: no guard state); by default ``status.slo``, parsed here.
     ``server_validated``: the object comes from the API server, which already ran the CRD's CEL rules.
     ``host_path_prefixes``: node paths the admin lets tiers mount (operator settings); default none.
     ``pvc_allowed``: claims the admin lets tiers mount (NAMESPACE/CLAIM, '*' for either part); default none.
@@ -272,7 +271,8 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
         return refusal(policy_obj, reason, "; ".join(refused), now)
 
     spec = policy.spec
-    states = tier_states(spec, old, now)
+    state = stored_guard(spec, old, now) if isinstance(guard, str) else guard
+    states = tier_states(spec, old, now, state)
     on, off = enabled(states), guard_disabled(states)
     others = [p for p in other_policies if p["metadata"]["name"] != name]
     targets: list[TargetPlan] = []
@@ -323,7 +323,7 @@ def plan(policy_obj: dict[str, Any], workloads: Iterable[dict[str, Any]], other_
         files = first.files
     if first is not None and first.live_control and files is not None:
         # The guard's decisions for every engine of the policy, read live (the fleet shares one ConfigMap).
-        files = {**files, CONTROL_FILE: control_file_json(first.bypassed, control_generation(old))}
+        files = {**files, CONTROL_FILE: control_file_json(first.bypassed, control_generation(state))}
     config_map = config_map_body(policy_obj, files) if files is not None else None
 
     observed = Observed(states, on, engine, ws, _remote_budget(spec, on, ws, rendered_by_target),

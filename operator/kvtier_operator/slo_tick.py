@@ -1,8 +1,9 @@
 """The SLO guard's step in a policy's pass (``controller``): evaluate ``spec.slo`` once, write nothing.
 
-``evaluate`` reads the guard's stored state (``status.slo``), runs ``slo.tick`` against the policy's Prometheus and
-returns a :class:`GuardStep`: the new state, its verdict (``sloState``), its conditions, its Events and whether
-a ``kvtier.io/reenable`` request was acknowledged. The pass folds the step into the one status it writes, and
+``evaluate`` takes the guard's state as the pass parsed it (``status.slo``, typed: ``api.guard_state``), runs
+``slo.tick`` against the policy's Prometheus and returns a :class:`GuardStep`: the new state (typed; the pass dumps
+it once, into the status it writes), its verdict (``sloState``), its conditions, its Events and whether a
+``kvtier.io/reenable`` request was acknowledged. The pass folds the step into the one status it writes, and
 re-plans with the new state when the tiers it derives changed, so the rendered configuration and status.tiers
 follow the guard's verdict in the same pass. Rollbacks are Warning Events and count in
 ``kvtier_operator_tier_rollbacks_total``. An SLO configuration the guard cannot act on is ``SLOUnknown`` (the
@@ -20,13 +21,15 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 from . import slo
+from .api import guard_state
 from .api import v1alpha1 as api
+from .api.guard_state import SLOGuardState
 from .api.units import parse_duration
 from .reports import Cond, Event
 from .settings import REENABLE_ANNOTATION, Settings
 from .slo import hit_ratios as hr
 from .slo.client import PrometheusClientConfig, PrometheusSource, Unavailable, resolve_client_config
-from .tiers import derive, enabled
+from .tiers import STORED, GuardInput, derive, enabled
 from .trust import endpoint_problem
 
 # The API's default spec.slo.interval, used until the spec can be read.
@@ -98,7 +101,7 @@ class GuardStep:
     interval: float
     slo_state: str
     conditions: list[Cond] = field(default_factory=list)
-    state: Optional[dict[str, Any]] = None
+    state: Optional[SLOGuardState] = None
     events: list[Event] = field(default_factory=list)
     rollbacks: list[str] = field(default_factory=list)
     verdict: Optional[str] = None
@@ -151,12 +154,18 @@ def measurement_source(kube: Kube, settings: Settings, namespace: str,
 
 
 def decide(guard: "slo.SLOSettings", policy_obj: dict[str, Any], source: Any, scope: "slo.Scope",
-           now: float) -> GuardStep:
-    """One evaluation against ``source``; pure apart from the source's queries."""
+           now: float, state: GuardInput = STORED) -> GuardStep:
+    """One evaluation against ``source`` at ``now`` (epoch seconds), from ``state`` (the guard's state as the pass
+    parsed it; by default ``status.slo``, parsed here); pure apart from the source's queries. ValueError for a
+    stored state a newer operator wrote, which this one must not overwrite."""
     status = policy_obj.get("status") or {}
     reenable = reenable_requests(policy_obj)
     stored = status.get("slo")
-    state = slo.read_state(stored if isinstance(stored, dict) else None, now)  # status.slo parsed once
+    stored = stored if isinstance(stored, dict) else None
+    if isinstance(state, str):
+        state = slo.read_state(stored, now)
+    else:
+        guard_state.check_version(stored)
     decision = slo.tick(guard, state, source, scope, now, engine=status.get("engine"),
                         reenable_requests=reenable, generation=policy_obj["metadata"].get("generation"))
     step = step_of(decision, guard.interval_s, reenable)
@@ -189,10 +198,9 @@ def hit_ratios(guard: "slo.SLOSettings", source: Any, scope: "slo.Scope", decisi
 
 
 def step_of(decision: "slo.Decision", interval: float, reenable: list[str] = ()) -> GuardStep:
-    """A decision of the engine as the pass's step: its conditions, Events and acknowledgements, and its state in
-    the stored form (``status.slo``, dumped once here) (pure)."""
+    """A decision of the engine as the pass's step: its state, conditions, Events and acknowledgements (pure)."""
     verdict = decision.state.verdict
-    step = GuardStep(interval=interval, state=slo.stored_state(decision.state), verdict=verdict,
+    step = GuardStep(interval=interval, state=decision.state, verdict=verdict,
                      slo_state=SLO_STATE.get(verdict or "", "Unknown"))
     acknowledged = []
     for a in decision.actions:
@@ -216,11 +224,13 @@ def step_of(decision: "slo.Decision", interval: float, reenable: list[str] = ())
 
 
 def evaluate(kube: Kube, settings: Settings, policy_obj: dict[str, Any], spec: api.KVCachePolicySpec,
-             targets: list[dict[str, Any]], source: Optional[Any] = None) -> Optional[GuardStep]:
+             targets: list[dict[str, Any]], source: Optional[Any] = None, *, state: GuardInput = STORED,
+             now: Optional[float] = None) -> Optional[GuardStep]:
     """The guard's step for a policy with ``spec.slo``; None when there is nothing to evaluate (no Prometheus).
 
     ``targets``: this pass's ``status.targets`` (whose pods are measured). ``source``: a measurement source to
-    use instead of the policy's Prometheus (closed by the caller).
+    use instead of the policy's Prometheus (closed by the caller). ``state``: the guard's state as the pass parsed
+    it (by default ``status.slo``, parsed here); ``now``: when the pass evaluates (epoch seconds; by default now).
     """
     try:
         guard = slo.SLOSettings.from_policy_spec(spec)
@@ -250,7 +260,7 @@ def evaluate(kube: Kube, settings: Settings, policy_obj: dict[str, Any], spec: a
     elif scope is None:
         return no_targets(guard.interval_s)
     try:
-        return decide(guard, policy_obj, source, scope, time.time())
+        return decide(guard, policy_obj, source, scope, time.time() if now is None else now, state)
     finally:
         if own:
             source.close()

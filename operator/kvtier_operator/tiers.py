@@ -15,7 +15,7 @@ file; ``guard_disabled``). The tier an SLO breach rolls back is the newest of th
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Literal, Mapping, Optional, Sequence, Union
 
 from .api import v1alpha1 as api
 from .api.guard_state import SLOGuardState
@@ -73,13 +73,26 @@ def derive(declared: Sequence[tuple[str, bool]], staged: bool, guard: Optional[S
     return out
 
 
-def tier_states(spec: api.KVCachePolicySpec, status: Mapping[str, Any], now: str) -> list[dict[str, Any]]:
-    """``status.tiers`` for a parsed spec and the stored status (its ``slo`` and ``tiers``)."""
+# A pass's guard state: the typed state (None: no guard state), or STORED: parse ``status.slo`` where it is needed.
+STORED = "stored"
+GuardInput = Union[SLOGuardState, None, Literal["stored"]]
+
+
+def stored_guard(spec: api.KVCachePolicySpec, status: Mapping[str, Any], now: str) -> Optional[SLOGuardState]:
+    """``status.slo`` parsed (once per pass: the pass hands the result on), None without ``spec.slo`` or before the
+    guard's first evaluation. Read for rendering, never refused: a state a newer operator wrote is read for what
+    this one understands (the guard itself refuses to evaluate it: ``api.guard_state.check_version``)."""
     stored = status.get("slo") if spec.slo is not None else None
-    # Read, never written back here: a state a newer operator wrote is read for what this one understands.
-    guard = read_guard_state(stored, now) if isinstance(stored, Mapping) else None
+    return read_guard_state(stored, now) if isinstance(stored, Mapping) else None
+
+
+def tier_states(spec: api.KVCachePolicySpec, status: Mapping[str, Any], now: str,
+                guard: GuardInput = STORED) -> list[dict[str, Any]]:
+    """``status.tiers`` for a parsed spec, the stored status (its ``tiers``) and the guard's state (by default
+    ``status.slo``, parsed here)."""
+    state = stored_guard(spec, status, now) if isinstance(guard, str) else guard
     return derive([(t.name, t.enabled) for t in spec.tiers], spec.rollout.strategy == "staged",
-                  guard, status.get("tiers") or [], now, measured=spec.slo is not None)
+                  state, status.get("tiers") or [], now, measured=spec.slo is not None)
 
 
 def enabled(states: Iterable[Mapping[str, Any]]) -> list[str]:

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import pytest
 
 from kvtier_operator import reconcile as rc
+from kvtier_operator.api import guard_state
 from kvtier_operator.api.validation import PolicyInvalid, parse_policy
 from kvtier_operator.render import CONTROL_FILE
 from kvtier_runtime.config import OffloadSpecConfig
@@ -42,6 +43,11 @@ def _reenabled(tier: str = "nvme", at: str = "2026-12-02T10:05:00.000Z") -> dict
     st["slo"]["probation"] = {tier: {"since": at}}
     st["slo"]["history"].append({"time": at, "tier": tier, "action": "Reenabled", "reason": "Annotation"})
     return st
+
+
+def _generation(status: dict[str, Any]) -> int:
+    """The control file's generation for a stored status (its ``slo`` parsed as a pass parses it)."""
+    return rc.control_generation(guard_state.read(status["slo"], NOW))
 
 
 def _plan(p: dict[str, Any]) -> rc.Plan:
@@ -83,14 +89,14 @@ def test_the_runtime_reads_the_written_control_file_with_the_rendered_tier_names
     watcher = ControlFile(str(path), known=cfg.names)
     state = watcher.poll(force=True)
     assert state is not None and state.disabled == {"nvme"} and not watcher.errors
-    assert state.generation == rc.control_generation(_guard_disabled())
+    assert state.generation == _generation(_guard_disabled())
 
 
 def test_reenabling_is_live_too_and_the_generation_grows():
     breached, back = _plan(_policy(status=_guard_disabled())), _plan(_policy(status=_reenabled()))
     assert back.targets[0].config_hash == breached.targets[0].config_hash
     assert '"disabledTiers":[]' in (_control(back) or "")
-    assert rc.control_generation(_reenabled()) > rc.control_generation(_guard_disabled()) > 0
+    assert _generation(_reenabled()) > _generation(_guard_disabled()) > 0
     # The same status always writes the same bytes (an unchanged ConfigMap is not written again).
     assert _control(_plan(_policy(status=_reenabled()))) == _control(back)
 
@@ -120,8 +126,8 @@ def test_a_hand_edited_history_time_cannot_break_the_control_file():
     st = _guard_disabled()
     st["slo"]["history"].append({"time": "yesterday", "tier": "nvme", "action": "Disabled"})
     st["slo"]["history"].append("not an entry")
-    assert rc.control_generation(st) == rc.control_generation(_guard_disabled())
-    assert rc.control_generation({}) == 0 and rc.control_generation({"slo": "x"}) == 0
+    assert _generation(st) == _generation(_guard_disabled())
+    assert rc.control_generation(None) == 0 and _generation({"slo": {}}) == 0
 
 
 def test_the_recompute_rate_reaches_the_engine_and_needs_backend_kvtier():

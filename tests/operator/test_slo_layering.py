@@ -27,6 +27,14 @@ def test_the_guard_loads_no_controller_module():
         assert not loaded & CONTROLLER, (module, sorted(loaded & CONTROLLER))
 
 
+def test_the_reconcile_loads_no_guard_module():
+    """The reconcile renders from the guard's typed state (api.guard_state) and reads its times (api.times): it needs
+    nothing of the guard itself."""
+    loaded = loaded_by("kvtier_operator.reconcile")
+    assert "kvtier_operator.reconcile" in loaded and "kvtier_operator.api.guard_state" in loaded
+    assert not {m for m in loaded if m == "kvtier_operator.slo" or m.startswith("kvtier_operator.slo.")}
+
+
 def test_the_controller_and_the_guard_share_one_condition_and_one_event_type():
     from kvtier_operator import reconcile, reports, slo_tick, status
 

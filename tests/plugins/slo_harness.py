@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterable, Mapping
 from kvtier_operator.api import v1alpha1 as api
 from kvtier_operator.api.validation import PolicyInvalid, parse_policy
 from kvtier_operator.api import guard_state
-from kvtier_operator.slo.decisions import Action, SetCondition, format_time, read_state, stored_state
+from kvtier_operator.api.times import format_time
+from kvtier_operator.slo.decisions import Action, SetCondition, read_state, stored_state
 from kvtier_operator.slo.guard import MeasurementSource, tick
 from kvtier_operator.slo.queries import Scope
 from kvtier_operator.slo.settings import SLOSettings, SLOSpecError

@@ -4,7 +4,7 @@
   other: what they share lives in ``kvtier_runtime.tiers``, so either can change without breaking the other;
 * no module imports another module's underscore name, nor anything from a private module (``redis._parsers``):
   what crosses a module boundary is public (the only exceptions are the third-party private names the vLLM
-  plug-ins cannot do without, listed below);
+  plug-ins cannot do without, listed in ``plugins.import_rules``);
 * the books (``store/books.py``) never decide by a tier's kind: no isinstance/issubclass against a tier class, no
   ``is_remote``-style test or attribute, no comparison of a tier's ``medium``/``origin``, and no per-kind tier
   list (``fs_tiers``/``remote_tiers``): the books take one ordered list and each question is asked of the tier
@@ -18,78 +18,18 @@ from pathlib import Path
 
 import pytest
 
+from plugins.import_rules import apart_violations, private_import_violations
+
 RUNTIME = Path(__file__).resolve().parents[2] / "runtime" / "kvtier_runtime"
 
-# Private names of other projects that the vLLM plug-ins need and vLLM offers no public name for.
-THIRD_PARTY_PRIVATE = frozenset({
-    ("vllm", "_custom_ops"),  # vLLM's cache ops (swap_blocks), only reachable there
-    ("vllm.v1.attention.backends.cpu_attn", "_get_attn_isa"),  # the CPU attention backend's page layout
-})
 # What a kind test in the books looks like, besides isinstance against a *Tier class.
 KIND_MARKERS = frozenset({"remote", "is_remote", "_is_remote", "is_fs", "_is_fs", "medium", "origin", "kind"})
 TIER_LISTS = frozenset({"fs_tiers", "remote_tiers"})
 
 
-def _modules(root: Path) -> list[tuple[str, Path, ast.Module]]:
-    """(dotted module name, path, tree) of every module under ``root`` (the ``kvtier_runtime`` directory)."""
-    out = []
-    for path in sorted(root.rglob("*.py")):
-        parts = path.relative_to(root.parent).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        out.append((name, path, ast.parse(path.read_text(), str(path))))
-    return out
-
-
-def _package_of(module: str, path: Path) -> str:
-    return module if path.name == "__init__.py" else module.rpartition(".")[0]
-
-
-def _imports(module: str, path: Path, tree: ast.Module) -> list[tuple[int, str, str | None]]:
-    """(line, imported module, imported name or None for ``import x``) of every import, relative ones resolved."""
-    out: list[tuple[int, str, str | None]] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, alias.name, None) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = _package_of(module, path).split(".")
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            out += [(node.lineno, target, alias.name) for alias in node.names]
-    return out
-
-
-def _under(module: str, package: str) -> bool:
-    return module == package or module.startswith(package + ".")
-
-
 def fs_remote_violations(root: Path) -> list[str]:
     """Imports from kvtier_runtime.remote in kvtier_runtime.fs, and the reverse."""
-    fs, remote = "kvtier_runtime.fs", "kvtier_runtime.remote"
-    bad = []
-    for module, path, tree in _modules(root):
-        for line, target, name in _imports(module, path, tree):
-            full = f"{target}.{name}" if name else target  # `from kvtier_runtime import fs` imports the package
-            for here, there in ((fs, remote), (remote, fs)):
-                if _under(module, here) and (_under(target, there) or _under(full, there)):
-                    bad.append(f"{path.relative_to(root.parent)}:{line}: {module} imports {full}")
-    return bad
-
-
-def private_import_violations(root: Path) -> list[str]:
-    """``from x import _name``, ``from x._mod import name`` or ``import x._mod``, where x is another module."""
-    bad = []
-    for module, path, tree in _modules(root):
-        for line, target, name in _imports(module, path, tree):
-            # The imported name and every part of the module it comes from (``redis._parsers.base``).
-            parts = target.split(".") + (name.split(".") if name else [])
-            private = [p for p in parts if p.startswith("_") and not p.startswith("__")]
-            if not private or target == module or (target, name) in THIRD_PARTY_PRIVATE:
-                continue
-            bad.append(f"{path.relative_to(root.parent)}:{line}: {module} imports {name or target} from {target}")
-    return bad
+    return apart_violations(root, "fs", "remote")
 
 
 def _names(node: ast.AST) -> set[str]:

@@ -7,12 +7,12 @@ exceptions that keep the system safe. A rolled-back tier stays rolled back (an u
 time of reading (the cooldown starts over rather than being skipped). The CRD keeps this object schemaless
 (``x-kubernetes-preserve-unknown-fields``), so the API server stores whatever a newer version writes; unknown
 keys are kept. The guard reads with :func:`load` (which passes the time of reading and refuses a newer version),
-readers that never write it back with :func:`read`, and the stored form is :func:`dump`: one parse in, one dump out,
-the dict exists only there.
+readers that never write it back with :func:`read`, and the stored form is :func:`dump`. A policy's pass parses it
+once (:func:`read`, the guard checking the version apart: :func:`check_version`), hands the typed state to the
+reconcile and the guard, and dumps the guard's new state once: the dict exists only at those two ends.
 """
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated, Any, Callable, Mapping, Optional
 
 from pydantic import (
@@ -29,14 +29,9 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from .times import is_time
+
 STATE_VERSION = 1
-
-
-def _is_time(value: Any) -> bool:
-    try:
-        return isinstance(value, str) and datetime.fromisoformat(value.replace("Z", "+00:00")) is not None
-    except ValueError:
-        return False
 
 
 def _or(default: Callable[[ValidationInfo], Any]) -> WrapValidator:
@@ -54,7 +49,7 @@ def _now(info: ValidationInfo) -> str:
 
 
 def _time(value: Any) -> Any:
-    if value is not None and not _is_time(value):
+    if value is not None and not is_time(value):
         raise ValueError("not an RFC 3339 time")
     return value
 
@@ -174,8 +169,29 @@ class Rollout(_State):
         return out
 
 
-def _history(value: Any) -> list[dict[str, Any]]:
-    return [h for h in value if isinstance(h, dict)] if isinstance(value, list) else []
+class HistoryEntry(_State):
+    """One tier change the guard made or simulated (``status.slo.history``, newest last): when, which tier, what
+    (``Disabled``, ``WouldDisable``, ``Reenabled``, ``WouldReenable``, ``ProbationFailed``, ``ProbationPassed``,
+    ``StageEnabled``), why, and the metric, value and threshold that decided it. Stored with the fields it has (an
+    unset one is left out); a field that does not validate reads as unset, and keys a newer version wrote are
+    kept."""
+
+    time: OptTime = None
+    tier: OptStr = None
+    action: OptStr = None
+    reason: OptStr = None
+    metric: OptStr = None
+    value: OptFloat = None
+    threshold: OptFloat = None
+
+    @model_serializer(mode="wrap")
+    def _shape(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        return {k: v for k, v in out.items() if v is not None}
+
+
+def _history(value: Any) -> list[Any]:
+    return [h for h in value if isinstance(h, (dict, HistoryEntry))] if isinstance(value, list) else []
 
 
 class SLOGuardState(_State):
@@ -197,16 +213,22 @@ class SLOGuardState(_State):
     gpu_only_breach_reported: Flag = False
     baseline: Annotated[Optional[Baseline], _or(lambda info: None)] = None
     rollout: Annotated[Optional[Rollout], _or(lambda info: None)] = None
-    # The API's HistoryEntry shape, newest last (kept as dicts: entries a newer version wrote survive).
-    history: Annotated[list[dict[str, Any]], BeforeValidator(_history)] = Field(default_factory=list)
+    # Newest last, at most spec.slo's history limit (the guard trims it).
+    history: Annotated[list[HistoryEntry], BeforeValidator(_history)] = Field(default_factory=list)
+
+
+def check_version(state: Optional[Mapping[str, Any]]) -> None:
+    """Raise ValueError for a stored state written by a newer operator, which this one must not overwrite with what
+    it understands (a look at its ``version``, not a parse)."""
+    version = (state or {}).get("version", STATE_VERSION)
+    if isinstance(version, int) and not isinstance(version, bool) and version > STATE_VERSION:
+        raise ValueError(f"status.slo.version: {version} is newer than this operator understands")
 
 
 def load(state: Optional[Mapping[str, Any]], now: str) -> SLOGuardState:
     """The stored state, readable whatever was stored (see the module's docstring); raises only for a state
-    written by a newer operator, which this one must not overwrite with what it understands."""
-    version = (state or {}).get("version", STATE_VERSION)
-    if isinstance(version, int) and not isinstance(version, bool) and version > STATE_VERSION:
-        raise ValueError(f"status.slo.version: {version} is newer than this operator understands")
+    written by a newer operator (:func:`check_version`)."""
+    check_version(state)
     return read(state, now)
 
 

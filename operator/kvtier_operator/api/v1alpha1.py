@@ -901,19 +901,6 @@ class TargetStatus(_Model):
     message: str = Field("", description="Details, e.g. which argument to add.")
 
 
-class HistoryEntry(_Model):
-    """One tier change, newest last."""
-
-    time: str = Field(description="When (RFC 3339).")
-    tier: str = Field(description="Tier changed.")
-    action: str = Field(description="What happened: Disabled, Reenabled, StageEnabled, BaselineRecorded, "
-                                    "WouldDisable (dry run), ProbationFailed, ...", max_length=64)
-    reason: str = Field("", description="Why.")
-    metric: Optional[str] = Field(None, description="Metric that decided it (ttftP99, itlP99).")
-    value: Optional[float] = Field(None, description="Measured value, seconds.")
-    threshold: Optional[float] = Field(None, description="Threshold it was compared with, seconds.")
-
-
 # Typed in Python (api.guard_state), schemaless in the CRD: the API server keeps what a newer guard writes.
 GuardStateField = Annotated[SLOGuardState, WithJsonSchema({"additionalProperties": True, "type": "object"})]
 

@@ -26,11 +26,12 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime
 from typing import Any, Iterable, Literal, Mapping, NamedTuple, Union
 
 from ..api import guard_state
-from ..api.guard_state import Baseline, DisabledTier, Last, ProbationTier, Rollout, Samples, SLOGuardState
+from ..api.times import format_time, parse_time
+from ..api.guard_state import Baseline, DisabledTier, HistoryEntry, Last, ProbationTier, Rollout, Samples, SLOGuardState
 from ..tiers import derive, newest_enabled
 from .measurements import Measurements, Reading
 from .settings import SLOSettings
@@ -118,24 +119,6 @@ def _epoch(now: float | datetime) -> float:
     return float(now)
 
 
-def format_time(epoch: float) -> str:
-    """RFC 3339 in UTC with milliseconds, as Kubernetes status fields are read by people.
-
-    Rounded up to the millisecond, never down: every period the guard times from a stored start (a stage's
-    observation, cooldown, probation) must last at least its full length, and a start truncated by up to 1 ms
-    would end it up to 1 ms early. (Rounded to the microsecond first, so 1.001 s stays 1.001 s.)
-    """
-    ms = math.ceil(round(epoch * 1000, 3))
-    when = datetime.fromtimestamp(ms // 1000, tz=timezone.utc) + timedelta(milliseconds=ms % 1000)
-    return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def parse_time(text: str | None) -> float | None:
-    if text is None:
-        return None
-    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-
-
 # -------------------------------------------------------------------------------------------------- state
 def read_state(stored: Mapping[str, Any] | None, now: float | datetime) -> SLOGuardState:
     """``status.slo`` as stored, parsed once for an evaluation at ``now`` (unreadable fields take their defaults,
@@ -151,7 +134,7 @@ def stored_state(state: SLOGuardState) -> dict[str, Any]:
 def _load(settings: SLOSettings, state: SLOGuardState | None, now: float) -> SLOGuardState:
     """A copy of the state to evolve (the caller's is never modified), with bookkeeping for tiers that left the
     spec and for a dry run switched off."""
-    st = state.model_copy(deep=True) if state is not None else read_state(None, now)
+    st = state.model_copy(deep=True) if state is not None else SLOGuardState()  # nothing stored: a new state
     tiers = set(settings.tiers)
     st.disabled = {t: v for t, v in st.disabled.items() if t in tiers}
     st.probation = {t: v for t, v in st.probation.items() if t in tiers}
@@ -333,16 +316,12 @@ class _Guard:
     # -- bookkeeping
     def history(self, action: str, tier: str, reason: str = "", metric: str | None = None,
                 value: float | None = None, threshold: float | None = None, dry_run: bool = False) -> None:
-        """One ``status.slo.history`` entry (the API's HistoryEntry: time, tier, action, reason, metric, value,
-        threshold; nothing else, the model forbids extra keys)."""
+        """One ``status.slo.history`` entry (:class:`~kvtier_operator.api.guard_state.HistoryEntry`)."""
         if dry_run:
             action = {"Disabled": "WouldDisable", "ProbationFailed": "WouldDisable",
                       "Reenabled": "WouldReenable"}.get(action, action)
-        entry: dict[str, Any] = {"time": format_time(self.now), "tier": tier, "action": action, "reason": reason}
-        for key, val in (("metric", metric), ("value", value), ("threshold", threshold)):
-            if val is not None:
-                entry[key] = val
-        self.st.history.append(entry)
+        self.st.history.append(HistoryEntry(time=format_time(self.now), tier=tier, action=action, reason=reason,
+                                            metric=metric, value=value, threshold=threshold))
 
     def since(self, key_time: str | None) -> float:
         parsed = parse_time(key_time)

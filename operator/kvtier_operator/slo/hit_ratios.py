@@ -24,7 +24,7 @@ from datetime import datetime
 from typing import Any, Callable, Iterable, Mapping, Optional, Protocol
 
 from .measurements import Reading
-from .queries import Scope, _selector, promql_duration
+from .queries import Scope, promql_duration, series_selector
 
 # An enabled tier serving fewer than this share of the looked-up tokens over the idle window is TierIdle.
 IDLE_RATIO = 0.01
@@ -54,15 +54,15 @@ def _tier_scope(scope: Scope, tier: str) -> Scope:
 def tier_query(tier: str, scope: Scope, window_s: float) -> str:
     """Tokens ``tier`` served over all tokens looked up in kvtier, on the scope's pods, over ``window_s``."""
     w = promql_duration(window_s)
-    return (f"(sum(rate({_selector(HIT_TOKENS, _tier_scope(scope, tier))}[{w}])) or vector(0)) / "
-            f"sum(rate({_selector(LOOKUP_TOKENS, scope)}[{w}]))")
+    return (f"(sum(rate({series_selector(HIT_TOKENS, _tier_scope(scope, tier))}[{w}])) or vector(0)) / "
+            f"sum(rate({series_selector(LOOKUP_TOKENS, scope)}[{w}]))")
 
 
 def device_query(scope: Scope, window_s: float) -> str:
     """vLLM's GPU prefix cache: hit tokens over queried tokens, on the scope's pods, over ``window_s``."""
     w = promql_duration(window_s)
-    return (f"sum(rate({_selector(PREFIX_HITS, scope)}[{w}])) / "
-            f"sum(rate({_selector(PREFIX_QUERIES, scope)}[{w}]))")
+    return (f"sum(rate({series_selector(PREFIX_HITS, scope)}[{w}])) / "
+            f"sum(rate({series_selector(PREFIX_QUERIES, scope)}[{w}]))")
 
 
 @dataclass(frozen=True)

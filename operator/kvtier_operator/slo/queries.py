@@ -102,7 +102,8 @@ def promql_duration(seconds: float) -> str:
     return f"{ms}ms"
 
 
-def _selector(name_regex: str, scope: Scope) -> str:
+def series_selector(name_regex: str, scope: Scope) -> str:
+    """The series whose name matches ``name_regex``, of the scope's pods: ``{__name__=~"...", namespace=...}``."""
     return "{" + ", ".join([f'__name__=~"{name_regex}"', *scope.matchers()]) + "}"
 
 
@@ -110,12 +111,12 @@ def p99_query(bucket_regex: str, scope: Scope, window_s: float, quantile: float 
     """p99 across all target pods: rates summed by ``le`` before the quantile, as histograms must be."""
     return (
         f"histogram_quantile({quantile}, sum by (le) "
-        f"(rate({_selector(bucket_regex, scope)}[{promql_duration(window_s)}])))"
+        f"(rate({series_selector(bucket_regex, scope)}[{promql_duration(window_s)}])))"
     )
 
 
 def rate_query(count_regex: str, scope: Scope, window_s: float) -> str:
-    return f"sum(rate({_selector(count_regex, scope)}[{promql_duration(window_s)}]))"
+    return f"sum(rate({series_selector(count_regex, scope)}[{promql_duration(window_s)}]))"
 
 
 def build_queries(engine: str, scope: Scope, window_s: float,

@@ -34,18 +34,81 @@ now costs a miss about one cache's worth of accesses later, and a controller fas
 oscillates (measured: worst cell -0.0041 per-window, -0.0008 decayed, docs/performance.md).
 
 All operations are O(1) amortised (three class heads are compared per eviction; one shadow probe per access).
+Trace replay takes the same steps in one fused loop (:mod:`kvtier_runtime.replay.fused`) over the policy's
+named state (:meth:`AdaptivePolicy.snapshot`).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Hashable
 
 from .base import AccessContext, EvictionPolicy, Key
 from .ghost import GhostList
 
 FRESH, AGAIN, TAIL = 0, 1, 2
-_TIE_ORDER = (TAIL, FRESH, AGAIN)
-_NO_HEAD = object()  # the fused replay loop's "no cached head"
+# On equal scores: a tail before a first-timer before a repeat (see _choose).
+TIE_ORDER = (TAIL, FRESH, AGAIN)
+
+
+def hedged_trust(trust: float, verdict: float, step: float, tolerance: float) -> float:
+    """The trust after a hedge window closed with ``verdict`` (the decayed prefix-hit difference against the
+    recency shadow): ``step`` lower while the policy trails by more than ``tolerance``, else ``step`` higher."""
+    change = -step if verdict < -tolerance else step
+    # Rounded so that ten steps down reach exactly 0 (plain leaf-first LRU), not 1e-16.
+    return round(min(1.0, max(0.0, trust + change)), 9)
+
+
+@dataclass(eq=False)
+class AdaptiveState:
+    """An :class:`AdaptivePolicy`'s state, named, for a loop that takes the policy's steps itself (trace replay's
+    fused loop, :mod:`kvtier_runtime.replay.fused`): :meth:`AdaptivePolicy.snapshot` hands out the policy's own
+    containers, which such a loop changes in place, and copies of its numbers, which it advances here and hands
+    back with :meth:`AdaptivePolicy.restore`. Weights are (FRESH, AGAIN, TAIL); what eviction reads is the model
+    tempered by trust (each weight to the power ``trust``, the model itself at 1)."""
+
+    # What the policy is (fixed).
+    capacity: int
+    learning_rate: float
+    max_weight_ratio: float
+    ghost_limit: int  # ghosts remembered, in bytes
+    hedge_step: float
+    hedge_tolerance: float
+    # Nothing pinned, no admission filter, and learning and tempering as this class does them: a loop may take the
+    # policy's steps (a subclass may change how it tempers or hedges).
+    plain: bool
+    # The policy's containers: per class key -> tick of its last use (oldest first), key -> class, key -> size,
+    # ghost -> (class evicted from, size), the history (key -> size, oldest first), the recency shadow's keys.
+    lists: tuple[OrderedDict[Key, int], OrderedDict[Key, int], OrderedDict[Key, int]]
+    classes: dict[Key, int]
+    sizes: dict[Key, int]
+    evicted: OrderedDict[Key, tuple[int, int]]
+    history: OrderedDict[Key, int]
+    shadow: OrderedDict[Key, int]
+    # Its numbers (copies).
+    used: int
+    tick: int
+    request: Hashable
+    current: list[Key]  # the running request's keys, in access order
+    evicted_bytes: int
+    model: tuple[float, float, float]
+    trust: float
+    ghost_rate: float
+    evictions: int
+    history_capacity: int
+    history_used: int
+    shadow_capacity: int
+    shadow_used: int
+    shadow_window: int  # bytes of accesses per hedge window, and at least shadow_min_accesses accesses
+    shadow_min_accesses: int
+    shadow_decay: float
+    shadow_request: Hashable
+    run: bool  # the running request's prefix still hits (the policy's, then the shadow's)
+    shadow_run: bool
+    seen: int  # bytes and accesses of the window so far
+    accesses: int
+    diff: int  # prefix hits the policy made more than the shadow in this window
+    score: float  # the decayed sum of the windows' diffs
 
 
 class AdaptivePolicy(EvictionPolicy):
@@ -106,9 +169,7 @@ class AdaptivePolicy(EvictionPolicy):
 
     def _hedge(self, verdict: float) -> None:
         """A window closed: trust the model less while it trails recency by more than the tolerance, else more."""
-        step = -self.hedge_step if verdict < -self.hedge_tolerance else self.hedge_step
-        # Rounded so that ten steps down reach exactly 0 (plain leaf-first LRU), not 1e-16.
-        self._trust = round(min(1.0, max(0.0, self._trust + step)), 9)
+        self._trust = hedged_trust(self._trust, verdict, self.hedge_step, self.hedge_tolerance)
         self._temper()
 
     def _temper(self) -> None:
@@ -223,7 +284,7 @@ class AdaptivePolicy(EvictionPolicy):
         lists = self._lists
         # On equal scores (same request) a tail goes before a first-timer before a repeat: inside one request
         # that is deepest position first, since a request's repeats are its head.
-        for c in _TIE_ORDER:
+        for c in TIE_ORDER:
             lst = lists[c]
             if not lst:
                 continue
@@ -247,7 +308,7 @@ class AdaptivePolicy(EvictionPolicy):
         request, its tail)."""
         best, best_c, best_score = None, FRESH, -1.0
         now, weights, lists, current = self._tick, self._weights, self._lists, self._current
-        for c in _TIE_ORDER:
+        for c in TIE_ORDER:
             lst = lists[c]
             if lst:
                 key = next(iter(lst))
@@ -291,321 +352,41 @@ class AdaptivePolicy(EvictionPolicy):
         self._record_eviction(key, c, self._sizes[key])
         return key
 
-    def replay_unit_blocks(self, requests: Sequence[Sequence[Key]]) -> list[bool] | None:
-        """Trace replay's hot loop: every access of ``requests`` (request i's blocks, in prefix order, as
-        ``AccessContext(i, position, len)``) is a ``touch`` and every miss an ``insert`` of size 1, exactly as
-        ``replay.engine.replay_single`` does through the public methods; the hit flag of each access.
+    # ---- the state, named (trace replay's fused loop takes the policy's steps itself: replay.fused) -------------
+    def snapshot(self) -> AdaptiveState:
+        """The policy's state, named: its own containers (a loop taking its steps changes them in place) and copies
+        of its numbers, handed back with :meth:`restore`."""
+        shadow = self._shadow
+        return AdaptiveState(
+            capacity=self.capacity_bytes, learning_rate=self.learning_rate, max_weight_ratio=self.max_weight_ratio,
+            ghost_limit=self.ghost_factor * self.capacity_bytes, hedge_step=self.hedge_step,
+            hedge_tolerance=self.hedge_tolerance,
+            plain=(not self._pins and self.admission is None and type(self)._temper is AdaptivePolicy._temper
+                   and type(self)._hedge is AdaptivePolicy._hedge),
+            lists=self._lists, classes=self._class, sizes=self._sizes, evicted=self._evicted,
+            history=self._history.entries, shadow=shadow._keys,
+            used=self._used, tick=self._tick, request=self._request, current=list(self._current),
+            evicted_bytes=self._evicted_bytes, model=(self._model[0], self._model[1], self._model[2]),
+            trust=self._trust, ghost_rate=self._ghost_rate, evictions=self._evictions,
+            history_capacity=self._history.capacity_bytes, history_used=self._history.used_bytes,
+            shadow_capacity=shadow.capacity, shadow_used=shadow._used, shadow_window=shadow.window,
+            shadow_min_accesses=shadow.min_accesses, shadow_decay=shadow.decay, shadow_request=shadow._request,
+            run=shadow._run, shadow_run=shadow._shadow_run, seen=shadow._seen, accesses=shadow._accesses,
+            diff=shadow._diff, score=shadow._score)
 
-        The same steps in the same order on the same state (so the same hits, weights and trust, checked against
-        the public path in tests/runtime/policies/test_policies_adaptive.py), fused into one loop over local names:
-        no context objects and no method call per access, which is most of what an access cost. The loop is
-        specialised to unit sizes, which is what replay stores: a block's size is not looked up (``_sizes`` is
-        rebuilt from the class map at the end, in the same order), every byte count is an entry count, the class
-        weights are six local floats (the model and its tempered copy) instead of lists, a ghost's value is one
-        of three shared tuples, and the running request remembers each key's class so that closing it moves
-        keys without a lookup. ``None`` when the state is one the loop does not model (pinned entries, an
-        admission filter, a capacity under one block, an entry or ghost larger than one byte, a subclass that
-        tempers weights its own way or whose learning parameters leave the positive weights the loop assumes):
-        the caller then takes the public path.
-        """
-        sizes, cls, evicted = self._sizes, self._class, self._evicted
-        history, shadow = self._history, self._shadow
-        hsizes, skeys = history._sizes, shadow._keys
-        if (self._pins or self.admission is not None or self.capacity_bytes < 1 or self._used != len(sizes)
-                or history.used_bytes != len(hsizes) or shadow._used != len(skeys)
-                or self._evicted_bytes != len(evicted) or shadow._seen != shadow._accesses
-                or type(self)._temper is not AdaptivePolicy._temper
-                or not all(k in cls for k in self._current)
-                # The weight bound's shortcut below needs positive weights and a ratio of at least 1.
-                or not (0.0 <= self.learning_rate < 1.0 and self.max_weight_ratio >= 1.0 and min(self._model) > 0.0)):
-            return None
-        fresh_list, again, tail_list = lists = self._lists
-        fresh_move, again_move, tail_move = (lst.move_to_end for lst in lists)
-        hmove, hpop, smove, spop, epop = (hsizes.move_to_end, hsizes.popitem, skeys.move_to_end, skeys.popitem,
-                                          evicted.popitem)
-        hcap, h_used = history.capacity_bytes, history.used_bytes
-        scap, s_used = shadow.capacity, shadow._used
-        # A window closes once both its bytes and its accesses reach their minimum; with unit sizes they are equal.
-        window = max(shadow.window, shadow.min_accesses)
-        decay = shadow.decay
-        s_run, s_shadow_run = shadow._run, shadow._shadow_run
-        s_acc, s_diff, s_score = shadow._accesses, shadow._diff, shadow._score
-        # Class weights: the model (m*) and what eviction reads (e*: the model itself while fully trusted, else
-        # the model tempered by trust). FRESH = 0, AGAIN = 1, TAIL = 2.
-        w = self._model
-        m0, m1, m2 = w
-        trusted = self._weights is w
-        e0, e1, e2 = self._weights
-        trust = self._trust
-        lr, max_ratio = self.learning_rate, self.max_weight_ratio
-        shrink = 1.0 - lr
-        ghost_fresh, ghost_again, ghost_tail = (FRESH, 1), (AGAIN, 1), (TAIL, 1)
-        ghost_limit = self.ghost_factor * self.capacity_bytes
-        capacity = self.capacity_bytes
-        used, tick, request = self._used, self._tick, self._request
-        current = {k: cls[k] for k in self._current}  # key -> its class, kept equal to cls[key]
-        ghost_rate, evictions, ev_used = self._ghost_rate, self._evictions, self._evicted_bytes
-        # Each class's head (its oldest entry) and that entry's tick, cached for the victim choice; no_head: look
-        # it up. Only a head that is not in the running request is cached (for one that is, the candidate is the
-        # list's tail, which every insert changes). A cached head stays the head until it is evicted, hit (a hit
-        # deletes it from FRESH/TAIL or moves it to AGAIN's young end) -- both reset the cache -- since inserts and
-        # closing a request only move keys to the young end, and a cached head is never in the running request
-        # (accessing it would be a hit). An empty class never has a cached head: its last entry left by one of
-        # those two ways.
-        no_head = _NO_HEAD  # not None: None may be a key
-        fresh_head: Key = no_head
-        again_head: Key = no_head
-        tail_head: Key = no_head
-        fresh_head_tick = again_head_tick = tail_head_tick = 0
-        hits: list[bool] = []
-        append = hits.append
-        for rid, req in enumerate(requests):
-            if not req:
-                continue
-            last = len(req) - 1
-            # The hedge's run of prefix hits restarts with each request (its position 0).
-            s_request = rid
-            s_run = s_shadow_run = True
-            entering = rid != request
-            for pos, key in enumerate(req):
-                if key in cls:
-                    hit = True
-                    c = cls[key]
-                else:
-                    hit = False
-                    # insert: learn from a ghost, then evict, both before the access enters its request.
-                    if key in evicted:
-                        gc = evicted.pop(key)[0]
-                        ev_used -= 1
-                        if gc == FRESH:
-                            m0 *= shrink
-                        elif gc == AGAIN:
-                            m1 *= shrink
-                        else:
-                            m2 *= shrink
-                        ghost_rate += 0.001 * (1.0 - ghost_rate)
-                        low = m0
-                        if m1 < low:
-                            low = m1
-                        if m2 < low:
-                            low = m2
-                        limit = max_ratio * low
-                        if m0 > limit:
-                            m0 = limit
-                        if m1 > limit:
-                            m1 = limit
-                        if m2 > limit:
-                            m2 = limit
-                        if trusted:
-                            e0, e1, e2 = m0, m1, m2
-                        else:
-                            e0, e1, e2 = m0 ** trust, m1 ** trust, m2 ** trust
-                    if used >= capacity:
-                        # _choose_unblocked, unrolled in _TIE_ORDER (a tie keeps the earlier class), reading each class's
-                        # head from its cache when it has one (see the cache's rules where it is set up).
-                        if tail_head is not no_head:
-                            best, best_c, best_score = tail_head, TAIL, (tick - tail_head_tick + 1) * e2
-                        elif tail_list:
-                            for k in tail_list:
-                                break
-                            if k in current:
-                                k = next(reversed(tail_list))
-                                t = tail_list[k]
-                            else:
-                                tail_head, tail_head_tick = k, tail_list[k]
-                                t = tail_head_tick
-                            best, best_c, best_score = k, TAIL, (tick - t + 1) * e2
-                        else:
-                            best_c, best_score = -1, -1.0
-                        if fresh_head is not no_head:
-                            k, t = fresh_head, fresh_head_tick
-                        elif fresh_list:
-                            for k in fresh_list:
-                                break
-                            if k in current:
-                                k = next(reversed(fresh_list))
-                                t = fresh_list[k]
-                            else:
-                                fresh_head, fresh_head_tick = k, fresh_list[k]
-                                t = fresh_head_tick
-                        else:
-                            k = no_head
-                        if k is not no_head:
-                            score = (tick - t + 1) * e0
-                            if score > best_score:
-                                best, best_c, best_score = k, FRESH, score
-                        if again_head is not no_head:
-                            k, t = again_head, again_head_tick
-                        elif again:
-                            for k in again:
-                                break
-                            if k in current:
-                                k = next(reversed(again))
-                                t = again[k]
-                            else:
-                                again_head, again_head_tick = k, again[k]
-                                t = again_head_tick
-                        else:
-                            k = no_head
-                        if k is not no_head:
-                            score = (tick - t + 1) * e1
-                            if score > best_score:
-                                best, best_c = k, AGAIN
-                        del cls[best]
-                        if best in current:
-                            del current[best]
-                        ghost_rate *= 0.999
-                        # _record_eviction: the victim's class ages faster, at most max_ratio times the slowest.
-                        # The bound compares with the other two classes only: a class that is the slowest after
-                        # growing is under max_ratio times itself, so min() over all three bounds it the same.
-                        # Tempering only the weight that changed gives the same floats as tempering all three.
-                        if best_c == TAIL:
-                            del tail_list[best]
-                            tail_head = no_head
-                            evicted[best] = ghost_tail
-                            m2 *= 1.0 + lr * ghost_rate
-                            low = m0 if m0 < m1 else m1
-                            if m2 > max_ratio * low:
-                                m2 = max_ratio * low
-                            e2 = m2 if trusted else m2 ** trust
-                        elif best_c == FRESH:
-                            del fresh_list[best]
-                            fresh_head = no_head
-                            evicted[best] = ghost_fresh
-                            m0 *= 1.0 + lr * ghost_rate
-                            low = m1 if m1 < m2 else m2
-                            if m0 > max_ratio * low:
-                                m0 = max_ratio * low
-                            e0 = m0 if trusted else m0 ** trust
-                        else:
-                            del again[best]
-                            again_head = no_head
-                            evicted[best] = ghost_again
-                            m1 *= 1.0 + lr * ghost_rate
-                            low = m0 if m0 < m2 else m2
-                            if m1 > max_ratio * low:
-                                m1 = max_ratio * low
-                            e1 = m1 if trusted else m1 ** trust
-                        evictions += 1
-                        if not evictions & 1023:  # only ratios matter: keep the numbers far from over/underflow
-                            low = m0 if m0 < m1 else m1
-                            if m2 < low:
-                                low = m2
-                            m0 /= low
-                            m1 /= low
-                            m2 /= low
-                            if trusted:
-                                e0, e1, e2 = m0, m1, m2
-                            else:
-                                e0, e1, e2 = m0 ** trust, m1 ** trust, m2 ** trust
-                        ev_used += 1
-                        while ev_used > ghost_limit:
-                            epop(False)
-                            ev_used -= 1
-                    else:
-                        used += 1
-                # The hedge's shadow LRU sees the access; the policy's and the shadow's prefix-hit runs are scored.
-                if key in skeys:
-                    smove(key)
-                    if not hit:
-                        s_run = False
-                        if s_shadow_run:
-                            s_diff -= 1
-                    elif s_run != s_shadow_run:
-                        s_diff += s_run - s_shadow_run
-                else:
-                    skeys[key] = 1
-                    s_used += 1
-                    while s_used > scap:
-                        spop(False)
-                        s_used -= 1
-                    s_shadow_run = False
-                    if not hit:
-                        s_run = False
-                    elif s_run:
-                        s_diff += 1
-                s_acc += 1
-                if s_acc >= window:
-                    s_score = s_score * decay + s_diff
-                    s_acc = s_diff = 0
-                    w[0], w[1], w[2] = m0, m1, m2
-                    self._hedge(s_score)
-                    trust = self._trust
-                    trusted = self._weights is w
-                    e0, e1, e2 = self._weights
-                # The access enters its request (leaf-first order): the request before moves to the young end,
-                # tail first.
-                if entering:
-                    entering = False
-                    if current:
-                        for k, kc in reversed(current.items()):
-                            if kc == FRESH:
-                                fresh_move(k)
-                            elif kc == AGAIN:
-                                again_move(k)
-                            else:
-                                tail_move(k)
-                        current = {}
-                    request = rid
-                    tick += 1
-                if hit:
-                    if key in hsizes:
-                        hmove(key)
-                    else:
-                        hsizes[key] = 1
-                        h_used += 1
-                        while h_used > hcap:
-                            hpop(False)
-                            h_used -= 1
-                    if c == AGAIN:
-                        if key == again_head:
-                            again_head = no_head
-                        again[key] = tick
-                        again_move(key)
-                    else:
-                        if c == FRESH:
-                            if key == fresh_head:
-                                fresh_head = no_head
-                            del fresh_list[key]
-                        else:
-                            if key == tail_head:
-                                tail_head = no_head
-                            del tail_list[key]
-                        cls[key] = AGAIN
-                        again[key] = tick
-                    current[key] = AGAIN
-                    append(True)
-                else:
-                    if key in hsizes:
-                        hmove(key)
-                        cls[key] = current[key] = AGAIN
-                        again[key] = tick
-                    else:
-                        hsizes[key] = 1
-                        h_used += 1
-                        while h_used > hcap:
-                            hpop(False)
-                            h_used -= 1
-                        if pos == last > 0:
-                            cls[key] = current[key] = TAIL
-                            tail_list[key] = tick
-                        else:
-                            cls[key] = current[key] = FRESH
-                            fresh_list[key] = tick
-                    append(False)
-            shadow._request = s_request
-        # Write the state back in the public path's form.
-        sizes.clear()
-        sizes.update(dict.fromkeys(cls, 1))
-        history.used_bytes = h_used
-        shadow._used, shadow._run, shadow._shadow_run = s_used, s_run, s_shadow_run
-        shadow._seen = shadow._accesses = s_acc
-        shadow._diff, shadow._score = s_diff, s_score
-        w[0], w[1], w[2] = m0, m1, m2
-        self._weights = w if trusted else [e0, e1, e2]
-        self._used, self._tick, self._request, self._current = used, tick, request, dict.fromkeys(current)
-        self._ghost_rate, self._evictions, self._evicted_bytes = ghost_rate, evictions, ev_used
-        return hits
+    def restore(self, state: AdaptiveState) -> None:
+        """Take back the numbers of a :meth:`snapshot` a loop advanced (its containers are the policy's own)."""
+        shadow = self._shadow
+        self._model[0], self._model[1], self._model[2] = state.model
+        self._trust = state.trust
+        self._temper()
+        self._used, self._tick, self._request = state.used, state.tick, state.request
+        self._current = dict.fromkeys(state.current)
+        self._ghost_rate, self._evictions, self._evicted_bytes = state.ghost_rate, state.evictions, state.evicted_bytes
+        self._history.used_bytes = state.history_used
+        shadow._used, shadow._request, shadow._run, shadow._shadow_run = (
+            state.shadow_used, state.shadow_request, state.run, state.shadow_run)
+        shadow._seen, shadow._accesses, shadow._diff, shadow._score = state.seen, state.accesses, state.diff, state.score
 
     def _order_clear(self) -> None:
         for lst in self._lists:

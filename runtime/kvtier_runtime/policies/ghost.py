@@ -12,6 +12,12 @@ class GhostList:
         self._sizes: OrderedDict[Key, int] = OrderedDict()  # oldest first
         self.used_bytes = 0
 
+    @property
+    def entries(self) -> OrderedDict[Key, int]:
+        """The ghosts and their sizes, oldest first: the list itself, for a loop that takes its steps in place (and
+        keeps ``used_bytes`` their sum)."""
+        return self._sizes
+
     def __contains__(self, key: object) -> bool:
         return key in self._sizes
 

@@ -31,7 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..policies import ADMISSIONS, POLICIES, AccessContext, EvictionPolicy, get_policy
+from ..policies import ADMISSIONS, POLICIES, AccessContext, AdaptivePolicy, EvictionPolicy, get_policy
+from .fused import replay_adaptive
 from .metrics import flatten, prefix_hit_count
 from .opt import opt_hits
 from .trace import Trace
@@ -145,14 +146,13 @@ def replay_single(requests: Sequence[Sequence[int]], policy: EvictionPolicy) -> 
                     insert(key, 1)  # size 1 always fits: nothing is pinned during replay
         return hits, len(hits) - sum(hits)
     use_ctx = policy.uses_context
-    fused = getattr(policy, "replay_unit_blocks", None)
-    if fused is not None:  # the same steps in one loop (the default policy has one)
+    if isinstance(policy, AdaptivePolicy):  # the default policy: the same steps in one loop (replay.fused)
         # The loop allocates only acyclic objects (ghost tuples of ints, dict entries): the cyclic collector's
         # passes over the policy's growing dicts find nothing to free and measured a third of its time.
         collecting = gc.isenabled()
         gc.disable()
         try:
-            fast = fused(requests)
+            fast = replay_adaptive(policy, requests)
         finally:
             if collecting:
                 gc.enable()

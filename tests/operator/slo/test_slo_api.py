@@ -1,11 +1,12 @@
 """The guard against the API models (kvtier_operator.api): a spec the models accept parses into SLOSettings
-with the models' defaults, and what the guard writes to status fits the status models (whose HistoryEntry and
-TierStatus forbid unknown keys)."""
+with the models' defaults, and what the guard writes to status fits the status models (TierStatus forbids unknown
+keys) and its history entries hold only the fields of a HistoryEntry."""
 from __future__ import annotations
 
 import json
 
-from kvtier_operator.api.v1alpha1 import HistoryEntry, KVCachePolicy, TierStatus
+from kvtier_operator.api.guard_state import HistoryEntry
+from kvtier_operator.api.v1alpha1 import KVCachePolicy, TierStatus
 from kvtier_operator.slo import Measurements, SLOSettings, evaluate, read_state, stored_state
 from foundation.policies import policy
 from plugins.slo_harness import derived_tiers, slo_settings
@@ -52,8 +53,10 @@ def test_status_written_by_the_guard_fits_the_status_models():
             now += s.interval_s
     actions = [h["action"] for h in state["history"]]
     assert actions == ["StageEnabled", "StageEnabled", "Disabled", "Reenabled", "ProbationPassed"], actions
+    fields = {f.alias for f in HistoryEntry.model_fields.values()}
     for entry in state["history"]:
-        HistoryEntry.model_validate(entry)
+        assert set(entry) <= fields and {"time", "tier", "action", "reason"} <= set(entry), entry
+        assert HistoryEntry.model_validate(entry).model_dump(by_alias=True, mode="json") == entry
     for tier in derived_tiers(s, state, now):
         TierStatus.model_validate(tier)
 

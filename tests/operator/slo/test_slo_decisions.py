@@ -392,7 +392,7 @@ def test_a_corrupted_status_is_repaired_not_a_crash():
 
 
 def test_stored_times_round_up_so_no_period_ends_early():
-    from kvtier_operator.slo.decisions import format_time, parse_time
+    from kvtier_operator.api.times import format_time, parse_time
 
     assert format_time(1000.0) == "1970-01-01T00:16:40.000Z"
     assert format_time(1000.001) == "1970-01-01T00:16:40.001Z"        # exact milliseconds are kept

@@ -1,7 +1,10 @@
 """The adaptive policy's own ordering on hand-worked sequences (the shared contract is in test_policies_contract)."""
 from __future__ import annotations
 
+import dataclasses
+
 from kvtier_runtime.policies import AccessContext, AdaptivePolicy, LRUPolicy
+from kvtier_runtime.replay.fused import replay_adaptive
 
 
 def access(p: AdaptivePolicy, rid: int, keys: list[int]) -> list[int]:
@@ -161,11 +164,17 @@ def _public_path(p: AdaptivePolicy, requests) -> list[bool]:
 
 
 def _state(p: AdaptivePolicy) -> tuple:
-    s = p._shadow
-    return (p.used_bytes, p._tick, p._request, list(p._current), p._model, p._weights, p.trust, p._ghost_rate,
-            p._evictions, list(p._evicted.items()), p._evicted_bytes, [list(lst.items()) for lst in p._lists],
-            p._class, list(p._history._sizes.items()), p._history.used_bytes, list(s._keys.items()), s._used,
-            s._request, s._run, s._shadow_run, s._seen, s._accesses, s._diff, s._score)
+    """Everything the policy holds (its named state, AdaptivePolicy.snapshot), each container in its order."""
+    st = p.snapshot()
+    out: list = [p.weights]
+    for f in dataclasses.fields(st):
+        value = getattr(st, f.name)
+        if f.name == "lists":
+            value = [list(lst.items()) for lst in value]
+        elif isinstance(value, dict):
+            value = list(value.items())
+        out.append(value)
+    return tuple(out)
 
 
 def _traces():
@@ -191,13 +200,13 @@ def test_the_fused_replay_loop_takes_the_same_steps_as_touch_and_insert() -> Non
             fused, public = AdaptivePolicy(cap), AdaptivePolicy(cap)
             half = len(requests) // 2
             # Each path runs one half, so the second half starts from a state the other path built.
-            got = fused.replay_unit_blocks(requests[:half]) + _public_path(fused, requests[half:])
-            want = _public_path(public, requests[:half]) + public.replay_unit_blocks(requests[half:])
+            got = replay_adaptive(fused, requests[:half]) + _public_path(fused, requests[half:])
+            want = _public_path(public, requests[:half]) + replay_adaptive(public, requests[half:])
             assert got == want, (name, cap)
             assert _state(fused) == _state(public), (name, cap)
             trace_hits += sum(got)
             trusts.add(fused.trust)
-            renormalised |= fused._evictions >= 1024
+            renormalised |= fused.snapshot().evictions >= 1024
         assert trace_hits > 0, name  # a trace that never hits would compare nothing interesting
     # The rare branches were taken somewhere: the hedge lowered trust, and the weights were renormalised.
     assert min(trusts) < 1.0 and renormalised
@@ -209,8 +218,8 @@ def test_the_fused_replay_loop_declines_what_it_does_not_model() -> None:
     p = AdaptivePolicy(8)
     p.insert(1, 1)
     p.pin(1)
-    assert p.replay_unit_blocks([[1, 2]]) is None and p.used_bytes == 1  # pinned: nothing done
-    assert AdaptivePolicy(8, admission=DoorkeeperAdmission()).replay_unit_blocks([[1]]) is None
+    assert replay_adaptive(p, [[1, 2]]) is None and p.used_bytes == 1  # pinned: nothing done
+    assert replay_adaptive(AdaptivePolicy(8, admission=DoorkeeperAdmission()), [[1]]) is None
 
 
 def test_the_fused_replay_loop_declines_sizes_and_subclasses_it_does_not_model() -> None:
@@ -218,18 +227,18 @@ def test_the_fused_replay_loop_declines_sizes_and_subclasses_it_does_not_model()
     p = AdaptivePolicy(8)
     p.insert(1, 2)
     before = _state(p)
-    assert p.replay_unit_blocks([[1, 2, 3]]) is None and _state(p) == before
+    assert replay_adaptive(p, [[1, 2, 3]]) is None and _state(p) == before
     # A subclass that tempers its weights another way would be bypassed by the loop's inlined tempering.
-    assert Traced(8).replay_unit_blocks([[1]]) is None
+    assert replay_adaptive(Traced(8), [[1]]) is None
 
     class Unbounded(AdaptivePolicy):
         max_weight_ratio = 0.5  # under 1: the loop's shortcut for the bound would not hold
 
-    assert Unbounded(8).replay_unit_blocks([[1]]) is None
+    assert replay_adaptive(Unbounded(8), [[1]]) is None
     # The default policy, fresh or after public steps of unit blocks, takes the loop.
     q = AdaptivePolicy(8)
-    assert q.replay_unit_blocks([[1, 2]]) == [False, False]
-    assert _public_path(q, [[1, 3]]) == [True, False] and q.replay_unit_blocks([[3, 4]]) == [True, False]
+    assert replay_adaptive(q, [[1, 2]]) == [False, False]
+    assert _public_path(q, [[1, 3]]) == [True, False] and replay_adaptive(q, [[3, 4]]) == [True, False]
 
 
 def test_the_fused_replay_loop_matches_touch_and_insert_on_random_small_traces() -> None:
@@ -244,10 +253,10 @@ def test_the_fused_replay_loop_matches_touch_and_insert_on_random_small_traces()
                     for _ in range(rng.randint(1, 120))]
         cap = rng.randint(1, 12)
         whole_fused, whole_public = AdaptivePolicy(cap), AdaptivePolicy(cap)
-        assert whole_fused.replay_unit_blocks(requests) == _public_path(whole_public, requests), seed
+        assert replay_adaptive(whole_fused, requests) == _public_path(whole_public, requests), seed
         assert _state(whole_fused) == _state(whole_public), seed
         fused, public = AdaptivePolicy(cap), AdaptivePolicy(cap)
         cut = rng.randint(0, len(requests))
-        got = fused.replay_unit_blocks(requests[:cut]) + _public_path(fused, requests[cut:])
-        want = _public_path(public, requests[:cut]) + public.replay_unit_blocks(requests[cut:])
+        got = replay_adaptive(fused, requests[:cut]) + _public_path(fused, requests[cut:])
+        want = _public_path(public, requests[:cut]) + replay_adaptive(public, requests[cut:])
         assert got == want and _state(fused) == _state(public), seed
