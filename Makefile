@@ -14,8 +14,10 @@ DURATIONS := --durations=25 --durations-min=20
 setup:
 	scripts/setup
 
-# The fast loop: lint (ruff), types (mypy, strict on the packages pyproject names) and the tests that need no
-# cluster, node, engine or Prometheus (a real redis-server is fine: it starts in milliseconds).
+# The fast loop: lint (ruff) and types (mypy: strict on the packages pyproject names; the benches too), the tests
+# that need no cluster, node, engine or Prometheus (a real redis-server is fine: it starts in milliseconds), and
+# every bench the project's env can run, at a tiny size (tests/foundation/test_bench_smoke.py: one of them starts
+# a control plane, one a Prometheus).
 UNIT := -m "not controlplane and not node and not prometheus and not slow and not cuda and not vllm" \
 	--ignore=tests/vllm --ignore=tests/engine --ignore=tests/e2e --ignore=tests/node
 check: setup

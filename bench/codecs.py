@@ -28,20 +28,22 @@ import pathlib
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "runtime"))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench.gpu_codecs
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 
 from kvtier_runtime.codecs import CODEC_CLASSES, ERROR_BUDGETS, decode, get_codec  # noqa: E402
 from kvtier_runtime.codecs import STATS, KVLayout, get_kv_codec  # noqa: E402
 from kvtier_runtime.codecs import base as codec_base  # noqa: E402
 from plugins.kv_accuracy import attention_cosine, chunk_error  # noqa: E402  (tests/plugins: a measure, not product code)
+from bench.tables import SMOKE_HELP, require_rows  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-VARIANTS = {  # label -> get_codec kwargs
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # label -> get_codec kwargs
     "none": ("none", {}),
     "fp8": ("fp8", {}),
     "fp8+compile": ("fp8", {"compile": True}),
@@ -83,7 +85,7 @@ def allocated_bytes(fn) -> int:
                and not e.cpu_children)
 
 
-def throughput(args: argparse.Namespace) -> None:
+def throughput(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     if args.chunk_elems:
         codec_base.CHUNK_ELEMS = args.chunk_elems
@@ -165,6 +167,7 @@ def throughput(args: argparse.Namespace) -> None:
         tgt_s = f"{tgt:.2f}: each {each}, rt {both}" if tgt else ""
         print(f"| {v:14s} | {block_bytes / nbytes[v]:5.2f} | {enc:8.2f} | {dec:8.2f} | {enc / copy_rate:8.3f} | "
               f"{dec / copy_rate:8.3f} | {rt / copy_rate:7.3f} | {tgt_s:23s} | {err:7.4f} | {alloc:10d} |")
+    return len(variants)
 
 
 # ---- accuracy ------------------------------------------------------------------------------------------------
@@ -244,8 +247,9 @@ def budgets(args: argparse.Namespace) -> None:
     """Worst and mean block error per codec over dtypes, shapes and seeds: the evidence for ERROR_BUDGETS."""
     torch.set_num_threads(args.threads)
     shapes = [(64, 8, 128), (16, 8, 64), (3, 7, 5)]
-    rows = [("fp8", {}), ("fp8_e5m2", {}), ("int8", {}), ("int8", {"scales": "channel"}), ("int4", {}),
-            ("int4", {"group_size": 64}), ("int4", {"scales": "channel"})]
+    rows: list[tuple[str, dict[str, Any]]] = [
+        ("fp8", {}), ("fp8_e5m2", {}), ("int8", {}), ("int8", {"scales": "channel"}), ("int4", {}),
+        ("int4", {"group_size": 64}), ("int4", {"scales": "channel"})]
     print(f"# relative L2 error per block; {len(DTYPES)} dtypes x {len(shapes)} shapes {shapes} x 4 seeds")
     print("| codec | options | normal max | normal mean | outlier max | outlier mean | budget |")
     print("|-------|---------|-----------:|------------:|------------:|-------------:|-------:|")
@@ -272,7 +276,7 @@ def budgets(args: argparse.Namespace) -> None:
 def compile_probe(args: argparse.Namespace) -> None:
     """Is torch.compile worth it on CPU? The eager codecs against the same math written as plain torch functions
     (bench/gpu_codecs.py) and compiled by inductor, on one cache-resident block; compile time printed apart."""
-    import gpu_codecs as ref
+    from bench import gpu_codecs as ref
 
     torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
@@ -314,7 +318,7 @@ def compile_probe(args: argparse.Namespace) -> None:
 # ---- layout-aware chunks (the engine path) --------------------------------------------------------------------
 
 # the issue's chunk: 2 layers x (K, V) x 256 tokens x 8 heads x 128 dims, per head K then V (2 MiB in bf16)
-KV_LAYOUT = dict(num_layers=2, block_tokens=256, num_kv_heads=8, head_dim=128, page_order="HKTD")
+KV_LAYOUT: dict[str, Any] = dict(num_layers=2, block_tokens=256, num_kv_heads=8, head_dim=128, page_order="HKTD")
 
 
 def kv_chunk(layout: KVLayout, gen: torch.Generator, outlier_scale: float = 0.0, n_outliers: int = 4) -> torch.Tensor:
@@ -337,7 +341,7 @@ def pct(xs: list[float]) -> str:
     return f"{q[1]:.3f} ({q[0]:.3f}-{q[2]:.3f})"
 
 
-KV_SPEED_VARIANTS = {  # label -> (codec, get_kv_codec kwargs)
+KV_SPEED_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # label -> (codec, get_kv_codec kwargs)
     "fp8": ("fp8", {"verify": False}),
     "int8": ("int8", {"verify": False}),
     "int4": ("int4", {"verify": False}),
@@ -448,8 +452,7 @@ def kv_accuracy(args: argparse.Namespace) -> None:
                     cos.append(attention_cosine(lay, x, y, seed=i))
                     ratio.append(n / lay.nbytes)
                     errs.append(chunk_error(lay, x, y))
-                snap = STATS.snapshot()["kvtier_runtime_codec_blocks_total"]
-                stored = ", ".join(f"{c} {k}" for c, k in sorted(snap.items()))
+                stored = ", ".join(f"{c} {k}" for c, k in sorted(dict(STATS.blocks).items()))
                 print(f"| {kind} | {name} | {'yes' if verify else 'no'} | {min(cos):.4f} | "
                       f"{statistics.mean(ratio):.3f} | {max(errs):.3f} | {stored} |", flush=True)
 
@@ -518,8 +521,9 @@ def kv_proxy(args: argparse.Namespace) -> None:
     kinds = [("normal", 0.0, 4), ("outlier x5", 5.0, 4), ("outlier x10", 10.0, 4), ("outlier x20", 20.0, 4),
              ("outlier x50", 50.0, 4), ("outlier x20, 16 ch", 20.0, 16)]
     for kind, scale, n_out in kinds:
-        for name, opts in (("fp8", {}), ("int8", {}), ("int4", {}), ("int4", {"k_group": 256, "v_group": 128}),
-                           ("fp8_e5m2", {})):
+        options: tuple[tuple[str, dict[str, Any]], ...] = (
+            ("fp8", {}), ("int8", {}), ("int4", {}), ("int4", {"k_group": 256, "v_group": 128}), ("fp8_e5m2", {}))
+        for name, opts in options:
             codec = get_kv_codec(name, lay, verify=False, **opts)
             out = torch.empty(codec.max_encoded_nbytes(), dtype=torch.uint8)
             for i in range(args.chunks):
@@ -572,7 +576,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--min-block-ops", type=int, default=16, help="blocks per timed pass, at least")
     p.add_argument("--chunk-elems", type=int, default=0, help="override the codecs' CPU chunk size")
     p.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768")
+    p.add_argument("--smoke", action="store_true", help=f"the throughput table: {SMOKE_HELP}")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.threads, args.block_mib, args.working_set_mib, args.repeats, args.min_block_ops = 1, 1 / 16, 0.25, 1, 1
+        args.codecs = "none,fp8,int4"
     assert set(CODEC_CLASSES) <= {v[0] for v in VARIANTS.values()}
     if args.kv:
         kv_speed(args)
@@ -589,7 +597,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.compile_probe:
         compile_probe(args)
     else:
-        throughput(args)
+        require_rows(throughput(args), "codec throughput")
 
 
 if __name__ == "__main__":

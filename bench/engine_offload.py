@@ -37,7 +37,7 @@ import urllib.request
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "runtime"), str(REPO / "operator")]
 
-from bench.tables import quartiles  # noqa: E402
+from bench.tables import SMOKE_HELP, quartiles, require_rows  # noqa: E402
 from e2e.vllm_cpu import model, render  # noqa: E402
 from e2e.vllm_cpu.server import VllmServer  # noqa: E402
 
@@ -205,12 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-dir", default=None, help="models, tier directories and logs (default: a temp dir)")
     ap.add_argument("--copy-only", action="store_true", help="only the page-copy table (no engine)")
     ap.add_argument("--device", default="cpu", help="where the KV pages live for the copy table: cpu or cuda")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"the page-copy table (no engine, so it runs in the project's env): {SMOKE_HELP}")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.copy_only = True
     sizes = [int(s) for s in args.sizes.split(",")]
-    work = pathlib.Path(args.work_dir or tempfile.mkdtemp(prefix="kvtier-engine-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
-
-    rates = copy_rates(n_blocks=128, rounds=9, device=args.device)
+    n_blocks, rounds = (8, 2) if args.smoke else (128, 9)
+    rates = copy_rates(n_blocks=n_blocks, rounds=rounds, device=args.device)
     rm, r25, r75 = quartiles(rates["raw"])
     labels = {
         "raw": "raw copy_",
@@ -220,9 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         "scattered-batched": "kvtier worker, scattered blocks, vLLM swap_blocks_batch (one call per job)",
         "consecutive-batched": "kvtier worker, consecutive blocks, vLLM swap_blocks_batch (one call per job)",
     }
-    print("\nWorker page copy vs raw copy_ (128 blocks x 8 layers x 128 KiB, 9 alternated rounds, GB/s)")
+    print(f"\nWorker page copy vs raw copy_ ({n_blocks} blocks x 8 layers x 128 KiB, {rounds} alternated rounds, GB/s)")
     print("| path | median | p25-p75 | ratio to raw |")
     print("|---|---|---|---|")
+    require_rows(min(len(xs) for xs in rates.values()), "worker page copy")
     for name, xs in rates.items():
         m, q25, q75 = quartiles(xs)
         print(f"| {labels[name]} | {m:.2f} | {q25:.2f}-{q75:.2f} | {m / rm:.2f} |")
@@ -230,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.copy_only:
         return 0
 
+    work = pathlib.Path(args.work_dir or tempfile.mkdtemp(prefix="kvtier-engine-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
     tables = []
     for i, codec in enumerate(args.codecs.split(",")):
         results, rate, drop_how = engine_rounds(codec, sizes, args.reps, work, seed0=1000 * (i + 1))
@@ -239,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
           "(recompute: 2 per round); ratio = median / recompute median")
     print("| codec | tokens | recompute | device hit | host tier | fs tier | host/recompute | fs/recompute |")
     print("|---|---|---|---|---|---|---|---|")
+    require_rows(len(tables) * len(sizes), "TTFT by tier")
     for codec, results, rate, drop_how in tables:
         for n in sizes:
             cells, med = [], {}

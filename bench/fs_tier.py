@@ -40,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.tables
 
 import torch  # noqa: E402
 
@@ -51,6 +52,7 @@ from kvtier_runtime.fs import io as tier_module  # noqa: E402
 from kvtier_runtime.fs.fileio import O_DIRECT, AlignedBuffer, FileOps, probe_o_direct  # noqa: E402
 from kvtier_runtime.fs.format import ALIGN, file_bytes_for  # noqa: E402
 from plugins.tier_sync import load_blocks, store_blocks  # noqa: E402  (tests/plugins: blocking, test-side)
+from bench.tables import SMOKE_HELP, require_rows  # noqa: E402
 
 BLOCK_SHAPE = (32, 2, 16, 8, 128)  # 32 layers x K/V x 16 tokens x 8 KV heads x 128 dims, bf16 = 2 MiB
 DTYPE = torch.bfloat16
@@ -144,13 +146,13 @@ class PhaseTimer:
         for name in self.STEPS:
             self._saved[name] = getattr(tier_module, name)
             setattr(tier_module, name, self._timed(name, self._saved[name]))
-        tier.codec.encode = self._timed("encode (copy in)", tier.codec.encode)
+        setattr(tier.codec, "encode", self._timed("encode (copy in)", tier.codec.encode))
 
     def uninstall(self) -> None:
         for name, fn in self._saved.items():
             setattr(tier_module, name, fn)
 
-    def reset(self) -> dict[str, tuple[float, float]]:
+    def reset(self) -> dict[str, tuple[float, int]]:
         with self._lock:
             out = {k: (v, self.calls[k]) for k, v in self.seconds.items()}
             self.seconds.clear()
@@ -171,7 +173,10 @@ def main() -> None:
     ap.add_argument("--codec", default="none", choices=["none", "fp8", "fp8_e5m2", "int8", "int4"],
                     help="store KV chunks through the engine path's codec (raw stays the uncompressed bytes)")
     ap.add_argument("--no-verify", action="store_true", help="with --codec: no attention check (no fallback)")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = ap.parse_args()
+    if args.smoke:
+        args.blocks, args.rounds, args.threads = 2, 2, 2
     torch.set_num_threads(1)
 
     base = tempfile.mkdtemp(prefix="kvtier-fsbench-", dir=args.dir)
@@ -220,8 +225,8 @@ def main() -> None:
             for k in keys:  # keep the disk footprint at one round
                 tier.remove(k)
             if r:
-                for k, v in (("raw_w", rw), ("tier_w", tw), ("raw_r", rr), ("tier_r", tr)):
-                    res[k].append(v)
+                for col, v in (("raw_w", rw), ("tier_w", tw), ("raw_r", rr), ("tier_r", tr)):
+                    res[col].append(v)
         phases = {}
         if timer is not None:  # a separate round: the wrappers' own cost stays out of the ratios above
             timer.install(tier)
@@ -250,7 +255,10 @@ def main() -> None:
               "bytes")
     print("| operation | raw O_DIRECT GB/s | fs tier GB/s | ratio | ratio p25-p75 | target |")
     print("|---|---|---|---|---|---|")
-    for name, rk, tk in (("write (store)", "raw_w", "tier_w"), ("read (load)", "raw_r", "tier_r")):
+    operations = (("write (store)", "raw_w", "tier_w"), ("read (load)", "raw_r", "tier_r"))
+    measured = [(name, rk, tk) for name, rk, tk in operations if res[rk] and res[tk]]
+    require_rows(len(measured), "filesystem tier throughput")
+    for name, rk, tk in measured:
         ratios = [a / b for a, b in zip(res[rk], res[tk])]
         ratio, (q1, _, q3) = statistics.median(ratios), statistics.quantiles(ratios, n=4)
         # with a codec the write target is keeping up with the disk (>= 1: encode + write of the compressed

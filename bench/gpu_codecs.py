@@ -16,6 +16,7 @@ import pathlib
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -23,8 +24,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "runtime"))
 
 from kvtier_runtime.codecs import decode, get_codec  # noqa: E402
 
-VARIANTS = {"none": ("none", {}), "fp8": ("fp8", {}), "fp8_e5m2": ("fp8_e5m2", {}), "int8": ("int8", {}),
-            "int4": ("int4", {}), "int4/chan": ("int4", {"scales": "channel"})}
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "none": ("none", {}), "fp8": ("fp8", {}), "fp8_e5m2": ("fp8_e5m2", {}), "int8": ("int8", {}),
+    "int4": ("int4", {}), "int4/chan": ("int4", {"scales": "channel"})}
 TARGET = 0.5
 
 

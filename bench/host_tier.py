@@ -22,9 +22,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.tables
 
 import torch  # noqa: E402
 
+from bench.tables import SMOKE_HELP, require_rows  # noqa: E402
 from kvtier_runtime.store import MemoryTier, OffloadBooks  # noqa: E402
 
 BLOCK_SHAPE = (32, 2, 16, 8, 128)  # 32 layers x K/V x 16 tokens x 8 KV heads x 128 dims, bf16 = 2 MiB
@@ -66,7 +68,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--chunk", type=int, default=32, help="blocks per store/load call (and per raw chunk)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both sides")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = ap.parse_args()
+    if args.smoke:
+        args.blocks, args.rounds, args.chunk = 4, 2, 2
     torch.set_num_threads(args.threads)
 
     n = args.blocks
@@ -113,13 +118,14 @@ def main() -> None:
           f"{args.rounds} rounds, torch threads={args.threads}")
     print("| operation | raw copy_ GB/s | host tier GB/s | ratio | ratio p25-p75 | target |")
     print("|---|---|---|---|---|---|")
+    require_rows(min(len(v) for v in sums.values()), "host tier throughput")
     for name, rk, tk in (("store", "raw", "put"), ("load", "raw_back", "load")):
         ratios = [a / b for a, b in zip(sums[rk], sums[tk])]
         ratio, (q1, _, q3) = statistics.median(ratios), statistics.quantiles(ratios, n=4)
         r_s, t_s = statistics.median(sums[rk]), statistics.median(sums[tk])
         print(f"| {name} | {_gbps(total, r_s):.2f} | {_gbps(total, t_s):.2f} | {ratio:.3f} | {q1:.2f}-{q3:.2f} | "
               f"{'>= 0.9 ok' if ratio >= 0.9 else '>= 0.9 MISSED'} |")
-    put_us, load_us = bookkeeping_us_per_block(c)
+    put_us, load_us = bookkeeping_us_per_block(c, n=64 if args.smoke else 2048)
     copy_us = statistics.median(sums["raw"]) / n * 1e6
     print()
     print(f"host tier bookkeeping per block, best of 7 (tiny blocks, copy excluded): put {put_us:.1f} us, "

@@ -20,22 +20,25 @@ import pathlib
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "runtime"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench.tables
 
 from kvtier_runtime.codecs import KVLayout, get_kv_codec  # noqa: E402
 from kvtier_runtime.codecs.kv import canonical  # noqa: E402
 from kvtier_runtime.codecs.registry import peek_header  # noqa: E402
 from plugins.kv_accuracy import attention_cosine, chunk_error  # noqa: E402  (tests/plugins: measures)
+from bench.tables import SMOKE_HELP, require_rows  # noqa: E402
 
-BASE = dict(num_layers=2, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_order="HKTD")
-PAGES_256 = dict(block_tokens=256, pages=1)
-PAGES_16 = dict(block_tokens=16, pages=16)
+BASE: dict[str, Any] = dict(num_layers=2, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_order="HKTD")
+PAGES_256: dict[str, Any] = dict(block_tokens=256, pages=1)
+PAGES_16: dict[str, Any] = dict(block_tokens=16, pages=16)
 # name -> (pages, outlier scale, outlier channels, offset instead of scale); scale -1: "mixed per head"
-SETS: dict[str, tuple[dict, float, int, bool]] = {
+SETS: dict[str, tuple[dict[str, Any], float, int, bool]] = {
     "normal": (PAGES_256, 0.0, 0, False),
     "outlier x5": (PAGES_256, 5.0, 4, False),
     "outlier x10": (PAGES_256, 10.0, 4, False),
@@ -119,7 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--sets", default=",".join(SETS), help="comma-separated set names (default: all)")
     p.add_argument("--why", action="store_true", help="why plain int4 falls back (check error by K and V)")
+    p.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = p.parse_args(argv)
+    if args.smoke:
+        args.chunks, args.sets = 1, "normal"
     names = [s.strip() for s in args.sets.split(",") if s.strip()]
     unknown = [s for s in names if s not in SETS]
     if unknown or args.chunks < 1:
@@ -134,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
           "verified encode")
     print("| set | sparse K | int4 share | stored/raw (mean) | cos min | cos median | encode ms | stored as |")
     print("|-----|----------|-----------:|------------------:|--------:|-----------:|----------:|-----------|")
+    rows = 0
     for name in names:
         pages, scale, n_out, offset = SETS[name]
         lay = KVLayout(**BASE, **pages)
@@ -156,6 +163,8 @@ def main(argv: list[str] | None = None) -> None:
             kinds = ", ".join(f"{s} {stored.count(s)}" for s in sorted(set(stored)))
             print(f"| {name} | {'yes' if sparse else 'no'} | {share:.2f} | {statistics.mean(ratio):.3f} | "
                   f"{min(cos):.4f} | {statistics.median(cos):.4f} | {statistics.median(ms):.1f} | {kinds} |", flush=True)
+            rows += 1
+    require_rows(rows, "verified int4 per set")
 
 
 if __name__ == "__main__":

@@ -67,7 +67,8 @@ def main() -> None:
     variants = [(f"noise {lv:g}", noise(lv)) for lv in (1e-6, 1e-5, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2)]
     variants += [(c, codec_fn(c)) for c in ("fp8", "int8", "int4")]
     variants += [("K/V swapped", lambda k, v: (v.clone(), k.clone()))]
-    refs, tests = [], {name: [] for name, _ in variants}
+    refs: list[torch.Tensor] = []
+    tests: dict[str, list[torch.Tensor]] = {name: [] for name, _ in variants}
     with torch.no_grad():
         for p in range(args.prompts):
             ids = torch.tensor([tm.prompt_ids(PREFIX + args.positions, 101 + p)])

@@ -36,15 +36,18 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "runtime"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "runtime"), str(ROOT / "tests"), str(ROOT)]  # ROOT: bench.tables
 
 from kubernetes import client, config, watch  # noqa: E402
 
 from kvtier_operator.kube import Kube, policy_path, workload_path  # noqa: E402
-from kvtier_operator.settings import CONFIG_HASH_ANNOTATION, OPT_IN_LABEL, Settings  # noqa: E402
+from kvtier_operator.labels import OPT_IN_LABEL  # noqa: E402
+from kvtier_operator.settings import CONFIG_HASH_ANNOTATION, Settings  # noqa: E402
 from plugins.operator_thread import OperatorThread  # noqa: E402  (the tests' harness: the operator in a thread)
+from bench.tables import SMOKE_HELP, require_rows  # noqa: E402
 
 
 def deployment(name: str, ns: str) -> dict:
@@ -157,8 +160,9 @@ def wait_for_watch_cache(api: client.ApiClient, ns: str, timeout: float = 60) ->
     start = time.monotonic()
     while True:
         try:
-            custom.list_namespaced_custom_object("kvtier.io", "v1alpha1", ns, "kvcachepolicies", watch=True,
-                                                 timeout_seconds=1, _preload_content=False).release_conn()
+            response: Any = custom.list_namespaced_custom_object("kvtier.io", "v1alpha1", ns, "kvcachepolicies",
+                                                                 watch=True, timeout_seconds=1, _preload_content=False)
+            response.release_conn()  # not read: a raw urllib3 response (_preload_content=False)
             return time.monotonic() - start
         except client.ApiException as err:
             if err.status != 429 or time.monotonic() - start > timeout:
@@ -295,7 +299,10 @@ def main() -> int:
                         help="run the operator in its own process, as it ships (default), or in a thread of the "
                              "benchmark (the tests' harness; also times each policy's first reconcile)")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # internal: one size, JSON on stdout
+    parser.add_argument("--smoke", action="store_true", help=f"N=2 on a fresh control plane: {SMOKE_HELP}")
     args = parser.parse_args()
+    if args.smoke:
+        args.sizes, args.mode, args.timeout = "2", "cold", 120.0
     if args.one:
         print(json.dumps(run_size(args.kubeconfig, args.one, args.timeout, json.loads(args.settings),
                                   in_thread=args.operator == "thread", rate=args.rate)))
@@ -333,6 +340,7 @@ def main() -> int:
               + f"; waited {r['watch_cache_wait_s']:.1f} s for the API server's policy watch cache before starting"
               + ("" if r["operator_cpu_s"] is None else
                  f"; operator CPU {r['operator_cpu_s']:.1f} s ({r['operator_cpu_s'] / r['n'] * 1e3:.0f} ms per policy)"))
+    require_rows(len(rows), "operator at scale")
     problems = failures(rows)
     for p in problems:
         print(f"FAIL: {p}", file=sys.stderr)

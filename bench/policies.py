@@ -19,7 +19,9 @@ import time
 from collections import OrderedDict
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "runtime"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench.tables
 
+from bench.tables import SMOKE_HELP, require_rows  # noqa: E402
 from kvtier_runtime.policies import ADMISSIONS, POLICIES, get_policy  # noqa: E402
 
 
@@ -63,7 +65,10 @@ def main() -> None:
     ap.add_argument("--ops", type=int, default=200_000)
     ap.add_argument("--capacity", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=3, help="best of N runs (the machine may be shared)")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = ap.parse_args()
+    if args.smoke:
+        args.ops, args.capacity, args.repeat = 2000, 64, 1
     keys = zipf_stream(8 * args.capacity, args.ops)
     print(f"{args.ops} ops, capacity {args.capacity} entries, Zipf over {8 * args.capacity} keys, best of {args.repeat}")
     print(f"{'policy':<12} {'admission':<11} {'ops/s':>12} {'vs raw OrderedDict LRU':>23} {'hit ratio':>10}")
@@ -78,6 +83,7 @@ def main() -> None:
             rate, ref = max(r[0] for r in runs), max(refs)
             refs_all.append(ref)
             print(f"{name:<12} {adm:<11} {rate:>12,.0f} {rate / ref:>23.2f} {runs[0][1] / len(keys):>10.4f}")
+    require_rows(len(refs_all), "policy operations per second")
     print(f"{'(reference)':<12} {'-':<11} {max(refs_all):>12,.0f} {1.0:>23.2f} {'':>10}")
 
 

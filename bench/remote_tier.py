@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "runtime"), str(REPO / "operator"), str(REPO / "tests")]
 
-from bench.tables import quartiles  # noqa: E402
+from bench.tables import SMOKE_HELP, quartiles, require_rows  # noqa: E402
 from plugins.redis_server import RedisCluster, RedisServer, tenant_key_file  # noqa: E402
 from plugins.tier_sync import connected, wait_job  # noqa: E402  (tests/plugins: one job's result, test-side)
 
@@ -235,7 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--throughput-only", action="store_true")
     ap.add_argument("--ttft-only", action="store_true")
     ap.add_argument("--work-dir", default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"the throughput table (no engine, so it runs in the project's env): {SMOKE_HELP}")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.throughput_only, args.chunk_mib, args.chunks, args.batch, args.rounds, args.threads = (
+            True, 1 / 16, 8, 4, 1, 2)
     sizes = [int(s) for s in args.sizes.split(",")]
     work = pathlib.Path(args.work_dir or tempfile.mkdtemp(prefix="kvtier-remote-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -264,6 +269,7 @@ def print_throughput(rates: dict, args: argparse.Namespace, mode: str) -> None:
           "loopback; GB/s of KV")
     print("| path | median | p25-p75 | ratio to raw |")
     print("|---|---|---|---|")
+    require_rows(min(len(v) for v in rates.values()), "remote tier throughput")
     for path, raw in (("tier store", "raw SET"), ("raw SET", "raw SET"), ("tier load", "raw GET"),
                       ("raw GET", "raw GET")):
         m, q25, q75 = quartiles(rates[path])
@@ -274,6 +280,7 @@ def print_ttft(results: dict, sizes: list[int], reps: int) -> None:
     print(f"\nReplica B's TTFT, ms, median (p25-p75) of {reps} rounds; ratio = median / recompute median")
     print("| tokens | recompute | remote (A's prefix) | host tier | remote/recompute | host/recompute |")
     print("|---|---|---|---|---|---|")
+    require_rows(min((len(results.get((n, "remote"), [])) for n in sizes), default=0), "replica B's TTFT")
     for n in sizes:
         cells, med = [], {}
         for k in ("recompute", "remote", "host"):

@@ -21,13 +21,17 @@ from collections import OrderedDict
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "runtime"))
+sys.path.insert(0, str(ROOT))  # bench.tables
 
+from bench.tables import SMOKE_HELP, require_rows  # noqa: E402
 from kvtier_runtime import config  # noqa: E402
 from kvtier_runtime.replay.engine import PolicySpec, capacity_blocks, replay_single  # noqa: E402
 from kvtier_runtime.replay.metrics import flatten, prefix_hit_count  # noqa: E402
 from kvtier_runtime.replay.opt import opt_hits  # noqa: E402
-from kvtier_runtime.replay.trace import load_trace  # noqa: E402
+from kvtier_runtime.replay.trace import Trace, load_trace  # noqa: E402
 
+# --smoke: the trace's first requests only.
+SMOKE_REQUESTS = 300
 SPECS = ["lru", "arc", "s3fifo", "prefix2q", "adaptive", "lru+doorkeeper", "s3fifo+doorkeeper", "s3fifo+threshold",
          "prefix2q+threshold"]
 
@@ -96,7 +100,7 @@ def oracle_bounds(keys: list[int], capacity: int) -> dict[str, list[bool]]:
     return out
 
 
-def gap_table(traces: list[tuple[str, object]], policies: list[str]) -> None:
+def gap_table(traces: list[tuple[str, Trace]], policies: list[str]) -> None:
     from kvtier_runtime.replay.lru_curve import LRUCurve
 
     print("gap closed = (policy - LRU) / (OPT - LRU) in prefix hit ratio; margin = policy - LRU; "
@@ -130,8 +134,12 @@ def main() -> None:
     ap.add_argument("--gap-policies", default=f"{config.RECOMMENDED_EVICTION_POLICY},prefix2q")
     ap.add_argument("--requests", type=int, default=3000, help="--gap: requests per generated trace")
     ap.add_argument("--seed", type=int, default=1, help="--gap: generator seed")
+    ap.add_argument("--smoke", action="store_true", help=f"the speed table on the trace's first requests: {SMOKE_HELP}")
     args = ap.parse_args()
     trace = load_trace(args.trace)
+    if args.smoke:
+        trace.requests, args.repeat = trace.requests[:SMOKE_REQUESTS], 1
+        args.policies = args.policies or "lru,adaptive,s3fifo+doorkeeper"
     if args.gap:
         import tempfile
 
@@ -174,6 +182,7 @@ def main() -> None:
         ref_all.append(ref)
         print(f"{text:<20} {rate:>11,.0f} {rate / ref:>10.2f} {ratios[0]:>10.4f} {ratios[0] / opt[caps[0]]:>7.1%} "
               f"{ratios[1]:>11.4f} {ratios[1] / opt[caps[1]]:>7.1%}")
+    require_rows(len(ref_all), "replay speed and prefix hit ratios")
     print(f"{'(raw OrderedDict LRU)':<20} {max(ref_all):>11,.0f} {'1.00':>10}   (speed at 5%; each ratio uses "
           f"the reference runs interleaved with that policy's)")
     if args.oracles:

@@ -7,7 +7,7 @@ names and buckets; the guard's real reader, queries and decision engine, ticking
 timer. Each configuration runs in its own thread with its own engine; repetitions start the breach at a random
 phase of the tick schedule.
 
-    PYTHONPATH=operator:runtime:tests python bench/slo_reaction.py [--reps 3]
+    python bench/slo_reaction.py [--reps 3]
 """
 from __future__ import annotations
 
@@ -21,13 +21,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-for sub in ("operator", "runtime", "tests"):
+for sub in ("operator", "runtime", "tests", "e2e"):  # e2e: the Prometheus process the tests start (scenario)
     sys.path.insert(0, str(REPO / sub))
+sys.path.insert(0, str(REPO))  # bench.tables
 
 from kvtier_operator.slo import Scope  # noqa: E402
 from kvtier_operator.slo.client import PrometheusClientConfig, PrometheusSource  # noqa: E402
 from plugins.slo_harness import GuardLoop, slo_settings  # noqa: E402
 from plugins.prometheus import Started  # noqa: E402
+from bench.tables import SMOKE_HELP, require_rows  # noqa: E402
 
 SCRAPE_S = 1.0
 # (interval s, window s, consecutiveBreaches)
@@ -73,14 +75,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--smoke", action="store_true", help=f"the first configuration once: {SMOKE_HELP}")
     args = ap.parse_args()
+    configs = CONFIGS[:1] if args.smoke else CONFIGS
+    if args.smoke:
+        args.reps = 1
     with tempfile.TemporaryDirectory(prefix="slo-bench-") as tmp:
         started = Started(Path(tmp))
         try:
             prom = started.prometheus(scrape_interval=f"{SCRAPE_S:g}s")
-            with ThreadPoolExecutor(len(CONFIGS)) as pool:
-                results = list(pool.map(lambda c: run_config(started, prom, *c[1], args.reps, args.seed + c[0]),
-                                        enumerate(CONFIGS)))
+            with ThreadPoolExecutor(len(configs)) as pool:
+                results = list(pool.map(
+                    lambda i, c: run_config(started, prom, c[0], c[1], c[2], args.reps, args.seed + i),
+                    range(len(configs)), configs))
         finally:
             started.close()
 
@@ -92,6 +99,7 @@ def main() -> int:
               f"{'expected':>8} {'bound':>5} {'mean/expected':>13} {'max/bound':>9}")
     print(header)
     print("-" * len(header))
+    require_rows(min(len(reps) for _, reps in results), "SLO guard reaction time")
     for (interval, window, cb), reps in results:
         reaction = [r for r, _ in reps]
         detect = [d for _, d in reps]

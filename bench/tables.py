@@ -1,4 +1,5 @@
-"""What the benchmarks share for their tables: a robust summary of repeated measurements."""
+"""What the benchmarks share for their tables: a robust summary of repeated measurements, and the check that a
+table got rows."""
 from __future__ import annotations
 
 import statistics
@@ -23,3 +24,13 @@ def percentile(xs: Sequence[float], q: int) -> float:
     if len(xs) == 1:
         return float(xs[0])
     return statistics.quantiles(xs, n=100, method="inclusive")[q - 1]
+
+
+SMOKE_HELP = "a tiny run (seconds): the bench still works and its table has rows; its figures mean nothing"
+
+
+def require_rows(rows: int, table: str) -> None:
+    """Fail the run (exit status 1) when ``table`` got no row: a bench that measured nothing must not pass for one
+    that ran (``make check`` runs every bench at a tiny size, ``--smoke``, and relies on this)."""
+    if rows < 1:
+        raise SystemExit(f"{table}: no row was measured")

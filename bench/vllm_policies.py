@@ -22,19 +22,24 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "runtime"))
+sys.path.insert(0, str(ROOT))  # bench.tables
 
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 
+from bench.tables import SMOKE_HELP, require_rows  # noqa: E402
 from kvtier_runtime.config import (  # noqa: E402
     ADMISSION_POLICIES,
     EVICTION_POLICIES,
+    RECOMMENDED_EVICTION_POLICY,
     VLLM_ADAPTER_MODULE,
     vllm_cache_policy_class,
 )
 from kvtier_runtime.replay.trace import load_trace  # noqa: E402
 
 TOKENS_PER_BLOCK = 16
+# --smoke: the trace's first requests only.
+SMOKE_REQUESTS = 200
 
 
 def default_trace() -> pathlib.Path:
@@ -84,11 +89,17 @@ def main(argv: list[str] | None = None) -> int:
                         "tests/data/mooncake-synthetic.jsonl)")
     parser.add_argument("--capacity", type=int, nargs="+", default=[2196], help="CPU tier size in chunks")
     parser.add_argument("--policies", nargs="*", help="labels or class names to run (default: all)")
+    parser.add_argument("--smoke", action="store_true", help=f"vLLM's LRU and kvtier's default on the trace's first "
+                                                            f"requests: {SMOKE_HELP}")
     args = parser.parse_args(argv)
 
     trace = load_trace(args.trace or default_trace())
+    if args.smoke:
+        trace.requests, args.capacity = trace.requests[:SMOKE_REQUESTS], [64]
+        args.policies = args.policies or ["vllm lru", f"kvtier {RECOMMENDED_EVICTION_POLICY}"]
     requests = [[make_offload_key(h.to_bytes(8, "big"), 0) for h in ids] for ids in trace.requests]
     rows = policy_rows(args.policies)
+    require_rows(len(rows), "policies in vLLM's manager")
     print(f"trace: {pathlib.Path(trace.source).name}, {len(requests)} requests, {trace.n_accesses} block accesses, "
           f"{trace.n_distinct} distinct blocks; one block = one chunk; vLLM's CPUOffloadingManager")
     for capacity in args.capacity:

@@ -78,7 +78,7 @@ class FilesystemTier(QueuedTier):
         backoff_base_s: float = 1.0,
         backoff_max_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
-        codec: Codec | None = None,
+        codec: Codec | KVChunkCodec | None = None,
     ) -> None:
         """``codec`` overrides the codec named by the config (e.g. one with another error budget)."""
         self.config = config
