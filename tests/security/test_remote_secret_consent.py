@@ -207,6 +207,16 @@ def test_the_annotation_lists_stores_and_ipv6_hosts_in_brackets():
     assert not p.invalid, condition(p.status, "Ready")
 
 
+def operator_reading(objects: dict, secret_namespaces: tuple[str, ...]) -> tuple[FakeKube, list[str], Operator]:
+    """An operator over a fake API server holding ``objects``, and the list of paths it reads."""
+    kube = FakeKube(copy.deepcopy(objects))
+    reads: list[str] = []
+    get = kube.get
+    kube.get = lambda path: reads.append(path) or get(path)
+    settings = Settings(read_nodes=False, remote_stores_allowed=ALLOWED, remote_secret_namespaces=secret_namespaces)
+    return kube, reads, Operator(settings, kube)
+
+
 def test_the_operator_reads_only_the_named_secrets_and_applies_nothing_without_consent():
     pol = remote_policy()
     pol["metadata"]["resourceVersion"] = "10"
@@ -216,12 +226,7 @@ def test_the_operator_reads_only_the_named_secrets_and_applies_nothing_without_c
                secret_path("default", "valkey"): unmarked, secret_path("default", "kv-mac"): GOOD["kv-mac"],
                secret_path("default", "valkey-tls"): GOOD["valkey-tls"],
                secret_path("default", "db-password"): secret("db-password", {"p": b"x"})}
-    kube = FakeKube(copy.deepcopy(objects))
-    reads: list[str] = []
-    get = kube.get
-    kube.get = lambda path: reads.append(path) or get(path)
-    op = Operator(Settings(read_nodes=False, remote_stores_allowed=ALLOWED, remote_secret_namespaces=("default",)),
-                  kube)
+    kube, reads, op = operator_reading(objects, ("default",))
     op.run_pass("default", "llm", [])
     assert kube.applied == [], "no workload written, no ConfigMap"
     assert {r for r in reads if "/secrets/" in r} == {secret_path("default", n) for n in ("valkey", "kv-mac",
@@ -248,12 +253,7 @@ def test_the_operator_reads_no_secret_of_a_namespace_the_admin_did_not_list():
     pol["metadata"]["resourceVersion"] = "10"
     objects = {policy_path("default", "llm"): pol, workload_path("Deployment", "default", "llm"):
                observed(deployment()), **{secret_path("default", n): s for n, s in GOOD.items()}}
-    kube = FakeKube(copy.deepcopy(objects))
-    reads: list[str] = []
-    get = kube.get
-    kube.get = lambda path: reads.append(path) or get(path)
-    op = Operator(Settings(read_nodes=False, remote_stores_allowed=ALLOWED, remote_secret_namespaces=("serving",)),
-                  kube)
+    kube, reads, op = operator_reading(objects, ("serving",))
     op.run_pass("default", "llm", [])
     assert kube.applied == [] and not [r for r in reads if "/secrets/" in r]
     ready = condition(kube.objects[policy_path("default", "llm")]["status"], "Ready")
