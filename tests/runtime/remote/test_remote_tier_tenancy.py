@@ -14,7 +14,8 @@ import torch
 
 from kvtier_runtime.config import RemoteTierConfig
 from kvtier_runtime.remote.format import Sealer
-from kvtier_runtime.remote.identity import chunk_key, index_key, key_prefix, model_identity, scope_pattern
+from kvtier_runtime.remote.identity import (ACL_CLUSTER_COMMANDS, acl_rule, chunk_key, index_key, key_prefix,
+                                            model_identity)
 from kvtier_runtime.remote.tier import KeyState, RemoteTier
 from kvtier_runtime.tiers.keys import read_mac_key
 from plugins.redis_server import RedisCluster, RedisServer, tenant_key_file
@@ -25,12 +26,6 @@ ROW = 4096
 MODEL = model_identity({"model": "shared-by-two-tenants"})
 A, B = "team-a", "team-b"
 UNTOUCHED = 7.0
-# What the remote tier sends (docs/remote.md's ACL recipe): the mode probe (INFO), the health check (PING), a
-# chunk's EXISTS/GET/SET/DEL, the index's ZADD/ZCARD/ZPOPMIN. (redis-py's CLIENT SETINFO on connect, Redis 7.2+,
-# may be refused: redis-py ignores that.)
-TIER_COMMANDS = "-@all +ping +info +exists +get +set +del +zadd +zcard +zpopmin"
-# In cluster mode, also redis-py's slot discovery (CLUSTER SLOTS) and command table (COMMAND).
-CLUSTER_COMMANDS = "+cluster|slots +command"
 
 
 def _block(key: bytes) -> torch.Tensor:
@@ -158,7 +153,7 @@ def acl_store(tmp_path):
         admin = server.client()
         for user, scope in (("tenant-a", A), ("tenant-b", B)):
             admin.execute_command("ACL", "SETUSER", user, "reset", "on", f">{user}-password",
-                                  f"~{scope_pattern(scope)}", "resetchannels", *TIER_COMMANDS.split())
+                                  *acl_rule(scope))
             (tmp_path / f"{user}.pw").write_text(f"{user}-password\n")
         yield server, tmp_path
     finally:
@@ -242,8 +237,7 @@ def test_the_acl_recipe_works_in_cluster_mode_and_confines_the_tenant(tmp_path) 
     try:
         for node in cluster.nodes:
             node.client().execute_command("ACL", "SETUSER", "tenant-a", "reset", "on", ">tenant-a-password",
-                                          f"~{scope_pattern(A)}", "resetchannels", *TIER_COMMANDS.split(),
-                                          *CLUSTER_COMMANDS.split())
+                                          *acl_rule(A), *ACL_CLUSTER_COMMANDS)
         (tmp_path / "pw").write_text("tenant-a-password\n")
         a = _tier(cluster.url, A, username="tenant-a", password_file=str(tmp_path / "pw"))
         try:
