@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from .labels import PREFIX
-from .trust import check_endpoint_entry, check_host_path_prefix, check_pvc_entry, check_remote_store_entry
+from .trust import (check_endpoint_entry, check_host_path_prefix, check_namespace_entry, check_pvc_entry,
+                    check_remote_store_entry)
 
 FIELD_MANAGER = "kvtier-operator"
 FINALIZER = f"{PREFIX}/finalizer"

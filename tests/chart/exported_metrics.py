@@ -27,6 +27,9 @@ RUNTIME = {
     "kvtier_runtime_remote_misses": "counter",
     "kvtier_runtime_remote_store_failures": "counter",
     "kvtier_runtime_remote_up": "gauge",
+    "kvtier_runtime_remote_refused": "gauge",
+    "kvtier_runtime_remote_previous_key_reads": "counter",
+    "kvtier_runtime_remote_key_reloads": "counter",
 }
 
 OPERATOR = {

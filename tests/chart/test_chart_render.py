@@ -265,6 +265,9 @@ def test_remote_tier_secrets_are_readable_by_name_only_in_the_listed_namespaces(
     assert with_secrets == {("serving", "kvtier-remote-secrets"): {("", "secrets"): {"get"}}}
     bindings = {(b["metadata"]["namespace"], b["roleRef"]["name"]) for b in kinds(docs, "RoleBinding")}
     assert ("serving", "kvtier-remote-secrets") in bindings
+    # The operator is told the same list: it checks it before any read, whatever other Role would allow the read.
+    [deployment] = kinds(docs, "Deployment")
+    assert "--remote-secret-namespace=serving" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 def test_watched_namespaces_get_roles_not_cluster_rights(helm):

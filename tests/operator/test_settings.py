@@ -37,8 +37,20 @@ def test_standalone_and_peering_are_exclusive():
         from_args(["--standalone", "--peering", "p"], env={})
 
 
+def test_remote_secret_namespaces_and_the_recheck_from_flags_and_environment():
+    s = from_args(["--remote-secret-namespace", "team-a", "--remote-secret-namespace", "team-b",
+                   "--secret-recheck", "5"], env={})
+    assert s.remote_secret_namespaces == ("team-a", "team-b") and s.secret_recheck_seconds == 5
+    s = from_args([], env={"KVTIER_REMOTE_SECRET_NAMESPACES": "x, y", "KVTIER_SECRET_RECHECK": "2.5"})
+    assert s.remote_secret_namespaces == ("x", "y") and s.secret_recheck_seconds == 2.5
+    with pytest.raises(SystemExit, match=r"--remote-secret-namespace \(KVTIER_REMOTE_SECRET_NAMESPACES\): 'Team_A': "
+                                         "must be a namespace name"):
+        from_args(["--remote-secret-namespace", "Team_A"], env={})
+
+
 @pytest.mark.parametrize("argv, env, message", [
     (["--resync", "0"], {}, r"--resync \(KVTIER_RESYNC\): 0 must be greater than zero"),
+    (["--secret-recheck", "0"], {}, r"--secret-recheck \(KVTIER_SECRET_RECHECK\): 0 must be greater than zero"),
     ([], {"KVTIER_BACKOFF_MAX": "-1"}, r"--backoff-max \(KVTIER_BACKOFF_MAX\): -1 must be greater than zero"),
 ])
 def test_non_positive_intervals_are_refused_naming_the_setting(argv, env, message):
