@@ -370,7 +370,7 @@ class RemoteStoreSpec(_Model):
     ca_secret: Optional[SecretKeyRef] = Field(
         None, description="Secret key holding the PEM CA bundle that signed the store's certificate (a private CA, "
                           "e.g. the ca.crt of a cert-manager certificate); the store is then verified against it "
-                          "alone, host name included. Unset: the image's system CA bundle. rediss:// only. Mounted "
+                          "and the image's system CA bundle, host name included. Unset: the system CA bundle. rediss:// only. Mounted "
                           "read-only into the serving pods; the Secret must be annotated kvtier.io/remote-stores "
                           "like the password's, and a TLS Secret's private key (*.key) is refused.")
 

@@ -4,8 +4,8 @@ Mode is detected at connect time (``INFO cluster``: ``cluster_enabled:1`` switch
 :class:`redis.cluster.RedisCluster` seeded with the same address), so one ``redis://host:port`` works against a
 single server, a Valkey/Redis with replicas behind a Service, or a cluster. The password comes from
 ``password_file`` (a Secret mounted read-only), never from the URL, and is the ACL user ``username``'s when one is
-set. ``rediss://`` always verifies the store's certificate and host name: against ``ca_file`` alone when it is set
-(a private CA), else against the system CA bundle; a failed verification is a ``down`` store. Every socket operation
+set. ``rediss://`` always verifies the store's certificate and host name: against ``ca_file`` (a private CA) and the
+system CA bundle (redis-py's TLS context always loads the system bundle; the tier's own load connections do the same); a failed verification is a ``down`` store. Every socket operation
 is bounded by ``io_timeout_s`` and nothing is retried: a slow or absent store must cost the engine a miss, not a
 retry loop. Faults are classified by :func:`failure_kind` into the reasons the tier's metrics count.
 """
