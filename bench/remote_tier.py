@@ -162,9 +162,9 @@ def engine_rounds(store, sizes: list[int], reps: int, work: pathlib.Path) -> dic
         config = render.render_engine_config(
             render.policy_document(tiers=[render.host_tier(host_bytes), remote]), work / f"{name}.yaml")
         doc = yaml.safe_load(config.read_text())
-        doc["kv-transfer-config"]["kv_connector_extra_config"]["remote_tiers"][0]["io_timeout_s"] = 2.0
-        doc["kv-transfer-config"]["kv_connector_extra_config"]["remote_tiers"][0]["mac_key_file"] = \
-            tenant_key_file("bench")
+        (tier,) = [t["config"] for t in doc["kv-transfer-config"]["kv_connector_extra_config"]["tiers"]
+                   if t["medium"] == "remote"]
+        tier["io_timeout_s"], tier["mac_key_file"] = 2.0, tenant_key_file("bench")
         config.write_text(yaml.safe_dump(doc, sort_keys=False))
         servers.append(VllmServer(model_dir, config, kv_cache_memory_bytes=(max_len + 512) * model.kv_bytes_per_token(),
                                   max_model_len=max_len, env={"VLLM_SERVER_DEV_MODE": "1"},

@@ -646,8 +646,9 @@ def _kv_summary(config: Optional[dict[str, Any]]) -> str:
         parts.append(f"cpu {int(extra['cpu_bytes_to_use']) / 2**30:g}GiB")
     for t in extra.get("secondary_tiers") or []:
         parts.append(f"{t.get('type')} {t.get('root_dir', '')}".strip())
-    for t in extra.get("fs_tiers") or []:  # kvtier's own spec
-        parts.append(f"fs {t.get('root_dir', '')}".strip())
+    for t in extra.get("tiers") or []:  # kvtier's own spec, in the policy's order
+        config = t.get("config") or {}
+        parts.append(f"{t.get('name')} ({t.get('medium')} {config.get('root_dir') or config.get('url') or ''})")
     return ", ".join(parts)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence, Union
 
 # Names of the runtime's policies and codecs as a KVCachePolicy spells them.
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "arc", "s3fifo", "prefix2q", "adaptive")
@@ -129,6 +129,7 @@ class _TierKwargs:
 class FilesystemTierConfig(_TierKwargs):
     """Keyword arguments of kvtier's filesystem tier, as rendered into a vLLM ``secondary_tiers`` entry."""
 
+    MEDIUM = "filesystem"
     REQUIRED = ("root_dir", "capacity_bytes")
     OMITTED_AT_DEFAULT = frozenset({"mac_key_file", "io_timeout_s"})
 
@@ -174,6 +175,17 @@ class FilesystemTierConfig(_TierKwargs):
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> "FilesystemTierConfig":
         return super().from_kwargs(kwargs)
 
+    @property
+    def address(self) -> str:
+        """Where the tier's data lives: its directory (how metrics and the control file named it before tiers had
+        names, and still answer to)."""
+        return self.root_dir
+
+    @property
+    def runtime_name(self) -> str:
+        """The tier's label in the runtime's process-wide metrics (``kvtier_runtime_*{tier}``)."""
+        return f"kvtier:{self.root_dir}"
+
 
 REMOTE_URL_SCHEMES: tuple[str, ...] = ("redis", "rediss")
 # A remote store slower than this is a miss (vLLM recomputes): a shared tier may cost a little, never an incident.
@@ -201,6 +213,7 @@ class RemoteTierConfig(_TierKwargs):
     forge a value. The store password is never that key.
     """
 
+    MEDIUM = "remote"
     REQUIRED = ("url", "capacity_bytes")
     OMITTED_AT_DEFAULT = frozenset({"codec", "password_file", "mac_key_file", "previous_mac_key_file", "io_timeout_s",
                                     "ca_file", "username"})
@@ -223,6 +236,9 @@ class RemoteTierConfig(_TierKwargs):
     # The store's ACL user the password belongs to (None: the default user).
     username: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # A lossy codec verifies every chunk and falls back to a wider one over its error budget, as a filesystem
+    # tier's does by default (not a setting of a remote tier).
+    codec_fallback: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         check_remote_url("url", self.url)
@@ -254,21 +270,127 @@ class RemoteTierConfig(_TierKwargs):
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> "RemoteTierConfig":
         return super().from_kwargs(kwargs)
 
+    @property
+    def address(self) -> str:
+        """Where the tier's data lives: its store's url (how metrics and the control file named it before tiers had
+        names, and still answer to)."""
+        return self.url
 
-def _parse_tiers(extra: Mapping[str, Any], key: str, cls: type, prefix: str) -> list[Any]:
-    """The list of tier mappings under ``key``, each parsed by ``cls.from_kwargs``; errors name the entry."""
-    raw_tiers = extra.get(key) or []
-    if not isinstance(raw_tiers, (list, tuple)):
-        raise ConfigError(f"{prefix}{key}: {raw_tiers!r} must be a list of tier mappings")
-    out = []
-    for i, raw in enumerate(raw_tiers):
+    @property
+    def runtime_name(self) -> str:
+        """The tier's label in the runtime's process-wide metrics (``kvtier_runtime_*{tier}``)."""
+        return f"kvtier-remote:{self.url}"
+
+
+TierConfig = Union[FilesystemTierConfig, RemoteTierConfig]
+# A tier's medium -> the class of its config (each a frozen dataclass of the tier class's keyword arguments).
+TIER_CONFIGS: dict[str, type[FilesystemTierConfig] | type[RemoteTierConfig]] = {
+    FilesystemTierConfig.MEDIUM: FilesystemTierConfig, RemoteTierConfig.MEDIUM: RemoteTierConfig}
+MAX_TIER_NAME_CHARS = 253
+# Tiers behind the host tier in one config: a bound on the input, far above any policy (the CRD allows 4 in all).
+MAX_TIERS = 16
+
+
+@dataclass(frozen=True)
+class TierEntry:
+    """One tier behind the host tier, as the policy names and orders it: its ``name`` (the KVCachePolicy's, which
+    the control file, the breakers and the metrics speak), its ``medium`` and that medium's ``config``."""
+
+    name: str
+    medium: str
+    config: TierConfig
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not 0 < len(self.name) <= MAX_TIER_NAME_CHARS:
+            raise ConfigError(f"name: {self.name!r} must be a non-empty name of at most {MAX_TIER_NAME_CHARS} "
+                              "characters")
+        expected = TIER_CONFIGS.get(self.medium) if isinstance(self.medium, str) else None
+        if expected is None:
+            raise ConfigError(f"medium: {self.medium!r} is not one of {', '.join(TIER_CONFIGS)}")
+        if not isinstance(self.config, expected):
+            raise ConfigError(f"config: a {type(self.config).__name__} for a tier of medium {self.medium!r}")
+
+    @classmethod
+    def parse(cls, raw: Any) -> "TierEntry":
+        """``{name, medium, config}`` as rendered; ConfigError names the key (``config.codec: ...``)."""
         if not isinstance(raw, Mapping):
-            raise ConfigError(f"{prefix}{key}[{i}]: {raw!r} must be a mapping")
+            raise ConfigError(f"{raw!r} must be a mapping with keys name, medium and config")
+        unknown = sorted(set(raw) - {"name", "medium", "config"})
+        if unknown:
+            raise ConfigError(f"{unknown[0]}: not a tier key (name, medium, config)")
+        for key in ("name", "medium", "config"):
+            if key not in raw:
+                raise ConfigError(f"{key}: required")
+        medium = raw["medium"]
+        config_cls = TIER_CONFIGS.get(medium) if isinstance(medium, str) else None
+        if config_cls is None:
+            raise ConfigError(f"medium: {medium!r} is not one of {', '.join(TIER_CONFIGS)}")
+        if not isinstance(raw["config"], Mapping):
+            raise ConfigError(f"config: {raw['config']!r} must be a mapping of the tier's settings")
         try:
-            out.append(cls.from_kwargs(raw))
+            config = config_cls.from_kwargs(raw["config"])
         except ConfigError as err:
-            raise ConfigError(f"{prefix}{key}[{i}].{err}") from None
-    return out
+            raise ConfigError(f"config.{err}") from None
+        return cls(raw["name"], medium, config)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "medium": self.medium, "config": self.config.to_kwargs()}
+
+
+# The keys a config rendered before the ordered tier list held its tiers in: two lists by medium (filesystem
+# tiers first, then remote tiers) and their names, the host tier's first.
+LEGACY_TIER_KEYS = ("fs_tiers", "remote_tiers", "tier_names")
+
+
+def _ordered_tiers(extra: Mapping[str, Any], prefix: str) -> tuple[str, list[TierEntry]]:
+    """The host tier's name and ``tiers``, each entry parsed; errors name the entry (``tiers[1].config.url: ...``)."""
+    host = extra.get("host_tier_name", "host")
+    raw = extra.get("tiers") or []
+    if not isinstance(raw, (list, tuple)):
+        raise ConfigError(f"{prefix}tiers: {raw!r} must be a list of tiers (name, medium, config)")
+    if len(raw) > MAX_TIERS:
+        raise ConfigError(f"{prefix}tiers: {len(raw)} tiers, at most {MAX_TIERS}")
+    out = []
+    for i, entry in enumerate(raw):
+        try:
+            out.append(TierEntry.parse(entry))
+        except ConfigError as err:
+            raise ConfigError(f"{prefix}tiers[{i}].{err}") from None
+    return host, out
+
+
+def _legacy_tiers(extra: Mapping[str, Any], prefix: str) -> tuple[str, list[TierEntry]]:
+    """A config rendered before the ordered list: ``fs_tiers`` then ``remote_tiers`` (the order that format
+    had), named by ``tier_names`` (the host tier's first) or, without it, by their addresses (``host``, each
+    root_dir, each url; a second tier on one store gets ``#<index>``)."""
+    configs: list[TierConfig] = []
+    for key, cls in (("fs_tiers", FilesystemTierConfig), ("remote_tiers", RemoteTierConfig)):
+        raw = extra.get(key) or []
+        if not isinstance(raw, (list, tuple)):
+            raise ConfigError(f"{prefix}{key}: {raw!r} must be a list of tier mappings")
+        for i, entry in enumerate(raw):
+            if not isinstance(entry, Mapping):
+                raise ConfigError(f"{prefix}{key}[{i}]: {entry!r} must be a mapping")
+            try:
+                configs.append(cls.from_kwargs(entry))
+            except ConfigError as err:
+                raise ConfigError(f"{prefix}{key}[{i}].{err}") from None
+    given = extra.get("tier_names") or ()
+    if not isinstance(given, (list, tuple)):
+        raise ConfigError(f"{prefix}tier_names: {given!r} must be a list of tier names")
+    names: list[str] = list(given)
+    if not all(isinstance(n, str) and 0 < len(n) <= MAX_TIER_NAME_CHARS for n in names):
+        raise ConfigError(f"{prefix}tier_names: {names!r} must be a list of non-empty names (at most "
+                          f"{MAX_TIER_NAME_CHARS} characters)")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{prefix}tier_names: {names!r} must be distinct")
+    if not names:
+        for i, address in enumerate(["host", *(c.address for c in configs)]):
+            names.append(address if address not in names else f"{address}#{i}")  # two remote tiers on one store
+    if len(names) != 1 + len(configs):
+        raise ConfigError(f"{prefix}tier_names: {len(names)} names for {1 + len(configs)} tiers (the host tier, then "
+                          "fs_tiers, then remote_tiers)")
+    return names[0], [TierEntry(name, c.MEDIUM, c) for name, c in zip(names[1:], configs)]
 
 
 # The one grammar of a store address, written in the regular-expression subset RE2 (the API server's CEL), Rust
@@ -376,10 +498,14 @@ class OffloadSpecConfig:
     """The ``kv_connector_extra_config`` keys :class:`KvtierOffloadingSpec` reads.
 
     ``cpu_bytes_to_use`` sizes the host tier (a shared-memory region under ``host_shm_dir``, read by vLLM's worker
-    and by the scheduler's disk I/O threads); ``eviction_policy``/``admission`` are its kvtier policies;
-    ``fs_tiers`` are the durable tiers behind it, in lookup order (each a :class:`FilesystemTierConfig`).
-    Keys vLLM itself reads (``spec_name``, ``block_size``, ``offload_prompt_only``...) are kept in ``extra``.
-    """
+    and by the scheduler's disk I/O threads); ``eviction_policy``/``admission`` are its kvtier policies; ``tiers``
+    are the tiers behind it, in the policy's order, which is their lookup order (``TierEntry``: name, medium and
+    the medium's config). Keys vLLM itself reads (``spec_name``, ``block_size``, ``offload_prompt_only``...) are
+    kept in ``extra``.
+
+    Rendered as ``tiers: [{name, medium, config}]`` (and ``host_tier_name``). A config rendered before (the tiers
+    as two lists by medium, ``fs_tiers`` then ``remote_tiers``, their names in ``tier_names``) still loads: the
+    same tiers in the order that format had (filesystem first), named as it named them."""
 
     cpu_bytes_to_use: int
     eviction_policy: str = RECOMMENDED_EVICTION_POLICY
@@ -387,17 +513,15 @@ class OffloadSpecConfig:
     # With admission "threshold": a block is stored on its Nth offer (spec.offload.storeThreshold).
     admission_threshold: int = DEFAULT_ADMISSION_THRESHOLD
     host_shm_dir: str = DEFAULT_HOST_SHM_DIR
-    fs_tiers: tuple[FilesystemTierConfig, ...] = ()
-    # Shared tiers behind the filesystem tiers, in lookup order (each a :class:`RemoteTierConfig`).
-    remote_tiers: tuple[RemoteTierConfig, ...] = ()
+    # The tiers behind the host tier, in the policy's order (each a TierEntry: name, medium, config).
+    tiers: tuple[TierEntry, ...] = ()
+    # The host tier's name (the policy's cpu tier).
+    host_name: str = "host"
     # The live control file (docs/breaker.md): JSON naming tiers to bypass without a restart. None: not watched.
     control_file: str | None = None
     # Tokens per second the engine prefills (recomputes) at: a tier whose loads cost more than recomputing the same
     # tokens is bypassed by its breaker (docs/breaker.md). None: no tier is bypassed for being slow.
     recompute_tokens_per_s: float | None = None
-    # The tiers' names as the control file and the metrics spell them: the host tier, then fs_tiers, then
-    # remote_tiers (the KVCachePolicy's tier names). Empty: host, each root_dir, each url.
-    tier_names: tuple[str, ...] = ()
     # Recording (docs/replay.md, "Record your own traffic"): a folder to write a Mooncake-format trace of the
     # requests the offloading manager sees, for ``kvtier replay``. None: not recorded.
     trace_dir: str | None = None
@@ -420,7 +544,7 @@ class OffloadSpecConfig:
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
                                  or not 0 < rate < float("inf")):
             raise ConfigError(f"recompute_tokens_per_s: {rate!r} must be a positive number")
-        self._check_tier_names()
+        self._check_tiers()
         self._check_trace()
 
     def _check_trace(self) -> None:
@@ -435,57 +559,47 @@ class OffloadSpecConfig:
             raise ConfigError(f"trace_max_bytes: {size!r} must be an integer from {low} ({MIN_TRACE_FILE_BYTES} per "
                               f"trace file) to {MAX_TRACE_BYTES}")
 
-    def _check_tier_names(self) -> None:
-        names = self.tier_names
-        if isinstance(names, list):
-            object.__setattr__(self, "tier_names", tuple(names))
-            names = self.tier_names
-        if not names:
-            return
-        if not isinstance(names, tuple) or not all(isinstance(n, str) and 0 < len(n) <= 253 for n in names):
-            raise ConfigError(f"tier_names: {list(names)!r} must be a list of non-empty names (at most 253 characters)")
+    def _check_tiers(self) -> None:
+        if isinstance(self.tiers, list):
+            object.__setattr__(self, "tiers", tuple(self.tiers))
+        if not isinstance(self.tiers, tuple) or not all(isinstance(t, TierEntry) for t in self.tiers):
+            raise ConfigError(f"tiers: {self.tiers!r} must be a list of tiers (name, medium, config)")
+        if not isinstance(self.host_name, str) or not 0 < len(self.host_name) <= MAX_TIER_NAME_CHARS:
+            raise ConfigError(f"host_tier_name: {self.host_name!r} must be a non-empty name of at most "
+                              f"{MAX_TIER_NAME_CHARS} characters")
+        names = self.names
         if len(set(names)) != len(names):
-            raise ConfigError(f"tier_names: {list(names)!r} must be distinct")
-        tiers = 1 + len(self.fs_tiers) + len(self.remote_tiers)
-        if len(names) != tiers:
-            raise ConfigError(f"tier_names: {len(names)} names for {tiers} tiers (the host tier, then fs_tiers, then "
-                              "remote_tiers)")
+            raise ConfigError(f"tiers: names {names!r} (the host tier's first) must be distinct")
+        roots = [t.config.address for t in self.tiers if t.medium == FilesystemTierConfig.MEDIUM]
+        if len(set(roots)) != len(roots):
+            raise ConfigError(f"tiers: filesystem tiers' root_dir values must be distinct, got {roots}")
 
     @property
     def names(self) -> list[str]:
-        """Every tier's name: ``tier_names``, or ``host``, each fs tier's root_dir, each remote tier's url."""
-        if self.tier_names:
-            return list(self.tier_names)
-        names: list[str] = []
-        for i, name in enumerate(["host", *(t.root_dir for t in self.fs_tiers), *(t.url for t in self.remote_tiers)]):
-            names.append(name if name not in names else f"{name}#{i}")  # two remote tiers on one store
-        return names
+        """Every tier's name, the host tier's first, then the tiers behind it in their order."""
+        return [self.host_name, *(t.name for t in self.tiers)]
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> "OffloadSpecConfig":
         """Parse vLLM's ``kv_connector_extra_config``; a bad value raises :class:`ConfigError` whose message starts
-        with the key's full path (``kv_connector_extra_config.fs_tiers[0].codec: ...``)."""
+        with the key's full path (``kv_connector_extra_config.tiers[0].config.codec: ...``)."""
         prefix = "kv_connector_extra_config."
         if "cpu_bytes_to_use" not in extra:
             raise ConfigError(f"{prefix}cpu_bytes_to_use: required (bytes of kvtier's host tier)")
-        tiers = _parse_tiers(extra, "fs_tiers", FilesystemTierConfig, prefix)
-        roots = [t.root_dir for t in tiers]
-        if len(set(roots)) != len(roots):
-            raise ConfigError(f"{prefix}fs_tiers: root_dir values must be distinct, got {roots}")
-        remote = _parse_tiers(extra, "remote_tiers", RemoteTierConfig, prefix)
+        legacy = [k for k in LEGACY_TIER_KEYS if k in extra]
+        if legacy and ("tiers" in extra or "host_tier_name" in extra):
+            raise ConfigError(f"{prefix}{legacy[0]}: the tiers are in 'tiers'; a config has one tier list, not both "
+                              "forms")
+        host, tiers = _legacy_tiers(extra, prefix) if legacy else _ordered_tiers(extra, prefix)
         known = {"cpu_bytes_to_use", "eviction_policy", "admission", "admission_threshold", "host_shm_dir",
                  "control_file", "recompute_tokens_per_s", "trace_dir", "trace_max_bytes", "trace_files"}
-        names = extra.get("tier_names") or ()
-        if not isinstance(names, (list, tuple)):
-            raise ConfigError(f"{prefix}tier_names: {names!r} must be a list of tier names")
         try:
             return cls(
                 **{k: extra[k] for k in known if k in extra},
-                fs_tiers=tuple(tiers),
-                remote_tiers=tuple(remote),
-                tier_names=tuple(names),
+                tiers=tuple(tiers),
+                host_name=host,
                 extra={k: v for k, v in extra.items()
-                       if k not in known and k not in ("fs_tiers", "remote_tiers", "tier_names")},
+                       if k not in known and k not in ("tiers", "host_tier_name", *LEGACY_TIER_KEYS)},
             )
         except ConfigError as err:
             raise ConfigError(f"{prefix}{err}") from None
@@ -500,16 +614,14 @@ class OffloadSpecConfig:
             out["admission_threshold"] = self.admission_threshold
         if self.host_shm_dir != DEFAULT_HOST_SHM_DIR:
             out["host_shm_dir"] = self.host_shm_dir
-        if self.fs_tiers:
-            out["fs_tiers"] = [t.to_kwargs() for t in self.fs_tiers]
-        if self.remote_tiers:
-            out["remote_tiers"] = [t.to_kwargs() for t in self.remote_tiers]
+        if self.host_name != "host":
+            out["host_tier_name"] = self.host_name
+        if self.tiers:
+            out["tiers"] = [t.to_dict() for t in self.tiers]
         if self.control_file is not None:
             out["control_file"] = self.control_file
         if self.recompute_tokens_per_s is not None:
             out["recompute_tokens_per_s"] = self.recompute_tokens_per_s
-        if self.tier_names:
-            out["tier_names"] = list(self.tier_names)
         if self.trace_dir is not None:
             out["trace_dir"] = self.trace_dir
         if self.trace_max_bytes != DEFAULT_TRACE_MAX_BYTES:

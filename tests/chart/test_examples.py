@@ -116,7 +116,7 @@ def test_kvtier_example_renders_s3fifo_doorkeeper_and_both_codecs():
     assert (config["spec_name"], config["spec_module_path"]) == (
         "KvtierOffloadingSpec", "kvtier_runtime.engines.vllm_adapter")
     assert (config["eviction_policy"], config["admission"]) == ("s3fifo", "doorkeeper")
-    assert [(t["root_dir"], t["codec"]) for t in config["fs_tiers"]] == [
+    assert [(t["config"]["root_dir"], t["config"]["codec"]) for t in config["tiers"]] == [
         ("/mnt/kvcache-nvme", "fp8"), ("/mnt/kvcache-archive", "int4")]
 
 

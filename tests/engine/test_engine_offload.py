@@ -173,7 +173,7 @@ def test_restart_on_the_same_directory_serves_blocks_from_disk(engine: Engine) -
 def test_bad_spec_config_fails_start_up_naming_the_key(engine: Engine, tmp_path) -> None:
     engine.server.stop()  # one engine at a time on 2 cores
     doc = yaml.safe_load(engine.config.read_text())
-    doc["kv-transfer-config"]["kv_connector_extra_config"]["fs_tiers"][0]["codec"] = "zstd"
+    doc["kv-transfer-config"]["kv_connector_extra_config"]["tiers"][0]["config"]["codec"] = "zstd"
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(doc, sort_keys=False))
     server = engine._server("engine-bad.log", bad)
@@ -181,6 +181,6 @@ def test_bad_spec_config_fails_start_up_naming_the_key(engine: Engine, tmp_path)
     try:
         code = server.wait_exit(420)
         assert code not in (None, 0), "vllm serve did not fail on a bad kvtier config"
-        assert "kv_connector_extra_config.fs_tiers[0].codec: 'zstd' is not one of" in server.log_text()
+        assert "kv_connector_extra_config.tiers[0].config.codec: 'zstd' is not one of" in server.log_text()
     finally:
         server.stop()

@@ -71,7 +71,9 @@ class Fleet:
                   "remote": {"url": self.store.url, "macKeySecret": {"name": "kv-store", "key": "mac"}}}
         path = render.render_engine_config(render.policy_document(tiers=[*tiers, remote]), self.tmp / f"{name}.yaml")
         doc = yaml.safe_load(path.read_text())
-        (tier,) = doc["kv-transfer-config"]["kv_connector_extra_config"]["remote_tiers"]
+        (entry,) = [t for t in doc["kv-transfer-config"]["kv_connector_extra_config"]["tiers"]
+                    if t["medium"] == "remote"]
+        tier = entry["config"]
         assert tier["url"] == self.store.url and tier["capacity_bytes"] == 128 * MiB and tier["mac_key_file"]
         assert tier["scope"] == "default"  # the policy's namespace: both replicas share one scope
         tier["mac_key_file"] = str(self.mac)

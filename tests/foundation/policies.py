@@ -69,6 +69,8 @@ VALID = [
     policy(backend="kvtier", tiers=[cpu(), disk(), remote(compression="fp8", store={
         "passwordSecret": {"name": "valkey", "key": "password"}, "macKeySecret": {"name": "kv-mac", "key": "k"}})]),
     policy(backend="kvtier", tiers=[cpu(), remote(url="rediss://[fd00::1]:6380")]),
+    # The tiers behind the cpu tier in any order: the runtime looks them up in the policy's order.
+    policy(backend="kvtier", tiers=[cpu(), remote(), disk()]),
     # Recording the engine's traffic (backend kvtier); a disabled recording is accepted with any backend.
     policy(backend="kvtier", trace={"enabled": True, "maxSize": "16Gi", "files": 1000}),
     policy(backend="kvtier", trace={"enabled": True, "maxSize": 262144, "files": 4}),
@@ -113,7 +115,6 @@ INVALID = [
      "spec.tiers[1].medium: a remote tier takes no path or volume"),
     (policy(tiers=[cpu(), remote()]), "spec.backend: a remote tier needs backend kvtier"),
     (policy(backend="kvtier", tiers=[cpu(), remote(), remote("other")]), "spec.tiers: at most one remote tier"),
-    (policy(backend="kvtier", tiers=[cpu(), remote(), disk()]), "spec.tiers: the remote tier must be the last tier"),
     (policy(tiers=[cpu(), disk(compression="fp8")]), "spec.backend: compression needs backend kvtier"),
     (policy(tiers=[cpu(admission="doorkeeper")]), "spec.backend: admission filters need backend kvtier"),
     (policy(tiers=[cpu(), disk(evictionPolicy="adaptive")]), "spec.backend: backend native runs vLLM's own filesystem tier, which evicts nothing"),

@@ -82,14 +82,16 @@ def runtime_objects(files: dict[str, str]) -> dict[str, Any]:
         out["cpu"] = _policy_object(get_policy(
             spec.eviction_policy, 1000, admission=None if spec.admission == "none" else spec.admission,
             admission_threshold=spec.admission_threshold))
-        tiers = list(spec.fs_tiers)
+        tiers = [t.config for t in spec.tiers if isinstance(t.config, FilesystemTierConfig)]
         breakers = TierBreakers.for_spec(spec, tokens_per_chunk=256)  # as the adapter builds them
         out["breakers"] = {"names": breakers.names, "control_file": spec.control_file,
                            "recompute_s_per_token": breakers.settings.recompute_s_per_token}
         if spec.trace_dir is not None:
             out["trace"] = {"dir": spec.trace_dir, "max_bytes": spec.trace_max_bytes, "files": spec.trace_files}
-        if spec.remote_tiers:
-            out["remote"] = [RemoteTierConfig.from_kwargs(t.to_kwargs()).to_kwargs() for t in spec.remote_tiers]
+        remote = [t.config for t in spec.tiers if isinstance(t.config, RemoteTierConfig)]
+        if remote:
+            out["remote"] = [RemoteTierConfig.from_kwargs(t.to_kwargs()).to_kwargs() for t in remote]
+        out["tier_order"] = [(t.name, t.medium) for t in spec.tiers]
     else:
         if str(extra.get("eviction_policy", "")).startswith("Kvtier"):
             choice = CachePolicyChoice.from_class_name(extra["eviction_policy"])

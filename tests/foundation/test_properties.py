@@ -153,7 +153,7 @@ def test_every_valid_policy_renders_for_any_subset_of_enabled_tiers(doc, data):
         from kvtier_runtime.config import OffloadSpecConfig
 
         extra = yaml.safe_load(rendered.files["engine.yaml"])["kv-transfer-config"]["kv_connector_extra_config"]
-        (cfg,) = OffloadSpecConfig.from_extra_config(extra).remote_tiers
+        (cfg,) = [t.config for t in OffloadSpecConfig.from_extra_config(extra).tiers if t.medium == "remote"]
         assert cfg.url == remote.remote.url and cfg.capacity_bytes == remote.size_bytes
         # The policy's namespace is the tenant scope ("default" for a document without one, as kubectl would).
         assert cfg.scope == (doc["metadata"].get("namespace") or "default") and cfg.username == remote.remote.username

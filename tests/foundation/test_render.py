@@ -67,7 +67,7 @@ OFFLOADING_KEYS = {"spec_name", "cpu_bytes_to_use", "block_size", "eviction_poli
                    "offload_prompt_only", "store_threshold", "secondary_tiers"}
 # kvtier's own spec (backend kvtier) reads these; vLLM reads the OFFLOADING_KEYS among them.
 KVTIER_SPEC_KEYS = {"spec_name", "spec_module_path", "cpu_bytes_to_use", "block_size", "offload_prompt_only",
-                    "eviction_policy", "admission", "host_shm_dir", "fs_tiers", "tier_names", "control_file",
+                    "eviction_policy", "admission", "host_shm_dir", "tiers", "host_tier_name", "control_file",
                     "recompute_tokens_per_s"}
 FS_TIER_KEYS = {"type", "root_dir", "n_read_threads", "n_write_threads"}
 TRT_KV_KEYS = {"enable_block_reuse", "host_cache_size", "free_gpu_memory_fraction", "tokens_per_block", "dtype",
@@ -127,11 +127,12 @@ def test_vllm_kvtier_backend_renders_kvtiers_own_spec():
     extra = _vllm_file(_render("vllm-kvtier-cpu-fs"))["kv-transfer-config"]["kv_connector_extra_config"]
     assert (extra["spec_name"], extra["spec_module_path"]) == (VLLM_OFFLOADING_SPEC_CLASS, VLLM_ADAPTER_MODULE)
     assert extra["eviction_policy"] == "s3fifo" and extra["admission"] == "none"
-    nvme, hdd = (FilesystemTierConfig.from_kwargs(t) for t in extra["fs_tiers"])
+    assert [(t["name"], t["medium"]) for t in extra["tiers"]] == [("nvme", "filesystem"), ("hdd", "filesystem")]
+    nvme, hdd = (FilesystemTierConfig.from_kwargs(t["config"]) for t in extra["tiers"])
     assert nvme.codec == "int4" and nvme.capacity_bytes == 500 * GiB and nvme.n_read_threads == 32
     assert nvme.eviction_policy == "arc" and hdd.root_dir == "/mnt/hdd"
     extra = _vllm_file(_render("vllm-kvtier-cpu"))["kv-transfer-config"]["kv_connector_extra_config"]
-    assert (extra["eviction_policy"], extra["admission"]) == ("s3fifo", "doorkeeper") and "fs_tiers" not in extra
+    assert (extra["eviction_policy"], extra["admission"]) == ("s3fifo", "doorkeeper") and "tiers" not in extra
 
 
 def test_only_enabled_tiers_are_rendered():
@@ -214,3 +215,16 @@ def test_trace_is_refused_for_other_backends_and_over_a_tier_mount():
     doc = policy(backend="kvtier", trace={"enabled": True}, tiers=[cpu(), disk(path="/var/lib/kvtier")])
     with pytest.raises(RenderError, match="spec.trace: the recording's folder /var/lib/kvtier/trace overlaps"):
         render(parse_policy(doc))
+
+
+def test_the_runtime_config_keeps_the_policys_tier_order_a_remote_tier_before_a_filesystem_tier():
+    """The tiers behind the cpu tier reach the runtime in the policy's order, under the policy's names: a remote
+    tier declared before a filesystem tier is looked up (and its breaker named, its metrics labelled) first."""
+    from foundation.policies import remote
+
+    doc = policy(backend="kvtier", tiers=[cpu(), remote(), disk()])
+    rendered = render(parse_policy(doc), enabled_tiers=["host", "shared", "nvme"])
+    extra = _vllm_file(rendered)["kv-transfer-config"]["kv_connector_extra_config"]
+    cfg = OffloadSpecConfig.from_extra_config(extra)
+    assert [(t.name, t.medium) for t in cfg.tiers] == [("shared", "remote"), ("nvme", "filesystem")]
+    assert cfg.names == ["host", "shared", "nvme"]

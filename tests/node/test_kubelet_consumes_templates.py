@@ -339,8 +339,9 @@ def test_an_emptydir_tier_filled_by_kvtiers_filesystem_tier_stays_under_its_size
     [volume] = [v for v in d["spec"]["template"]["spec"]["volumes"] if v.get("emptyDir") and v["name"] != "kvtier-shm"]
     [pod] = wait_until(lambda: (p := cluster.pods(ns, "fill")) and len(p) == 1 and p, POD_TIMEOUT_S, "one pod")
     rendered = yaml.safe_load(cluster.report(ns, pod.metadata.name)["config"])
-    [tier] = rendered["kv-transfer-config"]["kv_connector_extra_config"]["fs_tiers"]
-    assert tier["root_dir"] == "/mnt/kvcache-disk"
+    [entry] = rendered["kv-transfer-config"]["kv_connector_extra_config"]["tiers"]
+    tier = entry["config"]
+    assert entry["medium"] == "filesystem" and tier["root_dir"] == "/mnt/kvcache-disk"
     # The pod's emptyDir as the kubelet sees it on the node; kvtier's own tier code (the engine's, run here on
     # the host for want of torch in the base image) fills it to the capacity the operator rendered.
     host_dir = (cluster.nc.node.kubelet_root / "pods" / pod.metadata.uid / "volumes"

@@ -5,6 +5,8 @@
 * no module imports another module's underscore name, nor anything from a private module (``redis._parsers``):
   what crosses a module boundary is public (the only exceptions are the third-party private names the vLLM
   plug-ins cannot do without, listed in ``plugins.import_rules``);
+* the engine plug-ins (``engines/``) never sort tiers by medium: no comparison by medium, no per-medium tier list,
+  no cast, no ``list[Any]`` (each tier is a slot of the books, asked what it is through the Tier protocol);
 * the books (``store/books.py``) never decide by a tier's kind: no isinstance/issubclass against a tier class, no
   ``is_remote``-style test or attribute, no comparison of a tier's ``medium``/``origin``, and no per-kind tier
   list (``fs_tiers``/``remote_tiers``): the books take one ordered list and each question is asked of the tier
@@ -80,9 +82,36 @@ def kind_branch_violations(root: Path) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("check", [fs_remote_violations, private_import_violations, kind_branch_violations],
+MEDIA = frozenset({"filesystem", "remote", "disk"})
+
+
+def engine_kind_violations(root: Path) -> list[str]:
+    """Places in the engine plug-ins (``engines/``) that sort tiers by medium instead of asking the tier: a
+    comparison with a medium's name or of a ``medium``/``origin``, a per-medium tier list, a ``cast`` (to a tier
+    class, or anything: the engine's types come from the Tier protocol), a ``list[Any]``."""
+    bad = []
+    for path in sorted((root / "engines").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        where = path.relative_to(root.parent)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                consts = {c.value for c in ast.walk(node) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+                if consts & MEDIA or _names(node) & {"medium", "origin"}:
+                    bad.append(f"{where}:{node.lineno}: a comparison by medium")
+            if isinstance(node, ast.Attribute) and node.attr in TIER_LISTS:
+                bad.append(f"{where}:{node.lineno}: a per-medium tier list ({node.attr})")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "cast":
+                bad.append(f"{where}:{node.lineno}: a cast")
+            if isinstance(node, ast.AnnAssign) and "tier" in ast.unparse(node.target).lower() \
+                    and ast.unparse(node.annotation) == "list[Any]":
+                bad.append(f"{where}:{node.lineno}: a list[Any] of tiers")
+    return bad
+
+
+@pytest.mark.parametrize("check", [fs_remote_violations, private_import_violations, kind_branch_violations,
+                                   engine_kind_violations],
                          ids=["fs-and-remote-never-import-each-other", "no-private-name-crosses-a-module",
-                              "books-never-branch-on-a-tier-kind"])
+                              "books-never-branch-on-a-tier-kind", "the-engine-never-sorts-tiers-by-medium"])
 def test_runtime_import_rules_hold(check) -> None:
     assert check(RUNTIME) == []
 
@@ -113,6 +142,15 @@ def test_the_checks_catch_what_they_forbid(tmp_path) -> None:
     assert [v.split(": ", 1)[1] for v in private_import_violations(pkg)] == [
         "kvtier_runtime.remote.tier imports _Job from kvtier_runtime.fs.jobs",
         "kvtier_runtime.remote.tier imports BaseParser from redis._parsers.base"]
+    (pkg / "engines").mkdir()
+    (pkg / "engines" / "offloading.py").write_text(
+        "from typing import Any, cast\n"
+        "def plan(tiers, plans):\n"
+        "    fs_tiers: list[Any] = [t for t, p in zip(tiers, plans) if p.medium == 'filesystem']\n"
+        "    first = cast('FilesystemTier', fs_tiers[0])\n"
+        "    return first, plans.remote_tiers\n")
+    assert sorted(v.split(": ", 1)[1] for v in engine_kind_violations(pkg)) == [
+        "a cast", "a comparison by medium", "a list[Any] of tiers", "a per-medium tier list (remote_tiers)"]
     found = "\n".join(kind_branch_violations(pkg))
     for why in ("kind test _is_remote", "isinstance against ['FilesystemTier']", "a tier's 'remote' attribute",
                 "comparison of a tier's ['medium']", "getattr(..., 'remote')", "picks tiers by constructor list",

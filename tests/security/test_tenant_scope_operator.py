@@ -42,7 +42,7 @@ def rendered_remote_tiers(config_map: dict) -> list[RemoteTierConfig]:
     """The remote tiers of the engine config a ConfigMap carries, parsed by the runtime's own parser."""
     engine = yaml.safe_load(config_map["data"]["engine.yaml"])
     extra = engine["kv-transfer-config"]["kv_connector_extra_config"]
-    return list(OffloadSpecConfig.from_extra_config(extra).remote_tiers)
+    return [t.config for t in OffloadSpecConfig.from_extra_config(extra).tiers if isinstance(t.config, RemoteTierConfig)]
 
 
 def test_the_operator_renders_each_namespace_as_its_own_scope_for_one_name_and_spec():

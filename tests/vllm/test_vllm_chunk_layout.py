@@ -58,7 +58,7 @@ def test_without_the_attention_backend_a_lossy_tier_keeps_the_flat_codec_and_rep
     assert spec.layout_decision.reason == "backend_unknown"
     manager = spec.get_manager()
     try:
-        nvme, hdd = manager.fs_tiers
+        nvme, hdd = manager.books.tiers
         assert not isinstance(nvme.codec, KVChunkCodec)
         # a GPU engine's path: the int4 tier is refused int4 (nothing checks it on attention) and stores int8
         assert nvme.codec.name == "int8" and hdd.codec.name == "none"
@@ -82,14 +82,14 @@ def test_cpu_backend_gives_the_layout_codec_and_the_worker_checks_its_pages(tmp_
                                                                                            "CPU_VEC")
     manager = spec.get_manager()
     try:
-        nvme, hdd = manager.fs_tiers
+        nvme, hdd = manager.books.tiers
         assert isinstance(nvme.codec, KVChunkCodec) and nvme.codec.declared == layout
         assert FLAT_CODEC_TIERS.name not in manager.get_stats()._values
         # A worker whose cache is not one tensor per layer of the layout's page size must not start.
         kv = torch.zeros((8, BLOCK // 2), dtype=torch.int8)
         wrong = CanonicalKVCaches(tensors=[CanonicalKVCacheTensor(kv, BLOCK // 2)],
                                   group_data_refs=[[CanonicalKVCacheRef(0, BLOCK // 2)]])
-        with pytest.raises(ConfigError, match=r"fs_tiers\[\]\.codec: the engine's KV cache has 1 tensors"):
+        with pytest.raises(ConfigError, match=r"tiers\[\]\.config\.codec: the engine's KV cache has 1 tensors"):
             spec.get_worker(wrong)
     finally:
         manager.shutdown()

@@ -95,7 +95,7 @@ def test_rendered_kvtier_spec_runs_through_vllm_033(tmp_path, engine_id):
             # batch, a loaded machine can still be writing when the next batch asks for rows (then prepare_store
             # rightly answers None). Waiting makes "the first ones go to disk only" deterministic.
             manager.books.drain()
-        assert all(len(t) == 24 for t in manager.fs_tiers)
+        assert all(len(t) == 24 for t in manager.books.tiers)
         for t in kv:
             t.zero_()
         sources = []

@@ -39,7 +39,7 @@ def test_an_idle_engine_steps_until_finished_write_throughs_reach_its_stats(tmp_
         assert out is not None and list(out.keys_to_store) == keys
         manager.complete_store(keys, ctx)  # the worker's copy is done: write-through to disk starts
         reported = _reported(manager.get_stats(), FS_STORES.name)  # the step that completed the store
-        manager.fs_tiers[0].drain(timeout=30)  # the disk writes finish while nothing else happens
+        manager.books.tiers[0].drain(timeout=30)  # the disk writes finish while nothing else happens
         steps = 0
         while manager.has_pending_work():  # what vLLM's engine loop asks before each idle step
             steps += 1
@@ -159,3 +159,48 @@ def test_an_unwritable_trace_dir_fails_start_up_naming_the_key(tmp_path) -> None
         OffloadingSpecFactory.create_spec(config).get_manager()
     assert str(err.value).startswith("kv_connector_extra_config.trace_dir: cannot record into")
     assert not list((tmp_path / "shm").iterdir())  # the host region was removed again
+
+
+def test_a_remote_tier_before_a_filesystem_tier_is_looked_up_stored_and_reported_in_that_order_by_name(
+        tmp_path, redis_server) -> None:
+    """The policy's tier order is the engine's: a remote tier declared before a filesystem tier is the books' first
+    slot and its breaker's, each tier's gauges carry its policy name (and its address), and replay's model of the
+    engine lists them in that order."""
+    from plugins.redis_server import tenant_key_file
+    from plugins.tier_sync import connected
+
+    from kvtier_runtime.engines.metric_defs import REMOTE_UP, TIER_CAPACITY_BYTES
+    from kvtier_runtime.engines.vllm.offloading import trace_meta
+
+    fs = str(tmp_path / "fs")
+    extra = {"spec_module_path": ADAPTER, "host_shm_dir": str(tmp_path / "shm"), "host_tier_name": "cpu", "tiers": [
+        {"name": "shared", "medium": "remote",
+         "config": {"url": redis_server.url, "capacity_bytes": 1 << 20, "scope": "team-a",
+                    "mac_key_file": tenant_key_file("team-a")}},
+        {"name": "nvme", "medium": "filesystem",
+         "config": {"root_dir": fs, "capacity_bytes": 1 << 20, "n_read_threads": 1, "n_write_threads": 1}}]}
+    config = make_offloading_config(spec_name="KvtierOffloadingSpec", cpu_bytes_to_use=4 * 8,
+                                    worker_kv_bytes_per_block=8, engine_id=f"order-{os.getpid()}",
+                                    extra_config=extra)
+    spec = OffloadingSpecFactory.create_spec(config)
+    manager = spec.get_manager()
+    try:
+        books = manager.books
+        assert [(s.name, s.tier.medium, s.tier.address) for s in books.slots] == [
+            ("shared", "remote", redis_server.url), ("nvme", "filesystem", fs)]
+        assert books.breakers.names == ["cpu", "shared", "nvme"]
+        assert connected(books.slots[0].tier)
+        ctx = ReqContext(req_id="r1")
+        keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(2)]
+        manager.prepare_store(keys, ctx)
+        manager.complete_store(keys, ctx)  # written through to both tiers, in their order
+        books.drain()
+        stats = manager.get_stats()
+        assert stats._values[TIER_CAPACITY_BYTES.name] == {("shared", redis_server.url): 1 << 20,
+                                                           ("nvme", fs): 1 << 20}
+        assert stats._values[REMOTE_UP.name] == {("shared", redis_server.url): 1}
+        assert [(t["name"], t["medium"]) for t in trace_meta(spec, manager)["tiers"]] == [
+            ("cpu", "cpu"), ("shared", "remote"), ("nvme", "disk")]
+        assert all(s.tier.used_bytes > 0 for s in books.slots)
+    finally:
+        manager.shutdown()

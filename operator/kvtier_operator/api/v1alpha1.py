@@ -755,12 +755,6 @@ class KVCachePolicySpec(_Model):
                   "a remote tier needs backend kvtier", field_path=".backend"),
             _rule("self.tiers.filter(t, t.medium == 'remote').size() <= 1", "at most one remote tier",
                   field_path=".tiers"),
-            # Lookup order is host, filesystem, remote, and the guard disables the last enabled tier first, so the
-            # list must say the same order: at most one cpu tier (first) and one remote tier (last).
-            _rule("!self.tiers.exists(t, t.medium == 'remote') || "
-                  "self.tiers[self.tiers.size() - 1].medium == 'remote'",
-                  "the remote tier must be the last tier (lookup order: cpu, filesystem, remote)",
-                  field_path=".tiers"),
             _rule("self.backend == 'kvtier' || self.tiers.all(t, t.compression == 'none')",
                   "compression needs backend kvtier", field_path=".backend"),
             _rule("self.backend == 'kvtier' || self.tiers.all(t, t.admission == 'none')",

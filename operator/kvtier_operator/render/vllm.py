@@ -22,6 +22,8 @@ from kvtier_runtime.config import (
     FilesystemTierConfig,
     OffloadSpecConfig,
     RemoteTierConfig,
+    TierConfig,
+    TierEntry,
 )
 
 from ..api import v1alpha1 as api
@@ -49,22 +51,19 @@ def _shared_hash_flags(tiers: list[api.TierSpec]) -> dict[str, Any]:
 
 
 def _kvtier_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], scope: str) -> dict[str, Any]:
-    """kvtier's own offloading spec: its host tier (the cpu tier) and filesystem tiers, with kvtier's policies
-    and codecs (loaded by vLLM's OffloadingSpecFactory from ``spec_module_path``)."""
-    cpu, secondary = tiers[0], [t for t in tiers[1:] if t.medium == "filesystem"]
-    remote = [t for t in tiers[1:] if t.medium == "remote"]
+    """kvtier's own offloading spec: its host tier (the cpu tier) and the tiers behind it in the policy's order
+    (filesystem and remote, each under the policy's name, which the control file and the per-tier metrics speak),
+    with kvtier's policies and codecs (loaded by vLLM's OffloadingSpecFactory from ``spec_module_path``)."""
+    cpu = tiers[0]
     config = OffloadSpecConfig(
-        # The runtime's tier order (host, filesystem, remote) under the policy's names, which the control file
-        # and the per-tier metrics speak.
-        tier_names=(cpu.name, *(t.name for t in secondary), *(t.name for t in remote)),
+        host_name=cpu.name,
+        tiers=tuple(TierEntry(t.name, t.medium, _tier_config(spec, t, scope)) for t in tiers[1:]),
         control_file=f"{CONFIG_DIR}/{CONTROL_FILE}",
         recompute_tokens_per_s=spec.offload.recompute_tokens_per_second,
         cpu_bytes_to_use=cpu.size_bytes,
         eviction_policy=cpu.eviction,
         admission=cpu.admission,
         admission_threshold=spec.offload.admission_threshold,
-        fs_tiers=tuple(_fs_tier_config(spec, t) for t in secondary),
-        remote_tiers=tuple(_remote_tier_config(t, scope) for t in remote),
         **_trace_config(spec),
     )
     extra: dict[str, Any] = {"spec_name": VLLM_OFFLOADING_SPEC_CLASS, "spec_module_path": VLLM_ADAPTER_MODULE,
@@ -87,6 +86,14 @@ def _trace_config(spec: api.KVCachePolicySpec) -> dict[str, Any]:
 def _overlap(a: str, b: str) -> bool:
     """One mount path is the other or lies inside it (paths in normal form)."""
     return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
+
+
+def _tier_config(spec: api.KVCachePolicySpec, tier: api.TierSpec, scope: str) -> TierConfig:
+    """The runtime config of a tier behind the host tier, by the tier's medium (the CRD allows filesystem and
+    remote there)."""
+    if tier.medium == "remote":
+        return _remote_tier_config(tier, scope)
+    return _fs_tier_config(spec, tier)
 
 
 def _fs_tier_config(spec: api.KVCachePolicySpec, tier: api.TierSpec) -> FilesystemTierConfig:

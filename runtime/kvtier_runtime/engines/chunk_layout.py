@@ -21,7 +21,7 @@ from types import SimpleNamespace
 from ..codecs import Codec, CodecError, KVChunkCodec, KVLayout, get_codec, get_kv_codec
 from ..codecs.metrics import STATS
 from ..codecs.layout import DTYPE_NAMES
-from ..config import FilesystemTierConfig
+from ..config import TierConfig
 # Why a lossy tier encodes with the flat codec: the reason label of its metric, defined with it.
 from .metric_defs import FLAT_REASONS
 
@@ -132,8 +132,8 @@ _refusals_lock = threading.Lock()
 _log = logging.getLogger(__name__)
 
 
-def tier_codec(tier: FilesystemTierConfig, decision: LayoutDecision) -> KVChunkCodec | Codec | None:
-    """The codec of a filesystem tier: the layout-aware one when the chunk's layout is known; ``None`` for the
+def tier_codec(tier: TierConfig, decision: LayoutDecision) -> KVChunkCodec | Codec | None:
+    """The codec of a tier behind the host tier (filesystem or remote): the layout-aware one when the chunk's layout is known; ``None`` for the
     tier's own flat codec (``none`` needs no layout; a lossy tier without a layout keeps the flat codec), except
     that a codec in ``FLAT_REFUSED`` is refused there and the tier gets the flat codec it names (counted in
     ``kvtier_runtime_codec_refusals_total{requested_codec, codec, reason}``, the reason logged once).
@@ -150,7 +150,7 @@ def tier_codec(tier: FilesystemTierConfig, decision: LayoutDecision) -> KVChunkC
             first = (tier.codec, decision.reason) not in _refusals_logged
             _refusals_logged.add((tier.codec, decision.reason))
         if first:
-            _log.warning("kvtier: filesystem tier codec %s refused, storing %s: the KV layout is not described "
+            _log.warning("kvtier: tier codec %s refused, storing %s: the KV layout is not described "
                          "(%s: %s), and without it nothing checks %s on attention", tier.codec, instead,
                          decision.reason, decision.detail, tier.codec)
         return get_codec(instead, fallback=tier.codec_fallback)

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
-    "BYPASSED", "FLAT_REASONS", "FS_TIER_METRICS", "ROOT_LABEL", "SPEC_METRICS", "EngineMetric", "prometheus_pattern",
+    "BYPASSED", "FLAT_REASONS", "FS_TIER_METRICS", "ROOT_LABEL", "SPEC_METRICS", "TIER_GAUGES", "TIER_REASONS",
+    "EngineMetric", "prometheus_pattern",
 ]
 
 
@@ -68,13 +69,20 @@ ROOT_LABEL = "root_dir"
 # ---- backend: kvtier (KvtierOffloadingSpec) ------------------------------------------------------------------
 _SPEC = "vllm:kv_offload_kvtier_"
 _TIER = ("tier",)
-_URL = ("url",)
+# A tier behind the host tier: ``tier`` its name in the policy; ``address`` (``url`` on the remote tier's own series)
+# its directory or store url, which ``tier`` (or ``url`` alone) carried before tiers were named: kept one release,
+# so a dashboard can move from the address to the name (docs/vllm.md, upgrading).
+_NAMED = ("tier", "address")
+_NAMED_URL = ("tier", "url")
 
 HOST_USED_BYTES = EngineMetric(_SPEC + "host_used_bytes", "gauge", "Bytes held by kvtier's host tier.")
 HOST_CAPACITY_BYTES = EngineMetric(_SPEC + "host_capacity_bytes", "gauge", "Capacity of kvtier's host tier in bytes.")
-TIER_USED_BYTES = EngineMetric(_SPEC + "tier_used_bytes", "gauge", "Bytes held by a kvtier filesystem tier.", _TIER)
-TIER_CAPACITY_BYTES = EngineMetric(_SPEC + "tier_capacity_bytes", "gauge", "Capacity of a kvtier filesystem tier.",
-                                   _TIER)
+TIER_USED_BYTES = EngineMetric(_SPEC + "tier_used_bytes", "gauge",
+                               "Bytes held by a kvtier tier behind the host tier (filesystem or remote).", _NAMED)
+TIER_CAPACITY_BYTES = EngineMetric(_SPEC + "tier_capacity_bytes", "gauge",
+                                   "Capacity of a kvtier tier behind the host tier (filesystem or remote).", _NAMED)
+TIER_BACKOFF = EngineMetric(_SPEC + "tier_backoff", "gauge",
+                            "1 while a kvtier filesystem tier refuses stores after repeated I/O errors, else 0.", _NAMED)
 LOAD_FAILURES = EngineMetric(
     _SPEC + "load_failures", "counter",
     "Blocks a kvtier filesystem tier could not serve (corrupt, missing, eio...); vLLM recomputed them.", ("kind",))
@@ -84,23 +92,25 @@ FS_STORES = EngineMetric(_SPEC + "fs_stores", "counter", "Blocks written through
 HOST_EVICTIONS = EngineMetric(_SPEC + "host_evictions", "counter", "Blocks evicted from kvtier's host tier.")
 FLAT_CODEC_TIERS = EngineMetric(
     _SPEC + "flat_codec_tiers", "gauge",
-    "Lossy kvtier filesystem tiers encoding with the flat codec because the KV layout could not be described, by "
+    "Lossy kvtier tiers encoding with the flat codec because the KV layout could not be described, by "
     f"reason ({', '.join(FLAT_REASONS)}).", ("reason",))
 REMOTE_USED_BYTES = EngineMetric(
     _SPEC + "remote_used_bytes", "gauge",
-    "Bytes kvtier's chunks of this model take in a remote tier's store (all replicas; an upper bound).", _URL)
+    "Bytes kvtier's chunks of this model take in a remote tier's store (all replicas; an upper bound). Deprecated: "
+    "tier_used_bytes{tier, address} (kept one release).", _NAMED_URL)
 REMOTE_CAPACITY_BYTES = EngineMetric(_SPEC + "remote_capacity_bytes", "gauge",
-                                     "kvtier's budget in a remote tier's store.", _URL)
-REMOTE_UP = EngineMetric(_SPEC + "remote_up", "gauge", "1 while a remote tier's store answers, else 0.", _URL)
+                                     "kvtier's budget in a remote tier's store. Deprecated: tier_capacity_bytes{tier, "
+                                     "address} (kept one release).", _NAMED_URL)
+REMOTE_UP = EngineMetric(_SPEC + "remote_up", "gauge", "1 while a remote tier's store answers, else 0.", _NAMED_URL)
 REMOTE_HITS = EngineMetric(_SPEC + "remote_hits", "counter", "Chunks read from a remote tier into the host tier.")
 REMOTE_MISSES = EngineMetric(
     _SPEC + "remote_misses", "counter",
-    "Chunks a remote tier did not serve, by reason (absent, evicted, down, timeout, forged, ...); vLLM recomputed "
-    "them.", ("reason",))
+    "Chunks a remote tier did not serve, by tier and reason (absent, evicted, down, timeout, forged, ...); vLLM "
+    "recomputed them.", ("tier", "reason"))
 REMOTE_STORES = EngineMetric(_SPEC + "remote_stores", "counter", "Chunks written through to remote tiers.")
 REMOTE_STORE_FAILURES = EngineMetric(
     _SPEC + "remote_store_failures", "counter",
-    "Chunks a remote tier did not store, by reason (full, down, timeout, ...).", ("reason",))
+    "Chunks a remote tier did not store, by tier and reason (full, down, timeout, ...).", ("tier", "reason"))
 TIER_BYPASSED = EngineMetric(
     _SPEC + "tier_bypassed", "gauge",
     "1 while a kvtier tier is bypassed, by reason (slow: loading from it cost more than recomputing; disabled: the "
@@ -126,8 +136,15 @@ HIT_TOKENS = EngineMetric(
 LOOKUP_TOKENS = EngineMetric(_SPEC + "lookup_tokens", "counter",
                              "Prompt tokens vLLM looked up in kvtier (settled lookups: hit or miss).")
 
+# What a tier reports of itself (``Tier.gauges()``, ``Tier.reasons()``), by kind: the metric it is exported as. A
+# tier is labelled by its name and its address; a reason count also by its reason.
+TIER_GAUGES: dict[str, EngineMetric] = {
+    "backoff": TIER_BACKOFF, "up": REMOTE_UP, "remote_used_bytes": REMOTE_USED_BYTES,
+    "remote_capacity_bytes": REMOTE_CAPACITY_BYTES}
+TIER_REASONS: dict[str, EngineMetric] = {"misses": REMOTE_MISSES, "store_failures": REMOTE_STORE_FAILURES}
+
 SPEC_METRICS: tuple[EngineMetric, ...] = (
-    HOST_USED_BYTES, HOST_CAPACITY_BYTES, TIER_USED_BYTES, TIER_CAPACITY_BYTES, LOAD_FAILURES, PROMOTIONS,
+    HOST_USED_BYTES, HOST_CAPACITY_BYTES, TIER_USED_BYTES, TIER_CAPACITY_BYTES, TIER_BACKOFF, LOAD_FAILURES, PROMOTIONS,
     FS_STORES, HOST_EVICTIONS, FLAT_CODEC_TIERS, REMOTE_USED_BYTES, REMOTE_CAPACITY_BYTES, REMOTE_UP, REMOTE_HITS,
     REMOTE_MISSES, REMOTE_STORES, REMOTE_STORE_FAILURES, TIER_BYPASSED, TIER_MISSES, TIER_STORES_SKIPPED,
     CONTROL_ERRORS, CONTROL_GENERATION, HIT_TOKENS, LOOKUP_TOKENS,

@@ -35,7 +35,7 @@ from ..codecs import Codec, CodecError, KVChunkCodec, get_codec
 from ..config import FilesystemTierConfig
 from ..policies import AccessContext, get_policy
 from ..tiers.backoff import Backoff
-from ..tiers.base import KeyState
+from ..tiers.base import KeyState, ReplayPolicy
 from ..tiers.jobs import Expired, Job, JobQueue, JobResult
 from ..tiers.queued import QueuedTier
 from ..tiers.keys import read_mac_key
@@ -143,6 +143,25 @@ class FilesystemTier(QueuedTier):
     @property
     def backoff(self) -> Backoff:
         return self.disk_health.backoff
+
+    # The Tier protocol's observation members (what the engine exports and replay models, asked of the tier).
+    @property
+    def address(self) -> str:
+        return self.config.root_dir
+
+    @property
+    def evictions(self) -> int:
+        return self._metrics.evictions
+
+    @property
+    def replay_policy(self) -> ReplayPolicy:
+        return ReplayPolicy(self.config.eviction_policy, self.config.admission, shared=False)
+
+    def gauges(self) -> dict[str, float]:
+        return {"backoff": 1.0 if self.in_backoff else 0.0}
+
+    def reasons(self) -> dict[str, dict[str, int]]:
+        return {}  # its faults are the books' load failures and kvtier_runtime_fs_errors_total
 
     @property
     def in_backoff(self) -> bool:

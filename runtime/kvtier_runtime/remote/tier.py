@@ -44,7 +44,7 @@ from ..codecs import Codec, KVChunkCodec, get_codec
 from ..config import RemoteTierConfig
 from ..policies import AccessContext
 from ..tiers.backoff import Backoff
-from ..tiers.base import KeyState
+from ..tiers.base import KeyState, ReplayPolicy
 from ..tiers.jobs import Job, JobQueue, JobResult
 from ..tiers.queued import QueuedTier
 from .batches import Batches, KeyOutcomes, RowWork
@@ -172,6 +172,35 @@ class RemoteTier(QueuedTier):
     def capacity_entries(self) -> int:
         """Chunks of the largest value size the capacity holds."""
         return self.index.capacity_entries
+
+    # The Tier protocol's observation members (what the engine exports and replay models, asked of the tier).
+    @property
+    def address(self) -> str:
+        return self.config.url
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.index.capacity_entries
+
+    @property
+    def evictions(self) -> int:
+        return self._metrics.evictions
+
+    @property
+    def replay_policy(self) -> ReplayPolicy:
+        # kvtier trims the model's chunks in the store least recently written or read first; the store is shared by
+        # every replica of the model (replay --replicas N --shared models that).
+        return ReplayPolicy("lru", "none", shared=True)
+
+    def gauges(self) -> dict[str, float]:
+        # up: the store answers, also when it refuses this tier's user (auth is the tier's fault, counted in its
+        # misses, not the store's). remote_*_bytes: the series by url the engine exported before tiers were named
+        # (the same figures as tier_used_bytes/tier_capacity_bytes), kept one release for dashboards to move.
+        return {"up": 1.0 if self.health in ("up", "refused") else 0.0,
+                "remote_used_bytes": float(self.used_bytes), "remote_capacity_bytes": float(self.capacity_bytes)}
+
+    def reasons(self) -> dict[str, dict[str, int]]:
+        return {"misses": dict(self.misses), "store_failures": dict(self.store_failures)}
 
     @property
     def io_timeout_s(self) -> float:

@@ -49,7 +49,7 @@ from .. import metrics
 from ..tiers.base import KeyState, RemovalLog, Tier
 from ..tiers.jobs import JobResult
 from ..policies import AccessContext
-from .breaker import BYPASS, PROBE, Breaker, TierBreakers
+from .breaker import BYPASS, PROBE, Breaker, LoadMeter, TierBreakers
 from .memory_tier import MemoryTier
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,25 @@ class _Fence:
     generation: int
 
 
+@dataclass(eq=False)
+class TierSlot:
+    """One tier behind the host tier and what the books keep for it: the tier; its breaker (named as the policy
+    names the tier) and that breaker's meter (the tier's load cost); the host rows as the tier sees them (the KV
+    dtype its codec quantizes; the same memory); and its removal log when its stores and removals are KV cache
+    events (else None). ``index``: its place in the lookup order (a :class:`TierEvent`'s ``tier``)."""
+
+    index: int
+    tier: Tier
+    breaker: Breaker
+    meter: LoadMeter
+    rows: torch.Tensor
+    removals: RemovalLog | None
+
+    @property
+    def name(self) -> str:
+        return self.breaker.name
+
+
 @dataclass(frozen=True)
 class TierEvent:
     """A KV cache event: ``keys`` were stored in (``removed`` False) or removed from a tier. ``tier`` is -1 for
@@ -126,21 +145,21 @@ class OffloadBooks:
         whether its stores and removals are KV cache events (with ``enable_events``; default: every tier that can
         list its removals, :class:`~kvtier_runtime.tiers.base.RemovalLog`)."""
         self.host = host
-        self.tiers: list[Tier] = list(tiers)
-        for tier in self.tiers:
+        tiers = list(tiers)
+        for tier in tiers:
             if tier.origin not in _COUNTERS:
                 raise ValueError(f"tiers: {tier.name} has origin {tier.origin!r}; must be one of "
                                  f"{', '.join(sorted(_COUNTERS))}")
         # A breaker per tier (index 0 the host tier, then tier index + 1): a tier loading slower than recomputing,
         # or disabled by the control file, is bypassed. Default: tiers named as they name themselves, no verdict by
         # cost and no control file, i.e. never bypassed.
-        self.breakers = breakers if breakers is not None else TierBreakers(_default_names(host, self.tiers))
-        if len(self.breakers.breakers) != 1 + len(self.tiers):
-            raise ValueError(f"breakers: {len(self.breakers.breakers)} breakers for {1 + len(self.tiers)} tiers "
+        self.breakers = breakers if breakers is not None else TierBreakers(_default_names(host, tiers))
+        if len(self.breakers.breakers) != 1 + len(tiers):
+            raise ValueError(f"breakers: {len(self.breakers.breakers)} breakers for {1 + len(tiers)} tiers "
                              "(the host tier, then the tiers behind it)")
-        self._rows = list(rows) if rows is not None else [host.slab] * len(self.tiers)
-        if len(self._rows) != len(self.tiers):
-            raise ValueError(f"rows: {len(self._rows)} row views for {len(self.tiers)} tiers (one per tier)")
+        views = list(rows) if rows is not None else [host.slab] * len(tiers)
+        if len(views) != len(tiers):
+            raise ValueError(f"rows: {len(views)} row views for {len(tiers)} tiers (one per tier)")
         self._suffix = key_suffix
         self._origin: dict[bytes, str] = {}  # host-resident key -> where its bytes came from
         self._promotions: dict[tuple[int, int], _Promotion] = {}  # (tier, fs job id) -> promotion
@@ -166,23 +185,30 @@ class OffloadBooks:
         # secondary tiers: the global flag and the tier's own ``enable_kv_events``); a tier with events on announces
         # its removals (RemovalLog), so only a tier that can list them may have events on.
         self.events: list[TierEvent] | None = [] if enable_events else None
-        logs: list[RemovalLog | None] = [t if isinstance(t, RemovalLog) else None for t in self.tiers]
+        logs: list[RemovalLog | None] = [t if isinstance(t, RemovalLog) else None for t in tiers]
         wanted = list(tier_events) if tier_events is not None else [r is not None for r in logs]
-        if len(wanted) != len(self.tiers):
-            raise ValueError(f"tier_events: {len(wanted)} flags for {len(self.tiers)} tiers (one per tier)")
-        for tier, removals, want in zip(self.tiers, logs, wanted):
+        if len(wanted) != len(tiers):
+            raise ValueError(f"tier_events: {len(wanted)} flags for {len(tiers)} tiers (one per tier)")
+        for tier, removals, want in zip(tiers, logs, wanted):
             if enable_events and want and removals is None:
                 raise ValueError(f"tier_events: {tier.name} cannot list the keys that leave it (no "
                                  "record_removals/take_removals), so it cannot announce KV cache events")
-        self._removal_logs: list[RemovalLog | None] = [
-            removals if enable_events and want else None for removals, want in zip(logs, wanted)]
-        for removal_log in self._removal_logs:
-            if removal_log is not None:
-                removal_log.record_removals()
-        for tier in self.tiers:
-            tier.peer = host.name  # promotions/demotions are labelled with the tier they move to or from
+        # One slot per tier, in lookup order: the tier and everything the books keep for it.
+        self.slots: list[TierSlot] = [
+            TierSlot(i, tier, self.breakers[i + 1], self.breakers.meters[i + 1], view,
+                     removals if enable_events and want else None)
+            for i, (tier, view, removals, want) in enumerate(zip(tiers, views, logs, wanted))]
+        for slot in self.slots:
+            if slot.removals is not None:
+                slot.removals.record_removals()
+            slot.tier.peer = host.name  # promotions/demotions are labelled with the tier they move to or from
         metrics.CAPACITY_BYTES.labels(host.name).set(host.capacity_bytes)
         self._update_occupancy()
+
+    @property
+    def tiers(self) -> list[Tier]:
+        """The tiers behind the host tier, in lookup order."""
+        return [slot.tier for slot in self.slots]
 
     # ---- keys ---------------------------------------------------------------------------------------------
     def fs_key(self, key: bytes) -> bytes:
@@ -225,14 +251,14 @@ class OffloadBooks:
         if key in self._promotion_failed:
             self._promotion_failed.discard(key)
             return MISS
-        for i, tier in enumerate(self.tiers):
-            gate = self.breakers[i + 1].load_gate()
+        for slot in self.slots:
+            gate = slot.breaker.load_gate()
             if gate == BYPASS:  # a miss here (not even a presence probe); a later tier may still serve it
-                self._bypassed_lookup(self.breakers[i + 1])
+                self._bypassed_lookup(slot.breaker)
                 continue
-            state = tier.probe(self._tier_key(tier, key))  # counted in the tier's lookups and hits
+            state = slot.tier.probe(self._tier_key(slot.tier, key))  # counted in the tier's lookups and hits
             if state is KeyState.HIT:
-                return RETRY if self._promote(key, i, ctx, probe=gate == PROBE) else MISS
+                return RETRY if self._promote(key, slot, ctx, probe=gate == PROBE) else MISS
             if state is KeyState.PENDING:  # the tier is asking its store: vLLM asks again next step
                 return RETRY
         return MISS
@@ -245,20 +271,20 @@ class OffloadBooks:
         ``remote`` (promoted from a filesystem or remote tier)."""
         return self._origin.get(key, HOST)
 
-    def _promote(self, key: bytes, tier_index: int, ctx: AccessContext | None, probe: bool = False) -> bool:
+    def _promote(self, key: bytes, slot: TierSlot, ctx: AccessContext | None, probe: bool = False) -> bool:
         reserved = self.host.reserve(key, ctx)
         if reserved is None:
             self.counters["promotion_no_room"] += 1
             return False
-        slot, victims = reserved
+        row, victims = reserved
         self._event(self._forget(victims), -1, removed=True)
         self.host.pin(key)
-        tier = self.tiers[tier_index]
-        job = tier.submit_load([self._tier_key(tier, key)], [self._rows[tier_index][slot]], ctx)
-        self._promotions[(tier_index, job)] = _Promotion(key, tier_index, time.monotonic(), probe=probe,
+        tier = slot.tier
+        job = tier.submit_load([self._tier_key(tier, key)], [slot.rows[row]], ctx)
+        self._promotions[(slot.index, job)] = _Promotion(key, slot.index, time.monotonic(), probe=probe,
                                                          t0=self.breakers.clock())
         if probe:
-            self.breakers[tier_index + 1].probe_started("load")
+            slot.breaker.probe_started("load")
         self.counters["promotions_started"] += 1
         self._update_occupancy()
         return True
@@ -388,31 +414,31 @@ class OffloadBooks:
             self._write_through(done)
 
     def _write_through(self, keys: list[bytes]) -> None:
-        for i, tier in enumerate(self.tiers):
+        for slot in self.slots:
+            tier = slot.tier
             todo = [k for k in keys if tier.needs_store(self._tier_key(tier, k))]
             if not todo:
                 continue
-            breaker = self.breakers[i + 1]
+            breaker = slot.breaker
             gate = breaker.store_gate()
             if gate == BYPASS:  # an open tier gets no stores: they could not drain, and would pin host rows
                 self.breakers.bypassed_stores[breaker.name] += len(todo)
                 continue
             for key in todo:
                 self.host.pin(key)  # the row must not be reused before the tier has read it
-            rows = [self._rows[i][self.host.slot_of(k)] for k in todo]
+            rows = [slot.rows[self.host.slot_of(k)] for k in todo]
             job = tier.submit_store([self._tier_key(tier, k) for k in todo], rows)
-            self._writes[(i, job)] = _WriteThrough(tuple(todo), i, probe=gate == PROBE)
+            self._writes[(slot.index, job)] = _WriteThrough(tuple(todo), slot.index, probe=gate == PROBE)
             if gate == PROBE:
                 breaker.probe_started("store")
 
     def _on_disk(self, key: bytes) -> bool:
         """Whether a serving tier covers ``key`` (:meth:`Tier.covers`: a filesystem tier holds it; a bypassed tier's
         copy is not served, so the host tier stores the chunk again)."""
-        return any(self.breakers[i + 1].serving and t.covers(self._tier_key(t, key))
-                   for i, t in enumerate(self.tiers))
+        return any(slot.breaker.serving and slot.tier.covers(self._tier_key(slot.tier, key)) for slot in self.slots)
 
     def _event(self, keys: Sequence[bytes], tier: int, *, removed: bool, metadata_only: bool = False) -> None:
-        if self.events is not None and keys and (tier < 0 or self._removal_logs[tier] is not None):
+        if self.events is not None and keys and (tier < 0 or self.slots[tier].removals is not None):
             self.events.append(TierEvent(tuple(keys), tier, removed, metadata_only))
 
     def take_events(self) -> list[TierEvent]:
@@ -422,11 +448,11 @@ class OffloadBooks:
             return []
         self.poll()
         n = len(self._suffix)
-        for i, removal_log in enumerate(self._removal_logs):
-            if removal_log is None:  # nothing recorded, nothing to announce
+        for slot in self.slots:
+            if slot.removals is None:  # nothing recorded, nothing to announce
                 continue
-            gone = [k[: len(k) - n] if n else k for k in removal_log.take_removals() if k.endswith(self._suffix)]
-            self._event(gone, i, removed=True)
+            gone = [k[: len(k) - n] if n else k for k in slot.removals.take_removals() if k.endswith(self._suffix)]
+            self._event(gone, slot.index, removed=True)
         events, self.events = self.events, []
         out = []
         for event in events:
@@ -534,21 +560,28 @@ class OffloadBooks:
         self.breakers.tick()  # at most once a second: the control file, breakers' dwell times
         if not self._promotions and not self._writes:
             return
-        for i, tier in enumerate(self.tiers):
-            for result in tier.get_finished():
-                self._finish(i, result)
-            self.breakers.count_loads(i + 1)
+        for slot in self.slots:
+            for result in slot.tier.get_finished():
+                self._finish(slot, result)
+            self._count_loads(slot)
         if self._promotions:
             self._expire_promotions()
 
+    @staticmethod
+    def _count_loads(slot: TierSlot) -> None:
+        """Hand the tier's loads that ended since the last call to its breaker, as one sample."""
+        sample = slot.meter.take()
+        if sample is not None:
+            slot.breaker.record(*sample)
+
     def _load_ended(self, job: int, promo: _Promotion, timed_out: bool) -> None:
-        meter = self.breakers.meters[promo.tier + 1]
+        slot = self.slots[promo.tier]
         if promo.timed:
-            meter.ended(job, promo.t0, timed_out)
+            slot.meter.ended(job, promo.t0, timed_out)
         else:
-            meter.forget(job)
+            slot.meter.forget(job)
         if promo.probe:
-            self.breakers[promo.tier + 1].probe_finished("load")
+            slot.breaker.probe_finished("load")
 
     def _note_failed_promotion(self, key: bytes) -> None:
         if len(self._promotion_failed) >= MAX_FAILED_PROMOTIONS:  # keys nobody asked for again: forget them
@@ -563,12 +596,13 @@ class OffloadBooks:
         has landed in it and the job finishes (``_finish`` then frees it)."""
         now = time.monotonic()
         for (tier_index, job), promo in list(self._promotions.items()):
-            tier = self.tiers[tier_index]
+            slot = self.slots[tier_index]
+            tier = slot.tier
             if isinstance(promo.key, _Fence) or now - promo.started <= tier.io_timeout_s:
                 continue
             key = promo.key
             self._load_ended(job, promo, timed_out=True)  # its end, for the tier's load cost, is now
-            self.breakers.count_loads(tier_index + 1)
+            self._count_loads(slot)
             self._promotions[(tier_index, job)] = replace(promo, probe=False, timed=False)
             self._fence(key)
             self._origin.pop(key, None)
@@ -578,8 +612,8 @@ class OffloadBooks:
             log.warning("kvtier: reading a block from %s took longer than %.3g s; vLLM recomputes it (the host "
                         "slot stays reserved until the read returns)", tier.name, tier.io_timeout_s)
 
-    def _finish(self, tier_index: int, result: JobResult) -> None:
-        promo = self._promotions.pop((tier_index, result.job_id), None)
+    def _finish(self, slot: TierSlot, result: JobResult) -> None:
+        promo = self._promotions.pop((slot.index, result.job_id), None)
         if promo is not None:
             self._load_ended(result.job_id, promo,
                              timed_out=not result.ok[0] and result.errors.get(0) == "timeout")
@@ -588,11 +622,11 @@ class OffloadBooks:
                 self._drop_fence_pin(key, engine=False)
                 return
             self.host.unpin(key)
-            tier = self.tiers[tier_index]
+            tier = slot.tier
             if result.ok[0]:
                 self.host.mark_ready(key)
                 self._origin[key] = tier.origin
-                self._promoted_from[key] = tier_index + 1
+                self._promoted_from[key] = slot.index + 1
                 self.counters[_COUNTERS[tier.origin][0]] += 1
                 self._event([key], -1, removed=False)
             else:
@@ -605,13 +639,13 @@ class OffloadBooks:
                     log.warning("kvtier: reading a block from %s failed (%s); vLLM recomputes it", tier.name, kind)
                 self._update_occupancy()
             return
-        write = self._writes.pop((tier_index, result.job_id), None)
+        write = self._writes.pop((slot.index, result.job_id), None)
         if write is None:
             return
         if write.probe:
-            self.breakers[tier_index + 1].probe_finished("store")
+            slot.breaker.probe_finished("store")
         stored: list[bytes] = []
-        _, stored_counter, refused_counter = _COUNTERS[self.tiers[tier_index].origin]
+        _, stored_counter, refused_counter = _COUNTERS[slot.tier.origin]
         for key, ok in zip(write.keys, result.ok):
             if isinstance(key, _Fence):
                 self._drop_fence_pin(key, engine=False)
@@ -621,7 +655,7 @@ class OffloadBooks:
             self.counters[stored_counter if ok else refused_counter] += 1
             if ok:
                 stored.append(key)
-        self._event(stored, tier_index, removed=False)
+        self._event(stored, slot.index, removed=False)
 
     def has_pending_work(self) -> bool:
         return bool(self._promotions or self._writes)
@@ -635,8 +669,8 @@ class OffloadBooks:
 
     def close(self) -> None:
         self.drain()
-        for tier in self.tiers:
-            tier.close()
+        for slot in self.slots:
+            slot.tier.close()
 
     # ---- observation --------------------------------------------------------------------------------------
     @property

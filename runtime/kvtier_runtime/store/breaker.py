@@ -338,7 +338,7 @@ class TierBreakers:
                                     "per chunk; the breakers count a chunk as one token")
         settings = BreakerSettings(recompute_s_per_token=None if rate is None else 1.0 / rate,
                                    tokens_per_chunk=max(1, tokens_per_chunk))
-        addresses = [("host",), *((t.root_dir,) for t in cfg.fs_tiers), *((t.url,) for t in cfg.remote_tiers)]
+        addresses = [("host",), *((t.config.address,) for t in cfg.tiers)]
         return cls(cfg.names, settings, aliases=addresses, control_file=cfg.control_file, clock=clock,
                    logger=logger)
 

@@ -3,7 +3,7 @@ its medium: :class:`KeyState` and the :class:`Tier` protocol. Pure: no torch at 
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -11,13 +11,22 @@ if TYPE_CHECKING:
     from ..policies import AccessContext
     from .jobs import JobResult
 
-__all__ = ["KeyState", "RemovalLog", "Tier"]
+__all__ = ["KeyState", "RemovalLog", "ReplayPolicy", "Tier"]
 
 
 class KeyState(enum.Enum):
     MISS = "miss"
     HIT = "hit"
     PENDING = "pending"  # not settled yet (a store in flight, or a presence probe): ask again later
+
+
+class ReplayPolicy(NamedTuple):
+    """How ``kvtier replay`` models a tier: its eviction policy and admission filter, and whether every replica of
+    the model shares it (a remote store) or each has its own."""
+
+    eviction_policy: str
+    admission: str
+    shared: bool
 
 
 @runtime_checkable
@@ -47,10 +56,43 @@ class Tier(Protocol):
         ...
 
     @property
+    def address(self) -> str:
+        """Where its data lives: a directory, a store's url (how metrics named a tier before tiers had names)."""
+        ...
+
+    @property
     def capacity_bytes(self) -> int: ...
 
     @property
     def used_bytes(self) -> int: ...
+
+    @property
+    def capacity_blocks(self) -> int:
+        """Rows of the nominal size (its codec's, its value's) the tier holds when full."""
+        ...
+
+    @property
+    def evictions(self) -> int:
+        """Entries it evicted so far (its own trims: a filesystem tier's policy, a remote tier's index)."""
+        ...
+
+    @property
+    def replay_policy(self) -> ReplayPolicy: ...
+
+    def gauges(self) -> Mapping[str, float]:
+        """Its state beyond its bytes, by kind, as the engine exports it (``kvtier_runtime.engines.metric_defs``
+        ``TIER_GAUGES``): e.g. ``backoff`` (1 while refusing stores after repeated faults), ``up`` (1 while its
+        store answers)."""
+        ...
+
+    def reasons(self) -> Mapping[str, Mapping[str, int]]:
+        """Counts by kind and reason it keeps itself, as the engine exports them (``TIER_REASONS``): e.g. a remote
+        tier's ``misses`` and ``store_failures`` by reason. Totals since the start, never reset."""
+        ...
+
+    def state(self, key: bytes) -> KeyState:
+        """Where ``key`` is, without I/O and without counting a lookup (a caller that asks again and again)."""
+        ...
 
     def probe(self, key: bytes) -> KeyState:
         """Where ``key`` is, for a lookup of the engine's (counted in the tier's lookups and hits), without I/O:
@@ -73,6 +115,11 @@ class Tier(Protocol):
                     ctx: AccessContext | None = None) -> int: ...
 
     def get_finished(self) -> list[JobResult]: ...
+
+    def drain(self, timeout: float | None = 60) -> None:
+        """Wait until every submitted job finished (TimeoutError after ``timeout`` seconds; None: each job's own
+        deadline bounds it)."""
+        ...
 
     def close(self) -> None: ...
 

@@ -5,6 +5,7 @@ backoff, the remote tier's misses by reason and up/down) in a subclass of :class
 (``fs/tier_metrics.py``, ``remote/tier_metrics.py``)."""
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from .. import metrics
@@ -17,11 +18,17 @@ class TierMetrics:
         self.name = name
         metrics.CAPACITY_BYTES.labels(name).set(capacity_bytes)
         self._occupancy = metrics.OCCUPANCY_BYTES.labels(name)
+        # Entries evicted so far, kept here for the engine's own stats (read from the tier, never back from the
+        # process-wide registry). An int's += is not atomic across threads: guarded.
+        self.evictions = 0
+        self._evictions_lock = threading.Lock()
 
     def occupancy(self, nbytes: int) -> None:
         self._occupancy.set(nbytes)
 
     def evicted(self, n: int) -> None:
+        with self._evictions_lock:
+            self.evictions += n
         metrics.EVICTIONS.labels(self.name).inc(n)
 
     def probed(self, hit: bool) -> None:

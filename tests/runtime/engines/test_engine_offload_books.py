@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from kvtier_runtime.config import ConfigError, FilesystemTierConfig, OffloadSpecConfig
+from kvtier_runtime.config import ConfigError, FilesystemTierConfig, OffloadSpecConfig, RemoteTierConfig
 from kvtier_runtime.engines.host_region import HostRegion, region_path, remove_stale_regions
 from kvtier_runtime.engines.page_copy import PageCopier
 from kvtier_runtime.fs.format import HEADER_BYTES
@@ -342,23 +342,81 @@ def test_spec_config_errors_name_the_key(extra, message) -> None:
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
+REMOTE_KWARGS = {"url": "rediss://[fd00::1]:6380/2", "capacity_bytes": 1 << 34,
+                 "password_file": "/etc/kvtier-remote/s/pw", "mac_key_file": "/etc/kvtier-remote/s/mac-key",
+                 "scope": "team-a", "future_key": 1}
+
+
 def test_spec_config_round_trip_keeps_vllms_keys() -> None:
     extra = {"spec_name": "KvtierOffloadingSpec", "block_size": 64, "cpu_bytes_to_use": 1 << 30,
-             "eviction_policy": "s3fifo", "fs_tiers": [{"root_dir": "/d", "capacity_bytes": 1 << 40, "codec": "fp8"}]}
+             "eviction_policy": "s3fifo", "host_tier_name": "cpu", "tiers": [
+                 {"name": "nvme", "medium": "filesystem",
+                  "config": {"root_dir": "/d", "capacity_bytes": 1 << 40, "codec": "fp8"}}]}
     cfg = OffloadSpecConfig.from_extra_config(extra)
-    assert cfg.fs_tiers[0].codec == "fp8" and cfg.extra == {"spec_name": "KvtierOffloadingSpec", "block_size": 64}
+    assert cfg.tiers[0].config.codec == "fp8" and cfg.extra == {"spec_name": "KvtierOffloadingSpec", "block_size": 64}
+    assert cfg.names == ["cpu", "nvme"]
     assert OffloadSpecConfig.from_extra_config(cfg.to_extra_config()) == cfg
 
 
-def test_remote_tier_config_round_trips_and_keeps_unknown_keys() -> None:
-    extra = {"cpu_bytes_to_use": 1 << 30, "remote_tiers": [
-        {"url": "rediss://[fd00::1]:6380/2", "capacity_bytes": 1 << 34, "password_file": "/etc/kvtier-remote/s/pw",
-         "mac_key_file": "/etc/kvtier-remote/s/mac-key", "scope": "team-a", "future_key": 1}]}
+def test_the_tiers_keep_the_policys_order_a_remote_tier_before_a_filesystem_tier() -> None:
+    extra = {"cpu_bytes_to_use": 1 << 30, "tiers": [
+        {"name": "shared", "medium": "remote", "config": REMOTE_KWARGS},
+        {"name": "nvme", "medium": "filesystem", "config": {"root_dir": "/d", "capacity_bytes": 1 << 40}}]}
     cfg = OffloadSpecConfig.from_extra_config(extra)
-    (remote,) = cfg.remote_tiers
+    assert [(t.name, t.medium, t.config.address) for t in cfg.tiers] == [
+        ("shared", "remote", "rediss://[fd00::1]:6380/2"), ("nvme", "filesystem", "/d")]
+    assert cfg.names == ["host", "shared", "nvme"]
+    assert [t["name"] for t in cfg.to_extra_config()["tiers"]] == ["shared", "nvme"]
+
+
+def test_a_config_rendered_before_the_ordered_list_loads_as_the_same_tiers() -> None:
+    """Two lists by medium (filesystem tiers, then remote tiers) and their names: the same tiers, in that order,
+    under those names, as the ordered list renders them; written back in the ordered form."""
+    old = {"cpu_bytes_to_use": 1 << 30, "tier_names": ["cpu", "nvme", "shared"],
+           "fs_tiers": [{"root_dir": "/d", "capacity_bytes": 1 << 40}], "remote_tiers": [REMOTE_KWARGS]}
+    new = {"cpu_bytes_to_use": 1 << 30, "host_tier_name": "cpu", "tiers": [
+        {"name": "nvme", "medium": "filesystem", "config": {"root_dir": "/d", "capacity_bytes": 1 << 40}},
+        {"name": "shared", "medium": "remote", "config": REMOTE_KWARGS}]}
+    cfg = OffloadSpecConfig.from_extra_config(old)
+    assert cfg == OffloadSpecConfig.from_extra_config(new)
+    assert set(cfg.to_extra_config()) == {"cpu_bytes_to_use", "eviction_policy", "admission", "host_tier_name",
+                                          "tiers"}
+    # Without names, as the oldest configs: each tier by its address.
+    unnamed = OffloadSpecConfig.from_extra_config({k: v for k, v in old.items() if k != "tier_names"})
+    assert unnamed.names == ["host", "/d", "rediss://[fd00::1]:6380/2"]
+    with pytest.raises(ConfigError, match=r"^kv_connector_extra_config.fs_tiers: the tiers are in 'tiers'"):
+        OffloadSpecConfig.from_extra_config({**new, "fs_tiers": old["fs_tiers"]})
+
+
+@pytest.mark.parametrize(("tiers", "message"), [
+    ({"name": "x"}, "tiers: {'name': 'x'} must be a list of tiers"),
+    ([{"name": "x", "medium": "tape", "config": {}}], "tiers[0].medium: 'tape' is not one of filesystem, remote"),
+    ([{"name": "x", "medium": "filesystem"}], "tiers[0].config: required"),
+    ([{"name": "", "medium": "filesystem", "config": {"root_dir": "/d", "capacity_bytes": 1}}],
+     "tiers[0].name: '' must be a non-empty name"),
+    ([{"name": "x", "medium": "filesystem", "config": {"root_dir": "/d", "capacity_bytes": 1}, "size": 1}],
+     "tiers[0].size: not a tier key"),
+    ([{"name": "x", "medium": "remote", "config": {"url": "redis://h:1"}}], "tiers[0].config.capacity_bytes: required"),
+    ([{"name": "host", "medium": "filesystem", "config": {"root_dir": "/d", "capacity_bytes": 1}}],
+     "tiers: names ['host', 'host'] (the host tier's first) must be distinct"),
+    ([{"name": f"t{i}", "medium": "filesystem", "config": {"root_dir": f"/d{i}", "capacity_bytes": 1}}
+      for i in range(17)], "tiers: 17 tiers, at most 16"),
+])
+def test_ordered_tier_errors_name_the_entry_and_the_key(tiers, message) -> None:
+    with pytest.raises(ConfigError) as err:
+        OffloadSpecConfig.from_extra_config({"cpu_bytes_to_use": 1, "tiers": tiers})
+    assert str(err.value).startswith("kv_connector_extra_config." + message), str(err.value)
+
+
+def test_remote_tier_config_round_trips_and_keeps_unknown_keys() -> None:
+    extra = {"cpu_bytes_to_use": 1 << 30, "tiers": [{"name": "shared", "medium": "remote", "config": REMOTE_KWARGS}]}
+    cfg = OffloadSpecConfig.from_extra_config(extra)
+    (entry,) = cfg.tiers
+    remote = entry.config
+    assert isinstance(remote, RemoteTierConfig)
     assert remote.codec == "none" and remote.username is None and remote.extra == {"future_key": 1}
     assert remote.scope == "team-a" and remote.mac_key_file == "/etc/kvtier-remote/s/mac-key"
-    assert cfg.to_extra_config()["remote_tiers"] == extra["remote_tiers"]  # defaults are not written out
+    assert cfg.to_extra_config()["tiers"] == extra["tiers"]  # defaults are not written out
 
 
 @pytest.mark.cuda

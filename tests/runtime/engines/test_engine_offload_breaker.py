@@ -13,6 +13,7 @@ import torch
 
 from kvtier_runtime.config import OffloadSpecConfig
 from kvtier_runtime.tiers import KeyState, RemovalLog, Tier
+from kvtier_runtime.tiers.base import ReplayPolicy
 from kvtier_runtime.tiers.jobs import JobResult
 from kvtier_runtime.store.books import HIT, MISS, RETRY, OffloadBooks
 from kvtier_runtime.store.breaker import CLOSED, DISABLED, HALF_OPEN, OPEN, BreakerSettings, TierBreakers
@@ -91,8 +92,22 @@ class FakeTier:
         out, self._finished = self._finished, []
         return out
 
+    def drain(self, timeout=60) -> None:
+        self.complete()
+
     def close(self) -> None:
         pass
+
+    # What the engine exports and replay models of a tier (the books never ask).
+    address = property(lambda self: f"fake://{self.name}")
+    capacity_blocks = evictions = 0
+    replay_policy = property(lambda self: ReplayPolicy("lru", "none", self.scoped_keys))
+
+    def gauges(self) -> dict:
+        return {}
+
+    def reasons(self) -> dict:
+        return {}
 
 
 def fill(key: bytes) -> torch.Tensor:

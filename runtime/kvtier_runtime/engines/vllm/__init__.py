@@ -6,7 +6,7 @@ model's KV facts and :mod:`.events` builds KV cache events. vLLM loads them thro
 kvtier's own offloading spec (``backend: kvtier``), loaded by vLLM's ``OffloadingSpecFactory``:
 
 * ``kv_connector_extra_config: {spec_name: KvtierOffloadingSpec, spec_module_path: <this>, cpu_bytes_to_use: ...,
-  eviction_policy: ..., admission: ..., fs_tiers: [{root_dir, capacity_bytes, codec, ...}]}``
+  eviction_policy: ..., admission: ..., tiers: [{name, medium, config: {root_dir | url, capacity_bytes, ...}}]}``
   -> :class:`~.offloading.KvtierOffloadingSpec`: its manager (scheduler process) keeps the books with kvtier's
   policies and tiers (:mod:`kvtier_runtime.store.books`), its worker (worker process) copies pages between vLLM's KV cache and kvtier's
   host tier (:mod:`.page_copy`, a shared-memory region: :mod:`.host_region`).

@@ -24,7 +24,7 @@ def tier_kv_events(extra: Mapping[str, Any], index: int | None = None) -> bool:
     this and the engine's KV events are both on."""
     value = extra.get("enable_kv_events", False)
     if not isinstance(value, bool):
-        where = f"fs_tiers[{index}]" if index is not None else "secondary_tiers[]"
+        where = f"tiers[{index}].config" if index is not None else "secondary_tiers[]"
         raise ConfigError(f"kv_connector_extra_config.{where}.enable_kv_events: {value!r} must be true or false")
     return value
 

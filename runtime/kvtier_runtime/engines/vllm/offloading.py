@@ -10,7 +10,6 @@ import logging
 import threading
 import time
 from collections import Counter
-from types import SimpleNamespace
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -37,10 +36,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ...codecs import KVChunkCodec
 from ...codecs.layout import describe
 from ...config import DEFAULT_HOST_SHM_DIR, ConfigError, OffloadSpecConfig
-from ...store.books import REMOTE, OffloadBooks
-from ...store.breaker import TierBreakers
+from ...store.books import DISK, HOST, REMOTE, OffloadBooks
+from ...store.breaker import LoadMeter, TierBreakers
 from ...store.memory_tier import MemoryTier
-from ...tiers.registry import TierPlan, build_tiers
+from ...tiers.registry import TierPlan, build_tiers, tier_class
 from ..chunk_layout import LayoutDecision, check_worker_pages, chunk_layout, tier_codec
 from .. import metric_defs as M
 from ..host_region import HostRegion, remove_dead_regions_at_exit, remove_stale_regions
@@ -92,19 +91,17 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 f"{self.row_bytes} bytes"
             )
         # A lossy codec needs the engine's float KV dtype: refuse fp8 KV with int4 etc. now, not at the first store.
-        self.fs_view_dtypes = [
-            block_view_dtype(t.codec, config.model.dtype, self.row_bytes or 2) for t in self.kvtier.fs_tiers
-        ]
-        self.remote_view_dtypes = [
-            block_view_dtype(t.codec, config.model.dtype, self.row_bytes or 2) for t in self.kvtier.remote_tiers
+        # Per tier behind the host tier, in the policy's order.
+        self.view_dtypes = [
+            block_view_dtype(t.config.codec, config.model.dtype, self.row_bytes or 2) for t in self.kvtier.tiers
         ]
         self.layout = kv_layout(config)
         groups = getattr(config, "groups", None) or ()
         self.tokens_per_chunk = int(getattr(groups[0], "tokens_per_block", 0) if groups else 0) * \
             int(self.blocks_per_chunk)
-        self.fs_kv_events = [tier_kv_events(t.extra, i) for i, t in enumerate(self.kvtier.fs_tiers)]
+        self.kv_events = [tier_kv_events(t.config.extra, i) for i, t in enumerate(self.kvtier.tiers)]
         # Only lossy tiers need the chunk's layout (and reading the model's config to find heads and head size).
-        lossy = any(t.codec != "none" for t in (*self.kvtier.fs_tiers, *self.kvtier.remote_tiers))
+        lossy = any(t.config.codec != "none" for t in self.kvtier.tiers)
         self.layout_decision = chunk_layout(chunk_facts(config)) if lossy else LayoutDecision(None)
         self._manager: KvtierOffloadingManager | None = None
         self._worker: KvtierOffloadingWorker | None = None
@@ -140,23 +137,16 @@ class KvtierOffloadingManager(OffloadingManager):
         suffix = namespace_suffix(run_identity(spec, "/"))
         # Before the tiers: each tier stamps the end of its load jobs on its breaker's meter (docs/breaker.md).
         self.breakers = TierBreakers.for_spec(cfg, spec.tokens_per_chunk, logger=_log)
-        # One plan per tier behind the host tier, in the policy's order (the filesystem tiers, then the remote
-        # tiers: the order of cfg.tier_names and of the breakers); the registry builds them all.
+        # One plan per tier behind the host tier, in the policy's order (the order of cfg.names and of the
+        # breakers); the registry builds them all. From here on each tier is a slot of the books (the tier, its
+        # breaker and meter, its rows, its events), asked what it is, never sorted by medium.
         plans = self._tier_plans(spec, self.breakers.meters[1:])
         tiers = build_tiers(plans)
-        # What the engine reports per medium (gauges by root_dir or url, a remote store's misses): the books never
-        # ask which kind a tier is, the manager that planned them knows.
-        self.fs_tiers: list[Any] = [t for t, p in zip(tiers, plans) if p.medium == "filesystem"]
-        self.remote_tiers: list[Any] = [t for t, p in zip(tiers, plans) if p.medium == "remote"]
-        for tier, plan in zip(tiers, plans):
-            if plan.medium == "remote":
-                _log.info("kvtier: remote tier %s for scope %s, model identity %s (capacity %d chunks of %d bytes)",
-                          plan.config.url, plan.config.scope, plan.options["identity"], tier.capacity_entries,
-                          tier.value_bytes)
+        for name, tier in zip(cfg.names[1:], tiers):
+            _log.info("kvtier: tier %s: %s at %s, %d chunks", name, tier.medium, tier.address, tier.capacity_blocks)
         self.books = OffloadBooks(host, tiers, rows=[self.region.rows.view(p.dtype) for p in plans],
                                   key_suffix=suffix, enable_events=kv_events_enabled(spec),
-                                  tier_events=[*spec.fs_kv_events, *[False] * len(self.remote_tiers)],
-                                  breakers=self.breakers)
+                                  tier_events=spec.kv_events, breakers=self.breakers)
         self._reported: Counter[str] = Counter()
         self._stats_seen: tuple[int, ...] = ()  # _stats_state() when get_stats last ran
         self._extra_steps = 0
@@ -173,40 +163,37 @@ class KvtierOffloadingManager(OffloadingManager):
             self.region.close(unlink=True)
             raise
 
-    def _tier_plans(self, spec: KvtierOffloadingSpec, meters: Sequence[Any]) -> list[TierPlan]:
-        """What to build for each tier behind the host tier, in the policy's order: the filesystem tiers, then the
-        remote tiers (a store shared by every replica of the scope; the scope and the model identity, derived from
-        vLLM's config, are in each key; the offload keys the books hand them are vLLM's block hashes + group index,
-        where a request's cache_salt already entered the first block's hash). Each reads the host rows as the KV
-        dtype its codec quantizes; each stamps the end of its load jobs on its breaker's meter. A medium's module
-        (a remote tier's client, redis-py) is imported only when a tier of it is built."""
+    def _tier_plans(self, spec: KvtierOffloadingSpec, meters: Sequence[LoadMeter]) -> list[TierPlan]:
+        """What to build for each tier behind the host tier, in the policy's order. Each reads the host rows as the
+        KV dtype its codec quantizes (layout-aware when the chunk's layout is known) and stamps the end of its load
+        jobs on its breaker's meter. A tier that keys by the model itself (a remote store shared by every replica
+        of the scope) is given the model identity, derived from vLLM's config; the others get the books' offload
+        keys with the run-identity suffix (vLLM's block hashes + group index, where a request's cache_salt already
+        entered the first block's hash). A medium's module (a remote tier's client, redis-py) is imported only when
+        a tier of it is built."""
         cfg = spec.kvtier
         decision = spec.layout_decision
+        if len(meters) != len(cfg.tiers):
+            raise RuntimeError(f"breakers: {len(meters)} meters for {len(cfg.tiers)} tiers")
         plans: list[TierPlan] = []
         self.flat_codec_tiers: Counter[str] = Counter()
-        for tcfg, dtype in zip(cfg.fs_tiers, spec.fs_view_dtypes):
-            codec = tier_codec(tcfg, decision)
-            if tcfg.codec != "none" and not isinstance(codec, KVChunkCodec):  # flat (int4 refused: int8)
+        for entry, dtype, meter in zip(cfg.tiers, spec.view_dtypes, meters):
+            codec = tier_codec(entry.config, decision)
+            if entry.config.codec != "none" and not isinstance(codec, KVChunkCodec):  # flat (int4 refused: int8)
                 self.flat_codec_tiers[decision.reason] += 1
-            plans.append(TierPlan("filesystem", tcfg, (self.region.rows.view(dtype).shape[1],), dtype, {
-                "name": f"kvtier:{tcfg.root_dir}", "peer": "host", "codec": codec}))
+            options: dict[str, Any] = {"name": entry.config.runtime_name, "peer": "host", "codec": codec,
+                                       "on_complete": meter.on_complete}
+            if tier_class(entry.medium).scoped_keys:
+                options["identity"] = remote_identity(spec, entry.config.codec)
+            plans.append(TierPlan(entry.medium, entry.config, (self.region.rows.view(dtype).shape[1],), dtype,
+                                  options))
         if self.flat_codec_tiers:
-            _log.warning("kvtier: %d compressed filesystem tier(s) use the flat codec, whose scales do not follow K "
-                         "and V (%s: %s)", sum(self.flat_codec_tiers.values()), decision.reason, decision.detail)
+            _log.warning("kvtier: %d compressed tier(s) use the flat codec, whose scales do not follow K and V (%s: "
+                         "%s)", sum(self.flat_codec_tiers.values()), decision.reason, decision.detail)
         elif decision.layout is not None:
-            _log.info("kvtier: compressed filesystem tiers encode chunks of %s with layout-aware scales",
+            _log.info("kvtier: compressed tiers encode chunks of %s with layout-aware scales",
                       describe(decision.layout))
-        for rcfg, dtype in zip(cfg.remote_tiers, spec.remote_view_dtypes):
-            # the filesystem tiers' codec choice (layout-aware when the layout is known), verifying as they do
-            codec = tier_codec(SimpleNamespace(codec=rcfg.codec, codec_fallback=True),  # type: ignore[arg-type]
-                               decision)
-            plans.append(TierPlan("remote", rcfg, (self.region.rows.view(dtype).shape[1],), dtype, {
-                "identity": remote_identity(spec, rcfg.codec), "name": f"kvtier-remote:{rcfg.url}", "peer": "host",
-                "codec": codec}))
-        if len(meters) != len(plans):
-            raise RuntimeError(f"breakers: {len(meters)} meters for {len(plans)} tiers")
-        return [TierPlan(p.medium, p.config, p.block_shape, p.dtype, {**p.options, "on_complete": m.on_complete})
-                for p, m in zip(plans, meters)]
+        return plans
 
     @property
     def lock(self) -> threading.RLock:
@@ -232,10 +219,7 @@ class KvtierOffloadingManager(OffloadingManager):
         return _LOOKUP[found]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
-        source = self.books.source(bytes(key))
-        if source == REMOTE:  # vLLM has no "remote" source; this is its bucket for a remote store
-            return CacheHitSource.EXTERNAL_UNSPECIFIED
-        return CacheHitSource.DISK if source == "disk" else CacheHitSource.HOST
+        return _SOURCES[self.books.source(bytes(key))]
 
     def prepare_load(self, keys: Any, req_context: ReqContext, **kwargs: Any) -> LoadStoreSpec:
         keys = list(keys)
@@ -335,7 +319,7 @@ class KvtierOffloadingManager(OffloadingManager):
         books = self.books
         return (sum(books.counters.values()), sum(books.load_failures.values()),
                 sum(books.remote_load_failures.values()), sum(books.breakers.bypassed_stores.values()),
-                *(sum(t.misses.values()) + sum(t.store_failures.values()) for t in self.remote_tiers))
+                *(sum(n for counts in slot.tier.reasons().values() for n in counts.values()) for slot in books.slots))
 
     def reset_cache(self) -> None:
         self.books.reset_host()
@@ -367,21 +351,22 @@ class KvtierOffloadingManager(OffloadingManager):
         stats.set_gauge(M.HOST_CAPACITY_BYTES.name, books.host_capacity_bytes)
         for reason, n in self.flat_codec_tiers.items():
             stats.set_gauge(M.FLAT_CODEC_TIERS.name, n, (reason,))
-        for tier in self.fs_tiers:
-            stats.set_gauge(M.TIER_USED_BYTES.name, tier.used_bytes, (tier.config.root_dir,))
-            stats.set_gauge(M.TIER_CAPACITY_BYTES.name, tier.capacity_bytes, (tier.config.root_dir,))
+        for slot in books.slots:
+            # Each tier by its name in the policy, and its address (what the label carried before tiers had names).
+            tier, labels = slot.tier, (slot.name, slot.tier.address)
+            stats.set_gauge(M.TIER_USED_BYTES.name, tier.used_bytes, labels)
+            stats.set_gauge(M.TIER_CAPACITY_BYTES.name, tier.capacity_bytes, labels)
+            for kind, value in tier.gauges().items():
+                stats.set_gauge(M.TIER_GAUGES[kind].name, value, labels)
+            for kind, by_reason in tier.reasons().items():
+                metric = M.TIER_REASONS[kind].name
+                for reason, n in by_reason.items():
+                    self._delta(stats, metric, f"{kind}:{slot.name}:{reason}", n, (slot.name, reason))
         for kind, n in books.load_failures.items():
             self._delta(stats, M.LOAD_FAILURES.name, "fail:" + kind, n, (kind,))
         self._delta(stats, M.PROMOTIONS.name, "promotions", books.counters["promotions"])
         self._delta(stats, M.FS_STORES.name, "fs_stores", books.counters["fs_stores"])
         self._delta(stats, M.HOST_EVICTIONS.name, "host_evictions", books.counters["host_evictions"])
-        for tier in self.remote_tiers:
-            url = (tier.config.url,)
-            stats.set_gauge(M.REMOTE_USED_BYTES.name, tier.used_bytes, url)
-            stats.set_gauge(M.REMOTE_CAPACITY_BYTES.name, tier.capacity_bytes, url)
-            # The store's health: up while it answers, also when it refuses this tier's user (auth is the tier's
-            # fault, counted in its misses, not the store's).
-            stats.set_gauge(M.REMOTE_UP.name, 1 if tier.health in ("up", "refused") else 0, url)
         breakers = books.breakers
         for breaker in breakers.breakers:
             for reason, on in breaker.bypass_gauges().items():
@@ -398,18 +383,8 @@ class KvtierOffloadingManager(OffloadingManager):
         for name, n in books.hit_keys.items():
             self._delta(stats, M.HIT_TOKENS.name, "hit_tokens:" + name, n * tokens, (name,))
         self._delta(stats, M.LOOKUP_TOKENS.name, "lookup_tokens", books.counters["lookup_keys"] * tokens)
-        if self.remote_tiers:
-            misses: Counter[str] = Counter()
-            failures: Counter[str] = Counter()
-            for tier in self.remote_tiers:
-                misses.update(dict(tier.misses))
-                failures.update(dict(tier.store_failures))
-            for reason, n in misses.items():
-                self._delta(stats, M.REMOTE_MISSES.name, "remote_miss:" + reason, n, (reason,))
-            for reason, n in failures.items():
-                self._delta(stats, M.REMOTE_STORE_FAILURES.name, "remote_store_failure:" + reason, n, (reason,))
-            self._delta(stats, M.REMOTE_HITS.name, "remote_hits", books.counters["remote_promotions"])
-            self._delta(stats, M.REMOTE_STORES.name, "remote_stores", books.counters["remote_stores"])
+        self._delta(stats, M.REMOTE_HITS.name, "remote_hits", books.counters["remote_promotions"])
+        self._delta(stats, M.REMOTE_STORES.name, "remote_stores", books.counters["remote_stores"])
         return stats
 
     def _delta(self, stats: OffloadingConnectorStats, metric: str, key: str, total: int,
@@ -439,17 +414,14 @@ def trace_meta(spec: KvtierOffloadingSpec, manager: KvtierOffloadingManager) -> 
     """What ``kvtier replay`` needs to model this engine (the recording's ``trace-meta.json``): a block is one
     offload chunk; each tier by the name the breakers and metrics use, its medium, capacity in chunks and policy."""
     cfg = spec.kvtier
-    names = [b.name for b in manager.books.breakers.breakers]
-    tiers = [{"name": names[0], "medium": "cpu", "capacity_blocks": int(spec.n_rows),
+    books = manager.books
+    tiers = [{"name": books.breakers[0].name, "medium": "cpu", "capacity_blocks": int(spec.n_rows),
               "eviction_policy": cfg.eviction_policy, "admission": cfg.admission}]
-    for i, (tcfg, tier) in enumerate(zip(cfg.fs_tiers, manager.fs_tiers), start=1):
-        tiers.append({"name": names[i], "medium": "disk", "capacity_blocks": int(tier.capacity_blocks),
-                      "eviction_policy": tcfg.eviction_policy, "admission": tcfg.admission})
-    for i, tier in enumerate(manager.remote_tiers, start=1 + len(cfg.fs_tiers)):
-        # kvtier trims the model's chunks in the store least recently written or read first; the store is shared
-        # by every replica of the model (replay --replicas N --shared models that).
-        tiers.append({"name": names[i], "medium": "remote", "capacity_blocks": int(tier.capacity_entries),
-                      "eviction_policy": "lru", "admission": "none", "shared": True})
+    for slot in books.slots:
+        policy = slot.tier.replay_policy
+        tiers.append({"name": slot.name, "medium": slot.tier.origin, "capacity_blocks": int(slot.tier.capacity_blocks),
+                      "eviction_policy": policy.eviction_policy, "admission": policy.admission,
+                      **({"shared": True} if policy.shared else {})})
     device = _device_blocks()
     groups = getattr(spec.config, "groups", None) or ()
     device_tokens = getattr(groups[0], "tokens_per_block", None) if groups else None
@@ -503,6 +475,9 @@ MAX_STATS_STEPS = 3
 # Running requests whose counted lookups are remembered (a bound, not a tuning knob: vLLM finishes every request).
 MAX_COUNTED_REQUESTS = 65536
 
+# Where a host-resident chunk's bytes came from (the books' origin) as vLLM's cache-hit source: vLLM has no "remote"
+# source; EXTERNAL_UNSPECIFIED is its bucket for a remote store.
+_SOURCES = {HOST: CacheHitSource.HOST, DISK: CacheHitSource.DISK, REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED}
 _LOOKUP = {"hit": LookupResult.HIT, "hit_pending": LookupResult.HIT_PENDING, "retry": LookupResult.RETRY,
            "miss": LookupResult.MISS}
 
@@ -527,7 +502,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         wrong = (check_worker_pages(chunk, pages, max(1, int(spec.config.parallel.world_size)))
                  if chunk is not None else None)
         if wrong is not None:  # the scheduler would quantise K as V or across layers: refuse rather than corrupt
-            raise ConfigError(f"kv_connector_extra_config.fs_tiers[].codec: {wrong}; use codec 'none' with this "
+            raise ConfigError(f"kv_connector_extra_config.tiers[].config.codec: {wrong}; use codec 'none' with this "
                               "engine")
         self.region = spec.open_region()
         self._registered = False

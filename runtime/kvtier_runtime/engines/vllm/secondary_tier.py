@@ -6,10 +6,9 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import Any, ClassVar
 
 import torch
-from prometheus_client import REGISTRY
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
     Locality,
@@ -32,10 +31,7 @@ except ImportError:  # pragma: no cover - depends on the installed vLLM
 
 from ...config import FilesystemTierConfig
 from ...tiers.jobs import JobResult as TierJobResult
-from ...tiers.registry import build_tier
-
-if TYPE_CHECKING:
-    from ...fs.tier import FilesystemTier
+from ...fs.tier import FilesystemTier
 from .. import metric_defs as M
 from ..vllm_support import block_view_dtype, job_outcome, namespace_suffix
 from .cache_policy import access_context
@@ -116,15 +112,14 @@ class KvtierFilesystemTier(SecondaryTierManager):
         # One row per primary chunk, seen as the dtype the codec quantizes (the bytes are never copied here).
         self._rows = flat[: n_rows * row_bytes].view(n_rows, row_bytes).view(self._view_dtype)
         self._suffix = namespace_suffix(run_identity(offloading_spec, self.config.root_dir))
-        # Built through the registry as the kvtier backend builds its tiers (a filesystem tier: this class uses its
-        # whole API, state/drain/removals included).
-        self.tier = cast("FilesystemTier", build_tier("filesystem", self.config, (self._rows.shape[1],),
-                                                      self._view_dtype, name=f"{tier_type}:{self.config.root_dir}"))
+        # A filesystem tier itself (this class is its adapter to vLLM's tiering manager: its block files too).
+        self.tier = FilesystemTier(self.config, (self._rows.shape[1],), self._view_dtype,
+                                   name=f"{tier_type}:{self.config.root_dir}")
         self._pending: dict[int, _PendingJob] = {}
         self._failed_now: list[JobResult] = []  # jobs refused at submission, reported at the next collection
         self._stats = OffloadingConnectorStats()
         self._labels = (self.config.root_dir,)
-        self._evictions_seen = self._evictions_total()
+        self._evictions_seen = self.tier.evictions
         # KV events (vLLM's rule for secondary tiers: the tier's enable_kv_events and the engine's KV events).
         wanted = tier_kv_events(self.config.extra)
         self.events: list[OffloadingEvent] | None = [] if wanted and kv_events_enabled(offloading_spec) else None
@@ -257,15 +252,11 @@ class KvtierFilesystemTier(SecondaryTierManager):
         stats.set_gauge(M.FS_USED_BYTES.name, self.tier.used_bytes, labels)
         stats.set_gauge(M.FS_CAPACITY_BYTES.name, self.tier.capacity_bytes, labels)
         stats.set_gauge(M.FS_BACKOFF.name, 1 if self.tier.in_backoff else 0, labels)
-        total = self._evictions_total()
+        total = self.tier.evictions
         if total > self._evictions_seen:
             stats.increase_counter(M.FS_EVICTED_CHUNKS.name, total - self._evictions_seen, labels)
             self._evictions_seen = total
         return stats
-
-    def _evictions_total(self) -> float:
-        value = REGISTRY.get_sample_value("kvtier_runtime_evictions_total", {"tier": self.tier.name})
-        return value or 0.0
 
     @classmethod
     def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
