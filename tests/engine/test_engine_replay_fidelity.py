@@ -36,7 +36,8 @@ import pytest
 import yaml
 
 from e2e.vllm_cpu import model, render
-from e2e.vllm_cpu.server import VllmServer
+from e2e.vllm_cpu.kv_events import EventStream, TierIndex
+from e2e.vllm_cpu.server import VllmServer, free_port
 from kvtier_runtime.replay.recommend import parse_quantity
 
 MiB = 1 << 20
@@ -55,6 +56,10 @@ BUDGET = "cpu=48Mi,filesystem=96Mi"
 HELD_OUT = (FAMILIES, 2 * FAMILIES)
 # Absolute error allowed on each tier's share of prompt tokens and on the total (docs/replay.md, "Fidelity").
 BOUND = 0.03
+# How far the accounts of which tier served a chunk may differ, as a share of the prompt tokens sent.
+ONE_TRUTH = 0.01
+# How long the event stream must be silent before a request is sent (see serve).
+QUIET_S = 0.03
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data" / "mooncake-synthetic.jsonl"
 HIT = "vllm:kv_offload_kvtier_hit_tokens_total"
@@ -92,6 +97,9 @@ def engine_config(tmp: pathlib.Path, policy: dict) -> pathlib.Path:
     doc = yaml.safe_load(path.read_text())
     extra = doc["kv-transfer-config"]["kv_connector_extra_config"]
     extra["trace_dir"] = str(tmp / "trace")
+    extra["self_describing_kv_events"] = True
+    for tier in extra["tiers"]:
+        tier["config"]["enable_kv_events"] = True
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
 
@@ -132,18 +140,29 @@ class Served:
     replay: dict
     predicted: dict[str, float]
     measured: dict[str, float]
+    truth: dict[str, dict[str, float]]  # one_truth: each account's share of the prompt tokens sent, per tier
 
 
 def serve(tmp: pathlib.Path, policy: dict, requests: list[tuple[list[int], int]], first_index: int = 0) -> Served:
-    """Start an engine on ``policy``'s rendering (recording), send ``requests`` one at a time, stop it, and compare
-    replay of its recording with its counters."""
+    """Start an engine on ``policy``'s rendering (recording, publishing its KV events), send ``requests`` one at a
+    time, stop it, and compare replay of its recording with its counters, and which tier served each chunk by
+    every account of it (one_truth)."""
     config = engine_config(tmp, policy)
+    stream = EventStream(f"tcp://127.0.0.1:{free_port()}")
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": stream.endpoint, "topic": "kv"}
     server = VllmServer(model.ensure_model(tmp.parent / "models"), config, kv_cache_memory_bytes=KV_CACHE_BYTES,
-                        max_model_len=MAX_MODEL_LEN, log_path=tmp / "engine.log", startup_timeout_s=420)
-    with server:
+                        max_model_len=MAX_MODEL_LEN, log_path=tmp / "engine.log", startup_timeout_s=420,
+                        extra_args=["--kv-events-config", json.dumps(events)])
+    prompts, marks = [], []  # each request's tokens, and the events the index had when it was sent
+    with server, contextlib.closing(stream):
         t0 = time.monotonic()
         for i, (ids, tail) in enumerate(requests, start=first_index):
-            server.complete(prompt(ids, tail, i), max_tokens=1)
+            prompts.append(prompt(ids, tail, i))
+            # The events of the previous request's last step leave the engine as its answer does: let them land,
+            # as a router's index would have them by the time its next request arrives.
+            stream.quiet(QUIET_S)
+            marks.append(len(stream))
+            server.complete(prompts[-1], max_tokens=1)
         seconds = time.monotonic() - t0
         samples = _settled(server, [HIT, "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total"])
         time.sleep(1.5)  # the recorder's writer flushes every 0.5 s
@@ -161,7 +180,37 @@ def serve(tmp: pathlib.Path, policy: dict, requests: list[tuple[list[int], int]]
         measured[t["name"]] = server.metric(HIT, samples, tier=t["name"]) / whole
     predicted["total"] = d["total"]["prefix_hit_ratio"]
     measured["total"] = sum(measured.values())
-    return Served(tmp, server, requests, seconds, samples, whole, d, predicted, measured)
+    truth = one_truth(tmp / "trace", server, samples, stream.events(), marks, prompts, [t["name"] for t in d["tiers"]])
+    return Served(tmp, server, requests, seconds, samples, whole, d, predicted, measured, truth)
+
+
+def one_truth(trace_dir: pathlib.Path, server: VllmServer, samples: dict, events: list, marks: list[int],
+              prompts: list[list[int]], names: list[str]) -> dict[str, dict[str, float]]:
+    """Each tier's share of the prompt tokens sent, by every account of which tier served a chunk: kvtier's
+    ``hit_tokens{tier}``, vLLM's ``prompt_tokens_cached_by_source`` (fed by kvtier's load source), the recording's
+    per-request ``hit_tokens``, and the KV events (a router's index, fed every event published before each request
+    was sent, predicting each request's tiers). ``names``: device, then the host tier, then the disk tier."""
+    sent = server.metric("vllm:prompt_tokens_total", samples)
+    _, host, disk = names
+    lines = [json.loads(line) for f in sorted(trace_dir.glob("trace-*.jsonl")) for line in f.read_text().splitlines()]
+    assert sum(d["input_length"] for d in lines) == sum(len(p) for p in prompts) == sent  # the lengths sent
+    recorded = Counter()
+    for d in lines:
+        recorded.update(d["hit_tokens"])
+    index, believed = TierIndex(BLOCK_TOKENS), Counter()
+    for i, p in enumerate(prompts):
+        index.apply(events[marks[i - 1] if i else 0:marks[i]])
+        believed.update(index.predict(p))
+    by_source = {s: server.metric("vllm:prompt_tokens_cached_by_source_total", samples, source=s)
+                 for s in ("device", "host", "disk")}
+    counted = {
+        "hit_tokens": {"device": server.metric("vllm:prefix_cache_hits_total", samples),
+                       "host": server.metric(HIT, samples, tier=host), "disk": server.metric(HIT, samples, tier=disk)},
+        "load source": by_source,
+        "recording": {"host": recorded[host], "disk": recorded[disk]},
+        "events": {"device": believed["device"], "host": believed["host"], "disk": believed["disk"]},
+    }
+    return {account: {tier: n / sent for tier, n in shares.items()} for account, shares in counted.items()}
 
 
 def report(run: Served) -> None:
@@ -181,6 +230,9 @@ def report(run: Served) -> None:
     for name in run.predicted:
         print(f"{name:<10}{run.predicted[name]:>11.4f}{run.measured[name]:>10.4f}"
               f"{run.predicted[name] - run.measured[name]:>+9.4f}")
+    print("which tier served the prompt tokens sent, by each account:")
+    for account, shares in run.truth.items():
+        print(f"  {account:<12}" + "  ".join(f"{tier} {share:.4f}" for tier, share in shares.items()))
 
 
 def check(run: Served) -> None:
@@ -192,6 +244,11 @@ def check(run: Served) -> None:
     assert measured["device"] > 0
     errors = {name: abs(run.predicted[name] - measured[name]) for name in run.predicted}
     assert max(errors.values()) <= BOUND, f"replay off by more than {BOUND}: {errors}"
+    # One truth about which tier served a chunk: kvtier's counters, vLLM's load source, the recording and what a
+    # router's index believed (the KV events) agree per tier within ONE_TRUTH of the prompt tokens sent.
+    for tier in ("device", "host", "disk"):
+        accounts = {a: shares[tier] for a, shares in run.truth.items() if tier in shares}
+        assert max(accounts.values()) - min(accounts.values()) <= ONE_TRUTH, (tier, accounts)
 
 
 @pytest.fixture(scope="module")
