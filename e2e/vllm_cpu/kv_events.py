@@ -2,7 +2,10 @@
 the engine then served.
 
 :class:`EventStream` binds a ZMQ SUB socket that vLLM's publisher connects to (``--kv-events-config`` with a
-``tcp://127.0.0.1:PORT`` endpoint) and decodes every batch with vLLM's own msgspec types, in arrival order.
+``tcp://127.0.0.1:PORT`` endpoint) and decodes every batch with vLLM's own msgspec types, in arrival order, with
+the time the engine's scheduler made it (vLLM stamps each batch with ``time.time()`` at the end of its step): a test
+on the same machine asks for the events published before a moment of its own (:meth:`EventStream.before`), as the
+index held them when a request reached the engine, however late the stream delivered them.
 
 :class:`TierIndex` is a model of llm-d's KV-block index (llm-d-kv-cache v0.9.0: ``pkg/kvevents/pool.go`` and
 ``pkg/kvcache/kvblock/in_memory.go``) for one pod, kept to what these tests need: request keys are prefix chains
@@ -18,7 +21,6 @@ Imports vLLM (its event types) and pyzmq lazily: only the engine env has them.
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from typing import Any, Iterable, Sequence
 
@@ -30,8 +32,7 @@ TIER_OF = {GPU: "device", CPU: "host", STORAGE: "disk"}
 
 class EventStream:
     """vLLM's KV-event batches received on ``endpoint`` (bound here; the engine's publisher connects), decoded, in
-    arrival order, collected on a thread. ``len()`` is how many events arrived so far: a test notes it before each
-    request to know what the index held when the request was sent."""
+    arrival order, collected on a thread, each with the engine's timestamp."""
 
     def __init__(self, endpoint: str) -> None:
         import msgspec
@@ -46,9 +47,8 @@ class EventStream:
         self._sock.bind(endpoint)
         self.endpoint = endpoint
         self.topics: set[bytes] = set()
-        self._events: list[Any] = []
+        self._batches: list[tuple[float, list[Any]]] = []
         self.errors: list[str] = []
-        self._arrived = time.monotonic()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
@@ -69,26 +69,16 @@ class EventStream:
                 continue
             with self._lock:
                 self.topics.add(parts[0])
-                self._events.extend(batch.events)
-                self._arrived = time.monotonic()
+                self._batches.append((float(batch.ts), list(batch.events)))
 
-    def __len__(self) -> int:
+    def events(self) -> list[Any]:
         with self._lock:
-            return len(self._events)
+            return [e for _, events in self._batches for e in events]
 
-    def events(self, upto: int | None = None) -> list[Any]:
+    def batches(self) -> list[tuple[float, list[Any]]]:
+        """(the engine's timestamp, the events) of every batch so far, in arrival order."""
         with self._lock:
-            return list(self._events if upto is None else self._events[:upto])
-
-    def quiet(self, for_s: float, timeout_s: float = 10.0) -> None:
-        """Wait until no batch arrived for ``for_s`` seconds (bounded by ``timeout_s``)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self._lock:
-                idle = time.monotonic() - self._arrived
-            if idle >= for_s:
-                return
-            time.sleep(for_s - idle)
+            return list(self._batches)
 
     def close(self) -> None:
         self._stop.set()

@@ -18,6 +18,7 @@ from .api.validation import PolicyInvalid, Problem, parse_policy
 from .printable import printable
 from .reports import Event
 from .render import CONFIG_DIR, CONFIG_FILE, CONTROL_FILE, RenderedConfig, RenderError, detect_engine, render
+from .render.vllm import events_topic_args
 from .selectors import matches
 from .settings import FIELD_MANAGER, POLICY_LABEL
 from .status import Cond, merge_conditions, transitions
@@ -144,15 +145,20 @@ def _selector_of(policy_obj: dict[str, Any]) -> Optional[dict[str, Any]]:
     return (policy_obj.get("spec") or {}).get("selector")
 
 
-def _config_args_for(spec: api.KVCachePolicySpec, container: dict[str, Any]) -> list[str]:
-    """The argument that points the engine at our file, for the declared or detected engine."""
+def _config_args_for(spec: api.KVCachePolicySpec, container: dict[str, Any], namespace: str) -> list[str]:
+    """The arguments that point the engine at our file (and, with spec.events, name its KV event topic), for the
+    declared or detected engine."""
     engine = spec.engine
     if engine is None:
         try:
             engine = detect_engine(facts_of(container))
         except RenderError:
             engine = "vllm"
-    return ["--extra_llm_api_options" if engine == "trtllm" else "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"]
+    if engine == "trtllm":
+        return ["--extra_llm_api_options", f"{CONFIG_DIR}/{CONFIG_FILE}"]
+    events = spec.events if spec.events is not None and spec.events.enabled else None
+    return ["--config", f"{CONFIG_DIR}/{CONFIG_FILE}",
+            *(events_topic_args(events, namespace) if events is not None else [])]
 
 
 def _release(w: Workload, spec: Optional[api.KVCachePolicySpec], reason: str) -> TargetPlan:
@@ -160,7 +166,7 @@ def _release(w: Workload, spec: Optional[api.KVCachePolicySpec], reason: str) ->
     if spec is not None and spec.injection.args == "managed":
         # Managed args were ours: take back exactly the argument we added.
         c = w.container(spec.container)
-        config_args = _config_args_for(spec, c) if c is not None else None
+        config_args = _config_args_for(spec, c, w.namespace) if c is not None else None
         if c is not None and config_args and config_args[0] in (c.get("args") or []):
             t.args_update = args_update(w, c["name"], without_config_args(list(c.get("args") or []), config_args))
     return t

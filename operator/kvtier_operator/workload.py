@@ -134,25 +134,43 @@ def _normalized(words: list[str]) -> list[str]:
     return out
 
 
+def _pairs(config_args: list[str]) -> list[list[str]]:
+    """``config_args`` as its (flag, value) pairs: each must be passed, in any order and place."""
+    return [config_args[i:i + 2] for i in range(0, len(config_args), 2)]
+
+
+def _passes(words: list[str], pair: list[str]) -> bool:
+    n = len(pair)
+    return any(words[i:i + n] == pair for i in range(len(words) - n + 1))
+
+
 def has_config_args(container: dict[str, Any], config_args: list[str]) -> bool:
-    """Whether command+args pass ``config_args`` (``--config X`` or ``--config=X``)."""
+    """Whether command+args pass every (flag, value) pair of ``config_args`` (``--config X`` or ``--config=X``),
+    each anywhere."""
     words = _normalized(list(container.get("command") or []) + list(container.get("args") or []))
-    n = len(config_args)
-    return any(words[i:i + n] == config_args for i in range(len(words) - n + 1))
+    return all(_passes(words, pair) for pair in _pairs(config_args))
 
 
 def with_config_args(args: list[str], config_args: list[str]) -> list[str]:
-    return list(args) + list(config_args)
+    """``args`` with the pairs of ``config_args`` they lack appended."""
+    out = list(args)
+    for pair in _pairs(config_args):
+        if not _passes(_normalized(out), pair):
+            out += pair
+    return out
 
 
 def without_config_args(args: list[str], config_args: list[str]) -> list[str]:
-    n, out, i = len(config_args), [], 0
-    while i < len(args):
-        if args[i:i + n] == config_args:
-            i += n
-            continue
-        out.append(args[i])
-        i += 1
+    out = list(args)
+    for pair in _pairs(config_args):
+        n, kept, i = len(pair), [], 0
+        while i < len(out):
+            if out[i:i + n] == pair:
+                i += n
+                continue
+            kept.append(out[i])
+            i += 1
+        out = kept
     return out
 
 
@@ -209,7 +227,9 @@ def plan_memory(workload: Workload, container: dict[str, Any], rendered: Rendere
 def apply_patch(workload: Workload, container: str, rendered: RenderedConfig, *, policy: str, config_hash: str,
                 cleanup_image: str, memory_limit: Optional[str] = None) -> dict[str, Any]:
     """The complete set of fields the operator owns on ``workload`` (server-side apply body)."""
-    env = [{"name": k, "value": v} for k, v in sorted(rendered.env.items())]
+    env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in sorted(rendered.env.items())]
+    env += [{"name": k, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+            for k, path in sorted(rendered.env_fields.items())]
     main: dict[str, Any] = {"name": container, "volumeMounts": rendered.volume_mounts}
     if env:
         main["env"] = env

@@ -58,8 +58,6 @@ HELD_OUT = (FAMILIES, 2 * FAMILIES)
 BOUND = 0.03
 # How far the accounts of which tier served a chunk may differ, as a share of the prompt tokens sent.
 ONE_TRUTH = 0.01
-# How long the event stream must be silent before a request is sent (see serve).
-QUIET_S = 0.03
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data" / "mooncake-synthetic.jsonl"
 HIT = "vllm:kv_offload_kvtier_hit_tokens_total"
@@ -97,9 +95,6 @@ def engine_config(tmp: pathlib.Path, policy: dict) -> pathlib.Path:
     doc = yaml.safe_load(path.read_text())
     extra = doc["kv-transfer-config"]["kv_connector_extra_config"]
     extra["trace_dir"] = str(tmp / "trace")
-    extra["self_describing_kv_events"] = True
-    for tier in extra["tiers"]:
-        tier["config"]["enable_kv_events"] = True
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
 
@@ -147,21 +142,21 @@ def serve(tmp: pathlib.Path, policy: dict, requests: list[tuple[list[int], int]]
     """Start an engine on ``policy``'s rendering (recording, publishing its KV events), send ``requests`` one at a
     time, stop it, and compare replay of its recording with its counters, and which tier served each chunk by
     every account of it (one_truth)."""
-    config = engine_config(tmp, policy)
+    # The policy's spec.events, rendered as for a pod, its publisher connecting to the test's index (a pod binds
+    # and the indexer dials it); the topic is the argument a pod passes ($(KVTIER_POD_IP) expanded by the kubelet).
     stream = EventStream(f"tcp://127.0.0.1:{free_port()}")
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": stream.endpoint, "topic": "kv"}
+    policy = {**policy, "spec": {**policy["spec"], "events": {"enabled": True, "model": "model",
+                                                                "endpoint": stream.endpoint}}}
+    config = engine_config(tmp, policy)
     server = VllmServer(model.ensure_model(tmp.parent / "models"), config, kv_cache_memory_bytes=KV_CACHE_BYTES,
                         max_model_len=MAX_MODEL_LEN, log_path=tmp / "engine.log", startup_timeout_s=420,
-                        extra_args=["--kv-events-config", json.dumps(events)])
-    prompts, marks = [], []  # each request's tokens, and the events the index had when it was sent
+                        extra_args=["--kv-events-config.topic", "kv@engine@default/model"])
+    prompts, sent_at = [], []  # each request's tokens, and when it was sent (time.time(), as vLLM stamps events)
     with server, contextlib.closing(stream):
         t0 = time.monotonic()
         for i, (ids, tail) in enumerate(requests, start=first_index):
             prompts.append(prompt(ids, tail, i))
-            # The events of the previous request's last step leave the engine as its answer does: let them land,
-            # as a router's index would have them by the time its next request arrives.
-            stream.quiet(QUIET_S)
-            marks.append(len(stream))
+            sent_at.append(time.time())
             server.complete(prompts[-1], max_tokens=1)
         seconds = time.monotonic() - t0
         samples = _settled(server, [HIT, "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total"])
@@ -180,16 +175,19 @@ def serve(tmp: pathlib.Path, policy: dict, requests: list[tuple[list[int], int]]
         measured[t["name"]] = server.metric(HIT, samples, tier=t["name"]) / whole
     predicted["total"] = d["total"]["prefix_hit_ratio"]
     measured["total"] = sum(measured.values())
-    truth = one_truth(tmp / "trace", server, samples, stream.events(), marks, prompts, [t["name"] for t in d["tiers"]])
+    assert stream.topics == {b"kv@engine@default/model"}, stream.topics
+    truth = one_truth(tmp / "trace", server, samples, stream.batches(), sent_at, prompts,
+                      [t["name"] for t in d["tiers"]])
     return Served(tmp, server, requests, seconds, samples, whole, d, predicted, measured, truth)
 
 
-def one_truth(trace_dir: pathlib.Path, server: VllmServer, samples: dict, events: list, marks: list[int],
+def one_truth(trace_dir: pathlib.Path, server: VllmServer, samples: dict, batches: list, sent_at: list[float],
               prompts: list[list[int]], names: list[str]) -> dict[str, dict[str, float]]:
     """Each tier's share of the prompt tokens sent, by every account of which tier served a chunk: kvtier's
     ``hit_tokens{tier}``, vLLM's ``prompt_tokens_cached_by_source`` (fed by kvtier's load source), the recording's
-    per-request ``hit_tokens``, and the KV events (a router's index, fed every event published before each request
-    was sent, predicting each request's tiers). ``names``: device, then the host tier, then the disk tier."""
+    per-request ``hit_tokens``, and the KV events (a router's index, fed every event the engine published before
+    each request was sent -- by the engine's own timestamps, so a batch the stream delivered late still counts --
+    predicting each request's tiers). ``names``: device, then the host tier, then the disk tier."""
     sent = server.metric("vllm:prompt_tokens_total", samples)
     _, host, disk = names
     lines = [json.loads(line) for f in sorted(trace_dir.glob("trace-*.jsonl")) for line in f.read_text().splitlines()]
@@ -197,9 +195,11 @@ def one_truth(trace_dir: pathlib.Path, server: VllmServer, samples: dict, events
     recorded = Counter()
     for d in lines:
         recorded.update(d["hit_tokens"])
-    index, believed = TierIndex(BLOCK_TOKENS), Counter()
-    for i, p in enumerate(prompts):
-        index.apply(events[marks[i - 1] if i else 0:marks[i]])
+    index, believed, applied = TierIndex(BLOCK_TOKENS), Counter(), 0
+    for p, t in zip(prompts, sent_at):
+        while applied < len(batches) and batches[applied][0] < t:
+            index.apply(batches[applied][1])
+            applied += 1
         believed.update(index.predict(p))
     by_source = {s: server.metric("vllm:prompt_tokens_cached_by_source_total", samples, source=s)
                  for s in ("device", "host", "disk")}

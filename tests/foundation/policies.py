@@ -75,11 +75,27 @@ VALID = [
     policy(backend="kvtier", trace={"enabled": True, "maxSize": "16Gi", "files": 1000}),
     policy(backend="kvtier", trace={"enabled": True, "maxSize": 262144, "files": 4}),
     policy(trace={"enabled": False}),
+    # KV events for routers: bound in the pod (default) or connected to an indexer; one block per chunk.
+    policy(backend="kvtier", events={"enabled": True, "model": "llama-70b"}),
+    policy(events={"enabled": True, "model": "meta/llama", "endpoint": "tcp://indexer.routing:6000"},
+           offload={"chunkTokens": 16}),
+    policy(backend="kvtier", events={"enabled": True, "model": "m", "endpoint": "tcp://[fd00::2]:65534"}),
+    policy(backend="lmcache", events={"enabled": False}),
 ]
 
 # (policy, the problem `kvtier validate` reports: "field path: rule"). The API server rejects each too.
 INVALID = [
     (policy(trace={"enabled": True}), "spec.trace.enabled: trace.enabled needs backend kvtier"),
+    (policy(events={"enabled": True}), "spec.events.model: events.model must be set when events are enabled"),
+    (policy(events={"enabled": True, "model": "m"}, offload={"chunkTokens": 64}),
+     "spec.events.enabled: events.enabled needs one GPU block per offloaded chunk"),
+    (policy(backend="lmcache", events={"enabled": True, "model": "m"}),
+     "spec.events.enabled: events.enabled needs backend kvtier or native"),
+    (policy(engine="trtllm", tiers=[cpu()], events={"enabled": True, "model": "m"}),
+     "spec.events.enabled: engine trtllm: spec.events is for vLLM's KV event publisher"),
+    (policy(events={"enabled": True, "model": "m", "endpoint": "tcp://*:65535"}), "spec.events.endpoint: "),
+    (policy(events={"enabled": True, "model": "m", "endpoint": "ipc:///tmp/kv"}), "spec.events.endpoint: "),
+    (policy(events={"enabled": True, "model": "a@b"}), "spec.events.model: "),
     (policy(backend="kvtier", trace={"enabled": True, "maxSize": "17Gi"}), "spec.trace.maxSize: must be at most 16Gi"),
     (policy(backend="kvtier", trace={"enabled": True, "maxSize": "1Mi", "files": 100}),
      "spec.trace: maxSize: must hold at least 64Ki per trace file"),

@@ -92,6 +92,8 @@ def runtime_objects(files: dict[str, str]) -> dict[str, Any]:
         if remote:
             out["remote"] = [RemoteTierConfig.from_kwargs(t.to_kwargs()).to_kwargs() for t in remote]
         out["tier_order"] = [(t.name, t.medium) for t in spec.tiers]
+        # Which tiers announce KV events (the spec's per-tier key, as engines/vllm/events.py reads it).
+        out["tier_events"] = [t.config.extra.get("enable_kv_events", False) for t in spec.tiers]
     else:
         if str(extra.get("eviction_policy", "")).startswith("Kvtier"):
             choice = CachePolicyChoice.from_class_name(extra["eviction_policy"])
@@ -105,6 +107,8 @@ def runtime_objects(files: dict[str, str]) -> dict[str, Any]:
         policy = get_policy(cfg.eviction_policy, cfg.capacity_bytes, admission=cfg.admission,
                             admission_threshold=cfg.admission_threshold)
         out.setdefault("fs", []).append({"config": cfg.to_kwargs(), "policy": _policy_object(policy)})
+    # vLLM's --kv-events-config, as the dotted keys vLLM's parser merges with the pod's own topic argument.
+    out["kv_events"] = {k.split(".", 1)[1]: v for k, v in doc.items() if k.startswith("kv-events-config.")}
     return out
 
 
@@ -187,6 +191,37 @@ def recompute_rate_reaches_breakers(a: dict[str, Any], b: dict[str, Any]) -> Non
     assert a["runtime"]["breakers"]["recompute_s_per_token"] is None
     assert b["runtime"]["breakers"]["recompute_s_per_token"] == pytest.approx(1 / 20000)
     assert b["runtime"]["breakers"]["names"] == ["host", "nvme"]
+
+
+# A container that already passes the KV event topic of model m (kvtier render -o json's configArgs).
+EVENTS_ARGS = ["--model", "m", "--config", "/etc/kvtier/engine.yaml",
+               "--kv-events-config.topic", "kv@$(KVTIER_POD_IP)@ns/m"]
+
+
+def events_on(**events: Any) -> dict[str, Any]:
+    return base(events={"enabled": True, "model": "m", **events})
+
+
+def events_reach_runtime(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["runtime"]["kv_events"] == {} and a["runtime"]["tier_events"] == [False]
+    assert b["runtime"]["kv_events"] == {"enable_kv_cache_events": "true", "publisher": "zmq",
+                                         "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}
+    assert b["runtime"]["tier_events"] == [True]
+    env = b["targets"][0]["apply"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "KVTIER_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in env
+
+
+def endpoint_reaches_runtime(a: dict[str, Any], b: dict[str, Any]) -> None:
+    # A publisher that connects to an indexer binds no replay socket in the pod.
+    assert b["runtime"]["kv_events"]["endpoint"] == "tcp://indexer:5557"
+    assert "replay_endpoint" not in b["runtime"]["kv_events"]
+
+
+def model_reaches_topic(a: dict[str, Any], b: dict[str, Any]) -> None:
+    # The container passes model m's topic: for model other, the operator asks for the new argument first.
+    assert a["targets"][0]["state"] == rc.APPLIED
+    assert b["targets"][0]["state"] == rc.MISSING_ARG
+    assert "kv@$(KVTIER_POD_IP)@ns/other" in b["targets"][0]["message"]
 
 
 def trace_reaches_runtime(a: dict[str, Any], b: dict[str, Any]) -> None:
@@ -317,6 +352,12 @@ FLOWS: dict[str, Flow] = {
         setter(f"{PROM}.auth.password", {"name": "u", "key": "secret"}), ("guard",),
         before=lambda: base(slo={**SLO, "prometheus": {"url": "http://p:9090", "auth": {
             "username": {"name": "u", "key": "user"}, "password": {"name": "u", "key": "pass"}}}})),
+    "events.enabled": Flow(setter("events.enabled", True), ("files", "runtime", "targets"),
+                           before=lambda: base(events={"model": "m"}), args=EVENTS_ARGS, check=events_reach_runtime),
+    "events.endpoint": Flow(setter("events.endpoint", "tcp://indexer:5557"), ("files", "runtime"),
+                            before=events_on, args=EVENTS_ARGS, check=endpoint_reaches_runtime),
+    "events.model": Flow(setter("events.model", "other"), ("targets",), before=events_on, args=EVENTS_ARGS,
+                         check=model_reaches_topic),
     "trace.enabled": Flow(setter("trace.enabled", True), ("files", "runtime", "targets")),
     "trace.maxSize": Flow(setter("trace.maxSize", "128Mi"), ("files", "runtime", "targets"),
                           before=lambda: base(trace={"enabled": True}), check=trace_reaches_runtime),

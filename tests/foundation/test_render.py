@@ -217,6 +217,32 @@ def test_trace_is_refused_for_other_backends_and_over_a_tier_mount():
         render(parse_policy(doc))
 
 
+def test_events_render_the_publisher_as_keys_vllm_merges_with_the_pods_topic_and_every_tier_announces():
+    """spec.events: vLLM's --kv-events-config in the config file as dotted keys (a nested dict would be replaced by
+    the pod's own --kv-events-config.topic argument, which names the pod), the pod IP from the downward API, every
+    tier's enable_kv_events (kvtier's spec and vLLM's own secondary tiers), and nothing at all while disabled."""
+    from foundation.policies import remote
+
+    doc = policy(backend="kvtier", tiers=[cpu(), disk(), remote()], events={"enabled": True, "model": "llama"})
+    rendered = render(parse_policy(doc))
+    file = _vllm_file(rendered)
+    assert {k: v for k, v in file.items() if k.startswith("kv-events-config")} == {
+        "kv-events-config.enable_kv_cache_events": "true", "kv-events-config.publisher": "zmq",
+        "kv-events-config.endpoint": "tcp://*:5557", "kv-events-config.replay_endpoint": "tcp://*:5558"}
+    assert rendered.config_args == ["--config", "/etc/kvtier/engine.yaml",
+                                    "--kv-events-config.topic", "kv@$(KVTIER_POD_IP)@serving/llama"]
+    assert rendered.env_fields == {"KVTIER_POD_IP": "status.podIP"}
+    cfg = OffloadSpecConfig.from_extra_config(file["kv-transfer-config"]["kv_connector_extra_config"])
+    assert [t.config.extra.get("enable_kv_events") for t in cfg.tiers] == [True, True]
+    native = _vllm_file(render(parse_policy(policy(events={"enabled": True, "model": "llama"}))))
+    assert [t["enable_kv_events"] for t in
+            native["kv-transfer-config"]["kv_connector_extra_config"]["secondary_tiers"]] == [True]
+    # Disabled (or absent): no roll of the workloads for writing events: {enabled: false}.
+    off = render(parse_policy(policy(backend="kvtier", events={"enabled": False, "model": "llama"})))
+    assert off.config_hash() == render(parse_policy(policy(backend="kvtier"))).config_hash()
+    assert "kv-events" not in json.dumps(off.to_dict())
+
+
 def test_the_runtime_config_keeps_the_policys_tier_order_a_remote_tier_before_a_filesystem_tier():
     """The tiers behind the cpu tier reach the runtime in the policy's order, under the policy's names: a remote
     tier declared before a filesystem tier is looked up (and its breaker named, its metrics labelled) first."""

@@ -104,6 +104,31 @@ def test_managed_args_adds_and_release_removes_the_argument():
     assert without_config_args(["a", "--config", "x", "b"], ["--config", "x"]) == ["a", "b"]
 
 
+def test_events_topic_argument_is_asked_for_added_when_managed_and_taken_back_at_release():
+    """spec.events: the pod's KV event topic is an argument (kv@$(KVTIER_POD_IP)@<namespace>/<model>: the kubelet
+    expands the pod IP the operator's env carries), asked of the owner like --config, in any order and place among
+    the args; managed args gain it and lose it again at release."""
+    events = {"enabled": True, "model": "llama"}
+    topic = ["--kv-events-config.topic", "kv@$(KVTIER_POD_IP)@default/llama"]
+    p = rc.plan(policy(events=events), [observed(deployment(args=["--model", "m", "--config",
+                                                                    "/etc/kvtier/engine.yaml"]))], [], now=NOW)
+    [t] = p.targets
+    assert t.state == rc.MISSING_ARG and "kv@$(KVTIER_POD_IP)@default/llama" in t.message
+    given = [f"{topic[0]}={topic[1]}", "--model", "m", "--config", "/etc/kvtier/engine.yaml"]
+    [t] = rc.plan(policy(events=events), [observed(deployment(args=given))], [], now=NOW).targets
+    assert t.state == rc.APPLIED
+    env = t.apply["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "KVTIER_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in env
+    pol = policy(events=events, injection={"args": "managed"})
+    [t] = rc.plan(pol, [observed(deployment(args=["--model", "m"]))], [], now=NOW).targets
+    added = ["--model", "m", "--config", "/etc/kvtier/engine.yaml", *topic]
+    assert t.args_update["spec"]["template"]["spec"]["containers"] == [{"name": "vllm", "args": added}]
+    applied = observed(deployment(args=added))
+    applied["metadata"]["labels"][POLICY_LABEL] = "llm"
+    [r] = rc.release_plan(pol, [applied])
+    assert r.args_update["spec"]["template"]["spec"]["containers"][0]["args"] == ["--model", "m"]
+
+
 def test_headroom_refusal_gives_the_numbers():
     wl = observed(deployment(memory_request="8Gi", memory_limit="20Gi"))
     p = rc.plan(policy(), [wl], [], now=NOW)

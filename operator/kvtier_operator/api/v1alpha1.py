@@ -522,6 +522,48 @@ TRACE_BACKEND_RULE = ("trace.enabled needs backend kvtier: the recorder is part 
                       "(backends native and lmcache cannot record)")
 
 
+# spec.events (docs/routing.md): vLLM's ZMQ publisher of KV cache events, for prefix-aware routers.
+DEFAULT_EVENTS_ENDPOINT = "tcp://*:5557"
+# tcp://*:PORT (bound in the pod) or tcp://HOST:PORT (the pod connects to an indexer that binds); PORT 1-65534 (a
+# bound publisher's replay socket takes PORT+1).
+EVENTS_ENDPOINT_PATTERN = (r"^tcp://(\*|[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?|\[[0-9A-Fa-f:.]{2,45}\]):"
+                           r"([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|6553[0-4])$")
+EVENTS_MODEL_RULE = ("events.model must be set when events are enabled: the model name a router scores requests for "
+                     "(what clients send, vLLM's --served-model-name) enters the topic kv@<pod IP>@<model>")
+EVENTS_CHUNK_RULE = ("events.enabled needs one GPU block per offloaded chunk (spec.offload.chunkTokens unset or equal "
+                     "to spec.blockSize): vLLM's KV events name an offloaded chunk by its last block only, and a "
+                     "router's index scores a prefix block by block")
+EVENTS_BACKEND_RULE = ("events.enabled needs backend kvtier or native: with backend lmcache the offloaded tiers are "
+                       "LMCache's and announce nothing")
+
+
+class EventsSpec(_Model):
+    """KV cache events for prefix-aware routers (llm-d's KV-cache indexer, docs/routing.md): vLLM's ZMQ publisher
+    announces the GPU prefix cache and every tier kvtier holds, each pod under topic ``kv@<pod IP>@<model>``."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(_rule("!self.enabled || has(self.model)", EVENTS_MODEL_RULE, field_path=".model")))
+    enabled: bool = Field(False, description="Publish KV cache events (vLLM --kv-events-config) for every tier.")
+    endpoint: str = Field(
+        DEFAULT_EVENTS_ENDPOINT, max_length=300, pattern=EVENTS_ENDPOINT_PATTERN,
+        description="Where vLLM's ZMQ publisher goes. tcp://*:PORT binds it in the pod (a router's indexer dials "
+                    "each pod, as llm-d's pod discovery does), with the replay socket at PORT+1; tcp://HOST:PORT "
+                    "connects it to an indexer that binds.")
+    model: Optional[str] = Field(
+        None, min_length=1, max_length=253, pattern=r"^[^@\s]+$",
+        description="The model name a router scores requests for (what clients send: vLLM's --served-model-name); "
+                    "the last part of the topic kv@<pod IP>@<model>. Required when enabled.")
+
+    @property
+    def binds(self) -> bool:
+        """The publisher binds in the pod (an indexer dials it)."""
+        return self.endpoint.startswith("tcp://*:")
+
+    @property
+    def port(self) -> int:
+        return int(self.endpoint.rsplit(":", 1)[1])
+
+
 class TraceSpec(_Model):
     """Recording of the engine's own traffic for `kvtier replay` (docs/replay.md, "Record your own traffic")."""
 
@@ -797,6 +839,13 @@ class KVCachePolicySpec(_Model):
                   field_path=".offload.storeThreshold"),
             _rule("!has(self.trace) || !self.trace.enabled || self.backend == 'kvtier'", TRACE_BACKEND_RULE,
                   field_path=".trace.enabled"),
+            _rule("!has(self.events) || !self.events.enabled || !has(self.offload.chunkTokens) || "
+                  "self.offload.chunkTokens == self.blockSize", EVENTS_CHUNK_RULE, field_path=".events.enabled"),
+            _rule("!has(self.events) || !self.events.enabled || self.backend != 'lmcache'", EVENTS_BACKEND_RULE,
+                  field_path=".events.enabled"),
+            _engine_rule("trtllm", "!(has(self.engine) && self.engine == 'trtllm') || !has(self.events) || "
+                  "!self.events.enabled",
+                  "engine trtllm: spec.events is for vLLM's KV event publisher", field_path=".events.enabled"),
             _rule("!has(self.offload.recomputeTokensPerSecond) || self.backend == 'kvtier'", RECOMPUTE_BACKEND_RULE,
                   field_path=".offload.recomputeTokensPerSecond"),
             _rule("self.rollout.strategy != 'staged' || has(self.slo)",
@@ -838,6 +887,8 @@ class KVCachePolicySpec(_Model):
                                      description="How the operator touches the workload.")
     trace: Optional[TraceSpec] = Field(None, description="Record the engine's own traffic for kvtier replay "
                                                          "(backend kvtier).")
+    events: Optional[EventsSpec] = Field(None, description="KV cache events for prefix-aware routers: every tier "
+                                                           "announced (vLLM; docs/routing.md).")
 
     # Typed views.
     @cached_property

@@ -85,6 +85,9 @@ class RenderedConfig:
     args: list[str]
     config_args: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    # Env vars from the pod's own fields (name -> the downward API's fieldPath), e.g. the pod IP a KV event topic
+    # names, which ``config_args`` reference as $(NAME).
+    env_fields: dict[str, str] = field(default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)
     volumes: list[dict[str, Any]] = field(default_factory=list)
     volume_mounts: list[dict[str, Any]] = field(default_factory=list)
@@ -101,7 +104,7 @@ class RenderedConfig:
         return self.host_memory.to_dict() if self.host_memory is not None else {}
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "engine": self.engine,
             "args": self.args,
             "configArgs": self.config_args,
@@ -112,6 +115,9 @@ class RenderedConfig:
             "resources": self.resources,
             "tiers": self.tiers,
         }
+        if self.env_fields:  # only when set: a key added for everyone would roll every workload on upgrade
+            out["envFields"] = self.env_fields
+        return out
 
     def config_hash(self) -> str:
         """Stable digest of everything that must roll the pods when it changes."""

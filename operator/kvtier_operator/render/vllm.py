@@ -11,6 +11,7 @@ KvtierOffloadingSpec`` + ``spec_module_path``), which vLLM 0.32 and 0.33 load th
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 from urllib.parse import quote
 
@@ -48,6 +49,33 @@ def _engine_flags(spec: api.KVCachePolicySpec) -> dict[str, Any]:
 
 def _shared_hash_flags(tiers: list[api.TierSpec]) -> dict[str, Any]:
     return {"prefix-caching-hash-algo": SHARED_PREFIX_HASH} if any(t.medium == "remote" for t in tiers) else {}
+
+
+# The pod IP, from the downward API: a KV event topic names the pod by it (kv@<pod IP>@<model>, as llm-d's indexer
+# expects), and the container's args reference it as $(KVTIER_POD_IP), which the kubelet expands.
+POD_IP_ENV = "KVTIER_POD_IP"
+
+
+def _events(spec: api.KVCachePolicySpec) -> api.EventsSpec | None:
+    return spec.events if spec.events is not None and spec.events.enabled else None
+
+
+def _events_flags(events: api.EventsSpec) -> dict[str, str]:
+    """vLLM's ``--kv-events-config`` as dotted keys (``kv-events-config.endpoint: ...``), which vLLM's parser merges
+    with the pod's own ``--kv-events-config.topic`` (a nested dict in the file would be replaced by it). Strings: a
+    dotted key from the file needs a value after it."""
+    flags = {"kv-events-config.enable_kv_cache_events": "true", "kv-events-config.publisher": "zmq",
+             "kv-events-config.endpoint": events.endpoint}
+    if events.binds:  # subscribers that missed batches ask the pod for them again
+        flags["kv-events-config.replay_endpoint"] = f"tcp://*:{events.port + 1}"
+    return flags
+
+
+def events_topic_args(events: api.EventsSpec, scope: str) -> list[str]:
+    """What the container's args add for ``spec.events``: the pod's own topic, ``kv@<pod IP>@<scope>/<model>``. The
+    index's key of every block starts from the topic's model name, so the scope (the policy's namespace) enters
+    every key: another namespace's identical prompt never scores here (docs/routing.md)."""
+    return ["--kv-events-config.topic", f"kv@$({POD_IP_ENV})@{scope}/{events.model}"]
 
 
 def _kvtier_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], scope: str) -> dict[str, Any]:
@@ -90,10 +118,11 @@ def _overlap(a: str, b: str) -> bool:
 
 def _tier_config(spec: api.KVCachePolicySpec, tier: api.TierSpec, scope: str) -> TierConfig:
     """The runtime config of a tier behind the host tier, by the tier's medium (the CRD allows filesystem and
-    remote there)."""
-    if tier.medium == "remote":
-        return _remote_tier_config(tier, scope)
-    return _fs_tier_config(spec, tier)
+    remote there); with spec.events, every tier announces its chunks (vLLM's per-tier ``enable_kv_events``)."""
+    config: TierConfig = _remote_tier_config(tier, scope) if tier.medium == "remote" else _fs_tier_config(spec, tier)
+    if _events(spec) is not None:
+        config = replace(config, extra={**config.extra, "enable_kv_events": True})
+    return config
 
 
 def _fs_tier_config(spec: api.KVCachePolicySpec, tier: api.TierSpec) -> FilesystemTierConfig:
@@ -146,8 +175,11 @@ def _offloading_extra_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSp
 def _secondary_tier(spec: api.KVCachePolicySpec, tier: api.TierSpec) -> dict[str, Any]:
     assert tier.path is not None
     # vLLM's own fs tier has no size limit: the volume's size limit is the only bound (see docs).
-    return {"type": "fs", "root_dir": mount_path(tier), "n_read_threads": tier.read_threads,
-            "n_write_threads": tier.write_threads}
+    out: dict[str, Any] = {"type": "fs", "root_dir": mount_path(tier), "n_read_threads": tier.read_threads,
+                           "n_write_threads": tier.write_threads}
+    if _events(spec) is not None:
+        out["enable_kv_events"] = True
+    return out
 
 
 def _lmcache_config(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec]) -> dict[str, Any]:
@@ -186,6 +218,13 @@ def render_vllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config_m
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": _offloading_extra_config(spec, tiers, scope),
         }
+    events = _events(spec)
+    config_args = ["--config", f"{CONFIG_DIR}/{CONFIG_FILE}"]
+    env_fields: dict[str, str] = {}
+    if events is not None:
+        flags.update(_events_flags(events))
+        config_args += events_topic_args(events, scope)
+        env_fields[POD_IP_ENV] = "status.podIP"
     files[CONFIG_FILE] = dump_yaml(flags, sort_keys=False)
 
     args: list[str] = []
@@ -207,8 +246,9 @@ def render_vllm(spec: api.KVCachePolicySpec, tiers: list[api.TierSpec], config_m
     return RenderedConfig(
         engine="vllm",
         args=args,
-        config_args=["--config", f"{CONFIG_DIR}/{CONFIG_FILE}"],
+        config_args=config_args,
         env=env,
+        env_fields=env_fields,
         files=files,
         volumes=volumes,
         volume_mounts=mounts,

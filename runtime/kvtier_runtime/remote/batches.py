@@ -5,6 +5,7 @@ the engine; a store-level fault also goes to the store's health."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Callable
 
@@ -12,7 +13,7 @@ import torch
 
 from ..codecs import CodecError
 from ..tiers.jobs import Expired, Job, JobQueue
-from .changes import Changes
+from .changes import REMOVED, STORED, Changes, SharedLog
 from .client import RemoteStore, failure_kind
 from .format import RemoteFormatError
 from .health import StoreHealth
@@ -85,7 +86,7 @@ class Batches:
 
     def __init__(self, *, name: str, peer: str, store: RemoteStore, store_key: Callable[[bytes], bytes],
                  values: ChunkValues, index: CapacityIndex, health: StoreHealth, presence: PresenceCache,
-                 outcomes: KeyOutcomes, metrics: RemoteMetrics, changes: Changes) -> None:
+                 outcomes: KeyOutcomes, metrics: RemoteMetrics, changes: Changes, shared_log: SharedLog) -> None:
         self.name = name
         self.peer = peer
         self._store = store
@@ -97,6 +98,8 @@ class Batches:
         self._outcomes = outcomes
         self._metrics = metrics
         self._changes = changes
+        self._log = shared_log
+        self._local = threading.local()  # per load thread: the keys its batch found gone, for the shared log
 
     # ---- stores -------------------------------------------------------------------------------------------
     def store(self, batch: list[RowWork]) -> None:
@@ -135,6 +138,9 @@ class Batches:
             pipe = self._store.pipeline()
             for _, _, key, value in sent:
                 pipe.set(self._key(key), value)
+            logged = self._log.active  # every replica's index learns of these chunks from the shared log
+            if logged:
+                self._log.add(pipe, STORED, [key for _, _, key, _ in sent])
             self._index.record_writes(pipe, [key for _, _, key, _ in sent], time.time())
             replies = pipe.execute(raise_on_error=False)
         except Exception as exc:
@@ -144,11 +150,14 @@ class Batches:
                 self._outcomes.fail(job, i, kind, store=True)
             return
         entries, added = replies[-1], replies[-2]
+        if logged and isinstance(replies[len(sent)], Exception):
+            self._log.refused(replies[len(sent)])
         if isinstance(entries, int):
             trimmed = self._index.trim(entries, added if isinstance(added, int) else 0)
             for key in trimmed:
                 self._presence.remember(key, False, "evicted")
             self._changes.removed(trimmed)
+            self._log.append(REMOVED, trimmed)
         stored_bytes = 0
         fault = ""
         for (job, i, key, value), reply in zip(sent, replies):
@@ -175,6 +184,8 @@ class Batches:
                 self._outcomes.fail(job, i, self._health.miss_reason)
             return
         replies = _LoadReplies(live, self._settle_value)
+        gone: list[bytes] = []
+        self._local.gone = gone
         try:
             self._read(live, replies)
         except Exception as exc:
@@ -185,6 +196,7 @@ class Batches:
                 self._outcomes.fail(job, i, kind)
             return
         self._done(replies.fault, self.name, self.peer, replies.nbytes, started, len(live))
+        self._log.append(REMOVED, gone)
 
     def _read(self, live: list[RowWork], on_value: _LoadReplies) -> None:
         keys = [key for _, _, key, _ in live]
@@ -214,6 +226,7 @@ class Batches:
             self._presence.remember(key, False, kind)
             if kind == "evicted":  # gone from the store: no replica holds it there any more
                 self._changes.removed([key])
+                getattr(self._local, "gone", []).append(key)
             self._outcomes.fail(job, i, kind)
             n = self._metrics.misses[kind]
             if kind in REFUSED_KINDS and n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a flood stays quiet

@@ -55,10 +55,12 @@ def scope_pattern(scope: str) -> str:
 
 
 # The commands the remote tier sends, as an ACL rule (docs/remote.md's recipe): the mode probe (INFO), the health
-# check (PING), a chunk's EXISTS/GET/SET/DEL, the index's ZADD/ZCARD/ZPOPMIN. In cluster mode also redis-py's slot
-# discovery and command table (ACL_CLUSTER_COMMANDS). redis-py's CLIENT SETINFO on connect (Redis 7.2+) may be
+# check (PING), a chunk's EXISTS/GET/SET/DEL, the index's ZADD/ZCARD/ZPOPMIN, and while the engine publishes KV events
+# the shared log's XADD/XRANGE/XREVRANGE and the index's ZRANGE (remote/changes.py). In cluster mode also redis-py's
+# slot discovery and command table (ACL_CLUSTER_COMMANDS). redis-py's CLIENT SETINFO on connect (Redis 7.2+) may be
 # refused: redis-py ignores that.
-ACL_COMMANDS = ("-@all", "+ping", "+info", "+exists", "+get", "+set", "+del", "+zadd", "+zcard", "+zpopmin")
+ACL_COMMANDS = ("-@all", "+ping", "+info", "+exists", "+get", "+set", "+del", "+zadd", "+zcard", "+zpopmin",
+                "+zrange", "+xadd", "+xrange", "+xrevrange")
 ACL_CLUSTER_COMMANDS = ("+cluster|slots", "+command")
 
 

@@ -48,7 +48,7 @@ from ..tiers.base import EventPlace, KeyState, ReplayPolicy, TierChanges
 from ..tiers.jobs import Job, JobQueue, JobResult
 from ..tiers.queued import QueuedTier
 from .batches import Batches, KeyOutcomes, RowWork
-from .changes import Changes
+from .changes import MAX_PENDING_KEYS, Changes, SharedLog
 from .client import RemoteStore, store_credentials
 from .health import StoreHealth
 from .identity import chunk_key, key_prefix
@@ -133,7 +133,12 @@ class RemoteTier(QueuedTier):
                              errors=self._metrics, on_io_failure=self._job_expired, on_complete=on_complete,
                              log=logging.getLogger("kvtier_runtime.remote"))
         self._outcomes = KeyOutcomes(self.jobs, self._metrics)
+        # What entered and left the tier, for KV events; the shared log every replica of the scope writes and reads
+        # once this engine publishes them (record_changes).
         self.changes = Changes()
+        self.shared_log = SharedLog(name=self.name, store=self._store, prefix=self._prefix, index_key=self.index.key,
+                                    max_index=min(MAX_PENDING_KEYS, 2 * self.index.capacity_entries),
+                                    changes=self.changes, available=lambda: self.store_health.up)
         self.presence = PresenceCache(present_ttl_s=presence_ttl_s, absent_ttl_s=absent_ttl_s,
                                       entries=presence_entries, probe_patience_s=2 * self._io_timeout_s + 0.5,
                                       clock=clock)
@@ -149,7 +154,8 @@ class RemoteTier(QueuedTier):
                                   clock=self._clock, spawn=probe_pool.submit, closed=lambda: self.jobs.closed)
         batches = Batches(name=self.name, peer=self.peer, store=self._store, store_key=self.store_key,
                           values=self.values, index=self.index, health=self.store_health, presence=self.presence,
-                          outcomes=self._outcomes, metrics=self._metrics, changes=self.changes)
+                          outcomes=self._outcomes, metrics=self._metrics, changes=self.changes,
+                          shared_log=self.shared_log)
         per_batch = max(1, max_batch_bytes // self.value_bytes)
         count = self.jobs.count_task
         self._loads: Lane[RowWork] = Lane(read_pool, batches.load, n_threads, per_batch, count)
@@ -157,6 +163,7 @@ class RemoteTier(QueuedTier):
         self._probes: Lane[bytes] = Lane(probe_pool, batches.probe, 1, PROBES_PER_BATCH, count)
         # Closing: the job queue stops the I/O pools, then the probe thread and the store's connections.
         self.jobs.at_close(lambda: probe_pool.shutdown(wait=False, cancel_futures=True))
+        self.jobs.at_close(self.shared_log.stop)
         self.jobs.at_close(self._store.close)
         self.store_health.connect()
 
@@ -200,7 +207,10 @@ class RemoteTier(QueuedTier):
         return EventPlace("STORAGE", "REMOTE", f"kvtier-remote:{self.scope}")
 
     def record_changes(self) -> None:
+        """Remember what enters and leaves the tier from now on: its own trims and the chunks its loads find gone,
+        and every replica's writes and removals through the scope's shared log (:mod:`.changes`)."""
         self.changes.record()
+        self.shared_log.start()
 
     def take_changes(self) -> TierChanges:
         return self.changes.take()
