@@ -51,6 +51,7 @@ from .events import kv_events_enabled, offloading_event, tier_kv_events
 from .model_config import chunk_facts, kv_layout
 from .remote_identity import remote_identity
 from .secondary_tier import run_identity
+from .wake import WAKE_S, ControlWatch, engine_input_queue, wake
 
 # Under vLLM's logger tree: vLLM's handlers print only that tree, and this is where the engine's operators read.
 _log = logging.getLogger(f"vllm.{__name__}")
@@ -161,9 +162,21 @@ class KvtierOffloadingManager(OffloadingManager):
         self._counted: dict[str, dict[OffloadKey, int | None]] = {}
         # Per running request, the prompt's length in tokens (as vLLM's scheduler announced the request).
         self._prompt_tokens: dict[str, int] = {}
+        # An idle engine announces a control-file change at once (a tier the guard disables leaves routers'
+        # indexes within seconds): the engine core's queue, found while it builds this manager (wake.py).
+        self._wake_until = 0.0
+        inbox = engine_input_queue() if self.books.events is not None and cfg.control_file is not None else None
+        self._watch = ControlWatch(cfg.control_file, lambda: self._woken(inbox)) if inbox is not None else None
+        if self._watch is not None:
+            _log.info("kvtier: watching %s: a control-file change wakes the engine to announce it", cfg.control_file)
+        elif self.books.events is not None and cfg.control_file is not None:
+            _log.info("kvtier: this vLLM's engine core was not found: a control-file change is announced at the "
+                      "engine's next step")
         try:
             self.recorder = _trace_recorder(spec, self) if cfg.trace_dir is not None else None
         except ConfigError:  # start-up fails: leave no tier threads or shared memory behind
+            if self._watch is not None:
+                self._watch.stop()
             self.books.close()
             self.region.close(unlink=True)
             raise
@@ -345,9 +358,14 @@ class KvtierOffloadingManager(OffloadingManager):
             # grace period the fenced rows are free to reuse.
             self.books.reset_flushed()
 
+    def _woken(self, inbox: Any) -> None:
+        """The control file changed (the watch's thread): step for a while, so the books read it and announce."""
+        self._wake_until = time.monotonic() + WAKE_S
+        wake(inbox)
+
     def has_pending_work(self) -> bool:
         self.books.poll()
-        if self.books.has_pending_work():
+        if self.books.has_pending_work() or time.monotonic() < self._wake_until:
             return True
         # The poll above may have just collected the last write-throughs of an idle engine: ask vLLM for one more
         # step so get_stats reports them (else the counters wait for the next request). Bounded, in case this
@@ -442,6 +460,8 @@ class KvtierOffloadingManager(OffloadingManager):
             self._reported[key] = total
 
     def shutdown(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
         if self.recorder is not None:
             self.recorder.close()
         self.books.close()
