@@ -1,0 +1,370 @@
+"""int4 scheme 3: the layout-aware int4 that holds on a trained model's KV at long context.
+
+Measured on SmolLM2-135M-Instruct's real KV (docs/compression.md, "int4 on a trained model"): what moved the
+continuation's KL was, in this order, (1) the attention-sink tokens (a token nearly every later query attends to;
+its K and V must be near exact), (2) K's precision (K's error costs 4-5x V's), (3) V's outlier channels. Schemes 1
+and 2 (symmetric 4-bit K per channel, sparse outlier channels) gave KL 2-5e-3; this one gives 2-6e-4 at about a
+third of the raw bytes. Per chunk:
+
+- **K**: per (layer, head, channel) and group of ``k_group`` tokens (which may span pages), the group's own range:
+  its midpoint (bf16) and a step (bf16, rounded up so that the midpoint's rounding is covered and no code clips);
+  codes of ``k_bits`` bits, mid-rise around the midpoint (6 bits when a group holds >= 64 tokens, else 5: the
+  range then costs at most 2 bits per value), stored as a nibble plane plus a plane of the high bits. A range per
+  channel follows K's offset channels (a large constant plus a small variation, the usual shape of K's outlier
+  channels) without keeping anything apart.
+- **V**: each token's head vector rotated by a (block) Hadamard matrix, then symmetric mid-rise 4-bit codes per
+  group of ``v_group`` channels with a bf16 scale: the rotation spreads V's outlier channels over the head, so a
+  scale per 32 channels does what one per 16 did without it (QuaRot's observation, here for V only: on K a
+  rotation lost to per-channel ranges).
+- **Sinks**: tokens whose V is tiny (under ``SINK_V_RATIO`` of its (layer, head)'s median norm over the chunk) in
+  more than ``SINK_SHARE`` of the chunk's (layer, head) pairs, at most ``MAX_SINKS`` per chunk, are stored exactly
+  (their K and V, every layer and head, in the chunk's dtype) and kept out of the groups' ranges. A trained
+  model's first token is such a token (tiny V in 61-63 of SmolLM2's 90 pairs, no other token over 23); random or
+  synthetic data has none, and then the section is empty.
+
+Payload (every section layer-major, so a run of layers is one slice of each): K midpoints bf16 [L, H, G, D], K
+steps bf16 [L, H, G, D], V scales bf16 [L, H, N, D / v_group], K low nibbles [L, H, N, D / 2],
+K high bits [L, H, N, D * (k_bits - 4) / 8], V nibbles [L, H, N, D / 2], then the sinks' token indices (int32
+[S], positions 0..N-1 in the chunk's token order: page, then token within the page) and their values (chunk dtype,
+[L, 2, H, S, D], K then V). N = tokens of the chunk, G = N / k_group. The header's group_size holds k_group |
+v_group << 16 and its scheme ``3 | S << 8 | k_bits << 16``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import CodecError
+from .layout import KVLayout
+from .scratch import ScratchPool
+
+SCHEME_INT4_ROT = 3
+F32 = torch.float32
+_TINY = torch.finfo(torch.float32).tiny
+# K tokens per range (capped at the chunk's tokens; must divide them): 64 holds the range's cost to half a bit per
+# value with 6-bit codes; a shorter chunk gets 5-bit codes over all its tokens.
+K_GROUP = 64
+K_BITS_LONG, K_BITS_SHORT = 6, 5
+V_GROUP = 32
+# Sinks: V under this share of its (layer, head)'s median norm, in more than SINK_SHARE of the pairs.
+SINK_V_RATIO = 0.3
+SINK_SHARE = 0.5
+MAX_SINKS = 4
+# A layer run holds up to this many values (K and V) in the fp32 working buffers.
+STEP_ELEMS = 1 << 20
+
+
+def hadamard_block(head_dim: int) -> int:
+    """Size of the Hadamard blocks V is rotated by: the largest power of two dividing the head dim, at most 128."""
+    return min(head_dim & -head_dim, 128)
+
+
+_HADAMARD: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def hadamard(n: int, device: torch.device) -> torch.Tensor:
+    """The orthonormal Sylvester-Hadamard matrix of size ``n`` (a power of two), fp32, cached per device."""
+    key = (n, device)
+    h = _HADAMARD.get(key)
+    if h is None:
+        m = torch.ones(1, 1)
+        while m.shape[0] < n:
+            m = torch.cat([torch.cat([m, m], 1), torch.cat([m, -m], 1)], 0)
+        h = _HADAMARD[key] = (m / math.sqrt(n)).to(device)
+    return h
+
+
+@dataclass(frozen=True)
+class Int4Plan:
+    """Scheme 3's parameters for one layout (``k_group``, ``k_bits``, ``v_group``) and the sizes they give."""
+
+    layout: KVLayout
+    k_group: int
+    k_bits: int
+    v_group: int
+
+    @classmethod
+    def for_layout(cls, layout: KVLayout, k_group: int | None = None, v_group: int | None = None) -> "Int4Plan":
+        n, d = layout.tokens, layout.head_dim
+        kg = min(K_GROUP, n) if k_group is None else k_group
+        if n % kg:
+            kg = math.gcd(n, kg)
+        hb = hadamard_block(d)
+        vg = min(V_GROUP, hb) if v_group is None else v_group
+        return cls(layout, kg, K_BITS_LONG if kg >= 64 else K_BITS_SHORT, vg)
+
+    def check(self) -> str | None:
+        """Why this plan cannot encode its layout (then the codec uses scheme 1), or None."""
+        lay = self.layout
+        n, d = lay.tokens, lay.head_dim
+        if not 0 < self.k_group <= n or n % self.k_group:
+            return f"k_group {self.k_group} does not divide the chunk's {n} tokens"
+        if self.k_bits not in (K_BITS_SHORT, K_BITS_LONG):
+            return f"k_bits {self.k_bits} is not {K_BITS_SHORT} or {K_BITS_LONG}"
+        if self.v_group <= 0 or self.v_group % 2 or hadamard_block(d) % self.v_group:
+            return f"v_group {self.v_group} must be even and divide the Hadamard block {hadamard_block(d)}"
+        if (lay.num_kv_heads * n * d * (self.k_bits - 4)) % 8:
+            return "a layer's K high bits do not fill whole bytes"
+        return None
+
+    # ---- sizes (per layer, then the chunk) -------------------------------------------------------------------
+    @property
+    def groups(self) -> int:
+        return self.layout.tokens // self.k_group
+
+    def section_sizes(self) -> list[int]:
+        """Bytes per layer of each dense section, in payload order."""
+        lay = self.layout
+        h, n, d = lay.num_kv_heads, lay.tokens, lay.head_dim
+        g = self.groups
+        return [2 * h * g * d, 2 * h * g * d, 2 * h * n * (d // self.v_group), h * n * d // 2,
+                h * n * d * (self.k_bits - 4) // 8, h * n * d // 2]
+
+    @property
+    def dense_nbytes(self) -> int:
+        return self.layout.num_layers * sum(self.section_sizes())
+
+    def sink_nbytes(self, sinks: int) -> int:
+        lay = self.layout
+        return sinks * (4 + lay.num_layers * 2 * lay.num_kv_heads * lay.head_dim * lay.itemsize)
+
+    def payload_nbytes(self, sinks: int) -> int:
+        return self.dense_nbytes + self.sink_nbytes(sinks)
+
+    def scheme(self, sinks: int) -> int:
+        return SCHEME_INT4_ROT | sinks << 8 | self.k_bits << 16
+
+    def sections(self, payload: torch.Tensor, l0: int, l1: int) -> list[torch.Tensor]:
+        """The slices of layers l0..l1 of each dense section of ``payload``."""
+        out, base = [], 0
+        nl = self.layout.num_layers
+        for size in self.section_sizes():
+            out.append(payload[base + l0 * size:base + l1 * size])
+            base += nl * size
+        return out
+
+    def layer_step(self) -> int:
+        lay = self.layout
+        per_layer = 2 * lay.num_kv_heads * lay.tokens * lay.head_dim
+        if lay.outer == "PL":   # a page-major chunk's layers are not contiguous: one run
+            return lay.num_layers
+        return max(1, min(lay.num_layers, STEP_ELEMS // per_layer))
+
+
+def plan_from_header(layout: KVLayout, group_size: int, scheme: int) -> Int4Plan:
+    """The plan a scheme 3 header describes; raises ``CodecError`` for fields that cannot belong together."""
+    kg, vg, bits = group_size & 0xFFFF, group_size >> 16, (scheme >> 16) & 0xFF
+    plan = Int4Plan(layout, kg, bits, vg)
+    why = plan.check()
+    if why is not None:
+        raise CodecError(f"header.group_size/scheme: {why}")
+    sinks = (scheme >> 8) & 0xFF
+    if sinks > max_sinks(layout) or scheme >> 24:
+        raise CodecError(f"header.scheme: {sinks} sinks, at most {max_sinks(layout)} for this layout")
+    return plan
+
+
+# ---- views -----------------------------------------------------------------------------------------------------
+
+def _canonical(lay: KVLayout, flat: torch.Tensor) -> torch.Tensor:
+    """[L, 2, H, P, T, D] view of a chunk held in ``lay``'s (unstaged) order."""
+    outer = (lay.num_layers, lay.pages) if lay.outer == "LP" else (lay.pages, lay.num_layers)
+    return flat.view(outer + lay.page_shape).permute(lay.canonical_permutation())
+
+
+def max_sinks(lay: KVLayout) -> int:
+    """Sinks a chunk of ``lay`` may keep: MAX_SINKS, and at most one in 8 of its tokens."""
+    return min(MAX_SINKS, lay.tokens // 8)
+
+
+def find_sinks(lay: KVLayout, flat: torch.Tensor) -> torch.Tensor:
+    """Token positions (0..N-1, chunk token order) of the chunk's sinks, sorted; empty when it has none."""
+    most = max_sinks(lay)
+    if not most:
+        return torch.empty(0, dtype=torch.long, device=flat.device)
+    v = _canonical(lay, flat)[:, 1]                                     # [L, H, P, T, D]
+    vn = v.float().square().sum(dim=4).flatten(2)                       # [L, H, N] squared norms
+    med = vn.median(dim=2, keepdim=True).values
+    low = (vn < (SINK_V_RATIO ** 2) * med).float().mean(dim=(0, 1))     # [N]: share of pairs with a tiny V
+    cand = (low > SINK_SHARE).nonzero().view(-1)
+    if cand.numel() > most:
+        cand = low.topk(most).indices
+    return cand.sort().values
+
+
+def _neighbours(n: int, sinks: torch.Tensor) -> torch.Tensor:
+    """For each sink position, the nearest position that is not a sink (it stands in for the sink in the ranges)."""
+    taken = set(sinks.tolist())
+    out = []
+    for s in sinks.tolist():
+        step = 1
+        while True:
+            if s + step < n and s + step not in taken:
+                out.append(s + step)
+                break
+            if s - step >= 0 and s - step not in taken:
+                out.append(s - step)
+                break
+            step += 1
+    return torch.tensor(out, dtype=torch.long, device=sinks.device)
+
+
+# ---- bit packing -----------------------------------------------------------------------------------------------
+
+def _pack_nibbles(codes: torch.Tensor, out: torch.Tensor) -> None:
+    """codes uint8 [..., D] (values 0..15) -> out uint8 [..., D / 2] (even element in the low nibble)."""
+    torch.bitwise_left_shift(codes[..., 1::2], 4, out=out)
+    out.bitwise_or_(codes[..., 0::2])
+
+
+def _pack_high(high: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """high uint8 flat (values < 2^bits) -> out uint8 flat, 8 / bits values per byte (first in the low bits)."""
+    per = 8 // bits
+    h = high.view(-1, per)
+    out.copy_(h[:, 0])
+    for j in range(1, per):
+        out.bitwise_or_(torch.bitwise_left_shift(h[:, j], j * bits))
+
+
+def _unpack_high(packed: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    per, mask = 8 // bits, (1 << bits) - 1
+    o = out.view(-1, per)
+    for j in range(per):
+        torch.bitwise_right_shift(packed, j * bits, out=o[:, j])
+        o[:, j].bitwise_and_(mask)
+
+
+def _round_up_bf16(y: torch.Tensor) -> torch.Tensor:
+    y.mul_(1.0 + 2.0 ** -7).clamp_(min=_TINY)
+    return y.copy_(y.to(torch.bfloat16))
+
+
+# ---- encode / decode -------------------------------------------------------------------------------------------
+
+def encode(plan: Int4Plan, flat: torch.Tensor, payload: torch.Tensor, sinks: torch.Tensor,
+           scratch: ScratchPool) -> None:
+    """Write scheme 3's payload for the chunk ``flat`` (its elements in the plan's layout order, any float dtype)
+    with the sink positions ``sinks``; ``payload`` is exactly ``plan.payload_nbytes(len(sinks))`` bytes."""
+    lay = plan.layout
+    nl, h, p, t, d = lay.num_layers, lay.num_kv_heads, lay.pages, lay.block_tokens, lay.head_dim
+    n, kg, g, vg, kb = lay.tokens, plan.k_group, plan.groups, plan.v_group, plan.k_bits
+    dev = flat.device
+    c = _canonical(lay, flat)
+    hb = hadamard_block(d)
+    hm = hadamard(hb, dev)
+    ns = sinks.numel()
+    nb = _neighbours(n, sinks) if ns else None
+    step = plan.layer_step()
+    for l0 in range(0, nl, step):
+        l1 = min(nl, l0 + step)
+        lg = l1 - l0
+        kx = scratch.get("k", (lg, h, n, d), F32, dev)
+        vx = scratch.get("v", (lg, h, n, d), F32, dev)
+        kx.view(lg, h, p, t, d).copy_(c[l0:l1, 0])
+        vx.view(lg, h, p, t, d).copy_(c[l0:l1, 1])
+        if ns:   # the sinks are stored apart: their neighbours stand in for them in the ranges and the codes
+            kx[:, :, sinks] = kx[:, :, nb]
+            vx[:, :, sinks] = vx[:, :, nb]
+        mid_k, step_k, vscale, k_lo, k_hi, v_codes = plan.sections(payload, l0, l1)
+        # K: per group and channel, the midpoint (bf16) and a step covering the half range plus the midpoint's
+        # rounding; codes c give mid + (c - half) * step
+        half = ((1 << kb) - 1) / 2.0
+        kgv = kx.view(lg, h, g, kg, d)
+        gmid = scratch.get("gmid", (lg, h, g, 1, d), F32, dev)
+        gstep = scratch.get("gstep", (lg, h, g, 1, d), F32, dev)
+        glo = scratch.get("glo", (lg, h, g, 1, d), F32, dev)
+        torch.amax(kgv, dim=3, keepdim=True, out=gstep)
+        torch.amin(kgv, dim=3, keepdim=True, out=glo)
+        torch.add(gstep, glo, out=gmid).mul_(0.5)
+        gmid.copy_(gmid.to(torch.bfloat16))
+        gstep.sub_(gmid)
+        torch.maximum(gstep, glo.sub_(gmid).neg_(), out=gstep)   # the half range around the bf16 midpoint
+        gstep.mul_(1.0 / half)
+        _round_up_bf16(gstep)
+        mid_k.copy_(gmid.view(-1).to(torch.bfloat16).view(torch.uint8))
+        step_k.copy_(gstep.view(-1).to(torch.bfloat16).view(torch.uint8))
+        kgv.sub_(gmid).div_(gstep).add_(half).round_().clamp_(0, (1 << kb) - 1)
+        kc = scratch.get("kc", (lg, h, n, d), torch.uint8, dev)
+        kc.copy_(kx)
+        _pack_nibbles(kc.bitwise_and(15), k_lo.view(lg, h, n, d // 2))
+        kc.bitwise_right_shift_(4)
+        _pack_high(kc.view(-1), kb - 4, k_hi)
+        # V: rotate each token's head vector by the Hadamard blocks, then 4-bit codes per group of vg channels
+        vr = scratch.get("vr", (lg, h, n, d), F32, dev)
+        torch.matmul(vx.view(-1, d // hb, hb), hm, out=vr.view(-1, d // hb, hb))
+        vgv = vr.view(lg, h, n, d // vg, vg)
+        vs = scratch.get("vs", (lg, h, n, d // vg, 1), F32, dev)
+        torch.amax(vgv.abs(), dim=4, keepdim=True, out=vs)
+        vs.mul_(1.0 / 7.5)
+        _round_up_bf16(vs)
+        vscale.copy_(vs.view(-1).to(torch.bfloat16).view(torch.uint8))
+        vgv.div_(vs).add_(8.0).floor_().clamp_(0.0, 15.0)
+        vc = scratch.get("vc", (lg, h, n, d), torch.uint8, dev)
+        vc.copy_(vr)
+        _pack_nibbles(vc, v_codes.view(lg, h, n, d // 2))
+    if ns:
+        sec = payload[plan.dense_nbytes:]
+        sec[:4 * ns].copy_(sinks.to(torch.int32).view(torch.uint8))
+        vals = c.flatten(3, 4)[:, :, :, sinks]                            # [L, 2, H, S, D]
+        sec[4 * ns:].copy_(vals.contiguous().view(-1).view(torch.uint8))
+
+
+def decode(plan: Int4Plan, sinks: int, dtype: torch.dtype, payload: torch.Tensor, flat: torch.Tensor,
+           scratch: ScratchPool) -> None:
+    """Fill ``flat`` (the chunk's elements in the plan's layout order, any float dtype) from scheme 3's
+    ``payload`` (exactly ``plan.payload_nbytes(sinks)`` bytes, header checked). A sink index outside the chunk's
+    tokens is refused."""
+    lay = plan.layout
+    nl, h, p, t, d = lay.num_layers, lay.num_kv_heads, lay.pages, lay.block_tokens, lay.head_dim
+    n, kg, g, vg, kb = lay.tokens, plan.k_group, plan.groups, plan.v_group, plan.k_bits
+    dev = flat.device
+    c = _canonical(lay, flat)
+    hb = hadamard_block(d)
+    hm = hadamard(hb, dev)
+    idx = None
+    if sinks:
+        sec = payload[plan.dense_nbytes:]
+        idx32 = torch.empty(sinks, dtype=torch.int32, device=dev)
+        idx32.view(torch.uint8).copy_(sec[:4 * sinks])
+        if bool(((idx32 < 0) | (idx32 >= n)).any()):
+            raise CodecError(f"payload: a sink token index is outside the chunk's {n} tokens")
+        idx = idx32.long()
+    step = plan.layer_step()
+    for l0 in range(0, nl, step):
+        l1 = min(nl, l0 + step)
+        lg = l1 - l0
+        mid_k, step_k, vscale, k_lo, k_hi, v_codes = plan.sections(payload, l0, l1)
+        kx = scratch.get("k", (lg, h, n, d), F32, dev)
+        kc = scratch.get("kc", (lg, h, n, d), torch.uint8, dev)
+        _unpack_high(k_hi, kb - 4, kc.view(-1))
+        kc.bitwise_left_shift_(4)
+        low = k_lo.view(lg, h, n, d // 2)
+        kc[..., 0::2].bitwise_or_(low.bitwise_and(15))
+        kc[..., 1::2].bitwise_or_(low.bitwise_right_shift(4))
+        kx.copy_(kc)
+        sb = scratch.get("sb", (2, lg * h * g * d), torch.bfloat16, dev)
+        sb[0].view(torch.uint8).copy_(mid_k)
+        sb[1].view(torch.uint8).copy_(step_k)
+        kgv = kx.view(lg, h, g, kg, d)
+        kgv.sub_(((1 << kb) - 1) / 2.0).mul_(sb[1].view(lg, h, g, 1, d)).add_(sb[0].view(lg, h, g, 1, d))
+        vc = scratch.get("vc", (lg, h, n, d), torch.uint8, dev)
+        vcodes = v_codes.view(lg, h, n, d // 2)
+        torch.bitwise_and(vcodes, 15, out=vc[..., 0::2])
+        torch.bitwise_right_shift(vcodes, 4, out=vc[..., 1::2])
+        vr = scratch.get("vr", (lg, h, n, d), F32, dev)
+        vr.copy_(vc).sub_(7.5)
+        vs = scratch.get("vsb", (lg * h * n * (d // vg),), torch.bfloat16, dev)
+        vs.view(torch.uint8).copy_(vscale)
+        vr.view(lg, h, n, d // vg, vg).mul_(vs.view(lg, h, n, d // vg, 1))
+        vx = scratch.get("v", (lg, h, n, d), F32, dev)
+        torch.matmul(vr.view(-1, d // hb, hb), hm.t(), out=vx.view(-1, d // hb, hb))
+        c[l0:l1, 0].copy_(kx.view(lg, h, p, t, d))
+        c[l0:l1, 1].copy_(vx.view(lg, h, p, t, d))
+    if idx is not None:
+        vals = torch.empty((nl, 2, h, sinks, d), dtype=dtype, device=dev)
+        vals.view(-1).view(torch.uint8).copy_(payload[plan.dense_nbytes + 4 * sinks:])
+        for j, s in enumerate(idx.tolist()):
+            pg, tk = divmod(s, t)
+            c[:, :, :, pg, tk].copy_(vals[:, :, :, j])
