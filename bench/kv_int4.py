@@ -28,6 +28,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 
 from kvtier_runtime.codecs import KVLayout, get_kv_codec  # noqa: E402
 from kvtier_runtime.codecs.kv import canonical  # noqa: E402
+from kvtier_runtime.accuracy.chunks import stored_as  # noqa: E402
 from kvtier_runtime.codecs.registry import peek_header  # noqa: E402
 from plugins.kv_accuracy import attention_cosine, chunk_error  # noqa: E402  (tests/plugins: measures)
 
@@ -46,6 +47,12 @@ SETS: dict[str, tuple[dict, float, int, bool]] = {
     "mixed per head": (PAGES_256, -1.0, 6, False),
     "outlier x20 16-token pages": (PAGES_16, 20.0, 4, False),
 }
+
+
+# the int4 variants compared: scheme 1 (the first layout-aware int4), scheme 2 (1 with K's outlier channels kept
+# apart), scheme 3 (the default: per-channel K ranges at 5/6 bits, rotated V, sinks exact; 2 when 3 is over budget)
+VARIANTS = {"scheme 1": dict(int4_scheme=1, sparse_k=False), "scheme 2": dict(int4_scheme=1),
+            "scheme 3": dict()}
 
 
 def chunk(lay: KVLayout, seed: int, scale: float, n_out: int, offset: bool) -> torch.Tensor:
@@ -88,7 +95,7 @@ def why(names: list[str], n_chunks: int) -> None:
     for name in names:
         pages, scale, n_out, offset = SETS[name]
         lay = KVLayout(**BASE, **pages)
-        codec = get_kv_codec("int4", lay, verify=False)
+        codec = get_kv_codec("int4", lay, verify=False, int4_scheme=1)
         out = torch.empty(codec.max_encoded_nbytes(), dtype=torch.uint8)
         errs: list[list[float]] = [[] for _ in range(5)]
         for i in range(n_chunks):
@@ -132,13 +139,13 @@ def main(argv: list[str] | None = None) -> None:
           "verified int4 (the default check and fallback chain); cos: attention cosine, worst over layers and "
           "heads, 64 random queries; int4 share: chunks stored as int4 (not fallen back); encode: median ms per "
           "verified encode")
-    print("| set | sparse K | int4 share | stored/raw (mean) | cos min | cos median | encode ms | stored as |")
+    print("| set | int4 | int4 share | stored/raw (mean) | cos min | cos median | encode ms | stored as |")
     print("|-----|----------|-----------:|------------------:|--------:|-----------:|----------:|-----------|")
     for name in names:
         pages, scale, n_out, offset = SETS[name]
         lay = KVLayout(**BASE, **pages)
-        for sparse in (False, True):
-            codec = get_kv_codec("int4", lay, sparse_k=sparse)
+        for variant, kwargs in VARIANTS.items():
+            codec = get_kv_codec("int4", lay, **kwargs)
             out = torch.empty(codec.max_encoded_nbytes(), dtype=torch.uint8)
             cos, ratio, stored, ms = [], [], [], []
             for i in range(args.chunks):
@@ -149,12 +156,12 @@ def main(argv: list[str] | None = None) -> None:
                 y = torch.empty_like(x)
                 codec.decode(out[:n], y)
                 header = peek_header(out[:n])
-                stored.append(header.codec + (f"+{header.scheme >> 8}ch" if header.scheme >> 8 else ""))
+                stored.append(stored_as(header.codec, header.scheme))
                 cos.append(attention_cosine(lay, x, y, seed=900 + i))
                 ratio.append(n / lay.nbytes)
             share = sum(s.startswith("int4") for s in stored) / len(stored)
             kinds = ", ".join(f"{s} {stored.count(s)}" for s in sorted(set(stored)))
-            print(f"| {name} | {'yes' if sparse else 'no'} | {share:.2f} | {statistics.mean(ratio):.3f} | "
+            print(f"| {name} | {variant} | {share:.2f} | {statistics.mean(ratio):.3f} | "
                   f"{min(cos):.4f} | {statistics.median(cos):.4f} | {statistics.median(ms):.1f} | {kinds} |", flush=True)
 
 

@@ -12,9 +12,9 @@ third of the raw bytes. Per chunk:
   range then costs at most 2 bits per value), stored as a nibble plane plus a plane of the high bits. A range per
   channel follows K's offset channels (a large constant plus a small variation, the usual shape of K's outlier
   channels) without keeping anything apart.
-- **V**: each token's head vector rotated by a (block) Hadamard matrix, then symmetric mid-rise 4-bit codes per
-  group of ``v_group`` channels with a bf16 scale: the rotation spreads V's outlier channels over the head, so a
-  scale per 32 channels does what one per 16 did without it (QuaRot's observation, here for V only: on K a
+- **V**: each token's head vector rotated by a block-diagonal Hadamard matrix (blocks of ``v_group`` channels),
+  then symmetric mid-rise 4-bit codes per group of ``v_group`` channels with a bf16 scale: the rotation spreads V's
+  outlier channels over the group, so a scale per 32 channels does what one per 16 did without it (QuaRot's observation, here for V only: on K a
   rotation lost to per-channel ranges).
 - **Sinks**: tokens whose V is tiny (under ``SINK_V_RATIO`` of its (layer, head)'s median norm over the chunk) in
   more than ``SINK_SHARE`` of the chunk's (layer, head) pairs, at most ``MAX_SINKS`` per chunk, are stored exactly
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -57,8 +58,10 @@ STEP_ELEMS = 1 << 20
 
 
 def hadamard_block(head_dim: int) -> int:
-    """Size of the Hadamard blocks V is rotated by: the largest power of two dividing the head dim, at most 128."""
-    return min(head_dim & -head_dim, 128)
+    """Size of the Hadamard blocks V is rotated by: V_GROUP, or the largest power of two dividing the head dim when
+    that is smaller. A rotation only has to spread an outlier channel over the channels sharing its scale (measured
+    on SmolLM2: blocks of 32 as good as the whole head of 64), and a block of 32 costs a quarter of 128's."""
+    return min(head_dim & -head_dim, V_GROUP)
 
 
 _HADAMARD: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -88,9 +91,10 @@ class Int4Plan:
     @classmethod
     def for_layout(cls, layout: KVLayout, k_group: int | None = None, v_group: int | None = None) -> "Int4Plan":
         n, d = layout.tokens, layout.head_dim
-        kg = min(K_GROUP, n) if k_group is None else k_group
-        if n % kg:
-            kg = math.gcd(n, kg)
+        kg = k_group
+        if kg is None:
+            kg = min(K_GROUP, n)
+            kg = kg if n % kg == 0 else math.gcd(n, kg)
         hb = hadamard_block(d)
         vg = min(V_GROUP, hb) if v_group is None else v_group
         return cls(layout, kg, K_BITS_LONG if kg >= 64 else K_BITS_SHORT, vg)
@@ -185,9 +189,9 @@ def find_sinks(lay: KVLayout, flat: torch.Tensor) -> torch.Tensor:
     if not most:
         return torch.empty(0, dtype=torch.long, device=flat.device)
     v = _canonical(lay, flat)[:, 1]                                     # [L, H, P, T, D]
-    vn = v.float().square().sum(dim=4).flatten(2)                       # [L, H, N] squared norms
+    vn = torch.linalg.vector_norm(v, dim=4, dtype=F32).flatten(2)      # [L, H, N]
     med = vn.median(dim=2, keepdim=True).values
-    low = (vn < (SINK_V_RATIO ** 2) * med).float().mean(dim=(0, 1))     # [N]: share of pairs with a tiny V
+    low = (vn < SINK_V_RATIO * med).float().mean(dim=(0, 1))           # [N]: share of pairs with a tiny V
     cand = (low > SINK_SHARE).nonzero().view(-1)
     if cand.numel() > most:
         cand = low.topk(most).indices
@@ -219,6 +223,13 @@ def _pack_nibbles(codes: torch.Tensor, out: torch.Tensor) -> None:
     out.bitwise_or_(codes[..., 0::2])
 
 
+def _pack_nibbles_f32(codes: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor) -> None:
+    """codes fp32 [..., D] (integers 0..15) -> out uint8 [..., D / 2]: the byte lo + 16 hi computed in fp32 (exact)
+    and narrowed once, cheaper on CPU than integer shifts over uint8 lanes."""
+    torch.add(codes[..., 0::2], codes[..., 1::2], alpha=16.0, out=tmp)
+    out.copy_(tmp)
+
+
 def _pack_high(high: torch.Tensor, bits: int, out: torch.Tensor) -> None:
     """high uint8 flat (values < 2^bits) -> out uint8 flat, 8 / bits values per byte (first in the low bits)."""
     per = 8 // bits
@@ -243,10 +254,17 @@ def _round_up_bf16(y: torch.Tensor) -> torch.Tensor:
 
 # ---- encode / decode -------------------------------------------------------------------------------------------
 
+# (original K, original V, decoded K, decoded V), fp32 [pairs, tokens, D] each -> relative error per pair [pairs]
+Check = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def encode(plan: Int4Plan, flat: torch.Tensor, payload: torch.Tensor, sinks: torch.Tensor,
-           scratch: ScratchPool) -> None:
+           scratch: ScratchPool, check: Check | None = None, tokens: torch.Tensor | None = None) -> float:
     """Write scheme 3's payload for the chunk ``flat`` (its elements in the plan's layout order, any float dtype)
-    with the sink positions ``sinks``; ``payload`` is exactly ``plan.payload_nbytes(len(sinks))`` bytes."""
+    with the sink positions ``sinks``; ``payload`` is exactly ``plan.payload_nbytes(len(sinks))`` bytes. With
+    ``check``: the worst of ``check`` over every (layer, head), on the chunk's ``tokens`` (positions 0..N-1; None:
+    all) as they decode (rebuilt from the codes here, rounded to the chunk's dtype: what ``decode`` gives, without
+    unpacking), against the original; inf when a value is not finite. Without it, 0."""
     lay = plan.layout
     nl, h, p, t, d = lay.num_layers, lay.num_kv_heads, lay.pages, lay.block_tokens, lay.head_dim
     n, kg, g, vg, kb = lay.tokens, plan.k_group, plan.groups, plan.v_group, plan.k_bits
@@ -257,6 +275,13 @@ def encode(plan: Int4Plan, flat: torch.Tensor, payload: torch.Tensor, sinks: tor
     ns = sinks.numel()
     nb = _neighbours(n, sinks) if ns else None
     step = plan.layer_step()
+    worst = 0.0
+    if check is not None:
+        tk = torch.arange(n, device=dev) if tokens is None else tokens
+        pidx, tidx = tk // t, tk % t
+        gidx = tk // kg
+        # the sampled positions that are sinks: their decoded values are the originals
+        is_sink = torch.isin(tk, sinks) if ns else None
     for l0 in range(0, nl, step):
         l1 = min(nl, l0 + step)
         lg = l1 - l0
@@ -286,11 +311,20 @@ def encode(plan: Int4Plan, flat: torch.Tensor, payload: torch.Tensor, sinks: tor
         mid_k.copy_(gmid.view(-1).to(torch.bfloat16).view(torch.uint8))
         step_k.copy_(gstep.view(-1).to(torch.bfloat16).view(torch.uint8))
         kgv.sub_(gmid).div_(gstep).add_(half).round_().clamp_(0, (1 << kb) - 1)
-        kc = scratch.get("kc", (lg, h, n, d), torch.uint8, dev)
-        kc.copy_(kx)
-        _pack_nibbles(kc.bitwise_and(15), k_lo.view(lg, h, n, d // 2))
-        kc.bitwise_right_shift_(4)
-        _pack_high(kc.view(-1), kb - 4, k_hi)
+        # codes = 16 * high + low: the high bits in fp32, then the nibbles, each narrowed to bytes once
+        khi = scratch.get("khi", (lg, h, n, d), F32, dev)
+        torch.mul(kx, 1.0 / 16.0, out=khi).floor_()
+        klo = scratch.get("klo", (lg, h, n, d), F32, dev)
+        torch.sub(kx, khi, alpha=16.0, out=klo)
+        half_buf = scratch.get("half", (lg, h, n, d // 2), F32, dev)
+        _pack_nibbles_f32(klo, k_lo.view(lg, h, n, d // 2), half_buf)
+        per = 8 // (kb - 4)
+        hv = khi.view(-1, per)
+        hb8 = scratch.get("hb8", (hv.shape[0],), F32, dev)
+        hb8.copy_(hv[:, 0])
+        for j in range(1, per):
+            hb8.add_(hv[:, j], alpha=float(1 << (j * (kb - 4))))
+        k_hi.copy_(hb8)
         # V: rotate each token's head vector by the Hadamard blocks, then 4-bit codes per group of vg channels
         vr = scratch.get("vr", (lg, h, n, d), F32, dev)
         torch.matmul(vx.view(-1, d // hb, hb), hm, out=vr.view(-1, d // hb, hb))
@@ -301,14 +335,43 @@ def encode(plan: Int4Plan, flat: torch.Tensor, payload: torch.Tensor, sinks: tor
         _round_up_bf16(vs)
         vscale.copy_(vs.view(-1).to(torch.bfloat16).view(torch.uint8))
         vgv.div_(vs).add_(8.0).floor_().clamp_(0.0, 15.0)
-        vc = scratch.get("vc", (lg, h, n, d), torch.uint8, dev)
-        vc.copy_(vr)
-        _pack_nibbles(vc, v_codes.view(lg, h, n, d // 2))
+        _pack_nibbles_f32(vr, v_codes.view(lg, h, n, d // 2), half_buf)
+        if check is not None:
+            if not (bool(torch.isfinite(gstep).all()) and bool(torch.isfinite(gmid).all())
+                    and bool(torch.isfinite(vs).all())):
+                return math.inf
+            worst = max(worst, _checked(check, c[l0:l1], kx, vr, gmid, gstep, vs, hm, half, plan,
+                                        tk, pidx, tidx, gidx, is_sink, flat.dtype))
     if ns:
         sec = payload[plan.dense_nbytes:]
         sec[:4 * ns].copy_(sinks.to(torch.int32).view(torch.uint8))
         vals = c.flatten(3, 4)[:, :, :, sinks]                            # [L, 2, H, S, D]
         sec[4 * ns:].copy_(vals.contiguous().view(-1).view(torch.uint8))
+    return worst
+
+
+def _checked(check: Check, c: torch.Tensor, codes_k: torch.Tensor, codes_v: torch.Tensor, gmid: torch.Tensor,
+             gstep: torch.Tensor, vs: torch.Tensor, hm: torch.Tensor, half: float, plan: Int4Plan,
+             tk: torch.Tensor, pidx: torch.Tensor, tidx: torch.Tensor, gidx: torch.Tensor,
+             is_sink: torch.Tensor | None, dtype: torch.dtype) -> float:
+    """``check``'s worst pair for a run of layers: the tokens ``tk`` rebuilt from their codes (K codes [lg, H, N,
+    D] and V codes, both fp32; K's midpoints and steps [lg, H, G, 1, D], V's scales [lg, H, N, D / vg, 1])
+    against the originals in ``c`` ([lg, 2, H, P, T, D])."""
+    lg, h, _, d = codes_k.shape
+    s, vg, hb = tk.numel(), plan.v_group, hm.shape[0]
+    rk = codes_k[:, :, tk].sub_(half)
+    rk.mul_(gstep.view(lg, h, -1, d)[:, :, gidx]).add_(gmid.view(lg, h, -1, d)[:, :, gidx])
+    rv0 = codes_v[:, :, tk].sub_(7.5)
+    rv0.view(lg, h, s, d // vg, vg).mul_(vs[:, :, tk])
+    rv = torch.matmul(rv0.view(-1, d // hb, hb), hm.t()).view(lg, h, s, d)
+    ok = c[:, 0][:, :, pidx, tidx].float()                               # [lg, H, S, D]
+    ov = c[:, 1][:, :, pidx, tidx].float()
+    rk, rv = rk.to(dtype).float(), rv.to(dtype).float()
+    if is_sink is not None and bool(is_sink.any()):
+        rk[:, :, is_sink] = ok[:, :, is_sink]
+        rv[:, :, is_sink] = ov[:, :, is_sink]
+    b = lg * h
+    return float(check(ok.view(b, s, d), ov.view(b, s, d), rk.view(b, s, d), rv.view(b, s, d)).max())
 
 
 def decode(plan: Int4Plan, sinks: int, dtype: torch.dtype, payload: torch.Tensor, flat: torch.Tensor,
