@@ -300,8 +300,7 @@ def encode(plan: Int4Plan, flat: torch.Tensor, payload: torch.Tensor, sinks: tor
         gmid = scratch.get("gmid", (lg, h, g, 1, d), F32, dev)
         gstep = scratch.get("gstep", (lg, h, g, 1, d), F32, dev)
         glo = scratch.get("glo", (lg, h, g, 1, d), F32, dev)
-        torch.amax(kgv, dim=3, keepdim=True, out=gstep)
-        torch.amin(kgv, dim=3, keepdim=True, out=glo)
+        torch.aminmax(kgv, dim=3, keepdim=True, out=(glo, gstep))
         torch.add(gstep, glo, out=gmid).mul_(0.5)
         gmid.copy_(gmid.to(torch.bfloat16))
         gstep.sub_(gmid)
@@ -310,7 +309,11 @@ def encode(plan: Int4Plan, flat: torch.Tensor, payload: torch.Tensor, sinks: tor
         _round_up_bf16(gstep)
         mid_k.copy_(gmid.view(-1).to(torch.bfloat16).view(torch.uint8))
         step_k.copy_(gstep.view(-1).to(torch.bfloat16).view(torch.uint8))
-        kgv.sub_(gmid).div_(gstep).add_(half).round_().clamp_(0, (1 << kb) - 1)
+        # (x - mid) / step + half as x * (1 / step) + (half - mid / step): two passes over K instead of three
+        torch.reciprocal(gstep, out=glo)
+        gb = scratch.get("gb", (lg, h, g, 1, d), F32, dev)
+        torch.mul(gmid, glo, out=gb).neg_().add_(half)
+        kgv.mul_(glo).add_(gb).round_().clamp_(0, (1 << kb) - 1)
         # codes = 16 * high + low: the high bits in fp32, then the nibbles, each narrowed to bytes once
         khi = scratch.get("khi", (lg, h, n, d), F32, dev)
         torch.mul(kx, 1.0 / 16.0, out=khi).floor_()
@@ -330,12 +333,17 @@ def encode(plan: Int4Plan, flat: torch.Tensor, payload: torch.Tensor, sinks: tor
         torch.matmul(vx.view(-1, d // hb, hb), hm, out=vr.view(-1, d // hb, hb))
         vgv = vr.view(lg, h, n, d // vg, vg)
         vs = scratch.get("vs", (lg, h, n, d // vg, 1), F32, dev)
-        torch.amax(vgv.abs(), dim=4, keepdim=True, out=vs)
+        vmin = scratch.get("vmin", (lg, h, n, d // vg, 1), F32, dev)
+        torch.aminmax(vgv, dim=4, keepdim=True, out=(vmin, vs))
+        torch.maximum(vs, vmin.neg_(), out=vs)
         vs.mul_(1.0 / 7.5)
         _round_up_bf16(vs)
         vscale.copy_(vs.view(-1).to(torch.bfloat16).view(torch.uint8))
-        vgv.div_(vs).add_(8.0).floor_().clamp_(0.0, 15.0)
-        _pack_nibbles_f32(vr, v_codes.view(lg, h, n, d // 2), half_buf)
+        # floor(x / s) is in -8..7 (s is rounded up: |x| / s <= 7.5); the nibble is that + 8, added when packing
+        torch.reciprocal(vs, out=vmin)
+        vgv.mul_(vmin).floor_()
+        torch.add(vr[..., 0::2], vr[..., 1::2], alpha=16.0, out=half_buf).add_(136.0)
+        v_codes.view(lg, h, n, d // 2).copy_(half_buf)
         if check is not None:
             if not (bool(torch.isfinite(gstep).all()) and bool(torch.isfinite(gmid).all())
                     and bool(torch.isfinite(vs).all())):
@@ -355,13 +363,13 @@ def _checked(check: Check, c: torch.Tensor, codes_k: torch.Tensor, codes_v: torc
              tk: torch.Tensor, pidx: torch.Tensor, tidx: torch.Tensor, gidx: torch.Tensor,
              is_sink: torch.Tensor | None, dtype: torch.dtype) -> float:
     """``check``'s worst pair for a run of layers: the tokens ``tk`` rebuilt from their codes (K codes [lg, H, N,
-    D] and V codes, both fp32; K's midpoints and steps [lg, H, G, 1, D], V's scales [lg, H, N, D / vg, 1])
+    D] and V's floor(x / s), both fp32; K's midpoints and steps [lg, H, G, 1, D], V's scales [lg, H, N, D / vg, 1])
     against the originals in ``c`` ([lg, 2, H, P, T, D])."""
     lg, h, _, d = codes_k.shape
     s, vg, hb = tk.numel(), plan.v_group, hm.shape[0]
     rk = codes_k[:, :, tk].sub_(half)
     rk.mul_(gstep.view(lg, h, -1, d)[:, :, gidx]).add_(gmid.view(lg, h, -1, d)[:, :, gidx])
-    rv0 = codes_v[:, :, tk].sub_(7.5)
+    rv0 = codes_v[:, :, tk].add_(0.5)           # floor(x / s) + 8 - 7.5
     rv0.view(lg, h, s, d // vg, vg).mul_(vs[:, :, tk])
     rv = torch.matmul(rv0.view(-1, d // hb, hb), hm.t()).view(lg, h, s, d)
     ok = c[:, 0][:, :, pidx, tidx].float()                               # [lg, H, S, D]

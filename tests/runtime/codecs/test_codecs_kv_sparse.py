@@ -24,7 +24,7 @@ V1_LAYOUT = dict(num_layers=1, block_tokens=32, num_kv_heads=2, head_dim=16, dty
 
 def s2_codec(lay: KVLayout, **kwargs):
     """The previous int4: scheme 1, with K's outlier channels kept apart (scheme 2) when verifying."""
-    return s2_codec(lay, int4_scheme=1, **kwargs)
+    return get_kv_codec("int4", lay, int4_scheme=1, **kwargs)
 
 
 def _bytes(path: pathlib.Path) -> torch.Tensor:
@@ -161,7 +161,7 @@ def _with_header(blob: torch.Tensor, **fields) -> torch.Tensor:
     ({"scheme": SCHEME_SPARSE_K | 9 << 8}, "1 to head_dim / 2"),              # head_dim 16: at most 8
     ({"scheme": SCHEME_SPARSE_K | 255 << 8}, "1 to head_dim / 2"),
     ({"scheme": 1 | 2 << 8}, "header.scheme"),                                # scheme 1 has no channels
-    ({"scheme": 3}, "header.scheme"),
+    ({"scheme": 4}, "header.scheme"),                                         # (3 is int4's scheme 3)
     ({"scheme": SCHEME_SPARSE_K | 4 << 8}, "header.payload_nbytes"),          # a size that does not match
     ({"codec": "int8"}, "int4's"),
 ])
