@@ -1,6 +1,7 @@
 """Does verified int4 pay on K with outlier channels? Per held-out set: the share of chunks stored as int4, the
 stored bytes against raw, and the attention cosine (min and median over chunks of the worst over layers and
-heads, 64 random queries: ``plugins.kv_accuracy.attention_cosine``), with and without the sparse K channels.
+heads, 64 random queries: ``plugins.kv_accuracy.attention_cosine``), for int4 schemes 1 (no sparse K channels),
+2 (sparse K channels) and 3 (the default since it was judged on a trained model's KV: docs/compression.md).
 
     python bench/kv_int4.py                     # 8 chunks per set, 1 thread, deterministic (seeded)
     python bench/kv_int4.py --chunks 2 --sets "outlier x20"

@@ -638,8 +638,10 @@ class KVChunkCodec:
         if not measure:
             kv_int4.encode(plan, flat, payload, sinks, self._scratch)
             return 0.0
-        tokens = None
-        if sample is not None:   # the sampled positions of every page, as chunk token positions
+        tokens: torch.Tensor | slice | None = None
+        if sample is not None and sample.step:   # one stride: the same positions of every page, as a slice
+            tokens = slice(sample.first, sample.first + sample.span, sample.step)
+        elif sample is not None:   # heavy tokens too: the sampled positions of every page, as chunk positions
             t = lay.block_tokens
             tokens = (torch.arange(lay.pages, device=flat.device).unsqueeze(1) * t + sample.idx).view(-1)
         err = kv_int4.encode(plan, flat, payload, sinks, self._scratch, attention_rel, tokens)
