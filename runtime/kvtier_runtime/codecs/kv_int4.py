@@ -217,12 +217,6 @@ def _neighbours(n: int, sinks: torch.Tensor) -> torch.Tensor:
 
 # ---- bit packing -----------------------------------------------------------------------------------------------
 
-def _pack_nibbles(codes: torch.Tensor, out: torch.Tensor) -> None:
-    """codes uint8 [..., D] (values 0..15) -> out uint8 [..., D / 2] (even element in the low nibble)."""
-    torch.bitwise_left_shift(codes[..., 1::2], 4, out=out)
-    out.bitwise_or_(codes[..., 0::2])
-
-
 def _pack_nibbles_f32(codes: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor) -> None:
     """codes fp32 [..., D] (integers 0..15) -> out uint8 [..., D / 2]: the byte lo + 16 hi computed in fp32 (exact)
     and narrowed once, cheaper on CPU than integer shifts over uint8 lanes."""
@@ -230,21 +224,32 @@ def _pack_nibbles_f32(codes: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor)
     out.copy_(tmp)
 
 
-def _pack_high(high: torch.Tensor, bits: int, out: torch.Tensor) -> None:
-    """high uint8 flat (values < 2^bits) -> out uint8 flat, 8 / bits values per byte (first in the low bits)."""
+def _split_bytes(packed: torch.Tensor, b: torch.Tensor, hi: torch.Tensor, lo_out: torch.Tensor,
+                 hi_out: torch.Tensor) -> None:
+    """Bytes ``packed`` (uint8) -> their low nibbles into ``lo_out`` and high nibbles into ``hi_out`` (fp32 views of
+    ``packed``'s shape); ``b`` and ``hi`` are fp32 scratch of that shape."""
+    b.copy_(packed)
+    torch.mul(b, 1.0 / 16.0, out=hi).floor_()
+    hi_out.copy_(hi)
+    torch.sub(b, hi, alpha=16.0, out=lo_out)
+
+
+def _add_high(packed: torch.Tensor, bits: int, codes: torch.Tensor, scratch: ScratchPool) -> None:
+    """Add 16 x the high bits of each code (``bits`` per code, ``8 / bits`` codes per byte, the first in the low
+    bits: the encoder's layout) to ``codes`` (fp32, flat order), in fp32 arithmetic."""
     per = 8 // bits
-    h = high.view(-1, per)
-    out.copy_(h[:, 0])
-    for j in range(1, per):
-        out.bitwise_or_(torch.bitwise_left_shift(h[:, j], j * bits))
-
-
-def _unpack_high(packed: torch.Tensor, bits: int, out: torch.Tensor) -> None:
-    per, mask = 8 // bits, (1 << bits) - 1
-    o = out.view(-1, per)
-    for j in range(per):
-        torch.bitwise_right_shift(packed, j * bits, out=o[:, j])
-        o[:, j].bitwise_and_(mask)
+    step = float(1 << bits)
+    cv = codes.view(-1, per)
+    r = scratch.get("dhr", (packed.numel(),), F32, codes.device)
+    q = scratch.get("dhq", (packed.numel(),), F32, codes.device)
+    r.copy_(packed)
+    for j in range(per):   # r = high bits of codes j.. ; its remainder by 2^bits is code j's
+        if j < per - 1:
+            torch.mul(r, 1.0 / step, out=q).floor_()
+            cv[:, j].add_(r.sub_(q, alpha=step), alpha=16.0)
+            r.copy_(q)
+        else:
+            cv[:, j].add_(r, alpha=16.0)
 
 
 def _round_up_bf16(y: torch.Tensor) -> torch.Tensor:
@@ -448,25 +453,21 @@ def decode(plan: Int4Plan, sinks: int, dtype: torch.dtype, payload: torch.Tensor
         l1 = min(nl, l0 + step)
         lg = l1 - l0
         mid_k, step_k, vscale, k_lo, k_hi, v_codes = plan.sections(payload, l0, l1)
+        # unpacked in fp32 arithmetic (a byte b is lo + 16 hi: hi = floor(b / 16)), cheaper on CPU than integer
+        # shifts and masks over uint8 lanes
         kx = scratch.get("k", (lg, h, n, d), F32, dev)
-        kc = scratch.get("kc", (lg, h, n, d), torch.uint8, dev)
-        _unpack_high(k_hi, kb - 4, kc.view(-1))
-        kc.bitwise_left_shift_(4)
-        low = k_lo.view(lg, h, n, d // 2)
-        kc[..., 0::2].bitwise_or_(low.bitwise_and(15))
-        kc[..., 1::2].bitwise_or_(low.bitwise_right_shift(4))
-        kx.copy_(kc)
+        half_f = scratch.get("dhalf", (lg, h, n, d // 2), F32, dev)
+        hi_f = scratch.get("dhi", (lg, h, n, d // 2), F32, dev)
+        _split_bytes(k_lo.view(lg, h, n, d // 2), half_f, hi_f, kx[..., 0::2], kx[..., 1::2])
+        _add_high(k_hi, kb - 4, kx, scratch)
         sb = scratch.get("sb", (2, lg * h * g * d), torch.bfloat16, dev)
         sb[0].view(torch.uint8).copy_(mid_k)
         sb[1].view(torch.uint8).copy_(step_k)
         kgv = kx.view(lg, h, g, kg, d)
         kgv.sub_(((1 << kb) - 1) / 2.0).mul_(sb[1].view(lg, h, g, 1, d)).add_(sb[0].view(lg, h, g, 1, d))
-        vc = scratch.get("vc", (lg, h, n, d), torch.uint8, dev)
-        vcodes = v_codes.view(lg, h, n, d // 2)
-        torch.bitwise_and(vcodes, 15, out=vc[..., 0::2])
-        torch.bitwise_right_shift(vcodes, 4, out=vc[..., 1::2])
         vr = scratch.get("vr", (lg, h, n, d), F32, dev)
-        vr.copy_(vc).sub_(7.5)
+        _split_bytes(v_codes.view(lg, h, n, d // 2), half_f, hi_f, vr[..., 0::2], vr[..., 1::2])
+        vr.sub_(7.5)
         vs = scratch.get("vsb", (lg * h * n * (d // vg),), torch.bfloat16, dev)
         vs.view(torch.uint8).copy_(vscale)
         vr.view(lg, h, n, d // vg, vg).mul_(vs.view(lg, h, n, d // vg, 1))
