@@ -55,8 +55,8 @@ SETS: dict[str, tuple[dict[str, Any], float, int, bool]] = {
 
 # the int4 variants compared: scheme 1 (the first layout-aware int4), scheme 2 (1 with K's outlier channels kept
 # apart), scheme 3 (the default: per-channel K ranges at 5/6 bits, rotated V, sinks exact; 2 when 3 is over budget)
-VARIANTS = {"scheme 1": dict(int4_scheme=1, sparse_k=False), "scheme 2": dict(int4_scheme=1),
-            "scheme 3": dict()}
+VARIANTS: dict[str, dict[str, Any]] = {"scheme 1": dict(int4_scheme=1, sparse_k=False),
+                                       "scheme 2": dict(int4_scheme=1), "scheme 3": dict()}
 
 
 def chunk(lay: KVLayout, seed: int, scale: float, n_out: int, offset: bool) -> torch.Tensor:

@@ -121,7 +121,7 @@ class RoundTrip:
     stored_bytes: int = 0
     encode_s: float = 0.0
     decode_s: float = 0.0
-    stored: Counter = field(default_factory=Counter)
+    stored: Counter[str] = field(default_factory=Counter)
 
     @property
     def bytes_ratio(self) -> float:
@@ -148,7 +148,7 @@ def roundtrip(codec: KVChunkCodec, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty(codec.max_encoded_nbytes(), dtype=torch.uint8, device=k.device)
     k2, v2 = k.clone(), v.clone()
     rt = RoundTrip()
-    sync = torch.cuda.synchronize if k.device.type == "cuda" else (lambda: None)
+    sync: Callable[[], None] = torch.cuda.synchronize if k.device.type == "cuda" else (lambda: None)
     for start in range(0, n - size + 1, size):
         canon = torch.stack([k[:, :, start:start + size], v[:, :, start:start + size]], dim=1)
         chunk = to_chunk(lay, canon.reshape(nl, 2, h, lay.pages, lay.block_tokens, d))

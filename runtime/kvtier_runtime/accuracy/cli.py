@@ -6,7 +6,7 @@ import argparse
 import json
 import pathlib
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -16,7 +16,7 @@ from .harness import Run, Tolerance, execute, plan_steps, table, to_json
 EXIT_USAGE = 2
 
 
-def _int_list(option: str):
+def _int_list(option: str) -> Callable[[str], tuple[int, ...]]:
     def parse(value: str) -> tuple[int, ...]:
         try:
             out = tuple(int(v) for v in value.split(",") if v.strip())
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _progress(total: int, quiet: bool):
+def _progress(total: int, quiet: bool) -> tuple[Callable[[int, str], None] | None, Callable[[], object]]:
     if quiet:
         return None, lambda: None
     try:

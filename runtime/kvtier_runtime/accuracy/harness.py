@@ -153,7 +153,9 @@ def execute(run: Run, progress: Callable[[int, str], None] | None = None, lm: An
         rows = []
         for name in run.codecs:
             codec = codec_for(name, layout, verify=run.verify)
-            k2, v2, trip = roundtrip(codec, k, v, progress=lambda i, n=n, name=name: tick(i, f"{n}: {name} chunks"))
+            def chunk_done(i: int, n: int = n, name: str = name) -> None:
+                tick(i, f"{n}: {name} chunks")
+            k2, v2, trip = roundtrip(codec, k, v, progress=chunk_done)
             test = mdl.continuation_logits(lm, k2, v2, cont)
             s = score(ref, test, targets)
             rows.append(Row(name, s, trip, run.tolerance.judge(s)))

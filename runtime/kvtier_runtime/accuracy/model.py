@@ -54,7 +54,7 @@ def load(model_dir: str | pathlib.Path, device: str = "cpu", dtype: torch.dtype 
 
 
 def tokenize(lm: LoadedModel, text: str) -> torch.Tensor:
-    ids = lm.tokenizer(text, return_tensors="pt", add_special_tokens=True).input_ids[0]
+    ids: torch.Tensor = lm.tokenizer(text, return_tensors="pt", add_special_tokens=True).input_ids[0]
     return ids
 
 
@@ -84,4 +84,5 @@ def continuation_logits(lm: LoadedModel, k: torch.Tensor, v: torch.Tensor, cont:
     for layer in range(lm.num_layers):
         cache.update(k[layer].unsqueeze(0).to(dtype), v[layer].unsqueeze(0).to(dtype), layer)
     out = lm.model(cont.unsqueeze(0).to(lm.device), past_key_values=cache, use_cache=True)
-    return out.logits[0].float().cpu()
+    logits: torch.Tensor = out.logits[0].float().cpu()
+    return logits

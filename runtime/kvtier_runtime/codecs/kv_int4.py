@@ -195,7 +195,8 @@ def find_sinks(lay: KVLayout, flat: torch.Tensor) -> torch.Tensor:
     cand = (low > SINK_SHARE).nonzero().view(-1)
     if cand.numel() > most:
         cand = low.topk(most).indices
-    return cand.sort().values
+    ordered: torch.Tensor = cand.sort().values
+    return ordered
 
 
 def _neighbours(n: int, sinks: torch.Tensor) -> torch.Tensor:
@@ -365,6 +366,8 @@ def encode(plan: Int4Plan, flat: torch.Tensor, payload: torch.Tensor, sinks: tor
                 err = _checked_pages(check, c[l0:l1], kx, vr, gmid, gstep, vs, hm, half, plan, sel,
                                      sinks.tolist(), flat.dtype)
             else:
+                # a tensor of sampled tokens (not a slice): the indices above were all computed from it
+                assert tk is not None and pidx is not None and tidx is not None and gidx is not None
                 err = _checked(check, c[l0:l1], kx, vr, gmid, gstep, vs, hm, half, plan, tk, pidx, tidx, gidx,
                                is_sink, flat.dtype)
             worst = max(worst, err)
