@@ -35,7 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "path an engine's worker uses (layout, chunking, verification, fallback), the continuation "
                     "scored against the exact cache (perplexity change, KL, top-1 agreement), with what each chunk "
                     "was stored as, bytes per raw byte, encode/decode speed and a verdict under your tolerance.")
-    p.add_argument("--model", required=True, metavar="DIR", help="a local Hugging Face model directory")
+    p.add_argument("--model", metavar="DIR", help="a local Hugging Face model directory (offline mode)")
+    p.add_argument("--engine", metavar="URL",
+                   help="a running vLLM engine serving kvtier's tiers (started with --max-logprobs -1 and "
+                        "VLLM_SERVER_DEV_MODE=1): the prefix written through its tiers, dropped from its cache and "
+                        "host tier, reloaded and scored against the same prefix computed (--context, --positions, "
+                        "--offset and the tolerances apply; the engine's own policy decides the codec)")
+    p.add_argument("--positions", type=int, default=128, metavar="N",
+                   help="engine mode: teacher-forced positions scored after each prefix, one request each "
+                        "(default 128)")
     p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to take the prefix and continuation from")
     p.add_argument("--codecs", default="fp8,int8,int4", help="comma-separated codecs (default fp8,int8,int4)")
     p.add_argument("--context", type=_int_list("--context"), default=(2048, 6144), metavar="N[,N...]",
@@ -88,9 +96,46 @@ def _progress(total: int, quiet: bool) -> tuple[Callable[[int, str], None] | Non
     return tick_plain, lambda: print(file=sys.stderr)
 
 
+def _engine_main(args: argparse.Namespace) -> int:
+    from .engine import EngineClient, EngineRun, engine_table, measure_engine
+    from .harness import read_text
+
+    try:
+        if not 1 <= args.positions <= 4096:
+            raise ValueError(f"--positions: {args.positions} must be in 1..4096")
+        tolerance = Tolerance(ppl_pct=args.max_ppl_increase, kl=args.max_kl)
+        client = EngineClient(args.engine)
+        run = EngineRun(contexts=args.context, positions=args.positions, offset=args.offset)
+        tick, close = _progress(2 * len(run.contexts), args.quiet)
+        try:
+            results = measure_engine(client, read_text(pathlib.Path(args.text)), run, tick)
+        finally:
+            close()
+    except (ValueError, RuntimeError) as err:
+        print(f"kvtier accuracy: {' '.join(str(err).split())}", file=sys.stderr)
+        return EXIT_USAGE
+    within = all(r.scores.ppl_change_pct <= tolerance.ppl_pct and r.scores.mean_kl <= tolerance.kl for r in results)
+    if args.json:
+        print(json.dumps({"engine": client.url, "model": client.model, "within_tolerance": within, "contexts": [
+            {"context": r.context, "positions": r.positions, "ppl_change_pct": r.scores.ppl_change_pct,
+             "mean_kl": r.scores.mean_kl, "top1_agreement": r.scores.top1, "reloaded_by_source": r.sources}
+            for r in results]}, indent=2))
+    else:
+        print(engine_table(client.url, client.model, results))
+        print(f"verdict: {'within' if within else 'OUTSIDE'} the tolerance (perplexity +{tolerance.ppl_pct}%, "
+              f"KL {tolerance.kl:g}) at every context")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if (args.model is None) == (args.engine is None):
+        print("kvtier accuracy: give --model DIR (offline) or --engine URL (a running engine), one of them",
+              file=sys.stderr)
+        return EXIT_USAGE
+    if args.engine is not None:
+        return _engine_main(args)
     try:
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         backend = args.backend or ("CPU_ATTN" if device == "cpu" else "FLASH_ATTN")
