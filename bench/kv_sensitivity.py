@@ -1,15 +1,16 @@
 """How much a model's next-token logits move when its prefix KV is perturbed: the scale a logits check of a lossy
 KV codec must be read against.
 
-Runs the engine tests' model (SmolLM2-135M-Instruct, e2e/vllm_cpu/smollm2.py; bfloat16 as the engine serves it,
-``--dtype float32`` for the upcast weights) in Hugging Face transformers, not vLLM: prefill a 608-token prefix of
+Runs the engine tests' model (SmolLM2-135M-Instruct, e2e/vllm_cpu/smollm2.py; its bfloat16 weights computed in
+float32, so the curve is the KV's effect and not bfloat16 rounding: in bfloat16 even a 1e-6 perturbation moved the
+mean KL to 1e-3) in Hugging Face transformers, not vLLM: prefill a 608-token prefix of
 prose (e2e/vllm_cpu/prose.py), perturb every layer's K and V of the prefix by relative Gaussian
 noise (per element, ``level`` x the element's tensor rms), then score ``--positions`` teacher-forced continuation
 tokens and compare their logits with the unperturbed run (``compare_logits``: mean KL, top-1 agreement). Also
 runs the layout-aware codecs (fp8/int8/int4, quantise-dequantise of each layer's [H, T, D] K and V) and a K/V
 swap, so the engine test's figures can be placed on the same curve.
 
-    .venv-vllm-cpu/bin/python -I bench/kv_sensitivity.py [--positions 64] [--prompts 2] [--dtype bfloat16]
+    .venv-vllm-cpu/bin/python -I bench/kv_sensitivity.py [--positions 64] [--prompts 2] [--dtype float32]
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--positions", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=2)
-    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = ap.parse_args()
     from transformers import DynamicCache, LlamaForCausalLM
 
