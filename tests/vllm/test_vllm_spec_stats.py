@@ -14,7 +14,7 @@ pytestmark = pytest.mark.vllm
 
 import_upstream("tests.v1.kv_offload.conftest")
 from tests.v1.kv_offload.conftest import make_offloading_config  # noqa: E402
-from vllm.v1.kv_offload.base import ReqContext, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
 from kvtier_runtime.engines.metric_defs import FS_STORES  # noqa: E402
@@ -144,6 +144,80 @@ def test_trace_dir_records_each_request_once_with_its_prompt_chunks_in_order(tmp
     # A chunk's bytes over every rank (8 per block, one block per chunk, one rank): what replay recommend sizes with.
     assert meta["block_bytes"] == 8 and load_meta(trace_dir / "trace-meta.json").block_bytes == 8
     assert load_meta(trace_dir / "trace-meta.json").capacities[0] == 4
+
+
+class _Request:
+    """What vLLM's scheduler holds when it announces a request to the manager (its prompt's length)."""
+
+    def __init__(self, num_prompt_tokens: int) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
+
+
+def _announce(manager, ctx: ReqContext, request: _Request) -> None:
+    """vLLM's connector's on_new_request: the manager hears of ``ctx`` while its caller holds ``request``."""
+    manager.on_new_request(ctx)
+
+
+def _settled(manager, key, ctx: ReqContext):
+    for _ in range(500):
+        with manager.lock:
+            found = manager.lookup(key, ctx)
+        if found is not LookupResult.RETRY:
+            return found
+        manager.books.drain()
+    raise AssertionError("the promotion never settled")
+
+
+def test_load_source_recording_and_hit_tokens_name_the_same_tier_for_every_chunk(tmp_path) -> None:
+    """One truth about which tier served a chunk: the first load after a promotion from disk is a disk hit in
+    ``hit_tokens{tier}``, in vLLM's load source (``prompt_tokens_cached_by_source``) and in the recording; a later
+    request's load of the same chunk, now in the host tier, is a host hit in all three. The recording writes the
+    prompt length vLLM announced (not rounded down to whole chunks)."""
+    import json
+
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    from kvtier_runtime.engines.metric_defs import HIT_TOKENS
+
+    trace_dir = tmp_path / "trace"
+    extra = {"spec_module_path": ADAPTER, "host_shm_dir": str(tmp_path / "shm"), "tier_names": ["cpu", "nvme"],
+             "trace_dir": str(trace_dir),
+             "fs_tiers": [{"root_dir": str(tmp_path / "fs"), "capacity_bytes": 1 << 20,
+                           "n_read_threads": 1, "n_write_threads": 1}]}
+    config = make_offloading_config(spec_name="KvtierOffloadingSpec", cpu_bytes_to_use=2 * 8,
+                                    worker_kv_bytes_per_block=8, engine_id=f"truth-{os.getpid()}",
+                                    extra_config=extra)
+    manager = OffloadingSpecFactory.create_spec(config).get_manager()
+    tokens = manager.spec.tokens_per_chunk
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(3)]
+    sources = {}
+    try:
+        writer = ReqContext(req_id="w")
+        for key in keys:  # one at a time into a 2-row host tier: keys[0] ends up on disk only
+            with manager.lock:
+                manager.prepare_store([key], writer)
+                manager.complete_store([key], writer)
+            manager.books.drain()
+        manager.on_request_finished(writer)
+        for req in ("r1", "r2"):
+            ctx = ReqContext(req_id=req)
+            _announce(manager, ctx, _Request(tokens + 5))  # a whole chunk and a partial tail
+            ctx.set_offload_key_position(keys[0], tokens)
+            assert _settled(manager, keys[0], ctx) is LookupResult.HIT
+            sources[req] = manager.get_load_source(keys[0], ctx)
+            with manager.lock:
+                manager.prepare_load([keys[0]], ctx)
+                manager.complete_load([keys[0]], ctx)
+            manager.on_request_finished(ctx)
+        stats = manager.get_stats()
+    finally:
+        manager.shutdown()
+    assert sources == {"r1": CacheHitSource.DISK, "r2": CacheHitSource.HOST}
+    assert stats._values[HIT_TOKENS.name] == {("nvme",): tokens, ("cpu",): tokens}
+    lines = [json.loads(line) for line in (trace_dir / "trace-000.jsonl").read_text().splitlines()]
+    # (The writer never set its keys' positions: vLLM's scheduler would have; nothing to record for it.)
+    assert [(d["input_length"], d["hit_tokens"]) for d in lines] == [
+        (tokens + 5, {"nvme": tokens}), (tokens + 5, {"cpu": tokens})]
 
 
 def test_an_unwritable_trace_dir_fails_start_up_naming_the_key(tmp_path) -> None:

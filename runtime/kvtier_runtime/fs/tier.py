@@ -35,7 +35,7 @@ from ..codecs import Codec, CodecError, KVChunkCodec, get_codec
 from ..config import FilesystemTierConfig
 from ..policies import AccessContext, get_policy
 from ..tiers.backoff import Backoff
-from ..tiers.base import KeyState, ReplayPolicy
+from ..tiers.base import EventPlace, KeyState, ReplayPolicy, TierChanges
 from ..tiers.jobs import Expired, Job, JobQueue, JobResult
 from ..tiers.queued import QueuedTier
 from ..tiers.keys import read_mac_key
@@ -50,6 +50,10 @@ from .scan import scan_blocks
 from .tier_metrics import FilesystemMetrics
 
 __all__ = ["DIRECTORY_BYTES", "FilesystemTier", "JobResult", "KeyState", "LookupRun", "file_budget"]
+
+
+# How KV cache events place a filesystem tier's chunks (kvtier_runtime.tiers.base.EventPlace).
+EVENT_PLACE = EventPlace("STORAGE", "LOCAL", "kvtier-fs")
 
 
 class FilesystemTier(QueuedTier):
@@ -156,6 +160,11 @@ class FilesystemTier(QueuedTier):
     @property
     def replay_policy(self) -> ReplayPolicy:
         return ReplayPolicy(self.config.eviction_policy, self.config.admission, shared=False)
+
+    @property
+    def event_place(self) -> EventPlace:
+        # This replica's own disk: vLLM's STORAGE medium, local.
+        return EVENT_PLACE
 
     def gauges(self) -> dict[str, float]:
         return {"backoff": 1.0 if self.in_backoff else 0.0}
@@ -398,14 +407,14 @@ class FilesystemTier(QueuedTier):
     def unpin(self, key: bytes) -> None:
         self.index.unpin(key)
 
-    def record_removals(self) -> None:
+    def record_changes(self) -> None:
         """From now on remember every key that leaves the tier (evicted, corrupt, removed) for
-        :meth:`take_removals`: KV cache events announce them (:class:`kvtier_runtime.tiers.base.RemovalLog`)."""
+        :meth:`take_changes`: KV cache events announce them. Keys enter it only through the engine's own stores."""
         self.index.record_removals()
 
-    def take_removals(self) -> list[bytes]:
-        """Keys that left the tier since the last call (empty unless :meth:`record_removals` was called)."""
-        return self.index.take_removals()
+    def take_changes(self) -> TierChanges:
+        """Keys that left the tier since the last call (empty unless :meth:`record_changes` was called)."""
+        return TierChanges([], self.index.take_removals())
 
     def _update_occupancy(self) -> None:
         self.index.update_occupancy()

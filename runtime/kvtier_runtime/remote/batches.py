@@ -12,6 +12,7 @@ import torch
 
 from ..codecs import CodecError
 from ..tiers.jobs import Expired, Job, JobQueue
+from .changes import Changes
 from .client import RemoteStore, failure_kind
 from .format import RemoteFormatError
 from .health import StoreHealth
@@ -84,7 +85,7 @@ class Batches:
 
     def __init__(self, *, name: str, peer: str, store: RemoteStore, store_key: Callable[[bytes], bytes],
                  values: ChunkValues, index: CapacityIndex, health: StoreHealth, presence: PresenceCache,
-                 outcomes: KeyOutcomes, metrics: RemoteMetrics) -> None:
+                 outcomes: KeyOutcomes, metrics: RemoteMetrics, changes: Changes) -> None:
         self.name = name
         self.peer = peer
         self._store = store
@@ -95,6 +96,7 @@ class Batches:
         self._presence = presence
         self._outcomes = outcomes
         self._metrics = metrics
+        self._changes = changes
 
     # ---- stores -------------------------------------------------------------------------------------------
     def store(self, batch: list[RowWork]) -> None:
@@ -143,8 +145,10 @@ class Batches:
             return
         entries, added = replies[-1], replies[-2]
         if isinstance(entries, int):
-            for key in self._index.trim(entries, added if isinstance(added, int) else 0):
+            trimmed = self._index.trim(entries, added if isinstance(added, int) else 0)
+            for key in trimmed:
                 self._presence.remember(key, False, "evicted")
+            self._changes.removed(trimmed)
         stored_bytes = 0
         fault = ""
         for (job, i, key, value), reply in zip(sent, replies):
@@ -208,6 +212,8 @@ class Batches:
             return 0
         if kind:
             self._presence.remember(key, False, kind)
+            if kind == "evicted":  # gone from the store: no replica holds it there any more
+                self._changes.removed([key])
             self._outcomes.fail(job, i, kind)
             n = self._metrics.misses[kind]
             if kind in REFUSED_KINDS and n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a flood stays quiet

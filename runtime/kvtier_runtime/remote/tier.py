@@ -44,10 +44,11 @@ from ..codecs import Codec, KVChunkCodec, get_codec
 from ..config import RemoteTierConfig
 from ..policies import AccessContext
 from ..tiers.backoff import Backoff
-from ..tiers.base import KeyState, ReplayPolicy
+from ..tiers.base import EventPlace, KeyState, ReplayPolicy, TierChanges
 from ..tiers.jobs import Job, JobQueue, JobResult
 from ..tiers.queued import QueuedTier
 from .batches import Batches, KeyOutcomes, RowWork
+from .changes import Changes
 from .client import RemoteStore, store_credentials
 from .health import StoreHealth
 from .identity import chunk_key, key_prefix
@@ -132,6 +133,7 @@ class RemoteTier(QueuedTier):
                              errors=self._metrics, on_io_failure=self._job_expired, on_complete=on_complete,
                              log=logging.getLogger("kvtier_runtime.remote"))
         self._outcomes = KeyOutcomes(self.jobs, self._metrics)
+        self.changes = Changes()
         self.presence = PresenceCache(present_ttl_s=presence_ttl_s, absent_ttl_s=absent_ttl_s,
                                       entries=presence_entries, probe_patience_s=2 * self._io_timeout_s + 0.5,
                                       clock=clock)
@@ -147,7 +149,7 @@ class RemoteTier(QueuedTier):
                                   clock=self._clock, spawn=probe_pool.submit, closed=lambda: self.jobs.closed)
         batches = Batches(name=self.name, peer=self.peer, store=self._store, store_key=self.store_key,
                           values=self.values, index=self.index, health=self.store_health, presence=self.presence,
-                          outcomes=self._outcomes, metrics=self._metrics)
+                          outcomes=self._outcomes, metrics=self._metrics, changes=self.changes)
         per_batch = max(1, max_batch_bytes // self.value_bytes)
         count = self.jobs.count_task
         self._loads: Lane[RowWork] = Lane(read_pool, batches.load, n_threads, per_batch, count)
@@ -191,6 +193,17 @@ class RemoteTier(QueuedTier):
         # kvtier trims the model's chunks in the store least recently written or read first; the store is shared by
         # every replica of the model (replay --replicas N --shared models that).
         return ReplayPolicy("lru", "none", shared=True)
+
+    @property
+    def event_place(self) -> EventPlace:
+        # A store every replica of the model in this scope reads: vLLM's STORAGE medium, remote to this replica.
+        return EventPlace("STORAGE", "REMOTE", f"kvtier-remote:{self.scope}")
+
+    def record_changes(self) -> None:
+        self.changes.record()
+
+    def take_changes(self) -> TierChanges:
+        return self.changes.take()
 
     def gauges(self) -> dict[str, float]:
         # up: the store answers, also when it refuses this tier's user (auth is the tier's fault, counted in its

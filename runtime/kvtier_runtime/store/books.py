@@ -41,12 +41,12 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
 from .. import metrics
-from ..tiers.base import KeyState, RemovalLog, Tier
+from ..tiers.base import KeyState, Tier
 from ..tiers.jobs import JobResult
 from ..policies import AccessContext
 from .breaker import BYPASS, PROBE, Breaker, LoadMeter, TierBreakers
@@ -96,26 +96,35 @@ class _Fence:
 class TierSlot:
     """One tier behind the host tier and what the books keep for it: the tier; its breaker (named as the policy
     names the tier) and that breaker's meter (the tier's load cost); the host rows as the tier sees them (the KV
-    dtype its codec quantizes; the same memory); and its removal log when its stores and removals are KV cache
-    events (else None). ``index``: its place in the lookup order (a :class:`TierEvent`'s ``tier``)."""
+    dtype its codec quantizes; the same memory); and whether its stores and removals are KV cache events.
+    ``index``: its place in the lookup order (a :class:`TierEvent`'s ``tier``)."""
 
     index: int
     tier: Tier
     breaker: Breaker
     meter: LoadMeter
     rows: torch.Tensor
-    removals: RemovalLog | None
+    events: bool
 
     @property
     def name(self) -> str:
         return self.breaker.name
 
 
+class Found(NamedTuple):
+    """A lookup's answer (hit, hit_pending, retry, miss) and, for a counted hit, the tier that served the chunk: 0
+    the host tier, else 1 + its index in the books' tiers (:meth:`OffloadBooks.served_by` names it)."""
+
+    state: str
+    served: int | None = None
+
+
 @dataclass(frozen=True)
 class TierEvent:
     """A KV cache event: ``keys`` were stored in (``removed`` False) or removed from a tier. ``tier`` is -1 for
-    the host tier, else the tier's index in the books' ``tiers``. ``metadata_only``: a failed store released keys that
-    were never announced as stored (vLLM's convention; no public removal)."""
+    the host tier, else the index in the books' ``tiers`` of the tier the keys are announced under (its
+    :class:`~kvtier_runtime.tiers.base.EventPlace`). ``metadata_only``: a failed store released keys that were never
+    announced as stored (vLLM's convention; no public removal)."""
 
     keys: tuple[bytes, ...]
     tier: int
@@ -142,8 +151,7 @@ class OffloadBooks:
         """``tiers``: every tier behind the host tier, in lookup order (the registry builds them in the policy's
         order); a tier index below is an index into this list. ``rows``: per tier, the host rows as that tier sees
         them (the KV dtype its codec quantizes; same memory), the host slab by default. ``tier_events``: per tier,
-        whether its stores and removals are KV cache events (with ``enable_events``; default: every tier that can
-        list its removals, :class:`~kvtier_runtime.tiers.base.RemovalLog`)."""
+        whether its stores and removals are KV cache events (with ``enable_events``; default: every tier)."""
         self.host = host
         tiers = list(tiers)
         for tier in tiers:
@@ -161,7 +169,6 @@ class OffloadBooks:
         if len(views) != len(tiers):
             raise ValueError(f"rows: {len(views)} row views for {len(tiers)} tiers (one per tier)")
         self._suffix = key_suffix
-        self._origin: dict[bytes, str] = {}  # host-resident key -> where its bytes came from
         self._promotions: dict[tuple[int, int], _Promotion] = {}  # (tier, fs job id) -> promotion
         self._writes: dict[tuple[int, int], _WriteThrough] = {}
         self._writing: set[bytes] = set()  # keys whose worker store is in flight
@@ -173,7 +180,9 @@ class OffloadBooks:
         self._promotion_failed: set[bytes] = set()
         self.counters: Counter[str] = Counter()  # promotions, promotion_failures, fs_stores, host_evictions...
         # Settled lookups that hit, by the name of the tier that served the chunk (the breakers' names), and the
-        # host-resident keys promoted from a tier (breaker index) whose first hit is still to be counted for it.
+        # host-resident keys promoted from a tier (breaker index) whose first hit is still to be counted for it: the
+        # one rule of which tier served a chunk, which the spec's load source (vLLM's cached_by_source) and its
+        # recording read back through :meth:`find`.
         self.hit_keys: Counter[str] = Counter()
         self._promoted_from: dict[bytes, int] = {}
         self._loading: Counter[bytes] = Counter()  # key -> engine loads in flight (prepare_load not yet completed)
@@ -182,25 +191,19 @@ class OffloadBooks:
         self._fenced: dict[_Fence, int] = {}
         self.reset_at = 0.0  # time.monotonic() of the last reset
         # KV cache events: the host tier's when enable_events, a tier's when also tier_events[i] (vLLM's rule for
-        # secondary tiers: the global flag and the tier's own ``enable_kv_events``); a tier with events on announces
-        # its removals (RemovalLog), so only a tier that can list them may have events on.
+        # secondary tiers: the global flag and the tier's own ``enable_kv_events``; default: every tier).
         self.events: list[TierEvent] | None = [] if enable_events else None
-        logs: list[RemovalLog | None] = [t if isinstance(t, RemovalLog) else None for t in tiers]
-        wanted = list(tier_events) if tier_events is not None else [r is not None for r in logs]
+        wanted = list(tier_events) if tier_events is not None else [True] * len(tiers)
         if len(wanted) != len(tiers):
             raise ValueError(f"tier_events: {len(wanted)} flags for {len(tiers)} tiers (one per tier)")
-        for tier, removals, want in zip(tiers, logs, wanted):
-            if enable_events and want and removals is None:
-                raise ValueError(f"tier_events: {tier.name} cannot list the keys that leave it (no "
-                                 "record_removals/take_removals), so it cannot announce KV cache events")
         # One slot per tier, in lookup order: the tier and everything the books keep for it.
         self.slots: list[TierSlot] = [
-            TierSlot(i, tier, self.breakers[i + 1], self.breakers.meters[i + 1], view,
-                     removals if enable_events and want else None)
-            for i, (tier, view, removals, want) in enumerate(zip(tiers, views, logs, wanted))]
+            TierSlot(i, tier, self.breakers[i + 1], self.breakers.meters[i + 1], view, enable_events and want)
+            for i, (tier, view, want) in enumerate(zip(tiers, views, wanted))]
+        self.announced = _Announced(self.slots)
         for slot in self.slots:
-            if slot.removals is not None:
-                slot.removals.record_removals()
+            if slot.events:
+                slot.tier.record_changes()
             slot.tier.peer = host.name  # promotions/demotions are labelled with the tier they move to or from
         metrics.CAPACITY_BYTES.labels(host.name).set(host.capacity_bytes)
         self._update_occupancy()
@@ -222,19 +225,34 @@ class OffloadBooks:
     def lookup(self, key: bytes, ctx: AccessContext | None = None, count: bool = True) -> str:
         """Where ``key`` is: hit, hit_pending, retry (a promotion runs: ask again) or miss. ``count`` False: the
         caller already counted this key's settled lookup (vLLM asks a request's whole prefix again after a retry)."""
+        return self.find(key, ctx, count).state
+
+    def find(self, key: bytes, ctx: AccessContext | None = None, count: bool = True) -> Found:
+        """:meth:`lookup`, and for a counted hit the tier that served it (:class:`Found`).
+
+        Measured hits per tier (what replay predicts): a lookup counts once it is settled (hit or miss; vLLM asks
+        again after retry and hit_pending), and a hit counts for the tier its bytes came from for this load -- the
+        first hit after a promotion for the tier it was promoted from, any other for the host tier (the promoted
+        row serves it). A caller that keeps ``served`` per request (the spec: vLLM's load source, the recording)
+        thus reports each loaded chunk under the tier these counters counted it for."""
         found = self._lookup(key, ctx)
-        # Measured hits per tier (what replay predicts): a lookup counts once it is settled (hit or miss; vLLM asks
-        # again after retry and hit_pending), and a hit counts for the tier its bytes came from -- the first hit
-        # after a promotion for the tier it was promoted from, any other for the host tier.
         if not count:
-            return found
+            return Found(found)
         if found == HIT:
             self.counters["lookup_keys"] += 1
             source = self._promoted_from.pop(key, 0) if self._promoted_from else 0
             self.hit_keys[self.breakers[source].name] += 1
-        elif found == MISS:
+            return Found(found, source)
+        if found == MISS:
             self.counters["lookup_keys"] += 1
-        return found
+        return Found(found)
+
+    def served_by(self, index: int) -> tuple[str, str]:
+        """A :attr:`Found.served` index as (the tier's name, its origin: ``host``, ``disk`` or ``remote``)."""
+        if index == 0:
+            return self.breakers[0].name, HOST
+        slot = self.slots[index - 1]
+        return slot.name, slot.tier.origin
 
     def _lookup(self, key: bytes, ctx: AccessContext | None) -> str:
         self.poll()
@@ -265,11 +283,6 @@ class OffloadBooks:
 
     def _bypassed_lookup(self, breaker: Breaker) -> None:
         self.breakers.bypassed_lookups[breaker.name] += 1
-
-    def source(self, key: bytes) -> str:
-        """Where a host-resident chunk's bytes came from: ``host`` (the engine stored it), ``disk`` or
-        ``remote`` (promoted from a filesystem or remote tier)."""
-        return self._origin.get(key, HOST)
 
     def _promote(self, key: bytes, slot: TierSlot, ctx: AccessContext | None, probe: bool = False) -> bool:
         reserved = self.host.reserve(key, ctx)
@@ -384,7 +397,6 @@ class OffloadBooks:
         for key in to_store:
             self.host.pin(key)
             self._writing.add(key)
-            self._origin[key] = HOST
         if evicted:
             self._event(evicted, -1, removed=True)
         self._update_occupancy()
@@ -404,7 +416,6 @@ class OffloadBooks:
                 done.append(key)
             else:
                 self.host.remove(key)
-                self._origin.pop(key, None)
                 failed.append(key)
         if failed:
             self._event(failed, -1, removed=True, metadata_only=True)
@@ -438,21 +449,54 @@ class OffloadBooks:
         return any(slot.breaker.serving and slot.tier.covers(self._tier_key(slot.tier, key)) for slot in self.slots)
 
     def _event(self, keys: Sequence[bytes], tier: int, *, removed: bool, metadata_only: bool = False) -> None:
-        if self.events is not None and keys and (tier < 0 or self.slots[tier].removals is not None):
+        """A host tier event (``tier`` -1), unless the host tier is bypassed (its chunks are not announced then:
+        :meth:`_show_host`)."""
+        if self.events is not None and keys and self.announced.host_shown:
             self.events.append(TierEvent(tuple(keys), tier, removed, metadata_only))
+
+    def _tier_holds(self, slot: TierSlot, keys: Sequence[bytes], held: bool) -> None:
+        """``keys`` entered (``held``) or left ``slot``'s tier: announced as a router's index needs them
+        (:class:`_Announced`)."""
+        if self.events is not None and slot.events and keys:
+            self.events.extend(self.announced.update(slot, keys, held))
+
+    def _offload_keys(self, slot: TierSlot, keys: Sequence[bytes]) -> list[bytes]:
+        """A tier's keys as offload keys: this run's only (another model's chunks in one directory are not this
+        engine's), without the run-identity suffix."""
+        if slot.tier.scoped_keys:
+            return list(keys)
+        n = len(self._suffix)
+        return [k[: len(k) - n] if n else k for k in keys if k.endswith(self._suffix)]
+
+    def _show_host(self, shown: bool) -> None:
+        """The host tier was bypassed (``shown`` False) or is back: its ready chunks leave or re-enter the index."""
+        keys = [k for k in self.host.held_keys() if not isinstance(k, _Fence) and self.host.is_ready(k)]
+        if shown:
+            self.announced.host_shown = True
+            self._event(keys, -1, removed=False)
+        else:
+            self._event(keys, -1, removed=True)
+            self.announced.host_shown = False
 
     def take_events(self) -> list[TierEvent]:
         """The KV cache events since the last call, oldest first (an eviction precedes the store that reused its
-        room); empty unless the books were made with ``enable_events``."""
+        room); empty unless the books were made with ``enable_events``. A tier its breaker bypasses (too slow,
+        or disabled by the control file) is not announced: its chunks leave the index at once and come back when it
+        serves again."""
         if self.events is None:
             return []
         self.poll()
-        n = len(self._suffix)
         for slot in self.slots:
-            if slot.removals is None:  # nothing recorded, nothing to announce
-                continue
-            gone = [k[: len(k) - n] if n else k for k in slot.removals.take_removals() if k.endswith(self._suffix)]
-            self._event(gone, slot.index, removed=True)
+            if slot.events:
+                changes = slot.tier.take_changes()
+                self._tier_holds(slot, self._offload_keys(slot, changes.stored), True)
+                self._tier_holds(slot, self._offload_keys(slot, changes.removed), False)
+        host = self.breakers[0].serving
+        if host != self.announced.host_shown:
+            self._show_host(host)
+        for slot in self.slots:
+            if slot.events:
+                self.events.extend(self.announced.show(slot, host and slot.breaker.serving))
         events, self.events = self.events, []
         out = []
         for event in events:
@@ -467,7 +511,6 @@ class OffloadBooks:
     def _forget(self, victims: Sequence[tuple[bytes, int]]) -> list[bytes]:
         keys = [k for k, _ in victims]
         for key in keys:
-            self._origin.pop(key, None)
             self._promoted_from.pop(key, None)
         self.counters["host_evictions"] += len(keys)
         if keys:
@@ -500,7 +543,6 @@ class OffloadBooks:
                 dropped += 1
             else:
                 self._fence(key)
-            self._origin.pop(key, None)
         if not len(self.host):
             self.host.reset_slots()
         forget = getattr(self.host.policy, "forget_requests", None)
@@ -605,7 +647,6 @@ class OffloadBooks:
             self._count_loads(slot)
             self._promotions[(tier_index, job)] = replace(promo, probe=False, timed=False)
             self._fence(key)
-            self._origin.pop(key, None)
             self._note_failed_promotion(key)
             self._load_failures_by_origin[tier.origin]["timeout"] += 1
             self.counters["promotions_expired"] += 1
@@ -625,7 +666,6 @@ class OffloadBooks:
             tier = slot.tier
             if result.ok[0]:
                 self.host.mark_ready(key)
-                self._origin[key] = tier.origin
                 self._promoted_from[key] = slot.index + 1
                 self.counters[_COUNTERS[tier.origin][0]] += 1
                 self._event([key], -1, removed=False)
@@ -633,7 +673,6 @@ class OffloadBooks:
                 kind = result.errors.get(0, "other")
                 self._load_failures_by_origin[tier.origin][kind] += 1
                 self.host.remove(key)
-                self._origin.pop(key, None)
                 self._note_failed_promotion(key)
                 if not tier.logs_load_faults:  # a remote tier logs its own (an evicted chunk is no incident)
                     log.warning("kvtier: reading a block from %s failed (%s); vLLM recomputes it", tier.name, kind)
@@ -655,7 +694,7 @@ class OffloadBooks:
             self.counters[stored_counter if ok else refused_counter] += 1
             if ok:
                 stored.append(key)
-        self._event(stored, slot.index, removed=False)
+        self._tier_holds(slot, stored, True)
 
     def has_pending_work(self) -> bool:
         return bool(self._promotions or self._writes)
@@ -680,6 +719,82 @@ class OffloadBooks:
     @property
     def host_capacity_bytes(self) -> int:
         return self.host.capacity_bytes
+
+
+class _Announced:
+    """Which chunks the KV cache events said each tier behind the host tier holds, as a router's index needs them.
+
+    llm-d's index keeps one entry per (pod, medium) and no count: every tier behind the host tier is vLLM's STORAGE
+    medium, so a chunk a filesystem tier evicts while the remote tier still holds it must not be announced removed,
+    and a chunk two tiers hold is announced stored once. Per medium, the books keep which tiers hold each chunk; a
+    chunk is announced stored when a tier that serves (its breaker closed) first holds it, and removed when no
+    serving tier does -- under the tier that announced it (vLLM's events name the tier: its ``ownership``). A tier
+    its breaker bypasses stops counting as a holder (its chunks only it held leave the index) and counts again
+    when it serves. Bounded by what the tiers hold."""
+
+    def __init__(self, slots: Sequence[TierSlot]) -> None:
+        self._slots = slots
+        self._shown = [True] * len(slots)  # per tier: serving as the events last said
+        self.host_shown = True
+        self._held: dict[str, dict[bytes, set[int]]] = {}  # medium -> chunk -> tiers holding it
+        self._owner: dict[tuple[str, bytes], int] = {}  # (medium, chunk) -> the tier it was announced under
+
+    def _medium(self, slot: TierSlot) -> str:
+        return slot.tier.event_place.medium
+
+    def _visible(self, holders: set[int] | None) -> bool:
+        return bool(holders) and any(self._shown[i] for i in holders)  # type: ignore[union-attr]
+
+    def update(self, slot: TierSlot, keys: Sequence[bytes], held: bool) -> list[TierEvent]:
+        medium = self._medium(slot)
+        group = self._held.setdefault(medium, {})
+        changed: list[tuple[bytes, bool, int]] = []  # (chunk, removed, announced under)
+        for key in keys:
+            holders = group.get(key)
+            before = self._visible(holders)
+            if held:
+                group.setdefault(key, set()).add(slot.index)
+            elif holders is not None:
+                holders.discard(slot.index)
+                if not holders:
+                    del group[key]
+            self._transition(medium, key, before, self._visible(group.get(key)), slot.index, changed)
+        return _grouped(changed)
+
+    def show(self, slot: TierSlot, shown: bool) -> list[TierEvent]:
+        """``slot``'s tier serves (``shown``) or is bypassed, as of now: the chunks whose visibility that changes."""
+        if self._shown[slot.index] == shown:
+            return []
+        medium = self._medium(slot)
+        group = self._held.get(medium, {})
+        mine = [(key, holders) for key, holders in group.items() if slot.index in holders]
+        before = {key: self._visible(holders) for key, holders in mine}
+        self._shown[slot.index] = shown
+        changed: list[tuple[bytes, bool, int]] = []
+        for key, holders in mine:
+            self._transition(medium, key, before[key], self._visible(holders), slot.index, changed)
+        return _grouped(changed)
+
+    def _transition(self, medium: str, key: bytes, before: bool, after: bool, tier: int,
+                    changed: list[tuple[bytes, bool, int]]) -> None:
+        if after and not before:
+            holders = self._held[medium][key]
+            owner = tier if tier in holders and self._shown[tier] else min(i for i in holders if self._shown[i])
+            self._owner[(medium, key)] = owner
+            changed.append((key, False, owner))
+        elif before and not after:
+            changed.append((key, True, self._owner.pop((medium, key), tier)))
+
+
+def _grouped(changed: Sequence[tuple[bytes, bool, int]]) -> list[TierEvent]:
+    """Consecutive changes of one kind under one tier as one event each, in order."""
+    runs: list[tuple[bool, int, list[bytes]]] = []
+    for key, removed, tier in changed:
+        if runs and runs[-1][0] == removed and runs[-1][1] == tier:
+            runs[-1][2].append(key)
+        else:
+            runs.append((removed, tier, [key]))
+    return [TierEvent(tuple(keys), tier, removed) for removed, tier, keys in runs]
 
 
 def _default_names(host: MemoryTier, tiers: Sequence[Tier]) -> list[str]:

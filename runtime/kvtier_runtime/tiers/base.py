@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from ..policies import AccessContext
     from .jobs import JobResult
 
-__all__ = ["KeyState", "RemovalLog", "ReplayPolicy", "Tier"]
+__all__ = ["EventPlace", "KeyState", "ReplayPolicy", "Tier", "TierChanges"]
 
 
 class KeyState(enum.Enum):
@@ -29,6 +29,28 @@ class ReplayPolicy(NamedTuple):
     shared: bool
 
 
+class EventPlace(NamedTuple):
+    """Where the KV cache events an engine publishes (vLLM's ``BlockStored``/``BlockRemoved``) place a tier's chunks,
+    so that a router's index (llm-d's KV-block index) scores them for this replica: ``medium`` (vLLM's medium name:
+    ``STORAGE`` for every tier behind the host tier; the index weights blocks by it), ``locality`` (``LOCAL``: this
+    replica's own; ``REMOTE``: a store every replica of the model reads) and ``owner`` (the tier's kind and, for a
+    shared tier, its scope: vLLM's ``ownership``, prefixed by the books with the tier's place in the lookup
+    order)."""
+
+    medium: str
+    locality: str
+    owner: str
+
+
+class TierChanges(NamedTuple):
+    """What changed in a tier since the last :meth:`Tier.take_changes`: keys that entered it other than through
+    this engine's own stores (a shared store: another replica's writes) and keys that left it (evicted, corrupt,
+    trimmed, dropped by the store or another replica)."""
+
+    stored: list[bytes]
+    removed: list[bytes]
+
+
 @runtime_checkable
 class Tier(Protocol):
     """A tier behind the host tier: it stores host rows and loads them back into host rows, by jobs that never
@@ -41,7 +63,7 @@ class Tier(Protocol):
     peer: str
     # What the tier is: "filesystem", "remote" (log lines, the registry that builds tiers from a spec).
     medium: str
-    # What the books call a chunk promoted from this tier (:meth:`OffloadBooks.source`), and the family of their
+    # What the books call a chunk promoted from this tier (:meth:`OffloadBooks.served_by`), and the family of their
     # counters it is counted in: "disk" or "remote".
     origin: str
     # Whether the tier scopes keys to the model itself (a remote store key carries the model identity): the books
@@ -78,6 +100,20 @@ class Tier(Protocol):
 
     @property
     def replay_policy(self) -> ReplayPolicy: ...
+
+    @property
+    def event_place(self) -> EventPlace:
+        """How the engine's KV cache events describe this tier's chunks."""
+        ...
+
+    def record_changes(self) -> None:
+        """From now on remember what enters and leaves the tier (:meth:`take_changes`): the engine publishes KV
+        cache events. Until then a tier keeps no such record."""
+        ...
+
+    def take_changes(self) -> TierChanges:
+        """What changed since the last call (empty until :meth:`record_changes` was called). Never does I/O."""
+        ...
 
     def gauges(self) -> Mapping[str, float]:
         """Its state beyond its bytes, by kind, as the engine exports it (``kvtier_runtime.engines.metric_defs``
@@ -122,18 +158,3 @@ class Tier(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-@runtime_checkable
-class RemovalLog(Protocol):
-    """An optional capability of a tier: it can list the keys that left it (evicted, corrupt, removed), for the KV
-    cache events an engine publishes. A tier whose contents others change behind its back (a store shared by every
-    replica) cannot, and does not implement it; the books then announce no events for that tier."""
-
-    def record_removals(self) -> None:
-        """From now on remember every key that leaves the tier, for :meth:`take_removals`."""
-        ...
-
-    def take_removals(self) -> list[bytes]:
-        """Keys that left the tier since the last call (empty until :meth:`record_removals` was called)."""
-        ...

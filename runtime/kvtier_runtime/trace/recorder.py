@@ -1,9 +1,12 @@
 """A bounded, off-the-hot-path recorder of the requests an engine's offloading manager sees (docs/replay.md).
 
 Output: Mooncake-format JSONL (:mod:`kvtier_runtime.replay.trace`), one request per line -- ``timestamp`` (ms since
-the recording started), ``input_length`` (prompt tokens in whole chunks), ``output_length`` (0: the manager is never
-told it) and ``hash_ids`` (the prompt's chunks in order) -- in ``trace-000.jsonl``, ``trace-001.jsonl``, ... under
-the trace folder, plus ``trace-meta.json`` describing the engine that produced it (what replay needs to model it).
+the recording started, when the request's lookups settled), ``input_length`` (the prompt's tokens as sent),
+``output_length`` (0: the manager is never told it), ``hash_ids`` (the prompt's whole chunks in order: a partial
+last chunk is never offloaded, so it has no id) and ``hit_tokens`` (the prompt tokens each of kvtier's tiers served
+the request, by tier name, as the engine's ``hit_tokens{tier}`` counts them) -- in ``trace-000.jsonl``,
+``trace-001.jsonl``, ... under the trace folder, plus ``trace-meta.json`` describing the engine that produced it
+(what replay needs to model it).
 
 Privacy: a chunk's id is a keyed hash (BLAKE2b) of vLLM's offload key under a key drawn from ``os.urandom`` for this
 recording and never written anywhere, numbered in order of first appearance. The trace thus reveals which prompts
@@ -71,7 +74,7 @@ class TraceRecorder:
         self.flush_interval_s = flush_interval_s
         self._clock = clock
         self._t0 = clock()
-        self._queue: deque[tuple[float, int, int, tuple[bytes, ...]]] = deque()
+        self._queue: deque[tuple[float, int, int, tuple[bytes, ...], dict[str, int] | None]] = deque()
         # Engine thread: drops for a full queue. Writer thread: everything else.
         self.dropped_queue_full = 0
         self.dropped: Counter[str] = Counter()  # too_large, write_error
@@ -103,12 +106,15 @@ class TraceRecorder:
             self._thread.start()
 
     # ---- engine thread --------------------------------------------------------------------------------------
-    def record(self, keys: Sequence[bytes], input_tokens: int, output_tokens: int = 0) -> bool:
-        """One request: its prompt chunks' offload keys in order. Never blocks; False when dropped (queue full)."""
+    def record(self, keys: Sequence[bytes], input_tokens: int, output_tokens: int = 0,
+               hit_tokens: dict[str, int] | None = None) -> bool:
+        """One request: its prompt chunks' offload keys in order, its prompt's length in tokens (as sent: the keys
+        cover its whole chunks) and, when given, the prompt tokens each tier served it (by tier name). Never blocks;
+        False when dropped (queue full)."""
         if len(self._queue) >= self.queue_max:
             self.dropped_queue_full += 1
             return False
-        self._queue.append((self._clock(), input_tokens, output_tokens, tuple(keys)))
+        self._queue.append((self._clock(), input_tokens, output_tokens, tuple(keys), hit_tokens))
         return True
 
     # ---- writer thread --------------------------------------------------------------------------------------
@@ -125,8 +131,8 @@ class TraceRecorder:
         with self._lock:
             batch: list[bytes] = []  # lines bound for the current file, written with one call
             while self._queue:
-                t, n_in, n_out, keys = self._queue.popleft()
-                line = self._line(t, n_in, n_out, keys)
+                t, n_in, n_out, keys, hits = self._queue.popleft()
+                line = self._line(t, n_in, n_out, keys, hits)
                 if len(line) > self.file_bytes:
                     self.dropped["too_large"] += 1
                     continue
@@ -141,7 +147,8 @@ class TraceRecorder:
             if self._meta_written != self._meta_state():
                 self._write_meta()
 
-    def _line(self, t: float, n_in: int, n_out: int, keys: tuple[bytes, ...]) -> bytes:
+    def _line(self, t: float, n_in: int, n_out: int, keys: tuple[bytes, ...],
+              hits: dict[str, int] | None = None) -> bytes:
         ids = self._ids
         out = []
         for key in keys:
@@ -157,8 +164,10 @@ class TraceRecorder:
                 ids.move_to_end(digest)
             out.append(i)
         ms = round(max(0.0, t - self._t0) * 1000.0, 3)
-        return (json.dumps({"timestamp": ms, "input_length": n_in, "output_length": n_out, "hash_ids": out},
-                           separators=(",", ":")) + "\n").encode()
+        record: dict[str, Any] = {"timestamp": ms, "input_length": n_in, "output_length": n_out, "hash_ids": out}
+        if hits is not None:
+            record["hit_tokens"] = hits
+        return (json.dumps(record, separators=(",", ":")) + "\n").encode()
 
     def _write_batch(self, batch: list[bytes]) -> None:
         """Whole lines to the current file in one unbuffered write: a kill leaves no line half on disk."""

@@ -14,7 +14,7 @@ from kvtier_runtime.config import ConfigError, FilesystemTierConfig, OffloadSpec
 from kvtier_runtime.engines.host_region import HostRegion, region_path, remove_stale_regions
 from kvtier_runtime.engines.page_copy import PageCopier
 from kvtier_runtime.fs.format import HEADER_BYTES
-from kvtier_runtime.store.books import DISK, HIT, HIT_PENDING, HOST, MISS, RETRY, OffloadBooks
+from kvtier_runtime.store.books import DISK, HIT, HIT_PENDING, HOST, MISS, RETRY, Found, OffloadBooks
 from plugins.runtime import engine_books, seq_key
 
 ROW = 4096
@@ -42,12 +42,22 @@ def _fill(key: bytes) -> torch.Tensor:
 
 
 def _settle(books: OffloadBooks, key: bytes, timeout_s: float = 10.0) -> str:
+    return _settle_found(books, key, timeout_s).state
+
+
+def _settle_found(books: OffloadBooks, key: bytes, timeout_s: float = 10.0) -> Found:
     deadline = time.monotonic() + timeout_s
     while True:
         books.drain(timeout_s)
-        state = books.lookup(key)
-        if state != RETRY or time.monotonic() > deadline:
-            return state
+        found = books.find(key)
+        if found.state != RETRY or time.monotonic() > deadline:
+            return found
+
+
+def _origin(books: OffloadBooks, found: Found) -> str:
+    """Where the counted hit ``found`` was served from (host, disk, remote)."""
+    assert found.served is not None, found
+    return books.served_by(found.served)[1]
 
 
 def test_store_then_host_hit_and_write_through(tmp_path) -> None:
@@ -59,7 +69,8 @@ def test_store_then_host_hit_and_write_through(tmp_path) -> None:
     for key, slot in zip(out[0], out[1]):
         region.rows[slot].copy_(_fill(key))
     books.complete_store(keys)
-    assert [books.lookup(k) for k in keys] == [HIT] * 3 and books.source(keys[0]) == HOST
+    found = [books.find(k) for k in keys]
+    assert [f.state for f in found] == [HIT] * 3 and _origin(books, found[0]) == HOST
     books.drain()
     assert books.counters["fs_stores"] == 3 and len(books.tiers[0]) == 3
     slots = books.prepare_load(keys)
@@ -83,7 +94,8 @@ def test_evicted_block_is_promoted_from_disk_with_identical_bytes(tmp_path) -> N
     _store(books, region, [seq_key(2), seq_key(3)], _fill)  # evicts `first` from the 2-row host tier
     assert first not in books.host and books.counters["host_evictions"] >= 1
     assert books.lookup(first) == RETRY  # a promotion from disk started
-    assert _settle(books, first) == HIT and books.source(first) == DISK
+    found = _settle_found(books, first)
+    assert found.state == HIT and _origin(books, found) == DISK
     (slot,) = books.prepare_load([first])
     assert torch.equal(region.rows[slot], _fill(first))
     books.complete_load([first])
@@ -98,7 +110,8 @@ def test_reset_host_keeps_the_disk_copy(tmp_path) -> None:
     books.prepare_load([keys[1]])  # a load in flight keeps its slot (fenced), not its key
     assert books.reset_host() == 1 and keys[0] not in books.host and keys[1] not in books.host
     assert books.fenced_slots == 1
-    assert _settle(books, keys[0]) == HIT and books.source(keys[0]) == DISK
+    found = _settle_found(books, keys[0])
+    assert found.state == HIT and _origin(books, found) == DISK
     books.complete_load([keys[1]])
     assert books.fenced_slots == 0
     books.close()
@@ -494,10 +507,15 @@ def test_settled_lookups_count_hits_per_tier_that_served_them(tmp_path) -> None:
     assert books.counters["lookup_keys"] == 2 and books.hit_keys == {host: 1}
     _store(books, region, [seq_key(2), seq_key(3)], _fill)  # evicts `first` from the 2-row host tier
     assert books.lookup(first) == RETRY and books.counters["lookup_keys"] == 2
-    assert _settle(books, first) == HIT and books.source(first) == DISK
+    found = _settle_found(books, first)
+    assert found.state == HIT and _origin(books, found) == DISK
     assert books.hit_keys == {host: 1, disk: 1} and books.counters["lookup_keys"] == 3
-    assert books.lookup(first) == HIT  # already in the host tier: the host tier serves it now
+    # Already in the host tier: the host tier serves it now, and the served tier the spec reports as vLLM's load
+    # source (and records) says so too -- the counters and the load source are one rule.
+    again = books.find(first)
+    assert again.state == HIT and _origin(books, again) == HOST
     assert books.hit_keys == {host: 2, disk: 1} and books.counters["lookup_keys"] == 4
+    assert books.find(first, count=False) == Found(HIT)  # a repeat the caller already counted: no tier named
     books.close()
     region.close(unlink=True)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvtier_runtime.config import OffloadSpecConfig
-from kvtier_runtime.tiers import KeyState, RemovalLog, Tier
+from kvtier_runtime.tiers import EventPlace, KeyState, Tier, TierChanges
 from kvtier_runtime.tiers.base import ReplayPolicy
 from kvtier_runtime.tiers.jobs import JobResult
 from kvtier_runtime.store.books import HIT, MISS, RETRY, OffloadBooks
@@ -102,6 +102,21 @@ class FakeTier:
     address = property(lambda self: f"fake://{self.name}")
     capacity_blocks = evictions = 0
     replay_policy = property(lambda self: ReplayPolicy("lru", "none", self.scoped_keys))
+    event_place = property(lambda self: EventPlace("STORAGE", "REMOTE" if self.scoped_keys else "LOCAL",
+                                                   f"fake-{self.name}"))
+
+    # KV events: what the test says entered (another replica's writes) and left the tier since the last call.
+    recording = False
+    arrived: list[bytes] = []
+    removed: list[bytes] = []
+
+    def record_changes(self) -> None:
+        self.recording, self.arrived, self.removed = True, [], []
+
+    def take_changes(self) -> TierChanges:
+        out = TierChanges(self.arrived, self.removed)
+        self.arrived, self.removed = [], []
+        return out
 
     def gauges(self) -> dict:
         return {}
@@ -119,15 +134,17 @@ def settings(**kw) -> BreakerSettings:
                            window_chunks=8, probe_chunks=2, **kw)
 
 
-def make_books(clock, control_file: str | None = None, n_rows: int = 8, stamps: bool = False, **kw):
+def make_books(clock, control_file: str | None = None, n_rows: int = 8, stamps: bool = False, events: bool = False,
+               **kw):
     """Books over a host tier, a filesystem tier ``nvme`` and a remote tier ``remote`` (fakes). ``stamps``: the
-    tiers report when they finish a load (as the real ones do), else the books time a load until they collect it."""
+    tiers report when they finish a load (as the real ones do), else the books time a load until they collect it.
+    ``events``: KV cache events on."""
     host = MemoryTier("host", (ROW,), torch.uint8, n_rows * ROW)
     breakers = TierBreakers(["host", "nvme", "remote"], settings(**kw), clock=clock, control_file=control_file)
     nvme, remote = (FakeTier(name, on_complete=breakers.meters[i].on_complete if stamps else None, shared=i == 2)
                     for i, name in ((1, "nvme"), (2, "remote")))
     assert isinstance(nvme, Tier) and isinstance(remote, Tier)
-    books = OffloadBooks(host, [nvme, remote], key_suffix=SUFFIX, breakers=breakers)
+    books = OffloadBooks(host, [nvme, remote], key_suffix=SUFFIX, breakers=breakers, enable_events=events)
     return books, nvme, remote
 
 
@@ -194,8 +211,8 @@ def test_a_slow_middle_tier_is_skipped_and_the_tier_behind_it_serves() -> None:
     assert books.breakers[1].state == OPEN
     held_in(nvme, seq_key(50))
     held_in(remote, seq_key(50), remote=True)
-    assert load_through(books, remote, clock, seq_key(50), 0.1 * CHUNK_S) == HIT and books.source(seq_key(50)) == \
-        "remote"
+    assert load_through(books, remote, clock, seq_key(50), 0.1 * CHUNK_S) == HIT
+    assert books.hit_keys[books.slots[1].name] == 1  # counted for the remote tier, behind the skipped one
     assert seq_key(50) + SUFFIX not in nvme.loads
 
 
@@ -412,46 +429,79 @@ def test_two_remote_tiers_on_one_store_get_distinct_default_names() -> None:
     assert TierBreakers.for_spec(cfg, TOKENS).names == ["host", "redis://kv:6379", "redis://kv:6379#2"]
 
 
-class ListingTier(FakeTier):
-    """A FakeTier that can list the keys that left it (kvtier_runtime.tiers.RemovalLog), as a filesystem tier can."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.recording = False
-        self.removed: list[bytes] = []
-
-    def record_removals(self) -> None:
-        self.recording = True
-
-    def take_removals(self) -> list[bytes]:
-        out, self.removed = self.removed, []
-        return out
+def announced(books: OffloadBooks) -> list[tuple[int, bool, tuple[bytes, ...]]]:
+    """The books' KV events for the tiers behind the host tier: (announced under tier, removed, keys)."""
+    return [(e.tier, e.removed, e.keys) for e in books.take_events() if e.tier >= 0]
 
 
-def test_one_ordered_tier_list_events_come_from_the_tiers_that_can_list_their_removals() -> None:
-    """The books take every tier in one list, in lookup order; which tier announces KV events is decided by what
-    the tier can do (list its removals), never by its kind or its place in the list."""
+def test_every_tier_announces_its_chunks_once_per_medium_whatever_its_kind_or_place() -> None:
+    """The books take every tier in one list, in lookup order, and each announces what enters and leaves it; which
+    tier announces is never decided by its kind or its place in the list. Both tiers are vLLM's STORAGE medium, and
+    a router's index keeps one entry per medium (llm-d's, no count): a chunk both hold is announced once, and is
+    removed only when neither holds it -- under the tier that announced it."""
     host = MemoryTier("host", (ROW,), torch.uint8, 4 * ROW)
-    shared, listing = FakeTier("remote", shared=True), ListingTier("nvme")
-    assert not isinstance(shared, RemovalLog) and isinstance(listing, RemovalLog)
-    books = OffloadBooks(host, [shared, listing], key_suffix=SUFFIX, enable_events=True)
-    assert books.tiers == [shared, listing] and listing.recording
-    listing.removed = [seq_key(1) + SUFFIX, seq_key(2) + b"other-model"]  # another run's key is not announced
-    events = [e for e in books.take_events() if e.tier >= 0]
-    assert [(e.tier, e.removed, e.keys) for e in events] == [(1, True, (seq_key(1),))]
-    # Events off for the listing tier: it is not asked to record.
-    quiet = ListingTier("hdd")
+    shared, local = FakeTier("remote", shared=True), FakeTier("nvme")
+    books = OffloadBooks(host, [shared, local], key_suffix=SUFFIX, enable_events=True)
+    assert books.tiers == [shared, local] and shared.recording and local.recording
+    # Another replica wrote k1 into the shared store; the local tier holds k1 and k2 (another run's key: not ours).
+    shared.arrived = [seq_key(1)]
+    local.arrived = [seq_key(1) + SUFFIX, seq_key(2) + SUFFIX, seq_key(3) + b"other-model"]
+    assert announced(books) == [(0, False, (seq_key(1),)), (1, False, (seq_key(2),))]
+    local.removed = [seq_key(1) + SUFFIX, seq_key(2) + SUFFIX]  # evicted from disk: k1 is still in the store
+    assert announced(books) == [(1, True, (seq_key(2),))]
+    shared.removed = [seq_key(1)]  # trimmed from the store: now nobody holds it
+    assert announced(books) == [(0, True, (seq_key(1),))]
+    # Events off for a tier: it is not asked to record, and announces nothing.
+    quiet = FakeTier("hdd")
     OffloadBooks(host, [quiet], enable_events=True, tier_events=[False])
     assert not quiet.recording
 
 
+def test_a_bypassed_tier_leaves_the_index_and_comes_back_when_it_serves_again(tmp_path) -> None:
+    """The control file disables nvme: the chunks only nvme holds are announced removed at the next events (a
+    router must stop sending their prefixes here), those the store also holds stay; what enters or leaves nvme
+    meanwhile is not announced. Re-enabled, it stays out of the index while half-open and is announced again, as
+    it holds then, once its probes pass. The host tier disabled takes every chunk out of the index."""
+    root = tmp_path / "kvtier-control"
+    root.mkdir()
+    configmap_update(root, {"control.json": json.dumps({"disabledTiers": [], "generation": 1})}, 1)
+    clock = ManualClock()
+    books, nvme, remote = make_books(clock, control_file=str(root / "control.json"), events=True,
+                                     half_open_dwell_s=0.0)
+    store(books, seq_key(9))
+    nvme.arrived = [seq_key(1) + SUFFIX, seq_key(2) + SUFFIX]
+    remote.arrived = [seq_key(2)]
+    assert announced(books) == [(0, False, (seq_key(1), seq_key(2)))]
+    configmap_update(root, {"control.json": json.dumps({"disabledTiers": ["nvme"], "generation": 2})}, 2)
+    clock.advance(1.0)
+    assert announced(books) == [(0, True, (seq_key(1),))]  # k2: the store still serves it
+    nvme.arrived = [seq_key(3) + SUFFIX]  # a write that was in flight lands while bypassed
+    nvme.removed = [seq_key(2) + SUFFIX]
+    assert announced(books) == []
+    configmap_update(root, {"control.json": json.dumps({"disabledTiers": [], "generation": 3})}, 3)
+    clock.advance(1.0)
+    books.poll()
+    assert books.breakers[1].state == HALF_OPEN and announced(books) == []
+    for i in (13, 14):
+        held_in(nvme, seq_key(i))
+        assert load_through(books, nvme, clock, seq_key(i), 0.1 * CHUNK_S) == HIT
+        clock.advance(1.0)
+    assert books.breakers[1].state == CLOSED
+    # k9's write-through to nvme, queued before the tier was disabled, finished while it was bypassed.
+    assert announced(books) == [(0, False, (seq_key(1), seq_key(3), seq_key(9)))]
+    configmap_update(root, {"control.json": json.dumps({"disabledTiers": ["host"], "generation": 4})}, 4)
+    clock.advance(1.0)
+    events = books.take_events()
+    assert [e.removed for e in events] == [True] * len(events)
+    assert seq_key(9) in {k for e in events if e.tier < 0 for k in e.keys}
+    assert sorted(k for e in events if e.tier >= 0 for k in e.keys) == [seq_key(i) for i in (1, 2, 3, 9)]
+
+
 @pytest.mark.parametrize(("kw", "message"), [
-    ({"enable_events": True, "tier_events": [True, False]},
-     r"tier_events: remote cannot list the keys that leave it .* cannot announce KV cache events"),
     ({"tier_events": [True]}, r"tier_events: 1 flags for 2 tiers \(one per tier\)"),
     ({"rows": [None]}, r"rows: 1 row views for 2 tiers \(one per tier\)"),
 ])
 def test_the_books_refuse_per_tier_options_that_do_not_fit_the_tier_list(kw, message) -> None:
     host = MemoryTier("host", (ROW,), torch.uint8, 4 * ROW)
     with pytest.raises(ValueError, match=message):
-        OffloadBooks(host, [FakeTier("remote", shared=True), ListingTier("nvme")], **kw)
+        OffloadBooks(host, [FakeTier("remote", shared=True), FakeTier("nvme")], **kw)

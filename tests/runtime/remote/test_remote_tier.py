@@ -330,15 +330,16 @@ def test_the_books_serve_one_replicas_chunk_to_another_from_the_store(tmp_path, 
     a.complete_store([key])
     a.drain()
     assert a.counters["remote_stores"] == 1
-    states = []
+    found = []
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        states.append(b.lookup(key))
-        if states[-1] != RETRY:
+        found.append(b.find(key))
+        if found[-1].state != RETRY:
             break
         time.sleep(0.005)
-    assert states[0] == RETRY and states[-1] == HIT, states
-    assert b.source(key) == REMOTE and b.counters["remote_promotions"] == 1
+    assert found[0].state == RETRY and found[-1].state == HIT, found
+    assert found[-1].served is not None and b.served_by(found[-1].served)[1] == REMOTE
+    assert b.counters["remote_promotions"] == 1
     (slot,) = b.prepare_load([key])
     assert torch.equal(region_b.rows[slot].view(torch.float16), _block(key))
     b.complete_load([key])

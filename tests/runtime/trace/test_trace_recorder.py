@@ -56,6 +56,24 @@ def test_a_recording_is_a_mooncake_trace_with_prefix_ids_in_first_appearance_ord
     assert trace.requests == [[0, 1, 2], [0, 1, 3, 4]] and trace.input_lengths == [48, 64]
 
 
+def test_a_recording_writes_the_prompt_length_sent_and_the_tokens_each_tier_served(tmp_path) -> None:
+    """A prompt of two whole 16-token chunks and a 5-token tail is recorded as 37 tokens (what was sent) with two
+    ids; replay reads it without a block-count warning (kvtier's ids are whole chunks only), and the tokens each
+    tier served are on the line."""
+    from kvtier_runtime.replay.trace import trace_warnings
+
+    rec = _recorder(tmp_path, clock=Clock())
+    rec.record([seq_key(1), seq_key(2)], 37, hit_tokens={"host": 16, "disk": 16})
+    rec.record([seq_key(1)], 20, hit_tokens={})
+    rec.close()
+    assert [(d["input_length"], d["hit_tokens"]) for d in _lines(tmp_path)] == [
+        (37, {"host": 16, "disk": 16}), (20, {})]
+    trace = load_trace(tmp_path / "trace-000.jsonl")
+    assert trace.input_lengths == [37, 20] and trace_warnings(trace, 16) == []
+    # A wrong --block-tokens still shows: 37 tokens are neither 1 nor 2 blocks of 8.
+    assert any("block-tokens 8" in w for w in trace_warnings(trace, 8))
+
+
 def test_ids_are_stable_within_a_recording_and_unlinkable_across_two(tmp_path) -> None:
     keys = [seq_key(i) for i in range(50)]
     order = [keys[(7 * i) % 50] for i in range(50)]

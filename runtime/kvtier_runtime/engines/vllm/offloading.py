@@ -152,10 +152,15 @@ class KvtierOffloadingManager(OffloadingManager):
         self._extra_steps = 0
         self._lock = threading.RLock()
         self._requests: dict[str, dict[OffloadKey, int | None]] = {}  # request -> chunks it used, their positions
-        # Recording (trace_dir): the requests already recorded, until they finish.
-        self._traced: set[str] = set()
-        # Per running request, the keys whose settled lookup hit_tokens/lookup_tokens counted.
-        self._counted: dict[str, set[OffloadKey]] = {}
+        # Recording (trace_dir): per running request, its prompt's chunks and length as first seen (None once
+        # recorded), until it finishes.
+        self._traced: dict[str, tuple[tuple[bytes, ...], int] | None] = {}
+        # Per running request, the keys whose settled lookup hit_tokens/lookup_tokens counted, each with the tier
+        # that served it (Found.served; None: a miss): vLLM's load source and the recording read it from here, so
+        # the counters, the load source and the recording name the same tier for every chunk.
+        self._counted: dict[str, dict[OffloadKey, int | None]] = {}
+        # Per running request, the prompt's length in tokens (as vLLM's scheduler announced the request).
+        self._prompt_tokens: dict[str, int] = {}
         try:
             self.recorder = _trace_recorder(spec, self) if cfg.trace_dir is not None else None
         except ConfigError:  # start-up fails: leave no tier threads or shared memory behind
@@ -205,23 +210,39 @@ class KvtierOffloadingManager(OffloadingManager):
         if req_context is None:
             return _LOOKUP[self.books.lookup(bytes(key), None)]
         if self.recorder is not None and req_context.req_id not in self._traced:
-            self._trace(req_context)
+            self._first_seen(req_context)
         # hit_tokens/lookup_tokens count a request's key once: after a retry vLLM asks the whole prefix again.
         counted = self._counted.get(req_context.req_id)
         if counted is None:
             if len(self._counted) >= MAX_COUNTED_REQUESTS:  # requests never finished (not vLLM's way): forget
                 self._counted.clear()
-            counted = self._counted[req_context.req_id] = set()
+            counted = self._counted[req_context.req_id] = {}
         count = key not in counted
-        found = self.books.lookup(bytes(key), access_context(key, req_context), count=count)
-        if count and (found == "hit" or found == "miss"):
-            counted.add(key)
-        return _LOOKUP[found]
+        found = self.books.find(bytes(key), access_context(key, req_context), count=count)
+        if count and (found.state == "hit" or found.state == "miss"):
+            counted[key] = found.served
+        return _LOOKUP[found.state]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
-        return _SOURCES[self.books.source(bytes(key))]
+        """The tier this request's counted lookup of ``key`` said served it (vLLM asks after the lookups, for the
+        keys it loads): the first load after a promotion is the promoted tier's, any later one the host tier's, as
+        ``hit_tokens{tier}`` counts them."""
+        counted = self._counted.get(req_context.req_id) if req_context is not None else None
+        served = counted.get(key) if counted is not None else None
+        return _SOURCES[self.books.served_by(served)[1] if served is not None else HOST]
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        if self.recorder is not None:
+            tokens = _announced_prompt_tokens()
+            if tokens is not None:
+                if len(self._prompt_tokens) >= MAX_COUNTED_REQUESTS:  # never finished: forget (a bound)
+                    self._prompt_tokens.clear()
+                self._prompt_tokens[req_context.req_id] = tokens
+        return RequestOffloadingContext()
 
     def prepare_load(self, keys: Any, req_context: ReqContext, **kwargs: Any) -> LoadStoreSpec:
+        if self.recorder is not None and req_context is not None:
+            self._trace(req_context)
         keys = list(keys)
         self._observe(keys, req_context)
         ctx = [access_context(k, req_context) for k in keys] if self.books.request_aware else None
@@ -240,23 +261,47 @@ class KvtierOffloadingManager(OffloadingManager):
             if key not in seen:
                 seen[key] = req_context.get_offload_key_position(key)
 
-    def _trace(self, req_context: ReqContext) -> None:
-        """Record a request the first time the manager hears of it with its keys known: at its first lookup the
-        request context holds every full chunk of the prompt (vLLM's scheduler sets each offload key's end-token
-        position before it looks any up), in prompt order. A request first seen at its end is recorded then, with
-        the chunks it has by then (generated ones too). The engine thread only copies the keys and queues them."""
-        self._traced.add(req_context.req_id)
+    def _first_seen(self, req_context: ReqContext) -> None:
+        """Note a request's prompt the first time the manager hears of it with its keys known: at its first lookup
+        the request context holds every full chunk of the prompt (vLLM's scheduler sets each offload key's
+        end-token position before it looks any up), in prompt order. Recorded once its lookups settle
+        (:meth:`_trace`). The engine thread only copies the keys."""
+        if len(self._traced) >= MAX_COUNTED_REQUESTS:  # requests never finished (not vLLM's way): forget
+            self._traced.clear()
         positions = getattr(req_context, "_offload_key_positions", None)  # vLLM 0.32/0.33 ReqContext
         if not positions:
+            self._traced[req_context.req_id] = ((), 0)
             return
-        keys = tuple(positions)  # insertion order: vLLM adds a request's keys chunk by chunk
-        self.recorder.record(keys, positions[keys[-1]])  # type: ignore[union-attr]
+        keys = tuple(bytes(k) for k in positions)  # insertion order: vLLM adds a request's keys chunk by chunk
+        whole = positions[next(reversed(positions))]
+        self._traced[req_context.req_id] = (keys, self._prompt_tokens.pop(req_context.req_id, whole))
+
+    def _trace(self, req_context: ReqContext) -> None:
+        """Record a request once its lookups settled (its first load, its first store, or its end, whichever
+        comes first): its prompt's chunks, the prompt's length as sent (vLLM announced it; the whole chunks' length
+        where it did not) and the tokens each tier served it (as ``hit_tokens{tier}`` counted them). A request first
+        seen at its end is recorded then, with the chunks it has by then (generated ones too)."""
+        req_id = req_context.req_id
+        if req_id not in self._traced:
+            self._first_seen(req_context)
+        pending = self._traced.get(req_id)
+        if pending is None:  # recorded already
+            return
+        self._traced[req_id] = None
+        keys, prompt_tokens = pending
+        if not keys:
+            return
+        hits: Counter[str] = Counter()
+        for served in (self._counted.get(req_id) or {}).values():
+            if served is not None:
+                hits[self.books.served_by(served)[0]] += self.spec.tokens_per_chunk
+        self.recorder.record(keys, prompt_tokens, hit_tokens=dict(hits))  # type: ignore[union-attr]
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         if self.recorder is not None:
-            if req_context.req_id not in self._traced:
-                self._trace(req_context)
-            self._traced.discard(req_context.req_id)
+            self._trace(req_context)
+            self._traced.pop(req_context.req_id, None)
+            self._prompt_tokens.pop(req_context.req_id, None)
         self._counted.pop(req_context.req_id, None)
         seen = self._requests.pop(req_context.req_id, None)
         if not seen:
@@ -271,7 +316,7 @@ class KvtierOffloadingManager(OffloadingManager):
 
     # ---- stores ----
     def prepare_store(self, keys: Any, req_context: ReqContext, **kwargs: Any) -> PrepareStoreOutput | None:
-        if self.recorder is not None and req_context is not None and req_context.req_id not in self._traced:
+        if self.recorder is not None and req_context is not None:
             self._trace(req_context)
         keys = list(keys)
         self._observe(keys, req_context)
@@ -291,9 +336,6 @@ class KvtierOffloadingManager(OffloadingManager):
         self.books.complete_store([bytes(k) for k in keys], success)
 
     # ---- requests / steps ----
-    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        return RequestOffloadingContext()
-
     def on_schedule_end(self, context: Any = None) -> None:
         self.books.poll()
         if (not _HAS_RESET_FLUSHED and self.books.engine_fences
@@ -329,17 +371,22 @@ class KvtierOffloadingManager(OffloadingManager):
         self.books.reset_flushed()
 
     def take_events(self) -> Iterable[Any]:
-        """KV cache events of the host tier (medium CPU) and of every filesystem tier (medium STORAGE, local,
-        owned by ``<n>:kvtier-fs``); vLLM's publisher turns them into BlockStored/BlockRemoved."""
+        """KV cache events of the host tier (medium CPU) and of every tier behind it, placed as the tier says
+        (``Tier.event_place``: medium, locality, and its kind as the ownership, prefixed by its place in the lookup
+        order); vLLM's publisher turns them into BlockStored/BlockRemoved. A store is announced as one a removal
+        will end (``removal_expected``), so vLLM keeps the chunk's tokens for the events until its last tier
+        removes it (``self_describing_kv_events``)."""
+        slots = self.books.slots
         for event in self.books.take_events():
             keys = [OffloadKey(k) for k in event.keys]
             if event.tier < 0:
                 yield offloading_event(keys=keys, medium=Medium.CPU, removed=event.removed,
-                                        metadata_only=event.metadata_only)
-            else:
-                yield offloading_event(keys=keys, medium=getattr(Medium, "STORAGE", Medium.CPU),
-                                        removed=event.removed, locality=Locality.LOCAL,
-                                        ownership=f"{event.tier + 1}:kvtier-fs")
+                                       metadata_only=event.metadata_only, removal_expected=not event.removed)
+                continue
+            place = slots[event.tier].tier.event_place
+            yield offloading_event(keys=keys, medium=getattr(Medium, place.medium, Medium.CPU),
+                                   removed=event.removed, locality=Locality(place.locality),
+                                   ownership=f"{event.tier + 1}:{place.owner}", removal_expected=not event.removed)
 
     # ---- metrics / lifecycle ----
     def get_stats(self) -> OffloadingConnectorStats | None:
@@ -449,6 +496,27 @@ def _device_blocks(max_frames: int = 16) -> int | None:
         blocks = getattr(cfg, "num_blocks", None)
         if isinstance(blocks, int) and not isinstance(blocks, bool) and blocks > 1:
             return blocks
+        frame = frame.f_back
+    return None
+
+
+def _announced_prompt_tokens(max_frames: int = 4) -> int | None:
+    """The prompt length of the request vLLM's scheduler is announcing (``on_new_request``), or None. vLLM hands the
+    manager a ``ReqContext`` without the prompt; the connector calling it holds the ``Request`` (its
+    ``num_prompt_tokens``) a frame or two up. Read-only and bounded, like :func:`_device_blocks`; None where this
+    vLLM announces requests some other way (the recording then writes the whole chunks' length)."""
+    import sys
+
+    try:
+        frame = sys._getframe(2)
+    except ValueError:  # pragma: no cover - no caller frame
+        return None
+    for _ in range(max_frames):
+        if frame is None:
+            return None
+        tokens = getattr(frame.f_locals.get("request"), "num_prompt_tokens", None)
+        if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0:
+            return tokens
         frame = frame.f_back
     return None
 

@@ -127,7 +127,7 @@ class KvtierFilesystemTier(SecondaryTierManager):
             _log.warning("kvtier: enable_kv_events is set on tier %s but the engine's KV cache events are off",
                          self.config.root_dir)
         if self.events is not None:
-            self.tier.record_removals()
+            self.tier.record_changes()
 
     # ---- keys ---------------------------------------------------------------------------------------------
     def tier_key(self, key: OffloadKey) -> bytes:
@@ -225,7 +225,7 @@ class KvtierFilesystemTier(SecondaryTierManager):
         if self.events is None:
             return
         n = len(self._suffix)
-        gone = [OffloadKey(k[: len(k) - n] if n else k) for k in self.tier.take_removals()
+        gone = [OffloadKey(k[: len(k) - n] if n else k) for k in self.tier.take_changes().removed
                 if k.endswith(self._suffix)]  # another run's chunks (another model) are not this engine's
         events, self.events = self.events, []
         if gone:
