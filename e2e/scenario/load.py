@@ -1,8 +1,8 @@
 """The load: a small, bounded client replaying prefix-sharing requests from a Mooncake-format trace.
 
 Mooncake's trace gives each request the hash ids of its prompt's blocks; requests that share a prefix share the
-leading ids. Here each hash id becomes a fixed block of token ids (the same id, the same tokens), so prefix reuse
-in the trace is prefix reuse in the engine. Only the requests whose first block another request shares are
+leading ids. Here each hash id becomes a fixed block of the model's token ids of prose (the same id, the same
+tokens; ``vllm_cpu.prose.block``), so prefix reuse in the trace is prefix reuse in the engine. Only the requests whose first block another request shares are
 replayed (they are what a KV-cache tier is for), in trace order, capped at ``max_blocks`` blocks, one at a
 time at most ``rate`` a second. The client measures each request's time to first token from the stream.
 """
@@ -23,8 +23,11 @@ from typing import Callable, Optional
 BLOCK_TOKENS = 32
 
 
-def trace_prompts(path: Path, limit: int, max_blocks: int, block_tokens: int = BLOCK_TOKENS) -> list[list[int]]:
-    from vllm_cpu.model import prompt_ids  # the harness model's vocabulary
+def trace_prompts(path: Path, limit: int, max_blocks: int, corpus: list[int],
+                  block_tokens: int = BLOCK_TOKENS) -> list[list[int]]:
+    """The prompts (token ids) of the trace's prefix-sharing requests, each block a block of ``corpus`` (the
+    model's token ids of ``vllm_cpu.prose``)."""
+    from vllm_cpu.prose import block
 
     from kvtier_runtime.replay.trace import load_trace  # the one Mooncake reader (TraceError names the line)
 
@@ -37,7 +40,7 @@ def trace_prompts(path: Path, limit: int, max_blocks: int, block_tokens: int = B
         prompt: list[int] = []
         for h in ids[:max_blocks]:
             if h not in blocks:
-                blocks[h] = prompt_ids(block_tokens, seed=h)
+                blocks[h] = block(corpus, h, block_tokens)
             prompt += blocks[h]
         prompts.append(prompt)
     return prompts

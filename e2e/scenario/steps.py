@@ -35,6 +35,10 @@ HEALTHY_S = 40
 SLOWED_TIMEOUT_S = 180
 ROLL_TIMEOUT_S = 480
 RECOVER_S = 20
+# What the demo asks the trained model (SmolLM2-135M-Instruct) once its pod serves, and again after a minute of
+# load through a device cache far smaller than the load's prompts (its KV by then reloaded or recomputed): the
+# answer must be the same text.
+QUESTION = "What is the capital of France? Answer in one sentence."
 
 
 @dataclass
@@ -314,7 +318,7 @@ class Scenario:
         if not trace.is_file():
             raise ScenarioError(f"the load replays {trace}, which does not exist (pass --trace FILE, a Mooncake-format "
                                 "JSONL trace)")
-        prompts = trace_prompts(trace, limit=LOAD_REQUESTS, max_blocks=LOAD_MAX_BLOCKS)
+        prompts = trace_prompts(trace, limit=LOAD_REQUESTS, max_blocks=LOAD_MAX_BLOCKS, corpus=self.env.corpus)
         self.r.note(f"load: {len(prompts)} prefix-sharing requests replayed from {trace.name} ({LOAD_MAX_BLOCKS} "
                     "blocks of 32 tokens at most each), one at a time")
 
@@ -354,6 +358,11 @@ class Scenario:
         self._pods_running = True
         self.pods.wait_ready(ROLL_TIMEOUT_S * self.scale, on_tick=self.tick)
         self.timings.engine_start.append(self.pods.pods[0].start_seconds)
+        answer = self._ask(QUESTION)
+        # Asked twice: the second answer is served with the question's prefix in vLLM's own cache, as a reload
+        # from a tier is (in bfloat16 a cold prefill may round differently: docs/engines.md).
+        reference = self._ask(QUESTION)
+        self.r.ok(f'asked the model: "{QUESTION}" -> "{answer}"')
         load = TraceLoad(prompts, url=lambda: self.pods.pods[0].url if self.pods.pods else None,
                          rate=LOAD_RATE)
         self.env.supervisor.on_close("load", load.stop)  # runs before the pods stop
@@ -383,6 +392,12 @@ class Scenario:
         self.user_patch(policy_path(n.namespace, n.policy), {"spec": {"slo": {"ttftP99": f"{int(budget * 1000)}ms"}}})
         self.r.ok(f"TTFT healthy ({healthy}); SLO budget set to {budget:.1f}s (the first TTFT bucket bound over "
                   f"{manifests.REAL_BUDGET_FACTOR:g} x the healthy p99 measured here, + 0.1 s)")
+        again = self._ask(QUESTION)
+        if again != reference:
+            raise ScenarioError(f'asked again after the load, the model answered "{again}", not "{reference}": '
+                                "the KV it reloaded is not the KV it stored")
+        self.r.ok(f'asked again after {load.summary("healthy").n + load.summary("warm-up").n} requests of load: the '
+                  f'same answer, "{again}"')
 
         self.r.step(5, total, f"The {n.fs_tier} tier's device becomes slow",
                     f"{disk.describe()}\nMechanism {disk.mechanism}: {disk.why}.\n"
@@ -539,6 +554,15 @@ class Scenario:
             return "engine" in at
         self.wait(what, check, timeout)
         return at
+
+    def _ask(self, question: str) -> str:
+        """The serving pod's greedy answer to one user message (the model's chat template)."""
+        body = {"model": "model", "messages": [{"role": "user", "content": question}], "max_tokens": 48,
+                "temperature": 0.0}
+        req = urllib.request.Request(self.pods.pods[0].url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())["choices"][0]["message"]["content"]
 
     def _restarts(self, before: dict[str, tuple[str, int]]) -> int:
         """Engine restarts since ``before``, from the API server (pods.restarts_since)."""

@@ -104,6 +104,7 @@ class VllmServer:
         log_path: str | os.PathLike[str] | None = None,
         startup_timeout_s: float = 300.0,
         max_num_batched_tokens: int | None = None,
+        dtype: str = "bfloat16",
     ) -> None:
         self.model_dir = str(model_dir)
         self.config_path = None if config_path is None else str(config_path)
@@ -114,6 +115,7 @@ class VllmServer:
         self.env = dict(env or {})
         self.startup_timeout_s = startup_timeout_s
         self.max_num_batched_tokens = max_num_batched_tokens or max_model_len
+        self.dtype = dtype
         self.log_path = pathlib.Path(log_path) if log_path else pathlib.Path(
             tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1])
         self.port = 0
@@ -129,7 +131,7 @@ class VllmServer:
         cmd += [
             "--host", "127.0.0.1", "--port", str(self.port),
             "--served-model-name", "model",
-            "--dtype", "float32",
+            "--dtype", self.dtype,
             "--enforce-eager",
             "--enable-prefix-caching",
             "--kv-cache-memory-bytes", str(self.kv_cache_memory_bytes),
@@ -274,7 +276,16 @@ class VllmServer:
         """A greedy completion of a token-id prompt; the response JSON plus ``_latency_s``."""
         body = {"model": "model", "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0.0,
                 "ignore_eos": True}
-        req = urllib.request.Request(f"{self.url}/v1/completions", data=json.dumps(body).encode(),
+        return self._post("/v1/completions", body, timeout_s)
+
+    def chat(self, question: str, max_tokens: int = 32, timeout_s: float = 300.0) -> dict[str, Any]:
+        """A greedy chat completion of one user message (the model's chat template); stops at the end of turn."""
+        body = {"model": "model", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+                "temperature": 0.0}
+        return self._post("/v1/chat/completions", body, timeout_s)
+
+    def _post(self, path: str, body: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
+        req = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         t0 = time.monotonic()
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
@@ -300,6 +311,11 @@ class VllmServer:
     @staticmethod
     def text(response: Mapping[str, Any]) -> str:
         return response["choices"][0]["text"]
+
+    @staticmethod
+    def answer(response: Mapping[str, Any]) -> str:
+        """The assistant's message of a :meth:`chat` response."""
+        return response["choices"][0]["message"]["content"]
 
     @staticmethod
     def cached_tokens(response: Mapping[str, Any]) -> int | None:

@@ -137,6 +137,12 @@ def _operator_main() -> Callable[[Sequence[str]], int]:
     return main
 
 
+def _accuracy_main() -> Callable[[Sequence[str]], int]:
+    from kvtier_runtime.accuracy.cli import main
+
+    return main
+
+
 def _demo_main() -> Callable[[Sequence[str]], int]:
     return _delegate_demo
 
@@ -166,6 +172,7 @@ def _delegate_demo(argv: Sequence[str]) -> int:
 _EXTERNAL = [
     ("replay", _replay_main, "replay a trace to size tiers and compare policies (kvtier replay --help)"),
     ("operator", _operator_main, "run the operator (kvtier operator --help)"),
+    ("accuracy", _accuracy_main, "what the KV codecs do to a model's predictions, on its real KV (kvtier accuracy --help)"),
     ("demo", _demo_main, "run the end-to-end scenario from a checkout: python -m scenario in its e2e/ (kvtier demo --help)"),
 ]
 

@@ -36,7 +36,8 @@ from .selectors import to_query
 from .settings import POLICY_LABEL, REENABLE_ANNOTATION, Settings
 from .slo import hit_ratios as hr
 from .slo_tick import DEFAULT_INTERVAL, GuardStep, evaluate, misconfigured
-from .status import Cond, compose, condition, merge_conditions, now_rfc3339
+from .reports import Cond, Event
+from .status import compose, condition, merge_conditions, now_rfc3339
 from .status_writer import write_status
 from .tiers import stored_guard, tier_states
 from .trust import foreign_holder_message, owns_config_map, remote_secret_names
@@ -53,7 +54,7 @@ class Outcome:
     """What one pass did (returned to the async side, which posts the events and counts)."""
 
     body: Optional[dict[str, Any]]
-    events: list[rc.Event] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
     applied: dict[str, str] = field(default_factory=dict)  # workload ref -> config hash now on it
     guard: Optional[GuardStep] = None  # the SLO guard's step, when it evaluated in this pass
 
@@ -83,11 +84,11 @@ def guard_fields(step: GuardStep, conditions: list[dict[str, Any]], generation: 
     return out
 
 
-def tier_idle_event(before: dict[str, Any], after: dict[str, Any]) -> Optional[rc.Event]:
+def tier_idle_event(before: dict[str, Any], after: dict[str, Any]) -> Optional[Event]:
     """One Event when ``TierIdle`` turns True (not on every evaluation it stays True)."""
     was, now = condition(before, "TierIdle") or {}, condition(after, "TierIdle") or {}
     if now.get("status") == "True" and was.get("status") != "True":
-        return rc.Event("Normal", "TierIdle", str(now.get("message") or ""))
+        return Event("Normal", "TierIdle", str(now.get("message") or ""))
     return None
 
 
@@ -144,7 +145,7 @@ class Operator:
         return value
 
     def observe_workloads(self, namespace: str, name: str, selector: Optional[dict[str, Any]],
-                          hints: Optional[dict[str, tuple[bool, bool]]] = None) -> list[dict]:
+                          hints: Optional[dict[str, tuple[bool, bool]]] = None) -> list[dict[str, Any]]:
         """Workloads matching the selector or carrying our label, read in full from the API server.
 
         ``hints`` (kind -> (some match the selector, some carry our label only)), from the workload indexes,

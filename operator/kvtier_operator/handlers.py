@@ -18,7 +18,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, cast
 
 import kopf
 
@@ -39,6 +39,10 @@ log = logging.getLogger("kvtier.operator")
 POLICY = (api.GROUP, api.VERSION, api.PLURAL)
 REGISTRY = kopf.OperatorRegistry()
 Key = tuple[str, str]
+# kopf's in-memory indexes as the index handlers below fill them: namespace -> the entries they return.
+# kopf's handler protocols want every argument keyword-only and typed as kopf passes it; these handlers take only
+# what they use, so each registration is marked (the arguments kopf passes are what they name).
+Index = kopf.Index[str, dict[str, Any]]
 KOPF_PROGRESS_FIELD = "status.kopf.progress"
 KOPF_TOUCH_FIELD = "status.kopf.dummy"
 KOPF_DIFFBASE_FIELD = "status.kopf.lastHandledConfiguration"
@@ -88,7 +92,7 @@ def backoff_delay(settings: Settings, retry: int) -> float:
     """The one backoff: the delay before retry number ``retry`` (0: the first), initial x 2^retry, capped at
     backoff_max. The release handler hands it to kopf (TemporaryError, kopf counts ``retry``); a policy's loop
     counts its failures in a row itself (kopf's daemon retry count never resets while the daemon lives)."""
-    return min(settings.backoff_initial * 2 ** min(max(retry, 0), 32), settings.backoff_max)
+    return float(min(settings.backoff_initial * 2 ** min(max(retry, 0), 32), settings.backoff_max))
 
 
 # ---------------------------------------------------------------------------------------------- handlers
@@ -98,7 +102,7 @@ def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
     return connection_info(memo.shared.op.kube)
 
 
-@kopf.index(*POLICY, id="kvtier_policies", registry=REGISTRY)  # the id is the kwarg name
+@kopf.index(*POLICY, id="kvtier_policies", registry=REGISTRY)  # type: ignore[arg-type]  # the id is the kwarg name
 async def kvtier_policies(namespace: str, name: str, spec: Any, meta: Any, **_: Any) -> dict[str, Any]:
     tiers = dict(spec).get("tiers") or []
     return {namespace: {"name": name, "selector": dict(spec).get("selector"), "slo": bool(dict(spec).get("slo")),
@@ -110,20 +114,20 @@ async def kvtier_policies(namespace: str, name: str, spec: Any, meta: Any, **_: 
 # something. Indexing writes nothing. The index functions are async on purpose: kopf runs a sync handler in its
 # thread executor, and at a few hundred policies that hand-off (for every watch event of every Deployment) cost
 # kopf's event loop more than the indexing itself, delaying the daemons' start (bench/operator_scale.py, profiled).
-@kopf.index("apps", "v1", "deployments", id="kvtier_deployments", registry=REGISTRY)
+@kopf.index("apps", "v1", "deployments", id="kvtier_deployments", registry=REGISTRY)  # type: ignore[arg-type]
 async def kvtier_deployments(namespace: str, name: str, labels: Any, **_: Any) -> dict[str, Any]:
     return {namespace: {"name": name, "labels": dict(labels)}}
 
 
-@kopf.index("apps", "v1", "statefulsets", id="kvtier_statefulsets", registry=REGISTRY)
+@kopf.index("apps", "v1", "statefulsets", id="kvtier_statefulsets", registry=REGISTRY)  # type: ignore[arg-type]
 async def kvtier_statefulsets(namespace: str, name: str, labels: Any, **_: Any) -> dict[str, Any]:
     return {namespace: {"name": name, "labels": dict(labels)}}
 
 
-@kopf.on.event(*POLICY, id="policy-event", registry=REGISTRY)
+@kopf.on.event(*POLICY, id="policy-event", registry=REGISTRY)  # type: ignore[arg-type]
 async def policy_event(type: str, name: str, namespace: str, meta: Any, spec: Any, body: Any, memo: kopf.Memo,
-                       kvtier_policies: kopf.Index, kvtier_deployments: kopf.Index,
-                       kvtier_statefulsets: kopf.Index, **_: Any) -> None:
+                       kvtier_policies: Index, kvtier_deployments: Index,
+                       kvtier_statefulsets: Index, **_: Any) -> None:
     shared: Shared = memo.shared
     selector = dict(spec).get("selector") if type != "DELETED" else None
     change = shared.events.policy((namespace, name), type, meta, selector)
@@ -147,30 +151,30 @@ async def policy_event(type: str, name: str, namespace: str, meta: Any, spec: An
 
 
 @kopf.on.event("apps", "v1", "deployments", id="deployments-event", registry=REGISTRY)
-@kopf.on.event("apps", "v1", "statefulsets", id="statefulsets-event", registry=REGISTRY)
+@kopf.on.event("apps", "v1", "statefulsets", id="statefulsets-event", registry=REGISTRY)  # type: ignore[arg-type]
 async def workload_event(type: str, name: str, namespace: str, body: Any, meta: Any, memo: kopf.Memo,
-                         kvtier_policies: kopf.Index, **_: Any) -> None:
+                         kvtier_policies: Index, **_: Any) -> None:
     shared: Shared = memo.shared
     change = shared.events.workload((namespace, body.get("kind") or "", name), type, meta,
                                     rolled_out=Workload(body).rolled_out())
     if change in ("echo", "quiet"):
         return
-    for policy in concerned(change, dict(meta.get("labels") or {}), kvtier_policies.get(namespace, [])):
+    for policy in concerned(change, dict(meta.get("labels") or {}), list(kvtier_policies.get(namespace, []))):
         if change == "status":
             shared.wakeups.trigger_later((namespace, policy), STATUS_ONLY_DELAY)
         else:
             shared.wakeups.trigger((namespace, policy))
 
 
-@kopf.daemon(*POLICY, id="reconcile", cancellation_timeout=30, registry=REGISTRY)
+@kopf.daemon(*POLICY, id="reconcile", cancellation_timeout=30, registry=REGISTRY)  # type: ignore[arg-type]
 async def policy_daemon(name: str, namespace: str, stopped: kopf.DaemonStopped, logger: logging.Logger,
-                        memo: kopf.Memo, kvtier_policies: kopf.Index, kvtier_deployments: kopf.Index,
-                        kvtier_statefulsets: kopf.Index, **_: Any) -> None:
+                        memo: kopf.Memo, kvtier_policies: Index, kvtier_deployments: Index,
+                        kvtier_statefulsets: Index, **_: Any) -> None:
     indexes = {"Deployment": kvtier_deployments, "StatefulSet": kvtier_statefulsets}
     await policy_loop(memo.shared, namespace, name, stopped, logger, kvtier_policies, indexes)
 
 
-@kopf.on.delete(*POLICY, id="release", registry=REGISTRY)
+@kopf.on.delete(*POLICY, id="release", registry=REGISTRY)  # type: ignore[arg-type]
 async def release(name: str, namespace: str, body: Any, logger: logging.Logger, retry: int, memo: kopf.Memo,
                   **_: Any) -> None:
     shared: Shared = memo.shared
@@ -189,8 +193,8 @@ async def release(name: str, namespace: str, body: Any, logger: logging.Logger, 
 # ---------------------------------------------------------------------------------------------- the loop
 
 async def policy_loop(shared: Shared, namespace: str, name: str, stopped: kopf.DaemonStopped,
-                      logger: logging.Logger, index: kopf.Index,
-                      workload_indexes: Optional[dict[str, kopf.Index]] = None) -> None:
+                      logger: logging.Logger, index: Index,
+                      workload_indexes: Optional[dict[str, Index]] = None) -> None:
     """One loop per policy: a pass (reconcile, the SLO guard when due, one status write), then sleep until woken,
     the resync, or the guard's next evaluation. A failed pass is retried with backoff; never a crash loop."""
     key = (namespace, name)
@@ -287,7 +291,7 @@ def post_event(body: dict[str, Any], key: Key, ev: Any) -> None:
     user sees as Events also reach the log (kopf's per-event lines are off unless --verbose): one line per
     transition, not per watch event."""
     message = printable(ev.message)[:1000]
-    kopf.event(body, type=ev.type, reason=ev.reason, message=message)
+    kopf.event(cast(kopf.Body, body), type=ev.type, reason=ev.reason, message=message)
     log.log(logging.WARNING if ev.type == "Warning" else logging.INFO, "%s/%s: %s: %s",
             key[0], key[1], ev.reason, message)
 
@@ -356,7 +360,7 @@ def concerned(change: str, labels: dict[str, str], policies: list[dict[str, Any]
     return wanted
 
 
-def hints_for(name: str, selector: Optional[dict[str, Any]], indexes: dict[str, kopf.Index],
+def hints_for(name: str, selector: Optional[dict[str, Any]], indexes: dict[str, Index],
               namespace: str) -> dict[str, tuple[bool, bool]]:
     """Per kind: (some workload matches the selector, some carries this policy's label without matching)."""
     hints = {}
@@ -369,7 +373,9 @@ def hints_for(name: str, selector: Optional[dict[str, Any]], indexes: dict[str, 
 
 
 def _plain(body: Any) -> dict[str, Any]:
-    return json.loads(json.dumps(dict(body), default=lambda o: dict(o) if hasattr(o, "keys") else list(o)))
+    plain: dict[str, Any] = json.loads(json.dumps(dict(body), default=lambda o: dict(o) if hasattr(o, "keys")
+                                                   else list(o)))
+    return plain
 
 
 def connection_info(kube: Kube) -> kopf.ConnectionInfo:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from wsgiref.simple_server import WSGIServer
 
 
 class Metrics:
@@ -25,7 +26,7 @@ class Metrics:
                                  "Tiers disabled by the SLO guard.", ["namespace", "policy", "tier"], registry=r)
         self.slo_evaluations = Counter("kvtier_operator_slo_evaluations_total",
                                        "SLO guard evaluations, by verdict.", ["verdict"], registry=r)
-        self._server = None
+        self._server: Optional[WSGIServer] = None
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Serve /metrics; returns the bound port (useful with port 0)."""

@@ -21,7 +21,8 @@ from .render import CONFIG_DIR, CONFIG_FILE, CONTROL_FILE, RenderedConfig, Rende
 from .render.vllm import events_topic_args
 from .selectors import matches
 from .settings import FIELD_MANAGER, POLICY_LABEL
-from .status import Cond, merge_conditions, transitions
+from .reports import Cond
+from .status import merge_conditions, transitions
 from .tiers import STORED, GuardInput, enabled, guard_disabled, stored_guard, tier_states
 from .trust import (host_path_problems, not_opted_in_message, opted_in, pvc_problems, remote_secret_problems,
                     remote_store_problems, secret_namespace_problems)
@@ -148,7 +149,7 @@ def _selector_of(policy_obj: dict[str, Any]) -> Optional[dict[str, Any]]:
 def _config_args_for(spec: api.KVCachePolicySpec, container: dict[str, Any], namespace: str) -> list[str]:
     """The arguments that point the engine at our file (and, with spec.events, name its KV event topic), for the
     declared or detected engine."""
-    engine = spec.engine
+    engine: Optional[str] = spec.engine
     if engine is None:
         try:
             engine = detect_engine(facts_of(container))

@@ -21,7 +21,7 @@ def has_positive_term(selector: Optional[Mapping[str, Any]]) -> bool:
                for r in selector.get("matchExpressions") or [])
 
 
-def requirement_problem(operator: Optional[str], values: Optional[list]) -> Optional[str]:
+def requirement_problem(operator: Optional[str], values: Optional[list[str]]) -> Optional[str]:
     if operator in ("In", "NotIn"):
         return None if values else VALUES_MESSAGE
     return VALUES_MESSAGE if values else None
@@ -32,7 +32,7 @@ def matches(selector: Optional[Mapping[str, Any]], labels: Optional[Mapping[str,
 
     A selector that names no label a workload must carry matches nothing here: the CRD refuses it, and one stored
     before that rule must not select, nor conflict with, every workload of its namespace."""
-    if not has_positive_term(selector):
+    if selector is None or not has_positive_term(selector):
         return False
     labels = labels or {}
     for key, value in (selector.get("matchLabels") or {}).items():

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .labels import PREFIX
 from .trust import (check_endpoint_entry, check_host_path_prefix, check_namespace_entry, check_pvc_entry,
@@ -131,7 +131,7 @@ def from_args(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> Setti
     args = build_parser().parse_args(list(argv))
     d = Settings()
 
-    def pick(flag, name, convert=str, default=None):
+    def pick(flag: Any, name: str, convert: Callable[[str], Any] = str, default: Any = None) -> Any:
         if flag is not None:
             return flag
         raw = env.get(_ENV + name)

@@ -18,7 +18,7 @@ import re
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Sequence
 
 from . import slo
 from .api import guard_state
@@ -197,7 +197,7 @@ def hit_ratios(guard: "slo.SLOSettings", source: Any, scope: "slo.Scope", decisi
         return None
 
 
-def step_of(decision: "slo.Decision", interval: float, reenable: list[str] = ()) -> GuardStep:
+def step_of(decision: "slo.Decision", interval: float, reenable: Sequence[str] = ()) -> GuardStep:
     """A decision of the engine as the pass's step: its state, conditions, Events and acknowledgements (pure)."""
     verdict = decision.state.verdict
     step = GuardStep(interval=interval, state=decision.state, verdict=verdict,
@@ -262,5 +262,5 @@ def evaluate(kube: Kube, settings: Settings, policy_obj: dict[str, Any], spec: a
     try:
         return decide(guard, policy_obj, source, scope, time.time() if now is None else now, state)
     finally:
-        if own:
+        if own and source is not None:
             source.close()

@@ -43,7 +43,7 @@ def merge_conditions(old: Iterable[dict[str, Any]], new: Iterable[Cond], generat
             entry["observedGeneration"] = generation
         computed[c.type] = entry
     # Keep the stored order (a pass that recomputes some types must not reorder the list).
-    out = [computed.pop(c.get("type"), c) for c in old]
+    out = [computed.pop(str(c.get("type")), c) for c in old]
     return out + list(computed.values())
 
 

@@ -15,7 +15,7 @@ file; ``guard_disabled``). The tier an SLO breach rolls back is the newest of th
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Literal, Mapping, Optional, Sequence, Union
+from typing import Any, Final, Iterable, Literal, Mapping, Optional, Sequence, Union
 
 from .api import v1alpha1 as api
 from .api.guard_state import SLOGuardState
@@ -66,7 +66,7 @@ def derive(declared: Sequence[tuple[str, bool]], staged: bool, guard: Optional[S
             since = (p.since if p is not None else None) or (d.since if d is not None else None)
         same = prev is not None and prev.get("state") == state and prev.get("reason") == reason
         entry = {"name": name, "state": state, "reason": reason,
-                 "since": since or (prev.get("since") if same else None) or now}
+                 "since": since or (prev.get("since") if same and prev is not None else None) or now}
         if measured and state == "Enabled" and prev is not None and prev.get("hitRatio") is not None:
             entry["hitRatio"] = prev["hitRatio"]
         out.append(entry)
@@ -74,7 +74,7 @@ def derive(declared: Sequence[tuple[str, bool]], staged: bool, guard: Optional[S
 
 
 # A pass's guard state: the typed state (None: no guard state), or STORED: parse ``status.slo`` where it is needed.
-STORED = "stored"
+STORED: Final = "stored"
 GuardInput = Union[SLOGuardState, None, Literal["stored"]]
 
 

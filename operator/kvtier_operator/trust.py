@@ -20,7 +20,7 @@ what of it the operator carries out:
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional, Union
 import base64
 import binascii
 import re
@@ -463,10 +463,13 @@ def _secret_problem(secret: Optional[Mapping[str, Any]], name: str, key: str, st
     return _content_problem(value, name, key, field)
 
 
-def _refs(remote: api.RemoteStoreSpec) -> list[tuple[str, api.SecretKeyRef, str, int, str, bool]]:
+SecretRef = Union[api.SecretKeyRef, api.TenantKeyRef]
+
+
+def _refs(remote: api.RemoteStoreSpec) -> list[tuple[str, SecretRef, str, int, str, bool]]:
     """(field, Secret, key, least bytes, what it is, required) of every Secret key a remote tier projects. The
     tenant key keys every block (the password never does): it alone has a minimum length."""
-    out: list[tuple[str, api.SecretKeyRef, str, int, str, bool]] = []
+    out: list[tuple[str, SecretRef, str, int, str, bool]] = []
     if remote.password_secret is not None:
         out.append(("passwordSecret", remote.password_secret, remote.password_secret.key, 1, "a password", True))
     if remote.mac_key_secret is not None:

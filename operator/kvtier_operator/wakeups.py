@@ -11,7 +11,7 @@ guard's next evaluation, so one loop per policy serves both.
 from __future__ import annotations
 
 import asyncio
-from typing import Hashable, Optional
+from typing import Any, Hashable, Optional
 
 
 class Wakeups:
@@ -34,7 +34,7 @@ class Wakeups:
 
         asyncio.get_running_loop().call_later(delay, fire)
 
-    async def wait(self, key: Hashable, timeout: float, stop: Optional[asyncio.Future] = None) -> bool:
+    async def wait(self, key: Hashable, timeout: float, stop: Optional[asyncio.Future[Any]] = None) -> bool:
         """Sleep until ``key`` is triggered (True), ``timeout`` passes or ``stop`` completes (False). Triggers
         that arrived since the last wait count: nothing is lost between two waits."""
         event = self._events.setdefault(key, asyncio.Event())

@@ -35,15 +35,18 @@ class Workload:
 
     @property
     def kind(self) -> str:
-        return self.obj["kind"]
+        kind: str = self.obj["kind"]
+        return kind
 
     @property
     def name(self) -> str:
-        return self.obj["metadata"]["name"]
+        name: str = self.obj["metadata"]["name"]
+        return name
 
     @property
     def namespace(self) -> str:
-        return self.obj["metadata"].get("namespace", "")
+        namespace: str = self.obj["metadata"].get("namespace", "")
+        return namespace
 
     @property
     def ref(self) -> str:
@@ -79,8 +82,9 @@ class Workload:
         meta, status = self.obj["metadata"], self.obj.get("status") or {}
         if status.get("observedGeneration", 0) < meta.get("generation", 0):
             return False
-        replicas = self.obj.get("spec", {}).get("replicas", 1)
-        return status.get("updatedReplicas", 0) >= replicas
+        replicas: int = self.obj.get("spec", {}).get("replicas", 1)
+        updated: int = status.get("updatedReplicas", 0)
+        return updated >= replicas
 
     def field_owners(self, path: Iterable[str]) -> set[str]:
         """Managers owning ``path`` (fieldsV1 keys, e.g. ``f:spec``, ``k:{"name":"vllm"}``)."""
@@ -101,13 +105,15 @@ class Workload:
 
 def _child(node: dict[str, Any], key: str) -> Optional[dict[str, Any]]:
     if key in node:
-        return node[key]
+        child: Optional[dict[str, Any]] = node[key]
+        return child
     if key.startswith("k:"):
         # Keys of keyed list items are JSON objects; compare them parsed, not as text.
         want = json.loads(key[2:])
         for k, v in node.items():
             if k.startswith("k:") and json.loads(k[2:]) == want:
-                return v
+                found: Optional[dict[str, Any]] = v
+                return found
     return None
 
 
@@ -274,10 +280,10 @@ def _contains(have: Any, want: Any, key: str = "") -> bool:
         return True
     if key in _QUANTITY_KEYS and have != want:
         try:  # the server stores quantities canonically (18253611008 -> 17Gi)
-            return parse_quantity(str(have)) == parse_quantity(str(want))
+            return bool(parse_quantity(str(have)) == parse_quantity(str(want)))
         except ValueError:
             return False
-    return have == want
+    return bool(have == want)
 
 
 def already_applied(workload: Workload, body: dict[str, Any]) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Mapping, Sequence, Union
+from typing import Any, ClassVar, Mapping, Self, Sequence, Union
 
 # Names of the runtime's policies and codecs as a KVCachePolicy spells them.
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "arc", "s3fifo", "prefix2q", "adaptive")
@@ -109,7 +109,7 @@ class _TierKwargs:
     OMITTED_AT_DEFAULT: frozenset[str] = frozenset()
 
     @classmethod
-    def from_kwargs(cls, kwargs: Mapping[str, Any]):  # type: ignore[no-untyped-def]
+    def from_kwargs(cls, kwargs: Mapping[str, Any]) -> Self:
         known = {f.name for f in fields(cls)} - {"extra"}  # type: ignore[arg-type]
         missing = [k for k in cls.REQUIRED if k not in kwargs]
         if missing:
@@ -170,10 +170,6 @@ class FilesystemTierConfig(_TierKwargs):
         if (isinstance(self.io_timeout_s, bool) or not isinstance(self.io_timeout_s, (int, float))
                 or not 0 < self.io_timeout_s <= MAX_IO_TIMEOUT_S):
             raise ConfigError(f"io_timeout_s: {self.io_timeout_s!r} must be a number in (0, {MAX_IO_TIMEOUT_S:g}]")
-
-    @classmethod
-    def from_kwargs(cls, kwargs: Mapping[str, Any]) -> "FilesystemTierConfig":
-        return super().from_kwargs(kwargs)
 
     @property
     def address(self) -> str:
@@ -265,10 +261,6 @@ class RemoteTierConfig(_TierKwargs):
         if (isinstance(self.io_timeout_s, bool) or not isinstance(self.io_timeout_s, (int, float))
                 or not 0 < self.io_timeout_s <= MAX_IO_TIMEOUT_S):
             raise ConfigError(f"io_timeout_s: {self.io_timeout_s!r} must be a number in (0, {MAX_IO_TIMEOUT_S:g}]")
-
-    @classmethod
-    def from_kwargs(cls, kwargs: Mapping[str, Any]) -> "RemoteTierConfig":
-        return super().from_kwargs(kwargs)
 
     @property
     def address(self) -> str:

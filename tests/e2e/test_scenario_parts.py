@@ -199,14 +199,15 @@ def test_trace_replay_keeps_the_traces_prefix_sharing_and_refuses_a_bad_record(t
     rows = [[1, 2, 3], [9], [1, 2, 4, 5]]
     trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 32 * len(h), "output_length": 1,
                                          "hash_ids": h}) + "\n" for i, h in enumerate(rows)))
-    prompts = trace_prompts(trace, limit=10, max_blocks=3)
+    corpus = list(range(100, 1100))  # stands for the model's token ids of the prose (any distinct ids do)
+    prompts = trace_prompts(trace, limit=10, max_blocks=3, corpus=corpus)
     assert len(prompts) == 2  # [9] shares its first block with no one: not replayed
     a, b = prompts
     assert len(a) == len(b) == 3 * BLOCK_TOKENS
     assert a[:2 * BLOCK_TOKENS] == b[:2 * BLOCK_TOKENS] and a[2 * BLOCK_TOKENS:] != b[2 * BLOCK_TOKENS:]
     trace.write_text('{"timestamp": 0, "input_length": 32, "output_length": 1, "hash_ids": "abc"}\n')
     with pytest.raises(ValueError, match=r"t.jsonl:1: .*hash_ids"):  # the replay's reader names line and field
-        trace_prompts(trace, limit=10, max_blocks=3)
+        trace_prompts(trace, limit=10, max_blocks=3, corpus=corpus)
     stats = PhaseStats.of("slowed", [0.1] * 98 + [3.0, 4.0])
     assert stats.n == 100 and stats.p50 == 0.1 and stats.p99 == 3.0 and "p99 3.00s over 100" in str(stats)  # nearest rank
 

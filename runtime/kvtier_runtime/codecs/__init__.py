@@ -23,6 +23,9 @@ layer's K and V pages for some tokens) to a tier describes the chunk once and en
   chunk) and ``outer`` ("LP": layer-major, "PL": page-major).
 - Scales follow the layout: K per (layer, head, channel) over groups of tokens, V per (layer, head, token) over
   groups of channels (KIVI); never across K/V, layers or heads.
+- int4 is scheme 3 (``kv_int4.py``): K's ranges per channel at 5 or 6 bits, V rotated by Hadamard blocks at 4 bits,
+  attention-sink tokens kept exact; about 0.34 of raw bytes. Judged on a trained model's KV with ``kvtier accuracy``
+  (``kvtier_runtime.accuracy``; docs/compression.md). ``int4_scheme=1`` asks for the previous int4.
 - ``verify=True`` decodes every chunk again and measures the attention output of probe queries; a chunk over its
   codec's budget (``ATTENTION_BUDGETS``) is stored with the next codec of ``FALLBACK_CHAINS`` (ending in
   ``none``) and counted in ``kvtier_runtime_codec_fallbacks_total{requested_codec, codec}``.

@@ -45,6 +45,8 @@ from .base import CHUNK_ELEMS, as_byte_buffer, read_header
 from .errors import CodecError
 from .header import FLAG_FALLBACK, FLAG_KV_LAYOUT, HEADER_NBYTES, CodecHeader
 from .layout import KVLayout
+from . import kv_int4
+from .kv_int4 import SCHEME_INT4_ROT, Int4Plan
 from .metrics import STATS
 from .quant import Fp8Codec, Fp8E5M2Codec
 from .scratch import ScratchPool
@@ -74,9 +76,12 @@ FALLBACK_CHAINS: dict[str, tuple[str, ...]] = {
 }
 # Largest relative error of the probe attention output a stored chunk may have, per codec. 0.14 is the error at
 # which the cosine of two outputs drops to ~0.99 (cos ~ 1 - err^2 / 2); measured (bench/codecs.py --kv-proxy):
-# every chunk under 0.14 kept a held-out cosine >= 0.992. One number for every codec because it is a target on
-# the attention output, not a property of the codec; docs/compression.md has the evidence per codec.
-ATTENTION_BUDGETS: dict[str, float] = {"fp8": 0.14, "fp8_e5m2": 0.14, "int8": 0.14, "int4": 0.14, "none": 0.0}
+# every chunk under 0.14 kept a held-out cosine >= 0.992. A target on the attention output, not a property of the
+# codec; docs/compression.md has the evidence per codec. fp8 (e4m3) is held to 0.08: it falls back to int8, which
+# stores the same bytes, and on a trained model's KV (SmolLM2-135M, 2-8k tokens) e4m3's error on K's offset
+# channels was 0.09-0.25 where int8's stayed under 0.035: at 0.14 the few e4m3 chunks kept moved perplexity by
+# +0.16% where int8 moved it by +0.06% (kvtier accuracy, docs/compression.md). Normal data's e4m3 error is 0.04.
+ATTENTION_BUDGETS: dict[str, float] = {"fp8": 0.08, "fp8_e5m2": 0.14, "int8": 0.14, "int4": 0.14, "none": 0.0}
 # (K token group, V channel group); 0 = all tokens of a page / the whole head dim.
 DEFAULT_GROUPS: dict[str, tuple[int, int]] = {"int4": (16, 16), "int8": (0, 0), "fp8": (0, 0), "fp8_e5m2": (0, 0)}
 N_QUERIES = 16
@@ -253,7 +258,7 @@ class KVChunkCodec:
 
     def __init__(self, name: str, layout: KVLayout, *, k_group: int | None = None, v_group: int | None = None,
                  verify: bool = True, budgets: dict[str, float] | None = None,
-                 verify_sample: int | None = None, sparse_k: bool = True) -> None:
+                 verify_sample: int | None = None, sparse_k: bool = True, int4_scheme: int = 3) -> None:
         if name not in FALLBACK_CHAINS:
             raise CodecError(f"codec: {name!r} is not one of {', '.join(FALLBACK_CHAINS)}")
         if not isinstance(layout, KVLayout):
@@ -262,12 +267,25 @@ class KVChunkCodec:
             raise CodecError(f"verify: {verify!r} must be a bool")
         if not isinstance(sparse_k, bool):
             raise CodecError(f"sparse_k: {sparse_k!r} must be a bool")
+        if isinstance(int4_scheme, bool) or int4_scheme not in (1, SCHEME_INT4_ROT):
+            raise CodecError(f"int4_scheme: {int4_scheme!r} must be 3 (the default) or 1 (the previous int4, with "
+                             "sparse K channels as scheme 2 when sparse_k)")
         # ``declared`` is the chunk's real order (the header records it); ``layout`` is what the kernels see:
         # the same, or for a staged order (K or V not [T][D]) the order its chunks are gathered into first.
         self.name, self.declared, self.layout, self.verify = name, layout, layout.stage_layout, verify
         self.chain = FALLBACK_CHAINS[name] if verify else (name,)
         # outlier K channels kept apart (int4 only): only when verifying, since the check is what decides
         self.sparse_k_max = max(1, layout.head_dim // SPARSE_K_MAX_SHARE) if sparse_k and verify else 0
+        # int4 scheme 3 (kv_int4.py) unless asked for scheme 1 or the layout cannot take it; k_group / v_group of a
+        # requested int4 are scheme 3's then (its K groups may span pages)
+        self.int4_plan: Int4Plan | None = None
+        if "int4" in self.chain and int4_scheme == SCHEME_INT4_ROT:
+            plan = Int4Plan.for_layout(layout.stage_layout, k_group if name == "int4" else None,
+                                       v_group if name == "int4" else None)
+            why = plan.check()
+            if why is not None and name == "int4" and (k_group is not None or v_group is not None):
+                raise CodecError(f"k_group/v_group: {why}")
+            self.int4_plan = plan if why is None else None
         self.budgets = dict(ATTENTION_BUDGETS)
         for key, value in (budgets or {}).items():
             if key not in ATTENTION_BUDGETS or key == "none":
@@ -275,7 +293,9 @@ class KVChunkCodec:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
                 raise CodecError(f"budgets[{key!r}]: {value!r} must be a number in (0, 1)")
             self.budgets[key] = float(value)
-        self.groups = {c: self._groups(c, k_group if c == name else None, v_group if c == name else None)
+        own = name != "int4" or self.int4_plan is None
+        self.groups = {c: self._groups(c, k_group if c == name and own else None,
+                                       v_group if c == name and own else None)
                        for c in self.chain if c != "none"}
         self.dtype = _TORCH_DTYPES[layout.dtype]
         self._scratch = ScratchPool()
@@ -453,6 +473,13 @@ class KVChunkCodec:
         lay = self.layout
         if codec == "none":
             return lay.nbytes
+        if codec == "int4" and self.int4_plan is not None:
+            return self.int4_plan.payload_nbytes(sparse)
+        return self._s1_payload_nbytes(codec, sparse)
+
+    def _s1_payload_nbytes(self, codec: str, sparse: int = 0) -> int:
+        """Payload bytes of a chunk stored with scheme 1 (int4 with ``sparse`` K channels: scheme 2), fp8 or int8."""
+        lay = self.layout
         nk, nv = self._scale_counts(codec)
         return lay.num_layers * (2 * (nk + nv)) + lay.numel * _QUANTS[codec].bits // 8 + sparse_nbytes(lay, sparse)
 
@@ -465,7 +492,8 @@ class KVChunkCodec:
     def max_encoded_nbytes(self, shape: Sequence[int] | None = None, dtype: torch.dtype | None = None) -> int:
         """Bytes ``out`` must hold: the widest codec of the fallback chain."""
         self._check_shape(shape, dtype)
-        return HEADER_NBYTES + max(self.payload_nbytes(c) for c in self.chain)
+        sinks = kv_int4.max_sinks(self.layout) if self.int4_plan is not None else 0
+        return HEADER_NBYTES + max(self.payload_nbytes(c, sinks if c == "int4" else 0) for c in self.chain)
 
     def _check_shape(self, shape: Sequence[int] | None, dtype: torch.dtype | None) -> None:
         if shape is None:
@@ -529,6 +557,27 @@ class KVChunkCodec:
                 err = 0.0
             else:
                 measure = self.verify
+                if codec == "int4" and self.int4_plan is not None:
+                    sinks = kv_int4.find_sinks(self.layout, flat)
+                    sparse = sinks.numel()
+                    n = HEADER_NBYTES + self.int4_plan.payload_nbytes(sparse)
+                    err = self._encode_int4_rot(flat, out[HEADER_NBYTES:n], sinks, sample, measure)
+                    if measure and not err <= self.budgets[codec] and self.sparse_k_max:
+                        # over budget: the previous int4 (scheme 1, or 2 with K's outlier channels kept apart), then
+                        # the chain's next codec
+                        err, n, sparse = self._encode_int4_s1(flat, out, sample, measure)
+                        if not err <= self.budgets[codec]:
+                            continue
+                        self._write_header(out, codec, n, sparse, scheme1=True)
+                        STATS.record_encode(codec, self.layout.nbytes, n)
+                        return n
+                    if measure and not err <= self.budgets[codec]:
+                        continue
+                    self._write_header(out, codec, n, sparse)
+                    if codec != self.name:
+                        STATS.record_fallback(self.name, codec, err)
+                    STATS.record_encode(codec, self.layout.nbytes, n)
+                    return n
                 if codec == "int4" and self.sparse_k_max:
                     sparse, amax = self._sparse_count(flat)
                 if sparse and amax is not None:
@@ -548,8 +597,25 @@ class KVChunkCodec:
             return n
         raise AssertionError("every fallback chain ends in 'none'")
 
-    def _header(self, codec: str, n: int, sparse: int = 0) -> CodecHeader:
+    def _encode_int4_s1(self, flat: torch.Tensor, out: torch.Tensor, sample: "_TokenSample | None",
+                        measure: bool) -> tuple[float, int, int]:
+        """int4 as scheme 1 (2 with sparse K channels): (check error, bytes with the header, sparse channels)."""
+        sparse, amax = self._sparse_count(flat)
+        if sparse and amax is not None:
+            n = HEADER_NBYTES + self._s1_payload_nbytes("int4", sparse)
+            return self._encode_sparse(flat, out[HEADER_NBYTES:n], sparse, amax, sample), n, sparse
+        n = HEADER_NBYTES + self._s1_payload_nbytes("int4")
+        return self._encode_payload("int4", flat, out[HEADER_NBYTES:n], measure, sample), n, 0
+
+    def _header(self, codec: str, n: int, sparse: int = 0, scheme1: bool = False) -> CodecHeader:
         lay = self.declared
+        if codec == "int4" and self.int4_plan is not None and not scheme1:
+            plan = self.int4_plan
+            return CodecHeader(
+                codec=codec, codec_version=1, dtype=self.dtype, shape=lay.chunk_shape,
+                group_size=plan.k_group | (plan.v_group << 16), payload_nbytes=n - HEADER_NBYTES,
+                requested_codec=self.name, flags=FLAG_KV_LAYOUT | (FLAG_FALLBACK if codec != self.name else 0),
+                layout_code=lay.code, scheme=plan.scheme(sparse))
         kg, vg = self.groups.get(codec, (0, 0))
         flags = FLAG_KV_LAYOUT | (FLAG_FALLBACK if codec != self.name else 0)
         return CodecHeader(
@@ -558,9 +624,28 @@ class KVChunkCodec:
             scheme=SCHEME_SPARSE_K | sparse << 8 if sparse else SCHEME_KIVI_BF16,
         )
 
-    def _write_header(self, out: torch.Tensor, codec: str, n: int, sparse: int = 0) -> None:
-        header = self._header(codec, n, sparse).pack()
+    def _write_header(self, out: torch.Tensor, codec: str, n: int, sparse: int = 0, scheme1: bool = False) -> None:
+        header = self._header(codec, n, sparse, scheme1).pack()
         out[:HEADER_NBYTES].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+
+    # ---- int4 scheme 3 (kv_int4.py) --------------------------------------------------------------------------
+    def _encode_int4_rot(self, flat: torch.Tensor, payload: torch.Tensor, sinks: torch.Tensor,
+                         sample: "_TokenSample | None", measure: bool) -> float:
+        """Scheme 3's payload; when ``measure``, the attention check's error of the chunk as it decodes (the
+        measure of ``_sample_error``: the sampled tokens, or every token when ``sample`` is None)."""
+        plan, lay = self.int4_plan, self.layout
+        assert plan is not None
+        if not measure:
+            kv_int4.encode(plan, flat, payload, sinks, self._scratch)
+            return 0.0
+        tokens: torch.Tensor | slice | None = None
+        if sample is not None and sample.step:   # one stride: the same positions of every page, as a slice
+            tokens = slice(sample.first, sample.first + sample.span, sample.step)
+        elif sample is not None:   # heavy tokens too: the sampled positions of every page, as chunk positions
+            t = lay.block_tokens
+            tokens = (torch.arange(lay.pages, device=flat.device).unsqueeze(1) * t + sample.idx).view(-1)
+        err = kv_int4.encode(plan, flat, payload, sinks, self._scratch, attention_rel, tokens)
+        return err if sample is None else err / VERIFY_SAMPLE_MARGIN
 
     # ---- sparse K channels (scheme 2) ------------------------------------------------------------------------
     def _sparse_count(self, flat: torch.Tensor) -> tuple[int, torch.Tensor | None]:
@@ -591,12 +676,12 @@ class KVChunkCodec:
         attention check's error of the chunk as it decodes (the same measure as ``_sample_error``, on the
         sampled tokens, or every token when ``sample`` is None)."""
         lay, dev = self.layout, flat.device
-        dense = self.payload_nbytes("int4")
+        dense = self._s1_payload_nbytes("int4")
         self._encode_payload("int4", flat, payload[:dense], False)
         idx = amax.topk(sparse, dim=3).indices.sort(dim=3).values                # [L, H, P, n]
         write_sparse(lay, flat, idx, payload[dense:])
         rec = self._scratch.get("sparse_rec", flat.numel(), F32, dev)
-        _decode_into(lay, self._header("int4", HEADER_NBYTES + payload.numel(), sparse), payload, rec)
+        _decode_into(lay, self._header("int4", HEADER_NBYTES + payload.numel(), sparse, scheme1=True), payload, rec)
         if not bool(torch.isfinite(rec).all()):
             return math.inf
         xc, rc = canonical(lay, flat, lay.num_layers), canonical(lay, rec, lay.num_layers)
@@ -919,6 +1004,10 @@ def _decode_into(lay: KVLayout, header: CodecHeader, payload: torch.Tensor, flat
     if header.codec == "none":
         flat.view(torch.uint8).copy_(payload)
         return
+    if header.scheme & 0xFF == SCHEME_INT4_ROT:
+        plan = kv_int4.plan_from_header(lay, header.group_size, header.scheme)
+        kv_int4.decode(plan, (header.scheme >> 8) & 0xFF, header.dtype, payload, flat, _DECODE_SCRATCH)
+        return
     q = _DECODE_QUANTS.get(header.codec)
     if q is None:
         q = _DECODE_QUANTS[header.codec] = _QUANTS[header.codec](_DECODE_SCRATCH)
@@ -987,6 +1076,16 @@ def read_sparse(lay: KVLayout, sparse: int, dtype: torch.dtype, section: torch.T
 def check_kv_header(header: CodecHeader) -> None:
     """Reject a KV-layout header whose fields cannot belong together (called before anything is allocated)."""
     scheme, sparse = header.scheme & 0xFF, header.scheme >> 8
+    if scheme == SCHEME_INT4_ROT:
+        if header.codec != "int4":
+            raise CodecError(f"header.scheme: scheme 3 is int4's, not {header.codec!r}'s")
+        lay3 = KVLayout.from_code(header.layout_code, header.shape, str(header.dtype).removeprefix("torch."))
+        plan = kv_int4.plan_from_header(lay3.stage_layout, header.group_size, header.scheme)
+        expected3 = plan.payload_nbytes((header.scheme >> 8) & 0xFF)
+        if header.payload_nbytes != expected3:
+            raise CodecError(f"header.payload_nbytes: {header.payload_nbytes}, int4 scheme 3 stores {expected3} for "
+                             f"layout {lay3.page_order} {header.shape}")
+        return
     if scheme not in (SCHEME_KIVI_BF16, SCHEME_SPARSE_K) or (scheme == SCHEME_KIVI_BF16 and sparse):
         raise CodecError(f"header.scheme: {header.scheme} is unknown")
     if scheme == SCHEME_SPARSE_K and header.codec != "int4":
@@ -1019,10 +1118,10 @@ def check_kv_header(header: CodecHeader) -> None:
 
 def get_kv_codec(name: str, layout: KVLayout, *, k_group: int | None = None, v_group: int | None = None,
                  verify: bool = True, budgets: dict[str, float] | None = None,
-                 verify_sample: int | None = None, sparse_k: bool = True) -> KVChunkCodec:
+                 verify_sample: int | None = None, sparse_k: bool = True, int4_scheme: int = 3) -> KVChunkCodec:
     """The layout-aware codec ``name`` for chunks of ``layout``; see the module docstring."""
     return KVChunkCodec(name, layout, k_group=k_group, v_group=v_group, verify=verify, budgets=budgets,
-                        verify_sample=verify_sample, sparse_k=sparse_k)
+                        verify_sample=verify_sample, sparse_k=sparse_k, int4_scheme=int4_scheme)
 
 
 def to_stage(layout: KVLayout, chunk: torch.Tensor) -> torch.Tensor:

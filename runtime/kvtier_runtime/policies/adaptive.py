@@ -43,7 +43,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
-from .base import AccessContext, EvictionPolicy, Key
+from .base import AccessContext, AdmissionFilter, EvictionPolicy, Key
 from .ghost import GhostList
 
 FRESH, AGAIN, TAIL = 0, 1, 2
@@ -131,10 +131,11 @@ class AdaptivePolicy(EvictionPolicy):
     hedge_decay = 0.8  # of the decayed score difference, per window
     hedge_tolerance = 1.0  # prefix hits the policy may trail the shadow by before it trusts its model less
 
-    def __init__(self, capacity_bytes: int, admission=None) -> None:
+    def __init__(self, capacity_bytes: int, admission: AdmissionFilter | None = None) -> None:
         super().__init__(capacity_bytes, admission)
         # Per class: key -> tick of its last use, oldest first.
-        self._lists: tuple[OrderedDict[Key, int], ...] = (OrderedDict(), OrderedDict(), OrderedDict())
+        self._lists: tuple[OrderedDict[Key, int], OrderedDict[Key, int], OrderedDict[Key, int]] = (
+            OrderedDict(), OrderedDict(), OrderedDict())
         self._class: dict[Key, int] = {}
         self._history = GhostList(self.history_factor * capacity_bytes)
         self._evicted: OrderedDict[Key, tuple[int, int]] = OrderedDict()  # ghost -> (class evicted from, size)

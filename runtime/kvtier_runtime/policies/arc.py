@@ -9,14 +9,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable
 
-from .base import AccessContext, EvictionPolicy, Key
+from .base import AccessContext, AdmissionFilter, EvictionPolicy, Key
 from .ghost import GhostList
 
 
 class ARCPolicy(EvictionPolicy):
     name = "arc"
 
-    def __init__(self, capacity_bytes: int, admission=None) -> None:
+    def __init__(self, capacity_bytes: int, admission: AdmissionFilter | None = None) -> None:
         super().__init__(capacity_bytes, admission)
         self._t1: OrderedDict[Key, int] = OrderedDict()  # oldest first
         self._t2: OrderedDict[Key, int] = OrderedDict()

@@ -20,9 +20,9 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from typing import Callable, Hashable
+from typing import Callable, Hashable, TypeGuard
 
-from .base import AccessContext, EvictionPolicy, Key
+from .base import AccessContext, AdmissionFilter, EvictionPolicy, Key
 
 _MAX_TRACKED_REQUESTS = 65_536
 
@@ -33,7 +33,7 @@ class LRUPolicy(EvictionPolicy):
     # the request finishes, touch its chunks tail to head without context.
     request_aware = True
 
-    def __init__(self, capacity_bytes: int, admission=None) -> None:
+    def __init__(self, capacity_bytes: int, admission: AdmissionFilter | None = None) -> None:
         super().__init__(capacity_bytes, admission)
         self._order: OrderedDict[Key, None] = OrderedDict()  # oldest first (plain mode)
         # Ranked mode (after the first access with a request): rank per key, a lazy min-heap of (rank, seq, key).
@@ -76,7 +76,7 @@ class LRUPolicy(EvictionPolicy):
         return (self._rank_of_request(ctx.request_id), -int(ctx.position))
 
     @staticmethod
-    def _has_request(ctx: AccessContext | None) -> bool:
+    def _has_request(ctx: AccessContext | None) -> TypeGuard[AccessContext]:
         return ctx is not None and ctx.request_id is not None
 
     def forget_request(self, request_id: Hashable) -> None:
@@ -153,7 +153,7 @@ class LRUPolicy(EvictionPolicy):
             self._order.move_to_end(key)
             return
         if self._has_request(ctx):  # vLLM's on_request_access: only ever later, never back
-            rank = self._request_position_rank(ctx)  # type: ignore[arg-type]
+            rank = self._request_position_rank(ctx)
             if self._rank[key] >= rank:
                 return
         else:

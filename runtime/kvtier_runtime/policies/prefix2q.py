@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Hashable
 
-from .base import AccessContext, EvictionPolicy, Key
+from .base import AccessContext, AdmissionFilter, EvictionPolicy, Key
 from .ghost import GhostList
 
 
@@ -34,7 +34,7 @@ class Prefix2QPolicy(EvictionPolicy):
     uses_context = True
     history_factor = 4
 
-    def __init__(self, capacity_bytes: int, admission=None) -> None:
+    def __init__(self, capacity_bytes: int, admission: AdmissionFilter | None = None) -> None:
         super().__init__(capacity_bytes, admission)
         self._once: OrderedDict[Key, None] = OrderedDict()  # class 1, oldest first
         self._again: OrderedDict[Key, None] = OrderedDict()  # class 2, oldest first
@@ -92,7 +92,7 @@ class Prefix2QPolicy(EvictionPolicy):
             del self._again[key]
         self._current.pop(key, None)
 
-    def _find(self, order: OrderedDict, blocked: Callable[[Key], bool]) -> Key | None:
+    def _find(self, order: OrderedDict[Key, None], blocked: Callable[[Key], bool]) -> Key | None:
         current = self._current
         for key in order:
             if blocked(key):

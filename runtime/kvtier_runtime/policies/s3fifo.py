@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable
 
-from .base import AccessContext, EvictionPolicy, Key
+from .base import AccessContext, AdmissionFilter, EvictionPolicy, Key
 from .ghost import GhostList
 
 _MAX_FREQ = 3
@@ -20,7 +20,7 @@ class S3FIFOPolicy(EvictionPolicy):
     name = "s3fifo"
     small_fraction = 0.10
 
-    def __init__(self, capacity_bytes: int, admission=None) -> None:
+    def __init__(self, capacity_bytes: int, admission: AdmissionFilter | None = None) -> None:
         super().__init__(capacity_bytes, admission)
         self._small: OrderedDict[Key, None] = OrderedDict()  # oldest first
         self._main: OrderedDict[Key, None] = OrderedDict()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from .engine import PolicySpec, replay_single
 from .lru_curve import LRUCurve, reuse_distances
@@ -40,7 +40,7 @@ def quantiles(values: Sequence[float]) -> dict[str, float]:
     return {f"p{int(q * 100)}": s[min(len(s) - 1, int(q * len(s)))] for q in QUANTILES}
 
 
-def top_prefixes(trace: Trace, block_tokens: int, n: int = 10) -> list[dict]:
+def top_prefixes(trace: Trace, block_tokens: int, n: int = 10) -> list[dict[str, Any]]:
     """The prefixes whose reuse is worth the most tokens: (accesses - 1) x prefix length.
 
     A block is reported only where its prefix ends, i.e. not when its child block has the same access count
@@ -90,7 +90,7 @@ def hit_ratio_at(trace: Trace, capacity_blocks: int, spec: PolicySpec, chunk_blo
 
 
 def analyze(trace: Trace, block_tokens: int, specs: Sequence[PolicySpec] | PolicySpec, budgets: Budgets = Budgets(),
-            progress=None) -> dict:
+            progress: Callable[[], object] | None = None) -> dict[str, Any]:
     """Reuse statistics and sizing advice; capacity is recommended from the BEST of ``specs`` at each size (the
     default policy is not always the best, and advice should not be worse than what the user can deploy)."""
     if isinstance(specs, PolicySpec):
@@ -100,7 +100,7 @@ def analyze(trace: Trace, block_tokens: int, specs: Sequence[PolicySpec] | Polic
     counts = Counter(keys)
     distinct = len(counts)
     dist = reuse_distances(keys)
-    out: dict = {
+    out: dict[str, Any] = {
         "requests": len(trace.requests),
         "block_accesses": n,
         "distinct_blocks": distinct,
@@ -113,7 +113,10 @@ def analyze(trace: Trace, block_tokens: int, specs: Sequence[PolicySpec] | Polic
     }
     # Infinite-cache bound: every block seen before is a hit.
     seen: set[int] = set()
-    inf_hits = [k in seen or seen.add(k) for k in keys]  # type: ignore[func-returns-value]
+    inf_hits: list[bool] = []
+    for k in keys:
+        inf_hits.append(k in seen)
+        seen.add(k)
     out["infinite_cache_prefix_hit_ratio"] = prefix_hit_count(inf_hits, lengths) / n
 
     # Capacity: the smallest tested size reaching 90% of the infinite-cache ratio, within the byte budget.
@@ -124,12 +127,12 @@ def analyze(trace: Trace, block_tokens: int, specs: Sequence[PolicySpec] | Polic
 
     pcts = (1, 2, 5, 10, 20, 30, 50, 100)
     lru_curve = LRUCurve(keys, lengths)
-    curve = []
+    curve: list[dict[str, Any]] = []
     for pct in pcts:
         cap = max(1, round(distinct * pct / 100))
         if cap > max_blocks:
             cap = max_blocks
-        by_policy = {}
+        by_policy: dict[str, float] = {}
         for spec in specs:
             ph, _ = hit_ratio_at(trace, cap, spec)
             by_policy[str(spec)] = ph / n
@@ -164,7 +167,7 @@ def analyze(trace: Trace, block_tokens: int, specs: Sequence[PolicySpec] | Polic
     out["recommended_capacity_bytes"] = pick["capacity_blocks"] * block_bytes if block_bytes else None
 
     # Chunk size: larger chunks amortise the per-transfer latency but lose the partial chunk at each prefix end.
-    chunks = []
+    chunks: list[dict[str, Any]] = []
     for k in (1, 2, 4, 8):
         hit_blocks, loaded_chunks = hit_ratio_at(trace, pick["capacity_blocks"], best_spec, k)
         row = {"chunk_tokens": k * block_tokens, "prefix_hit_ratio": hit_blocks / n,
@@ -178,21 +181,21 @@ def analyze(trace: Trace, block_tokens: int, specs: Sequence[PolicySpec] | Polic
     out["chunk_sizes"] = chunks
     out["chunk_sizes_measured_at"] = {"capacity_blocks": pick["capacity_blocks"], "policy": pick["policy"]}
     if all(r["estimated_prefill_seconds_saved"] is not None for r in chunks):
-        best = max(chunks, key=lambda r: r["estimated_prefill_seconds_saved"])
+        best_chunk = max(chunks, key=lambda r: r["estimated_prefill_seconds_saved"])
         reason = "largest estimated prefill time saved under the given bandwidth, latency and prefill rate"
     else:
-        best = max(chunks, key=lambda r: r["prefix_hit_ratio"])
+        best_chunk = max(chunks, key=lambda r: r["prefix_hit_ratio"])
         reason = ("highest prefix hit ratio (give --model-kv-bytes-per-token, --bandwidth and "
                   "--prefill-tokens-per-s to weigh transfer cost)")
-    out["recommended_chunk_tokens"] = best["chunk_tokens"]
+    out["recommended_chunk_tokens"] = best_chunk["chunk_tokens"]
     out["recommended_chunk_reason"] = reason
-    if block_bytes and budgets.bandwidth_gb_s and budgets.prefill_tokens_per_s:
+    if budgets.kv_bytes_per_token and budgets.bandwidth_gb_s and budgets.prefill_tokens_per_s:
         per_token_transfer = budgets.kv_bytes_per_token / (budgets.bandwidth_gb_s * 1e9)
         out["transfer_slower_than_recompute"] = per_token_transfer > 1 / budgets.prefill_tokens_per_s
     return out
 
 
-def format_analysis(a: dict) -> str:
+def format_analysis(a: dict[str, Any]) -> str:
     lines = [
         f"requests {a['requests']}, block accesses {a['block_accesses']}, distinct blocks {a['distinct_blocks']}, "
         f"{a['block_tokens']} tokens/block",

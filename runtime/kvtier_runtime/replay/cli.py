@@ -11,7 +11,7 @@ import json
 import os
 import pathlib
 import sys
-from typing import Sequence
+from typing import Any, Sequence, TypeVar
 
 from .. import config
 from ..policies import ADMISSIONS, POLICIES
@@ -21,13 +21,14 @@ from .engine import PolicySpec, ReplayError, ReplayResult, capacity_blocks, repl
 from .lru_curve import LRUCurve, equivalence
 from .metrics import flatten
 from .recommend import main as recommend
-from .trace import RecordedModel, TraceError, load_meta, load_traces, recording_files, trace_warnings
+from .trace import RecordedModel, Trace, TraceError, load_meta, load_traces, recording_files, trace_warnings
 
 PLOT_FORMATS = (".png", ".svg", ".pdf")
+T = TypeVar("T")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.error = one_line_error(parser)  # type: ignore[method-assign]
+    setattr(parser, "error", one_line_error(parser))  # one line on stderr, not argparse's usage block
     parser.description = ("Replay a Mooncake-format JSONL trace through kvtier's eviction/admission policies and "
                           "compare with the Belady-optimal bound. 'analyze' describes the trace's reuse instead; "
                           "'recommend' sizes a KVCachePolicy's tiers from it (kvtier replay recommend --help).")
@@ -81,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="'analyze': largest tier capacity to recommend, in GiB (needs --model-kv-bytes-per-token)")
 
 
-def _per_tier(values: list | None, n: int, option: str, default):
+def _per_tier(values: list[T] | None, n: int, option: str, default: T) -> list[T]:
     if not values:
         return [default] * n
     if len(values) == 1:
@@ -91,11 +92,11 @@ def _per_tier(values: list | None, n: int, option: str, default):
     return values
 
 
-def _first_doc_line(obj) -> str:
+def _first_doc_line(obj: Any) -> str:
     return (obj.__doc__ or sys.modules[obj.__module__].__doc__ or "").strip().splitlines()[0]
 
 
-def policies_dict() -> dict:
+def policies_dict() -> dict[str, Any]:
     return {
         "default": config.RECOMMENDED_EVICTION_POLICY,
         "eviction_policies": [{"name": name, "default": name == config.RECOMMENDED_EVICTION_POLICY,
@@ -118,8 +119,8 @@ def list_policies() -> str:
     return "\n".join(lines)
 
 
-def result_dict(res: ReplayResult, args, bandwidths: list) -> dict:
-    tiers = []
+def result_dict(res: ReplayResult, args: argparse.Namespace, bandwidths: list[float | None]) -> dict[str, Any]:
+    tiers: list[dict[str, Any]] = []
     for st, bw in zip(res.tiers, bandwidths):
         t = {
             "name": st.name, "policy": st.policy, "capacity_blocks": st.capacity_blocks,
@@ -137,7 +138,7 @@ def result_dict(res: ReplayResult, args, bandwidths: list) -> dict:
             t.update(tier_cost(args.block_tokens, args.model_kv_bytes_per_token, st.prefix_hits, bw,
                                args.prefill_tokens_per_s).as_dict())
         tiers.append(t)
-    total = {
+    total: dict[str, Any] = {
         "capacity_blocks": sum(st.capacity_blocks for st in res.tiers),
         "block_hit_ratio": res.ratio(res.total_hits), "prefix_hit_ratio": res.ratio(res.total_prefix_hits),
         "opt_block_hit_ratio": res.ratio(sum(st.opt_hits for st in res.tiers)),
@@ -152,7 +153,7 @@ def result_dict(res: ReplayResult, args, bandwidths: list) -> dict:
             "replay_accesses_per_second": res.accesses_per_second}
 
 
-def format_result(d: dict, trace_name: str, skipped: int, no_opt: bool) -> str:
+def format_result(d: dict[str, Any], trace_name: str, skipped: int, no_opt: bool) -> str:
     head = (f"trace {trace_name}: {d['requests']} requests, {d['block_accesses']} block accesses, "
             f"{d['distinct_blocks']} distinct blocks, {d['block_tokens']} tokens/block")
     if skipped:
@@ -273,14 +274,14 @@ def _run(args: argparse.Namespace) -> int:
             specs = [PolicySpec.parse(p) for p in model.policies]
     else:
         caps = [capacity_blocks(c, n_distinct) for c in (args.capacity or ["10%"])]
-    specs = _per_tier(specs, len(caps), "--policy", None)
+    specs = _per_tier(specs, len(caps), "--policy", PolicySpec.parse(config.RECOMMENDED_EVICTION_POLICY))
     bandwidths = _per_tier(args.bandwidth, len(caps), "--bandwidth", None)
     if args.shared and args.replicas < 2:
         raise ReplayError("--shared: needs --replicas 2 or more (one replica has nothing to share)")
     # The recorded engine as it served the traffic (vLLM's prefix cache first, its lookup and store rules):
     # what its own counters measured. Capacity flags or replicas ask what other tiers would serve instead.
     engine_model = model is not None and not args.capacity and args.replicas == 1
-    if engine_model:
+    if model is not None and engine_model:
         res = replay_recorded(trace, caps, specs, model.device_chunks, with_opt=not args.no_opt,
                               names=model.names, tokens_per_block=model.tokens_per_block)
         bandwidths = ([None] if model.device_chunks is not None else []) + bandwidths
@@ -311,7 +312,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_dict(model: RecordedModel | None, args) -> dict:
+def _model_dict(model: RecordedModel | None, args: argparse.Namespace) -> dict[str, Any]:
     """Which engine the replay modelled: the recorded one (and which of its facts flags overrode) or the flags."""
     if model is None:
         return {"source": "flags"}
@@ -324,7 +325,7 @@ def _model_dict(model: RecordedModel | None, args) -> dict:
                                       ("--block-tokens", args.block_tokens != model.tokens_per_block)) if v]}
 
 
-def _model_note(model: RecordedModel, args) -> str:
+def _model_note(model: RecordedModel, args: argparse.Namespace) -> str:
     d = _model_dict(model, args)
     tiers = ", ".join(f"{t['name']} ({t['medium']}) {t['capacity_blocks']} blocks {t['policy']}" for t in d["tiers"])
     modelled = d["device_chunks"] is not None and not args.capacity and args.replicas == 1
@@ -349,7 +350,7 @@ def check_plot_path(path: str) -> None:
         raise ReplayError(f"--sweep: {path!r} is a folder, not a file")
 
 
-def _sweep(args, trace, specs, n_distinct) -> int:
+def _sweep(args: argparse.Namespace, trace: Trace, specs: list[PolicySpec], n_distinct: int) -> int:
     from .sweep import DEFAULT_PERCENTS, format_sweep, plot, sweep
 
     raw = args.sweep_capacities.split(",") if args.sweep_capacities else [f"{p:g}%" for p in DEFAULT_PERCENTS]
@@ -369,7 +370,7 @@ def _sweep(args, trace, specs, n_distinct) -> int:
     return 0
 
 
-def _analyze(args, trace, specs) -> int:
+def _analyze(args: argparse.Namespace, trace: Trace, specs: list[PolicySpec]) -> int:
     from tqdm import tqdm
 
     from .analyze import Budgets, analyze, format_analysis

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -12,7 +13,7 @@ class TierCost:
     slower_than_recompute: bool | None
     prefill_seconds_saved: float | None
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "block_bytes": self.block_bytes,
             "transfer_seconds_per_block": self.transfer_s_per_block,

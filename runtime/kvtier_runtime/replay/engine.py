@@ -162,7 +162,7 @@ def replay_single(requests: Sequence[Sequence[int]], policy: EvictionPolicy) -> 
         for rid, req in enumerate(requests):
             n = len(req)
             for pos, key in enumerate(req):
-                ctx = AccessContext(rid, pos, n)
+                ctx: AccessContext | None = AccessContext(rid, pos, n)
                 if touch(key, ctx):
                     append(True)
                 else:
@@ -297,7 +297,7 @@ def replay_recorded(trace: Trace, capacities: Sequence[int], policies: Sequence[
     seconds = time.perf_counter() - start
     for st, n in zip(stats, stored):
         st.stored_blocks = n
-    if device is not None:
+    if device is not None and device_blocks is not None:
         stats.insert(0, TierStats("device", device_blocks, "vllm prefix cache", device=True))
         served = [0 if s == DEVICE else (s + 1 if s >= 0 else s) for s in served]
     for s in served:

@@ -9,7 +9,7 @@ maxima below C. Sorting them once answers "what does LRU reach at C" and "what L
 from __future__ import annotations
 
 import bisect
-from typing import Sequence
+from typing import Any, Sequence
 
 
 _FIRST = float("inf")  # a block's first access misses at any capacity
@@ -58,6 +58,7 @@ class LRUCurve:
         for n in lengths:
             running = -1.0
             for k in keys[pos:pos + n]:
+                d: float
                 if k in seen:
                     d = next(dist)
                 else:
@@ -88,7 +89,7 @@ class LRUCurve:
         return int(self._maxima[prefix_hits - 1]) + 1
 
 
-def equivalence(curve: LRUCurve, capacity: int, prefix_hits: int) -> dict:
+def equivalence(curve: LRUCurve, capacity: int, prefix_hits: int) -> dict[str, Any]:
     """The LRU capacity matching a policy's ``prefix_hits`` at ``capacity``, and the memory factor it is worth."""
     lru_cap = curve.capacity_for(prefix_hits)
     return {"lru_equivalent_capacity_blocks": lru_cap,

@@ -19,14 +19,14 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import yaml
 
 from .. import config
 from ..policies import ADMISSIONS, POLICIES
 from .args import DEFAULT_BLOCK_TOKENS, number_arg, one_line_error
-from .engine import PolicySpec, ReplayError, replay
+from .engine import PolicySpec, ReplayError, ReplayResult, replay
 from .trace import RecordedModel, Trace, TraceError, load_meta, load_traces, recording_files, trace_warnings
 
 PROG = "kvtier replay recommend"
@@ -96,7 +96,7 @@ class PolicyTier:
 class PolicyFile:
     path: str
     text: str
-    doc: dict
+    doc: dict[str, Any]
     tiers: list[PolicyTier]
     backend: str
 
@@ -194,7 +194,7 @@ def parse_budget(text: str | None, policy: PolicyFile) -> dict[str, int]:
 # ---- block bytes, block tokens --------------------------------------------------------------------------------
 
 
-def block_bytes_of(args, model: RecordedModel | None, policy: PolicyFile) -> tuple[int, str]:
+def block_bytes_of(args: argparse.Namespace, model: RecordedModel | None, policy: PolicyFile) -> tuple[int, str]:
     """Bytes of one block (all tensor-parallel ranks), and where the figure came from."""
     if args.block_bytes:
         return args.block_bytes, "--block-bytes"
@@ -239,7 +239,8 @@ class Choice:
     by_policy: dict[str, float] = field(default_factory=dict)
 
 
-def choose(trace: Trace, tiers: list[PolicyTier], block_bytes: int, progress=None) -> list[Choice]:
+def choose(trace: Trace, tiers: list[PolicyTier], block_bytes: int,
+           progress: Callable[[], object] | None = None) -> list[Choice]:
     """Each tier's capacity and policy, fastest first (see the module's doc)."""
     n_distinct = trace.n_distinct
     chosen_caps: list[int] = []
@@ -301,8 +302,8 @@ def round_capacity(blocks: int, block_bytes: int, budget_bytes: int) -> int:
 # ---- output ----------------------------------------------------------------------------------------------------
 
 
-def figures(res, trace: Trace, tiers: list[PolicyTier], block_tokens: int, block_bytes: int,
-            prefill_tokens_per_s: float) -> dict:
+def figures(res: ReplayResult, trace: Trace, tiers: list[PolicyTier], block_tokens: int, block_bytes: int,
+            prefill_tokens_per_s: float) -> dict[str, Any]:
     span_s = (max(trace.timestamps_ms) - min(trace.timestamps_ms)) / 1000.0
     out: dict[str, Any] = {"trace_seconds": span_s, "tiers": {}, "total": {}}
     for tier, st in zip(tiers, res.tiers):
@@ -327,7 +328,8 @@ def _rate(v: float | None) -> str:
     return "n/a (the trace spans no time)" if v is None else f"{_human(v)}/s"
 
 
-def render(policy: PolicyFile, tiers: list[PolicyTier], choices: list[Choice], figs: dict, header: list[str]) -> str:
+def render(policy: PolicyFile, tiers: list[PolicyTier], choices: list[Choice], figs: dict[str, Any],
+           header: list[str]) -> str:
     """The policy's text with each sized tier's size and evictionPolicy replaced in place and the figures added
     as comments."""
     edits: list[tuple[int, int, str]] = []  # (start, end, replacement) on the original text
@@ -370,7 +372,7 @@ def _flow(policy: PolicyFile) -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.error = one_line_error(parser)  # type: ignore[method-assign]
+    setattr(parser, "error", one_line_error(parser))  # one line on stderr, not argparse's usage block
     parser.description = ("Print the KVCachePolicy --policy with each enabled tier's size and evictionPolicy "
                           "chosen from the replayed trace, within --budget (default: the tiers' current sizes), "
                           "and the predicted figures as comments.")

@@ -3,7 +3,7 @@ table and a plot; each policy's capacity equivalence (the LRU capacity loading a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from .engine import PolicySpec, replay_single
 from .lru_curve import LRUCurve
@@ -14,7 +14,7 @@ from .trace import Trace
 DEFAULT_PERCENTS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 50.0)
 
 
-def sweep(trace: Trace, capacities: Sequence[int], specs: Sequence[PolicySpec], show_progress: bool = True) -> dict:
+def sweep(trace: Trace, capacities: Sequence[int], specs: Sequence[PolicySpec], show_progress: bool = True) -> dict[str, Any]:
     """Prefix hit ratios of every policy and OPT at every capacity (blocks)."""
     from tqdm import tqdm
 
@@ -40,7 +40,7 @@ def sweep(trace: Trace, capacities: Sequence[int], specs: Sequence[PolicySpec], 
             "memory_factor_vs_lru": factors}
 
 
-def plot(result: dict, out: str | Path, title: str) -> None:
+def plot(result: dict[str, Any], out: str | Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -49,8 +49,10 @@ def plot(result: dict, out: str | Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     caps = result["capacities_blocks"]
     for name, values in result["prefix_hit_ratio"].items():
-        style = {"color": "black", "linestyle": "--"} if name == "OPT" else {}
-        ax.plot(caps, values, marker="o", label=name, **style)
+        if name == "OPT":
+            ax.plot(caps, values, marker="o", label=name, color="black", linestyle="--")
+        else:
+            ax.plot(caps, values, marker="o", label=name)
     ax.axhline(result["infinite_cache_prefix_hit_ratio"], color="grey", linestyle=":",
                label=f"infinite cache ({result['infinite_cache_prefix_hit_ratio']:.4f})")
     ax.set_xscale("log")
@@ -64,7 +66,7 @@ def plot(result: dict, out: str | Path, title: str) -> None:
     plt.close(fig)
 
 
-def format_sweep(result: dict) -> str:
+def format_sweep(result: dict[str, Any]) -> str:
     names = list(result["prefix_hit_ratio"])
     width = max(10, *(len(n) for n in names))
     lines = ["capacity  " + "  ".join(f"{n:>{width}}" for n in names)]

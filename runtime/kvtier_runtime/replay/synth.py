@@ -32,7 +32,7 @@ import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 SHAPES = ("conversation", "agent", "document", "mixture", "chat", "sysprompt", "drift")
 # Calibration (measured by tests/runtime/replay/test_replay_synth.py): ~24 blocks/request, ~41% of reuses first reuses,
@@ -238,7 +238,7 @@ _GENERATORS: dict[str, Callable[..., list[_Request]]] = {
 
 
 def generate(shape: str, n_requests: int = 2000, seed: int = 0, block_tokens: int = 512,
-             duration_ms: float | None = None) -> list[dict]:
+             duration_ms: float | None = None) -> list[dict[str, Any]]:
     """Requests of ``shape`` as Mooncake-format dicts in timestamp order (same seed, same list)."""
     if shape not in _GENERATORS:
         raise ValueError(f"shape: {shape!r} is not one of {', '.join(SHAPES)}")
@@ -255,7 +255,7 @@ def generate(shape: str, n_requests: int = 2000, seed: int = 0, block_tokens: in
              "hash_ids": r.hash_ids} for r in reqs]
 
 
-def write_jsonl(rows: Iterable[dict], path: str | Path) -> None:
+def write_jsonl(rows: Iterable[dict[str, Any]], path: str | Path) -> None:
     with Path(path).open("w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, separators=(", ", ": ")) + "\n")

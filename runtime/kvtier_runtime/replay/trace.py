@@ -11,6 +11,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 class TraceError(ValueError):
@@ -41,7 +42,7 @@ class Trace:
         return len({k for r in self.requests for k in r})
 
 
-def _int_field(obj: dict, name: str) -> int:
+def _int_field(obj: dict[str, Any], name: str) -> int:
     value = obj.get(name)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name}: {value!r} must be a non-negative integer")

@@ -7,7 +7,7 @@ region that vLLM's worker process copies KV pages into, and this tier keeps that
 from __future__ import annotations
 
 import math
-from typing import Collection, Sequence
+from typing import Collection, Sequence, cast
 
 import torch
 
@@ -113,7 +113,8 @@ class MemoryTier:
         evicted = self.policy.insert(key, self.block_nbytes, ctx)
         if evicted is None:
             return None
-        victims = self._release(evicted)
+        # The policy holds this tier's keys, which are bytes.
+        victims = self._release(cast("list[bytes]", evicted))
         slot = self._take_slot()
         self._slot_of[key] = slot
         self._pending.add(key)
@@ -140,7 +141,7 @@ class MemoryTier:
             found = self.policy.evict(need, protected)
             if found is None:
                 return None
-            evicted = found
+            evicted = cast("list[bytes]", found)
         victims = self._release(evicted)
         slots: list[int] = []
         for i, key in enumerate(keys):

@@ -51,7 +51,8 @@ def test_engine_path_speed_table_prints_ratios_against_copy():
 def test_int4_outlier_table_prints_both_variants_and_the_why_table():
     out = subprocess.run([sys.executable, str(BENCH / "kv_int4.py"), "--chunks", "1", "--sets", "outlier x20"],
                          check=True, capture_output=True, text=True).stdout
-    assert "| outlier x20 | no | 0.00 |" in out and "| outlier x20 | yes | 1.00 |" in out
+    assert "| outlier x20 | scheme 1 | 0.00 |" in out and "| outlier x20 | scheme 2 | 1.00 |" in out
+    assert "| outlier x20 | scheme 3 | 1.00 |" in out
     out = subprocess.run([sys.executable, str(BENCH / "kv_int4.py"), "--why", "--chunks", "1", "--sets", "normal"],
                          check=True, capture_output=True, text=True).stdout
     assert "| normal | 0." in out

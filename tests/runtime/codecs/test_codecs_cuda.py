@@ -124,3 +124,24 @@ def test_cuda_verified_kv_chunks_get_the_cpu_verdicts_and_bytes():
             assert stored_gpu == stored_cpu, (label, err, stored_cpu, stored_gpu)
         if stored_gpu == stored_cpu == "fp8":
             assert torch.equal(out_gpu[:n_gpu].cpu(), out_cpu[:n_cpu]), label
+
+
+def test_cuda_int4_scheme_3_on_real_kv_decodes_on_either_device():
+    """int4 scheme 3 (Hadamard matmuls, sinks) on CUDA, on the real SmolLM2 chunk with a sink: stored as scheme 3
+    with its sink, and the CUDA block decodes on CPU to what it decodes to on CUDA, close to the CPU encode's."""
+    from kvtier_runtime.codecs import get_kv_codec
+    from plugins.kv_accuracy import attention_cosine
+    from tests.runtime.codecs.test_codecs_kv_int4 import LAY, real
+
+    x = real("start")
+    codec = get_kv_codec("int4", LAY)
+    out = torch.empty(codec.max_encoded_nbytes(), dtype=torch.uint8, device="cuda")
+    n = codec.encode(x.cuda(), out)
+    header = peek_header(out[:n].cpu())
+    assert header.codec == "int4" and header.scheme == 3 | 1 << 8 | 5 << 16
+    on_gpu = torch.empty(LAY.numel, dtype=torch.bfloat16, device="cuda")
+    codec.decode(out[:n], on_gpu)
+    on_cpu = torch.empty(LAY.numel, dtype=torch.bfloat16)
+    codec.decode(out[:n].cpu(), on_cpu)
+    assert torch.allclose(on_gpu.cpu().float(), on_cpu.float(), rtol=1e-2, atol=1e-3)
+    assert attention_cosine(LAY, x, on_cpu) >= 0.995

@@ -229,7 +229,8 @@ def test_without_verify_the_chunk_is_stored_as_asked():
     lay = KVLayout(**GOAL)
     codec = get_kv_codec("int4", lay, verify=False)
     _, blob = roundtrip(codec, make_chunk(lay, seed=4, outlier=20.0))
-    assert peek_header(blob).codec == "int4" and codec.max_encoded_nbytes() == codec.encoded_nbytes()
+    # no sink token in random data: the nominal size; room is kept for the sinks a trained model's chunk may have
+    assert peek_header(blob).codec == "int4" and len(blob) == codec.encoded_nbytes() <= codec.max_encoded_nbytes()
 
 
 # ---- bad input -------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """int4 with K's outlier channels kept apart (scheme 2: dense-and-sparse): outlier-K chunks stay int4 at about
 int4's size and keep attention; blocks written before the scheme decode as they did; bad headers and payloads
-are refused with the field named."""
+are refused with the field named. Scheme 3 is the default int4 now (test_codecs_kv_int4.py); these tests ask for
+the previous int4 (``int4_scheme=1``), which a verified scheme 3 encode still falls back to before int8."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,13 +22,18 @@ V1 = pathlib.Path(__file__).resolve().parents[2] / "data" / "kv-int4-v1"
 V1_LAYOUT = dict(num_layers=1, block_tokens=32, num_kv_heads=2, head_dim=16, dtype="bfloat16", page_order="HKTD")
 
 
+def s2_codec(lay: KVLayout, **kwargs):
+    """The previous int4: scheme 1, with K's outlier channels kept apart (scheme 2) when verifying."""
+    return get_kv_codec("int4", lay, int4_scheme=1, **kwargs)
+
+
 def _bytes(path: pathlib.Path) -> torch.Tensor:
     return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
 
 
 def test_blocks_written_before_the_sparse_scheme_decode_exactly_as_they_did():
     lay = KVLayout(**V1_LAYOUT)
-    codec = get_kv_codec("int4", lay)
+    codec = s2_codec(lay)
     for name in ("int4-normal", "int4-outlier"):
         block, expected = _bytes(V1 / f"{name}.block"), _bytes(V1 / f"{name}.decoded")
         out = torch.empty(lay.nbytes, dtype=torch.uint8)
@@ -67,8 +73,8 @@ def _outlier_chunk(lay: KVLayout, seed: int, scale: float, n_out: int, offset: b
 @pytest.mark.parametrize("scale,n_out,offset", OUTLIER_CASES)
 def test_outlier_k_chunks_stay_int4_at_about_int4_size_and_keep_attention(scale, n_out, offset):
     lay = KVLayout(**GOAL)
-    codec = get_kv_codec("int4", lay)
-    plain = get_kv_codec("int4", lay, sparse_k=False)
+    codec = s2_codec(lay)
+    plain = s2_codec(lay, sparse_k=False)
     for seed in range(2):
         x = _outlier_chunk(lay, 40 + seed, scale, n_out, offset)
         y, blob = roundtrip(codec, x)
@@ -88,7 +94,7 @@ def test_outlier_k_chunks_stay_int4_at_about_int4_size_and_keep_attention(scale,
 def test_the_channels_kept_apart_decode_exactly_in_every_dtype_and_order(dtype, order, outer, pages):
     lay = KVLayout(num_layers=2, block_tokens=64, num_kv_heads=2, head_dim=64, dtype=dtype, page_order=order,
                    pages=pages, outer=outer)
-    codec = get_kv_codec("int4", lay)
+    codec = s2_codec(lay)
     x = make_chunk(lay, seed=7, outlier=20.0, n_outliers=4)
     y, blob = roundtrip(codec, x)
     header = peek_header(blob)
@@ -106,7 +112,7 @@ def test_the_channels_kept_apart_decode_exactly_in_every_dtype_and_order(dtype, 
 
 def test_the_sampled_check_gives_the_full_checks_verdict_on_sparse_chunks():
     lay = KVLayout(**{**GOAL, "num_kv_heads": 4})
-    sampled, full = get_kv_codec("int4", lay), get_kv_codec("int4", lay, verify_sample=1)
+    sampled, full = s2_codec(lay), s2_codec(lay, verify_sample=1)
     for i, (scale, n_out) in enumerate([(5.0, 4), (20.0, 4), (20.0, 16), (20.0, 24), (3.5, 4)]):
         x = make_chunk(lay, seed=60 + i, outlier=scale, n_outliers=n_out)
         y, blob = roundtrip(sampled, x)
@@ -120,11 +126,11 @@ def test_the_sampled_check_gives_the_full_checks_verdict_on_sparse_chunks():
 def test_normal_chunks_and_unverified_encodes_are_written_as_before():
     lay = KVLayout(**GOAL)
     x = make_chunk(lay, seed=3)
-    _, blob = roundtrip(get_kv_codec("int4", lay), x)
-    _, plain = roundtrip(get_kv_codec("int4", lay, sparse_k=False), x)
+    _, blob = roundtrip(s2_codec(lay), x)
+    _, plain = roundtrip(s2_codec(lay, sparse_k=False), x)
     assert torch.equal(blob, plain) and peek_header(blob).scheme == 1
     # without the check nothing decides whether channels should go apart: the chunk is stored as asked
-    _, blob = roundtrip(get_kv_codec("int4", lay, verify=False), make_chunk(lay, seed=3, outlier=20.0))
+    _, blob = roundtrip(s2_codec(lay, verify=False), make_chunk(lay, seed=3, outlier=20.0))
     assert peek_header(blob).scheme == 1
 
 
@@ -132,13 +138,13 @@ def test_non_finite_values_in_a_sparse_chunk_keep_its_bytes():
     lay = KVLayout(num_layers=1, block_tokens=64, num_kv_heads=2, head_dim=32, dtype="bfloat16")
     x = make_chunk(lay, seed=8, outlier=20.0)
     x[-3] = math.nan                                       # a V value
-    y, blob = roundtrip(get_kv_codec("int4", lay), x)
+    y, blob = roundtrip(s2_codec(lay), x)
     assert peek_header(blob).codec == "none" and torch.equal(y.view(torch.int16), x.view(torch.int16))
 
 
 def _sparse_block() -> tuple[KVLayout, torch.Tensor]:
     lay = KVLayout(num_layers=1, block_tokens=32, num_kv_heads=2, head_dim=16, dtype="bfloat16")
-    _, blob = roundtrip(get_kv_codec("int4", lay), make_chunk(lay, seed=9, outlier=20.0, n_outliers=2))
+    _, blob = roundtrip(s2_codec(lay), make_chunk(lay, seed=9, outlier=20.0, n_outliers=2))
     assert peek_header(blob).scheme == SCHEME_SPARSE_K | 2 << 8
     return lay, blob.clone()
 
@@ -155,7 +161,7 @@ def _with_header(blob: torch.Tensor, **fields) -> torch.Tensor:
     ({"scheme": SCHEME_SPARSE_K | 9 << 8}, "1 to head_dim / 2"),              # head_dim 16: at most 8
     ({"scheme": SCHEME_SPARSE_K | 255 << 8}, "1 to head_dim / 2"),
     ({"scheme": 1 | 2 << 8}, "header.scheme"),                                # scheme 1 has no channels
-    ({"scheme": 3}, "header.scheme"),
+    ({"scheme": 4}, "header.scheme"),                                         # (3 is int4's scheme 3)
     ({"scheme": SCHEME_SPARSE_K | 4 << 8}, "header.payload_nbytes"),          # a size that does not match
     ({"codec": "int8"}, "int4's"),
 ])
@@ -163,7 +169,7 @@ def test_bad_sparse_headers_are_refused_before_anything_is_allocated(fields, mes
     lay, blob = _sparse_block()
     bad = _with_header(blob, **fields)
     with pytest.raises(CodecError, match=message):
-        get_kv_codec("int4", lay).decode(bad, torch.empty(lay.nbytes, dtype=torch.uint8))
+        s2_codec(lay).decode(bad, torch.empty(lay.nbytes, dtype=torch.uint8))
     with pytest.raises(CodecError, match=message):
         decode(bad)
 
@@ -177,12 +183,12 @@ def test_a_sparse_channel_index_outside_the_head_is_refused():
         corrupt = blob.clone()
         corrupt[at:at + 4] = torch.tensor([bad], dtype=torch.int32).view(torch.uint8)
         with pytest.raises(CodecError, match="sparse K channel index is outside head_dim 16"):
-            get_kv_codec("int4", lay).decode(corrupt, torch.empty(lay.nbytes, dtype=torch.uint8))
+            s2_codec(lay).decode(corrupt, torch.empty(lay.nbytes, dtype=torch.uint8))
 
 
 def test_sparse_k_must_be_a_bool():
     with pytest.raises(CodecError, match="sparse_k"):
-        get_kv_codec("int4", KVLayout(**GOAL), sparse_k=1)  # type: ignore[arg-type]
+        s2_codec(KVLayout(**GOAL), sparse_k=1)  # type: ignore[arg-type]
 
 
 @pytest.mark.cuda
@@ -190,7 +196,7 @@ def test_sparse_k_must_be_a_bool():
 def test_sparse_k_chunks_encode_on_cuda_and_decode_alike_on_either_device():
     lay = KVLayout(**GOAL)
     x = make_chunk(lay, seed=12, outlier=20.0)
-    codec = get_kv_codec("int4", lay)
+    codec = s2_codec(lay)
     out = torch.empty(codec.max_encoded_nbytes(), dtype=torch.uint8, device="cuda")
     n = codec.encode(x.cuda(), out)
     assert peek_header(out[:n]).scheme == SCHEME_SPARSE_K | 4 << 8

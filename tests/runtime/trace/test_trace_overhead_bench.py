@@ -113,7 +113,8 @@ def test_requests_are_the_busiest_families_cut_and_repeated_in_file_order(tmp_pa
 
 
 def test_a_prompt_shares_the_tokens_of_the_blocks_it_shares_and_ends_in_a_partial_block() -> None:
-    a, b = bench.prompt((1, 2, 3), 0), bench.prompt((1, 2, 4), 1)
+    corpus = list(range(1703))  # token ids of a corpus as long as the prose's (the tokenizer is not needed here)
+    a, b = bench.prompt(corpus, (1, 2, 3), 0), bench.prompt(corpus, (1, 2, 4), 1)
     assert a[:64] == b[:64] and a[64:96] != b[64:96]
     assert len(a) % bench.BLOCK_TOKENS != 0 and len(a) // bench.BLOCK_TOKENS == 3
 

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import threading
+from types import FrameType
 from typing import Any, Callable
 
 from vllm.v1.engine import EngineCoreRequestType
@@ -32,6 +33,7 @@ def engine_input_queue(max_frames: int = 32) -> Any | None:
     hands an offloading spec no reference to its engine; the engine core that constructs the scheduler holds it a
     few frames up (it sets the queue before it builds the scheduler). Read-only and bounded; None where this vLLM
     builds the manager some other way (an idle engine then announces a control-file change at its next step)."""
+    frame: FrameType | None
     try:
         frame = sys._getframe(1)
     except ValueError:  # pragma: no cover - no caller frame
