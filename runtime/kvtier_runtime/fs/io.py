@@ -46,6 +46,7 @@ from .format import (
     FORMAT_VERSION,
     HEADER_BYTES,
     MAC_BYTES,
+    MAC_FORMAT_VERSION,
     MAC_OFFSET,
     FormatError,
     block_mac,
@@ -68,8 +69,11 @@ assert BLOB_HEADER_BYTES == HEADER_NBYTES, "format 2 reserves the codec header's
 
 log = logging.getLogger("kvtier_runtime.fs.tier")
 
-# Where format 2 puts the codec blob: its 96-byte header ends the header page, its payload starts page-aligned.
+# Where formats 2 and 3 put the codec blob: its 96-byte header ends the header page, its payload starts page-aligned.
 _BLOB = BLOB_OFFSET[FORMAT_VERSION]
+assert BLOB_OFFSET[MAC_FORMAT_VERSION] == _BLOB
+# The versions a direct read can serve (the blob where the direct path reads it).
+_DIRECT_VERSIONS = (FORMAT_VERSION, MAC_FORMAT_VERSION)
 # How often a store retries when the fan-out directory it writes into is pruned under it (each retry recreates
 # the directory; another store's unlink can only prune it between our mkdir and our open, so a handful of tries
 # is plenty).
@@ -99,6 +103,8 @@ class BlockIO:
         self.dtype = dtype
         self.dtype_name = str(dtype).removeprefix("torch.")
         self._mac_key = mac_key
+        # Blocks are written as format 2, or with a MAC key as format 3 (its faster MAC; see .format).
+        self._version = FORMAT_VERSION if mac_key is None else MAC_FORMAT_VERSION
         self.direct_io = direct_io
         self._clock = clock
         # Staging buffers hold a whole file of either format (format 1's is the longer); a codec with fallback
@@ -190,7 +196,7 @@ class BlockIO:
         header = pack_header(
             # the codec actually used (after any fallback), from the blob's own header
             codec=self._written_codec(tensor[_BLOB:end]), dtype=self.dtype_name, shape=self.block_shape,
-            payload_len=nbytes, payload_crc=crc, key=key,
+            payload_len=nbytes, payload_crc=crc, key=key, version=self._version,
         )
         buf.mv[:_BLOB] = header[:_BLOB]  # the blob's header, already in place, stays
         if self._mac_key is not None:
@@ -218,7 +224,7 @@ class BlockIO:
                 tail[: n - whole] = row[whole:]
                 tail[n - whole :] = bytes(ALIGN - (n - whole))
             page[:] = pack_header(codec="none", dtype=self.dtype_name, shape=self.block_shape,
-                                  payload_len=HEADER_NBYTES + n, payload_crc=crc, key=key)
+                                  payload_len=HEADER_NBYTES + n, payload_crc=crc, key=key, version=self._version)
             page[_BLOB:] = blob_header
             if self._mac_key is not None:
                 page[MAC_OFFSET : MAC_OFFSET + MAC_BYTES] = block_mac(self._mac_key, page, page[_BLOB:], row)
@@ -312,7 +318,7 @@ class BlockIO:
                 return False
             header = parse_header(page[: min(got, HEADER_BYTES)])
             self.check_header(header, key)
-            if (header.version != FORMAT_VERSION or header.codec != "none"
+            if (header.version not in _DIRECT_VERSIONS or header.codec != "none"
                     or header.payload_len != HEADER_NBYTES + n or page[_BLOB:] != self._none_blob_header):
                 return False
             verify_length(header, min(got, size))
