@@ -53,7 +53,6 @@ from .format import (
     file_bytes_for,
     pack_header,
     parse_header,
-    verify_crc,
     verify_length,
     verify_mac,
     verify_payload,
@@ -146,6 +145,8 @@ class BlockIO:
                 group_size=codec.group_size, payload_nbytes=nbytes, requested_codec="none",
                 flags=FLAG_PER_CHANNEL if codec.per_channel else 0,
             ).pack()
+        # The blob's CRC starts with its (constant) header: the row's CRC continues from this.
+        self._none_blob_crc = checksum(self._none_blob_header)
 
     # ---- I/O tasks (pool threads) -----------------------------------------------------------------------
     def staging(self) -> tuple[AlignedBuffer, torch.Tensor]:
@@ -164,7 +165,7 @@ class BlockIO:
         return local.pages.mv[:ALIGN], local.pages.mv[ALIGN:]
 
     def _aligned(self, t: torch.Tensor) -> bool:
-        return t.device.type == "cpu" and t.is_contiguous() and t.data_ptr() % ALIGN == 0
+        return t.is_cpu and t.is_contiguous() and t.data_ptr() % ALIGN == 0
 
     def _direct_refused(self, exc: OSError, what: str) -> None:
         """An O_DIRECT transfer between the file and the caller's memory failed: EINVAL means the filesystem
@@ -219,7 +220,7 @@ class BlockIO:
             job.lent += 1
         try:
             row = raw_view(block.data_ptr(), n)
-            crc = checksum(row, checksum(blob_header))
+            crc = checksum(row, self._none_blob_crc)
             if n > whole:
                 tail[: n - whole] = row[whole:]
                 tail[n - whole :] = bytes(ALIGN - (n - whole))
@@ -319,15 +320,15 @@ class BlockIO:
             header = parse_header(page[: min(got, HEADER_BYTES)])
             self.check_header(header, key)
             if (header.version not in _DIRECT_VERSIONS or header.codec != "none"
-                    or header.payload_len != HEADER_NBYTES + n or page[_BLOB:] != self._none_blob_header):
+                    or header.payload_len != HEADER_NBYTES + n or bytes(page[_BLOB:]) != self._none_blob_header):
                 return False
             verify_length(header, min(got, size))
             if n > whole:
                 row[whole:] = tail[: n - whole]
             if self._mac_key is not None:
                 verify_mac(self._mac_key, page, page[_BLOB:], row)
-            else:
-                verify_crc(header, page[_BLOB:], row)
+            elif checksum(row, self._none_blob_crc) != header.payload_crc:  # the blob's header is the one above
+                raise FormatError("corrupt", "payload checksum mismatch")
             return True
         finally:
             with job.io_lock:
