@@ -12,7 +12,7 @@ tmp file + fdatasync + rename, on --threads writer threads) and reads them back 
 as vLLM's CPU-tier rows and kvtier's host region are, so format 2 moves them with no staging copy;
 ``--unaligned`` shifts the slab by 64 bytes to measure the staging path (copy in/out) instead. Rounds alternate raw and tier so drift on a
 shared machine hits both; the ratio is the median of per-round ratios. O_DIRECT bypasses the page cache on
-both sides, so neither side is served from memory. ``--mac`` adds the keyed MAC (HMAC-SHA256) (``mac_key_file``).
+both sides, so neither side is served from memory. ``--mac`` adds the keyed MAC (GMAC, format 3) (``mac_key_file``).
 ``--breakdown`` then times every phase of the tier's per-block work (each system call through the FileOps
 seam, the CRC/MAC, the copy in and out) in a last, separate round and prints thread-time per block.
 
@@ -166,7 +166,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=128, help="blocks per round (2 MiB each)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=16, help="tier reader and writer threads (vLLM and config default: 16)")
-    ap.add_argument("--mac", action="store_true", help="verify a keyed MAC (HMAC-SHA256) too (mac_key_file)")
+    ap.add_argument("--mac", action="store_true", help="verify a keyed MAC (GMAC, format 3) too (mac_key_file)")
     ap.add_argument("--breakdown", action="store_true", help="time each phase per block in an extra round")
     ap.add_argument("--unaligned", action="store_true",
                     help="rows 64 bytes off page alignment: the staging path (a copy per block each way)")
@@ -245,7 +245,7 @@ def main() -> None:
 
     print(f"filesystem tier, {n} x 2 MiB blocks ({total / 2**20:.0f} MiB on disk incl. 4 KiB header pages) per round, "
           f"median of {args.rounds} rounds, O_DIRECT={'on' if direct else 'off (unsupported here)'}, "
-          f"CRC32 on{', keyed MAC (HMAC-SHA256) on' if args.mac else ''}, {args.threads} tier threads per pool, "
+          f"CRC32 on{', keyed MAC (GMAC, format 3) on' if args.mac else ''}, {args.threads} tier threads per pool, "
           f"rows {'64 bytes off page alignment (staging path)' if args.unaligned else 'page-aligned'}, "
           "raw = 1 sequential stream")
     if codec is not None:

@@ -6,7 +6,7 @@ then ``get_finished_jobs`` polled as the scheduler does each step).
     python bench/fs_vs_vllm.py [--dir DIR] [--chunks-mib 0.25,2,8] [--mib-per-round 256] [--rounds 5]
 
 Run it with the env ``.ci/vllm-env`` builds (it needs vLLM 0.33.0's scheduler-side modules). Per chunk size and
-kvtier variant (``crc``: CRC32 only; ``mac``: keyed MAC (HMAC-SHA256) as well), each round stores the same chunks to
+kvtier variant (``crc``: CRC32 only; ``mac``: keyed MAC (GMAC, format 3) as well), each round stores the same chunks to
 vLLM's tier and to kvtier's, then loads them back, alternating which goes first, so drift on a shared machine hits
 both. GB/s counts chunk bytes (not kvtier's 4 KiB header). Differences that the numbers include: vLLM's tier
 neither checksums nor fsyncs (a crash can leave a torn block under its final name, served as a hit); kvtier's
@@ -158,7 +158,7 @@ def print_table(rows: list[Row], rounds: int) -> None:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         size = f"{r.chunk_bytes >> 20} MiB" if r.chunk_bytes >= 1 << 20 else f"{r.chunk_bytes >> 10} KiB"
-        checks = "CRC32" if r.variant == "crc" else "CRC32 + HMAC-SHA256"
+        checks = "CRC32" if r.variant == "crc" else "CRC32 + GMAC"
         print(f"| {size} | {checks} | {r.op} | {r.vllm_gbs:.2f} | {r.kvtier_gbs:.2f} | {r.ratio:.2f} | "
               f"{r.ratio_p25:.2f}-{r.ratio_p75:.2f} |")
 

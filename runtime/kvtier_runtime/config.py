@@ -144,9 +144,10 @@ class FilesystemTierConfig(_TierKwargs):
     n_write_threads: int = 16
     # Blocks whose measured codec error exceeds the codec's budget are stored with a wider codec.
     codec_fallback: bool = True
-    # Path of a file holding the key of a keyed MAC (HMAC-SHA256) over every block (e.g. a Secret mounted read-only):
-    # blocks are then served only if their MAC verifies, so a writer without the key cannot forge one. None: CRC32
-    # only (accidental corruption is still caught). The file is read by the runtime when the tier starts.
+    # Path of a file holding the key of a keyed MAC over every block (format 3: GMAC under a key per block, see
+    # fs/format.py), e.g. a Secret mounted read-only: blocks are then served only if their MAC verifies, so a writer
+    # without the key cannot forge one. None: CRC32 only (accidental corruption is still caught). The file is read
+    # by the runtime when the tier starts.
     mac_key_file: str | None = None
     # Longest a transfer may take before its keys fail as "timeout" and the caller moves on: a hung disk or NFS
     # server then slows the engine, never stops it.

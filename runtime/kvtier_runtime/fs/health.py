@@ -92,6 +92,7 @@ class TierHealth:
 
     def io_success(self) -> None:
         """A block written: the faults in a row start over."""
-        with self._lock:
-            self.backoff.success()
+        if self.backoff.failures:  # after every block written: the lock only when there is a streak to end
+            with self._lock:
+                self.backoff.success()
         self._metrics.backoff(False)

@@ -86,7 +86,8 @@ class BlockIndex:
     @property
     def used_bytes(self) -> int:
         """Bytes of the tier's files on disk: blocks held, plus files that could not be deleted yet."""
-        return self._policy.used_bytes + sum(n for _, n in self._stuck.values())
+        stuck = self._stuck
+        return self._policy.used_bytes + (sum(n for _, n in stuck.values()) if stuck else 0)
 
     def __len__(self) -> int:
         with self.lock:

@@ -46,13 +46,13 @@ from .format import (
     FORMAT_VERSION,
     HEADER_BYTES,
     MAC_BYTES,
+    MAC_FORMAT_VERSION,
     MAC_OFFSET,
     FormatError,
     block_mac,
     file_bytes_for,
     pack_header,
     parse_header,
-    verify_crc,
     verify_length,
     verify_mac,
     verify_payload,
@@ -68,8 +68,11 @@ assert BLOB_HEADER_BYTES == HEADER_NBYTES, "format 2 reserves the codec header's
 
 log = logging.getLogger("kvtier_runtime.fs.tier")
 
-# Where format 2 puts the codec blob: its 96-byte header ends the header page, its payload starts page-aligned.
+# Where formats 2 and 3 put the codec blob: its 96-byte header ends the header page, its payload starts page-aligned.
 _BLOB = BLOB_OFFSET[FORMAT_VERSION]
+assert BLOB_OFFSET[MAC_FORMAT_VERSION] == _BLOB
+# The versions a direct read can serve (the blob where the direct path reads it).
+_DIRECT_VERSIONS = (FORMAT_VERSION, MAC_FORMAT_VERSION)
 # How often a store retries when the fan-out directory it writes into is pruned under it (each retry recreates
 # the directory; another store's unlink can only prune it between our mkdir and our open, so a handful of tries
 # is plenty).
@@ -99,6 +102,8 @@ class BlockIO:
         self.dtype = dtype
         self.dtype_name = str(dtype).removeprefix("torch.")
         self._mac_key = mac_key
+        # Blocks are written as format 2, or with a MAC key as format 3 (its faster MAC; see .format).
+        self._version = FORMAT_VERSION if mac_key is None else MAC_FORMAT_VERSION
         self.direct_io = direct_io
         self._clock = clock
         # Staging buffers hold a whole file of either format (format 1's is the longer); a codec with fallback
@@ -140,6 +145,8 @@ class BlockIO:
                 group_size=codec.group_size, payload_nbytes=nbytes, requested_codec="none",
                 flags=FLAG_PER_CHANNEL if codec.per_channel else 0,
             ).pack()
+        # The blob's CRC starts with its (constant) header: the row's CRC continues from this.
+        self._none_blob_crc = checksum(self._none_blob_header)
 
     # ---- I/O tasks (pool threads) -----------------------------------------------------------------------
     def staging(self) -> tuple[AlignedBuffer, torch.Tensor]:
@@ -158,7 +165,7 @@ class BlockIO:
         return local.pages.mv[:ALIGN], local.pages.mv[ALIGN:]
 
     def _aligned(self, t: torch.Tensor) -> bool:
-        return t.device.type == "cpu" and t.is_contiguous() and t.data_ptr() % ALIGN == 0
+        return t.is_cpu and t.is_contiguous() and t.data_ptr() % ALIGN == 0
 
     def _direct_refused(self, exc: OSError, what: str) -> None:
         """An O_DIRECT transfer between the file and the caller's memory failed: EINVAL means the filesystem
@@ -190,7 +197,7 @@ class BlockIO:
         header = pack_header(
             # the codec actually used (after any fallback), from the blob's own header
             codec=self._written_codec(tensor[_BLOB:end]), dtype=self.dtype_name, shape=self.block_shape,
-            payload_len=nbytes, payload_crc=crc, key=key,
+            payload_len=nbytes, payload_crc=crc, key=key, version=self._version,
         )
         buf.mv[:_BLOB] = header[:_BLOB]  # the blob's header, already in place, stays
         if self._mac_key is not None:
@@ -213,12 +220,12 @@ class BlockIO:
             job.lent += 1
         try:
             row = raw_view(block.data_ptr(), n)
-            crc = checksum(row, checksum(blob_header))
+            crc = checksum(row, self._none_blob_crc)
             if n > whole:
                 tail[: n - whole] = row[whole:]
                 tail[n - whole :] = bytes(ALIGN - (n - whole))
             page[:] = pack_header(codec="none", dtype=self.dtype_name, shape=self.block_shape,
-                                  payload_len=HEADER_NBYTES + n, payload_crc=crc, key=key)
+                                  payload_len=HEADER_NBYTES + n, payload_crc=crc, key=key, version=self._version)
             page[_BLOB:] = blob_header
             if self._mac_key is not None:
                 page[MAC_OFFSET : MAC_OFFSET + MAC_BYTES] = block_mac(self._mac_key, page, page[_BLOB:], row)
@@ -312,16 +319,16 @@ class BlockIO:
                 return False
             header = parse_header(page[: min(got, HEADER_BYTES)])
             self.check_header(header, key)
-            if (header.version != FORMAT_VERSION or header.codec != "none"
-                    or header.payload_len != HEADER_NBYTES + n or page[_BLOB:] != self._none_blob_header):
+            if (header.version not in _DIRECT_VERSIONS or header.codec != "none"
+                    or header.payload_len != HEADER_NBYTES + n or bytes(page[_BLOB:]) != self._none_blob_header):
                 return False
             verify_length(header, min(got, size))
             if n > whole:
                 row[whole:] = tail[: n - whole]
             if self._mac_key is not None:
                 verify_mac(self._mac_key, page, page[_BLOB:], row)
-            else:
-                verify_crc(header, page[_BLOB:], row)
+            elif checksum(row, self._none_blob_crc) != header.payload_crc:  # the blob's header is the one above
+                raise FormatError("corrupt", "payload checksum mismatch")
             return True
         finally:
             with job.io_lock:

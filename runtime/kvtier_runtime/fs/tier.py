@@ -266,8 +266,7 @@ class FilesystemTier(QueuedTier):
                 job.errors[i] = reason
                 self.jobs.settle_locked(job, i, False)
         self._update_occupancy()
-        for i, key, block, doomed in work:
-            self._write_pool.submit(self.jobs.settled, self._write_task, job, i, key, block, doomed)
+        self.jobs.run_each(self._write_pool, self.config.n_write_threads, self._write_task, job, work)
         self.jobs.settle(job, None, True)
         return job.job_id
 
@@ -288,14 +287,13 @@ class FilesystemTier(QueuedTier):
                     job.errors[i] = "miss"
                     self.jobs.settle_locked(job, i, False)
                 elif (tuple(out.shape) != self.block_shape or out.dtype != self.dtype
-                      or out.device.type != "cpu" or not out.is_contiguous()):
+                      or not out.is_cpu or not out.is_contiguous()):
                     job.errors[i] = "mismatch"
                     self.jobs.settle_locked(job, i, False)
                 else:
                     self.index.pin_for_read_locked(key, ctx)
                     work.append((i, key, out))
-        for i, key, out in work:
-            self._read_pool.submit(self.jobs.settled, self._read_task, job, i, key, out)
+        self.jobs.run_each(self._read_pool, self.config.n_read_threads, self._read_task, job, work)
         self.jobs.settle(job, None, True)
         return job.job_id
 

@@ -16,13 +16,17 @@ class FilesystemMetrics(TierMetrics):
         super().__init__(name, capacity_bytes)
         self._backoff = metrics.FS_BACKOFF.labels(name)
         self._backoff.set(0)
+        self._backoff_on = False
 
     def error(self, kind: str, n: int = 1) -> None:
         """A fault of ``kind`` (enospc, eio, corrupt, truncated, mismatch, missing, timeout, unlink, ...)."""
         metrics.FS_ERRORS.labels(self.name, kind).inc(n)
 
     def backoff(self, on: bool) -> None:
-        self._backoff.set(1 if on else 0)
+        # Told after every block written: the gauge is set only when it changes.
+        if on != self._backoff_on:
+            self._backoff_on = on
+            self._backoff.set(1 if on else 0)
 
     def rejected(self, reason: str) -> None:
         """A store refused before any I/O (backoff, not-admitted, no-room, busy, mismatch, ...)."""

@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
@@ -270,12 +270,47 @@ class JobQueue:
         if result is not None and self._on_complete is not None:
             self._on_complete(result)
 
+    def run_each(self, pool: ThreadPoolExecutor, workers: int, task: Callable[..., bool], job: Job,
+                 items: Sequence[tuple[Any, ...]]) -> None:
+        """Run ``task(job, *item)`` through :meth:`settled` for every item (its first element the key's index), on at
+        most ``workers`` threads of ``pool``: each takes the next item until none is left. One pool task per thread
+        instead of one per item: a small block's I/O is a few tens of microseconds, and a pool task per block (its
+        future, queue and thread hand-off, on threads contending for the GIL) cost as much again."""
+        if not items:
+            return
+        left = deque(items)
+
+        def drain_items() -> None:
+            with self.lock:
+                self._running_tasks += 1
+            try:
+                while True:
+                    try:
+                        item = left.popleft()  # atomic: the runners share the deque without a lock
+                    except IndexError:
+                        return
+                    self._settled(task, job, *item)
+            finally:
+                with self.lock:
+                    self._running_tasks -= 1
+
+        for _ in range(min(workers, len(items))):
+            pool.submit(drain_items)
+
     def settled(self, task: Callable[..., bool], job: Job, i: int, *args: Any) -> None:
         """Run an I/O task and settle its key whatever happens: an exception escaping a task would otherwise
         vanish in the pool and leave the job unfinished, so ``drain`` without a timeout would hang."""
-        ok = False
         with self.lock:
             self._running_tasks += 1
+        try:
+            self._settled(task, job, i, *args)
+        finally:
+            with self.lock:
+                self._running_tasks -= 1
+
+    def _settled(self, task: Callable[..., bool], job: Job, i: int, *args: Any) -> None:
+        """:meth:`settled` of a task already counted as running."""
+        ok = False
         try:
             ok = task(job, i, *args)
         except Exception:
@@ -285,5 +320,3 @@ class JobQueue:
             self._errors.error("other")
         finally:
             self.settle(job, i, ok)
-            with self.lock:
-                self._running_tasks -= 1

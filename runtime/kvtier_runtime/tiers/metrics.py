@@ -22,6 +22,7 @@ class TierMetrics:
         # process-wide registry). An int's += is not atomic across threads: guarded.
         self.evictions = 0
         self._evictions_lock = threading.Lock()
+        self._children: dict[tuple[Any, str, str], tuple[Any, Any, Any]] = {}
 
     def occupancy(self, nbytes: int) -> None:
         self._occupancy.set(nbytes)
@@ -58,8 +59,15 @@ class TierMetrics:
         else:
             self.demoted(src, nbytes, seconds, n)
 
-    @staticmethod
-    def _moved(counter: Any, src: str, dst: str, nbytes: int, seconds: float, n: int) -> None:
-        counter.labels(src, dst).inc(n)
-        metrics.BYTES_MOVED.labels(src, dst).inc(nbytes)
-        metrics.TRANSFER_SECONDS.labels(src, dst).observe(seconds)
+    def _moved(self, counter: Any, src: str, dst: str, nbytes: int, seconds: float, n: int) -> None:
+        # A tier moves blocks between a handful of (src, dst) pairs, once per block: the labelled children are
+        # looked up once per pair (a ``labels`` call costs more than the three updates together).
+        children = self._children.get((counter, src, dst))
+        if children is None:
+            children = self._children[(counter, src, dst)] = (
+                counter.labels(src, dst), metrics.BYTES_MOVED.labels(src, dst),
+                metrics.TRANSFER_SECONDS.labels(src, dst))
+        blocks, moved, seconds_hist = children
+        blocks.inc(n)
+        moved.inc(nbytes)
+        seconds_hist.observe(seconds)

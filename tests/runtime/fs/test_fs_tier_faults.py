@@ -79,6 +79,37 @@ def test_a_forged_block_is_served_by_crc_alone_but_is_a_counted_miss_with_the_ma
     assert tier.state(key) is KeyState.MISS and not os.path.exists(tier.block_path(key))
 
 
+def test_a_keyed_tier_writes_format_3_and_still_serves_format_2_blocks_of_its_key(fs_tier_factory, tmp_path) -> None:
+    # Format 3 changed only the MAC (GMAC under a key per block, for speed): blocks an earlier build wrote as
+    # format 2 with HMAC-SHA256 under the same key are still served; a tier without a key writes format 2 as before.
+    mac_key_file = _key_file(tmp_path)
+    with open(mac_key_file, "rb") as fh:
+        mac_key = fh.read()
+    keys = [key_of(i) for i in range(2)]
+    tier = fs_tier_factory(root=str(tmp_path / "mac"), mac_key_file=mac_key_file)
+    assert store_blocks(tier, keys, [block_for(k) for k in keys]).success
+    for k in keys:
+        with open(tier.block_path(k), "rb") as fh:
+            assert fmt.parse_header(fh.read(fmt.HEADER_BYTES)).version == 3
+    path = tier.block_path(keys[1])  # rewritten as the earlier build wrote it: format 2, HMAC-SHA256
+    with open(path, "r+b") as fh:
+        raw = bytearray(fh.read())
+        header = fmt.parse_header(bytes(raw[: fmt.HEADER_BYTES]))
+        raw[8:10] = (2).to_bytes(2, "little")  # the version is outside the header CRC (the MAC covers it)
+        blob = bytes(raw[header.blob_offset : header.blob_offset + header.payload_len])
+        raw[fmt.MAC_OFFSET : fmt.MAC_OFFSET + fmt.MAC_BYTES] = bytes(fmt.MAC_BYTES)
+        raw[fmt.MAC_OFFSET : fmt.MAC_OFFSET + fmt.MAC_BYTES] = fmt.block_mac(mac_key, raw, blob)
+        fh.seek(0)
+        fh.write(raw)
+    outs = [sentinel() for _ in keys]
+    assert load_blocks(tier, keys, outs).success
+    assert all(torch.equal(o, block_for(k)) for o, k in zip(outs, keys))
+    plain = fs_tier_factory(root=str(tmp_path / "plain"))
+    assert store_blocks(plain, keys[:1], [block_for(keys[0])]).success
+    with open(plain.block_path(keys[0]), "rb") as fh:
+        assert fmt.parse_header(fh.read(fmt.HEADER_BYTES)).version == 2
+
+
 def test_blocks_without_the_right_mac_are_refused(fs_tier_factory, tmp_path) -> None:
     root = str(tmp_path / "fs")
     keys = [key_of(i) for i in range(3)]

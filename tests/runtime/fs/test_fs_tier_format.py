@@ -191,11 +191,53 @@ def test_the_mac_of_one_format_version_does_not_verify_as_the_other() -> None:
         fmt.verify_mac(mac_key, memoryview(v2), blob)
 
 
+def test_the_mac_of_format_3_is_gmac_under_a_key_of_its_own_per_block() -> None:
+    # Computed here through the one-shot AEAD API (header and blob joined), not the streaming one the tier uses:
+    # the block key is HMAC-SHA256(mac key, domain || salt), the tag AES-256-GCM's over no plaintext with the
+    # covered header bytes and the blob as associated data, the nonce all zeros (the key authenticates one block).
+    import hmac
+
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    mac_key, blob = os.urandom(40), os.urandom(5000)
+    head = bytearray(_header(payload_len=len(blob), version=3))
+    salt = bytes(head[fmt.MAC_OFFSET : fmt.MAC_OFFSET + fmt.MAC_SALT_BYTES])
+    field = fmt.block_mac(mac_key, head, blob[:7], blob[7:])
+    block_key = hmac.digest(mac_key, b"kvtier-block-v3\0" + salt, "sha256")
+    tag = AESGCM(block_key).encrypt(bytes(12), b"", bytes(head[: fmt.HEADER_USED]) + blob)
+    assert field == salt + tag and len(field) == fmt.MAC_BYTES
+    head[fmt.MAC_OFFSET : fmt.MAC_OFFSET + fmt.MAC_BYTES] = field
+    fmt.verify_mac(mac_key, memoryview(head), blob)
+
+
+def test_every_format_3_header_draws_a_fresh_salt() -> None:
+    # Two blocks under one block key would reuse GCM's nonce (revealing its hash key): the salt is never repeated
+    # (random, 128 bits) and never left zero.
+    salts = {fmt.pack_header(codec="none", dtype="bfloat16", shape=(4,), payload_len=8, payload_crc=0, key=b"k",
+                             version=3)[fmt.MAC_OFFSET : fmt.MAC_OFFSET + fmt.MAC_SALT_BYTES] for _ in range(64)}
+    assert len(salts) == 64 and bytes(fmt.MAC_SALT_BYTES) not in salts
+    # formats 1 and 2 leave the MAC field to their HMAC
+    assert _header(version=2)[fmt.MAC_OFFSET : fmt.MAC_OFFSET + fmt.MAC_BYTES] == bytes(fmt.MAC_BYTES)
+
+
+@pytest.mark.parametrize("signed, relabelled", [(1, 2), (2, 1), (2, 3), (3, 2)])
+def test_a_mac_does_not_verify_under_another_format_version(signed: int, relabelled: int) -> None:
+    # A forger without the key who relabels a block's version (and recomputes the header CRC) gets the other
+    # version's MAC checked: HMAC-SHA256 for formats 1 and 2, GMAC for format 3.
+    mac_key, blob = b"k" * 32, os.urandom(5000)
+    head = bytearray(_header(payload_len=len(blob), version=signed))
+    head[fmt.MAC_OFFSET : fmt.MAC_OFFSET + fmt.MAC_BYTES] = fmt.block_mac(mac_key, head, blob)
+    fmt.verify_mac(mac_key, memoryview(head), blob)
+    head[8:10] = relabelled.to_bytes(2, "little")
+    with pytest.raises(fmt.FormatError, match="forged"):
+        fmt.verify_mac(mac_key, memoryview(head), blob)
+
+
 def test_an_unknown_version_is_refused_when_packing_and_reported_when_parsing() -> None:
-    with pytest.raises(ValueError, match=r"^version: 3 is not one of \(1, 2\)$"):
-        _header(version=3)
+    with pytest.raises(ValueError, match=r"^version: 4 is not one of \(1, 2, 3\)$"):
+        _header(version=4)
     raw = bytearray(_header())
-    raw[8:10] = (3).to_bytes(2, "little")
+    raw[8:10] = (4).to_bytes(2, "little")
     with pytest.raises(fmt.FormatError) as info:
         fmt.parse_header(bytes(raw))
     assert info.value.kind == "version"

@@ -84,6 +84,38 @@ def test_a_task_that_raises_fails_its_key_as_other_and_settles_it():
     assert result.ok == (False,) and result.errors == {0: "other"} and errors.counts == {"other": 1}
 
 
+def test_run_each_settles_every_item_on_at_most_the_workers_given():
+    # One pool task per worker drains the job's items (a task per small block cost as much as its I/O): every
+    # item runs once, a raising one fails its key as "other", and no more than ``workers`` run at once.
+    q, errors, _, _ = _queue()
+    read_pool, _ = q.start_pools(8, 1)
+    keys = [bytes([i]) for i in range(40)]
+    job = q.new_job("load", keys)
+    lock, running, peak, seen = threading.Lock(), [0], [0], []
+
+    def task(job, i, key):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+            seen.append(key)
+        time.sleep(0.002)
+        with lock:
+            running[0] -= 1
+        if i == 7:
+            raise RuntimeError("boom")
+        return i % 5 != 0
+
+    q.run_each(read_pool, 3, task, job, [(i, k) for i, k in enumerate(keys)])
+    q.settle(job, None, True)
+    q.drain(timeout=10)
+    (result,) = q.get_finished()
+    assert sorted(seen) == keys and peak[0] <= 3
+    assert result.ok == tuple(i % 5 != 0 and i != 7 for i in range(40)) and result.errors == {7: "other"}
+    assert errors.counts == {"other": 1}
+    q.run_each(read_pool, 3, task, job, [])  # nothing to run: no task is submitted
+    q.close()
+
+
 def test_close_drains_shuts_the_pools_and_refuses_new_work_by_name():
     q, *_ = _queue()
     read_pool, write_pool = q.start_pools(1, 1)
