@@ -40,7 +40,10 @@ import (
 	"github.com/llm-d/llm-d-kv-cache/pkg/kvcache/kvblock"
 	"github.com/llm-d/llm-d-kv-cache/pkg/kvevents"
 	"github.com/llm-d/llm-d-kv-cache/pkg/kvevents/engineadapter"
+	"go.uber.org/zap/zapcore"
 	"k8s.io/apimachinery/pkg/util/sets"
+	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
+	ctrlzap "sigs.k8s.io/controller-runtime/pkg/log/zap"
 )
 
 const (
@@ -80,7 +83,16 @@ func main() {
 	hashSeed := flag.String("hash-seed", "", "the engines' PYTHONHASHSEED, if they set one")
 	weights := flag.String("weights", "gpu=1,cpu=0.8,storage=0.5", "scoring weight per medium (device tier)")
 	concurrency := flag.Int("concurrency", 4, "event-processing workers")
+	verbose := flag.Bool("v", false, "log the library's info messages too (default: its errors and warnings only)")
 	flag.Parse()
+	// The library logs through controller-runtime's logger: without one set, its first use prints a stack trace
+	// and every message after it is dropped, errors included (a subscriber that cannot connect, an event batch
+	// it cannot parse), which a failed test then cannot show.
+	level := zapcore.WarnLevel
+	if *verbose {
+		level = zapcore.InfoLevel
+	}
+	ctrllog.SetLogger(ctrlzap.New(ctrlzap.Level(level), ctrlzap.WriteTo(os.Stderr)))
 	if err := run(*listen, *portFile, *blockSize, *hashSeed, *weights, *concurrency); err != nil {
 		log.Fatalf("indexer: %v", err)
 	}
