@@ -42,9 +42,9 @@ from typing import Any
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "runtime"), str(REPO / "operator")]
 
+from e2e.indexer.client import Indexer  # noqa: E402
 from e2e.vllm_cpu import prose, render, smollm2  # noqa: E402
 from e2e.vllm_cpu.server import VllmServer  # noqa: E402
-from e2e.indexer.client import Indexer  # noqa: E402
 
 BLOCK = 32
 DEVICE_BLOCKS = 64

@@ -38,11 +38,11 @@ class Indexer:
         self.log_path = workdir / "indexer.log"
         port_file = workdir / "indexer.port"
         port_file.unlink(missing_ok=True)
-        self._log = open(self.log_path, "ab")
-        self.proc: Optional[subprocess.Popen[bytes]] = subprocess.Popen(
-            [indexer_binary(), "-listen", "127.0.0.1:0", "-port-file", str(port_file),
-             "-block-size", str(block_size), "-weights", weights],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        binary = indexer_binary()
+        with open(self.log_path, "ab") as log:  # the child keeps its own copy of the descriptor
+            self.proc: Optional[subprocess.Popen[bytes]] = subprocess.Popen(
+                [binary, "-listen", "127.0.0.1:0", "-port-file", str(port_file), "-block-size", str(block_size),
+                 "-weights", weights], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
             deadline = time.monotonic() + START_TIMEOUT_S
             while not port_file.exists():
@@ -90,4 +90,3 @@ class Indexer:
                 self.proc.kill()
             self.proc.wait(timeout=30)
             self.proc = None
-        self._log.close()

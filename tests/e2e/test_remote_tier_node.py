@@ -41,19 +41,19 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
-
+from indexer.client import Indexer
 from kvtier_operator.kube import MERGE, Kube, policy_path
 from kvtier_operator.settings import CONFIG_HASH_ANNOTATION
-from kvtier_runtime.remote.identity import acl_rule
 from kvtier_runtime.config import control_file_json
-from indexer.client import Indexer
-from plugins.prometheus import require_prometheus
+from kvtier_runtime.remote.identity import acl_rule
 from plugins.node import node_cgroups_left, require_vllm_cpu_python, wait_until
 from plugins.processes import processes_mentioning
+from plugins.prometheus import require_prometheus
 from scenario import manifests
 from scenario.local import LocalEnvironment, LocalOptions
 from scenario.manifests import Names
