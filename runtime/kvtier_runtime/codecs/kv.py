@@ -381,6 +381,7 @@ class KVChunkCodec:
             rec = self._scratch.get("rec", lg * lay.page_numel * p, F32, codes.device)
             dequantize(lay, q, codes, sk, sv, rec, lg)
             return float(attention_errors(canonical(lay, x, lg), canonical(lay, rec, lg)).max())
+        assert batch is not None, "a sampled check gathers into the caller's batch"
         ts, cw, dev = sample.idx.numel(), codes.shape[1], codes.device
         kg, g = p * t // sk.shape[2], sv.shape[3]
         cap = self._sample_cap(ts)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import cast
 
 from .errors import CodecError
 
@@ -193,8 +194,10 @@ class KVLayout:
         else:
             page_order = VLLM_PAGE_ORDERS[key]
         dtype = str(getattr(kv_cache_spec, "dtype", "")).removeprefix("torch.")
-        return cls(num_layers=num_layers, block_tokens=getattr(kv_cache_spec, "block_size", None),
-                   num_kv_heads=getattr(kv_cache_spec, "num_kv_heads", None), head_dim=head_size,
+        # Duck-typed values: __post_init__ refuses a missing or non-integer one, naming the field.
+        return cls(num_layers=num_layers, block_tokens=cast(int, getattr(kv_cache_spec, "block_size", None)),
+                   num_kv_heads=cast(int, getattr(kv_cache_spec, "num_kv_heads", None)),
+                   head_dim=cast(int, head_size),
                    dtype=dtype, page_order=page_order, pages=pages, outer=outer)
 
 

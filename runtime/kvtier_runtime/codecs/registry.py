@@ -71,7 +71,7 @@ def get_codec(name: str, *, group_size: int | None = None, scales: str = "group"
         codec = cls(group_size=group_size, fallback=fallback, per_channel=per_channel)
     if not isinstance(compile, bool):
         raise CodecError(f"compile: {compile!r} must be a bool")
-    if compile and name in _COMPILED_ENCODERS and scales == "group":
+    if compile and name in _COMPILED_ENCODERS and scales == "group" and isinstance(codec, ScaledCodec):
         from .compiled import CompiledKernels
 
         codec.compiled_kernels = CompiledKernels(_COMPILED_ENCODERS[name]())

@@ -48,8 +48,9 @@ def model_kv_shape(config: Any) -> tuple[int | None, int | None]:
         _log.debug("kvtier: no current vLLM config (%s)", exc)
     name = str(config.model.name)
     try:
-        path: str | None = os.path.join(name, "config.json")
-        if not os.path.isfile(path):
+        local = os.path.join(name, "config.json")
+        path: str | None = local if os.path.isfile(local) else None
+        if path is None:
             from huggingface_hub import try_to_load_from_cache
 
             found = try_to_load_from_cache(name, "config.json")

@@ -11,6 +11,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from types import FrameType
 from typing import Any
 
 import torch
@@ -162,7 +163,7 @@ class KvtierOffloadingManager(OffloadingManager):
         # Per running request, the prompt's length in tokens (as vLLM's scheduler announced the request).
         self._prompt_tokens: dict[str, int] = {}
         try:
-            self.recorder = _trace_recorder(spec, self) if cfg.trace_dir is not None else None
+            self.recorder = _trace_recorder(spec, self, cfg.trace_dir) if cfg.trace_dir is not None else None
         except ConfigError:  # start-up fails: leave no tier threads or shared memory behind
             self.books.close()
             self.region.close(unlink=True)
@@ -486,7 +487,7 @@ def _device_blocks(max_frames: int = 16) -> int | None:
     import sys
 
     try:
-        frame = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(1)
     except ValueError:  # pragma: no cover - no caller frame
         return None
     for _ in range(max_frames):
@@ -508,7 +509,7 @@ def _announced_prompt_tokens(max_frames: int = 4) -> int | None:
     import sys
 
     try:
-        frame = sys._getframe(2)
+        frame: FrameType | None = sys._getframe(2)
     except ValueError:  # pragma: no cover - no caller frame
         return None
     for _ in range(max_frames):
@@ -521,17 +522,17 @@ def _announced_prompt_tokens(max_frames: int = 4) -> int | None:
     return None
 
 
-def _trace_recorder(spec: KvtierOffloadingSpec, manager: KvtierOffloadingManager) -> Any:
+def _trace_recorder(spec: KvtierOffloadingSpec, manager: KvtierOffloadingManager, trace_dir: str) -> Any:
     from ...trace import TraceRecorder
 
     cfg = spec.kvtier
     try:
-        recorder = TraceRecorder(cfg.trace_dir, cfg.trace_max_bytes, cfg.trace_files, trace_meta(spec, manager))
+        recorder = TraceRecorder(trace_dir, cfg.trace_max_bytes, cfg.trace_files, trace_meta(spec, manager))
     except OSError as exc:
-        raise ConfigError(f"kv_connector_extra_config.trace_dir: cannot record into {cfg.trace_dir!r} "
+        raise ConfigError(f"kv_connector_extra_config.trace_dir: cannot record into {trace_dir!r} "
                           f"({exc.strerror or exc})") from None
     _log.info("kvtier: recording a trace of this engine's requests into %s (at most %d bytes over %d files)",
-              cfg.trace_dir, cfg.trace_max_bytes, cfg.trace_files)
+              trace_dir, cfg.trace_max_bytes, cfg.trace_files)
     return recorder
 
 
