@@ -41,9 +41,10 @@ from concurrent.futures import ThreadPoolExecutor
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "runtime"), str(REPO / "operator"), str(REPO / "tests")]
 
-from bench.tables import SMOKE_HELP, quartiles, require_rows  # noqa: E402
 from plugins.redis_server import RedisCluster, RedisServer, tenant_key_file  # noqa: E402
 from plugins.tier_sync import connected, wait_job  # noqa: E402  (tests/plugins: one job's result, test-side)
+
+from bench.tables import SMOKE_HELP, quartiles, require_rows  # noqa: E402
 
 MiB = 1 << 20
 TOKENS_PER_BLOCK = 32
@@ -58,7 +59,6 @@ def start_store(work: pathlib.Path, cluster: bool, maxmemory: int):
 # ---- throughput ---------------------------------------------------------------------------------------------
 def throughput(store, chunk_mib: float, n_chunks: int, batch: int, rounds: int, threads: int) -> dict:
     import torch
-
     from kvtier_runtime.config import RemoteTierConfig
     from kvtier_runtime.remote.identity import model_identity
     from kvtier_runtime.remote.tier import RemoteTier
@@ -100,13 +100,13 @@ def throughput(store, chunk_mib: float, n_chunks: int, batch: int, rounds: int, 
 
         raw_keys = [b"raw:" + tier.store_key(k) for k in keys]  # as long as the tier's keys
 
-        def raw_set(b: list[int]) -> None:
+        def raw_set(b: list[int], raw_keys: list[bytes] = raw_keys) -> None:
             pipe = raw.pipeline(transaction=False)
             for i in b:
                 pipe.set(raw_keys[i], memoryview(raw_values[i]))
             pipe.execute()
 
-        def raw_get(b: list[int]) -> None:
+        def raw_get(b: list[int], raw_keys: list[bytes] = raw_keys) -> None:
             pipe = raw.pipeline(transaction=False)
             for i in b:
                 pipe.get(raw_keys[i])

@@ -35,13 +35,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from kvtier_operator.kube import MERGE, Kube, policy_path
 from kvtier_operator.settings import CONFIG_HASH_ANNOTATION
 from kvtier_runtime.remote.identity import acl_rule
-from plugins.prometheus import require_prometheus
 from plugins.node import node_cgroups_left, require_vllm_cpu_python, wait_until
 from plugins.processes import processes_mentioning
+from plugins.prometheus import require_prometheus
 from scenario import manifests
 from scenario.local import LocalEnvironment, LocalOptions
 from scenario.manifests import Names

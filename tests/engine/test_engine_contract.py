@@ -78,7 +78,7 @@ class Events:
                 continue
             try:
                 batch = self._decoder.decode(parts[-1])
-            except Exception as exc:  # noqa: BLE001 - reported by the test that reads the stream
+            except Exception as exc:
                 self.errors.append(f"{type(exc).__name__}: {exc}")
                 continue
             with self._lock:

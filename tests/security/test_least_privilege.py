@@ -11,13 +11,10 @@ import threading
 import time
 
 import pytest
-
 from kvtier_operator.kube import ApiError, Kube, config_map_path, policy_path, workload_path
 from kvtier_operator.labels import OPT_IN_LABEL
 from kvtier_operator.settings import POLICY_LABEL
-
-from plugins.operator import (cond, deployment, get_policy, get_workload, make_policy, user_apply, wait_applied,
-                              wait_for)
+from plugins.operator import cond, deployment, get_policy, get_workload, make_policy, user_apply, wait_applied, wait_for
 
 pytestmark = pytest.mark.controlplane
 AUTHOR = "mallory"
@@ -149,7 +146,7 @@ class Listener:
         while not self._stop.is_set():
             try:
                 conn, _ = self.sock.accept()
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 continue
             with conn:
                 conn.settimeout(2)
@@ -222,7 +219,7 @@ def test_conditions_do_not_tell_whether_a_secret_exists(kube, namespace, author,
     author.create(policy_path(namespace), _slo_policy("b", namespace, url, secret="nosecret", key="nokey"))
     messages = {}
     for name, secret in (("a", "prom-token"), ("b", "nosecret")):
-        pol = wait_for(lambda: (p := get_policy(kube, namespace, name)) and
+        pol = wait_for(lambda name=name: (p := get_policy(kube, namespace, name)) and
                        cond(p, "SLOUnknown").get("status") == "True" and p, 30, what=f"SLOUnknown on {name}")
         messages[name] = cond(pol, "SLOUnknown")["message"].replace(secret, "SECRET")
     assert messages["a"] == messages["b"], messages

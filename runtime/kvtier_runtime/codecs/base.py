@@ -2,12 +2,19 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from .header import (
-    DTYPE_IDS, FLAG_FALLBACK, FLAG_PER_CHANNEL, HEADER_NBYTES, MAX_NDIM, CodecError, CodecHeader, unpack_header,
+    DTYPE_IDS,
+    FLAG_FALLBACK,
+    FLAG_PER_CHANNEL,
+    HEADER_NBYTES,
+    MAX_NDIM,
+    CodecError,
+    CodecHeader,
+    unpack_header,
 )
 from .metrics import STATS
 from .scratch import ScratchPool

@@ -117,7 +117,7 @@ class KVLayout:
         return self.page_order in STAGED_ORDERS
 
     @property
-    def stage_layout(self) -> "KVLayout":
+    def stage_layout(self) -> KVLayout:
         return replace(self, page_order=STAGED_ORDERS.get(self.page_order, self.page_order))
 
     @property
@@ -152,7 +152,7 @@ class KVLayout:
         return 1 + PAGE_ORDERS.index(self.page_order) + _CODE_SLOTS * OUTER_ORDERS.index(self.outer)
 
     @classmethod
-    def from_code(cls, code: int, chunk_shape: tuple[int, ...], dtype: str) -> "KVLayout":
+    def from_code(cls, code: int, chunk_shape: tuple[int, ...], dtype: str) -> KVLayout:
         """The layout a header describes (``code`` and the chunk shape it records)."""
         outer_i, order_i = divmod(code - 1, _CODE_SLOTS)
         if code < 1 or outer_i >= len(OUTER_ORDERS) or order_i >= len(PAGE_ORDERS):
@@ -169,7 +169,7 @@ class KVLayout:
     # ---- construction from vLLM ------------------------------------------------------------------------------
     @classmethod
     def from_vllm(cls, kv_cache_spec: object, *, num_layers: int, backend: str, kv_cache_layout: str = "LBHNC",
-                  cpu_attn_isa: str | None = None, pages: int = 1, outer: str = "LP") -> "KVLayout":
+                  cpu_attn_isa: str | None = None, pages: int = 1, outer: str = "LP") -> KVLayout:
         """From a vLLM ``AttentionSpec`` (duck-typed: ``block_size``, ``num_kv_heads``, ``head_size``,
         ``head_size_v``, ``dtype``), the attention backend's name (``AttentionBackend.get_name()``, e.g.
         ``"CPU_ATTN"``), the resolved ``KVCacheLayout`` name and, for the CPU backend, the ISA its attention

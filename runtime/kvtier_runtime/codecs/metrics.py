@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 FallbackListener = Callable[[str, str, float], None]
 """Called as ``listener(requested_codec, used_codec, measured_relative_error)`` when a block falls back."""

@@ -10,7 +10,9 @@ an encode or decode allocates nothing proportional to the block.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -157,7 +159,7 @@ class ScaledCodec(Codec):
         for first, k, width, s0 in self._chunks(numel, shape, self.group_size, self.per_channel, dev, chunk):
             xc = flat[first:first + k * width].view(k, width)
             if compiled is not None:
-                kern = compiled.get((xc.dtype, k, width, dev), lambda: self._example(xc.dtype, k, width, dev))
+                kern = compiled.get((xc.dtype, k, width, dev), partial(self._example, xc.dtype, k, width, dev))
                 if kern is not None:
                     scale = self._buf("scale", (k, 1), F32, dev)
                     kern(xc, self._codes_view(data, first, k, width), scale)
@@ -219,7 +221,7 @@ class ScaledCodec(Codec):
         chunk = COMPILED_CHUNK_ELEMS if dev.type == "cpu" else 0
         for _, k, width, _ in self._chunks(numel_of(shape), shape, self.group_size, False, dev, chunk):
             ok &= self.compiled_kernels.compile_now((dtype, k, width, dev),
-                                                    lambda: self._example(dtype, k, width, dev))
+                                                    partial(self._example, dtype, k, width, dev))
         return ok
 
     def _channel_scales(self, flat: torch.Tensor, shape: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

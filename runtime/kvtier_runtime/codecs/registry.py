@@ -1,7 +1,6 @@
 """Codec construction with validated options, and decoding that trusts only the block's own header."""
 from __future__ import annotations
 
-
 import torch
 
 from ..config import CODECS

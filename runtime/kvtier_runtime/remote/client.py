@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import ssl
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 import redis
@@ -31,9 +32,11 @@ from redis.exceptions import (
     RedisClusterException,
     RedisError,
     ResponseError,
-    TimeoutError as RedisTimeoutError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import (
+    TimeoutError as RedisTimeoutError,
+)
 from redis.retry import Retry
 
 from ..config import ConfigError, RemoteTierConfig, check_remote_url

@@ -13,7 +13,8 @@ oldest first, never more; the budget of a larger one is kept by that one's own t
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ..config import ConfigError
 from .client import RemoteStore

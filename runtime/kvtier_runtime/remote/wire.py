@@ -15,8 +15,8 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from redis.exceptions import (
     AuthenticationError,
@@ -29,9 +29,11 @@ from redis.exceptions import (
     ReadOnlyError,
     RedisError,
     ResponseError,
-    TimeoutError as RedisTimeoutError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import (
+    TimeoutError as RedisTimeoutError,
+)
 
 __all__ = ["Address", "Reply", "ReplyReader", "ValueConnections", "error_reply", "pack_commands"]
 

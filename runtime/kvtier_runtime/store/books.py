@@ -40,15 +40,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Iterable, NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 
 from .. import metrics
+from ..policies import AccessContext
 from ..tiers.base import KeyState, Tier
 from ..tiers.jobs import JobResult
-from ..policies import AccessContext
 from .breaker import BYPASS, PROBE, Breaker, LoadMeter, TierBreakers
 from .memory_tier import MemoryTier
 

@@ -4,8 +4,9 @@ only when a tier of it is built, so an engine without a remote tier never import
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from .base import Tier
 

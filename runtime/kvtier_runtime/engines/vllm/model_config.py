@@ -3,8 +3,8 @@ and head size (vLLM's current config, else the model's ``config.json``), and the
 what a lossy filesystem tier needs to quantise K and V per head."""
 from __future__ import annotations
 
-import logging
 import json
+import logging
 import os
 from typing import Any
 

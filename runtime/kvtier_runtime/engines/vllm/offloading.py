@@ -41,14 +41,14 @@ from ...store.books import DISK, HOST, REMOTE, OffloadBooks
 from ...store.breaker import LoadMeter, TierBreakers
 from ...store.memory_tier import MemoryTier
 from ...tiers.registry import TierPlan, build_tiers, tier_class
-from ..chunk_layout import LayoutDecision, check_worker_pages, chunk_layout, tier_codec
 from .. import metric_defs as M
+from ..chunk_layout import LayoutDecision, check_worker_pages, chunk_layout, tier_codec
 from ..host_region import HostRegion, remove_dead_regions_at_exit, remove_stale_regions
 from ..page_copy import PageCopier
 from ..vllm_support import block_view_dtype, namespace_suffix
 from .cache_policy import access_context
-from .metric_metadata import vllm_metric_definitions
 from .events import kv_events_enabled, offloading_event, tier_kv_events
+from .metric_metadata import vllm_metric_definitions
 from .model_config import chunk_facts, kv_layout
 from .remote_identity import remote_identity
 from .secondary_tier import run_identity
