@@ -11,7 +11,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from types import FrameType
 from typing import Any
 
 import torch
@@ -47,6 +46,7 @@ from ..host_region import HostRegion, remove_dead_regions_at_exit, remove_stale_
 from ..page_copy import PageCopier
 from ..vllm_support import block_view_dtype, namespace_suffix
 from .cache_policy import access_context
+from .caller_frames import find_in_callers, positive_int
 from .events import kv_events_enabled, offloading_event, tier_kv_events
 from .metric_metadata import vllm_metric_definitions
 from .model_config import chunk_facts, kv_layout
@@ -484,21 +484,8 @@ def _device_blocks(max_frames: int = 16) -> int | None:
     scheduler, but hands an offloading spec only an ``OffloadingConfig`` without it; the connector building this
     manager holds it (its ``kv_cache_config.num_blocks``) a few frames up. Read-only and bounded; None where this
     vLLM builds the manager some other way (replay then leaves the device tier out)."""
-    import sys
-
-    try:
-        frame: FrameType | None = sys._getframe(1)
-    except ValueError:  # pragma: no cover - no caller frame
-        return None
-    for _ in range(max_frames):
-        if frame is None:
-            return None
-        cfg = frame.f_locals.get("kv_cache_config")
-        blocks = getattr(cfg, "num_blocks", None)
-        if isinstance(blocks, int) and not isinstance(blocks, bool) and blocks > 1:
-            return blocks
-        frame = frame.f_back
-    return None
+    return find_in_callers(lambda f: positive_int(getattr(f.get("kv_cache_config"), "num_blocks", None), 2),
+                           start=1, max_frames=max_frames)
 
 
 def _announced_prompt_tokens(max_frames: int = 4) -> int | None:
@@ -506,20 +493,8 @@ def _announced_prompt_tokens(max_frames: int = 4) -> int | None:
     manager a ``ReqContext`` without the prompt; the connector calling it holds the ``Request`` (its
     ``num_prompt_tokens``) a frame or two up. Read-only and bounded, like :func:`_device_blocks`; None where this
     vLLM announces requests some other way (the recording then writes the whole chunks' length)."""
-    import sys
-
-    try:
-        frame: FrameType | None = sys._getframe(2)
-    except ValueError:  # pragma: no cover - no caller frame
-        return None
-    for _ in range(max_frames):
-        if frame is None:
-            return None
-        tokens = getattr(frame.f_locals.get("request"), "num_prompt_tokens", None)
-        if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0:
-            return tokens
-        frame = frame.f_back
-    return None
+    return find_in_callers(lambda f: positive_int(getattr(f.get("request"), "num_prompt_tokens", None), 0),
+                           start=2, max_frames=max_frames)
 
 
 def _trace_recorder(spec: KvtierOffloadingSpec, manager: KvtierOffloadingManager, trace_dir: str) -> Any:
