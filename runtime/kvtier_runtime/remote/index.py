@@ -73,6 +73,13 @@ class CapacityIndex:
         pipe.zadd(self.key, {_member(key): now for key in keys})
         pipe.zcard(self.key)
 
+    def write_commands(self, keys: Sequence[bytes], now: float) -> list[tuple[bytes | str, ...]]:
+        """:meth:`record_writes` as raw commands (for the tier's own store connections): ZADD, then ZCARD."""
+        zadd: list[bytes | str] = ["ZADD", self.key]
+        for key in keys:
+            zadd += [repr(now), _member(key)]
+        return [tuple(zadd), ("ZCARD", self.key)]
+
     def touch(self, pipe: Any, keys: Sequence[bytes], now: float) -> None:
         """Add to ``pipe``: a read is a use, the chunks move to the young end of the index (XX: only if listed)."""
         pipe.zadd(self.key, {_member(key): now for key in keys}, xx=True)

@@ -102,6 +102,34 @@ def test_store_killed_mid_load_fails_the_keys_in_bounded_time_and_leaves_the_row
         tier.close()
 
 
+def test_store_killed_mid_store_fails_every_key_of_the_batch_at_once_also_those_never_sealed(
+        redis_server, monkeypatch) -> None:
+    """A standalone store batch seals each row and sends it before sealing the next: the server dies after the
+    second row was sent, so the rows after it are never sealed. Every key must fail as ``down`` at once -- none left
+    to expire at the job's deadline as a ``timeout``."""
+    tier = _tier(redis_server.url, io_timeout_s=1.0)
+    seal, seals = tier.values.seal, []
+
+    def seal_then_die(*args, **kwargs):
+        if len(seals) == 2:
+            redis_server.kill()
+        seals.append(1)
+        return seal(*args, **kwargs)
+
+    try:
+        assert connected(tier)
+        monkeypatch.setattr(tier.values, "seal", seal_then_die)
+        keys = [key_of(300 + i) for i in range(8)]
+        started = time.monotonic()
+        result = wait_job(tier, tier.submit_store(keys, [_block(k) for k in keys]), timeout=10)
+        assert time.monotonic() - started < 2.0  # the job's own deadline is 8 s
+        assert result.errors == dict.fromkeys(range(len(keys)), "down")
+        assert tier.store_failures["down"] == len(keys)
+        assert len(seals) < len(keys)  # the stream stopped at the dead connection: some rows were never sealed
+    finally:
+        tier.close()
+
+
 def test_a_slow_store_is_a_timeout_and_a_late_reply_never_reaches_the_row(redis_server) -> None:
     tier = _tier(redis_server.url, io_timeout_s=0.3)
     try:
