@@ -35,6 +35,18 @@ def author(kube, namespace, controlplane):
         "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": AUTHOR}]})
     client = Kube(str(controlplane.kubeconfig))
     client.api.set_default_header("Impersonate-User", AUTHOR)
+
+    def may_create() -> bool:
+        review = client.create("/apis/authorization.k8s.io/v1/selfsubjectaccessreviews", {
+            "apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
+            "spec": {"resourceAttributes": {"namespace": namespace, "verb": "create", "group": "kvtier.io",
+                                            "resource": "kvcachepolicies"}}})
+        return bool(review.get("status", {}).get("allowed"))
+
+    # The API server's RBAC authorizer reads bindings from its informer cache: a binding just created may not be
+    # in force yet, and the author's first create would then be refused for the wrong reason (403, not the 422 of
+    # the rule under test). Wait until the server itself says the author may create policies.
+    wait_for(may_create, timeout=30, what=f"the RoleBinding to let {AUTHOR} create kvcachepolicies")
     yield client
     client.close()
 
