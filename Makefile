@@ -21,7 +21,7 @@ setup:
 UNIT := -m "not controlplane and not node and not prometheus and not slow and not cuda and not vllm" \
 	--ignore=tests/vllm --ignore=tests/engine --ignore=tests/e2e --ignore=tests/node
 # The share of the product mypy --strict holds can only grow: TYPES_FLOOR is what this round reached.
-TYPES_FLOOR := 0.82
+TYPES_FLOOR := 0.86
 check: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy

@@ -36,11 +36,22 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "runtime"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench.gpu_codecs
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 
-from kvtier_runtime.codecs import CODEC_CLASSES, ERROR_BUDGETS, decode, get_codec  # noqa: E402
-from kvtier_runtime.codecs import STATS, KVLayout, get_kv_codec  # noqa: E402
-from kvtier_runtime.codecs import base as codec_base  # noqa: E402
-from plugins.kv_accuracy import attention_cosine, chunk_error  # noqa: E402  (tests/plugins: a measure, not product code)
-from bench.tables import SMOKE_HELP, require_rows  # noqa: E402
+from kvtier_runtime.codecs import (
+    CODEC_CLASSES,
+    ERROR_BUDGETS,
+    STATS,
+    KVLayout,
+    decode,
+    get_codec,
+    get_kv_codec,
+)
+from kvtier_runtime.codecs import base as codec_base
+from plugins.kv_accuracy import (
+    attention_cosine,
+    chunk_error,
+)
+
+from bench.tables import SMOKE_HELP, require_rows
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # label -> get_codec kwargs
@@ -160,7 +171,7 @@ def throughput(args: argparse.Namespace) -> int:
         rt = 1 / (1 / enc + 1 / dec)
         y = decode(outs[v][0])
         err = ((y.double() - src[0].double()).norm() / src[0].double().norm()).item()
-        alloc = allocated_bytes(lambda: (codecs[v].encode(src[0], outs[v][0]), decode(outs[v][0], out=dst[0])))
+        alloc = allocated_bytes(lambda v=v: (codecs[v].encode(src[0], outs[v][0]), decode(outs[v][0], out=dst[0])))
         tgt = targets.get(VARIANTS[v][0] if v.endswith("+compile") else v, None)
         each = "ok" if tgt and min(enc, dec) / copy_rate >= tgt else "MISS"
         both = "ok" if tgt and rt / copy_rate >= tgt else "MISS"
@@ -300,7 +311,8 @@ def compile_probe(args: argparse.Namespace) -> None:
     for kind, group, code_bytes in (("fp8", 128, 1.0), ("int4", 32, 0.5)):
         codec = get_codec(kind)
         out = torch.empty(codec.encoded_nbytes(x.shape, dtype), dtype=torch.uint8)
-        te, td = best(lambda: codec.encode(x, out)), best(lambda: decode(out, out=dst))
+        te = best(lambda codec=codec, out=out: codec.encode(x, out))
+        td = best(lambda out=out: decode(out, out=dst))
         print(f"| {kind} eager codec | - | {nbytes / te / 1e9:.2f} | {nbytes / td / 1e9:.2f} |", flush=True)
         codes = torch.empty(int(x.numel() * code_bytes), dtype=torch.uint8)
         scales = torch.empty(math.ceil(x.numel() / group))
@@ -310,7 +322,8 @@ def compile_probe(args: argparse.Namespace) -> None:
         enc(x, codes, scales)
         dec(codes, scales, dst)
         compile_s = time.perf_counter() - t0
-        te, td = best(lambda: enc(x, codes, scales)), best(lambda: dec(codes, scales, dst))
+        te = best(lambda enc=enc, codes=codes, scales=scales: enc(x, codes, scales))
+        td = best(lambda dec=dec, codes=codes, scales=scales: dec(codes, scales, dst))
         print(f"| {kind} torch.compile | {compile_s:.1f} | {nbytes / te / 1e9:.2f} | {nbytes / td / 1e9:.2f} |",
               flush=True)
 
@@ -415,9 +428,9 @@ def kv_speed(args: argparse.Namespace) -> None:
     for _ in range(args.repeats):
         for v in variants:   # copy right before each codec: the reference sees the same load
             tc = timed(copy_pass)
-            enc_r[v].append(tc / timed(lambda: enc_pass(v)))
+            enc_r[v].append(tc / timed(lambda v=v: enc_pass(v)))
             tc2 = timed(copy_pass)
-            dec_r[v].append(tc2 / timed(lambda: dec_pass(v)))
+            dec_r[v].append(tc2 / timed(lambda v=v: dec_pass(v)))
             copy_gbs += [n_chunks * lay.nbytes / tc / 1e9, n_chunks * lay.nbytes / tc2 / 1e9]
     print(f"# chunks {lay.chunk_shape} {lay.dtype} ({lay.nbytes / 2**20:.2f} MiB, {lay.page_order}), {n_chunks} "
           f"distinct ({n_chunks * lay.nbytes / 2**20:.0f} MiB cold set), {args.threads} threads, {args.repeats} "

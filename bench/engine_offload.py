@@ -142,7 +142,6 @@ def copy_rates(n_blocks: int, rounds: int, device: str = "cpu") -> dict[str, lis
     import random
 
     import torch
-
     from kvtier_runtime.engines.page_copy import PageCopier
 
     layers = smollm2.SHAPE["num_layers"]
@@ -161,7 +160,7 @@ def copy_rates(n_blocks: int, rounds: int, device: str = "cpu") -> dict[str, lis
             from vllm import _custom_ops as ops
 
             batch_op = getattr(ops, "swap_blocks_batch", None)
-        except Exception as exc:  # noqa: BLE001 - the table says the batched path was not measured
+        except Exception as exc:
             print(f"(vLLM's swap_blocks_batch not importable: {exc}; the batched path is not measured)")
     copiers = {
         "consecutive": PageCopier(kv, pages, rows),
@@ -251,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| codec | tokens | recompute | device hit | host tier | fs tier | host/recompute | fs/recompute |")
     print("|---|---|---|---|---|---|---|---|")
     require_rows(len(tables) * len(sizes), "TTFT by tier")
-    for codec, results, rate, drop_how in tables:
+    for codec, results, _rate, _drop_how in tables:
         for n in sizes:
             cells, med = [], {}
             for k in ("recompute", "device", "host", "fs"):

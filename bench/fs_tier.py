@@ -30,11 +30,11 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import threading
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -42,17 +42,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.tables
 
-import torch  # noqa: E402
+import torch
+from kvtier_runtime.codecs import KVLayout, get_codec, get_kv_codec
+from kvtier_runtime.config import FilesystemTierConfig
+from kvtier_runtime.fs import FilesystemTier
 
-from kvtier_runtime.codecs import KVLayout, get_codec, get_kv_codec  # noqa: E402
-from kvtier_runtime.config import FilesystemTierConfig  # noqa: E402
-from kvtier_runtime.fs import FilesystemTier  # noqa: E402
 # The block I/O module: where the tier's tasks look up the per-block steps the breakdown times.
-from kvtier_runtime.fs import io as tier_module  # noqa: E402
-from kvtier_runtime.fs.fileio import O_DIRECT, AlignedBuffer, FileOps, probe_o_direct  # noqa: E402
-from kvtier_runtime.fs.format import ALIGN, file_bytes_for  # noqa: E402
-from plugins.tier_sync import load_blocks, store_blocks  # noqa: E402  (tests/plugins: blocking, test-side)
-from bench.tables import SMOKE_HELP, require_rows  # noqa: E402
+from kvtier_runtime.fs import io as tier_module
+from kvtier_runtime.fs.fileio import O_DIRECT, AlignedBuffer, FileOps, probe_o_direct
+from kvtier_runtime.fs.format import ALIGN, file_bytes_for
+from plugins.tier_sync import load_blocks, store_blocks
+
+from bench.tables import SMOKE_HELP, require_rows
 
 BLOCK_SHAPE = (32, 2, 16, 8, 128)  # 32 layers x K/V x 16 tokens x 8 KV heads x 128 dims, bf16 = 2 MiB
 DTYPE = torch.bfloat16
@@ -146,7 +147,7 @@ class PhaseTimer:
         for name in self.STEPS:
             self._saved[name] = getattr(tier_module, name)
             setattr(tier_module, name, self._timed(name, self._saved[name]))
-        setattr(tier.codec, "encode", self._timed("encode (copy in)", tier.codec.encode))
+        setattr(tier.codec, "encode", self._timed("encode (copy in)", tier.codec.encode))  # noqa: B010 -- a method
 
     def uninstall(self) -> None:
         for name, fn in self._saved.items():

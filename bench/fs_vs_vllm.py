@@ -25,9 +25,10 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 _ROOT = Path(__file__).resolve().parents[1]
 for p in (_ROOT / "runtime", _ROOT / "tests" / "vllm"):
@@ -35,13 +36,12 @@ for p in (_ROOT / "runtime", _ROOT / "tests" / "vllm"):
         sys.path.insert(0, str(p))
 
 import numpy as np  # noqa: E402
+from kvtier_runtime.config import VLLM_ADAPTER_MODULE, VLLM_SECONDARY_TIER_CLASS, FilesystemTierConfig  # noqa: E402
 from vllm.v1.kv_offload.base import ReqContext  # noqa: E402
 from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 from vllm_driver import key, offloading_config  # noqa: E402  (the one builder of vLLM's normalized config)
-
-from kvtier_runtime.config import VLLM_ADAPTER_MODULE, VLLM_SECONDARY_TIER_CLASS, FilesystemTierConfig  # noqa: E402
 
 
 @dataclass(frozen=True)

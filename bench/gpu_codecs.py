@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "runtime"))
 
-from kvtier_runtime.codecs import decode, get_codec  # noqa: E402
+from kvtier_runtime.codecs import decode, get_codec
 
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "none": ("none", {}), "fp8": ("fp8", {}), "fp8_e5m2": ("fp8_e5m2", {}), "int8": ("int8", {}),
@@ -102,14 +102,14 @@ def main(argv: list[str] | None = None) -> int:
         x = torch.randn((tokens, 8, 128), device=dev).to(dtype)
         nbytes = x.numel() * x.element_size()
         dst = torch.empty_like(x)
-        t_copy = cuda_time(lambda: dst.copy_(x), args.iters)
+        t_copy = cuda_time(lambda dst=dst, x=x: dst.copy_(x), args.iters)
         copy_rate = nbytes / t_copy / 1e9
         print(f"| {mib:g} MiB | copy_ | {copy_rate:8.1f} | {copy_rate:8.1f} | 1.000 | 1.000 | 0.500 | |")
         for label, (name, opts) in VARIANTS.items():
             codec = get_codec(name, **opts)
             out = torch.empty(codec.max_encoded_nbytes(x.shape, dtype), dtype=torch.uint8, device=dev)
-            te = cuda_time(lambda: codec.encode(x, out), args.iters)
-            td = cuda_time(lambda: decode(out, out=dst), args.iters)
+            te = cuda_time(lambda codec=codec, out=out, x=x: codec.encode(x, out), args.iters)
+            td = cuda_time(lambda dst=dst, out=out: decode(out, out=dst), args.iters)
             enc, dec = nbytes / te / 1e9, nbytes / td / 1e9
             rt = 1 / (1 / enc + 1 / dec)
             ok = "ok" if min(enc, dec) / copy_rate >= TARGET else "MISS"
@@ -127,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             dec_fn(codes, scales, dst)
             torch.cuda.synchronize()
             compile_s = time.perf_counter() - t0
-            te = cuda_time(lambda: enc_fn(x, codes, scales), args.iters)
-            td = cuda_time(lambda: dec_fn(codes, scales, dst), args.iters)
+            te = cuda_time(lambda codes=codes, enc_fn=enc_fn, scales=scales, x=x: enc_fn(x, codes, scales), args.iters)
+            td = cuda_time(lambda codes=codes, dec_fn=dec_fn, dst=dst, scales=scales: dec_fn(codes, scales, dst), args.iters)
             enc, dec = nbytes / te / 1e9, nbytes / td / 1e9
             rt = 1 / (1 / enc + 1 / dec)
             err = ((dst.float() - x.float()).norm() / x.float().norm()).item()

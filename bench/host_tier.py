@@ -24,10 +24,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.tables
 
-import torch  # noqa: E402
+import torch
+from kvtier_runtime.store import MemoryTier, OffloadBooks
 
-from bench.tables import SMOKE_HELP, require_rows  # noqa: E402
-from kvtier_runtime.store import MemoryTier, OffloadBooks  # noqa: E402
+from bench.tables import SMOKE_HELP, require_rows
 
 BLOCK_SHAPE = (32, 2, 16, 8, 128)  # 32 layers x K/V x 16 tokens x 8 KV heads x 128 dims, bf16 = 2 MiB
 DTYPE = torch.bfloat16

@@ -29,12 +29,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "runtime"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench.tables
 
-from kvtier_runtime.codecs import KVLayout, get_kv_codec  # noqa: E402
-from kvtier_runtime.codecs.kv import canonical  # noqa: E402
-from kvtier_runtime.accuracy.chunks import stored_as  # noqa: E402
-from kvtier_runtime.codecs.registry import peek_header  # noqa: E402
-from plugins.kv_accuracy import attention_cosine, chunk_error  # noqa: E402  (tests/plugins: measures)
-from bench.tables import SMOKE_HELP, require_rows  # noqa: E402
+from kvtier_runtime.accuracy.chunks import stored_as
+from kvtier_runtime.codecs import KVLayout, get_kv_codec
+from kvtier_runtime.codecs.kv import canonical
+from kvtier_runtime.codecs.registry import peek_header
+from plugins.kv_accuracy import attention_cosine, chunk_error
+
+from bench.tables import SMOKE_HELP, require_rows
 
 BASE: dict[str, Any] = dict(num_layers=2, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_order="HKTD")
 PAGES_256: dict[str, Any] = dict(block_tokens=256, pages=1)

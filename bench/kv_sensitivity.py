@@ -22,10 +22,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "runtime"), str(ROOT / "tests")]
 
 import torch  # noqa: E402
-
-from e2e.vllm_cpu import prose, smollm2  # noqa: E402
 from kvtier_runtime.codecs import KVLayout, get_kv_codec  # noqa: E402
 from plugins.kv_accuracy import compare_logits  # noqa: E402  (tests/plugins: a measure, not product code)
+
+from e2e.vllm_cpu import prose, smollm2  # noqa: E402
 
 PREFIX = 608
 
@@ -78,7 +78,7 @@ def main() -> None:
             base = lm(prefix, use_cache=True).past_key_values
             layers = [(base.layers[i].keys.clone(), base.layers[i].values.clone()) for i in range(len(base.layers))]
 
-            def run(transform):
+            def run(transform, layers=layers, rest=rest):
                 cache = DynamicCache()
                 for i, (k, v) in enumerate(layers):
                     k2, v2 = transform(k, v) if transform else (k, v)

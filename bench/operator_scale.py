@@ -42,11 +42,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "runtime"), str(ROOT / "tests"), str(ROOT)]  # ROOT: bench.tables
 
 from kubernetes import client, config, watch  # noqa: E402
-
 from kvtier_operator.kube import Kube, policy_path, workload_path  # noqa: E402
 from kvtier_operator.labels import OPT_IN_LABEL  # noqa: E402
 from kvtier_operator.settings import CONFIG_HASH_ANNOTATION, Settings  # noqa: E402
 from plugins.operator_thread import OperatorThread  # noqa: E402  (the tests' harness: the operator in a thread)
+
 from bench.tables import SMOKE_HELP, require_rows  # noqa: E402
 
 
@@ -113,7 +113,7 @@ class OperatorProcess:
              "--liveness", self.live_url, "--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1",
              "--no-read-nodes", "--kubeconfig", kubeconfig], env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
-    def start(self, timeout: float = 60) -> "OperatorProcess":
+    def start(self, timeout: float = 60) -> OperatorProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -249,7 +249,7 @@ def run_size(kubeconfig: str, n: int, timeout: float, settings: dict | None = No
     for i in range(n):
         try:
             kube.patch(policy_path(ns, f"w{i}"), {"metadata": {"finalizers": None}})
-        except Exception:  # noqa: BLE001 - best effort cleanup
+        except Exception:
             pass
     kube.delete(f"/api/v1/namespaces/{ns}")
     kube.close()

@@ -21,8 +21,9 @@ from collections import OrderedDict
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "runtime"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench.tables
 
-from bench.tables import SMOKE_HELP, require_rows  # noqa: E402
-from kvtier_runtime.policies import ADMISSIONS, POLICIES, get_policy  # noqa: E402
+from kvtier_runtime.policies import ADMISSIONS, POLICIES, get_policy
+
+from bench.tables import SMOKE_HELP, require_rows
 
 
 def zipf_stream(n_keys: int, n_ops: int, seed: int = 1) -> list[int]:

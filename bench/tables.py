@@ -3,7 +3,7 @@ table got rows."""
 from __future__ import annotations
 
 import statistics
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def quartiles(xs: list[float]) -> tuple[float, float, float]:

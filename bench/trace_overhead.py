@@ -45,14 +45,16 @@ import tempfile
 import time
 import uuid
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "runtime"), str(REPO / "operator")]
 
-from bench.tables import percentile  # noqa: E402
 from kvtier_runtime.replay.trace import load_trace  # noqa: E402
+
+from bench.tables import percentile  # noqa: E402
 from e2e.vllm_cpu import prose, render, smollm2  # noqa: E402
 from e2e.vllm_cpu.server import VllmServer  # noqa: E402
 

@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "runtime"))
 
-from kvtier_runtime.codecs import CodecError, KVLayout  # noqa: E402
-from kvtier_runtime.codecs.kv import canonical, to_stage  # noqa: E402
+from kvtier_runtime.codecs import CodecError, KVLayout
+from kvtier_runtime.codecs.kv import canonical, to_stage
 
 
 def check(dtype: torch.dtype, isa: str, block: int, head: int, heads: int = 2) -> str:

@@ -24,10 +24,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "runtime"))
 sys.path.insert(0, str(ROOT))  # bench.tables
 
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
-
-from bench.tables import SMOKE_HELP, require_rows  # noqa: E402
 from kvtier_runtime.config import (  # noqa: E402
     ADMISSION_POLICIES,
     EVICTION_POLICIES,
@@ -36,6 +32,10 @@ from kvtier_runtime.config import (  # noqa: E402
     vllm_cache_policy_class,
 )
 from kvtier_runtime.replay.trace import load_trace  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
+
+from bench.tables import SMOKE_HELP, require_rows  # noqa: E402
 
 TOKENS_PER_BLOCK = 16
 # --smoke: the trace's first requests only.

@@ -14,8 +14,9 @@ import argparse
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 # The scenario belongs to this checkout: drive this checkout's operator, not some other installed copy.
 _CHECKOUT = Path(__file__).resolve().parents[2]

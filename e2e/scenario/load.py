@@ -16,9 +16,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 BLOCK_TOKENS = 32
 
@@ -27,9 +28,8 @@ def trace_prompts(path: Path, limit: int, max_blocks: int, corpus: list[int],
                   block_tokens: int = BLOCK_TOKENS) -> list[list[int]]:
     """The prompts (token ids) of the trace's prefix-sharing requests, each block a block of ``corpus`` (the
     model's token ids of ``vllm_cpu.prose``)."""
-    from vllm_cpu.prose import block
-
     from kvtier_runtime.replay.trace import load_trace  # the one Mooncake reader (TraceError names the line)
+    from vllm_cpu.prose import block
 
     rows = [ids for ids in load_trace(path).requests if ids]
     firsts = collections.Counter(ids[0] for ids in rows)
@@ -70,7 +70,7 @@ class TraceLoad:
         self._next = 0
         self._lock = threading.Lock()
 
-    def start(self) -> "TraceLoad":
+    def start(self) -> TraceLoad:
         self._thread = threading.Thread(target=self._run, name="trace-load", daemon=True)
         self._thread.start()
         return self
@@ -125,7 +125,7 @@ class TraceLoad:
         with self._lock:
             return [s.ttft for s in self.samples if s.phase == phase and s.ttft is not None]
 
-    def summary(self, phase: str) -> "PhaseStats":
+    def summary(self, phase: str) -> PhaseStats:
         return PhaseStats.of(phase, self.ttfts(phase))
 
 
@@ -137,7 +137,7 @@ class PhaseStats:
     p99: Optional[float]
 
     @classmethod
-    def of(cls, phase: str, values: list[float]) -> "PhaseStats":
+    def of(cls, phase: str, values: list[float]) -> PhaseStats:
         if not values:
             return cls(phase, 0, None, None)
         v = sorted(values)

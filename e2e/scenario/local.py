@@ -15,11 +15,13 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from kvtier_operator.kube import ApiError, Kube
+
 from . import manifests
 from .manifests import HEALTHY, USER_FIELD_MANAGER, Names
 from .pods import NodePods

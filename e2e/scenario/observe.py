@@ -6,16 +6,16 @@ running pod actually loaded, so the scenario can check that all of them agree.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import yaml
-
 from kvtier_operator.kube import Kube, config_map_path, policy_path, workload_path
 from kvtier_operator.reconcile import config_map_name
 from kvtier_operator.render import CONFIG_FILE, CONTROL_FILE
-from kvtier_runtime.store.control import ControlError, parse_control
 from kvtier_operator.settings import CONFIG_HASH_ANNOTATION
+from kvtier_runtime.store.control import ControlError, parse_control
 
 
 def _strings(node: Any) -> Iterable[str]:
@@ -50,9 +50,7 @@ def tiers_in_config(config: Optional[dict[str, Any]], tiers: list[dict[str, Any]
               for k, v in _keys(config))
     out = []
     for t in tiers:
-        if t.get("medium") == "cpu" and cpu:
-            out.append(t["name"])
-        elif t.get("medium") == "filesystem" and t.get("path") in strings:
+        if t.get("medium") == "cpu" and cpu or t.get("medium") == "filesystem" and t.get("path") in strings:
             out.append(t["name"])
     return out
 

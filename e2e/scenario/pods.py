@@ -14,13 +14,14 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import yaml
-
 from kvtier_operator.kube import Kube
+
 from .processes import ScenarioError
 from .prometheus import PrometheusProcess
 
@@ -324,7 +325,7 @@ def pod_log(kube: Kube, namespace: str, pod: str, container: Optional[str] = Non
             header_params={"Accept": "*/*"}, auth_settings=["BearerToken"])
         response = api.call_api("GET", url, header_params=headers, _request_timeout=10)
         return response.read().decode(errors="replace")
-    except Exception as err:  # noqa: BLE001 - diagnostics only
+    except Exception as err:
         return f"(no log for pod {namespace}/{pod}: {err})"
 
 

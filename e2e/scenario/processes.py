@@ -11,10 +11,11 @@ import signal
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Optional
 
 
 @dataclass
@@ -55,7 +56,7 @@ class Supervisor:
                 name, undo = self._undo.pop()
                 try:
                     undo()
-                except Exception as err:  # noqa: BLE001 - keep stopping the rest, report at the end
+                except Exception as err:
                     self.errors.append(f"stopping {name}: {err}")
         finally:
             if previous is not None:

@@ -17,8 +17,9 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 INSTALL_HINT = "apt-get install -y --no-install-recommends prometheus (Debian/Ubuntu)"
 # How the process is started: (command, log file, working dir) -> the process. The scenario passes its
@@ -32,7 +33,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _popen(cmd: list[str], log_path: Path, cwd: Path) -> "subprocess.Popen[bytes]":
+def _popen(cmd: list[str], log_path: Path, cwd: Path) -> subprocess.Popen[bytes]:
     with open(log_path, "ab") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
 

@@ -33,9 +33,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 PREFIX = "kvtier-slowdisk-"
 BLKIO_ROOT = Path("/sys/fs/cgroup/blkio")
@@ -77,10 +78,9 @@ def probe_dm() -> Optional[str]:
     targets = _run(["dmsetup", "targets"])
     if targets.returncode != 0:
         return f"dmsetup targets failed: {targets.stderr.strip()}"
-    if "delay" not in targets.stdout.split():
-        # The delay target is a module; a `dmsetup create` would load it, but only if modules can be loaded.
-        if _run(["modprobe", "dm-delay"]).returncode != 0:
-            return "the kernel's device-mapper has no delay target and modprobe dm-delay failed"
+    # The delay target is a module; a `dmsetup create` would load it, but only if modules can be loaded.
+    if "delay" not in targets.stdout.split() and _run(["modprobe", "dm-delay"]).returncode != 0:
+        return "the kernel's device-mapper has no delay target and modprobe dm-delay failed"
     return None
 
 
@@ -131,7 +131,7 @@ class SlowDisk:
         self._reads: dict[Path, int] = {}        # container cgroup -> reads it was served (last seen)
 
     # -- set-up
-    def setup(self) -> "SlowDisk":
+    def setup(self) -> SlowDisk:
         """Probe, choose and set up; on any failure, undo what was done and raise SlowDiskUnavailable."""
         reaped = reap_leftovers()
         if reaped:
@@ -337,9 +337,9 @@ def _teardown(state: dict) -> list[str]:
                 break
             time.sleep(0.1)
     mount = state.get("mount")
-    if mount and _is_mounted(mount):
-        if _run(["umount", mount]).returncode != 0 and _run(["umount", "-l", mount]).returncode != 0:
-            problems.append(f"cannot unmount {mount}")
+    if mount and _is_mounted(mount) and _run(["umount", mount]).returncode != 0 \
+            and _run(["umount", "-l", mount]).returncode != 0:
+        problems.append(f"cannot unmount {mount}")
     if state.get("dm") and Path(f"/dev/mapper/{state['dm']}").exists():
         for _ in range(10):
             if _run(["dmsetup", "remove", state["dm"]]).returncode == 0:

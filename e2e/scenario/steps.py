@@ -9,19 +9,20 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import yaml
-
-from kvtier_operator.kube import MERGE, ApiError, policy_path, workload_path
 from kvtier_operator.api.units import parse_duration
+from kvtier_operator.kube import MERGE, ApiError, policy_path, workload_path
 from kvtier_operator.render import CONFIG_FILE, CONTROL_FILE
 from kvtier_operator.settings import CONFIG_HASH_ANNOTATION, REENABLE_ANNOTATION
+
 from . import manifests, observe
 from .load import p99_back_under
-from .pods import restarts_since
 from .local import LocalEnvironment, LocalOptions
+from .pods import restarts_since
 from .processes import ScenarioError, Supervisor, tail, wait_until
 from .report import Reporter
 
@@ -215,7 +216,7 @@ class Scenario:
         self.timings.applied = time.monotonic() - applied_at
         self.r.ok(f"Deployment annotated {CONFIG_HASH_ANNOTATION}={s.workload_hash} "
                   f"({self.timings.applied:.1f}s after the policy was created)")
-        self.r.ok("ConfigMap kvtier-{}: {} -> {}".format(n.policy, CONFIG_FILE, _kv_summary(s.rendered)))
+        self.r.ok(f"ConfigMap kvtier-{n.policy}: {CONFIG_FILE} -> {_kv_summary(s.rendered)}")
         mounts = ", ".join(f"{path} <- {vol}" for path, vol in sorted(s.workload_mounts.items()))
         self.r.ok(f"injected mounts: {mounts}")
         self._show_args(s)
@@ -344,7 +345,7 @@ class Scenario:
         s = self.wait("the policy Ready and the Deployment carrying its config hash",
                       lambda s: s.ready and s.status_hash and s.workload_hash == s.status_hash
                       and s.rendered_tiers == [n.cpu_tier, n.fs_tier], 60)
-        self.r.ok("ConfigMap kvtier-{}: {} -> {}".format(n.policy, CONFIG_FILE, _kv_summary(s.rendered)))
+        self.r.ok(f"ConfigMap kvtier-{n.policy}: {CONFIG_FILE} -> {_kv_summary(s.rendered)}")
         self._show_args(s)
 
         self.r.step(4, total, "A real engine serves, offloading to both tiers",
@@ -545,12 +546,11 @@ class Scenario:
             if "file" not in at and files and all((tier in observe.control_tiers(f)) == disabled for f in files):
                 at["file"] = time.monotonic()
             m = self.pod_metrics()
-            if "file" in at and m:
-                if disabled and m.get("bypassed_disabled", 0) >= 1:
-                    at["engine"] = time.monotonic()
-                elif not disabled and m.get("bypassed_slow", 0) + m.get("bypassed_disabled", 0) == 0 \
-                        and m.get("cached_disk", 0) > (since or {}).get("cached_disk", 0):
-                    at["engine"] = time.monotonic()
+            if "file" in at and m and (
+                    (disabled and m.get("bypassed_disabled", 0) >= 1)
+                    or (not disabled and m.get("bypassed_slow", 0) + m.get("bypassed_disabled", 0) == 0
+                        and m.get("cached_disk", 0) > (since or {}).get("cached_disk", 0))):
+                at["engine"] = time.monotonic()
             return "engine" in at
         self.wait(what, check, timeout)
         return at
@@ -577,7 +577,7 @@ class Scenario:
             loaded = b.get("loaded_bytes", 0) - a.get("loaded_bytes", 0)
             return (b.get("load_time", 0) - a.get("load_time", 0)) / (loaded / 2**30) if loaded > 0 else None
         healthy_rate, slow_rate = per_gib(m0, m1), per_gib(before, after)
-        fmt = lambda v: "-" if v is None else f"{v:.2f}s/GiB"  # noqa: E731
+        fmt = lambda v: "-" if v is None else f"{v:.2f}s/GiB"
         self.r.note(f"while slow: {disk_tokens:.0f} prompt tokens served from {n.fs_tier} (disk), "
                     f"promotions +{after.get('promotions', 0) - before.get('promotions', 0):.0f}, "
                     f"kv_offload load time {fmt(healthy_rate)} healthy -> {fmt(slow_rate)} slowed (host -> engine "
@@ -684,14 +684,14 @@ class ScenarioFailed(ScenarioError):
         self.diagnostics = diagnostics
 
 
-def run_local(options: LocalOptions, reporter: Reporter, supervisor: Optional["Supervisor"] = None) -> Timings:
+def run_local(options: LocalOptions, reporter: Reporter, supervisor: Optional[Supervisor] = None) -> Timings:
     """Set up the local provider, run the scenario, and stop everything it started (also on Ctrl-C)."""
     supervisor = supervisor or Supervisor()
     env = LocalEnvironment(options, supervisor, reporter.note)
     scenario = Scenario(env, reporter)
     try:
         return scenario.run()
-    except Exception as err:  # noqa: BLE001 - any failure: gather diagnostics while everything still runs
+    except Exception as err:
         diagnostics = scenario.diagnostics()
         (options.workdir / "failure.txt").write_text(f"{type(err).__name__}: {err}\n\n{diagnostics}\n")
         raise ScenarioFailed(f"{type(err).__name__}: {err}", diagnostics) from err

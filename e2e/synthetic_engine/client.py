@@ -29,7 +29,7 @@ class SyntheticEngine:
             cmd += ["--config", str(config)]
         for key, value in knobs.items():
             cmd += [f"--{key.replace('_', '-')}", str(value)]
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 -- the engine's stdout while it runs; closed in stop()
         self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + 15
@@ -85,7 +85,7 @@ class SyntheticEngine:
             self._log.close()
         self._dir.cleanup()
 
-    def __enter__(self) -> "SyntheticEngine":
+    def __enter__(self) -> SyntheticEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.exposition import choose_encoder, generate_latest, CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, generate_latest
 
 # vLLM 0.33 (vllm/v1/metrics/loggers.py) and TensorRT-LLM (tensorrt_llm/metrics/collector.py) defaults.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 GPU, CPU, STORAGE = "GPU", "CPU", "STORAGE"
 # What a router's prediction calls each medium, as the engine's tiers are named in these tests (device = vLLM's
@@ -64,7 +65,7 @@ class EventStream:
                 continue
             try:
                 batch = self._decoder.decode(parts[-1])
-            except Exception as exc:  # noqa: BLE001 - reported by the test that reads the stream
+            except Exception as exc:
                 self.errors.append(f"{type(exc).__name__}: {exc}")
                 continue
             with self._lock:

@@ -42,7 +42,9 @@ class ModelSpec:
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def kv_bytes_per_token(spec: ModelSpec = ModelSpec()) -> int:
+DEFAULT_SPEC = ModelSpec()
+
+def kv_bytes_per_token(spec: ModelSpec = DEFAULT_SPEC) -> int:
     """K and V of every layer for one token (32 KiB for the default float32 8 x 512 model)."""
     head_dim = spec.hidden_size // spec.num_heads
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[spec.dtype]
@@ -53,7 +55,7 @@ def word(i: int) -> str:
     return f"w{i}"
 
 
-def prompt_ids(n_tokens: int, seed: int, spec: ModelSpec = ModelSpec()) -> list[int]:
+def prompt_ids(n_tokens: int, seed: int, spec: ModelSpec = DEFAULT_SPEC) -> list[int]:
     """``n_tokens`` token ids of ordinary words (no special tokens), the same for the same seed."""
     rng = random.Random(seed)
     first = len(SPECIAL_TOKENS)
@@ -62,7 +64,7 @@ def prompt_ids(n_tokens: int, seed: int, spec: ModelSpec = ModelSpec()) -> list[
 
 def _build(spec: ModelSpec, out: pathlib.Path) -> None:
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}

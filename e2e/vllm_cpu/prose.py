@@ -19,7 +19,7 @@ import os
 import pathlib
 import subprocess
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 STRIDE = 97  # prime, and no divisor of the corpus length (1,703 tokens): seed -> offset is one-to-one
 
@@ -137,7 +137,7 @@ def _corpus_ids(model_dir: str, python: str | None) -> tuple[int, ...]:
                               str(pathlib.Path(__file__).resolve().parents[1]), model_dir],
                              capture_output=True, text=True, timeout=300)
         if out.returncode != 0:
-            raise RuntimeError(f"tokenizing with {python} failed:\n{out.stderr[-2000:]}")
+            raise RuntimeError(f"tokenizing with {python} failed:\n{out.stderr[-2000:]}") from None
         return tuple(json.loads(out.stdout))
     return tuple(_tokenize(model_dir))
 

@@ -15,7 +15,8 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 # vLLM's Prometheus text: `name{label="v",...} value`.
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -142,7 +143,7 @@ class VllmServer:
         ]
         return cmd
 
-    def start(self) -> "VllmServer":
+    def start(self) -> VllmServer:
         if self._proc is not None and self._proc.poll() is None:
             raise RuntimeError("already running")
         self.port = free_port()
@@ -187,7 +188,7 @@ class VllmServer:
         except subprocess.TimeoutExpired:
             return None
 
-    def launch_only(self) -> "VllmServer":
+    def launch_only(self) -> VllmServer:
         """Start without waiting for health (to watch a start-up that is expected to fail)."""
         self.port = free_port()
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
@@ -215,7 +216,7 @@ class VllmServer:
             self._proc.wait(timeout=30)
         self.stop()
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -9,8 +9,9 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 import yaml
 
@@ -24,7 +25,7 @@ def _read(path: str) -> str:
     try:
         return read_source(path)
     except YAMLInputError as err:
-        raise SystemExit(_fail(str(err), EXIT_USAGE))
+        raise SystemExit(_fail(str(err), EXIT_USAGE)) from None
 
 
 def _fail(message: str, code: int = EXIT_INVALID) -> int:

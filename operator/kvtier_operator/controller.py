@@ -32,11 +32,11 @@ from .api.units import parse_quantity
 from .api.validation import PolicyInvalid
 from .kube import NODES, STRATEGIC, ApiError, Kube, config_map_path, policy_path, secret_path, workload_path
 from .metrics import Metrics
+from .reports import Cond, Event
 from .selectors import to_query
 from .settings import POLICY_LABEL, REENABLE_ANNOTATION, Settings
 from .slo import hit_ratios as hr
 from .slo_tick import DEFAULT_INTERVAL, GuardStep, evaluate, misconfigured
-from .reports import Cond, Event
 from .status import compose, condition, merge_conditions, now_rfc3339
 from .status_writer import write_status
 from .tiers import stored_guard, tier_states
@@ -73,7 +73,7 @@ def guard_fields(step: GuardStep, conditions: list[dict[str, Any]], generation: 
     measured = step.hit_ratios
     if measured is not None and tiers is not None:
         out["tiers"] = hr.with_figures(tiers, measured)
-        device = measured.window[hr.DEVICE_TIER] if hr.DEVICE_TIER in measured.window else stored_device
+        device = measured.window.get(hr.DEVICE_TIER, stored_device)
         out["deviceHitRatio"] = device
         out["hitRatios"] = hr.summary(out["tiers"], device)
         if measured.error is None:

@@ -11,8 +11,9 @@ tested without kopf.
 from __future__ import annotations
 
 import json
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
-from typing import Any, Hashable, Literal, Mapping, Optional
+from typing import Any, Literal, Optional
 
 from .settings import REENABLE_ANNOTATION
 

@@ -17,8 +17,9 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, cast
+from typing import Any, Optional, cast
 
 import kopf
 
@@ -181,7 +182,7 @@ async def release(name: str, namespace: str, body: Any, logger: logging.Logger, 
     async with shared.lock((namespace, name)):
         try:
             count = await asyncio.to_thread(shared.op.release, namespace, name, _plain(body))
-        except Exception as err:  # noqa: BLE001 - every failure is retried by kopf; the finalizer waits
+        except Exception as err:
             shared.op.metrics.errors.labels(error_reason(err)).inc()
             delay = shared.op.settings.backoff_max if isinstance(err, ReleaseRefused) else \
                 backoff_delay(shared.op.settings, retry)
@@ -230,7 +231,7 @@ async def policy_loop(shared: Shared, namespace: str, name: str, stopped: kopf.D
             try:
                 outcome = await run_pass(shared, key, others, hints, guard_due, bool(mine and mine.get("slo")))
                 failures = 0
-            except Exception as err:  # noqa: BLE001 - retried with backoff; never a crash loop
+            except Exception as err:
                 failures += 1
                 delay = backoff_delay(op.settings, failures - 1)
                 op.metrics.errors.labels(error_reason(err)).inc()
@@ -256,7 +257,7 @@ async def secrets_changed(op: Operator, namespace: str, name: str) -> bool:
     Secrets again and reports (or retries) what failed."""
     try:
         return await asyncio.to_thread(op.secrets_changed, namespace, name)
-    except Exception as err:  # noqa: BLE001 - the pass that follows retries with backoff
+    except Exception as err:
         log.info("re-reading the Secrets of %s/%s failed (%s); running a pass", namespace, name, err)
         return True
 
@@ -301,7 +302,7 @@ async def release_orphans(shared: Shared, namespace: str, name: str, body: dict[
     async with shared.lock((namespace, name)):
         try:
             count = await asyncio.to_thread(shared.op.release, namespace, name, body)
-        except Exception as err:  # noqa: BLE001 - logged and counted; the next resync of others is unaffected
+        except Exception as err:
             shared.op.metrics.errors.labels(error_reason(err)).inc()
             log.warning("releasing workloads of deleted policy %s/%s failed: %s", namespace, name, err)
             return

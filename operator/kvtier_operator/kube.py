@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 from urllib.parse import quote
 
 import urllib3

@@ -6,7 +6,8 @@ import concurrent.futures
 import logging
 import sys
 import threading
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import kopf
 

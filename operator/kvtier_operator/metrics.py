@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from typing import Optional
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from wsgiref.simple_server import WSGIServer
 
 
 class Metrics:

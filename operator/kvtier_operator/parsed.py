@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .api import v1alpha1 as api
 from .api.validation import parse_policy

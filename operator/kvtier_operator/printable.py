@@ -30,7 +30,7 @@ def printable(text: str) -> str:
 class PrintableFormatter(logging.Formatter):
     """Escapes the message of every log line (its arguments included); a traceback keeps its own lines."""
 
-    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+    def formatMessage(self, record: logging.LogRecord) -> str:
         saved = record.message
         record.message = printable(saved)
         try:

@@ -5,27 +5,34 @@ No I/O here: ``handlers`` reads the cluster, calls ``plan`` and performs what it
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Optional
 
 from kvtier_runtime.config import control_file_json
 
+from . import parsed
 from .api import v1alpha1 as api
 from .api.guard_state import SLOGuardState
 from .api.times import parse_time
-from . import parsed
 from .api.validation import PolicyInvalid, Problem, parse_policy
 from .printable import printable
-from .reports import Event
 from .render import CONFIG_DIR, CONFIG_FILE, CONTROL_FILE, RenderedConfig, RenderError, detect_engine, render
 from .render.vllm import events_topic_args
+from .reports import Cond, Event
 from .selectors import matches
 from .settings import FIELD_MANAGER, POLICY_LABEL
-from .reports import Cond
 from .status import merge_conditions, transitions
 from .tiers import STORED, GuardInput, enabled, guard_disabled, stored_guard, tier_states
-from .trust import (host_path_problems, not_opted_in_message, opted_in, pvc_problems, remote_secret_problems,
-                    remote_store_problems, secret_namespace_problems)
+from .trust import (
+    host_path_problems,
+    not_opted_in_message,
+    opted_in,
+    pvc_problems,
+    remote_secret_problems,
+    remote_store_problems,
+    secret_namespace_problems,
+)
 from .workload import (
     Workload,
     already_applied,

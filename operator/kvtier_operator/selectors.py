@@ -1,8 +1,8 @@
 """Label selectors: matching in memory (to route workload events) and as the API server's query string."""
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
-
+from collections.abc import Mapping
+from typing import Any, Optional
 
 CATCH_ALL_MESSAGE = ("a selector must name at least one label a workload carries: a matchLabels entry, or a "
                      "matchExpressions term with operator In or Exists (an empty selector, or NotIn and DoesNotExist "

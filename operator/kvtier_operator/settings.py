@@ -3,12 +3,18 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Optional
 
 from .labels import PREFIX
-from .trust import (check_endpoint_entry, check_host_path_prefix, check_namespace_entry, check_pvc_entry,
-                    check_remote_store_entry)
+from .trust import (
+    check_endpoint_entry,
+    check_host_path_prefix,
+    check_namespace_entry,
+    check_pvc_entry,
+    check_remote_store_entry,
+)
 
 FIELD_MANAGER = "kvtier-operator"
 FINALIZER = f"{PREFIX}/finalizer"

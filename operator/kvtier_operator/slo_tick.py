@@ -17,8 +17,9 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol
 
 from . import slo
 from .api import guard_state
@@ -50,7 +51,7 @@ class Kube(Protocol):
     def get(self, path: str) -> Optional[dict[str, Any]]: ...
 
 
-def client_config(kube: Kube, namespace: str, prom: "slo.PrometheusSettings") -> PrometheusClientConfig:
+def client_config(kube: Kube, namespace: str, prom: slo.PrometheusSettings) -> PrometheusClientConfig:
     """``spec.slo.prometheus`` as a connectable config, its Secrets read from the policy's namespace.
 
     The slo package owns the field rules (``resolve_client_config``); this only supplies the Secret reader.
@@ -77,7 +78,7 @@ _POD_SUFFIX = {"Deployment": f"-{_SAFE}{{1,10}}-{_SAFE}{{5}}", "StatefulSet": "-
 MATCH_NOTHING = "$^"
 
 
-def scope_for(namespace: str, status: dict[str, Any], model_name: Optional[str]) -> Optional["slo.Scope"]:
+def scope_for(namespace: str, status: dict[str, Any], model_name: Optional[str]) -> Optional[slo.Scope]:
     """The policy's own pods: the namespace and the pods of the targets carrying the configuration, always;
     ``spec.slo.modelName`` narrows that further (the engine's ``model_name`` label), never replaces it (a model
     name alone matched every workload serving that model, other policies' and other teams' included).
@@ -133,7 +134,7 @@ def misconfigured(message: str, interval: float) -> GuardStep:
 
 
 def measurement_source(kube: Kube, settings: Settings, namespace: str,
-                       guard: "slo.SLOSettings") -> tuple[Optional[Any], Optional[str]]:
+                       guard: slo.SLOSettings) -> tuple[Optional[Any], Optional[str]]:
     """The policy's Prometheus as a measurement source, or the reason it may not be asked (the admin's allowlist).
 
     (None, None): no Prometheus is configured, so there is nothing to measure.
@@ -153,7 +154,7 @@ def measurement_source(kube: Kube, settings: Settings, namespace: str,
     return PrometheusSource(config), None
 
 
-def decide(guard: "slo.SLOSettings", policy_obj: dict[str, Any], source: Any, scope: "slo.Scope",
+def decide(guard: slo.SLOSettings, policy_obj: dict[str, Any], source: Any, scope: slo.Scope,
            now: float, state: GuardInput = STORED) -> GuardStep:
     """One evaluation against ``source`` at ``now`` (epoch seconds), from ``state`` (the guard's state as the pass
     parsed it; by default ``status.slo``, parsed here); pure apart from the source's queries. ValueError for a
@@ -173,7 +174,7 @@ def decide(guard: "slo.SLOSettings", policy_obj: dict[str, Any], source: Any, sc
     return step
 
 
-def hit_ratios(guard: "slo.SLOSettings", source: Any, scope: "slo.Scope", decision: "slo.Decision",
+def hit_ratios(guard: slo.SLOSettings, source: Any, scope: slo.Scope, decision: slo.Decision,
                engine: Optional[str] = None) -> Optional[hr.HitRatios]:
     """Each enabled tier's hit ratio (and the GPU prefix cache's), asked of ``source`` after the SLO queries.
 
@@ -192,12 +193,12 @@ def hit_ratios(guard: "slo.SLOSettings", source: Any, scope: "slo.Scope", decisi
         queries = hr.build(tiers, scope, guard.window_s, guard.idle_window_s, device=hr.DEVICE_TIER not in declared)
         # One query timeout for all of them, on top of the SLO queries (each query has the same deadline).
         return hr.measure(source, queries, budget_s=guard.prometheus.timeout_s)
-    except Exception:  # noqa: BLE001 - a figure that cannot be had must never fail the guard
+    except Exception:
         log.warning("hit ratios not measured", exc_info=True)
         return None
 
 
-def step_of(decision: "slo.Decision", interval: float, reenable: Sequence[str] = ()) -> GuardStep:
+def step_of(decision: slo.Decision, interval: float, reenable: Sequence[str] = ()) -> GuardStep:
     """A decision of the engine as the pass's step: its state, conditions, Events and acknowledgements (pure)."""
     verdict = decision.state.verdict
     step = GuardStep(interval=interval, state=decision.state, verdict=verdict,

@@ -5,8 +5,9 @@ equal and is not written (no watch event, no reconcile loop on our own writes).
 """
 from __future__ import annotations
 
-from datetime import datetime, timezone
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import Any, Optional
 
 from .printable import printable
 from .reports import Cond
@@ -20,7 +21,7 @@ RETIRED = ("history",)
 
 
 def now_rfc3339() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def merge_conditions(old: Iterable[dict[str, Any]], new: Iterable[Cond], generation: Optional[int],

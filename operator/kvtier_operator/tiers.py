@@ -15,7 +15,8 @@ file; ``guard_disabled``). The tier an SLO breach rolls back is the newest of th
 """
 from __future__ import annotations
 
-from typing import Any, Final, Iterable, Literal, Mapping, Optional, Sequence, Union
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Final, Literal, Optional, Union
 
 from .api import v1alpha1 as api
 from .api.guard_state import SLOGuardState

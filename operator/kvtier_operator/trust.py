@@ -20,11 +20,12 @@ what of it the operator carries out:
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Optional, Union
 import base64
 import binascii
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any, Optional, Union
 from urllib.parse import SplitResult, unquote, urlsplit
 
 from .api import v1alpha1 as api
@@ -39,7 +40,7 @@ DEFAULT_PORTS = {"http": 80, "https": 443}
 def opted_in(labels: Mapping[str, str], policy: str) -> bool:
     """Whether the workload's owner lets ``policy`` configure it."""
     value = labels.get(OPT_IN_LABEL)
-    return value == policy or value == OPT_IN_ANY
+    return value in (policy, OPT_IN_ANY)
 
 
 def not_opted_in_message(ref: str, policy: str) -> str:

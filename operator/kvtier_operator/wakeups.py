@@ -11,7 +11,8 @@ guard's next evaluation, so one loop per policy serves both.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Hashable, Optional
+from collections.abc import Hashable
+from typing import Any, Optional
 
 
 class Wakeups:

@@ -14,8 +14,9 @@ resourceVersion-guarded strategic-merge update (an Update never conflicts; it is
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 from .api.units import format_quantity, parse_quantity
 from .render import RenderedConfig, TargetFacts

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Mapping, Self, Sequence, Union
+from typing import Any, ClassVar, Self, Union
 
 # Names of the runtime's policies and codecs as a KVCachePolicy spells them.
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "arc", "s3fifo", "prefix2q", "adaptive")
@@ -42,10 +43,10 @@ VLLM_SECONDARY_TIER_CLASS = "KvtierFilesystemTier"
 
 
 _STEMS = {"lru": "LRU", "arc": "ARC", "s3fifo": "S3FIFO", "prefix2q": "Prefix2Q", "adaptive": "Adaptive"}
+_STEM_NAMES = "|".join(sorted(_STEMS.values(), key=len, reverse=True))
+_ADMISSION_NAMES = "|".join(a.capitalize() for a in ADMISSION_POLICIES if a != "none")
 _CACHE_POLICY_CLASS = re.compile(
-    r"^Kvtier(?P<stem>%s)(?P<admission>%s)?(?P<threshold>[1-9][0-9]{0,5})?CachePolicy$" % (
-        "|".join(sorted(_STEMS.values(), key=len, reverse=True)),
-        "|".join(a.capitalize() for a in ADMISSION_POLICIES if a != "none")))
+    rf"^Kvtier(?P<stem>{_STEM_NAMES})(?P<admission>{_ADMISSION_NAMES})?(?P<threshold>[1-9][0-9]{{0,5}})?CachePolicy$")
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ class CachePolicyChoice:
         return f"Kvtier{_STEMS[self.eviction]}{suffix}CachePolicy"
 
     @classmethod
-    def from_class_name(cls, name: str) -> "CachePolicyChoice":
+    def from_class_name(cls, name: str) -> CachePolicyChoice:
         match = _CACHE_POLICY_CLASS.match(name)
         if not match:
             raise ConfigError(f"eviction_policy: {name!r} is not a kvtier CachePolicy class "
@@ -304,7 +305,7 @@ class TierEntry:
             raise ConfigError(f"config: a {type(self.config).__name__} for a tier of medium {self.medium!r}")
 
     @classmethod
-    def parse(cls, raw: Any) -> "TierEntry":
+    def parse(cls, raw: Any) -> TierEntry:
         """``{name, medium, config}`` as rendered; ConfigError names the key (``config.codec: ...``)."""
         if not isinstance(raw, Mapping):
             raise ConfigError(f"{raw!r} must be a mapping with keys name, medium and config")
@@ -438,7 +439,7 @@ def check_remote_url(key: str, url: Any) -> None:
 MAX_REMOTE_SCOPE_CHARS = 63
 _REMOTE_SCOPE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 MAX_REMOTE_USERNAME_CHARS = 128
-_REMOTE_USERNAME = re.compile(r"[A-Za-z0-9._-]{1,%d}" % MAX_REMOTE_USERNAME_CHARS)
+_REMOTE_USERNAME = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_REMOTE_USERNAME_CHARS}}}")
 # remote.macKeySecret (operator) / mac_key_file (runtime): the model validator's message and the runtime's.
 REMOTE_KEY_RULE = ("a remote tier needs remote.macKeySecret: the tenant's key (a Secret key of at least 32 bytes) "
                    "encrypts and authenticates every value in the shared store; the store password is not a key")
@@ -573,7 +574,7 @@ class OffloadSpecConfig:
         return [self.host_name, *(t.name for t in self.tiers)]
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any]) -> "OffloadSpecConfig":
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> OffloadSpecConfig:
         """Parse vLLM's ``kv_connector_extra_config``; a bad value raises :class:`ConfigError` whose message starts
         with the key's full path (``kv_connector_extra_config.tiers[0].config.codec: ...``)."""
         prefix = "kv_connector_extra_config."

@@ -8,7 +8,6 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-
 from chart.values_sets import ALL, EVERYTHING_ON, MINIMAL, NAMESPACED
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from chart.exported_metrics import OPERATOR, RUNTIME, allowed_series
 from chart.promql_names import UncheckableName, metric_names
 

@@ -12,7 +12,6 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-
 from kvtier_operator.api.validation import parse_policy
 from kvtier_operator.render import render
 

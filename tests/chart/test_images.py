@@ -8,9 +8,8 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from packaging.requirements import Requirement
-
 from chart.dockerfile import parse
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGES = ROOT / "images"

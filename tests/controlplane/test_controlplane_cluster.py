@@ -11,7 +11,6 @@ from typing import TypeVar
 import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
-
 from plugins.controlplane import ControlPlane
 
 pytestmark = pytest.mark.controlplane

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
-
 from plugins.controlplane import ControlPlane, apply_manifests
 
 pytestmark = pytest.mark.controlplane

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from plugins.controlplane import RUN, start, stop
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.slow]

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from plugins.controlplane import ControlPlaneError, is_established, manifest_documents, namespace_name_hint
 
 

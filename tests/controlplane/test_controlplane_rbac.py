@@ -10,7 +10,6 @@ from collections.abc import Iterator
 import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
-
 from plugins.controlplane import ControlPlane
 
 pytestmark = pytest.mark.controlplane

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 from kubernetes import client
-
 from plugins.controlplane import CRDS_DIR, ControlPlane, is_established, manifest_documents
 
 pytestmark = pytest.mark.controlplane

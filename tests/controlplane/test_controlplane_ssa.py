@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 from kubernetes.dynamic.exceptions import DynamicApiError
-
 from plugins.controlplane import ControlPlane
 
 pytestmark = pytest.mark.controlplane

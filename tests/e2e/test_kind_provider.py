@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from kvtier_operator.api.validation import validate_text
-from scenario import manifests
 from kvtier_operator.workload import has_config_args
+from scenario import manifests
 
 REPO = Path(__file__).resolve().parents[2]
 KIND = REPO / "e2e" / "scenario" / "kind"

@@ -24,15 +24,14 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from plugins.node import require_node
+from plugins.processes import like_a_terminal_job, processes_mentioning
+from plugins.prometheus import require_prometheus
 from scenario.local import LocalOptions
 from scenario.manifests import Names
 from scenario.processes import Supervisor
 from scenario.report import Reporter
 from scenario.steps import ScenarioFailed, run_local
-from plugins.prometheus import require_prometheus
-from plugins.processes import like_a_terminal_job, processes_mentioning
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.node, pytest.mark.prometheus, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]

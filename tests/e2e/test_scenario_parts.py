@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from kvtier_operator.api.validation import parse_policy
 from kvtier_operator.render import render
 from kvtier_runtime.config import control_file_json

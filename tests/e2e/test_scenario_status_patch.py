@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from kvtier_operator.status import status_patch
 from plugins.slo_harness import slo_settings
 

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from plugins.processes import like_a_terminal_job
 from scenario import slowdisk
 

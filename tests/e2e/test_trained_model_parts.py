@@ -9,7 +9,6 @@ import json
 import zipfile
 
 import pytest
-
 from vllm_cpu import prose, smollm2
 
 

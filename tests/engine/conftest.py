@@ -18,8 +18,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 try:
-    import vllm  # noqa: F401
-    import vllm.v1.kv_offload.factory  # noqa: F401  (the loader of kvtier's spec)
+    import vllm
+    import vllm.v1.kv_offload.factory
 
     ENGINE_IMPORT_ERROR: str | None = None
 except Exception as exc:  # ImportError, or a vLLM that fails while importing

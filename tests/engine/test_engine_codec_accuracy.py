@@ -27,20 +27,28 @@ from __future__ import annotations
 
 import json
 import pathlib
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import pytest
 import torch
+from kvtier_runtime.codecs import KVLayout, decode, get_kv_codec, peek_header
+from kvtier_runtime.codecs.kv import canonical, scatter_staged, to_stage
+from kvtier_runtime.fs.format import (
+    BLOB_OFFSET,
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    align_up,
+    checksum,
+    pack_header,
+    parse_header,
+)
+from plugins.kv_accuracy import attention_cosine, compare_logits
 
 from e2e.vllm_cpu import prose, render, smollm2
 from e2e.vllm_cpu.server import VllmServer
-from kvtier_runtime.codecs import KVLayout, decode, get_kv_codec, peek_header
-from plugins.kv_accuracy import attention_cosine, compare_logits
-from kvtier_runtime.codecs.kv import canonical, scatter_staged, to_stage
-from kvtier_runtime.fs.format import BLOB_OFFSET, FORMAT_VERSION, HEADER_BYTES, align_up, checksum, pack_header, parse_header
 
 pytestmark = pytest.mark.timeout(1800)  # six passes of 128 full-vocabulary positions
 

@@ -33,6 +33,7 @@ import urllib.request
 import pytest
 
 from e2e.vllm_cpu import prose, render, smollm2
+from e2e.vllm_cpu.kv_events import EventStream
 from e2e.vllm_cpu.server import VllmServer, free_port
 
 PROMPT_TOKENS = 640
@@ -43,56 +44,6 @@ MAX_MODEL_LEN = 1024
 HOST_BYTES = 24 * BLOCK_BYTES
 FS_BYTES = 512 * BLOCK_BYTES
 GEN_TOKENS = 8
-
-
-class Events:
-    """vLLM's KV-event stream (a ZMQ SUB socket the engine's publisher connects to), decoded with vLLM's own
-    msgspec types, collected on a thread."""
-
-    def __init__(self, endpoint: str) -> None:
-        import msgspec
-        import zmq
-        from vllm.distributed.kv_events import KVEventBatch
-
-        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.SUB)
-        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sock.setsockopt(zmq.RCVTIMEO, 200)
-        # vLLM's publisher binds an endpoint with host '*' and connects to any other: the test binds, on loopback.
-        self._sock.bind(endpoint)
-        self.events: list = []
-        self.errors: list[str] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        import zmq
-
-        while not self._stop.is_set():
-            try:
-                parts = self._sock.recv_multipart()
-            except zmq.Again:
-                continue
-            try:
-                batch = self._decoder.decode(parts[-1])
-            except Exception as exc:  # noqa: BLE001 - reported by the test that reads the stream
-                self.errors.append(f"{type(exc).__name__}: {exc}")
-                continue
-            with self._lock:
-                self.events.extend(batch.events)
-
-    def snapshot(self) -> list:
-        with self._lock:
-            return list(self.events)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._sock.close(linger=0)
-        self._ctx.term()
 
 
 class Engine:
@@ -138,7 +89,7 @@ class Engine:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     eng = Engine(tmp_path_factory.mktemp("contract"))
-    eng.events = Events(eng.events_endpoint)  # bound before the engine's publisher connects
+    eng.events = EventStream(eng.events_endpoint)  # bound before the engine's publisher connects
     eng.server.start()
     yield eng
     eng.events.close()
@@ -160,7 +111,7 @@ def test_kv_event_publisher_shows_kvtier_offloaded_blocks(engine: Engine) -> Non
     engine.text(2)
 
     def cpu_stores() -> list:
-        return [e for e in engine.events.snapshot()
+        return [e for e in engine.events.events()
                 if isinstance(e, BlockStored) and str(getattr(e, "medium", "")).upper() == "CPU"]
 
     # Both prompts' prefixes (19 full chunks each) reach kvtier's host tier and are announced with medium CPU.
@@ -168,7 +119,7 @@ def test_kv_event_publisher_shows_kvtier_offloaded_blocks(engine: Engine) -> Non
         _wait_for(lambda: sum(len(e.block_hashes) for e in cpu_stores()) >= 2 * (CACHED // 32), 60,
                   "BlockStored events of kvtier's host tier")
     except AssertionError:
-        seen = collections.Counter((type(e).__name__, getattr(e, "medium", None)) for e in engine.events.snapshot())
+        seen = collections.Counter((type(e).__name__, getattr(e, "medium", None)) for e in engine.events.events())
         raise AssertionError(f"events seen: {dict(seen)}; decode errors: {engine.events.errors[:3]}") from None
     hashes = [h for e in cpu_stores() for h in e.block_hashes]
     assert len(set(hashes)) == len(hashes)  # each chunk announced once

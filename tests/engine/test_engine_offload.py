@@ -30,10 +30,10 @@ import time
 
 import pytest
 import yaml
+from kvtier_runtime.fs.format import HEADER_BYTES
 
 from e2e.vllm_cpu import prose, render, smollm2
 from e2e.vllm_cpu.server import VllmServer
-from kvtier_runtime.fs.format import HEADER_BYTES
 
 PROMPT_TOKENS = 640
 CACHED = PROMPT_TOKENS - 32  # vLLM recomputes at least the last block: 19 of 20 blocks can be cached

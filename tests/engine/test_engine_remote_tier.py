@@ -27,10 +27,10 @@ import time
 
 import pytest
 import yaml
+from plugins.redis_server import RedisServer
 
 from e2e.vllm_cpu import prose, render, smollm2
 from e2e.vllm_cpu.server import VllmServer
-from plugins.redis_server import RedisServer
 
 MiB = 1 << 20
 PROMPT_TOKENS = 640
@@ -91,7 +91,7 @@ class Fleet:
                           log_path=self.tmp / f"{name}.log", startup_timeout_s=420)
 
 
-def ask(fleet: "Fleet", server: VllmServer, seed: int) -> str:
+def ask(fleet: Fleet, server: VllmServer, seed: int) -> str:
     return VllmServer.text(server.complete(prose.prompt_ids(fleet.corpus, PROMPT_TOKENS, seed), GEN_TOKENS))
 
 

@@ -36,11 +36,11 @@ from dataclasses import dataclass
 
 import pytest
 import yaml
+from kvtier_runtime.replay.recommend import parse_quantity
 
 from e2e.vllm_cpu import model, render
 from e2e.vllm_cpu.kv_events import EventStream, TierIndex
 from e2e.vllm_cpu.server import VllmServer, free_port
-from kvtier_runtime.replay.recommend import parse_quantity
 
 MiB = 1 << 20
 BLOCK_TOKENS = 32

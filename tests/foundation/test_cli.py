@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import yaml
-
 from foundation.policies import cpu, policy
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

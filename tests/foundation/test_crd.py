@@ -3,7 +3,6 @@ import pathlib
 
 import celpy
 import yaml
-
 from kvtier_operator.api import crd
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -2,7 +2,6 @@
 enforces offline rejected by the server too, at the same field path (CEL rules with the same message)."""
 import pytest
 import yaml
-
 from foundation.policies import INVALID, INVALID_METADATA, VALID, policy
 from kvtier_operator.api.validation import PolicyInvalid, parse_policy
 

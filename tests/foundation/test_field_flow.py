@@ -14,13 +14,12 @@ import copy
 import dataclasses
 import json
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import pytest
 import yaml
-from pydantic import BaseModel
-
 from kvtier_operator import reconcile as rc
 from kvtier_operator.api import v1alpha1 as api
 from kvtier_runtime.config import (
@@ -32,9 +31,9 @@ from kvtier_runtime.config import (
 )
 from kvtier_runtime.policies import get_policy
 from kvtier_runtime.store.breaker import TierBreakers
-
 from plugins.operator import TRTLLM_IMAGE, deployment, observed
 from plugins.slo_harness import slo_settings
+from pydantic import BaseModel
 
 NOW = "2026-12-01T00:00:00Z"
 # The admin's allowed hostPath prefixes (operator settings): the hostPath flows use paths under it.
@@ -450,8 +449,8 @@ def test_eviction_default_is_one_function_on_both_sides():
     from kvtier_runtime.config import DEFAULT_EVICTION_POLICY, RECOMMENDED_EVICTION_POLICY, default_eviction_policy
 
     assert api.TierSpec.model_fields["eviction_policy"].default is None
-    from kvtier_operator.api.validation import parse_policy
     from foundation.policies import cpu, policy
+    from kvtier_operator.api.validation import parse_policy
 
     for backend in ("native", "lmcache", "kvtier"):
         spec = parse_policy(policy(backend=backend, tiers=[cpu()])).spec

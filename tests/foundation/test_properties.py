@@ -5,7 +5,6 @@ import json
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from kvtier_operator.api.validation import PolicyInvalid, parse_policy
 from kvtier_operator.render import RenderError, render
 

@@ -9,7 +9,6 @@ import pathlib
 
 import pytest
 import yaml
-
 from foundation.policies import cpu, disk, policy
 from kvtier_operator.api.validation import parse_policy
 from kvtier_operator.render import RenderError, TargetFacts, detect_engine, render

@@ -1,9 +1,7 @@
 """Every rule rejects with the field path and the rule; valid policies pass. Offline, like the API server."""
 import pytest
-
-from kvtier_operator.api.validation import PolicyInvalid, parse_policy, validate_text
-
 from foundation.policies import INVALID, INVALID_METADATA, VALID, cpu, disk, policy
+from kvtier_operator.api.validation import PolicyInvalid, parse_policy, validate_text
 
 
 def problems(doc):

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 from kubernetes import client
-
-from vllm_cpu.prose import CORPUS
-from vllm_cpu.smollm2 import default_cache_dir
-from vllm_cpu.render import fs_tier, host_tier, policy_document as engine_policy
 from plugins.controlplane import ControlPlane, build, start, stop
 from plugins.node import build_node, require_node, start_node, stop_node, wait_until
+from vllm_cpu.prose import CORPUS
+from vllm_cpu.render import fs_tier, host_tier
+from vllm_cpu.render import policy_document as engine_policy
+from vllm_cpu.smollm2 import default_cache_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "images" / "build"

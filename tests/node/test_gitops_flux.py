@@ -17,23 +17,22 @@ import subprocess
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
-
-from plugins.node import CHART, HELM, OPERATOR_NAMESPACE, OPERATOR_RELEASE, NodeCluster, image_ref, wait_until
-from plugins.prometheus import require_prometheus
-from scenario.manifests import (DEGRADED, HEALTHY, Names, synthetic_deployment, synthetic_engine_config_map)
-from scenario.manifests import policy as scenario_policy
-from scenario.prometheus import PrometheusProcess
-
 from kvtier_operator.labels import OPT_IN_ANY, OPT_IN_LABEL
 from kvtier_operator.settings import CONFIG_HASH_ANNOTATION, FIELD_MANAGER, REENABLE_ANNOTATION
+from plugins.node import CHART, HELM, OPERATOR_NAMESPACE, OPERATOR_RELEASE, NodeCluster, image_ref, wait_until
+from plugins.prometheus import require_prometheus
+from scenario.manifests import DEGRADED, HEALTHY, Names, synthetic_deployment, synthetic_engine_config_map
+from scenario.manifests import policy as scenario_policy
+from scenario.prometheus import PrometheusProcess
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.node, pytest.mark.slow]
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 from packaging.requirements import Requirement
-
 from plugins.controlplane import ControlPlane, build, start, stop
 from plugins.node import build_node, require_node, start_node, stop_node, wait_until
 
@@ -140,7 +139,7 @@ def test_images_run_on_the_node_as_declared(tmp_path: Path) -> None:
             logs = {}
             for name in pods:
                 phase = wait_until(
-                    lambda: (p := core.read_namespaced_pod(name, "default").status.phase) in ("Succeeded", "Failed") and p,
+                    lambda name=name: (p := core.read_namespaced_pod(name, "default").status.phase) in ("Succeeded", "Failed") and p,
                     180,
                     f"pod {name} to finish",
                 )

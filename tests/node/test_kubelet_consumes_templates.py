@@ -8,8 +8,8 @@ one JSON line.
 from __future__ import annotations
 
 import copy
-import os
 import json
+import os
 import subprocess
 import sys
 import time
@@ -20,7 +20,6 @@ import pytest
 import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
-
 from plugins.node import NODE_RUN, NodeCluster, wait_until
 from plugins.tier_sync import store_blocks
 
@@ -293,7 +292,7 @@ def test_tier_directories_on_the_node(cluster: Cluster, ns: str) -> None:
         cluster.applied_template(ns, name)
     reports = {}
     for name in ("root", "nonroot"):
-        [pod] = wait_until(lambda: (p := cluster.pods(ns, name)) and len(p) == 1 and p, POD_TIMEOUT_S, f"{name} pod")
+        [pod] = wait_until(lambda name=name: (p := cluster.pods(ns, name)) and len(p) == 1 and p, POD_TIMEOUT_S, f"{name} pod")
         reports[name] = cluster.report(ns, pod.metadata.name)
 
     root = reports["root"]
@@ -326,7 +325,6 @@ def test_a_tier_cannot_shadow_the_service_account_token(cluster: Cluster, ns: st
 
 def test_an_emptydir_tier_filled_by_kvtiers_filesystem_tier_stays_under_its_size_limit(cluster: Cluster, ns: str) -> None:
     import torch
-
     from kvtier_runtime.config import FilesystemTierConfig
     from kvtier_runtime.fs.tier import FilesystemTier
 

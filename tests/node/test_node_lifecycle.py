@@ -15,14 +15,13 @@ from pathlib import Path
 
 import pytest
 from kubernetes import client
-
 from plugins.controlplane import ControlPlane, build, start, stop
 from plugins.node import (
     BUSYBOX_IMAGE,
     NODE_NAME,
     Node,
-    busybox_image,
     build_node,
+    busybox_image,
     require_node,
     start_node,
     stop_node,
@@ -132,7 +131,7 @@ def test_pods_run_reach_the_api_server_and_each_other_and_stop_leaves_nothing(cl
         run_pod(core, "nodetest", "client", f"for i in 1 2 3 4 5 6 7 8 9 10; do nc -w 3 {server_ip} 8080 </dev/null && exit 0; sleep 1; done; exit 1")
         for name in ("api", "client", "server"):
             phase = wait_until(
-                lambda: pod_phase(core, "nodetest", name) in ("Succeeded", "Failed") and pod_phase(core, "nodetest", name),
+                lambda name=name: pod_phase(core, "nodetest", name) in ("Succeeded", "Failed") and pod_phase(core, "nodetest", name),
                 120,
                 f"pod {name} to finish",
             )

@@ -8,7 +8,6 @@ import urllib.request
 
 import pytest
 from kubernetes import client
-
 from plugins.node import NODE_NAME, OPERATOR_NAMESPACE, NodeCluster, image_ref, wait_until
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.node, pytest.mark.slow]

@@ -15,12 +15,22 @@ from typing import Any
 
 import pytest
 import yaml
-
 from kvtier_operator.api.validation import parse_policy
 from kvtier_operator.render import render
 from kvtier_operator.settings import FIELD_MANAGER
-from plugins.operator import (TRTLLM_IMAGE, VLLM_IMAGE, cond, create_policy, deployment, get_policy, get_workload,
-                              manager_entry, user_apply, wait_applied, wait_for)
+from plugins.operator import (
+    TRTLLM_IMAGE,
+    VLLM_IMAGE,
+    cond,
+    create_policy,
+    deployment,
+    get_policy,
+    get_workload,
+    manager_entry,
+    user_apply,
+    wait_applied,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.slow]
 

@@ -12,7 +12,6 @@ from kvtier_operator.api.guard_state import SLOGuardState
 from kvtier_operator.api.times import parse_time
 from kvtier_operator.kube import config_map_path
 from kvtier_operator.render import CONTROL_FILE
-
 from plugins.policy_pass import SLO, CannedPrometheus, Guarded, applied_world
 
 RATIOS = {("gpu", "5m"): 0.5, ("cpu", "5m"): 0.3, ("nvme", "5m"): 0.1, ("cpu", "1h"): 0.3, ("nvme", "1h"): 0.1}

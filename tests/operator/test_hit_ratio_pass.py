@@ -4,8 +4,8 @@ and passes between evaluations keep the figures."""
 from __future__ import annotations
 
 from kvtier_operator.status import condition
-
-from plugins.policy_pass import CannedPrometheus, Guarded, applied_world as _world
+from plugins.policy_pass import CannedPrometheus, Guarded
+from plugins.policy_pass import applied_world as _world
 
 
 def test_a_guarded_pass_writes_the_figures_once_and_tier_idle_posts_one_event():

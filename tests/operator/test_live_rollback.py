@@ -11,7 +11,6 @@ import copy
 from typing import Any, Optional
 
 import pytest
-
 from kvtier_operator import reconcile as rc
 from kvtier_operator.api import guard_state
 from kvtier_operator.api.validation import PolicyInvalid, parse_policy

@@ -11,12 +11,26 @@ import threading
 import time
 
 import pytest
-
 from kvtier_operator.kube import config_map_path, policy_path, workload_path
 from kvtier_operator.settings import FIELD_MANAGER, POLICY_LABEL
-from plugins.operator import (GITOPS, TRTLLM_IMAGE, assert_owns_only_injected, cond, create_policy, deployment,
-                              get_policy, get_workload, make_policy, manager_entry, nvme_tier, template_hash,
-                              update_policy, user_apply, wait_applied, wait_for)
+from plugins.operator import (
+    GITOPS,
+    TRTLLM_IMAGE,
+    assert_owns_only_injected,
+    cond,
+    create_policy,
+    deployment,
+    get_policy,
+    get_workload,
+    make_policy,
+    manager_entry,
+    nvme_tier,
+    template_hash,
+    update_policy,
+    user_apply,
+    wait_applied,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.slow]
 

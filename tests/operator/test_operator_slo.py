@@ -8,12 +8,20 @@ history and the rollback metric.
 from __future__ import annotations
 
 import pytest
-
 from kvtier_operator import slo
 from kvtier_operator.kube import policy_path
-
-from plugins.operator import (cond, deployment, get_policy, get_workload, make_policy, nvme_tier,
-                              template_hash, user_apply, wait_applied, wait_for)
+from plugins.operator import (
+    cond,
+    deployment,
+    get_policy,
+    get_workload,
+    make_policy,
+    nvme_tier,
+    template_hash,
+    user_apply,
+    wait_applied,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.slow]
 

@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import pytest
-
 from kvtier_operator import reconcile as rc
 from kvtier_operator.selectors import matches, to_query
 from kvtier_operator.settings import CONFIG_HASH_ANNOTATION, POLICY_LABEL
-from kvtier_operator.status import condition, merge_conditions, Cond, status_patch
+from kvtier_operator.status import Cond, condition, merge_conditions, status_patch
 from kvtier_operator.workload import has_config_args, without_config_args
-
 from plugins.operator import TRTLLM_IMAGE, deployment, nvme_tier, observed, policy
 
 NOW = "2026-11-29T08:00:00Z"

@@ -7,7 +7,6 @@ scale benchmark's p99 at 500 policies).
 from __future__ import annotations
 
 import pytest
-
 from kvtier_operator import handlers
 from kvtier_operator.labels import OPT_IN_ANY, OPT_IN_LABEL
 from kvtier_operator.settings import POLICY_LABEL

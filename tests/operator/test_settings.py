@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-
 from kvtier_operator.settings import Settings, from_args
 
 

@@ -15,11 +15,11 @@ import concurrent.futures
 import json
 import threading
 import time
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
-
 from kvtier_operator.lanes import Lanes
 from kvtier_operator.slo import Scope, build_queries
 from kvtier_operator.slo.client import PrometheusClientConfig, PrometheusSource
@@ -36,10 +36,10 @@ def serve(handler: Callable[[BaseHTTPRequestHandler, threading.Event], None]) ->
     stop = threading.Event()
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        def do_GET(self) -> None:
             handler(self, stop)
 
-        do_POST = do_GET  # noqa: N815
+        do_POST = do_GET
 
         def log_message(self, *args: Any) -> None:
             pass

@@ -45,7 +45,6 @@ def test_the_guard_sends_no_query_and_says_so_when_no_target_carries_the_configu
     from kvtier_operator.api.validation import parse_policy
     from kvtier_operator.settings import Settings
     from kvtier_operator.slo_tick import evaluate
-
     from plugins.operator import policy
 
     class Source:
@@ -73,7 +72,6 @@ def test_without_targets_no_secret_is_read_and_the_allowlist_is_still_reported_f
     from kvtier_operator.api.validation import parse_policy
     from kvtier_operator.settings import Settings
     from kvtier_operator.slo_tick import evaluate
-
     from plugins.operator import policy
 
     class NoKube:  # any read of a Secret (or anything) fails the test

@@ -4,12 +4,10 @@ change is raised, so the next pass plans from the new spec."""
 from __future__ import annotations
 
 import pytest
-
 from kvtier_operator.kube import ApiError, policy_path
 from kvtier_operator.metrics import Metrics
 from kvtier_operator.status import compose
 from kvtier_operator.status_writer import write_status
-
 from plugins.operator import create_policy, get_policy, make_policy
 
 pytestmark = [pytest.mark.controlplane]

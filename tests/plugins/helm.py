@@ -10,9 +10,10 @@ import json
 import os
 import subprocess
 import tempfile
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Optional
 
 import pytest
 import yaml

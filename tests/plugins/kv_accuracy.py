@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-
 from kvtier_runtime.codecs import kv
 from kvtier_runtime.codecs.errors import CodecError
 from kvtier_runtime.codecs.kv import KVChunkCodec, attention_errors, canonical, to_stage

@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -156,7 +157,7 @@ class NodeCluster:
     """A control plane with a node, started for the node tests' session (separate from the session's
     node-less control plane, whose tests expect pods to stay Pending)."""
 
-    cp: "ControlPlane"
+    cp: ControlPlane
     node: Node
     hostpath_prefix: Path  # the operator's allowed hostPath prefix (operator.hostPathPrefixes)
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import copy
 import time
 import uuid
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
 
 import pytest
-
 from kvtier_operator.kube import ApiError, policy_path, workload_path
 from kvtier_operator.labels import OPT_IN_ANY, OPT_IN_LABEL
 from kvtier_operator.settings import CONFIG_HASH_ANNOTATION, FIELD_MANAGER
@@ -228,8 +228,9 @@ def namespace(kube) -> Iterator[str]:
 def run_operator(kube, namespace, controlplane):
     """``run_operator(hooks=(), **settings)`` -> a started OperatorThread watching the test's namespace."""
     from kvtier_operator.kube import Kube
-    from plugins.operator_thread import OperatorThread
     from kvtier_operator.settings import Settings
+
+    from plugins.operator_thread import OperatorThread
 
     started: list[OperatorThread] = []
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 from kvtier_operator.controller import Operator, Outcome
 from kvtier_operator.handlers import Shared
@@ -48,11 +49,11 @@ class OperatorThread:
     def _main(self) -> None:
         try:
             asyncio.run(run(self.shared, stop_flag=self._stop, ready_flag=self._ready))
-        except BaseException as err:  # noqa: BLE001 - surfaced to the test through .error
+        except BaseException as err:
             self.error = err
             self._ready.set()
 
-    def start(self, timeout: float = 30) -> "OperatorThread":
+    def start(self, timeout: float = 30) -> OperatorThread:
         self._thread.start()
         if not self._ready.wait(timeout):
             raise TimeoutError("operator did not get ready")

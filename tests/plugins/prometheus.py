@@ -10,8 +10,9 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 from scenario.prometheus import INSTALL_HINT, PrometheusProcess, free_port

@@ -17,14 +17,14 @@ import socket
 import subprocess
 import time
 import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import pytest
 
 START_TIMEOUT_S = 15.0
 CLUSTER_TIMEOUT_S = 30.0
-_LIVE: "weakref.WeakSet[RedisServer]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[RedisServer] = weakref.WeakSet()
 
 
 def redis_binaries() -> tuple[str, str]:
@@ -160,7 +160,7 @@ class RedisServer:
                     "--cluster-node-timeout", "2000"]
         return cmd + self.extra
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -237,7 +237,7 @@ class RedisCluster:
     def url(self) -> str:
         return self.nodes[0].url
 
-    def start(self) -> "RedisCluster":
+    def start(self) -> RedisCluster:
         _, cli = redis_binaries()
         for node in self.nodes:
             node.start()

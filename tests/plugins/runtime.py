@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 import zlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -47,7 +47,6 @@ def tier_bytes_for(n_blocks: int, file_bytes: int) -> int:
 def block_file_bytes(shape: tuple[int, ...] = (64, 256), codec: str = "none") -> int:
     """Bytes one float32 block of ``shape`` takes in the filesystem tier."""
     import torch
-
     from kvtier_runtime.codecs import get_codec
     from kvtier_runtime.fs.format import file_bytes_for
 
@@ -68,7 +67,6 @@ def engine_books(tmp_path, n_rows: int, row_bytes: int, fs=(), *, view_dtype=Non
     import time
 
     import torch
-
     from kvtier_runtime.engines.host_region import HostRegion
     from kvtier_runtime.fs import FilesystemTier
     from kvtier_runtime.store import MemoryTier, OffloadBooks
@@ -100,9 +98,9 @@ def metric_value(name: str, **labels: str) -> float:
 @pytest.fixture
 def fs_tier_factory(tmp_path) -> Iterator[Callable[..., object]]:
     """Builds FilesystemTier instances on tmp_path (64x256 float32 blocks) and closes them after the test."""
+    import torch
     from kvtier_runtime.config import FilesystemTierConfig
     from kvtier_runtime.fs import FilesystemTier
-    import torch
 
     made: list[FilesystemTier] = []
 

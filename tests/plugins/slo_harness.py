@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
-from kvtier_operator.api import v1alpha1 as api
-from kvtier_operator.api.validation import PolicyInvalid, parse_policy
 from kvtier_operator.api import guard_state
+from kvtier_operator.api import v1alpha1 as api
 from kvtier_operator.api.times import format_time
+from kvtier_operator.api.validation import PolicyInvalid, parse_policy
 from kvtier_operator.slo.decisions import Action, SetCondition, read_state, stored_state
 from kvtier_operator.slo.guard import MeasurementSource, tick
 from kvtier_operator.slo.queries import Scope
@@ -96,7 +97,7 @@ class GuardLoop:
         else:
             self._next = now
 
-    def run_until(self, predicate: Callable[["GuardLoop"], bool], timeout: float, **kw: Any) -> float:
+    def run_until(self, predicate: Callable[[GuardLoop], bool], timeout: float, **kw: Any) -> float:
         """Tick until ``predicate(self)`` holds after a tick; return seconds spent. Raises on timeout."""
         start = time.monotonic()
         while True:

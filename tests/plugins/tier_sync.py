@@ -18,7 +18,8 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ import torch
 _POLL_S = 0.005
 
 _lock = threading.Lock()
-_states: "weakref.WeakKeyDictionary[Any, _Results]" = weakref.WeakKeyDictionary()
+_states: weakref.WeakKeyDictionary[Any, _Results] = weakref.WeakKeyDictionary()
 
 
 class _Results:

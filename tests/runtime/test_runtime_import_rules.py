@@ -19,7 +19,6 @@ import ast
 from pathlib import Path
 
 import pytest
-
 from plugins.import_rules import apart_violations, private_import_violations
 
 RUNTIME = Path(__file__).resolve().parents[2] / "runtime" / "kvtier_runtime"

@@ -12,10 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from kvtier_operator import cli
 from kvtier_operator.kube import ApiError, Kube, policy_path
-
 from security.corpus import ACCEPT, CASES, document, file_bytes, ids, server_document
 
 REPO = Path(__file__).resolve().parents[2]

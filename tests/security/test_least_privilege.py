@@ -11,13 +11,10 @@ import threading
 import time
 
 import pytest
-
 from kvtier_operator.kube import ApiError, Kube, config_map_path, policy_path, workload_path
 from kvtier_operator.labels import OPT_IN_LABEL
 from kvtier_operator.settings import POLICY_LABEL
-
-from plugins.operator import (cond, deployment, get_policy, get_workload, make_policy, user_apply, wait_applied,
-                              wait_for)
+from plugins.operator import cond, deployment, get_policy, get_workload, make_policy, user_apply, wait_applied, wait_for
 
 pytestmark = pytest.mark.controlplane
 AUTHOR = "mallory"
@@ -38,6 +35,18 @@ def author(kube, namespace, controlplane):
         "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": AUTHOR}]})
     client = Kube(str(controlplane.kubeconfig))
     client.api.set_default_header("Impersonate-User", AUTHOR)
+
+    def may_create() -> bool:
+        review = client.create("/apis/authorization.k8s.io/v1/selfsubjectaccessreviews", {
+            "apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
+            "spec": {"resourceAttributes": {"namespace": namespace, "verb": "create", "group": "kvtier.io",
+                                            "resource": "kvcachepolicies"}}})
+        return bool(review.get("status", {}).get("allowed"))
+
+    # The API server's RBAC authorizer reads bindings from its informer cache: a binding just created may not be
+    # in force yet, and the author's first create would then be refused for the wrong reason (403, not the 422 of
+    # the rule under test). Wait until the server itself says the author may create policies.
+    wait_for(may_create, timeout=30, what=f"the RoleBinding to let {AUTHOR} create kvcachepolicies")
     yield client
     client.close()
 
@@ -149,7 +158,7 @@ class Listener:
         while not self._stop.is_set():
             try:
                 conn, _ = self.sock.accept()
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 continue
             with conn:
                 conn.settimeout(2)
@@ -222,7 +231,7 @@ def test_conditions_do_not_tell_whether_a_secret_exists(kube, namespace, author,
     author.create(policy_path(namespace), _slo_policy("b", namespace, url, secret="nosecret", key="nokey"))
     messages = {}
     for name, secret in (("a", "prom-token"), ("b", "nosecret")):
-        pol = wait_for(lambda: (p := get_policy(kube, namespace, name)) and
+        pol = wait_for(lambda name=name: (p := get_policy(kube, namespace, name)) and
                        cond(p, "SLOUnknown").get("status") == "True" and p, 30, what=f"SLOUnknown on {name}")
         messages[name] = cond(pol, "SLOUnknown")["message"].replace(secret, "SECRET")
     assert messages["a"] == messages["b"], messages

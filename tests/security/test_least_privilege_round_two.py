@@ -14,13 +14,27 @@ import re
 import time
 
 import pytest
-
 from kvtier_operator.kube import ApiError, config_map_path, policy_path
 from kvtier_operator.settings import POLICY_LABEL
-
-from plugins.operator import (cond, deployment, get_policy, get_workload, make_policy, template_hash, user_apply,
-                              wait_applied, wait_for)
-from security.test_least_privilege import AUTHOR, CPU, _slo_policy, _token_secret, author, listener  # noqa: F401 - fixtures
+from plugins.operator import (
+    cond,
+    deployment,
+    get_policy,
+    get_workload,
+    make_policy,
+    template_hash,
+    user_apply,
+    wait_applied,
+    wait_for,
+)
+from security.test_least_privilege import (  # noqa: F401 - fixtures
+    AUTHOR,
+    CPU,
+    _slo_policy,
+    _token_secret,
+    author,
+    listener,
+)
 
 pytestmark = pytest.mark.controlplane
 
@@ -233,7 +247,7 @@ def test_class_f_secret_port_and_reason_phrase_failures_read_the_same(kube, name
         author.create(policy_path(namespace), _slo_policy(name, namespace, url, secret=secret))
     seen = {}
     for name, (url, _) in cases.items():
-        pol = wait_for(lambda: (p := get_policy(kube, namespace, name)) and
+        pol = wait_for(lambda name=name: (p := get_policy(kube, namespace, name)) and
                        cond(p, "SLOUnknown").get("status") == "True" and p, 30, what=f"SLOUnknown on {name}")
         c = cond(pol, "SLOUnknown")
         # The count of failures in a row differs with timing; everything else must be the same words.

@@ -7,7 +7,6 @@ import io
 import logging
 
 import pytest
-
 from kvtier_operator import handlers, main
 from kvtier_operator import reconcile as rc
 from kvtier_operator.printable import PrintableFormatter, printable

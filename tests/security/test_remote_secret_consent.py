@@ -11,14 +11,12 @@ import base64
 import copy
 
 import pytest
-
 from kvtier_operator import reconcile as rc
 from kvtier_operator.controller import Operator
 from kvtier_operator.kube import policy_path, secret_path, workload_path
 from kvtier_operator.labels import REMOTE_STORES_ANNOTATION
 from kvtier_operator.settings import Settings
 from kvtier_operator.status import condition
-
 from plugins.operator import deployment, observed, policy
 from security.test_least_privilege import author  # noqa: F401 - fixture
 from security.test_trust_revocation import FakeKube

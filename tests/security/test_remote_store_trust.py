@@ -4,13 +4,11 @@ admin listed the store as redis://, and the Secret is mounted read-only, never r
 from __future__ import annotations
 
 import pytest
-
 from kvtier_operator import reconcile as rc
+from kvtier_operator.api.validation import parse_policy
 from kvtier_operator.settings import Settings, from_args
 from kvtier_operator.status import condition
 from kvtier_operator.trust import check_remote_store_entry, remote_store_problems
-from kvtier_operator.api.validation import parse_policy
-
 from plugins.operator import deployment, observed, policy
 
 NOW = "2026-12-01T08:00:00Z"

@@ -13,11 +13,10 @@ import celpy
 import pytest
 import re2
 import yaml
-from pydantic import ValidationError
-
 from kvtier_operator.api import v1alpha1 as api
 from kvtier_operator.api.validation import _program
 from kvtier_runtime.config import ConfigError, check_remote_url
+from pydantic import ValidationError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((ROOT / "crds" / "kvtier.io_kvcachepolicies.yaml").read_text())
@@ -119,7 +118,6 @@ def test_the_real_api_server_agrees_with_validate_on_every_url_and_key(kube, nam
     """The checked-in CRD on a real API server (RE2, its own CEL cost checks): it stores exactly the policies the
     pydantic models accept."""
     from kvtier_operator.kube import ApiError, policy_path
-
     from plugins.operator import make_policy
 
     def policy(i: int, url: str, key: str) -> dict:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from kvtier_operator import reconcile as rc
 from kvtier_operator.api.units import format_quantity, parse_quantity
 from kvtier_operator.api.validation import PolicyInvalid, parse_policy
@@ -15,7 +15,6 @@ from kvtier_operator.kube import APPLY, config_map_path, workload_path
 from kvtier_operator.render import RenderError, render
 from kvtier_operator.settings import FIELD_MANAGER
 from kvtier_operator.workload import Workload, apply_patch
-
 from plugins.operator import TRTLLM_IMAGE, deployment, user_apply
 
 pytestmark = pytest.mark.controlplane

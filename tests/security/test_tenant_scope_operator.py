@@ -19,7 +19,6 @@ import uuid
 
 import pytest
 import yaml
-
 from kvtier_operator import reconcile as rc
 from kvtier_operator.kube import config_map_path, policy_path
 from kvtier_operator.labels import REMOTE_STORES_ANNOTATION
@@ -91,7 +90,6 @@ def test_two_namespaces_through_the_operator_each_use_their_own_acl_user_and_key
     other's chunks, and are refused by the store if they reach for the other scope's keys."""
     import redis
     import torch
-
     from kvtier_runtime.remote.identity import acl_rule, model_identity, scope_pattern
     from kvtier_runtime.remote.tier import RemoteTier
     from plugins.operator import user_apply, wait_applied

@@ -3,14 +3,19 @@ same rules on a real API server, as a user who may only create policies: test_le
 from __future__ import annotations
 
 import pytest
-
 from kvtier_operator import reconcile as rc
 from kvtier_operator.labels import OPT_IN_LABEL
 from kvtier_operator.settings import POLICY_LABEL, Settings, from_args
 from kvtier_operator.status import condition
-from kvtier_operator.trust import (check_endpoint_entry, endpoint_problem, host_path_problems, opted_in,
-                                   owns_config_map, redacted, under_prefix)
-
+from kvtier_operator.trust import (
+    check_endpoint_entry,
+    endpoint_problem,
+    host_path_problems,
+    opted_in,
+    owns_config_map,
+    redacted,
+    under_prefix,
+)
 from plugins.operator import deployment, nvme_tier, observed, policy
 
 NOW = "2026-12-01T08:00:00Z"

@@ -9,13 +9,11 @@ import time
 from typing import Optional
 
 import pytest
-
 from kvtier_operator import reconcile as rc
 from kvtier_operator.controller import Operator
 from kvtier_operator.kube import config_map_path, policy_path, workload_path
 from kvtier_operator.settings import POLICY_LABEL, Settings
 from kvtier_operator.status import compose, condition
-
 from plugins.operator import deployment, observed, policy
 
 NOW = "2026-12-01T08:00:00Z"

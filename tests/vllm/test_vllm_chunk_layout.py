@@ -16,14 +16,13 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33.0 is not installed here; see .ci/vllm-env")
 
 import torch  # noqa: E402
+from kvtier_runtime.codecs import KVChunkCodec  # noqa: E402
+from kvtier_runtime.config import ConfigError  # noqa: E402
+from kvtier_runtime.engines.metric_defs import FLAT_CODEC_TIERS  # noqa: E402
+from kvtier_runtime.engines.vllm import model_config  # noqa: E402
 from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 from vllm_driver import offloading_config  # noqa: E402
-
-from kvtier_runtime.codecs import KVChunkCodec  # noqa: E402
-from kvtier_runtime.config import ConfigError  # noqa: E402
-from kvtier_runtime.engines.vllm import model_config  # noqa: E402
-from kvtier_runtime.engines.metric_defs import FLAT_CODEC_TIERS  # noqa: E402
 
 HEADS, HEAD_DIM, TOKENS = 4, 64, 16
 BLOCK = 2 * HEADS * TOKENS * HEAD_DIM * 2  # one layer, float16

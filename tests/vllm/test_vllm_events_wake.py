@@ -12,7 +12,6 @@ import queue
 import time
 
 import pytest
-
 from upstream import ADAPTER, import_upstream
 
 pytestmark = pytest.mark.vllm

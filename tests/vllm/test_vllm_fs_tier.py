@@ -18,14 +18,6 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33.0 is not installed here; see .ci/vllm-env")
 
 import torch  # noqa: E402
-from plugins.runtime import tier_bytes_for  # noqa: E402
-from prometheus_client import REGISTRY  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
-from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
-from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E402
-from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
-from vllm_driver import BLOCK_BYTES, Scheduler, key, offloading_config  # noqa: E402
-
 from kvtier_runtime.codecs import ERROR_BUDGETS, get_codec  # noqa: E402
 from kvtier_runtime.config import (  # noqa: E402
     VLLM_ADAPTER_MODULE,
@@ -42,6 +34,13 @@ from kvtier_runtime.engines.metric_defs import (  # noqa: E402
 )
 from kvtier_runtime.engines.vllm_adapter import KvtierFilesystemTier  # noqa: E402
 from kvtier_runtime.fs.format import file_bytes_for  # noqa: E402
+from plugins.runtime import tier_bytes_for  # noqa: E402
+from prometheus_client import REGISTRY  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
+from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E402
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
+from vllm_driver import BLOCK_BYTES, Scheduler, key, offloading_config  # noqa: E402
 
 ROW = BLOCK_BYTES  # the CPU tier's row for one chunk (already 4 KiB aligned)
 

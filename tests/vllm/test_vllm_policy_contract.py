@@ -15,17 +15,16 @@ import pytest
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33.0 is not installed here; see .ci/vllm-env")
 
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
-from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus  # noqa: E402
-from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory  # noqa: E402
-
 from kvtier_runtime.config import (  # noqa: E402
     ADMISSION_POLICIES,
     EVICTION_POLICIES,
     VLLM_ADAPTER_MODULE,
     vllm_cache_policy_class,
 )
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
+from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus  # noqa: E402
+from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory  # noqa: E402
 
 # (eviction_policy, cache_policy_module_path) exactly as kv_connector_extra_config spells them.
 VLLM_POLICIES = [("lru", None), ("arc", None)]

@@ -6,9 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-
 import vllm.config
-
 from kvtier_runtime.config import ConfigError
 from kvtier_runtime.engines.vllm import remote_identity
 

@@ -19,6 +19,16 @@ pytest.importorskip("vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33.0 is no
 import torch  # noqa: E402
 import yaml  # noqa: E402
 from foundation.policies import cpu, disk, policy  # noqa: E402
+from kvtier_operator.api.validation import parse_policy  # noqa: E402
+from kvtier_operator.render import render  # noqa: E402
+from kvtier_runtime.config import (  # noqa: E402
+    VLLM_ADAPTER_MODULE,
+    VLLM_OFFLOADING_SPEC_CLASS,
+    VLLM_SECONDARY_TIER_CLASS,
+    FilesystemTierConfig,
+    vllm_cache_policy_class,
+)
+from kvtier_runtime.engines.vllm_adapter import KvtierFilesystemTier, KvtierOffloadingSpec  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
     CanonicalKVCacheRef,
     CanonicalKVCaches,
@@ -30,17 +40,6 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 from vllm_driver import BLOCK_BYTES, Scheduler, key, offloading_config  # noqa: E402
-
-from kvtier_operator.api.validation import parse_policy  # noqa: E402
-from kvtier_operator.render import render  # noqa: E402
-from kvtier_runtime.config import (  # noqa: E402
-    VLLM_ADAPTER_MODULE,
-    VLLM_OFFLOADING_SPEC_CLASS,
-    VLLM_SECONDARY_TIER_CLASS,
-    FilesystemTierConfig,
-    vllm_cache_policy_class,
-)
-from kvtier_runtime.engines.vllm_adapter import KvtierFilesystemTier, KvtierOffloadingSpec  # noqa: E402
 
 
 def rendered_extra_config(tmp_path, host_admission: str = "doorkeeper") -> dict:

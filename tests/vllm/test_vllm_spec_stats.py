@@ -7,17 +7,15 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from upstream import ADAPTER, import_upstream
 
 pytestmark = pytest.mark.vllm
 
 import_upstream("tests.v1.kv_offload.conftest")
+from kvtier_runtime.engines.metric_defs import FS_STORES  # noqa: E402
 from tests.v1.kv_offload.conftest import make_offloading_config  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
-
-from kvtier_runtime.engines.metric_defs import FS_STORES  # noqa: E402
 
 
 def _reported(stats, metric: str) -> float:
@@ -175,9 +173,8 @@ def test_load_source_recording_and_hit_tokens_name_the_same_tier_for_every_chunk
     prompt length vLLM announced (not rounded down to whole chunks)."""
     import json
 
-    from vllm.v1.metrics.cache_hit_source import CacheHitSource
-
     from kvtier_runtime.engines.metric_defs import HIT_TOKENS
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
     trace_dir = tmp_path / "trace"
     extra = {"spec_module_path": ADAPTER, "host_shm_dir": str(tmp_path / "shm"), "tier_names": ["cpu", "nvme"],
@@ -240,11 +237,10 @@ def test_a_remote_tier_before_a_filesystem_tier_is_looked_up_stored_and_reported
     """The policy's tier order is the engine's: a remote tier declared before a filesystem tier is the books' first
     slot and its breaker's, each tier's gauges carry its policy name (and its address), and replay's model of the
     engine lists them in that order."""
-    from plugins.redis_server import tenant_key_file
-    from plugins.tier_sync import connected
-
     from kvtier_runtime.engines.metric_defs import REMOTE_UP, TIER_CAPACITY_BYTES
     from kvtier_runtime.engines.vllm.offloading import trace_meta
+    from plugins.redis_server import tenant_key_file
+    from plugins.tier_sync import connected
 
     fs = str(tmp_path / "fs")
     extra = {"spec_module_path": ADAPTER, "host_shm_dir": str(tmp_path / "shm"), "host_tier_name": "cpu", "tiers": [

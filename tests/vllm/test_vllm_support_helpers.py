@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kvtier_runtime.config import ConfigError
 from kvtier_runtime.engines.vllm_support import (
     POLICY_REFUSALS,

@@ -4,7 +4,6 @@ what kvtier's manager records (docs/replay.md, "Record your own traffic")."""
 from __future__ import annotations
 
 import pytest
-
 from upstream import import_upstream
 
 pytestmark = pytest.mark.vllm

@@ -14,14 +14,12 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from upstream import apply_exclusion, import_upstream
 
 pytestmark = pytest.mark.vllm
 
 upstream = import_upstream("tests.v1.kv_offload.tiering.test_fs_tier")
-from tests.v1.kv_offload.tiering.test_fs_tier import *  # noqa: E402,F401,F403  (vLLM's tests and fixtures)
-
+from tests.v1.kv_offload.tiering.test_fs_tier import *  # noqa: E402, F403  (vLLM's tests and fixtures)
 from vllm.v1.kv_offload.base import LookupResult, ScheduleEndContext  # noqa: E402
 
 _LAYOUT = "vLLM fs tier's file layout (tier.file_mapper paths, its batch_store_block/O_DIRECT/C extension)"

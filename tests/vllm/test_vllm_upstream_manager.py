@@ -15,18 +15,15 @@ import itertools
 import os
 
 import pytest
-
 from upstream import ADAPTER, apply_exclusion, import_upstream
 
 pytestmark = pytest.mark.vllm
 
 upstream = import_upstream("tests.v1.kv_offload.cpu.test_manager")
-from tests.v1.kv_offload.cpu.test_manager import *  # noqa: E402,F401,F403  (vLLM's tests, collected here)
-
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
-from tests.v1.kv_offload.conftest import make_offloading_config  # noqa: E402
-
 from kvtier_runtime.config import vllm_cache_policy_class  # noqa: E402
+from tests.v1.kv_offload.conftest import make_offloading_config  # noqa: E402
+from tests.v1.kv_offload.cpu.test_manager import *  # noqa: E402, F403  (vLLM's tests, collected here)
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
 _VLLM_INTERNALS = "reads vLLM's CPUOffloadingManager/CachePolicy internals ({})"
 _KVTIER_METRICS = ("vLLM CPU manager's own metrics (cpu cache usage/allocation size/stores skipped); kvtier's spec "

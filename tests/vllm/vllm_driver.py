@@ -62,7 +62,7 @@ class Scheduler:
     rows: np.ndarray = field(default=None)  # type: ignore[assignment]
 
     @classmethod
-    def start(cls, engine_id: str, extra_config: dict[str, Any], **config_kw: Any) -> "Scheduler":
+    def start(cls, engine_id: str, extra_config: dict[str, Any], **config_kw: Any) -> Scheduler:
         spec = TieringOffloadingSpec(offloading_config(engine_id, extra_config, **config_kw))
         sched = cls(spec)
         sched.manager = spec.get_manager()

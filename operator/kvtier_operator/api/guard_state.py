@@ -13,7 +13,8 @@ reconcile and the guard, and dumps the guard's new state once: the dict exists o
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Callable, Mapping, Optional
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, Optional
 
 from pydantic import (
     BaseModel,
@@ -103,7 +104,7 @@ class DisabledTier(_State):
     probation_failed: Flag = False
 
     @model_validator(mode="after")
-    def _since(self, info: ValidationInfo) -> "DisabledTier":
+    def _since(self, info: ValidationInfo) -> DisabledTier:
         if self.since is None:
             self.since = _now(info)
         return self
@@ -155,7 +156,7 @@ class Rollout(_State):
     samples: Annotated[Samples, _or(lambda info: Samples())] = Field(default_factory=Samples)
 
     @model_validator(mode="after")
-    def _stage_start(self, info: ValidationInfo) -> "Rollout":
+    def _stage_start(self, info: ValidationInfo) -> Rollout:
         if self.strategy == "staged" and self.stage_start is None:
             self.stage_start = _now(info)  # a stage must hold a full observation period, never none
         return self

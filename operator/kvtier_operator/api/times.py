@@ -3,7 +3,7 @@ Below both, so neither imports the other for them."""
 from __future__ import annotations
 
 import math
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 __all__ = ["format_time", "is_time", "parse_time"]
@@ -17,7 +17,7 @@ def format_time(epoch: float) -> str:
     would end it up to 1 ms early. (Rounded to the microsecond first, so 1.001 s stays 1.001 s.)
     """
     ms = math.ceil(round(epoch * 1000, 3))
-    when = datetime.fromtimestamp(ms // 1000, tz=timezone.utc) + timedelta(milliseconds=ms % 1000)
+    when = datetime.fromtimestamp(ms // 1000, tz=UTC) + timedelta(milliseconds=ms % 1000)
     return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 

@@ -9,35 +9,44 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationInfo,
-                      WithJsonSchema, field_validator, model_validator)
-from pydantic.alias_generators import to_camel
-
 from kvtier_runtime.config import (
     ADMISSION_POLICIES,
     CODECS,
     DEFAULT_ADMISSION_THRESHOLD,
     DEFAULT_EVICTION_POLICY,
+    DEFAULT_TRACE_FILES,
+    DEFAULT_TRACE_MAX_BYTES,
     EVICTION_POLICIES,
     MAX_REMOTE_URL_CHARS,
+    MAX_TRACE_BYTES,
+    MAX_TRACE_FILES,
+    MIN_TRACE_FILE_BYTES,
     REMOTE_CA_TLS_RULE,
     REMOTE_KEY_RULE,
     REMOTE_URL_CREDENTIALS_RULE,
     REMOTE_URL_HOST_PORT_RULE,
     REMOTE_URL_QUERY_RULE,
     REMOTE_URL_REGEX,
-    DEFAULT_TRACE_FILES,
-    DEFAULT_TRACE_MAX_BYTES,
-    MAX_TRACE_BYTES,
-    MAX_TRACE_FILES,
-    MIN_TRACE_FILE_BYTES,
     ConfigError,
     check_remote_url,
     default_eviction_policy,
 )
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
 
-from . import paths
 from .. import selectors
+from . import paths
 from .guard_state import SLOGuardState
 from .units import DURATION_PATTERN, POSITIVE_QUANTITY_PATTERN, parse_duration, parse_quantity
 
@@ -177,7 +186,7 @@ class LabelSelectorRequirement(_Model):
     )
 
     @model_validator(mode="after")
-    def _values(self) -> "LabelSelectorRequirement":
+    def _values(self) -> LabelSelectorRequirement:
         problem = selectors.requirement_problem(self.operator, self.values)
         if problem:
             raise paths.RuleError(problem)
@@ -198,7 +207,7 @@ class LabelSelector(_Model):
     )
 
     @model_validator(mode="after")
-    def _not_catch_all(self) -> "LabelSelector":
+    def _not_catch_all(self) -> LabelSelector:
         if not selectors.has_positive_term(self.model_dump(by_alias=True, exclude_none=True)):
             raise paths.RuleError(selectors.CATCH_ALL_MESSAGE)
         return self
@@ -601,7 +610,7 @@ class TraceSpec(_Model):
         return value
 
     @model_validator(mode="after")
-    def _per_file(self) -> "TraceSpec":
+    def _per_file(self) -> TraceSpec:
         if self.max_size_bytes < MIN_TRACE_FILE_BYTES * self.files:
             raise paths.RuleError(f"maxSize: {TRACE_PER_FILE_RULE}")
         return self
@@ -896,7 +905,7 @@ class KVCachePolicySpec(_Model):
         return parse_quantity(self.host_memory_headroom)
 
     @model_validator(mode="after")
-    def _resolve_eviction_policies(self) -> "KVCachePolicySpec":
+    def _resolve_eviction_policies(self) -> KVCachePolicySpec:
         # The default depends on the backend, which OpenAPI defaults cannot express: resolved once here, read as
         # TierSpec.eviction. The field itself stays unset, so a dump equals what the API server stores.
         for tier in self.tiers:

@@ -8,8 +8,9 @@ is generated from), then the CEL rules, evaluated with a CEL interpreter over th
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Optional
 
 import celpy
 from celpy.adapter import json_to_cel
@@ -17,9 +18,9 @@ from celpy.evaluation import CELEvalError
 from pydantic import ValidationError
 
 from . import v1alpha1 as api
-from .paths import RuleError
 from .crd import openapi_schema
 from .metadata import metadata_problems
+from .paths import RuleError
 from .units import POSITIVE_QUANTITY_PATTERN, parse_quantity
 from .yamlload import Budget, YAMLInputError, load_all
 
@@ -116,7 +117,7 @@ _FUNCTIONS: dict[str, Any] = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _program(expression: str) -> Any:
     env = celpy.Environment()
     return env.program(env.compile(expression), functions=_FUNCTIONS)

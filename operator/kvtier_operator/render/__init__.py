@@ -7,7 +7,8 @@ control file instead, so the decision needs no restart.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
+from typing import Optional
 
 from ..api import v1alpha1 as api
 from ..api.validation import PolicyInvalid, parse_policy

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import yaml
-
 from kvtier_runtime.config import REMOTE_KEY_RULE, ConfigError, check_remote_scope
 
 from ..api import paths

@@ -28,8 +28,19 @@ from kvtier_runtime.config import (
 )
 
 from ..api import v1alpha1 as api
-from .model import (CONFIG_DIR, CONFIG_FILE, CONTROL_FILE, RenderedConfig, RenderError, dump_yaml, mount_path, remote_ca_file,
-                    remote_secret_files, trace_volume, workload_storage)
+from .model import (
+    CONFIG_DIR,
+    CONFIG_FILE,
+    CONTROL_FILE,
+    RenderedConfig,
+    RenderError,
+    dump_yaml,
+    mount_path,
+    remote_ca_file,
+    remote_secret_files,
+    trace_volume,
+    workload_storage,
+)
 
 # Replicas share a remote tier only if their block hashes agree: sha256 over CBOR is reproducible across processes,
 # Python versions and languages (vLLM's default sha256 pickles, which may differ between images).

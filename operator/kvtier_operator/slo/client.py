@@ -15,9 +15,9 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from ..trust import redacted
 from . import http
@@ -101,7 +101,7 @@ class PrometheusSource:
     def close(self) -> None:
         pass  # one connection per query, closed by the query
 
-    def __enter__(self) -> "PrometheusSource":
+    def __enter__(self) -> PrometheusSource:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -206,7 +206,7 @@ def _unusable(path: str, ref: SecretKeyRef) -> str:
 def _secret(read_secret: Callable[[str, str], str], ref: SecretKeyRef, path: str) -> str:
     try:
         value = read_secret(ref.name, ref.key)
-    except Exception:  # noqa: BLE001 - which failure it was is exactly what must not be told
+    except Exception:
         raise ValueError(_unusable(path, ref)) from None
     if not value:
         raise ValueError(_unusable(path, ref))

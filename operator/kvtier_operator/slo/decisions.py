@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
-from typing import Any, Iterable, Literal, Mapping, NamedTuple, Union
+from typing import Any, Literal, NamedTuple, Union
 
 from ..api import guard_state
-from ..api.times import format_time, parse_time
 from ..api.guard_state import Baseline, DisabledTier, HistoryEntry, Last, ProbationTier, Rollout, Samples, SLOGuardState
+from ..api.times import format_time, parse_time
 from ..tiers import derive, newest_enabled
 from .measurements import Measurements, Reading
 from .settings import SLOSettings

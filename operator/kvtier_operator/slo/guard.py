@@ -3,11 +3,11 @@ policy's lane thread) calls :func:`tick` when ``spec.slo.interval`` is due and t
 status, Events and re-render (``slo_tick``); tests and the benchmark drive it the same way."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import datetime
-from typing import Iterable, Protocol
+from typing import Protocol
 
 from ..api.guard_state import SLOGuardState
-
 from .decisions import Decision, evaluate
 from .measurements import Measurements
 from .queries import QuerySet, Scope, build_queries
@@ -40,6 +40,6 @@ def tick(
     queries = queries_for(settings, scope, engine)
     try:
         measurements = source.measure(queries)
-    except Exception as exc:  # noqa: BLE001 - any failure to measure is an SLOUnknown, by design
+    except Exception as exc:
         measurements = Measurements.unreachable(f"{type(exc).__name__}: {exc}")
     return evaluate(settings, state, measurements, now, reenable_requests=reenable_requests, generation=generation)

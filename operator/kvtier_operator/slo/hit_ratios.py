@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Callable, Iterable, Mapping, Optional, Protocol
+from typing import Any, Optional, Protocol
 
 from .measurements import Reading
 from .queries import Scope, promql_duration, series_selector

@@ -23,8 +23,9 @@ import concurrent.futures
 import os
 import re
 import ssl
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Coroutine, Mapping, Optional, TypeVar
+from typing import Optional, TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -126,23 +127,22 @@ async def _get(url: str, params: dict[str, str], headers: dict[str, str], deadli
             cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False, raise_for_status=False,
             max_line_size=MAX_LINE_BYTES, max_field_size=MAX_LINE_BYTES, max_headers=MAX_HEADERS,
             read_bufsize=CHUNK_BYTES,
-        ) as session:
-            async with session.get(url, params=params or None, headers=request_headers,
-                                   allow_redirects=False) as resp:
-                status, reason = resp.status, sanitise(resp.reason or "")
-                if resp.content_length is not None and resp.content_length > max_bytes:
-                    resp.close()  # drop the connection: the rest of the answer is not read
+        ) as session, session.get(url, params=params or None, headers=request_headers,
+                               allow_redirects=False) as resp:
+            status, reason = resp.status, sanitise(resp.reason or "")
+            if resp.content_length is not None and resp.content_length > max_bytes:
+                resp.close()  # drop the connection: the rest of the answer is not read
+                raise HTTPFailure("too_large", f"answer larger than {max_bytes} bytes")
+            body = bytearray()
+            async for chunk in resp.content.iter_chunked(CHUNK_BYTES):
+                body += chunk
+                if len(body) > max_bytes:
+                    resp.close()
                     raise HTTPFailure("too_large", f"answer larger than {max_bytes} bytes")
-                body = bytearray()
-                async for chunk in resp.content.iter_chunked(CHUNK_BYTES):
-                    body += chunk
-                    if len(body) > max_bytes:
-                        resp.close()
-                        raise HTTPFailure("too_large", f"answer larger than {max_bytes} bytes")
-                return Response(status, reason, bytes(body))
+            return Response(status, reason, bytes(body))
     except HTTPFailure:
         raise
-    except asyncio.TimeoutError:  # aiohttp's ServerTimeoutError and ConnectionTimeoutError are ones too
+    except TimeoutError:  # aiohttp's ServerTimeoutError and ConnectionTimeoutError are ones too
         raise timed_out from None
     except aiohttp.ClientConnectorCertificateError as err:
         raise HTTPFailure("tls", sanitise(getattr(err.certificate_error, "reason", None)

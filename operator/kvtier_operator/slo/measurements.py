@@ -17,15 +17,15 @@ class Reading:
     detail: str = field(default="", compare=False)
 
     @classmethod
-    def of(cls, value: float, query: str = "") -> "Reading":
+    def of(cls, value: float, query: str = "") -> Reading:
         return cls(value=float(value), query=query)
 
     @classmethod
-    def empty(cls, query: str = "") -> "Reading":
+    def empty(cls, query: str = "") -> Reading:
         return cls(query=query)
 
     @classmethod
-    def failed(cls, error: str, query: str = "", detail: str = "") -> "Reading":
+    def failed(cls, error: str, query: str = "", detail: str = "") -> Reading:
         return cls(error=error, query=query, detail=detail)
 
     @property
@@ -50,12 +50,12 @@ class Measurements:
     request_rate: Reading
 
     @classmethod
-    def unreachable(cls, error: str) -> "Measurements":
+    def unreachable(cls, error: str) -> Measurements:
         failed = Reading.failed(error)
         return cls(failed, failed, failed)
 
     @classmethod
-    def of(cls, ttft: float | None, itl: float | None, rate: float | None) -> "Measurements":
+    def of(cls, ttft: float | None, itl: float | None, rate: float | None) -> Measurements:
         """Shorthand for tests and tools: ``None`` is "no data"."""
 
         def reading(v: float | None) -> Reading:

@@ -8,8 +8,9 @@ through the models first (``tests/plugins/slo_harness.slo_settings``).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Optional
 
 from ..api import v1alpha1 as api
 
@@ -40,7 +41,7 @@ class PrometheusSettings:
     ca_bundle: Optional[SecretKeyRef] = None
 
     @classmethod
-    def from_model(cls, prom: api.PrometheusSpec) -> "PrometheusSettings":
+    def from_model(cls, prom: api.PrometheusSpec) -> PrometheusSettings:
         auth = prom.auth or api.PrometheusAuth()
         return cls(url=prom.url.rstrip("/"), timeout_s=prom.timeout_s, bearer_token=auth.bearer_token,
                    username=auth.username, password=auth.password, ca_bundle=prom.ca_bundle)
@@ -93,7 +94,7 @@ class SLOSettings:
         return self.rollout_strategy == "staged"
 
     @classmethod
-    def from_policy_spec(cls, spec: api.KVCachePolicySpec) -> "SLOSettings":
+    def from_policy_spec(cls, spec: api.KVCachePolicySpec) -> SLOSettings:
         """The guard's view of a parsed spec; raises :class:`SLOSpecError` when the spec has no ``slo``."""
         slo = spec.slo
         if slo is None:

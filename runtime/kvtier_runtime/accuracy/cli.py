@@ -6,7 +6,7 @@ import argparse
 import json
 import pathlib
 import sys
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -21,7 +21,8 @@ def _int_list(option: str) -> Callable[[str], tuple[int, ...]]:
         try:
             out = tuple(int(v) for v in value.split(",") if v.strip())
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{option}: {value!r} is not a comma-separated list of integers")
+            raise argparse.ArgumentTypeError(
+                f"{option}: {value!r} is not a comma-separated list of integers") from None
         if not out:
             raise argparse.ArgumentTypeError(f"{option}: empty")
         return out

@@ -3,9 +3,9 @@ per codec, the cache through the codec path and its continuation, scored against
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
-
+from typing import Any
 
 from ..codecs.kv import KV_CODECS
 from .chunks import Geometry, RoundTrip, codec_for, roundtrip
@@ -117,8 +117,8 @@ def read_text(path: pathlib.Path) -> str:
 def execute(run: Run, progress: Callable[[int, str], None] | None = None, lm: Any = None) -> Result:
     """Run everything; ``progress(steps, what)`` is called as work is done (``plan_steps`` in all). ``lm``: a
     loaded model (``model.load``) to reuse."""
-    from . import model as mdl
     from ..codecs.layout import describe
+    from . import model as mdl
 
     tick = progress or (lambda n, what: None)
     text = read_text(run.text)

@@ -2,12 +2,19 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from .header import (
-    DTYPE_IDS, FLAG_FALLBACK, FLAG_PER_CHANNEL, HEADER_NBYTES, MAX_NDIM, CodecError, CodecHeader, unpack_header,
+    DTYPE_IDS,
+    FLAG_FALLBACK,
+    FLAG_PER_CHANNEL,
+    HEADER_NBYTES,
+    MAX_NDIM,
+    CodecError,
+    CodecHeader,
+    unpack_header,
 )
 from .metrics import STATS
 from .scratch import ScratchPool
@@ -178,12 +185,12 @@ class PassthroughCodec(Codec):
     def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
         return numel_of(shape) * dtype.itemsize
 
-    def _encode_payload(self, flat, shape, payload, measure):  # type: ignore[override]
+    def _encode_payload(self, flat, shape, payload, measure):
         if flat.numel():
             payload.copy_(flat.view(torch.uint8))
         return 0.0 if measure else None
 
-    def _decode_payload(self, payload, header, dst):  # type: ignore[override]
+    def _decode_payload(self, payload, header, dst):
         if dst.numel():
             dst.view(torch.uint8).copy_(payload)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import threading
 import types
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Hashable
 
 import torch
 

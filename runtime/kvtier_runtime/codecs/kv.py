@@ -38,15 +38,16 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Sequence
+from collections.abc import Sequence
+
 import torch
 
+from . import kv_int4
 from .base import CHUNK_ELEMS, as_byte_buffer, read_header
 from .errors import CodecError
 from .header import FLAG_FALLBACK, FLAG_KV_LAYOUT, HEADER_NBYTES, CodecHeader
-from .layout import KVLayout
-from . import kv_int4
 from .kv_int4 import SCHEME_INT4_ROT, Int4Plan
+from .layout import KVLayout
 from .metrics import STATS
 from .quant import Fp8Codec, Fp8E5M2Codec
 from .scratch import ScratchPool
@@ -316,7 +317,7 @@ class KVChunkCodec:
     def __repr__(self) -> str:
         return f"KVChunkCodec({self.name!r}, {self.declared}, verify={self.verify})"
 
-    def _sample(self, flat: torch.Tensor) -> "_TokenSample | None":
+    def _sample(self, flat: torch.Tensor) -> _TokenSample | None:
         """The tokens of a page this chunk's attention check covers; ``None``: all of them. One in
         ``verify_sample`` (a phase rotating from chunk to chunk), plus every heavy token: a page position where
         some (layer, head, page) has a key HEAVY_TOKEN times its mean key magnitude (such tokens dominate the
@@ -337,13 +338,13 @@ class KVChunkCodec:
         torch.bitwise_and(k.view(int_dtype), mag_mask, out=m)
         return self._sample_of_magnitudes(m, flat.dtype)
 
-    def _sample_of_magnitudes(self, m: torch.Tensor, dtype: torch.dtype) -> "_TokenSample | None":
+    def _sample_of_magnitudes(self, m: torch.Tensor, dtype: torch.dtype) -> _TokenSample | None:
         """``_sample`` from K's magnitudes as integer bits, [L, H, P, T, D] (``m & mag_mask`` of ``dtype``)."""
         peak = self._scratch.get("vpeak", m.shape[:4], m.dtype, m.device)
         torch.amax(m, dim=4, out=peak)
         return self._sample_of(peak.view(dtype))
 
-    def _sample_of(self, peak: torch.Tensor) -> "_TokenSample | None":
+    def _sample_of(self, peak: torch.Tensor) -> _TokenSample | None:
         """``_sample`` from each key's largest magnitude, [L, H, P, T] (takes the chunk's phase)."""
         lay = self.layout
         stride = self.verify_sample
@@ -358,16 +359,16 @@ class KVChunkCodec:
         return _TokenSample(mask.nonzero().view(-1))
 
     @staticmethod
-    def _take(t: torch.Tensor, dim: int, sample: "_TokenSample") -> torch.Tensor:
+    def _take(t: torch.Tensor, dim: int, sample: _TokenSample) -> torch.Tensor:
         """``t``'s entries ``sample`` along ``dim``: a strided view when the sample is one stride (no heavy
         tokens: the usual case), a gather otherwise."""
         if sample.step:
             return t.narrow(dim, sample.first, sample.span)[(slice(None),) * dim + (slice(None, None, sample.step),)]
         return t.index_select(dim, sample.idx)
 
-    def _sampled_error(self, q: "_Quant", codes: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor,
-                       x: torch.Tensor, l0: int, lg: int, sample: "_TokenSample | None",
-                       batch: "_SampleBatch | None" = None) -> float:
+    def _sampled_error(self, q: _Quant, codes: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor,
+                       x: torch.Tensor, l0: int, lg: int, sample: _TokenSample | None,
+                       batch: _SampleBatch | None = None) -> float:
         """The attention check of layers l0..l0+lg. Whole (``sample`` None): every token dequantised and checked
         here. Sampled: only the sampled tokens of every page and head are gathered (codes, their scales, the
         original values) into ``batch``'s contiguous buffers; the check runs (``_sample_error``) when the next
@@ -381,6 +382,7 @@ class KVChunkCodec:
             rec = self._scratch.get("rec", lg * lay.page_numel * p, F32, codes.device)
             dequantize(lay, q, codes, sk, sv, rec, lg)
             return float(attention_errors(canonical(lay, x, lg), canonical(lay, rec, lg)).max())
+        assert batch is not None, "a sampled check gathers into the caller's batch"
         ts, cw, dev = sample.idx.numel(), codes.shape[1], codes.device
         kg, g = p * t // sk.shape[2], sv.shape[3]
         cap = self._sample_cap(ts)
@@ -413,7 +415,7 @@ class KVChunkCodec:
         per_layer = 2 * lay.num_kv_heads * lay.pages * ts * lay.head_dim
         return min(lay.num_layers, max(step, SAMPLE_BATCH_ELEMS // per_layer))
 
-    def _sample_error(self, q: "_Quant", sample: "_TokenSample", kg: int, vg: int, batch: "_SampleBatch") -> float:
+    def _sample_error(self, q: _Quant, sample: _TokenSample, kg: int, vg: int, batch: _SampleBatch) -> float:
         """The sampled attention check over the layers ``_sampled_error`` gathered into ``batch`` (emptied): the
         sampled tokens dequantised (each with its group's scale), then one batched attention for those layers and
         every head, original against decoded, judged against VERIFY_SAMPLE_MARGIN of the budget."""
@@ -597,7 +599,7 @@ class KVChunkCodec:
             return n
         raise AssertionError("every fallback chain ends in 'none'")
 
-    def _encode_int4_s1(self, flat: torch.Tensor, out: torch.Tensor, sample: "_TokenSample | None",
+    def _encode_int4_s1(self, flat: torch.Tensor, out: torch.Tensor, sample: _TokenSample | None,
                         measure: bool) -> tuple[float, int, int]:
         """int4 as scheme 1 (2 with sparse K channels): (check error, bytes with the header, sparse channels)."""
         sparse, amax = self._sparse_count(flat)
@@ -630,7 +632,7 @@ class KVChunkCodec:
 
     # ---- int4 scheme 3 (kv_int4.py) --------------------------------------------------------------------------
     def _encode_int4_rot(self, flat: torch.Tensor, payload: torch.Tensor, sinks: torch.Tensor,
-                         sample: "_TokenSample | None", measure: bool) -> float:
+                         sample: _TokenSample | None, measure: bool) -> float:
         """Scheme 3's payload; when ``measure``, the attention check's error of the chunk as it decodes (the
         measure of ``_sample_error``: the sampled tokens, or every token when ``sample`` is None)."""
         plan, lay = self.int4_plan, self.layout
@@ -671,7 +673,7 @@ class KVChunkCodec:
         return min(self.sparse_k_max, -(-count // SPARSE_K_STEP) * SPARSE_K_STEP), amax
 
     def _encode_sparse(self, flat: torch.Tensor, payload: torch.Tensor, sparse: int, amax: torch.Tensor,
-                       sample: "_TokenSample | None") -> float:
+                       sample: _TokenSample | None) -> float:
         """int4 with the ``sparse`` largest K channels of each (layer, head, page) kept apart; returns the
         attention check's error of the chunk as it decodes (the same measure as ``_sample_error``, on the
         sampled tokens, or every token when ``sample`` is None)."""
@@ -706,7 +708,7 @@ class KVChunkCodec:
         return split_payload(self.layout, codec, self.groups[codec], payload, l0, l1)
 
     def _encode_payload(self, codec: str, flat: torch.Tensor, payload: torch.Tensor, measure: bool,
-                        sample: "_TokenSample | None" = None) -> float:
+                        sample: _TokenSample | None = None) -> float:
         lay, q, dev = self.layout, self._quants[codec], flat.device
         h, n, d = lay.num_kv_heads, lay.tokens, lay.head_dim
         kg, vg = self.groups[codec]
@@ -750,8 +752,8 @@ class KVChunkCodec:
         return worst
 
     def _encode_fp8_bits(self, flat: torch.Tensor, payload: torch.Tensor, measure: bool,
-                         sample: "_TokenSample | None" = None,
-                         pick_sample: bool = False) -> tuple[float, "_TokenSample | None"]:
+                         sample: _TokenSample | None = None,
+                         pick_sample: bool = False) -> tuple[float, _TokenSample | None]:
         """fp8 (e4m3) from bf16/fp32 without float conversions: with a power-of-two scale, e4m3 is the input's
         sign, its exponent minus a per-group bias and its top 3 mantissa bits, rounded: a handful of integer
         passes instead of converting through fp32 and fp16. Scaled values below e4m3's smallest normal (2^-6,

@@ -32,8 +32,8 @@ v_group << 16 and its scheme ``3 | S << 8 | k_bits << 16``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -89,7 +89,7 @@ class Int4Plan:
     v_group: int
 
     @classmethod
-    def for_layout(cls, layout: KVLayout, k_group: int | None = None, v_group: int | None = None) -> "Int4Plan":
+    def for_layout(cls, layout: KVLayout, k_group: int | None = None, v_group: int | None = None) -> Int4Plan:
         n, d = layout.tokens, layout.head_dim
         kg = k_group
         if kg is None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import cast
 
 from .errors import CodecError
 
@@ -116,7 +117,7 @@ class KVLayout:
         return self.page_order in STAGED_ORDERS
 
     @property
-    def stage_layout(self) -> "KVLayout":
+    def stage_layout(self) -> KVLayout:
         return replace(self, page_order=STAGED_ORDERS.get(self.page_order, self.page_order))
 
     @property
@@ -151,7 +152,7 @@ class KVLayout:
         return 1 + PAGE_ORDERS.index(self.page_order) + _CODE_SLOTS * OUTER_ORDERS.index(self.outer)
 
     @classmethod
-    def from_code(cls, code: int, chunk_shape: tuple[int, ...], dtype: str) -> "KVLayout":
+    def from_code(cls, code: int, chunk_shape: tuple[int, ...], dtype: str) -> KVLayout:
         """The layout a header describes (``code`` and the chunk shape it records)."""
         outer_i, order_i = divmod(code - 1, _CODE_SLOTS)
         if code < 1 or outer_i >= len(OUTER_ORDERS) or order_i >= len(PAGE_ORDERS):
@@ -168,7 +169,7 @@ class KVLayout:
     # ---- construction from vLLM ------------------------------------------------------------------------------
     @classmethod
     def from_vllm(cls, kv_cache_spec: object, *, num_layers: int, backend: str, kv_cache_layout: str = "LBHNC",
-                  cpu_attn_isa: str | None = None, pages: int = 1, outer: str = "LP") -> "KVLayout":
+                  cpu_attn_isa: str | None = None, pages: int = 1, outer: str = "LP") -> KVLayout:
         """From a vLLM ``AttentionSpec`` (duck-typed: ``block_size``, ``num_kv_heads``, ``head_size``,
         ``head_size_v``, ``dtype``), the attention backend's name (``AttentionBackend.get_name()``, e.g.
         ``"CPU_ATTN"``), the resolved ``KVCacheLayout`` name and, for the CPU backend, the ISA its attention
@@ -193,8 +194,10 @@ class KVLayout:
         else:
             page_order = VLLM_PAGE_ORDERS[key]
         dtype = str(getattr(kv_cache_spec, "dtype", "")).removeprefix("torch.")
-        return cls(num_layers=num_layers, block_tokens=getattr(kv_cache_spec, "block_size", None),
-                   num_kv_heads=getattr(kv_cache_spec, "num_kv_heads", None), head_dim=head_size,
+        # Duck-typed values: __post_init__ refuses a missing or non-integer one, naming the field.
+        return cls(num_layers=num_layers, block_tokens=cast(int, getattr(kv_cache_spec, "block_size", None)),
+                   num_kv_heads=cast(int, getattr(kv_cache_spec, "num_kv_heads", None)),
+                   head_dim=cast(int, head_size),
                    dtype=dtype, page_order=page_order, pages=pages, outer=outer)
 
 

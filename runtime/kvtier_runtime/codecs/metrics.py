@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 FallbackListener = Callable[[str, str, float], None]
 """Called as ``listener(requested_codec, used_codec, measured_relative_error)`` when a block falls back."""
@@ -59,7 +60,7 @@ class CodecStats:
         with self._lock:
             self._listeners.remove(listener)
 
-    def snapshot(self) -> dict[str, object]:
+    def snapshot(self) -> dict[str, Any]:
         """A plain copy of every counter, keyed by the Prometheus metric name it is exported as."""
         with self._lock:
             return {
@@ -94,14 +95,14 @@ class CodecMetricsCollector:
         ]
         for name, doc in per_codec:
             fam = CounterMetricFamily(name, doc, labels=["codec"])
-            for codec, value in sorted(snap[f"{name}_total"].items()):  # type: ignore[union-attr]
+            for codec, value in sorted(snap[f"{name}_total"].items()):
                 fam.add_metric([codec], value)
             yield fam
         fam = CounterMetricFamily(
             "kvtier_runtime_codec_fallbacks",
             "Blocks whose measured error exceeded the requested codec's budget and were stored with a wider codec",
             labels=["requested_codec", "codec"])
-        fallbacks: dict = snap["kvtier_runtime_codec_fallbacks_total"]  # type: ignore[assignment]
+        fallbacks: dict[tuple[str, str], int] = snap["kvtier_runtime_codec_fallbacks_total"]
         for (requested, used), value in sorted(fallbacks.items()):
             fam.add_metric([requested, used], value)
         yield fam
@@ -109,11 +110,11 @@ class CodecMetricsCollector:
             "kvtier_runtime_codec_refusals",
             "Tiers that asked for a codec that cannot be checked there (reason) and store a wider one (codec)",
             labels=["requested_codec", "codec", "reason"])
-        refusals: dict = snap["kvtier_runtime_codec_refusals_total"]  # type: ignore[assignment]
+        refusals: dict[tuple[str, str, str], int] = snap["kvtier_runtime_codec_refusals_total"]
         for (requested, used, reason), value in sorted(refusals.items()):
             fam.add_metric([requested, used, reason], value)
         yield fam
         fam = CounterMetricFamily(
             "kvtier_runtime_codec_decode_errors", "Blocks rejected on decode (corrupt or foreign header, truncation)")
-        fam.add_metric([], snap["kvtier_runtime_codec_decode_errors_total"])  # type: ignore[arg-type]
+        fam.add_metric([], snap["kvtier_runtime_codec_decode_errors_total"])
         yield fam

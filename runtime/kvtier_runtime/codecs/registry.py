@@ -1,7 +1,6 @@
 """Codec construction with validated options, and decoding that trusts only the block's own header."""
 from __future__ import annotations
 
-
 import torch
 
 from ..config import CODECS
@@ -71,7 +70,7 @@ def get_codec(name: str, *, group_size: int | None = None, scales: str = "group"
         codec = cls(group_size=group_size, fallback=fallback, per_channel=per_channel)
     if not isinstance(compile, bool):
         raise CodecError(f"compile: {compile!r} must be a bool")
-    if compile and name in _COMPILED_ENCODERS and scales == "group":
+    if compile and name in _COMPILED_ENCODERS and scales == "group" and isinstance(codec, ScaledCodec):
         from .compiled import CompiledKernels
 
         codec.compiled_kernels = CompiledKernels(_COMPILED_ENCODERS[name]())

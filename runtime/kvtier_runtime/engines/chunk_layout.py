@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from ..codecs import Codec, CodecError, KVChunkCodec, KVLayout, get_codec, get_kv_codec
-from ..codecs.metrics import STATS
 from ..codecs.layout import DTYPE_NAMES
+from ..codecs.metrics import STATS
 from ..config import TierConfig
+
 # Why a lossy tier encodes with the flat codec: the reason label of its metric, defined with it.
 from .metric_defs import FLAT_REASONS
 

@@ -36,8 +36,9 @@ block, dtype) and travels with the worker; a codec that compresses K per channel
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

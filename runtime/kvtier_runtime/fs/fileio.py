@@ -13,7 +13,8 @@ import errno
 import mmap
 import os
 import stat
-from typing import Sequence, Union
+from collections.abc import Sequence
+from typing import Union
 
 from .format import ALIGN, FormatError
 

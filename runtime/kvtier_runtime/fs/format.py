@@ -93,7 +93,7 @@ _GMAC_NONCE = bytes(12)  # every block key authenticates one message: a fixed no
 # agree). Format 2 puts it at the end of the header page so that the payload behind it starts page-aligned.
 BLOB_HEADER_BYTES = 96
 BLOB_OFFSET = {1: HEADER_BYTES, 2: HEADER_BYTES - BLOB_HEADER_BYTES, 3: HEADER_BYTES - BLOB_HEADER_BYTES}
-assert HEADER_USED <= MAC_OFFSET and MAC_OFFSET + MAC_BYTES <= BLOB_OFFSET[2]
+assert HEADER_USED <= MAC_OFFSET and BLOB_OFFSET[2] >= MAC_OFFSET + MAC_BYTES
 
 
 # A block refused for what it holds; ``kind`` says why (the envelope's kinds, kvtier_runtime.tiers.envelope.KINDS):

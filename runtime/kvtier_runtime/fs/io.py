@@ -29,15 +29,26 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from ..codecs import STATS, Codec, CodecHeader, HEADER_NBYTES, KVChunkCodec, decode, peek_header
+from ..codecs import HEADER_NBYTES, STATS, Codec, CodecHeader, KVChunkCodec, decode, peek_header
 from ..codecs.base import PassthroughCodec
 from ..codecs.header import FLAG_PER_CHANNEL
+from ..tiers.checksum import checksum
+from ..tiers.jobs import Expired, Job
+from .fanout import FanoutDirs
 from .fileio import (
-    AlignedBuffer, open_block, raw_view, read_segments, read_whole_fd, regular_size, write_atomic,
+    AlignedBuffer,
+    FileOps,
+    open_block,
+    raw_view,
+    read_segments,
+    read_whole_fd,
+    regular_size,
+    write_atomic,
 )
 from .format import (
     ALIGN,
@@ -48,6 +59,7 @@ from .format import (
     MAC_BYTES,
     MAC_FORMAT_VERSION,
     MAC_OFFSET,
+    READ_VERSIONS,
     FormatError,
     block_mac,
     file_bytes_for,
@@ -57,11 +69,6 @@ from .format import (
     verify_mac,
     verify_payload,
 )
-from ..tiers.checksum import checksum
-from ..tiers.jobs import Expired, Job
-from .fanout import FanoutDirs
-from .fileio import FileOps
-from .format import READ_VERSIONS
 from .paths import TMP_MARK
 
 assert BLOB_HEADER_BYTES == HEADER_NBYTES, "format 2 reserves the codec header's size at the end of the header page"

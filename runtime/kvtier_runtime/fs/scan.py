@@ -8,7 +8,8 @@ import errno
 import os
 import shutil
 import stat
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..config import ConfigError
 from .fileio import FileOps, regular_size

@@ -27,7 +27,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -37,8 +38,8 @@ from ..policies import AccessContext, get_policy
 from ..tiers.backoff import Backoff
 from ..tiers.base import EventPlace, KeyState, ReplayPolicy, TierChanges
 from ..tiers.jobs import Expired, Job, JobQueue, JobResult
-from ..tiers.queued import QueuedTier
 from ..tiers.keys import read_mac_key
+from ..tiers.queued import QueuedTier
 from .fanout import FanoutDirs
 from .fileio import FileOps, probe_o_direct
 from .format import MAX_KEY_BYTES, FormatError, file_bytes_for
@@ -194,7 +195,7 @@ class FilesystemTier(QueuedTier):
     @classmethod
     def from_kwargs(
         cls, kwargs: Mapping[str, Any], block_shape: Sequence[int], dtype: torch.dtype, **options: Any
-    ) -> "FilesystemTier":
+    ) -> FilesystemTier:
         return cls(FilesystemTierConfig.from_kwargs(kwargs), block_shape, dtype, **options)
 
     # ---- what the books ask (kvtier_runtime.tiers.base.Tier) ---------------------------------------------

@@ -5,7 +5,7 @@ name them all. Names match :mod:`kvtier_runtime.config` (``EVICTION_POLICIES``, 
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ..config import DEFAULT_ADMISSION_THRESHOLD
 from .adaptive import AdaptivePolicy

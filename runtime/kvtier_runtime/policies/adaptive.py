@@ -40,8 +40,8 @@ named state (:meth:`AdaptivePolicy.snapshot`).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Callable, Hashable
 
 from .base import AccessContext, AdmissionFilter, EvictionPolicy, Key
 from .ghost import GhostList

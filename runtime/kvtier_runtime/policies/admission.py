@@ -74,14 +74,14 @@ class DoorkeeperAdmission(AdmissionFilter):
         self._bloom: BloomFilter | None = None
         self._offers = 0
 
-    def _ensure(self, policy: "EvictionPolicy", size: int) -> BloomFilter:
+    def _ensure(self, policy: EvictionPolicy, size: int) -> BloomFilter:
         if self._bloom is None:
             if self.window is None:
                 self.window = max(64, 4 * policy.capacity_bytes // size)
             self._bloom = BloomFilter(self.window * self.bits_per_key)
         return self._bloom
 
-    def admit(self, key: Key, size: int, policy: "EvictionPolicy", ctx: AccessContext | None = None) -> bool:
+    def admit(self, key: Key, size: int, policy: EvictionPolicy, ctx: AccessContext | None = None) -> bool:
         bloom = self._ensure(policy, size)
         self._offers += 1
         if self._offers > self.window:  # type: ignore[operator]
@@ -111,7 +111,7 @@ class ThresholdAdmission(AdmissionFilter):
         self.max_tracked = max_tracked
         self._counts: OrderedDict[Key, int] = OrderedDict()
 
-    def admit(self, key: Key, size: int, policy: "EvictionPolicy", ctx: AccessContext | None = None) -> bool:
+    def admit(self, key: Key, size: int, policy: EvictionPolicy, ctx: AccessContext | None = None) -> bool:
         counts = self._counts
         count = counts.pop(key, 0) + 1
         if count >= self.n:

@@ -7,7 +7,7 @@ back from either ghost list goes to T2 (it has now been seen twice), as in the p
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 from .base import AccessContext, AdmissionFilter, EvictionPolicy, Key
 from .ghost import GhostList
@@ -81,10 +81,7 @@ class ARCPolicy(EvictionPolicy):
             self._t2_bytes -= self._t2.pop(key)
 
     def _pop_victim(self, blocked: Callable[[Key], bool]) -> Key:
-        if self._prefer_t1():
-            order = ((self._t1, True), (self._t2, False))
-        else:
-            order = ((self._t2, False), (self._t1, True))
+        order = ((self._t1, True), (self._t2, False)) if self._prefer_t1() else ((self._t2, False), (self._t1, True))
         for lst, is_t1 in order:
             for key in lst:
                 if blocked(key):

@@ -6,7 +6,8 @@ test suite (tests/runtime/policies/test_policies_contract.py) checks them all.
 """
 from __future__ import annotations
 
-from typing import Callable, ClassVar, Collection, Hashable, Iterable, NamedTuple
+from collections.abc import Callable, Collection, Hashable, Iterable
+from typing import ClassVar, NamedTuple
 
 Key = Hashable
 
@@ -37,7 +38,7 @@ class AdmissionFilter:
 
     name: ClassVar[str] = "none"
 
-    def admit(self, key: Key, size: int, policy: "EvictionPolicy", ctx: AccessContext | None = None) -> bool:
+    def admit(self, key: Key, size: int, policy: EvictionPolicy, ctx: AccessContext | None = None) -> bool:
         return True
 
     def record_access(self, key: Key) -> None:
@@ -216,7 +217,7 @@ class EvictionPolicy:
     def _evict_unchecked(self, n_bytes: int, protected: Collection[Key]) -> list[Key]:
         pins = self._pins
         if protected:
-            blocked: Callable[[Key], bool] = lambda k: k in pins or k in protected  # noqa: E731
+            blocked: Callable[[Key], bool] = lambda k: k in pins or k in protected
         else:
             blocked = pins.__contains__
         sizes = self._sizes

@@ -20,7 +20,8 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from typing import Callable, Hashable, TypeGuard
+from collections.abc import Callable, Hashable
+from typing import TypeGuard
 
 from .base import AccessContext, AdmissionFilter, EvictionPolicy, Key
 

@@ -23,7 +23,7 @@ All operations are O(1) amortised.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 from .base import AccessContext, AdmissionFilter, EvictionPolicy, Key
 from .ghost import GhostList

@@ -8,7 +8,7 @@ Main is a FIFO-reinsertion clock: a key with a non-zero hit count is reinserted 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 from .base import AccessContext, AdmissionFilter, EvictionPolicy, Key
 from .ghost import GhostList

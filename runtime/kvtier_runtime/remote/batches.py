@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -114,9 +114,60 @@ class Batches:
             for job, i, _, _ in live:
                 self._outcomes.fail(job, i, refuse, store=True)
             return
-        sent = self._seal(live)
-        if sent:
-            self._send(sent, started)
+        if self._store.cluster:
+            sent = self._seal(live)
+            if sent:
+                self._send(sent, started)
+        else:
+            self._stream(live, started)
+
+    def _stream(self, live: list[RowWork], started: float) -> None:
+        """Standalone mode: each row sealed into this thread's one value buffer and sent at once, the store taking
+        in one value while the next is sealed (the buffer, still in cache, is refilled once the kernel holds the
+        bytes); then the index's update, and every reply read."""
+        sent: list[tuple[Job, int, bytes, int]] = []
+        reached = 0  # rows of ``live`` the stream has taken (sealed and sent, expired, or failed to encode)
+        buf = self._values.buffers(1)[0]
+
+        def values() -> Iterator[tuple[bytes, memoryview]]:
+            nonlocal reached
+            for job, i, key, block in live:
+                reached += 1
+                store_key = self._key(key)
+                try:
+                    total = self._values.seal(job, store_key, block, buf)
+                except Expired:
+                    continue
+                except Exception as exc:  # a codec fault must not reach the engine
+                    log.warning("kvtier remote tier %s: encoding a chunk failed: %s", self.name, exc)
+                    self._outcomes.fail(job, i, "other", store=True)
+                    continue
+                sent.append((job, i, key, total))
+                yield store_key, memoryview(buf)[:total]
+
+        logged = self._log.active  # every replica's index learns of these chunks from the shared log
+
+        def index(n: int) -> list[tuple[bytes | str, ...]]:
+            if not n:
+                return []
+            keys = [key for _, _, key, _ in sent]
+            log_entry = [self._log.command(STORED, keys)] if logged else []
+            return [*log_entry, *self._index.write_commands(keys, time.time())]
+
+        try:
+            replies, tail = self._store.write_values(values(), index)
+        except Exception as exc:
+            kind = failure_kind(exc)
+            self._health.fault(kind)
+            for job, i, _, _ in sent:
+                self._outcomes.fail(job, i, kind, store=True)
+            for job, i, _, _ in live[reached:]:  # never sealed: the connection failed first
+                self._outcomes.fail(job, i, kind, store=True)
+            return
+        if tail:
+            if logged and isinstance(tail[0], Exception):
+                self._log.refused(tail[0])
+            self._settle_writes(sent, replies, tail[-1], tail[-2], started)
 
     def _seal(self, live: list[RowWork]) -> list[tuple[Job, int, bytes, memoryview]]:
         """Each row sealed into one of this thread's value buffers; a job that expired first is skipped."""
@@ -149,9 +200,15 @@ class Batches:
             for job, i, _, _ in sent:
                 self._outcomes.fail(job, i, kind, store=True)
             return
-        entries, added = replies[-1], replies[-2]
         if logged and isinstance(replies[len(sent)], Exception):
             self._log.refused(replies[len(sent)])
+        self._settle_writes([(job, i, key, len(value)) for job, i, key, value in sent], replies, replies[-1],
+                            replies[-2], started)
+
+    def _settle_writes(self, sent: Sequence[tuple[Job, int, bytes, int]], replies: Sequence[object], entries: object,
+                       added: object, started: float) -> None:
+        """After a store batch's replies: the index trimmed (it held ``entries`` after this batch added ``added``),
+        then each key settled by its SET reply (``sent``: job, index, key, value bytes)."""
         if isinstance(entries, int):
             trimmed = self._index.trim(entries, added if isinstance(added, int) else 0)
             for key in trimmed:
@@ -160,13 +217,13 @@ class Batches:
             self._log.append(REMOVED, trimmed)
         stored_bytes = 0
         fault = ""
-        for (job, i, key, value), reply in zip(sent, replies):
+        for (job, i, key, nbytes), reply in zip(sent, replies):
             if isinstance(reply, Exception):
                 kind = failure_kind(reply)
                 fault = fault or kind
                 self._outcomes.fail(job, i, kind, store=True)
             else:
-                stored_bytes += len(value)
+                stored_bytes += nbytes
                 self._presence.remember(key, True)
                 self._outcomes.succeed(job, i)
         self._done(fault, self.peer, self.name, stored_bytes, started, len(sent))

@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from ..tiers.base import TierChanges
 from .client import RemoteStore
@@ -124,6 +125,11 @@ class SharedLog:
     def entry(self, op: bytes, keys: Sequence[bytes]) -> tuple[bytes, dict[bytes, bytes]]:
         """The stream and the fields of one entry: ``op`` and the keys, hex, space-separated."""
         return self.key, {b"op": op, b"keys": b" ".join(bytes(k).hex().encode() for k in keys)}
+
+    def command(self, op: bytes, keys: Sequence[bytes]) -> tuple[bytes | str, ...]:
+        """:meth:`add` as one raw command (for the tier's own store connections; its reply as :meth:`add`'s)."""
+        key, fields = self.entry(op, keys)
+        return ("XADD", key, "MAXLEN", "~", str(LOG_ENTRIES), "*", *(x for kv in fields.items() for x in kv))
 
     def add(self, pipe: Any, op: bytes, keys: Sequence[bytes]) -> None:
         """Add the entry for ``keys`` to ``pipe`` (its reply is the entry's id, or an error to ignore)."""

@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import ssl
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 import redis
@@ -31,9 +32,11 @@ from redis.exceptions import (
     RedisClusterException,
     RedisError,
     ResponseError,
-    TimeoutError as RedisTimeoutError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import (
+    TimeoutError as RedisTimeoutError,
+)
 from redis.retry import Retry
 
 from ..config import ConfigError, RemoteTierConfig, check_remote_url
@@ -238,6 +241,17 @@ class RemoteStore:
         if self.cluster:
             raise RuntimeError("read_values: standalone mode only (cluster mode routes keys per node)")
         return self._values.read_values(keys, buf, on_value, after)
+
+    def write_values(self, values: Iterator[tuple[bytes, memoryview]],
+                     after: Callable[[int], Sequence[Sequence[Arg]]]) -> tuple[list[Reply], list[Reply]]:
+        """Standalone mode: ``SET`` of each ``(key, value)`` ``values`` yields, sent as it is yielded, then the
+        commands ``after(n)`` returns, in one round trip on one of the tier's own connections (see
+        :meth:`kvtier_runtime.remote.wire.ValueConnections.write_values`). Returns the SET replies and those of
+        ``after``."""
+        self.connect()
+        if self.cluster:
+            raise RuntimeError("write_values: standalone mode only (cluster mode routes keys per node)")
+        return self._values.write_values(values, after)
 
     def reset(self) -> None:
         """Forget the connection after a fault: the next :meth:`connect` detects the mode again."""

@@ -37,10 +37,10 @@ import hashlib
 import hmac
 import os
 import struct
+from collections.abc import Sequence
+from typing import Protocol
 
 from cryptography.exceptions import InvalidTag
-from typing import Protocol, Sequence
-
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM

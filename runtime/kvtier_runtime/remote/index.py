@@ -13,7 +13,8 @@ oldest first, never more; the budget of a larger one is kept by that one's own t
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ..config import ConfigError
 from .client import RemoteStore
@@ -71,6 +72,13 @@ class CapacityIndex:
         :meth:`trim`'s ``added``), then its size (ZCARD: the last reply, :meth:`trim`'s ``entries``)."""
         pipe.zadd(self.key, {_member(key): now for key in keys})
         pipe.zcard(self.key)
+
+    def write_commands(self, keys: Sequence[bytes], now: float) -> list[tuple[bytes | str, ...]]:
+        """:meth:`record_writes` as raw commands (for the tier's own store connections): ZADD, then ZCARD."""
+        zadd: list[bytes | str] = ["ZADD", self.key]
+        for key in keys:
+            zadd += [repr(now), _member(key)]
+        return [tuple(zadd), ("ZCARD", self.key)]
 
     def touch(self, pipe: Any, keys: Sequence[bytes], now: float) -> None:
         """Add to ``pipe``: a read is a use, the chunks move to the young end of the index (XX: only if listed)."""

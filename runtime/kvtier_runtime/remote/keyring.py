@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from ..config import ConfigError, REMOTE_KEY_RULE
+from ..config import REMOTE_KEY_RULE, ConfigError
 from ..tiers.keys import read_mac_key
 from .format import RemoteFormatError, Sealer, key_id_of
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Generic, Sequence, TypeVar
+from typing import Generic, TypeVar
 
 __all__ = ["Lane"]
 

@@ -35,8 +35,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -169,7 +170,7 @@ class RemoteTier(QueuedTier):
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any], block_shape: Sequence[int], dtype: torch.dtype,
-                    **options: Any) -> "RemoteTier":
+                    **options: Any) -> RemoteTier:
         return cls(RemoteTierConfig.from_kwargs(kwargs), block_shape, dtype, **options)
 
     # ---- observation ------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

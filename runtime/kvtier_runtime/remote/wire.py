@@ -1,5 +1,8 @@
-"""Loads from a standalone store over connections of the tier's own: RESP2 on a socket this module opens, so a GET
-reply (a value) lands in the caller's buffer with one copy, the kernel's.
+"""Loads and stores of a standalone store over connections of the tier's own: RESP2 on a socket this module opens,
+so a GET reply (a value) lands in the caller's buffer with one copy, the kernel's, and a SET is sent the moment its
+value is sealed, from a buffer the tier refills for the next value (the store takes in one value while the tier
+seals the next; redis-py's pipeline sends nothing before every value of the batch is packed, so each value needed a
+buffer of its own and the store idled while the batch was sealed).
 
 redis-py's reply parser copies every value twice more (into its reader, then into a bytes object: ~0.15 s of
 client CPU per GB) before the cipher can read it, and its connections do not hand out their socket, so the tier's
@@ -15,8 +18,8 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from redis.exceptions import (
     AuthenticationError,
@@ -29,9 +32,11 @@ from redis.exceptions import (
     ReadOnlyError,
     RedisError,
     ResponseError,
-    TimeoutError as RedisTimeoutError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import (
+    TimeoutError as RedisTimeoutError,
+)
 
 __all__ = ["Address", "Reply", "ReplyReader", "ValueConnections", "error_reply", "pack_commands"]
 
@@ -238,6 +243,29 @@ class _Connection:
         except OSError as exc:
             raise RedisConnectionError(f"Error writing to the store: {exc}") from None
 
+    def send_set(self, key: bytes, value: memoryview) -> None:
+        """``SET key value`` with the value sent from the caller's buffer in place (no copy but the kernel's): the
+        command's head and the value in one ``sendmsg`` where the socket takes a list (TLS does not: two writes).
+        Returns once the kernel holds every byte, so the buffer may be reused."""
+        head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, len(value))
+        parts = (head, value, b"\r\n")
+        try:
+            if isinstance(self.sock, ssl.SSLSocket):
+                for part in parts:
+                    self.sock.sendall(part)
+                return
+            sent = self.sock.sendmsg(parts)
+            for part in parts:  # what one sendmsg left (the socket's buffer was full): the rest of each part
+                if sent >= len(part):
+                    sent -= len(part)
+                    continue
+                self.sock.sendall(memoryview(part)[sent:])
+                sent = 0
+        except TimeoutError:
+            raise RedisTimeoutError("Timeout writing to the store") from None
+        except OSError as exc:
+            raise RedisConnectionError(f"Error writing to the store: {exc}") from None
+
     def close(self) -> None:
         try:
             self.sock.close()
@@ -276,6 +304,32 @@ class ValueConnections:
             raise
         self._give_back(conn, generation)
         return replies
+
+    def write_values(self, values: Iterator[tuple[bytes, memoryview]],
+                     after: Callable[[int], Sequence[Sequence[Arg]]]) -> tuple[list[Reply], list[Reply]]:
+        """``SET`` of each ``(key, value)`` that ``values`` yields, sent as it is yielded (the value a view of the
+        caller's buffer, which it may refill once the generator resumes: the kernel then holds the bytes), then the
+        commands ``after(n)`` returns for the ``n`` values sent, all on one pooled connection; then every reply is
+        read. The store takes in one value while the caller seals the next. Returns the SET replies in order ("OK",
+        or the exception of an error reply) and the replies of ``after``. A failed connection raises a redis-py
+        error (the connection is closed, never reused half read); so does whatever ``values`` raises."""
+        conn, generation = self._take()
+        try:
+            n = 0
+            for key, value in values:
+                conn.send_set(key, value)
+                n += 1
+            tail = list(after(n))
+            conn.send(tail)
+            replies = [conn.reader.reply(None) for _ in range(n)]
+            tail_replies = [conn.reader.reply(None) for _ in tail]
+            if conn.reader.leftover:
+                raise InvalidResponse(f"{conn.reader.leftover} bytes past the last reply")
+        except BaseException:
+            conn.close()
+            raise
+        self._give_back(conn, generation)
+        return replies, tail_replies
 
     def _take(self) -> tuple[_Connection, int]:
         with self._lock:

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from .engine import PolicySpec, replay_single
 from .lru_curve import LRUCurve, reuse_distances
@@ -79,6 +80,9 @@ class Budgets:
     capacity_bytes: int | None = None
 
 
+NO_BUDGETS = Budgets()
+
+
 def hit_ratio_at(trace: Trace, capacity_blocks: int, spec: PolicySpec, chunk_blocks: int = 1) -> tuple[int, int]:
     """(prefix-hit blocks, loaded chunks) replaying ``spec`` over chunks of ``chunk_blocks`` blocks."""
     reqs = trace.requests if chunk_blocks == 1 else chunk_requests(trace.requests, chunk_blocks)
@@ -89,7 +93,7 @@ def hit_ratio_at(trace: Trace, capacity_blocks: int, spec: PolicySpec, chunk_blo
     return loaded * chunk_blocks, loaded
 
 
-def analyze(trace: Trace, block_tokens: int, specs: Sequence[PolicySpec] | PolicySpec, budgets: Budgets = Budgets(),
+def analyze(trace: Trace, block_tokens: int, specs: Sequence[PolicySpec] | PolicySpec, budgets: Budgets = NO_BUDGETS,
             progress: Callable[[], object] | None = None) -> dict[str, Any]:
     """Reuse statistics and sizing advice; capacity is recommended from the BEST of ``specs`` at each size (the
     default policy is not always the best, and advice should not be worse than what the user can deploy)."""

@@ -3,7 +3,8 @@ that neither command's module imports the other's)."""
 from __future__ import annotations
 
 import argparse
-from typing import Callable, NoReturn
+from collections.abc import Callable
+from typing import NoReturn
 
 PROG = "kvtier replay"
 DEFAULT_BLOCK_TOKENS = 512

@@ -11,7 +11,8 @@ import json
 import os
 import pathlib
 import sys
-from typing import Any, Sequence, TypeVar
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 from .. import config
 from ..policies import ADMISSIONS, POLICIES
@@ -28,7 +29,8 @@ T = TypeVar("T")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    setattr(parser, "error", one_line_error(parser))  # one line on stderr, not argparse's usage block
+    # One line on stderr, not argparse's usage block (setattr: mypy refuses assigning to a method).
+    setattr(parser, "error", one_line_error(parser))  # noqa: B010
     parser.description = ("Replay a Mooncake-format JSONL trace through kvtier's eviction/admission policies and "
                           "compare with the Belady-optimal bound. 'analyze' describes the trace's reuse instead; "
                           "'recommend' sizes a KVCachePolicy's tiers from it (kvtier replay recommend --help).")

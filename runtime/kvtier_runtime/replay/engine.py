@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from ..policies import ADMISSIONS, POLICIES, AccessContext, AdaptivePolicy, EvictionPolicy, get_policy
 from .fused import replay_adaptive
@@ -50,7 +50,7 @@ class PolicySpec:
     admission: str = "none"
 
     @classmethod
-    def parse(cls, text: str) -> "PolicySpec":
+    def parse(cls, text: str) -> PolicySpec:
         eviction, _, admission = text.partition("+")
         eviction, admission = eviction.strip(), (admission.strip() or "none")
         if eviction not in POLICIES:

@@ -14,7 +14,7 @@ keys without a lookup. It is one function on purpose: a call per eviction or per
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..policies.adaptive import AGAIN, FRESH, TAIL, AdaptivePolicy, AdaptiveState, hedged_trust
 from ..policies.base import Key
@@ -130,7 +130,7 @@ def replay_adaptive(policy: AdaptivePolicy, requests: Sequence[Sequence[Key]]) -
                     if tail_head is not no_head:
                         best, best_c, best_score = tail_head, TAIL, (tick - tail_head_tick + 1) * e2
                     elif tail_list:
-                        for k in tail_list:
+                        for k in tail_list:  # noqa: B007 -- k is the first key: cheaper than next(iter())
                             break
                         if k in current:
                             k = next(reversed(tail_list))
@@ -144,7 +144,7 @@ def replay_adaptive(policy: AdaptivePolicy, requests: Sequence[Sequence[Key]]) -
                     if fresh_head is not no_head:
                         k, t = fresh_head, fresh_head_tick
                     elif fresh_list:
-                        for k in fresh_list:
+                        for k in fresh_list:  # noqa: B007 -- k is the first key: cheaper than next(iter())
                             break
                         if k in current:
                             k = next(reversed(fresh_list))
@@ -161,7 +161,7 @@ def replay_adaptive(policy: AdaptivePolicy, requests: Sequence[Sequence[Key]]) -
                     if again_head is not no_head:
                         k, t = again_head, again_head_tick
                     elif again:
-                        for k in again:
+                        for k in again:  # noqa: B007 -- k is the first key: cheaper than next(iter())
                             break
                         if k in current:
                             k = next(reversed(again))

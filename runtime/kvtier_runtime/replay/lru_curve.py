@@ -9,8 +9,8 @@ maxima below C. Sorting them once answers "what does LRU reach at C" and "what L
 from __future__ import annotations
 
 import bisect
-from typing import Any, Sequence
-
+from collections.abc import Sequence
+from typing import Any
 
 _FIRST = float("inf")  # a block's first access misses at any capacity
 

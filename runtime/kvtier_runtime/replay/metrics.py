@@ -6,7 +6,7 @@ prefix hit ratio = (sum over requests of the length of the request's leading run
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def prefix_hit_count(hits: Sequence[bool], lengths: Sequence[int]) -> int:

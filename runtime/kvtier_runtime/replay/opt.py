@@ -8,7 +8,7 @@ deletion, so the whole run is O(N log N).
 from __future__ import annotations
 
 import heapq
-from typing import Sequence
+from collections.abc import Sequence
 
 NEVER = 1 << 62  # next use of a block that is not accessed again
 

@@ -17,9 +17,10 @@ import argparse
 import math
 import re
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import yaml
 
@@ -372,7 +373,8 @@ def _flow(policy: PolicyFile) -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    setattr(parser, "error", one_line_error(parser))  # one line on stderr, not argparse's usage block
+    # One line on stderr, not argparse's usage block (setattr: mypy refuses assigning to a method).
+    setattr(parser, "error", one_line_error(parser))  # noqa: B010
     parser.description = ("Print the KVCachePolicy --policy with each enabled tier's size and evictionPolicy "
                           "chosen from the replayed trace, within --budget (default: the tiers' current sizes), "
                           "and the predicted figures as comments.")

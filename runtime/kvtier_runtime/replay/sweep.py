@@ -2,8 +2,9 @@
 table and a plot; each policy's capacity equivalence (the LRU capacity loading as many blocks) beside it."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from .engine import PolicySpec, replay_single
 from .lru_curve import LRUCurve

@@ -30,9 +30,10 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 SHAPES = ("conversation", "agent", "document", "mixture", "chat", "sysprompt", "drift")
 # Calibration (measured by tests/runtime/replay/test_replay_synth.py): ~24 blocks/request, ~41% of reuses first reuses,
@@ -160,10 +161,7 @@ def document(rng: random.Random, ids: _Ids, n_requests: int, block_tokens: int,
     out: list[_Request] = []
     for _ in range(n_requests):
         t = rng.random() * duration_ms
-        if rng.random() < 0.35:
-            doc = popular[_zipf_index(rng, pop)]
-        else:
-            doc = ids.take(int(_lognormal(rng, 12, 0.8, 1, 120)))
+        doc = popular[_zipf_index(rng, pop)] if rng.random() < 0.35 else ids.take(int(_lognormal(rng, 12, 0.8, 1, 120)))
         ctx = _Context(len(doc) * block_tokens, list(doc))
         n_in, hash_ids = ctx.extend(ids, int(_lognormal(rng, 80, 0.8, 5, 2000)), block_tokens)
         out.append(_Request(t, n_in, int(_lognormal(rng, 200, 0.8, 1, 2000)), hash_ids))
@@ -220,7 +218,7 @@ def drift(rng: random.Random, ids: _Ids, n_requests: int, block_tokens: int,
     shares = ((0.7, 0.2, 0.1), (0.3, 0.4, 0.3), (0.1, 0.2, 0.7))
     phase_ms = duration_ms / len(shares)
     out: list[_Request] = []
-    for p, (c, a, d) in enumerate(shares):
+    for p, (c, a, _d) in enumerate(shares):
         n = n_requests // len(shares) if p < len(shares) - 1 else n_requests - len(out)
         n_c, n_a = int(n * c), int(n * a)
         part = (conversation(rng, ids, n_c, block_tokens, phase_ms) + agent(rng, ids, n_a, block_tokens, phase_ms)

@@ -35,7 +35,7 @@ each point a way vLLM 0.32/0.33 with kvtier's offloading spec differs from the g
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..policies import AccessContext, EvictionPolicy
 

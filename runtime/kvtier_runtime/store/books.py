@@ -40,15 +40,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Iterable, NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 
 from .. import metrics
+from ..policies import AccessContext
 from ..tiers.base import KeyState, Tier
 from ..tiers.jobs import JobResult
-from ..policies import AccessContext
 from .breaker import BYPASS, PROBE, Breaker, LoadMeter, TierBreakers
 from .memory_tier import MemoryTier
 
@@ -68,7 +69,7 @@ MAX_FAILED_PROMOTIONS = 4096
 
 @dataclass
 class _Promotion:
-    key: bytes
+    key: bytes | _Fence  # a key, or the _Fence that replaced it at a cache reset
     tier: int
     started: float
     probe: bool = False  # the half-open tier's one probe load
@@ -78,7 +79,7 @@ class _Promotion:
 
 @dataclass
 class _WriteThrough:
-    keys: tuple[object, ...]  # a key, or the _Fence that replaced it at a cache reset
+    keys: tuple[bytes | _Fence, ...]  # a key, or the _Fence that replaced it at a cache reset
     tier: int
     probe: bool = False  # the half-open tier's one probe store job
 
@@ -561,7 +562,7 @@ class OffloadBooks:
         for (tier, job), promo in list(self._promotions.items()):
             if promo.key == key:
                 self._promotions[(tier, job)] = replace(promo, key=fence)
-        for job, write in self._writes.items():
+        for write in self._writes.values():
             if key in write.keys:
                 write.keys = tuple(fence if k == key else k for k in write.keys)
 
@@ -685,12 +686,14 @@ class OffloadBooks:
             slot.breaker.probe_finished("store")
         stored: list[bytes] = []
         _, stored_counter, refused_counter = _COUNTERS[slot.tier.origin]
-        for key, ok in zip(write.keys, result.ok):
-            if isinstance(key, _Fence):
-                self._drop_fence_pin(key, engine=False)
-                key = key.key
-            elif key in self.host:
-                self.host.unpin(key)
+        for held, ok in zip(write.keys, result.ok):
+            if isinstance(held, _Fence):
+                self._drop_fence_pin(held, engine=False)
+                key = held.key
+            else:
+                key = held
+                if key in self.host:
+                    self.host.unpin(key)
             self.counters[stored_counter if ok else refused_counter] += 1
             if ok:
                 stored.append(key)

@@ -29,8 +29,9 @@ import math
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ..config import OffloadSpecConfig
 from .control import ControlFile, ControlState
@@ -328,7 +329,7 @@ class TierBreakers:
 
     @classmethod
     def for_spec(cls, cfg: OffloadSpecConfig, tokens_per_chunk: int, *, clock: Callable[[], float] = time.monotonic,
-                 logger: logging.Logger | None = None) -> "TierBreakers":
+                 logger: logging.Logger | None = None) -> TierBreakers:
         """The breakers of an offloading spec's tiers: named as ``cfg.names`` (each also answering to its address in
         the control file: ``host``, a root_dir, a url), judged against ``recompute_tokens_per_s`` when set,
         watching ``control_file`` when set."""

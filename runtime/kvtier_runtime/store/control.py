@@ -24,8 +24,8 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Callable, Collection
 
 from ..config import CONTROL_DISABLED_TIERS, CONTROL_FILE_MAX_BYTES, CONTROL_GENERATION
 

@@ -7,7 +7,8 @@ region that vLLM's worker process copies KV pages into, and this tier keeps that
 from __future__ import annotations
 
 import math
-from typing import Collection, Sequence, cast
+from collections.abc import Collection, Sequence
+from typing import cast
 
 import torch
 

@@ -3,7 +3,7 @@ failing) and the remote tier (a store marked down until one reconnect is tried).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["Backoff"]
 

@@ -3,7 +3,8 @@ its medium: :class:`KeyState` and the :class:`Tier` protocol. Pure: no torch at 
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch

@@ -11,7 +11,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import zlib
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 __all__ = ["checksum", "checksum_backend"]
 

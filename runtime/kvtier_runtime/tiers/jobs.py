@@ -9,15 +9,16 @@ import itertools
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
-
+from typing import Any, Protocol
 
 __all__ = ["Expired", "Job", "JobQueue", "JobResult"]
 
 # How often drain re-checks a job held open by a read into lent memory (see JobQueue._expire).
+_LOG = logging.getLogger("kvtier_runtime.tiers")
 _LENT_POLL_S = 0.05
 
 
@@ -83,7 +84,7 @@ class JobQueue:
     def __init__(self, *, name: str, medium: str, io_timeout_s: float, errors: ErrorCounter,
                  on_io_failure: Callable[[], None], on_complete: Callable[[JobResult], None] | None = None,
                  on_lent_read_overrun: Callable[[], None] | None = None,
-                 log: logging.Logger = logging.getLogger("kvtier_runtime.tiers")) -> None:
+                 log: logging.Logger = _LOG) -> None:
         # What the tier is, in log lines ("filesystem tier nvme: ..."), and where it logs.
         self.name = name
         self.medium = medium

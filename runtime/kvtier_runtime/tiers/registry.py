@@ -3,31 +3,45 @@ tier list through :func:`build_tiers`, one :class:`TierPlan` per tier of the pol
 only when a tier of it is built, so an engine without a remote tier never imports the Valkey/Redis client."""
 from __future__ import annotations
 
-import importlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from .base import Tier
 
 __all__ = ["MEDIA", "TierPlan", "build_tier", "build_tiers", "tier_class"]
 
-# medium -> (module, class): the class takes (config, block_shape, dtype, **options) and satisfies Tier.
-_CLASSES: dict[str, tuple[str, str]] = {
-    "filesystem": ("kvtier_runtime.fs.tier", "FilesystemTier"),
-    "remote": ("kvtier_runtime.remote.tier", "RemoteTier"),
-}
+# medium -> the class of its tier, imported when first asked for: each class takes (config, block_shape, dtype,
+# **options) and satisfies Tier. Plain import statements, so the import rules (tests/plugins/import_rules) and any
+# import checker see which modules the registry reaches.
+
+
+def _filesystem() -> type[Any]:
+    from ..fs.tier import FilesystemTier
+
+    return FilesystemTier
+
+
+def _remote() -> type[Any]:
+    from ..remote.tier import RemoteTier
+
+    return RemoteTier
+
+
+_CLASSES: dict[str, Callable[[], type[Any]]] = {"filesystem": _filesystem, "remote": _remote}
 MEDIA = tuple(_CLASSES)
 
 
 def tier_class(medium: str) -> type[Any]:
     """The class of ``medium``'s tier (its module is imported now). ValueError names the medium and the known ones."""
     try:
-        module, name = _CLASSES[medium]
+        load = _CLASSES[medium]
     except (KeyError, TypeError):
         raise ValueError(f"medium: {medium!r} is not a tier medium; known: {', '.join(MEDIA)}") from None
-    cls: type[Any] = getattr(importlib.import_module(module), name)
+    cls = load()
     if cls.medium != medium:
-        raise RuntimeError(f"medium: {module}.{name} says it is {cls.medium!r}, registered as {medium!r}")
+        raise RuntimeError(f"medium: {cls.__module__}.{cls.__name__} says it is {cls.medium!r}, registered as "
+                           f"{medium!r}")
     return cls
 
 

@@ -34,8 +34,9 @@ import re
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from datetime import datetime, timezone
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class TraceRecorder:
         self._meta_written: tuple[int, ...] = ()  # the counters the sidecar on disk holds
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one writer at a time: the thread, or close()'s final drain
-        self._started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        self._started_at = datetime.now(UTC).isoformat(timespec="seconds")
         os.makedirs(trace_dir, exist_ok=True)
         removed = self._remove_old_recording()
         if removed:

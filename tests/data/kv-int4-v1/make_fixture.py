@@ -12,7 +12,6 @@ that commit decoded it to).
 import pathlib
 
 import torch
-
 from kvtier_runtime.codecs import KVLayout, get_kv_codec
 
 HERE = pathlib.Path(__file__).resolve().parent

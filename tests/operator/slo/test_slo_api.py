@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 
+from foundation.policies import policy
 from kvtier_operator.api.guard_state import HistoryEntry
 from kvtier_operator.api.v1alpha1 import KVCachePolicy, TierStatus
 from kvtier_operator.slo import Measurements, SLOSettings, evaluate, read_state, stored_state
-from foundation.policies import policy
 from plugins.slo_harness import derived_tiers, slo_settings
 
 # The foundation tests' base policy (one copy of it), with every SLO setting the guard reads.

@@ -12,7 +12,6 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-
 from kvtier_operator.slo import Scope, build_queries
 from kvtier_operator.slo.client import PrometheusClientConfig, PrometheusSource, unavailable
 from plugins.slo_harness import slo_settings

@@ -11,9 +11,16 @@ import math
 from typing import Any
 
 import pytest
-
 from kvtier_operator.slo import (
-    DisableTier, EnableTier, Measurements, Reading, RecordEvent, SetCondition, SLOSettings, evaluate, read_state,
+    DisableTier,
+    EnableTier,
+    Measurements,
+    Reading,
+    RecordEvent,
+    SetCondition,
+    SLOSettings,
+    evaluate,
+    read_state,
     stored_state,
 )
 from kvtier_operator.tiers import enabled, newest_enabled

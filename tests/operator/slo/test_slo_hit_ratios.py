@@ -8,7 +8,7 @@ import math
 import re
 
 import pytest
-
+from foundation.policies import policy
 from kvtier_operator import slo
 from kvtier_operator.api.v1alpha1 import KVCachePolicySpec, KVCachePolicyStatus
 from kvtier_operator.controller import guard_fields, tier_idle_event
@@ -17,8 +17,6 @@ from kvtier_operator.slo.measurements import Measurements, Reading
 from kvtier_operator.slo_tick import decide, scope_for, step_of
 from kvtier_operator.status import status_patch
 from kvtier_operator.tiers import tier_states
-
-from foundation.policies import policy
 from plugins.slo_harness import slo_settings
 
 SCOPE = slo.Scope(namespace="ns", pod_regex="llm-.+")

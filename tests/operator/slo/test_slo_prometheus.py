@@ -11,17 +11,17 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 
 import pytest
-
 from kvtier_operator.controller import guard_fields
 from kvtier_operator.slo import Scope
 from kvtier_operator.slo.client import PrometheusClientConfig, PrometheusSource
-from plugins.slo_harness import GuardLoop, slo_settings
 from plugins.prometheus import PrometheusProcess, Started, require_prometheus
+from plugins.slo_harness import GuardLoop, slo_settings
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.slow]
 
@@ -316,7 +316,7 @@ def outcomes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         def run(name: str) -> None:
             try:
                 results[name] = SCENARIOS[name](contexts[name])
-            except BaseException as exc:  # noqa: BLE001 - re-raised by the scenario's own test
+            except BaseException as exc:
                 exc.add_note(f"scenario {name}; engine log tail:\n{contexts[name].engine.log()[-800:]}")
                 results[name] = exc
 

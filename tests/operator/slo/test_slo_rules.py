@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from kvtier_operator.slo.queries import ENGINE_METRICS
 
 REPO = Path(__file__).resolve().parents[3]

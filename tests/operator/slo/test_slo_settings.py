@@ -3,9 +3,8 @@ every rejection names its field and rule, in the API's words."""
 from __future__ import annotations
 
 import pytest
-
 from kvtier_operator.api.units import parse_duration
-from kvtier_operator.slo import SLOSpecError, Scope, build_queries
+from kvtier_operator.slo import Scope, SLOSpecError, build_queries
 from kvtier_operator.slo.queries import promql_duration
 from plugins.slo_harness import slo_settings
 

@@ -9,7 +9,6 @@ import json
 from typing import Any
 
 import pytest
-
 from kvtier_operator.api.guard_state import SLOGuardState
 from kvtier_operator.slo import Measurements, evaluate, read_state, stored_state
 from plugins.slo_harness import slo_settings

@@ -13,13 +13,11 @@ import sys
 
 import pytest
 import torch
-
 from kvtier_runtime.accuracy import model as mdl
 from kvtier_runtime.accuracy.chunks import Geometry
 from kvtier_runtime.accuracy.cli import main
 from kvtier_runtime.accuracy.harness import Run, Tolerance, execute
 from kvtier_runtime.accuracy.scores import score
-
 from vllm_cpu import model as tm
 
 SPEC = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256, vocab_words=300,

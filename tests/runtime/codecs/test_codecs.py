@@ -10,10 +10,17 @@ import zlib
 
 import pytest
 import torch
-
 from kvtier_runtime.codecs import (
-    ERROR_BUDGETS, HEADER_NBYTES, STATS, CodecError, CodecMetricsCollector, add_fallback_listener, decode,
-    get_codec, peek_header, remove_fallback_listener,
+    ERROR_BUDGETS,
+    HEADER_NBYTES,
+    STATS,
+    CodecError,
+    CodecMetricsCollector,
+    add_fallback_listener,
+    decode,
+    get_codec,
+    peek_header,
+    remove_fallback_listener,
 )
 from kvtier_runtime.config import CODECS
 
@@ -316,7 +323,7 @@ def spiky_groups(rows=64, group=32):
 def test_over_budget_block_falls_back_to_a_wider_codec_and_is_counted():
     x = spiky_groups()
     seen = []
-    listener = lambda req, used, err: seen.append((req, used, err))  # noqa: E731
+    listener = lambda req, used, err: seen.append((req, used, err))
     add_fallback_listener(listener)
     try:
         before = dict(STATS.snapshot()["kvtier_runtime_codec_fallbacks_total"])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kvtier_runtime.codecs import ERROR_BUDGETS, CodecError, decode, get_codec, peek_header
 from kvtier_runtime.config import CODECS
 
@@ -108,7 +107,9 @@ def test_cuda_verified_kv_chunks_get_the_cpu_verdicts_and_bytes():
     the same fp8 bytes (fp8 codes are integer passes)."""
     from kvtier_runtime.codecs import ATTENTION_BUDGETS, KVLayout, get_kv_codec
     from plugins.kv_accuracy import reference_check_error
-    from tests.runtime.codecs.test_codecs_kv import GOAL, roundtrip as kv_roundtrip
+
+    from tests.runtime.codecs.test_codecs_kv import GOAL
+    from tests.runtime.codecs.test_codecs_kv import roundtrip as kv_roundtrip
     from tests.runtime.codecs.test_codecs_verdicts import chunks
 
     lay = KVLayout(**GOAL)
@@ -131,6 +132,7 @@ def test_cuda_int4_scheme_3_on_real_kv_decodes_on_either_device():
     with its sink, and the CUDA block decodes on CPU to what it decodes to on CUDA, close to the CPU encode's."""
     from kvtier_runtime.codecs import get_kv_codec
     from plugins.kv_accuracy import attention_cosine
+
     from tests.runtime.codecs.test_codecs_kv_int4 import LAY, real
 
     x = real("start")

@@ -8,14 +8,20 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from kvtier_runtime.codecs import (
-    ATTENTION_BUDGETS, STATS, CodecError, CodecMetricsCollector, KVLayout, decode, get_kv_codec, peek_header,
+    ATTENTION_BUDGETS,
+    STATS,
+    CodecError,
+    CodecMetricsCollector,
+    KVLayout,
+    decode,
+    get_kv_codec,
+    peek_header,
 )
-from plugins.kv_accuracy import attention_cosine, chunk_error, compare_logits
-from plugins.tier_sync import load_blocks, store_blocks
 from kvtier_runtime.codecs.kv import canonical, scatter_staged, to_stage
 from kvtier_runtime.codecs.layout import PAGE_ORDERS
+from plugins.kv_accuracy import attention_cosine, chunk_error, compare_logits
+from plugins.tier_sync import load_blocks, store_blocks
 
 # The chunk: 2 layers x (K, V) x 256 tokens x 8 heads x 128 dims, bf16; per head K tokens, then V tokens.
 GOAL = dict(num_layers=2, block_tokens=256, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_order="HKTD")

@@ -9,9 +9,7 @@ import pathlib
 
 import pytest
 import torch
-
-from kvtier_runtime.codecs import CodecError, KVLayout, decode, get_kv_codec, peek_header
-from kvtier_runtime.codecs import kv_int4
+from kvtier_runtime.codecs import CodecError, KVLayout, decode, get_kv_codec, kv_int4, peek_header
 from kvtier_runtime.codecs.header import HEADER_NBYTES, unpack_header
 from kvtier_runtime.codecs.kv import canonical
 from plugins.kv_accuracy import attention_cosine, chunk_error

@@ -10,7 +10,6 @@ import pathlib
 
 import pytest
 import torch
-
 from kvtier_runtime.codecs import ATTENTION_BUDGETS, CodecError, KVLayout, decode, get_kv_codec, peek_header
 from kvtier_runtime.codecs.header import HEADER_NBYTES, unpack_header
 from kvtier_runtime.codecs.kv import SCHEME_SPARSE_K, canonical, sparse_nbytes, to_stage

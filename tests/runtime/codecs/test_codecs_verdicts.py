@@ -10,7 +10,6 @@ import math
 
 import pytest
 import torch
-
 from kvtier_runtime.codecs import ATTENTION_BUDGETS, KVLayout, get_kv_codec, peek_header
 from plugins.kv_accuracy import reference_check_error
 

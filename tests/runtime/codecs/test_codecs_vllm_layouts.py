@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kvtier_runtime.codecs import CodecError, KVChunkCodec, KVLayout
-from plugins.kv_accuracy import attention_cosine
 from kvtier_runtime.codecs.kv import canonical, to_stage
 from kvtier_runtime.codecs.layout import VLLM_PAGE_ORDERS
+from plugins.kv_accuracy import attention_cosine
 
 # vllm/v1/kv_cache_layout.py L23-24, and layer_view_order (L35-37) of each
 LAYER_VIEW_ORDER = {"LBHNC": (0, 1, 2, 3), "LBNHC": (0, 2, 1, 3)}

@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-
 from kvtier_runtime.codecs import STATS, KVChunkCodec, KVLayout, peek_header
 from kvtier_runtime.config import FilesystemTierConfig
 from kvtier_runtime.engines.chunk_layout import (
@@ -24,6 +23,7 @@ from kvtier_runtime.fs.format import HEADER_BYTES, parse_header
 from kvtier_runtime.store.books import HIT, RETRY, OffloadBooks
 from plugins.kv_accuracy import attention_cosine
 from plugins.runtime import engine_books
+
 from tests.runtime.codecs.test_codecs_kv import make_chunk
 
 # vLLM 0.32 on CPU with the e2e model's shape class: 4 layers, 4 KV heads of 64, float32, 16-token blocks, 2 blocks

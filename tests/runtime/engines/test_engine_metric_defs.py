@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from kvtier_runtime.engines import metric_defs as M
 from kvtier_runtime.engines.metric_defs import EngineMetric, prometheus_pattern
 

@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-
 from kvtier_runtime.config import ConfigError, FilesystemTierConfig, OffloadSpecConfig, RemoteTierConfig
 from kvtier_runtime.engines.host_region import HostRegion, region_path, remove_stale_regions
 from kvtier_runtime.engines.page_copy import PageCopier
@@ -266,7 +265,7 @@ def test_page_copier_scattered_blocks_take_the_gather_path_with_identical_bytes(
         pairs = copier.pairs(blocks, chunks)
         gathered: list[int] = []
         real_gather = copier._gather
-        copier._gather = lambda *a: gathered.append(1) or real_gather(*a)  # the path taken, not just the bytes
+        copier._gather = lambda *a, gathered=gathered, real_gather=real_gather: gathered.append(1) or real_gather(*a)  # the path taken, not just the bytes
         copier.submit(1, pairs, to_host=True)
         assert bool(gathered) == (mode == "gather")
         (done,) = copier.finished()

@@ -10,14 +10,13 @@ import zlib
 
 import pytest
 import torch
-
 from kvtier_runtime.config import OffloadSpecConfig
-from kvtier_runtime.tiers import EventPlace, KeyState, Tier, TierChanges
-from kvtier_runtime.tiers.base import ReplayPolicy
-from kvtier_runtime.tiers.jobs import JobResult
 from kvtier_runtime.store.books import HIT, MISS, RETRY, OffloadBooks
 from kvtier_runtime.store.breaker import CLOSED, DISABLED, HALF_OPEN, OPEN, BreakerSettings, TierBreakers
 from kvtier_runtime.store.memory_tier import MemoryTier
+from kvtier_runtime.tiers import EventPlace, KeyState, Tier, TierChanges
+from kvtier_runtime.tiers.base import ReplayPolicy
+from kvtier_runtime.tiers.jobs import JobResult
 from plugins.runtime import ManualClock, configmap_update, seq_key
 
 ROW = 64

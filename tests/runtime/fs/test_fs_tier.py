@@ -8,17 +8,16 @@ from __future__ import annotations
 import errno
 import os
 import pathlib
+import random
 import signal
 import subprocess
 import sys
-import random
 import textwrap
 import threading
 import time
 
 import pytest
 import torch
-
 from kvtier_runtime.config import FilesystemTierConfig
 from kvtier_runtime.fs import FilesystemTier, KeyState
 from kvtier_runtime.fs.fileio import FileOps
@@ -459,7 +458,7 @@ def test_codec_fallback_to_a_wider_encoding_is_accounted_at_its_real_size(fs_tie
     files = _files(tier)
     assert all(os.path.getsize(f) == block_file_bytes(SHAPE, "none") for f in files)
     assert tier.used_bytes == sum(os.path.getsize(f) for f in files) <= tier.capacity_bytes
-    outs = [sentinel() for _ in tier.keys()]
+    outs = [sentinel() for _ in range(len(tier.keys()))]
     assert load_blocks(tier, tier.keys(), outs).success
     assert all(torch.equal(o, block_for(k)) for o, k in zip(outs, tier.keys()))
 

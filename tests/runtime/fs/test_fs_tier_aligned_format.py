@@ -16,7 +16,6 @@ import time
 
 import pytest
 import torch
-
 from kvtier_runtime.codecs import HEADER_NBYTES, decode
 from kvtier_runtime.fs import KeyState
 from kvtier_runtime.fs import format as fmt

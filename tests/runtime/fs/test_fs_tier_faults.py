@@ -17,7 +17,6 @@ import time
 
 import pytest
 import torch
-
 from kvtier_runtime.config import ConfigError, FilesystemTierConfig
 from kvtier_runtime.fs import FilesystemTier, KeyState
 from kvtier_runtime.fs import format as fmt

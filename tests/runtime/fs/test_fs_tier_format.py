@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import os
+import pathlib
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from kvtier_runtime.fs import format as fmt
 from kvtier_runtime.fs import paths
 from kvtier_runtime.fs.fileio import AlignedBuffer, FileOps, probe_o_direct, read_whole, write_atomic
@@ -278,7 +278,7 @@ def test_a_vectored_block_write_and_read_survive_short_system_calls(tmp_path) ->
     parts = [os.urandom(4096), os.urandom(10000), b"", os.urandom(77)]
     final = str(tmp_path / "f.kvb")
     write_atomic(Short(), final + ".tmp.1", final, [memoryview(p) for p in parts], False)
-    assert open(final, "rb").read() == b"".join(parts)
+    assert pathlib.Path(final).read_bytes() == b"".join(parts)
     back = [bytearray(len(p)) for p in parts]
     fd = os.open(final, os.O_RDONLY)
     try:

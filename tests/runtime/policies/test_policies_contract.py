@@ -14,8 +14,14 @@ from collections import OrderedDict
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
-
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from kvtier_runtime.policies import ADMISSIONS, POLICIES, AccessContext, PinnedEntryError, get_policy
 
 KEYS = st.integers(min_value=0, max_value=11)

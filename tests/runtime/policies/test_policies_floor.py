@@ -12,7 +12,6 @@ from __future__ import annotations
 import pathlib
 
 import pytest
-
 from kvtier_runtime import config
 from kvtier_runtime.policies import AdaptivePolicy
 from kvtier_runtime.replay.engine import PolicySpec, capacity_blocks, replay_single

@@ -12,7 +12,6 @@ import threading
 import time
 
 import torch
-
 from kvtier_runtime.config import RemoteTierConfig
 from kvtier_runtime.remote.identity import model_identity
 from kvtier_runtime.remote.tier import RemoteTier
@@ -72,7 +71,7 @@ def test_a_key_rotated_mid_traffic_keeps_both_replicas_serving_and_retires_the_o
                 store_blocks(tier, [key], [_block(key)])
                 _loaded(tier, [key_of((base ^ (1 << 20)) + i % 50)])
                 i += 1
-        except BaseException as exc:  # noqa: BLE001 - reported by the test below
+        except BaseException as exc:
             failures.append(exc)
 
     try:

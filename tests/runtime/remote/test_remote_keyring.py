@@ -8,7 +8,6 @@ import os
 import struct
 
 import pytest
-
 from kvtier_runtime.config import ConfigError
 from kvtier_runtime.remote.format import HEAD_BYTES, MAGIC, RemoteFormatError, key_id_of
 from kvtier_runtime.remote.keyring import Keyring
@@ -103,7 +102,6 @@ def test_a_value_altered_under_a_held_key_is_still_forged(tmp_path):
 def version_two(tenant_key: bytes, payload: bytes = b"kv" * 100) -> bytes:
     """A value as the release before key ids wrote it: version 2, key id field 0, sealed over that header."""
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
     from kvtier_runtime.remote.format import SEALING_AES_256_GCM, derive_value_key
     from kvtier_runtime.tiers.envelope import bound_data
 

@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-
 from kvtier_runtime.config import ConfigError, RemoteTierConfig
 from kvtier_runtime.remote.format import RemoteFormatError, Sealer, value_bytes
 from kvtier_runtime.remote.identity import chunk_key, key_prefix, model_identity

@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-
 from kvtier_runtime.config import ConfigError, RemoteTierConfig
 from kvtier_runtime.remote.identity import chunk_key, key_prefix, model_identity
 from kvtier_runtime.remote.tier import KeyState, RemoteTier
@@ -99,6 +98,34 @@ def test_store_killed_mid_load_fails_the_keys_in_bounded_time_and_leaves_the_row
         while tier.health == "up" and time.monotonic() < deadline:
             time.sleep(0.01)
         assert tier.state(key_of(100)) is KeyState.MISS
+    finally:
+        tier.close()
+
+
+def test_store_killed_mid_store_fails_every_key_of_the_batch_at_once_also_those_never_sealed(
+        redis_server, monkeypatch) -> None:
+    """A standalone store batch seals each row and sends it before sealing the next: the server dies after the
+    second row was sent, so the rows after it are never sealed. Every key must fail as ``down`` at once -- none left
+    to expire at the job's deadline as a ``timeout``."""
+    tier = _tier(redis_server.url, io_timeout_s=1.0)
+    seal, seals = tier.values.seal, []
+
+    def seal_then_die(*args, **kwargs):
+        if len(seals) == 2:
+            redis_server.kill()
+        seals.append(1)
+        return seal(*args, **kwargs)
+
+    try:
+        assert connected(tier)
+        monkeypatch.setattr(tier.values, "seal", seal_then_die)
+        keys = [key_of(300 + i) for i in range(8)]
+        started = time.monotonic()
+        result = wait_job(tier, tier.submit_store(keys, [_block(k) for k in keys]), timeout=10)
+        assert time.monotonic() - started < 2.0  # the job's own deadline is 8 s
+        assert result.errors == dict.fromkeys(range(len(keys)), "down")
+        assert tier.store_failures["down"] == len(keys)
+        assert len(seals) < len(keys)  # the stream stopped at the dead connection: some rows were never sealed
     finally:
         tier.close()
 

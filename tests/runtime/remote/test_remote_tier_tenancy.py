@@ -11,11 +11,16 @@ import time
 import pytest
 import redis
 import torch
-
 from kvtier_runtime.config import RemoteTierConfig
 from kvtier_runtime.remote.format import Sealer
-from kvtier_runtime.remote.identity import (ACL_CLUSTER_COMMANDS, acl_rule, chunk_key, index_key, key_prefix,
-                                            model_identity)
+from kvtier_runtime.remote.identity import (
+    ACL_CLUSTER_COMMANDS,
+    acl_rule,
+    chunk_key,
+    index_key,
+    key_prefix,
+    model_identity,
+)
 from kvtier_runtime.remote.tier import KeyState, RemoteTier
 from kvtier_runtime.tiers.keys import read_mac_key
 from plugins.redis_server import RedisCluster, RedisServer, tenant_key_file

@@ -14,7 +14,6 @@ import time
 
 import pytest
 import torch
-
 from kvtier_runtime.config import ConfigError, RemoteTierConfig
 from kvtier_runtime.remote.identity import model_identity
 from kvtier_runtime.remote.tier import KeyState, RemoteTier

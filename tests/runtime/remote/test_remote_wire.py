@@ -4,7 +4,6 @@ told apart from a key's own error, whichever connection met them."""
 from __future__ import annotations
 
 import pytest
-
 from kvtier_runtime.remote.client import failure_kind
 from kvtier_runtime.remote.wire import error_reply, pack_commands
 

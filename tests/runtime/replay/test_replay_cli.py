@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from kvtier_runtime.policies import POLICIES
 from kvtier_runtime.replay.cli import main
 from kvtier_runtime.replay.lru_curve import reuse_distances

@@ -6,7 +6,6 @@ import json
 import random
 
 import pytest
-
 from kvtier_runtime.policies import POLICIES
 from kvtier_runtime.replay import sweep as sweep_module
 from kvtier_runtime.replay.cli import main

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-
 from kvtier_runtime.replay.engine import PolicySpec, capacity_blocks, replay
 
 # (capacity as given, blocks it must resolve to, LRU prefix hit ratio, OPT prefix hit ratio)

@@ -18,7 +18,7 @@ import hashlib
 import json
 import pathlib
 import sys
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 

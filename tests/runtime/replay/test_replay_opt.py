@@ -7,7 +7,6 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from kvtier_runtime.replay.metrics import prefix_hit_count
 from kvtier_runtime.replay.opt import NEVER, next_uses, opt_hits
 
@@ -15,7 +14,7 @@ from kvtier_runtime.replay.opt import NEVER, next_uses, opt_hits
 def brute_force_max_hits(keys: list[int], capacity: int) -> int:
     """Try every eviction choice (demand insertion: every miss is inserted, one victim when full)."""
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def best(i: int, cache: frozenset) -> int:
         if i == len(keys):
             return 0

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from kvtier_runtime.replay.cli import main as replay_main
 from kvtier_runtime.replay.recommend import parse_quantity
 from kvtier_runtime.replay.synth import generate, write_jsonl

@@ -6,7 +6,6 @@ import json
 import random
 
 import pytest
-
 from kvtier_runtime.replay.cli import main
 from kvtier_runtime.trace import META_FILE, TraceRecorder
 from plugins.runtime import seq_key

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from kvtier_runtime.replay.cli import main
 from kvtier_runtime.replay.engine import PolicySpec, ReplayError, replay
 from kvtier_runtime.replay.trace import Trace

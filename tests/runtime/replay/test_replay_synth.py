@@ -4,7 +4,6 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-
 from kvtier_runtime.replay.synth import SHAPES, generate, write_jsonl
 from kvtier_runtime.replay.trace import load_trace, trace_warnings
 

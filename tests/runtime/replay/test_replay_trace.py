@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from kvtier_runtime.replay.trace import TraceError, load_trace
 
 GOOD = {"timestamp": 0, "input_length": 1024, "output_length": 3, "hash_ids": [0, 1]}

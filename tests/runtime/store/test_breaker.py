@@ -9,9 +9,19 @@ import os
 import random
 
 import pytest
-
-from kvtier_runtime.store.breaker import (BYPASS, CLOSED, DISABLED, HALF_OPEN, OPEN, PASS, PROBE, Breaker,
-                                          BreakerSettings, LoadMeter, TierBreakers)
+from kvtier_runtime.store.breaker import (
+    BYPASS,
+    CLOSED,
+    DISABLED,
+    HALF_OPEN,
+    OPEN,
+    PASS,
+    PROBE,
+    Breaker,
+    BreakerSettings,
+    LoadMeter,
+    TierBreakers,
+)
 from kvtier_runtime.store.control import ControlFile, parse_control
 from plugins.runtime import ManualClock, configmap_update
 

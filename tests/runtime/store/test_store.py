@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from kvtier_runtime.config import FilesystemTierConfig
 from kvtier_runtime.store import HIT, RETRY, MemoryTier
 from plugins.dashboard import dashboard_runtime_series, samples

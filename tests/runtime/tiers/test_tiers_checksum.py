@@ -7,7 +7,6 @@ import os
 import zlib
 
 import pytest
-
 from kvtier_runtime.tiers import checksum as mod
 from kvtier_runtime.tiers.checksum import checksum
 

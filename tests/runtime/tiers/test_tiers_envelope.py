@@ -8,7 +8,6 @@ import struct
 from unittest import mock
 
 import pytest
-
 from kvtier_runtime.fs import format as fs_format
 from kvtier_runtime.remote import format as remote_format
 from kvtier_runtime.tiers import envelope

@@ -7,7 +7,6 @@ import time
 from collections import Counter
 
 import pytest
-
 from kvtier_runtime.tiers.jobs import JobQueue, JobResult
 
 

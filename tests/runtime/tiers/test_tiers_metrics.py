@@ -3,7 +3,6 @@ and hits, promotions (out of the tier) and demotions (into it), labelled as the 
 from __future__ import annotations
 
 import torch
-
 from kvtier_runtime.config import FilesystemTierConfig
 from kvtier_runtime.fs.tier import FilesystemTier
 from kvtier_runtime.tiers.metrics import TierMetrics

@@ -8,10 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from kvtier_runtime.config import FilesystemTierConfig
-from kvtier_runtime.tiers import KeyState, Tier
-from kvtier_runtime.tiers import registry
+from kvtier_runtime.tiers import KeyState, Tier, registry
 from kvtier_runtime.tiers.registry import MEDIA, TierPlan, build_tier, build_tiers, tier_class
 
 

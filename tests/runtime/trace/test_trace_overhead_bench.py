@@ -11,7 +11,6 @@ import pathlib
 import sys
 
 import pytest
-
 from kvtier_runtime.trace import TraceRecorder
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]

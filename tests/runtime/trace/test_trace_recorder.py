@@ -7,7 +7,6 @@ import os
 import threading
 
 import pytest
-
 from kvtier_runtime.replay.trace import load_meta, load_trace, load_traces, recording_files
 from kvtier_runtime.trace import META_FILE, TraceRecorder
 from kvtier_runtime.trace.recorder import TRACE_FILE

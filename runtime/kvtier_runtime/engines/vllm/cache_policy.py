@@ -22,7 +22,6 @@ from ...config import (
 )
 from ...policies import AccessContext, EvictionPolicy, get_policy
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # CachePolicy: kvtier's eviction and admission policies for vLLM's CPU tier
 # ---------------------------------------------------------------------------------------------------------------

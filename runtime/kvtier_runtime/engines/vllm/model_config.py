@@ -3,8 +3,8 @@ and head size (vLLM's current config, else the model's ``config.json``), and the
 what a lossy filesystem tier needs to quantise K and V per head."""
 from __future__ import annotations
 
-import logging
 import json
+import logging
 import os
 from typing import Any
 
@@ -48,8 +48,9 @@ def model_kv_shape(config: Any) -> tuple[int | None, int | None]:
         _log.debug("kvtier: no current vLLM config (%s)", exc)
     name = str(config.model.name)
     try:
-        path: str | None = os.path.join(name, "config.json")
-        if not os.path.isfile(path):
+        local = os.path.join(name, "config.json")
+        path: str | None = local if os.path.isfile(local) else None
+        if path is None:
             from huggingface_hub import try_to_load_from_cache
 
             found = try_to_load_from_cache(name, "config.json")

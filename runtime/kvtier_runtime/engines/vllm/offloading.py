@@ -40,14 +40,15 @@ from ...store.books import DISK, HOST, REMOTE, OffloadBooks
 from ...store.breaker import LoadMeter, TierBreakers
 from ...store.memory_tier import MemoryTier
 from ...tiers.registry import TierPlan, build_tiers, tier_class
-from ..chunk_layout import LayoutDecision, check_worker_pages, chunk_layout, tier_codec
 from .. import metric_defs as M
+from ..chunk_layout import LayoutDecision, check_worker_pages, chunk_layout, tier_codec
 from ..host_region import HostRegion, remove_dead_regions_at_exit, remove_stale_regions
 from ..page_copy import PageCopier
 from ..vllm_support import block_view_dtype, namespace_suffix
 from .cache_policy import access_context
-from .metric_metadata import vllm_metric_definitions
+from .caller_frames import find_in_callers, positive_int
 from .events import kv_events_enabled, offloading_event, tier_kv_events
+from .metric_metadata import vllm_metric_definitions
 from .model_config import chunk_facts, kv_layout
 from .remote_identity import remote_identity
 from .secondary_tier import run_identity
@@ -165,15 +166,17 @@ class KvtierOffloadingManager(OffloadingManager):
         # An idle engine announces a control-file change at once (a tier the guard disables leaves routers'
         # indexes within seconds): the engine core's queue, found while it builds this manager (wake.py).
         self._wake_until = 0.0
-        inbox = engine_input_queue() if self.books.events is not None and cfg.control_file is not None else None
-        self._watch = ControlWatch(cfg.control_file, lambda: self._woken(inbox)) if inbox is not None else None
+        control_file = cfg.control_file
+        inbox = engine_input_queue() if self.books.events is not None and control_file is not None else None
+        self._watch = ControlWatch(control_file, lambda: self._woken(inbox)) \
+            if inbox is not None and control_file is not None else None
         if self._watch is not None:
             _log.info("kvtier: watching %s: a control-file change wakes the engine to announce it", cfg.control_file)
         elif self.books.events is not None and cfg.control_file is not None:
             _log.info("kvtier: this vLLM's engine core was not found: a control-file change is announced at the "
                       "engine's next step")
         try:
-            self.recorder = _trace_recorder(spec, self) if cfg.trace_dir is not None else None
+            self.recorder = _trace_recorder(spec, self, cfg.trace_dir) if cfg.trace_dir is not None else None
         except ConfigError:  # start-up fails: leave no tier threads or shared memory behind
             if self._watch is not None:
                 self._watch.stop()
@@ -503,21 +506,8 @@ def _device_blocks(max_frames: int = 16) -> int | None:
     scheduler, but hands an offloading spec only an ``OffloadingConfig`` without it; the connector building this
     manager holds it (its ``kv_cache_config.num_blocks``) a few frames up. Read-only and bounded; None where this
     vLLM builds the manager some other way (replay then leaves the device tier out)."""
-    import sys
-
-    try:
-        frame = sys._getframe(1)
-    except ValueError:  # pragma: no cover - no caller frame
-        return None
-    for _ in range(max_frames):
-        if frame is None:
-            return None
-        cfg = frame.f_locals.get("kv_cache_config")
-        blocks = getattr(cfg, "num_blocks", None)
-        if isinstance(blocks, int) and not isinstance(blocks, bool) and blocks > 1:
-            return blocks
-        frame = frame.f_back
-    return None
+    return find_in_callers(lambda f: positive_int(getattr(f.get("kv_cache_config"), "num_blocks", None), 2),
+                           start=1, max_frames=max_frames)
 
 
 def _announced_prompt_tokens(max_frames: int = 4) -> int | None:
@@ -525,33 +515,21 @@ def _announced_prompt_tokens(max_frames: int = 4) -> int | None:
     manager a ``ReqContext`` without the prompt; the connector calling it holds the ``Request`` (its
     ``num_prompt_tokens``) a frame or two up. Read-only and bounded, like :func:`_device_blocks`; None where this
     vLLM announces requests some other way (the recording then writes the whole chunks' length)."""
-    import sys
-
-    try:
-        frame = sys._getframe(2)
-    except ValueError:  # pragma: no cover - no caller frame
-        return None
-    for _ in range(max_frames):
-        if frame is None:
-            return None
-        tokens = getattr(frame.f_locals.get("request"), "num_prompt_tokens", None)
-        if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0:
-            return tokens
-        frame = frame.f_back
-    return None
+    return find_in_callers(lambda f: positive_int(getattr(f.get("request"), "num_prompt_tokens", None), 0),
+                           start=2, max_frames=max_frames)
 
 
-def _trace_recorder(spec: KvtierOffloadingSpec, manager: KvtierOffloadingManager) -> Any:
+def _trace_recorder(spec: KvtierOffloadingSpec, manager: KvtierOffloadingManager, trace_dir: str) -> Any:
     from ...trace import TraceRecorder
 
     cfg = spec.kvtier
     try:
-        recorder = TraceRecorder(cfg.trace_dir, cfg.trace_max_bytes, cfg.trace_files, trace_meta(spec, manager))
+        recorder = TraceRecorder(trace_dir, cfg.trace_max_bytes, cfg.trace_files, trace_meta(spec, manager))
     except OSError as exc:
-        raise ConfigError(f"kv_connector_extra_config.trace_dir: cannot record into {cfg.trace_dir!r} "
+        raise ConfigError(f"kv_connector_extra_config.trace_dir: cannot record into {trace_dir!r} "
                           f"({exc.strerror or exc})") from None
     _log.info("kvtier: recording a trace of this engine's requests into %s (at most %d bytes over %d files)",
-              cfg.trace_dir, cfg.trace_max_bytes, cfg.trace_files)
+              trace_dir, cfg.trace_max_bytes, cfg.trace_files)
     return recorder
 
 

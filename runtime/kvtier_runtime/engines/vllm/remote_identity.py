@@ -8,7 +8,6 @@ import os
 from typing import Any
 
 from ...config import ConfigError
-
 from ...remote.identity import model_identity
 from .model_config import model_kv_shape
 from .secondary_tier import run_identity

@@ -30,13 +30,13 @@ except ImportError:  # pragma: no cover - depends on the installed vLLM
     ConfigInfoMapping = Mapping[str, Any]
 
 from ...config import FilesystemTierConfig
-from ...tiers.jobs import JobResult as TierJobResult
 from ...fs.tier import FilesystemTier
+from ...tiers.jobs import JobResult as TierJobResult
 from .. import metric_defs as M
 from ..vllm_support import block_view_dtype, job_outcome, namespace_suffix
 from .cache_policy import access_context
-from .metric_metadata import vllm_metric_definitions
 from .events import kv_events_enabled, offloading_event, tier_kv_events
+from .metric_metadata import vllm_metric_definitions
 
 # Under vLLM's logger tree: vLLM's handlers print only that tree, and this is where the engine's operators read.
 _log = logging.getLogger(f"vllm.{__name__}")
@@ -62,7 +62,7 @@ def run_identity(offloading_spec: Any, root_dir: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class _BlockFiles:
-    tier: "KvtierFilesystemTier"
+    tier: KvtierFilesystemTier
 
     def get_file_name(self, key: OffloadKey) -> str:
         return self.tier.tier.block_path(self.tier.tier_key(key))
@@ -135,7 +135,7 @@ class KvtierFilesystemTier(SecondaryTierManager):
         return bytes(key) + self._suffix
 
     @property
-    def file_mapper(self) -> "_BlockFiles":
+    def file_mapper(self) -> _BlockFiles:
         """Where a chunk's file is, under the name vLLM's fs tier gives it (``file_mapper.get_file_name(key)``),
         for tools that inspect or repair a tier's files."""
         return _BlockFiles(self)

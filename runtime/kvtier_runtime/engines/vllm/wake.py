@@ -15,8 +15,9 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
-from typing import Any, Callable
+from typing import Any
 
 from vllm.v1.engine import EngineCoreRequestType
 
