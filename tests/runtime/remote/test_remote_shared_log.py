@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 
 import torch
-
 from kvtier_runtime.config import RemoteTierConfig
 from kvtier_runtime.remote.changes import log_key
 from kvtier_runtime.remote.identity import acl_rule, key_prefix, model_identity
@@ -60,6 +59,12 @@ def test_every_replica_announces_the_shared_stores_chunks_and_their_removal(redi
         for tier in (a, b):
             tier.record_changes()
         keys = [key_of(i) for i in range(6)]
+        # b has read the (empty) store's index before a writes (a second poll began: the first one finished), so
+        # what it learns next comes from the log's entries, not from the index a starting replica reads.
+        deadline = time.monotonic() + 10
+        while b.shared_log.polls < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert b.shared_log.polls >= 2
         assert store_blocks(a, keys, [_block(k) for k in keys]).success
         # b never wrote or read them: it learns from the shared log.
         assert set(keys) <= set(_changes_until(b, set(keys)).stored)
