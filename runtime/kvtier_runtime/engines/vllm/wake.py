@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 from collections.abc import Callable
-from types import FrameType
 from typing import Any
 
 from vllm.v1.engine import EngineCoreRequestType
+
+from .caller_frames import find_in_callers
 
 __all__ = ["ControlWatch", "WAKE_S", "engine_input_queue", "wake"]
 
@@ -34,19 +34,11 @@ def engine_input_queue(max_frames: int = 32) -> Any | None:
     hands an offloading spec no reference to its engine; the engine core that constructs the scheduler holds it a
     few frames up (it sets the queue before it builds the scheduler). Read-only and bounded; None where this vLLM
     builds the manager some other way (an idle engine then announces a control-file change at its next step)."""
-    frame: FrameType | None
-    try:
-        frame = sys._getframe(1)
-    except ValueError:  # pragma: no cover - no caller frame
-        return None
-    for _ in range(max_frames):
-        if frame is None:
-            return None
-        inbox = getattr(frame.f_locals.get("self"), "input_queue", None)
-        if inbox is not None and callable(getattr(inbox, "put_nowait", None)):
-            return inbox
-        frame = frame.f_back
-    return None
+    def inbox(local: dict[str, object]) -> Any | None:
+        queue = getattr(local.get("self"), "input_queue", None)
+        return queue if queue is not None and callable(getattr(queue, "put_nowait", None)) else None
+
+    return find_in_callers(inbox, start=1, max_frames=max_frames)
 
 
 def wake(inbox: Any) -> None:
