@@ -19,6 +19,7 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from redis.exceptions import (
@@ -273,6 +274,12 @@ class _Connection:
             pass
 
 
+def _all_read(conn: _Connection) -> None:
+    """A batch's replies are all read: bytes past them mean the connection is out of step with the store."""
+    if conn.reader.leftover:
+        raise InvalidResponse(f"{conn.reader.leftover} bytes past the last reply")
+
+
 class ValueConnections:
     """A pool of the tier's own connections to one standalone store (thread-safe; one connection per load batch in
     flight)."""
@@ -291,18 +298,12 @@ class ValueConnections:
         an error reply -- while the store's next replies keep arriving in the socket's buffer. Returns the replies
         of ``after``. A failed connection raises a redis-py error (the connection is closed, never reused half
         read); so does whatever ``on_value`` raises."""
-        conn, generation = self._take()
-        try:
+        with self._connection() as conn:
             conn.send([("GET", key) for key in keys] + list(after))
             for _ in keys:
                 on_value(conn.reader.reply(buf))
             replies = [conn.reader.reply(None) for _ in after]
-            if conn.reader.leftover:
-                raise InvalidResponse(f"{conn.reader.leftover} bytes past the last reply")
-        except BaseException:
-            conn.close()
-            raise
-        self._give_back(conn, generation)
+            _all_read(conn)
         return replies
 
     def write_values(self, values: Iterator[tuple[bytes, memoryview]],
@@ -313,8 +314,7 @@ class ValueConnections:
         read. The store takes in one value while the caller seals the next. Returns the SET replies in order ("OK",
         or the exception of an error reply) and the replies of ``after``. A failed connection raises a redis-py
         error (the connection is closed, never reused half read); so does whatever ``values`` raises."""
-        conn, generation = self._take()
-        try:
+        with self._connection() as conn:
             n = 0
             for key, value in values:
                 conn.send_set(key, value)
@@ -323,13 +323,19 @@ class ValueConnections:
             conn.send(tail)
             replies = [conn.reader.reply(None) for _ in range(n)]
             tail_replies = [conn.reader.reply(None) for _ in tail]
-            if conn.reader.leftover:
-                raise InvalidResponse(f"{conn.reader.leftover} bytes past the last reply")
+            _all_read(conn)
+        return replies, tail_replies
+
+    @contextmanager
+    def _connection(self) -> Iterator[_Connection]:
+        """A pooled connection for one batch: given back after it, closed (never reused half read) if it raised."""
+        conn, generation = self._take()
+        try:
+            yield conn
         except BaseException:
             conn.close()
             raise
         self._give_back(conn, generation)
-        return replies, tail_replies
 
     def _take(self) -> tuple[_Connection, int]:
         with self._lock:
