@@ -134,13 +134,8 @@ class Batches:
             for job, i, key, block in live:
                 reached += 1
                 store_key = self._key(key)
-                try:
-                    total = self._values.seal(job, store_key, block, buf)
-                except Expired:
-                    continue
-                except Exception as exc:  # a codec fault must not reach the engine
-                    log.warning("kvtier remote tier %s: encoding a chunk failed: %s", self.name, exc)
-                    self._outcomes.fail(job, i, "other", store=True)
+                total = self._seal_one(job, i, store_key, block, buf)
+                if total is None:
                     continue
                 sent.append((job, i, key, total))
                 yield store_key, memoryview(buf)[:total]
@@ -173,16 +168,22 @@ class Batches:
         """Each row sealed into one of this thread's value buffers; a job that expired first is skipped."""
         sent: list[tuple[Job, int, bytes, memoryview]] = []
         for (job, i, key, block), buf in zip(live, self._values.buffers(len(live))):
-            try:
-                total = self._values.seal(job, self._key(key), block, buf)
-            except Expired:
-                continue
-            except Exception as exc:  # a codec fault must not reach the engine
-                log.warning("kvtier remote tier %s: encoding a chunk failed: %s", self.name, exc)
-                self._outcomes.fail(job, i, "other", store=True)
-                continue
-            sent.append((job, i, key, memoryview(buf)[:total]))
+            total = self._seal_one(job, i, self._key(key), block, buf)
+            if total is not None:
+                sent.append((job, i, key, memoryview(buf)[:total]))
         return sent
+
+    def _seal_one(self, job: Job, i: int, store_key: bytes, block: torch.Tensor, buf: bytearray) -> int | None:
+        """Row ``i`` of ``job`` sealed into ``buf``: its length, or None (the job expired, or the codec failed:
+        the row is then failed here, since a codec fault must not reach the engine)."""
+        try:
+            return self._values.seal(job, store_key, block, buf)
+        except Expired:
+            return None
+        except Exception as exc:
+            log.warning("kvtier remote tier %s: encoding a chunk failed: %s", self.name, exc)
+            self._outcomes.fail(job, i, "other", store=True)
+            return None
 
     def _send(self, sent: list[tuple[Job, int, bytes, memoryview]], started: float) -> None:
         try:
