@@ -157,11 +157,19 @@ def pack_header(
     body = bytearray(HEADER_BYTES)
     body[: _FIXED.size] = fixed
     body[_FIXED.size : _FIXED.size + len(key)] = key
-    crc = checksum(memoryview(body)[16:HEADER_USED])
+    crc = header_crc(memoryview(body), version)
     struct.pack_into("<I", body, 12, crc)
     if version == MAC_FORMAT_VERSION:
         body[MAC_OFFSET : MAC_OFFSET + MAC_SALT_BYTES] = new_salt()
     return bytes(body)
+
+
+def header_crc(mv: memoryview, version: int) -> int:
+    """The header's CRC32: from byte 16 on; format 3's also covers its version and length (bytes 8-11), so one
+    flipped bit can no longer turn a format-2 header into a valid format-3 one or back (2 and 3 differ in one bit)."""
+    if version >= MAC_FORMAT_VERSION:
+        return checksum(mv[16:HEADER_USED], checksum(mv[8:12]))
+    return checksum(mv[16:HEADER_USED])
 
 
 def parse_header(buf: bytes | memoryview) -> BlockHeader:
@@ -169,7 +177,7 @@ def parse_header(buf: bytes | memoryview) -> BlockHeader:
     mv = memoryview(buf)
     open_head(mv, magic=MAGIC, head_bytes=HEADER_USED, readable=READ_VERSIONS, what="block")
     _, version, used, crc, codec, dtype, ndim, *rest = _FIXED.unpack_from(mv, 0)
-    if used != HEADER_USED or checksum(mv[16:HEADER_USED]) != crc:
+    if used != HEADER_USED or header_crc(mv, version) != crc:
         raise FormatError("corrupt", "header checksum mismatch")
     dims, (payload_len, payload_crc, key_len) = rest[:MAX_NDIM], rest[MAX_NDIM:]
     if ndim > MAX_NDIM or not 0 < key_len <= MAX_KEY_BYTES:

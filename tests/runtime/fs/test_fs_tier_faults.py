@@ -50,7 +50,7 @@ def _forge(path: str, new_payload_byte: int = 0x5A) -> None:
     raw[fmt.HEADER_BYTES + 100] = new_payload_byte
     payload = raw[header.blob_offset : header.blob_offset + header.payload_len]
     struct.pack_into("<I", raw, 128, fmt.checksum(payload))
-    struct.pack_into("<I", raw, 12, fmt.checksum(bytes(raw[16 : fmt.HEADER_USED])))
+    struct.pack_into("<I", raw, 12, fmt.header_crc(memoryview(raw), header.version))
     with open(path, "wb") as fh:
         fh.write(raw)
 
@@ -94,7 +94,8 @@ def test_a_keyed_tier_writes_format_3_and_still_serves_format_2_blocks_of_its_ke
     with open(path, "r+b") as fh:
         raw = bytearray(fh.read())
         header = fmt.parse_header(bytes(raw[: fmt.HEADER_BYTES]))
-        raw[8:10] = (2).to_bytes(2, "little")  # the version is outside the header CRC (the MAC covers it)
+        raw[8:10] = (2).to_bytes(2, "little")
+        struct.pack_into("<I", raw, 12, fmt.header_crc(memoryview(raw), 2))  # format 2's CRC leaves the version out
         blob = bytes(raw[header.blob_offset : header.blob_offset + header.payload_len])
         raw[fmt.MAC_OFFSET : fmt.MAC_OFFSET + fmt.MAC_BYTES] = bytes(fmt.MAC_BYTES)
         raw[fmt.MAC_OFFSET : fmt.MAC_OFFSET + fmt.MAC_BYTES] = fmt.block_mac(mac_key, raw, blob)
